@@ -1,0 +1,1 @@
+"""lightning-hetermoe: HeterMoE zebra parallelism as a PyTorch Lightning strategy."""

@@ -1,0 +1,169 @@
+"""Typed configs. Each dataclass maps one-to-one onto a Hydra config group under ``conf/``.
+
+Validation lives in ``__post_init__`` so that a bad value is rejected the moment a config
+is built (from Python or from YAML through :func:`from_cfg`), before any process starts.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, TypeVar
+
+ROUTERS = ("topk", "switch", "gshard", "noisy_topk")
+ACTIVATIONS = ("gelu", "swiglu")
+EXPERT_BACKENDS = ("auto", "triton", "torch")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _require(cond: bool, field_name: str, value: Any, valid: str) -> None:
+    if not cond:
+        raise ValueError(f"{field_name}={value!r} is invalid: {valid}")
+
+
+@dataclass
+class MoEConfig:
+    """One MoE feed-forward block: router, experts, capacity and auxiliary losses."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    d_ff: int = 256
+    router: str = "topk"
+    # 0 means dropless; > 0 caps each expert at ceil(cf * tokens * top_k / num_experts).
+    capacity_factor: float = 0.0
+    activation: str = "swiglu"
+    bias: bool = False
+    # Switch-style multiplicative jitter on the router input while training.
+    jitter_eps: float = 0.01
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    expert_backend: str = "auto"
+    # Recompute the expert hidden activation in backward instead of storing it.
+    recompute_activation: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.num_experts >= 1, "moe.num_experts", self.num_experts, "must be >= 1")
+        _require(
+            1 <= self.top_k <= self.num_experts,
+            "moe.top_k",
+            self.top_k,
+            f"must be in [1, num_experts={self.num_experts}]",
+        )
+        _require(self.d_ff >= 1, "moe.d_ff", self.d_ff, "must be >= 1")
+        _require(self.router in ROUTERS, "moe.router", self.router, f"must be one of {ROUTERS}")
+        if self.router == "switch":
+            _require(self.top_k == 1, "moe.top_k", self.top_k, "the switch router is top-1: set top_k=1")
+        if self.router == "gshard":
+            _require(self.top_k == 2, "moe.top_k", self.top_k, "the gshard router is top-2: set top_k=2")
+        _require(
+            self.capacity_factor >= 0,
+            "moe.capacity_factor",
+            self.capacity_factor,
+            "must be >= 0 (0 = dropless)",
+        )
+        _require(
+            self.activation in ACTIVATIONS, "moe.activation", self.activation, f"must be one of {ACTIVATIONS}"
+        )
+        _require(self.jitter_eps >= 0, "moe.jitter_eps", self.jitter_eps, "must be >= 0")
+        _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+        _require(self.z_loss_coef >= 0, "moe.z_loss_coef", self.z_loss_coef, "must be >= 0")
+        _require(
+            self.expert_backend in EXPERT_BACKENDS,
+            "moe.expert_backend",
+            self.expert_backend,
+            f"must be one of {EXPERT_BACKENDS}",
+        )
+
+
+@dataclass
+class ModelConfig:
+    """A Mixtral-style decoder: RMSNorm, causal attention, an MoE FFN in every layer."""
+
+    name: str = "tiny"
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    max_seq_len: int = 128
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+        _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
+        _require(self.n_layers >= 1, "model.n_layers", self.n_layers, "must be >= 1")
+        _require(self.n_heads >= 1, "model.n_heads", self.n_heads, "must be >= 1")
+        _require(
+            self.d_model >= 1 and self.d_model % self.n_heads == 0,
+            "model.d_model",
+            self.d_model,
+            f"must be a positive multiple of n_heads={self.n_heads}",
+        )
+        _require(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "must be >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 10
+
+    def __post_init__(self) -> None:
+        _require(self.name in OPTIMIZERS, "optim.name", self.name, f"must be one of {OPTIMIZERS}")
+        _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        self.betas = tuple(self.betas)  # YAML gives a list
+
+
+@dataclass
+class DataConfig:
+    """Byte-level language modelling over text that ships with Python (``pydoc_data``)."""
+
+    corpus: str = "pydoc_topics"
+    seq_len: int = 64
+    batch_size: int = 8
+    val_fraction: float = 0.05
+    # Number of fixed training windows per epoch; windows start at seeded random offsets.
+    train_windows: int = 4096
+    val_windows: int = 64
+    shuffle: bool = True
+    seed: int = 1234
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "must be >= 2")
+        _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
+        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        _require(self.train_windows >= 1, "data.train_windows", self.train_windows, "must be >= 1")
+        _require(self.val_windows >= 1, "data.val_windows", self.val_windows, "must be >= 1")
+
+
+T = TypeVar("T")
+
+
+def from_cfg(cls: type[T], cfg: Any) -> T:
+    """Build dataclass ``cls`` from a DictConfig/dict, naming any unknown field."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, cls):
+        return cfg
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = dict(cfg or {})
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(cfg) - set(known))
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in cfg.items():
+        sub = hints[name]
+        kwargs[name] = from_cfg(sub, value) if is_dataclass(sub) and isinstance(value, dict) else value
+    return cls(**kwargs)

@@ -1,0 +1,38 @@
+"""MoE building blocks. Model code: nothing here knows about process groups."""
+
+from .capacity import apply_capacity, expert_capacity
+from .dispatch import AllToAllDispatcher, LocalDispatcher
+from .experts import Experts, grouped_mlp_torch, resolve_backend
+from .layer import MoEAux, MoELayer
+from .routers import (
+    GShardRouter,
+    NoisyTopKRouter,
+    Router,
+    RouterOutput,
+    SwitchRouter,
+    TopKRouter,
+    build_router,
+    load_balancing_loss,
+    router_z_loss,
+)
+
+__all__ = [
+    "AllToAllDispatcher",
+    "Experts",
+    "GShardRouter",
+    "LocalDispatcher",
+    "MoEAux",
+    "MoELayer",
+    "NoisyTopKRouter",
+    "Router",
+    "RouterOutput",
+    "SwitchRouter",
+    "TopKRouter",
+    "apply_capacity",
+    "build_router",
+    "expert_capacity",
+    "grouped_mlp_torch",
+    "load_balancing_loss",
+    "resolve_backend",
+    "router_z_loss",
+]

@@ -1,0 +1,105 @@
+"""Token dispatch and combine: the one swappable piece between the router and the experts.
+
+A dispatcher takes tokens ``x [T, d]``, the routing choices ``indices [T, k]`` with their
+``keep`` mask, and the :class:`~.experts.Experts` module, and returns one output row per
+routing choice, ``[T * k, d]`` (zero where a choice was dropped). The layer weights and
+sums them. :class:`LocalDispatcher` runs every expert here; :class:`AllToAllDispatcher`
+sends rows to the rank that owns each expert with ``all_to_all_single`` (uneven splits,
+autograd through the exchange) and brings the results back. The zebra executor will
+split these two halves apart and drive them itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class SortedChoices:
+    """Kept routing choices sorted by expert position (stable, so token order is kept)."""
+
+    slot: Tensor  # [S] index into the flattened [T * k] choices
+    token: Tensor  # [S] token row of each choice
+    counts: Tensor  # [E] kept choices per expert, in ``order``'s expert order
+
+
+def sort_choices(indices: Tensor, keep: Tensor, expert_position: Tensor) -> SortedChoices:
+    """Group kept choices by ``expert_position[expert]`` (the order experts are laid out in)."""
+    k = indices.shape[1]
+    flat = indices.reshape(-1)
+    live = keep.reshape(-1).nonzero().squeeze(-1)
+    pos = expert_position[flat.index_select(0, live)]
+    order = torch.argsort(pos, stable=True)
+    slot = live.index_select(0, order)
+    counts = torch.bincount(pos, minlength=expert_position.numel())
+    return SortedChoices(slot=slot, token=torch.div(slot, k, rounding_mode="floor"), counts=counts)
+
+
+def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
+    out = rows.new_zeros(num_slots, rows.shape[-1])
+    return out.index_copy(0, slot, rows)
+
+
+class LocalDispatcher:
+    """Every expert lives here: no communication."""
+
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+        positions = torch.arange(experts.num_local_experts, device=x.device)
+        sc = sort_choices(indices, keep, positions)
+        out = experts(x, sc.token, sc.counts)
+        return scatter_to_slots(out, sc.slot, indices.numel())
+
+
+class AllToAllDispatcher:
+    """Expert parallelism over ``group``: ``placement[r]`` lists the global expert ids held by
+    group rank ``r`` (the local ``Experts`` rows, in that order). Placements may be uneven
+    (e.g. 6 experts over 4 ranks as 2+2+1+1) and ranks may hold no expert at all."""
+
+    def __init__(self, group: dist.ProcessGroup | None, placement: list[list[int]]) -> None:
+        self.group = group
+        self.placement = [list(p) for p in placement]
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if len(self.placement) != self.size:
+            raise ValueError(f"placement has {len(self.placement)} entries for an expert-parallel group of {self.size}")
+        flat = [e for p in self.placement for e in p]
+        num_experts = len(flat)
+        if sorted(flat) != list(range(num_experts)):
+            raise ValueError(f"placement {self.placement} must list every expert 0..{num_experts - 1} exactly once")
+        position = torch.empty(num_experts, dtype=torch.long)
+        position[torch.tensor(flat, dtype=torch.long)] = torch.arange(num_experts)
+        self._position = position
+        self.experts_per_rank = [len(p) for p in self.placement]
+
+    def exchange(self, x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
+        """Differentiable uneven all-to-all; backward runs the reverse exchange."""
+        from torch.distributed.nn.functional import all_to_all_single
+
+        out = x.new_empty(sum(recv_splits), x.shape[-1])
+        return all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group)
+
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+        mine = self.experts_per_rank[self.rank]
+        if experts.num_local_experts != mine:
+            raise RuntimeError(f"rank {self.rank} holds {experts.num_local_experts} experts, placement says {mine}")
+        sc = sort_choices(indices, keep, self._position.to(x.device))
+        # Per-expert counts go first so every rank can size its receive buffers.
+        recv_counts = sc.counts.new_empty(self.size * mine)
+        dist.all_to_all_single(recv_counts, sc.counts, [mine] * self.size, self.experts_per_rank, group=self.group)
+        recv_counts = recv_counts.view(self.size, mine)
+        send_splits = [int(c.sum()) for c in sc.counts.split(self.experts_per_rank)]
+        recv_splits = recv_counts.sum(1).tolist()
+
+        received = self.exchange(x.index_select(0, sc.token), send_splits, recv_splits)
+        # Received rows are ordered (source rank, local expert); the experts want them by expert.
+        local_expert = torch.arange(mine, device=x.device).repeat(self.size)
+        row_expert = torch.repeat_interleave(local_expert, recv_counts.reshape(-1))
+        by_expert = torch.argsort(row_expert, stable=True)
+        out = experts(received, by_expert, recv_counts.sum(0))
+        out = scatter_to_slots(out, by_expert, received.shape[0])
+        back = self.exchange(out, recv_splits, send_splits)
+        return scatter_to_slots(back, sc.slot, indices.numel())

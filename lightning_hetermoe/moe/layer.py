@@ -1,0 +1,61 @@
+"""The MoE feed-forward layer: router -> capacity -> dispatch/experts/combine.
+
+It knows nothing of process groups: ``self.dispatcher`` defaults to a local one, and a
+parallel strategy swaps it (and slices ``self.experts``) from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..config import MoEConfig
+from .capacity import apply_capacity
+from .dispatch import LocalDispatcher
+from .experts import Experts
+from .routers import RouterOutput, build_router, load_balancing_loss, router_z_loss
+
+
+@dataclass
+class MoEAux:
+    """What the layer reports besides its output; the caller decides how to weigh it."""
+
+    balance_loss: Tensor
+    z_loss: Tensor
+    tokens_per_expert: Tensor  # [E] kept choices per expert in this call (global ids)
+    dropped: Tensor  # scalar: number of routing choices dropped by capacity or the router
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.router = build_router(cfg, d_model)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff, cfg.activation, cfg.bias,
+                               backend=cfg.expert_backend, recompute=cfg.recompute_activation)
+        self.dispatcher = LocalDispatcher()
+
+    def route(self, x: Tensor) -> RouterOutput:
+        r = self.router(x)
+        r.keep = apply_capacity(r.indices, r.keep, self.num_experts, self.cfg.capacity_factor)
+        return r
+
+    def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        r = self.route(x)
+        slots = self.dispatcher(x, r.indices, r.keep, self.experts)
+        weights = (r.weights * r.keep).to(slots.dtype)
+        y = (slots.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1)).sum(1)
+        kept = r.indices[r.keep]
+        aux = MoEAux(
+            balance_loss=load_balancing_loss(r.probs, r.indices, self.num_experts),
+            z_loss=router_z_loss(r.logits),
+            tokens_per_expert=torch.bincount(kept, minlength=self.num_experts),
+            dropped=(~r.keep).sum(),
+        )
+        return y.view(shape), aux
