@@ -1,0 +1,5 @@
+"""Callbacks: what a run measures about itself."""
+
+from .run_summary import RunSummary
+
+__all__ = ["RunSummary"]

@@ -1,0 +1,70 @@
+"""Byte-level language-modelling data over text that ships with Python: no download.
+
+The corpus is the CPython documentation topics in ``pydoc_data`` (~460 KB). The last
+``val_fraction`` of the bytes is held out for validation, so no validation window
+overlaps a training window.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from ..config import DataConfig
+
+CORPORA = ("pydoc_topics",)
+
+
+def load_corpus(name: str) -> bytes:
+    if name == "pydoc_topics":
+        from pydoc_data.topics import topics
+
+        return "".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    raise ValueError(f"data.corpus={name!r} is invalid: must be one of {CORPORA}")
+
+
+class ByteWindows(Dataset):
+    """Fixed windows of ``seq_len + 1`` bytes; item i is (input, target) shifted by one."""
+
+    def __init__(self, data: Tensor, seq_len: int, starts: Tensor) -> None:
+        self.data, self.seq_len, self.starts = data, seq_len, starts
+
+    def __len__(self) -> int:
+        return self.starts.numel()
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        s = int(self.starts[i])
+        w = self.data[s : s + self.seq_len + 1].long()
+        return w[:-1], w[1:]
+
+
+class ByteCorpusDataModule(L.LightningDataModule):
+    def __init__(self, cfg: DataConfig | dict) -> None:
+        super().__init__()
+        from ..config import from_cfg
+
+        self.cfg = from_cfg(DataConfig, cfg)
+
+    def setup(self, stage: str | None = None) -> None:
+        cfg = self.cfg
+        data = torch.frombuffer(bytearray(load_corpus(cfg.corpus)), dtype=torch.uint8)
+        split = int(len(data) * (1 - cfg.val_fraction))
+        train, val = data[:split], data[split:]
+        for part, name in ((train, "train"), (val, "validation")):
+            if len(part) <= cfg.seq_len + 1:
+                raise ValueError(f"data.seq_len={cfg.seq_len} is too long for the {name} split ({len(part)} bytes)")
+        g = torch.Generator().manual_seed(cfg.seed)
+        train_starts = torch.randint(0, len(train) - cfg.seq_len - 1, (cfg.train_windows,), generator=g)
+        val_starts = torch.linspace(0, len(val) - cfg.seq_len - 1, cfg.val_windows).long()
+        self.train_set = ByteWindows(train, cfg.seq_len, train_starts)
+        self.val_set = ByteWindows(val, cfg.seq_len, val_starts)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, shuffle=self.cfg.shuffle,
+                          num_workers=self.cfg.num_workers, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False,
+                          num_workers=self.cfg.num_workers, drop_last=True)

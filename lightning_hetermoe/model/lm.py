@@ -1,0 +1,60 @@
+"""The MoE decoder as a LightningModule: next-byte loss plus the routers' auxiliary losses."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..config import ModelConfig, OptimConfig, from_cfg
+from .transformer import MoETransformer
+
+
+class MoELanguageModel(L.LightningModule):
+    def __init__(self, model: ModelConfig | dict, optim: OptimConfig | dict | None = None) -> None:
+        super().__init__()
+        self.model_cfg = from_cfg(ModelConfig, model)
+        self.optim_cfg = from_cfg(OptimConfig, optim or {})
+        self.save_hyperparameters({"model": asdict(self.model_cfg), "optim": asdict(self.optim_cfg)})
+        self.model = MoETransformer(self.model_cfg)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)[0]
+
+    def losses(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+        tokens, targets = batch
+        logits, auxes = self.model(tokens)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        moe = self.model_cfg.moe
+        balance = torch.stack([a.balance_loss for a in auxes]).sum()
+        z = torch.stack([a.z_loss for a in auxes]).sum()
+        loss = ce + moe.aux_loss_coef * balance + moe.z_loss_coef * z
+        dropped = torch.stack([a.dropped for a in auxes]).sum()
+        return {"loss": loss, "ce": ce, "balance_loss": balance, "z_loss": z, "dropped": dropped,
+                "tokens_per_expert": torch.stack([a.tokens_per_expert for a in auxes])}
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        out = self.losses(batch)
+        self.log("train_loss", out["ce"], prog_bar=True)
+        self.log_dict({"balance_loss": out["balance_loss"], "z_loss": out["z_loss"]})
+        self.last_tokens_per_expert = out["tokens_per_expert"].detach()
+        return out["loss"]
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        out = self.losses(batch)
+        self.log("val_loss", out["ce"], prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        if o.name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        if o.warmup_steps == 0:
+            return opt
+        warmup = o.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,142 @@
+"""Expert parallelism applied from outside the model: slice experts, swap dispatchers,
+reduce expert gradients, and gather/slice expert tensors for placement-independent state.
+
+Ranks form ``world / ep_size`` expert-parallel (EP) groups of consecutive ranks; rank ``i``
+of every EP group holds the same experts, so ranks with equal ``i`` form a replica group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..moe import AllToAllDispatcher, LocalDispatcher, MoELayer
+
+
+def contiguous_placement(num_experts: int, ep_size: int) -> list[list[int]]:
+    """Split experts into ``ep_size`` contiguous runs, the first ``E % P`` ranks one longer.
+
+    Uneven splits are allowed on purpose: 6 experts on 4 ranks is 2+2+1+1 (ranks with more
+    experts do more expert work; the heterogeneity-aware planner exists to fix that).
+    """
+    base, extra = divmod(num_experts, ep_size)
+    out, start = [], 0
+    for r in range(ep_size):
+        n = base + (1 if r < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+@dataclass
+class ExpertParallelGroups:
+    ep_size: int
+    ep_group: dist.ProcessGroup | None
+    replica_group: dist.ProcessGroup | None
+    ep_rank: int
+    world_size: int
+
+    @classmethod
+    def build(cls, ep_size: int) -> "ExpertParallelGroups":
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if ep_size < 1 or world % ep_size:
+            raise ValueError(f"expert_parallel_size={ep_size} is invalid: must divide the world size {world}")
+        ep_group = replica_group = None
+        # Every rank must create every group, in the same order.
+        for d in range(world // ep_size):
+            ranks = list(range(d * ep_size, (d + 1) * ep_size))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                ep_group = g
+        for i in range(ep_size):
+            ranks = list(range(i, world, ep_size))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                replica_group = g
+        return cls(ep_size, ep_group, replica_group, rank % ep_size, world)
+
+
+def moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)]
+
+
+def expert_param_names(module: nn.Module) -> list[str]:
+    names = []
+    for prefix, layer in moe_layers(module):
+        for pname, _ in layer.experts.named_parameters(recurse=False):
+            names.append(f"{prefix}.experts.{pname}" if prefix else f"experts.{pname}")
+    return names
+
+
+def shard_experts(module: nn.Module, groups: ExpertParallelGroups) -> dict[str, list[list[int]]]:
+    """Keep only this rank's experts in every MoE layer and route through all-to-all.
+
+    Returns the placement per layer (layer name -> experts per EP rank)."""
+    placements = {}
+    for name, layer in moe_layers(module):
+        placement = contiguous_placement(layer.num_experts, groups.ep_size)
+        mine = torch.tensor(placement[groups.ep_rank], dtype=torch.long)
+        ex = layer.experts
+        for pname, p in list(ex.named_parameters(recurse=False)):
+            setattr(ex, pname, nn.Parameter(p.detach()[mine.to(p.device)].clone(), requires_grad=p.requires_grad))
+        ex.expert_ids = mine.to(ex.expert_ids.device)
+        layer.dispatcher = AllToAllDispatcher(groups.ep_group, placement)
+        placements[name] = placement
+    return placements
+
+
+def unshard_experts(module: nn.Module, groups: ExpertParallelGroups) -> None:
+    """Inverse of :func:`shard_experts`: every rank ends with all experts, local dispatch."""
+    for _, layer in moe_layers(module):
+        placement = layer.dispatcher.placement
+        ex = layer.experts
+        for pname, p in list(ex.named_parameters(recurse=False)):
+            full = gather_experts(p.detach(), placement, groups.ep_group)
+            setattr(ex, pname, nn.Parameter(full, requires_grad=p.requires_grad))
+        ex.expert_ids = torch.arange(layer.num_experts, device=ex.expert_ids.device)
+        layer.dispatcher = LocalDispatcher()
+
+
+def gather_experts(local: Tensor, placement: list[list[int]], group: dist.ProcessGroup | None) -> Tensor:
+    """All-gather per-rank expert slices (uneven first dims) into the full ``[E, ...]`` tensor."""
+    sizes = [len(p) for p in placement]
+    most = max(sizes)
+    padded = local.new_zeros((most,) + tuple(local.shape[1:]))
+    padded[: local.shape[0]] = local
+    chunks = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded.contiguous(), group=group)
+    full = local.new_empty((sum(sizes),) + tuple(local.shape[1:]))
+    for chunk, experts in zip(chunks, placement):
+        if experts:
+            full[torch.tensor(experts, device=local.device)] = chunk[: len(experts)]
+    return full
+
+
+def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None:
+    """Expert gradient = sum over replicas of the same expert / world size.
+
+    The all-to-all backward already summed the contributions of every rank in the EP group
+    onto the owner; dividing by the world size matches DDP's averaging of the non-expert
+    gradients, so the result equals the gradient of the global mean loss."""
+    replicas = groups.world_size // groups.ep_size
+    for _, layer in moe_layers(module):
+        for p in layer.experts.parameters(recurse=False):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if replicas > 1:
+                dist.all_reduce(p.grad, group=groups.replica_group)
+            p.grad.div_(groups.world_size)
+
+
+def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups) -> Tensor:
+    """Squared norm of all expert gradients of the model, each expert counted once."""
+    local = torch.zeros((), dtype=torch.float64)
+    for _, layer in moe_layers(module):
+        for p in layer.experts.parameters(recurse=False):
+            if p.grad is not None:
+                local = local.to(p.grad.device) + p.grad.detach().double().square().sum()
+    dist.all_reduce(local, group=groups.ep_group)
+    return local

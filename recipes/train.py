@@ -1,0 +1,23 @@
+"""Train the MoE LM with the hetermoe strategy.
+
+    python recipes/train.py                                  # tiny model, 2 CPU processes
+    python recipes/train.py trainer.max_steps=20 hydra.run.dir=/tmp/run
+    python recipes/train.py -m cluster=cpu1,cpu2              # sweep over clusters
+
+Writes ``summary.json`` into the Hydra run directory.
+"""
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lightning_hetermoe.training import train
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    train(cfg, HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    main()
