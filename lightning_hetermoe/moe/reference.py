@@ -33,7 +33,7 @@ def reference_routing(layer: MoELayer, x: Tensor) -> tuple[list[list[int]], list
     choices, weights = [], []
     for t in range(x.shape[0]):
         probs = torch.softmax(noisy[t], 0)
-        order = sorted(range(E), key=lambda e: (-float(noisy[t][e]), e))[:k]
+        order = sorted(range(E), key=lambda e: (-float(noisy[t][e].detach()), e))[:k]
         if cfg.router == "noisy_topk":
             sel = torch.stack([noisy[t][e] for e in order])
             ws = list(torch.softmax(sel, 0))
@@ -44,7 +44,7 @@ def reference_routing(layer: MoELayer, x: Tensor) -> tuple[list[list[int]], list
             ws = list(sel / sel.sum())
         keep = [True] * k
         if gshard_u is not None:
-            keep[1] = bool(gshard_u[t] < 2.0 * float(ws[1]))
+            keep[1] = bool(gshard_u[t] < 2.0 * float(ws[1].detach()))
         choices.append([e if kp else -1 for e, kp in zip(order, keep)])
         weights.append(ws)
 
@@ -97,7 +97,7 @@ def reference_moe(layer: MoELayer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     # Balance loss counts router choices before capacity (what the router asked for).
     asked = torch.zeros(E)
     for t in range(x.shape[0]):
-        order = sorted(range(E), key=lambda e: (-float(probs[t][e]), e))[: layer.top_k]
+        order = sorted(range(E), key=lambda e: (-float(probs[t][e].detach()), e))[: layer.top_k]
         for e in order:
             asked[e] += 1
     frac = asked / (x.shape[0] * layer.top_k)

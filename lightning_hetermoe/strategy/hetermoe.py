@@ -86,24 +86,28 @@ class HeterMoEStrategy(DDPStrategy):
         self._sharded = False
 
     def _configure_launcher(self) -> None:
+        # The connector calls this once the device count is known and before any process
+        # starts: the right moment to reject a world that cannot work.
+        self._validate_world(self.num_processes * self.num_nodes)
         if self._start_method == "popen":
             self._launcher = HydraAwareScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             super()._configure_launcher()
 
-    def setup_environment(self) -> None:
-        if self.cluster is not None and self.cluster.world_size != self.world_size:
+    def _validate_world(self, world_size: int) -> None:
+        if self.cluster is not None and self.cluster.world_size != world_size:
             raise ValueError(
                 f"cluster '{self.cluster.name}' names {self.cluster.world_size} devices but the trainer runs "
-                f"{self.world_size} processes: set trainer devices*num_nodes={self.cluster.world_size}"
+                f"{world_size} processes: set trainer devices*num_nodes={self.cluster.world_size}"
             )
+        ep = self.expert_parallel_size or world_size
+        if world_size % ep:
+            raise ValueError(f"expert_parallel_size={ep} is invalid: must divide the world size {world_size}")
+
+    def setup_environment(self) -> None:
+        self._validate_world(self.world_size)
         super().setup_environment()
-        ep = self.expert_parallel_size or self.world_size
-        if self.world_size % ep:
-            raise ValueError(
-                f"expert_parallel_size={ep} is invalid: must divide the world size {self.world_size}"
-            )
-        self.ep_groups = ExpertParallelGroups.build(ep)
+        self.ep_groups = ExpertParallelGroups.build(self.expert_parallel_size or self.world_size)
 
     # -- model set-up -------------------------------------------------------------------
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:

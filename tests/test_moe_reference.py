@@ -1,0 +1,158 @@
+"""Every router and the MoE layer against the naive per-token reference: output, auxiliary
+losses and every gradient, in fp32."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_hetermoe.config import MoEConfig
+from lightning_hetermoe.moe import MoELayer, apply_capacity, expert_capacity
+from lightning_hetermoe.moe.reference import reference_moe
+
+RTOL = 1e-5
+
+
+def assert_close(actual, expected, what):
+    scale = expected.abs().max().clamp_min(1e-6)
+    err = (actual - expected).abs().max() / scale
+    assert err <= RTOL, f"{what}: max relative error {err:.2e} > {RTOL}"
+
+
+def run_both(cfg: MoEConfig, d_model=7, tokens=13, train=True, seed=0, prepare=None):
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, cfg)
+    layer.train(train)
+    with torch.no_grad():
+        if prepare is not None:
+            prepare(layer)
+        if layer.experts.b_up is not None:
+            layer.experts.b_up.normal_()
+            layer.experts.b_down.normal_()
+        if hasattr(layer.router, "noise_weight"):
+            layer.router.noise_weight.normal_(std=0.3)
+    x = torch.randn(tokens, d_model, requires_grad=True)
+    upstream = torch.randn(tokens, d_model)
+
+    torch.manual_seed(100)
+    y, aux = layer(x)
+    loss = (y * upstream).sum() + aux.balance_loss + aux.z_loss
+    grads = torch.autograd.grad(loss, [x] + list(layer.parameters()), allow_unused=True)
+
+    torch.manual_seed(100)
+    yr, balance, z = reference_moe(layer, x)
+    loss_r = (yr * upstream).sum() + balance + z
+    grads_r = torch.autograd.grad(loss_r, [x] + list(layer.parameters()), allow_unused=True)
+    return layer, (y, aux, grads), (yr, balance, z, grads_r)
+
+
+def check(cfg, **kw):
+    layer, (y, aux, grads), (yr, balance, z, grads_r) = run_both(cfg, **kw)
+    assert_close(y, yr, "output")
+    assert_close(aux.balance_loss, balance, "balance loss")
+    assert_close(aux.z_loss, z, "z loss")
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, g, gr in zip(names, grads, grads_r):
+        if gr is None:
+            assert g is None or g.abs().max() == 0, name
+            continue
+        assert g is not None, f"no gradient for {name}"
+        assert_close(g, gr, f"grad of {name}")
+    return layer, aux
+
+
+ROUTER_CASES = [
+    ("topk", 1), ("topk", 2), ("topk", 5), ("switch", 1), ("gshard", 2), ("noisy_topk", 2), ("noisy_topk", 3),
+]
+
+
+@pytest.mark.parametrize("router,top_k", ROUTER_CASES)
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.6])
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
+def test_layer_matches_reference(router, top_k, capacity_factor, activation, bias):
+    cfg = MoEConfig(num_experts=5, top_k=top_k, d_ff=9, router=router, capacity_factor=capacity_factor,
+                    activation=activation, bias=bias, jitter_eps=0.1)
+    _, aux = check(cfg)
+    if capacity_factor > 0 and router != "gshard":
+        assert aux.dropped > 0, "the capacity case must actually drop something"
+
+
+def test_eval_mode_is_deterministic_and_matches_reference():
+    cfg = MoEConfig(num_experts=4, top_k=2, d_ff=6, router="noisy_topk")
+    check(cfg, train=False)
+
+
+def test_expert_with_no_tokens():
+    def pin_router(layer):
+        layer.router.weight.zero_()
+        layer.router.weight[2, 0] = 50.0  # x0 > 0 -> expert 2, else expert 4
+        layer.router.weight[4, 0] = -50.0
+
+    cfg = MoEConfig(num_experts=6, top_k=1, d_ff=5, router="topk")
+    layer, aux = check(cfg, d_model=4, tokens=9, prepare=pin_router)
+    idle = [0, 1, 3, 5]
+    assert (aux.tokens_per_expert[idle] == 0).all()
+    assert aux.tokens_per_expert.sum() == 9
+
+
+def test_one_expert_equals_dense_mlp():
+    cfg = MoEConfig(num_experts=1, top_k=1, d_ff=11, router="topk", activation="gelu", bias=True)
+    torch.manual_seed(0)
+    layer = MoELayer(6, cfg)
+    x = torch.randn(10, 6)
+    y, _ = layer(x)
+    ex = layer.experts
+    dense = torch.nn.functional.gelu(x @ ex.w_up[0] + ex.b_up[0]) @ ex.w_down[0] + ex.b_down[0]
+    assert_close(y, dense, "single expert vs dense MLP")
+
+
+def test_dropless_equals_large_capacity():
+    base = dict(num_experts=4, top_k=2, d_ff=8, router="topk")
+    torch.manual_seed(0)
+    dropless = MoELayer(5, MoEConfig(**base))
+    big = MoELayer(5, MoEConfig(**base, capacity_factor=4.0))  # cap = all tokens: nothing can drop
+    big.load_state_dict(dropless.state_dict())
+    x = torch.randn(17, 5)
+    y1, a1 = dropless(x)
+    y2, a2 = big(x)
+    assert a2.dropped == 0
+    assert torch.equal(y1, y2)
+
+
+def test_capacity_policy_is_first_choice_then_token_order():
+    # 4 tokens all choose expert 0 first and expert 1 second; capacity 2 per expert.
+    idx = torch.tensor([[0, 1]] * 4)
+    keep = torch.ones(4, 2, dtype=torch.bool)
+    cf = 2 / (4 * 2 / 2)  # cap = ceil(cf * T * k / E) = 2
+    assert expert_capacity(4, 2, 2, cf) == 2
+    out = apply_capacity(idx, keep, 2, cf)
+    assert out[:, 0].tolist() == [True, True, False, False]
+    assert out[:, 1].tolist() == [True, True, False, False]
+    # first choices get priority over earlier tokens' second choices
+    idx2 = torch.tensor([[1, 0], [0, 1], [0, 1]])
+    out2 = apply_capacity(idx2, torch.ones(3, 2, dtype=torch.bool), 2, 1 / 3)  # cap = 1
+    assert out2.tolist() == [[True, False], [True, False], [False, False]]
+
+
+def test_capacity_size_formula():
+    assert expert_capacity(10, 2, 4, 1.0) == 5
+    assert expert_capacity(10, 2, 4, 1.25) == math.ceil(1.25 * 5)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("top_k", 9, "top_k"), ("top_k", 0, "top_k"), ("num_experts", 0, "num_experts"),
+    ("capacity_factor", -1.0, "capacity_factor"), ("router", "hash", "router"),
+    ("activation", "relu", "activation"), ("expert_backend", "cuda", "expert_backend"),
+])
+def test_bad_moe_config(field, value, match):
+    kwargs = dict(num_experts=4, top_k=2)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**kwargs)
+
+
+def test_router_specific_top_k_is_enforced():
+    with pytest.raises(ValueError, match="switch"):
+        MoEConfig(router="switch", top_k=2)
+    with pytest.raises(ValueError, match="gshard"):
+        MoEConfig(router="gshard", top_k=1)
