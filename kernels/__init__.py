@@ -1,15 +1,45 @@
-"""Triton expert kernels, shipped as ``lightning_hetermoe.kernels`` (placeholder until the kernels land)."""
+"""Triton expert kernels, shipped as ``lightning_hetermoe.kernels``.
 
-import torch
+Importing this package is cheap and never fails on a CPU-only machine: triton and the
+kernel modules load on first use. Modules, one job each:
+
+- ``availability``: whether the kernels can run on a device, and why not.
+- ``triton_src``: the Triton kernels (gather-GEMM with epilogues, grouped weight gradient).
+- ``configs``: autotuning candidates per GPU generation, interpreter block sizes.
+- ``launch``: Python launchers (variant per device, sync-free grids).
+- ``activation``: GELU/SwiGLU and their derivatives.
+- ``mlp``: the expert MLP as custom ops with autograd (the ``grouped_mlp`` backend).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .availability import triton_available, unavailable_reason
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["grouped_gemm", "grouped_mlp", "grouped_wgrad", "GroupedMLPFunction", "triton_available",
+           "unavailable_reason"]
 
 
-def triton_available(device: torch.device) -> bool:
-    return False
+def grouped_mlp(x: "Tensor", gather_idx: "Tensor", counts: "Tensor", w_up: "Tensor", b_up: "Tensor | None",
+                w_down: "Tensor", b_down: "Tensor | None", activation: str, recompute: bool = False) -> "Tensor":
+    """Expert backend (contract in ``lightning_hetermoe.moe.experts``) on the Triton kernels."""
+    from .mlp import grouped_mlp as impl
+
+    return impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
 
 
-def unavailable_reason(device: torch.device) -> str:
-    return "the Triton expert kernels are not built yet"
+def __getattr__(name: str):
+    # Lazy so that `import lightning_hetermoe.kernels` does not import triton.
+    if name in ("grouped_gemm", "grouped_wgrad"):
+        from . import launch
 
+        return getattr(launch, name)
+    if name == "GroupedMLPFunction":
+        from .mlp import GroupedMLPFunction
 
-def grouped_mlp(*args, **kwargs):
-    raise NotImplementedError("Triton grouped_mlp is not implemented yet")
+        return GroupedMLPFunction
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -112,12 +112,14 @@ class OptimConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.0  # sgd only
     warmup_steps: int = 10
 
     def __post_init__(self) -> None:
         _require(self.name in OPTIMIZERS, "optim.name", self.name, f"must be one of {OPTIMIZERS}")
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _require(0 <= self.momentum < 1, "optim.momentum", self.momentum, "must be in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
         self.betas = tuple(self.betas)  # YAML gives a list
 

@@ -1,0 +1,34 @@
+"""Expert activations and their derivatives, written out so backward needs only ``h``.
+
+Saving the pre-activation ``h`` alone (and recomputing ``act(h)`` in backward) keeps one
+``[M, H]`` tensor alive per layer instead of two. Derivatives are formed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def forward(h: Tensor, activation: str) -> Tensor:
+    if activation == "gelu":
+        return F.gelu(h)  # exact erf form, as the reference
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)  # gate columns first, then up (backend contract)
+        return F.silu(gate) * up
+    raise ValueError(f"activation={activation!r} is invalid: must be 'gelu' or 'swiglu'")
+
+
+def backward(h: Tensor, grad: Tensor, activation: str) -> Tensor:
+    """d act(h) / dh applied to ``grad``; same shape and dtype as ``h``."""
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(grad, h)
+    if activation == "swiglu":
+        gate, up = h.float().chunk(2, dim=-1)
+        g = grad.float()
+        sig = torch.sigmoid(gate)
+        d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = g * gate * sig
+        return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
+    raise ValueError(f"activation={activation!r} is invalid: must be 'gelu' or 'swiglu'")

@@ -1,0 +1,73 @@
+"""Block shapes: autotuning candidates per GPU generation, fixed small blocks for the interpreter.
+
+Tuning is keyed on the GEMM's (N, K) - that is (d_model, hidden) for the expert MLP - and,
+automatically, on the dtypes of the tensor arguments. The row count M is deliberately not
+in the key: it changes at every step with the routing, and re-tuning per M would benchmark
+on the hot path for the whole run.
+"""
+
+from __future__ import annotations
+
+import triton
+
+# Under TRITON_INTERPRET every program is numpy on the CPU: fewer, mid-sized tiles are
+# fastest, and 16 keeps test shapes that are not multiples of the block meaningful.
+INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+
+
+def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+
+
+def gemm_configs(capability: tuple[int, int]) -> list[triton.Config]:
+    """Candidates for the gather-GEMM (BLOCK_M rows of one expert x BLOCK_N output columns)."""
+    if capability >= (9, 0):
+        # Hopper: 228 KB of shared memory and wgmma favour 128-row tiles with BLOCK_K=64 and
+        # deep pipelines; 64-row tiles stay for experts that receive few tokens.
+        return [
+            _cfg(128, 256, 64, 3, 8),
+            _cfg(128, 128, 64, 4, 8),
+            _cfg(128, 128, 64, 4, 4),
+            _cfg(64, 256, 64, 4, 8),
+            _cfg(64, 128, 64, 4, 4),
+            _cfg(128, 64, 64, 4, 4),
+        ]
+    if capability >= (8, 0):
+        # Ampere/Ada: ~100-164 KB of shared memory, mma.sync; BLOCK_K=32 keeps 4 stages resident.
+        return [
+            _cfg(128, 128, 32, 4, 4),
+            _cfg(128, 256, 32, 3, 8),
+            _cfg(128, 128, 64, 3, 8),
+            _cfg(64, 128, 32, 4, 4),
+            _cfg(128, 64, 32, 4, 4),
+            _cfg(64, 64, 32, 5, 2),
+        ]
+    # Volta/Turing (expert ranks in the HeterMoE clusters are often V100/T4): small tiles, few stages.
+    return [
+        _cfg(64, 64, 32, 2, 4),
+        _cfg(128, 64, 32, 2, 4),
+        _cfg(64, 128, 32, 2, 4),
+    ]
+
+
+def wgrad_configs(capability: tuple[int, int]) -> list[triton.Config]:
+    """Candidates for the weight gradient: a [BLOCK_K, BLOCK_N] output tile, reducing BLOCK_M rows a step."""
+    if capability >= (9, 0):
+        return [
+            _cfg(64, 128, 128, 4, 8),
+            _cfg(64, 256, 128, 3, 8),
+            _cfg(64, 128, 128, 3, 4),
+            _cfg(32, 128, 128, 4, 4),
+            _cfg(64, 64, 64, 4, 4),
+        ]
+    if capability >= (8, 0):
+        return [
+            _cfg(32, 128, 128, 4, 4),
+            _cfg(64, 128, 128, 3, 8),
+            _cfg(32, 64, 128, 4, 4),
+            _cfg(32, 64, 64, 4, 4),
+        ]
+    return [
+        _cfg(32, 64, 64, 2, 4),
+        _cfg(32, 128, 64, 2, 4),
+    ]

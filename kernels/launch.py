@@ -1,0 +1,147 @@
+"""Python entry points for the kernels: pick the variant for the device, size the grid, launch.
+
+Nothing here reads ``counts`` on the host: grids use an upper bound on the number of row
+tiles, so a launch never waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from . import configs, triton_src
+
+_GEMM_KEY = ["N", "K"]
+_WGRAD_KEY = ["K", "N"]
+
+
+@functools.cache
+def _interpreted(fn):
+    return InterpretedFunction(fn)
+
+
+@functools.cache
+def _tuned(fn, which: str, capability: tuple[int, int]):
+    cands = configs.gemm_configs(capability) if which == "gemm" else configs.wgrad_configs(capability)
+    key = _GEMM_KEY if which == "gemm" else _WGRAD_KEY
+    return triton.autotune(cands, key=key)(JITFunction(fn))
+
+
+def _kernel(fn, which: str, device: torch.device):
+    """(launchable, fixed block kwargs): interpreted with fixed blocks on CPU, autotuned on CUDA."""
+    if device.type != "cuda":
+        return _interpreted(fn), dict(configs.INTERPRET_BLOCKS)
+    return _tuned(fn, which, torch.cuda.get_device_capability(device)), {}
+
+
+def _precision(dtype: torch.dtype, device: torch.device) -> str:
+    # fp32 inputs follow torch's own matmul setting so both backends round alike.
+    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _upcast(dtype: torch.dtype, device: torch.device) -> bool:
+    # The interpreter's dot is wrong on bf16 (see triton_src); the GPU path never upcasts.
+    return device.type != "cuda" and dtype == torch.bfloat16
+
+
+def _offsets(counts: Tensor) -> Tensor:
+    """Exclusive cumulative sum of ``counts``: where each expert's rows start (stays on device)."""
+    return torch.cumsum(counts, 0) - counts
+
+
+def grouped_gemm(
+    x: Tensor,
+    w: Tensor,
+    counts: Tensor,
+    *,
+    gather_idx: Tensor | None = None,
+    bias: Tensor | None = None,
+    out_idx: Tensor | None = None,
+    out_rows: int | None = None,
+    scale: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Row ``m`` (grouped by expert per ``counts``) is ``x[gather_idx[m]] @ w[e(m)] (+ bias[e(m)])``.
+
+    ``w`` is ``[E, K, N]`` with any strides, so ``w.transpose(1, 2)`` is the transposed GEMM
+    without a copy. Without ``gather_idx`` the rows of ``x`` are already grouped. Epilogues:
+    ``scale [M]`` multiplies each row, ``out_idx [M]`` writes row ``m`` to ``out[out_idx[m]]``
+    of a zero-initialised ``[out_rows, N]`` result (``out_idx`` must not repeat).
+    """
+    E, K, N = w.shape
+    M = gather_idx.shape[0] if gather_idx is not None else x.shape[0]
+    if x.shape[1] != K:
+        raise ValueError(f"x has {x.shape[1]} columns, w expects {K}")
+    if out_idx is not None:
+        out = torch.zeros(out_rows if out_rows is not None else M, N, device=x.device, dtype=out_dtype or x.dtype)
+    else:
+        out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
+    if M == 0 or N == 0:
+        return out
+    fn, blocks = _kernel(triton_src.grouped_gemm_kernel, "gemm", x.device)
+    counts = counts.contiguous()
+    dummy = counts  # never read: the matching HAS_* flag is off
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]) + E)  # noqa: E731
+    fn[grid](
+        x, gather_idx.contiguous() if gather_idx is not None else dummy, counts, _offsets(counts), w,
+        bias if bias is not None else dummy, out,
+        out_idx.contiguous() if out_idx is not None else dummy,
+        scale.contiguous() if scale is not None else dummy,
+        N, K, E,
+        x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        out.stride(0), out.stride(1),
+        HAS_IDX=gather_idx is not None, HAS_BIAS=bias is not None,
+        HAS_OUT_IDX=out_idx is not None, HAS_SCALE=scale is not None,
+        INPUT_PRECISION=_precision(x.dtype, x.device), UPCAST=_upcast(x.dtype, x.device),
+        **blocks,
+    )
+    return out
+
+
+def grouped_wgrad(
+    x: Tensor,
+    dy: Tensor,
+    counts: Tensor,
+    *,
+    gather_idx: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``dw[e] = x[gather_idx[rows of e]]^T @ dy[rows of e]``, ``[E, K, N]``, fp32 accumulation."""
+    E = counts.shape[0]
+    K, N = x.shape[1], dy.shape[1]
+    dw = torch.empty(E, K, N, device=dy.device, dtype=out_dtype or dy.dtype)
+    if dw.numel() == 0:
+        return dw
+    fn, blocks = _kernel(triton_src.grouped_wgrad_kernel, "wgrad", dy.device)
+    counts = counts.contiguous()
+    grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
+    fn[grid](
+        x, gather_idx.contiguous() if gather_idx is not None else counts, dy, counts, _offsets(counts), dw,
+        K, N, E,
+        x.stride(0), x.stride(1),
+        dy.stride(0), dy.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2),
+        HAS_IDX=gather_idx is not None,
+        INPUT_PRECISION=_precision(dy.dtype, dy.device), UPCAST=_upcast(dy.dtype, dy.device),
+        **blocks,
+    )
+    return dw
+
+
+def segment_sum(rows: Tensor, counts: Tensor) -> Tensor:
+    """Per-expert column sums of grouped rows, ``[E, N]`` in fp32 (the bias gradient).
+
+    ``output_size`` lets ``repeat_interleave`` run without reading ``counts`` on the host.
+    """
+    E = counts.shape[0]
+    owner = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=rows.shape[0])
+    return rows.new_zeros(E, rows.shape[1], dtype=torch.float32).index_add_(0, owner, rows.float())

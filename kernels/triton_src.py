@@ -1,0 +1,156 @@
+"""The Triton kernels themselves, as plain (undecorated) functions.
+
+They are left undecorated on purpose: ``triton.jit`` decides between compiling and
+interpreting at decoration time from ``TRITON_INTERPRET``, which would freeze that choice
+at import. :mod:`.launch` wraps each function per device instead (compiled on CUDA,
+interpreted for CPU tensors), so one process can run both and the env var is only read
+when deciding availability. For the same reason the kernels call no ``@jit`` helper,
+including those of ``triton.language`` written in Triton itself (``tl.sum``, ``tl.zeros``,
+``tl.cumsum``, ``tl.cdiv``): they were bound to one mode when triton was imported.
+Only builtins are used.
+
+``UPCAST`` exists for the interpreter alone: it keeps bf16 as raw uint16 and its ``tl.dot``
+multiplies those bit patterns as integers. bf16 -> fp32 is exact and the GPU forms bf16
+products exactly in fp32 as well, so upcasting there changes no result.
+
+Rows are grouped by expert exactly as in the backend contract (``counts[e]`` consecutive
+rows per expert, starting at ``offsets[e]``, the exclusive cumulative sum that the host
+computes on the device). No launch reads ``counts`` on the host.
+"""
+
+import triton.language as tl
+
+
+def grouped_gemm_kernel(
+    x_ptr, idx_ptr, counts_ptr, offsets_ptr, w_ptr, b_ptr, out_ptr, out_idx_ptr, scale_ptr,
+    N, K, E,
+    stride_xm, stride_xk,
+    stride_we, stride_wk, stride_wn,
+    stride_be, stride_bn,
+    stride_om, stride_on,
+    HAS_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OUT_IDX: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """out[o(m)] = s(m) * (x[idx[m]] @ w[e(m)] + b[e(m)]) for the BLOCK_M rows of one tile.
+
+    Axis 1 enumerates row tiles of all experts back to back (expert e owns
+    cdiv(counts[e], BLOCK_M) of them); the host launches an upper bound of
+    cdiv(M, BLOCK_M) + E tiles so it never has to read ``counts``; surplus tiles exit.
+    Axis 0 is the output column tile, so the programs that share one gathered row tile
+    are launched next to each other and find it in L2.
+    """
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+
+    # The expert of this tile is the number of experts whose tiles all come before it;
+    # tile counts depend on BLOCK_M, which autotuning picks, so they are derived here.
+    # E scalar loads per program: negligible next to the K loop.
+    e = tl.program_id(1) * 0  # int32 scalars: loop-carried values need a fixed type
+    first_tile = e
+    tiles_seen = e
+    for i in range(0, E):
+        tiles_seen += (tl.load(counts_ptr + i).to(tl.int32) + BLOCK_M - 1) // BLOCK_M
+        before = tiles_seen <= tile
+        e += before.to(tl.int32)
+        first_tile = tl.where(before, tiles_seen, first_tile)
+    if e >= E:
+        return  # surplus tile of the upper-bound grid
+    seg_start = tl.load(offsets_ptr + e).to(tl.int64)
+    seg_count = tl.load(counts_ptr + e).to(tl.int32)
+
+    local = (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = local < seg_count
+    rows = seg_start + local
+    if HAS_IDX:
+        # The gather is fused into the load: rows of x are read where they are.
+        src = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        src = rows
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    # Cast before multiplying: E * K * N overflows int32 for large expert stacks.
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    b_ptrs = w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_mask = offs_k < K - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xk
+        b_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+        acc *= s.to(tl.float32)[:, None]
+    if HAS_OUT_IDX:
+        dst = tl.load(out_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        dst = rows
+    o_ptrs = out_ptr + dst[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def grouped_wgrad_kernel(
+    x_ptr, idx_ptr, dy_ptr, counts_ptr, offsets_ptr, dw_ptr,
+    K, N, E,
+    stride_xm, stride_xk,
+    stride_dym, stride_dyn,
+    stride_we, stride_wk, stride_wn,
+    HAS_IDX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dw[e] = x[idx[rows of e]]^T @ dy[rows of e]: one [BLOCK_K, BLOCK_N] tile of one expert.
+
+    The reduction runs over the expert's rows, whose number only the device knows, so the
+    loop bound is read from ``counts`` inside the kernel. An expert with no rows writes
+    zeros, which is its exact gradient.
+    """
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    pid_k = pid // num_n
+    pid_n = pid % num_n
+
+    seg_start = tl.load(offsets_ptr + e).to(tl.int64)
+    seg_count = tl.load(counts_ptr + e).to(tl.int32)
+
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask = offs_k < K
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+
+    acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    for m0 in range(0, (seg_count + BLOCK_M - 1) // BLOCK_M):
+        local = m0 * BLOCK_M + offs_m
+        row_mask = local < seg_count
+        rows = seg_start + local
+        if HAS_IDX:
+            src = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            src = rows
+        # x is loaded already transposed ([K, M]) so the product needs no tl.trans.
+        xt = tl.load(x_ptr + src[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                     mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                     mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            dy = dy.to(tl.float32)
+        acc = tl.dot(xt, dy, acc, input_precision=INPUT_PRECISION)
+
+    w_ptrs = dw_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    tl.store(w_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
