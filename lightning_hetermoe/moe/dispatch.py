@@ -44,6 +44,20 @@ def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
     return out.index_copy(0, slot, rows)
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, send_splits: list[int], recv_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        send_splits, recv_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
+
+
 class LocalDispatcher:
     """Every expert lives here: no communication."""
 
@@ -77,10 +91,7 @@ class AllToAllDispatcher:
 
     def exchange(self, x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
         """Differentiable uneven all-to-all; backward runs the reverse exchange."""
-        from torch.distributed.nn.functional import all_to_all_single
-
-        out = x.new_empty(sum(recv_splits), x.shape[-1])
-        return all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.group)
+        return _AllToAll.apply(x, send_splits, recv_splits, self.group)
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
         mine = self.experts_per_rank[self.rank]
