@@ -1,12 +1,19 @@
 """lightning-hetermoe: HeterMoE zebra parallelism as a PyTorch Lightning strategy.
 
 Importing this package registers ``Trainer(strategy="hetermoe")`` (and ``"hetermoe_spawn"``).
+Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit under the MoE layer.
 """
 
-from .cluster import ClusterConfig, LinkConfig
+from .callbacks import RunSummary
+from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
 from .config import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
+from .emulation import apply_emulation
 from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer
 from .moe import MoELayer
+from .plan import Plan, make_plan
+from .profile import CostModel, Profile
+from .profile.profiler import profile_cluster
+from .simulate import simulate_plan
 from .strategy import HeterMoEStrategy, register_strategies
 
 register_strategies()
@@ -14,7 +21,9 @@ register_strategies()
 __all__ = [
     "ByteCorpusDataModule",
     "ClusterConfig",
+    "CostModel",
     "DataConfig",
+    "DeviceSpec",
     "HeterMoEStrategy",
     "LinkConfig",
     "ModelConfig",
@@ -23,5 +32,15 @@ __all__ = [
     "MoELayer",
     "MoETransformer",
     "OptimConfig",
+    "Plan",
+    "Profile",
+    "RunSummary",
+    "apply_emulation",
     "from_cfg",
+    "get_device",
+    "make_plan",
+    "profile_cluster",
+    "register_device",
+    "resolve_cluster",
+    "simulate_plan",
 ]

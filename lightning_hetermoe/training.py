@@ -73,6 +73,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     path = Path(output_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
     log.info(f"summary: {json.dumps(summary)}")
-    print(f"[hetermoe] wrote {path}: first_loss={summary['first_loss']:.3f} final_loss={summary['final_loss']:.3f} "
-          f"val_loss={summary['val_loss']:.3f} tokens/s={summary['tokens_per_s']:.0f}", flush=True)
+    shown = ", ".join(f"{k}={summary[k]:.4g}" for k in ("first_loss", "final_loss", "val_loss", "tokens_per_s")
+                      if isinstance(summary.get(k), (int, float)))
+    print(f"[hetermoe] wrote {path}: {shown}", flush=True)
     return summary

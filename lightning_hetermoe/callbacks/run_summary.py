@@ -22,6 +22,7 @@ class RunSummary(L.Callback):
         self._tokens = 0
         self._t0: float | None = None
         self._elapsed = 0.0
+        self.step_times: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if len(self.losses) >= self.warmup_steps:
@@ -34,7 +35,9 @@ class RunSummary(L.Callback):
         if loss is not None:
             self.losses.append(float(loss))
         if self._t0 is not None:
-            self._elapsed += time.perf_counter() - self._t0
+            dt = time.perf_counter() - self._t0
+            self._elapsed += dt
+            self.step_times.append(dt)
             self._tokens += batch[0].numel() * trainer.world_size
             self._t0 = None
 
@@ -50,6 +53,9 @@ class RunSummary(L.Callback):
             "final_loss": sum(tail) / len(tail) if tail else None,
             "val_loss": float(val) if isinstance(val, torch.Tensor) else val,
             "tokens_per_s": self.tokens_per_s,
+            # Wall seconds per training step after warm-up (forward, backward, optimizer).
+            "step_time_s": self._elapsed / len(self.step_times) if self.step_times else None,
+            "step_time_median_s": sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else None,
             "steps": trainer.global_step,
             "world_size": trainer.world_size,
         }

@@ -211,10 +211,17 @@ class HeterMoEStrategy(DDPStrategy):
     def teardown(self) -> None:
         # After a successful fit every rank holds all experts again, so the user's module
         # (and the spawn launcher's returned weights) are complete and usable anywhere.
-        if self._sharded and self.lightning_module is not None and self.lightning_module.trainer is not None \
-                and self.lightning_module.trainer.state.status == TrainerStatus.RUNNING:
-            unshard_experts(self.lightning_module, self.ep_groups)
+        module = self.lightning_module
+        if self._sharded and module is not None and module.trainer is not None \
+                and module.trainer.state.status == TrainerStatus.RUNNING:
+            unshard_experts(module, self.ep_groups)
             self._sharded = False
+        if module is not None and self.cluster is not None and self.cluster.emulate:
+            from ..emulation import installed
+
+            handle = installed(module)
+            if handle is not None:
+                handle.remove()
         super().teardown()
 
 

@@ -1,0 +1,272 @@
+"""Device specs: what each accelerator is, as datasheet facts plus achievable efficiencies.
+
+A :class:`DeviceSpec` is the only thing the cost model, planner and emulator know about a
+GPU. Peak numbers come from vendor datasheets (dense, i.e. without 2:4 sparsity). Peak is
+not what kernels reach, so each spec also carries *efficiency* factors: the fraction of
+peak that large GEMMs, the fused attention kernel and streaming memory traffic sustain.
+They are calibrated so that the cost model reproduces the HeterMoE paper's measured
+ratios (see :mod:`lightning_hetermoe.profile.cost_model` for the derivation).
+
+Devices come from three places:
+- :data:`KNOWN_DEVICES`, the built-in registry;
+- ``custom_devices`` in a cluster YAML (``{name: {memory_gb: ..., fp16_tflops: ...}}``),
+  or :func:`register_device` from Python;
+- :func:`detect_cuda_devices`, which reads CUDA properties on every rank and maps the
+  marketing name onto the registry.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator kind.
+
+    ``fp16_tflops`` is the dense fp16/bf16 tensor-core peak; ``mem_bw_gbps`` the HBM/GDDR
+    bandwidth in GB/s; ``flash_attention`` whether FlashAttention-class fused kernels
+    (causal block skipping, on-chip softmax) run on it (Ampere and newer, or CDNA2+).
+    """
+
+    name: str
+    memory_gb: float
+    fp16_tflops: float
+    mem_bw_gbps: float
+    flash_attention: bool
+    # CUDA compute capability (major, minor); (0, 0) for non-CUDA devices.
+    compute_capability: tuple[int, int] = (0, 0)
+    # Fraction of peak that large GEMMs sustain (clocks under power limits, cuBLAS tiles).
+    gemm_efficiency: float = 0.7
+    # Fraction of peak that the fused attention core sustains: FlashAttention-2 where
+    # ``flash_attention`` is true, else the memory-efficient (cutlass/xformers) kernel.
+    attn_efficiency: float = 0.5
+    # Fraction of ``mem_bw_gbps`` that streaming kernels reach.
+    bw_efficiency: float = 0.8
+    # Memory the runtime keeps for itself (CUDA context, allocator slack, NCCL buffers).
+    reserved_gb: float = 1.5
+    # Fixed cost of launching one task (a few kernels), seconds.
+    launch_overhead_s: float = 20e-6
+    vendor: str = "nvidia"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "memory_gb": self.memory_gb > 0,
+            "fp16_tflops": self.fp16_tflops > 0,
+            "mem_bw_gbps": self.mem_bw_gbps > 0,
+            "gemm_efficiency": 0 < self.gemm_efficiency <= 1,
+            "attn_efficiency": 0 < self.attn_efficiency <= 1,
+            "bw_efficiency": 0 < self.bw_efficiency <= 1,
+            "reserved_gb": 0 <= self.reserved_gb < self.memory_gb,
+            "launch_overhead_s": self.launch_overhead_s >= 0,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise ValueError(f"DeviceSpec {self.name!r}: {key}={getattr(self, key)!r} is out of range")
+        # YAML gives lists; keep the spec hashable and comparable.
+        object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gb - self.reserved_gb) * 1e9
+
+    @property
+    def gemm_flops(self) -> float:
+        """Sustained FLOP/s on large GEMMs."""
+        return self.fp16_tflops * 1e12 * self.gemm_efficiency
+
+    @property
+    def attn_flops(self) -> float:
+        """Sustained FLOP/s of the fused attention core."""
+        return self.fp16_tflops * 1e12 * self.attn_efficiency
+
+    @property
+    def stream_bw(self) -> float:
+        """Sustained bytes/s of streaming memory traffic."""
+        return self.mem_bw_gbps * 1e9 * self.bw_efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["compute_capability"] = list(self.compute_capability)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DeviceSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"DeviceSpec: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        return cls(**dict(d))
+
+
+def _spec(name, mem, tflops, bw, flash, cc, gemm, attn, **kw) -> DeviceSpec:
+    return DeviceSpec(name, mem, tflops, bw, flash, cc, gemm_efficiency=gemm, attn_efficiency=attn, **kw)
+
+
+# Datasheet peaks (dense fp16/bf16 tensor, no sparsity). Efficiencies: A40, V100, L40S and T4
+# are fitted to the paper's measured ratios (cost_model.py explains the fit); the others use
+# typical published cuBLAS / FlashAttention-2 utilisation for their generation.
+_BUILTIN: tuple[DeviceSpec, ...] = (
+    # H200 SXM: 141 GB HBM3e, 989 TFLOPS, 4.8 TB/s.
+    _spec("h200", 141, 989.0, 4800, True, (9, 0), 0.70, 0.55),
+    # H100 SXM: 80 GB HBM3, 989 TFLOPS, 3.35 TB/s.
+    _spec("h100", 80, 989.0, 3350, True, (9, 0), 0.70, 0.55),
+    # A100 SXM 80 GB: 312 TFLOPS, 2.04 TB/s.
+    _spec("a100", 80, 312.0, 2039, True, (8, 0), 0.75, 0.60),
+    # L40S: 48 GB GDDR6, 362 TFLOPS (fp32 accumulate), 864 GB/s.
+    _spec("l40s", 48, 362.0, 864, True, (8, 9), 0.70, 0.55),
+    # A40: 48 GB GDDR6, 149.7 TFLOPS, 696 GB/s; 300 W cap keeps clocks low.
+    _spec("a40", 48, 149.7, 696, True, (8, 6), 0.68, 0.55),
+    # A10G (AWS): 24 GB GDDR6, ~70 TFLOPS dense fp16 tensor, 600 GB/s.
+    _spec("a10g", 24, 70.0, 600, True, (8, 6), 0.70, 0.55),
+    # RTX 4090: 24 GB GDDR6X, 165 TFLOPS (fp32 accumulate), 1008 GB/s.
+    _spec("rtx4090", 24, 165.2, 1008, True, (8, 9), 0.70, 0.55),
+    # V100 SXM2 32 GB: 125 TFLOPS, 900 GB/s. No FlashAttention-2 (needs sm80).
+    _spec("v100", 32, 125.0, 900, False, (7, 0), 0.60, 0.34),
+    # T4: 16 GB GDDR6, 65 TFLOPS, 320 GB/s; 70 W cap, sustained clocks far below boost.
+    _spec("t4", 16, 65.0, 320, False, (7, 5), 0.46, 0.42),
+    # MI250X (both GCDs): 128 GB HBM2e, 383 TFLOPS, 3.28 TB/s; CK flash attention.
+    _spec("mi250x", 128, 383.0, 3277, True, (0, 0), 0.55, 0.40, vendor="amd"),
+    # Plain CPU process (tests, emulation hosts): a few hundred GFLOP/s at best.
+    _spec("cpu", 16, 0.5, 20, False, (0, 0), 0.5, 0.3, reserved_gb=1.0, launch_overhead_s=5e-6, vendor="cpu"),
+)
+
+KNOWN_DEVICES: dict[str, DeviceSpec] = {d.name: d for d in _BUILTIN}
+
+
+def register_device(spec: DeviceSpec, *, overwrite: bool = False) -> DeviceSpec:
+    """Add ``spec`` to the global registry (refuses to silently replace a known name)."""
+    key = spec.name.lower()
+    if key in KNOWN_DEVICES and not overwrite and KNOWN_DEVICES[key] != spec:
+        raise ValueError(f"device {key!r} is already registered; pass overwrite=True to replace it")
+    KNOWN_DEVICES[key] = spec
+    return spec
+
+
+def _custom_spec(name: str, body: Any) -> DeviceSpec:
+    if isinstance(body, DeviceSpec):
+        return body
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(body, DictConfig):
+            body = OmegaConf.to_container(body, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    body = dict(body or {})
+    body.setdefault("name", name)
+    # A custom device may start from a known one: {base: a40, memory_gb: 24}.
+    base = body.pop("base", None)
+    if base is not None:
+        merged = get_device(base).to_dict()
+        merged.update(body)
+        body = merged
+    return DeviceSpec.from_dict(body)
+
+
+def get_device(name: str, custom: Mapping[str, Any] | None = None) -> DeviceSpec:
+    """Look ``name`` up in ``custom`` (cluster YAML ``custom_devices``), then the registry."""
+    if isinstance(name, DeviceSpec):
+        return name
+    key = str(name).lower()
+    for cname, body in (custom or {}).items():
+        if str(cname).lower() == key:
+            return _custom_spec(key, body)
+    if key in KNOWN_DEVICES:
+        return KNOWN_DEVICES[key]
+    known = sorted(set(KNOWN_DEVICES) | {str(c).lower() for c in (custom or {})})
+    raise ValueError(
+        f"unknown device {name!r}; known devices: {', '.join(known)} (define others under cluster.custom_devices)"
+    )
+
+
+def resolve_cluster(cluster_cfg: Any) -> list[DeviceSpec]:
+    """One :class:`DeviceSpec` per rank, in rank order, from a ClusterConfig (or its dict)."""
+    from .config import ClusterConfig
+
+    if not isinstance(cluster_cfg, ClusterConfig):
+        from ..config import from_cfg
+
+        cluster_cfg = from_cfg(ClusterConfig, cluster_cfg)
+    return [get_device(n, cluster_cfg.custom_devices) for n in cluster_cfg.devices]
+
+
+# Marketing names as CUDA reports them ("NVIDIA A40", "Tesla V100-SXM2-32GB", ...).
+_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"h200", "h200"),
+    (r"h100", "h100"),
+    (r"a100", "a100"),
+    (r"l40s", "l40s"),
+    (r"\ba40\b|a40", "a40"),
+    (r"a10g", "a10g"),
+    (r"4090", "rtx4090"),
+    (r"v100", "v100"),
+    (r"\bt4\b|tesla t4", "t4"),
+    (r"mi250", "mi250x"),
+)
+
+
+def match_device_name(cuda_name: str) -> str | None:
+    """Registry key for a CUDA device name, or None if it is not a known kind."""
+    low = cuda_name.lower()
+    for pattern, key in _NAME_PATTERNS:
+        if re.search(pattern, low):
+            return key
+    return None
+
+
+def spec_from_properties(name: str, total_memory: int, major: int, minor: int) -> DeviceSpec:
+    """Map CUDA properties to a spec: the registry entry with the measured memory.
+
+    Unknown devices get a conservative spec derived from compute capability, so a run on
+    new hardware still plans (it just plans on rough numbers; profile it to do better).
+    """
+    mem_gb = total_memory / 1e9
+    key = match_device_name(name)
+    if key is not None:
+        base = KNOWN_DEVICES[key]
+        return DeviceSpec.from_dict(
+            {**base.to_dict(), "memory_gb": round(mem_gb, 1), "compute_capability": [major, minor]}
+        )
+    return DeviceSpec(
+        name=re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown_gpu",
+        memory_gb=round(mem_gb, 1),
+        fp16_tflops=100.0 if major >= 8 else 50.0,
+        mem_bw_gbps=800.0,
+        flash_attention=major >= 8,
+        compute_capability=(major, minor),
+    )
+
+
+def detect_cuda_devices() -> list[DeviceSpec]:
+    """Per-rank specs of the GPUs actually present.
+
+    With ``torch.distributed`` initialised, every rank reports its own current device and
+    the lists are exchanged with ``all_gather_object`` so all ranks return the same list in
+    rank order. Without it, returns one spec per visible GPU of this process.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("detect_cuda_devices: CUDA is not available; name the devices in a cluster config")
+
+    def props(i: int) -> tuple[str, int, int, int]:
+        p = torch.cuda.get_device_properties(i)
+        return (p.name, int(p.total_memory), int(p.major), int(p.minor))
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        mine = props(torch.cuda.current_device())
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        raw = gathered
+    else:
+        raw = [props(i) for i in range(torch.cuda.device_count())]
+    return [spec_from_properties(*r) for r in raw]

@@ -1,0 +1,20 @@
+"""Who does what: roles, ZP groups, micro-batches and expert placement (incl. Asym-EA)."""
+
+from .asym_ea import AsymEAInput, AsymEAResult, assign_experts, forward_makespan, placement_from_counts
+from .plan import ROLES, Plan, ZPGroup
+from .planner import ClusterView, as_cluster, make_plan, predict
+
+__all__ = [
+    "Plan",
+    "ZPGroup",
+    "ROLES",
+    "make_plan",
+    "predict",
+    "as_cluster",
+    "ClusterView",
+    "AsymEAInput",
+    "AsymEAResult",
+    "assign_experts",
+    "forward_makespan",
+    "placement_from_counts",
+]

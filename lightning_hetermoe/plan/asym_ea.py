@@ -1,0 +1,217 @@
+"""Asymmetric expert assignment ("gather and squeeze"), derived from first principles.
+
+Setting: one ZP group, M attention members and N expert members, E experts in each of L
+layers. Per micro-batch and layer (forward only, as in the paper):
+
+* attention member ``i`` spends ``attn[i]`` on attention+router, plus ``attn_exp[i]``
+  per expert it hosts (a hosted expert serves the whole group's tokens for it);
+* expert member ``i`` spends ``exp[i]`` per expert it hosts.
+
+The layer's attention-side time is ``Ta_l = max_i(attn[i] + a_il·attn_exp[i])`` and its
+expert-side time ``Te_l = max_i(x_il·exp[i])``: every member waits for the slowest one
+in its role (the all-to-all gathers from all of them). Zebra overlaps the two sides, so
+the attention ranks idle for ``Te_l − Ta_l`` per layer (the bubble) when experts are
+slower, and this idle time carries through the pipeline from layer to layer.
+
+*Gather.* ``Te_l`` falls only when **every** expert member at the maximum gives up one
+expert. So the unit of offloading (a "chunk") is one expert from each most-loaded expert
+member. In the balanced case (E divisible by N, equal devices) that is N experts, one
+per expert rank.
+
+*Squeeze.* The chunk's experts go, one at a time, to the attention member whose time
+grows least (``attn[i] + (a_il+1)·attn_exp[i]``). With N experts over M attention ranks
+each attention rank takes N/M of them when M divides N; otherwise some take ⌈N/M⌉ and
+others ⌊N/M⌋. (The paper's printed formula swaps these two numbers: per chunk an expert
+rank gives 1 = n2 and an attention rank takes N/M = n1, not the other way round. Neither
+M | N nor N | M is needed here.)
+
+*When.* A chunk is worth moving iff the predicted forward time of the step falls: the
+bubble it removes on the expert side exceeds the work it adds on the attention side.
+Because bubbles carry over, we score a placement by the forward makespan of the zebra
+pipeline (a two-machine flow-shop recurrence over layers and micro-batches) and move,
+greedily, the chunk that lowers it most, until no chunk helps. If expert ranks are faster
+everywhere, no chunk helps and nothing moves; the more the bubble grows, the more chunks
+move.
+
+*Memory.* Expert members hold at most ``expert_capacity[i]`` experts (all layers), and
+attention members at most ``attn_capacity[i]`` (n_max in total). Experts that do not fit
+on expert members (n_min) are placed on attention members first; if they do not fit
+there either, the model does not fit the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AsymEAInput:
+    num_layers: int
+    num_experts: int
+    attn: list[float]  # per attention member, attention+router of one micro-batch
+    attn_exp: list[float]  # per attention member, one hosted expert on one micro-batch
+    exp: list[float]  # per expert member, one expert on one micro-batch
+    attn_capacity: list[int]  # per attention member, experts it can hold (all layers)
+    expert_capacity: list[int]  # per expert member
+    num_microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        if len(self.attn) != len(self.attn_exp) or len(self.attn) != len(self.attn_capacity):
+            raise ValueError("AsymEAInput: attention member lists differ in length")
+        if len(self.exp) != len(self.expert_capacity):
+            raise ValueError("AsymEAInput: expert member lists differ in length")
+        if not self.attn:
+            raise ValueError("AsymEAInput: no attention member")
+
+
+@dataclass
+class AsymEAResult:
+    # counts[member][layer]; members are attention members then expert members
+    counts: list[list[int]]
+    base_counts: list[list[int]]
+    n_min: int
+    n_max: int
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (layer, experts moved)
+    forward_time: float = 0.0
+    base_forward_time: float = 0.0
+
+    def offloaded(self, m: int) -> list[int]:
+        L = len(self.counts[0]) if self.counts else 0
+        return [sum(self.counts[i][l] for i in range(m)) for l in range(L)]
+
+
+def forward_makespan(ta: list[float], te: list[float], R: int) -> float:
+    """Forward time of the zebra pipeline with per-layer side times ``ta``/``te``.
+
+    Attention runs (l, j) after its previous task and after the experts returned (l-1, j);
+    experts run (l, j) after their previous task and after attention produced it.
+    """
+    a_end = 0.0
+    e_end = 0.0
+    prev_e = [0.0] * R
+    for l in range(len(ta)):
+        a_done = []
+        for j in range(R):
+            a_end = max(a_end, prev_e[j]) + ta[l]
+            a_done.append(a_end)
+        for j in range(R):
+            e_end = max(e_end, a_done[j]) + te[l]
+            prev_e[j] = e_end
+    return e_end
+
+
+def _side_times(inp: AsymEAInput, counts: list[list[int]]) -> tuple[list[float], list[float]]:
+    M = len(inp.attn)
+    ta, te = [], []
+    for l in range(inp.num_layers):
+        ta.append(max(inp.attn[i] + counts[i][l] * inp.attn_exp[i] for i in range(M)))
+        te.append(max((counts[M + i][l] * inp.exp[i] for i in range(len(inp.exp))), default=0.0))
+    return ta, te
+
+
+def assign_experts(inp: AsymEAInput, *, asym: bool = True) -> AsymEAResult:
+    """Whole-expert counts per member and layer; see the module docstring for the rule."""
+    L, E = inp.num_layers, inp.num_experts
+    M, N = len(inp.attn), len(inp.exp)
+    counts = [[0] * L for _ in range(M + N)]
+    used = [0] * (M + N)
+    cap = list(inp.attn_capacity) + list(inp.expert_capacity)
+    n_max = sum(max(c, 0) for c in inp.attn_capacity)
+    if sum(max(c, 0) for c in cap) < L * E:
+        raise ValueError(
+            f"experts exceed total memory: {L * E} experts ({L} layers x {E}) but the ZP group holds at most "
+            f"{sum(max(c, 0) for c in cap)} ({sum(max(c, 0) for c in inp.expert_capacity)} on expert ranks, "
+            f"{n_max} on attention ranks); add ranks or use more memory-rich GPUs"
+        )
+    # Base placement: expert e of every layer in turn (so forced moves spread over layers)
+    # to the expert member whose layer time grows least and that still has room.
+    n_min = 0
+    for e in range(E):
+        for l in range(L):
+            best = None
+            for i in range(N):
+                p = M + i
+                if used[p] < cap[p]:
+                    key = ((counts[p][l] + 1) * inp.exp[i], i)
+                    best = key if best is None or key < best else best
+            if best is not None:
+                p = M + best[1]
+            else:  # expert ranks are full: this expert must move (counts toward n_min)
+                n_min += 1
+                cand = [((inp.attn[i] + (counts[i][l] + 1) * inp.attn_exp[i]), i) for i in range(M) if used[i] < cap[i]]
+                p = min(cand)[1]
+            counts[p][l] += 1
+            used[p] += 1
+    base = [row[:] for row in counts]
+    R = max(1, inp.num_microbatches)
+    base_time = forward_makespan(*_side_times(inp, counts), R)
+    result = AsymEAResult(
+        counts=counts, base_counts=base, n_min=n_min, n_max=n_max, forward_time=base_time, base_forward_time=base_time
+    )
+    if not asym or N == 0:
+        return result
+
+    ta, te = _side_times(inp, counts)
+    current = base_time
+    while True:
+        best_move = None
+        for l in range(L):
+            col = [counts[p][l] for p in range(M + N)]
+            loads = [col[M + i] * inp.exp[i] for i in range(N)]
+            top = max(loads)
+            if top <= 0:
+                continue
+            gather = [M + i for i in range(N) if col[M + i] > 0 and loads[i] >= top * (1 - 1e-9)]
+            # squeeze: each gathered expert to the attention member whose time grows least
+            trial_used = used[:]
+            ok = True
+            for src in gather:
+                cand = [(inp.attn[i] + (col[i] + 1) * inp.attn_exp[i], i) for i in range(M) if trial_used[i] < cap[i]]
+                if not cand:
+                    ok = False
+                    break
+                dst = min(cand)[1]
+                col[src] -= 1
+                col[dst] += 1
+                trial_used[src] -= 1
+                trial_used[dst] += 1
+            if not ok:
+                continue
+            ta_l = max(inp.attn[i] + col[i] * inp.attn_exp[i] for i in range(M))
+            te_l = max(col[M + i] * inp.exp[i] for i in range(N))
+            old = ta[l], te[l]
+            ta[l], te[l] = ta_l, te_l
+            t = forward_makespan(ta, te, R)
+            ta[l], te[l] = old
+            if t < current * (1 - 1e-9) and (best_move is None or t < best_move[0]):
+                best_move = (t, l, col, trial_used, len(gather), ta_l, te_l)
+        if best_move is None:
+            break
+        current, l, col, used, moved, ta[l], te[l] = best_move
+        for p in range(M + N):
+            counts[p][l] = col[p]
+        result.chunks.append((l, moved))
+    result.counts = counts
+    result.forward_time = current
+    return result
+
+
+def placement_from_counts(counts: list[list[int]], num_experts: int, num_attention: int) -> list[list[int]]:
+    """``placement[layer][expert] -> member`` from ``counts[member][layer]``.
+
+    Expert members take the lowest expert ids in contiguous blocks (as EP would place
+    them); attention members take the highest ids: the offloaded experts.
+    """
+    n_members = len(counts)
+    L = len(counts[0]) if counts else 0
+    order = list(range(num_attention, n_members)) + list(range(num_attention))
+    out = []
+    for l in range(L):
+        placed = sum(counts[p][l] for p in range(n_members))
+        if placed != num_experts:
+            raise ValueError(f"layer {l}: counts place {placed} experts, expected {num_experts}")
+        row: list[int] = []
+        for p in order:
+            row += [p] * counts[p][l]
+        out.append(row)
+    return out

@@ -1,0 +1,211 @@
+"""The plan: who does what. A plain dataclass, JSON round trip, identical on every rank.
+
+Ranks are global ranks. Each ZP group lists its attention ranks then its expert ranks;
+``placement[layer][expert]`` is the *member index* in that list, the same for every ZP
+group (groups are data-parallel replicas), so ``zp_groups[g].members[placement[l][e]]``
+is the global rank that holds expert ``e`` of layer ``l`` in group ``g``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+ROLES = ("attention", "expert")
+
+
+@dataclass
+class ZPGroup:
+    attention_ranks: list[int]
+    expert_ranks: list[int]
+
+    @property
+    def members(self) -> list[int]:
+        return list(self.attention_ranks) + list(self.expert_ranks)
+
+
+@dataclass
+class Plan:
+    model: str
+    cluster: str
+    seq_len: int
+    devices: list[str]
+    roles: list[str]
+    zp_groups: list[ZPGroup]
+    num_microbatches: int
+    # sequences per step on each global rank (0 on expert ranks)
+    seqs_per_rank: list[int]
+    # placement[layer][expert] -> member index within a ZP group
+    placement: list[list[int]]
+    schedule: str = "zebra"
+    asym_ea: bool = True
+    # experts per ZP group that expert ranks could not hold (had to move), and at most how
+    # many the attention ranks of a group can hold
+    n_min: int = 0
+    n_max: int = 0
+    # placement without Asym-EA, [member][layer] counts (DistEP baseline)
+    base_counts: list[list[int]] = field(default_factory=list)
+    distep_microbatches: int = 1
+    # schedule -> {"step_time_s": ..., "tokens_per_s": ...}
+    predicted: dict[str, dict[str, float]] = field(default_factory=dict)
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        self.zp_groups = [g if isinstance(g, ZPGroup) else ZPGroup(**g) for g in self.zp_groups]
+        self.validate()
+
+    # ---- checks --------------------------------------------------------------------------
+    def validate(self) -> None:
+        W = len(self.devices)
+        if W == 0:
+            raise ValueError("Plan: empty cluster")
+        if len(self.roles) != W or len(self.seqs_per_rank) != W:
+            raise ValueError("Plan: devices, roles and seqs_per_rank need one entry per rank")
+        bad = [r for r in self.roles if r not in ROLES]
+        if bad:
+            raise ValueError(f"Plan: unknown role(s) {bad}; roles are {ROLES}")
+        seen: list[int] = []
+        for g in self.zp_groups:
+            seen += g.members
+            for r in g.attention_ranks:
+                if self.roles[r] != "attention":
+                    raise ValueError(f"Plan: rank {r} is listed as attention rank but has role {self.roles[r]}")
+            for r in g.expert_ranks:
+                if self.roles[r] != "expert":
+                    raise ValueError(f"Plan: rank {r} is listed as expert rank but has role {self.roles[r]}")
+            if not g.attention_ranks:
+                raise ValueError("Plan: a ZP group has no attention rank")
+        if sorted(seen) != list(range(W)):
+            raise ValueError(f"Plan: ZP groups must cover every rank exactly once, got {sorted(seen)}")
+        size = len(self.zp_groups[0].members)
+        for l, row in enumerate(self.placement):
+            for e, p in enumerate(row):
+                if not 0 <= p < size:
+                    raise ValueError(f"Plan: expert {e} of layer {l} is placed on member {p}, group has {size}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"Plan: num_microbatches={self.num_microbatches} must be >= 1")
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def attention_ranks(self) -> list[int]:
+        return [r for r, role in enumerate(self.roles) if role == "attention"]
+
+    @property
+    def expert_ranks(self) -> list[int]:
+        return [r for r, role in enumerate(self.roles) if role == "expert"]
+
+    @property
+    def total_seqs(self) -> int:
+        return sum(self.seqs_per_rank)
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.total_seqs * self.seq_len
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.placement)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.placement[0]) if self.placement else 0
+
+    def group_of(self, rank: int) -> int:
+        for g, grp in enumerate(self.zp_groups):
+            if rank in grp.members:
+                return g
+        raise ValueError(f"rank {rank} is in no ZP group")
+
+    def owner(self, group: int, layer: int, expert: int) -> int:
+        """Global rank holding ``expert`` of ``layer`` in ZP group ``group``."""
+        return self.zp_groups[group].members[self.placement[layer][expert]]
+
+    def experts_on(self, rank: int, layer: int) -> list[int]:
+        grp = self.zp_groups[self.group_of(rank)]
+        p = grp.members.index(rank)
+        return [e for e, q in enumerate(self.placement[layer]) if q == p]
+
+    def expert_counts(self, group: int = 0) -> list[list[int]]:
+        """``[member][layer]`` number of experts each member of a group holds."""
+        size = len(self.zp_groups[group].members)
+        out = [[0] * self.num_layers for _ in range(size)]
+        for l, row in enumerate(self.placement):
+            for p in row:
+                out[p][l] += 1
+        return out
+
+    def offloaded(self) -> list[int]:
+        """Per layer, experts held by attention ranks (Asym-EA) in one ZP group."""
+        m = len(self.zp_groups[0].attention_ranks)
+        return [sum(1 for p in row if p < m) for row in self.placement]
+
+    def microbatch_seqs(self, rank: int) -> list[int]:
+        from ..simulate.schedules import split_microbatches
+
+        return split_microbatches(self.seqs_per_rank[rank], self.num_microbatches)
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        return cls(**dict(d))
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "Plan":
+        text = text_or_path
+        if not text.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))
+
+    # ---- printing ------------------------------------------------------------------------
+    def __str__(self) -> str:
+        g0 = self.zp_groups[0]
+        M, N = len(g0.attention_ranks), len(g0.expert_ranks)
+        lines = [
+            f"HeterMoE plan: model {self.model} on cluster {self.cluster} ({self.world_size} ranks), "
+            f"schedule {self.schedule}",
+            f"  seq_len {self.seq_len}, {self.total_seqs} sequences/step ({self.global_batch_tokens:,} tokens), "
+            f"R = {self.num_microbatches} micro-batches",
+            f"  {len(self.zp_groups)} ZP group(s) of {M} attention + {N} expert ranks"
+            + (
+                "; no expert ranks: experts sharded over the attention ranks (EP layout, zebra overlap)"
+                if N == 0
+                else f"; experts/layer on attention ranks (Asym-EA): {self.offloaded()}"
+            )
+            + f" (n_min {self.n_min}, n_max {self.n_max})",
+            "",
+            f"  {'rank':>4}  {'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer",
+        ]
+        for r in range(self.world_size):
+            g = self.group_of(r)
+            per_layer = [len(self.experts_on(r, l)) for l in range(self.num_layers)]
+            lines.append(
+                f"  {r:>4}  {self.devices[r]:<8} {self.roles[r]:<9} {g:>2}  {self.seqs_per_rank[r]:>4}  "
+                + " ".join(f"{c:>2}" for c in per_layer)
+            )
+        if self.predicted:
+            base = self.predicted.get(self.schedule, {}).get("tokens_per_s")
+            lines += ["", f"  {'schedule':<12} {'step (s)':>10} {'tokens/s':>12} {self.schedule + ' gain':>11}"]
+            for name, p in self.predicted.items():
+                tps, step = p.get("tokens_per_s"), p.get("step_time_s")
+                if not tps or not step:
+                    lines.append(f"  {name:<12} {'does not fit':>23} {'n/a':>11}")
+                    continue
+                rel = f"{base / tps:>10.2f}x" if base else f"{'n/a':>11}"
+                lines.append(f"  {name:<12} {step:>10.3f} {tps:>12,.0f} {rel}")
+        return "\n".join(lines)

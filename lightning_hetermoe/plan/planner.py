@@ -1,0 +1,395 @@
+"""The planner: roles, ZP groups, micro-batch count and expert placement for a cluster.
+
+Search, each candidate scored by the step simulator (zebra schedule):
+
+1. **Roles.** Ranks are ordered by *attention affinity*: (expert time per token) /
+   (attention time per token) on that device, highest first; a new GPU with
+   FlashAttention is relatively much better at attention than at GEMMs. The first M
+   ranks become attention ranks, for every M (any number of device tiers works: H100 +
+   A40 + V100 just yields more cut points). Ranks that cannot hold the attention stack
+   are never attention ranks.
+2. **ZP groups.** G identical groups, G dividing the count of every device kind in both
+   roles; groups are data-parallel replicas, each holding all experts.
+3. **Micro-batches.** R from the fewest that fit in memory (the working set shrinks with
+   the micro-batch) up to the sequences an attention rank has (micro-batches hold whole
+   sequences).
+4. **Placement.** Experts per member and layer with Asym-EA (see ``asym_ea.py``).
+
+A cheap first pass (one R per role split) keeps the two best splits; the full G × R
+search runs on those. Everything is deterministic, so every rank computes the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..cluster.config import ClusterConfig, LinkConfig
+from ..cluster.devices import DeviceSpec, get_device, resolve_cluster
+from ..config import ModelConfig, from_cfg
+from ..profile.cost_model import CostModel
+from ..profile.memory import MemoryModel
+from ..profile.profile import Profile
+from ..profile.timer import make_timer
+from ..simulate.schedules import SCHEDULES, apportion, ep_speed, simulate_plan
+from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
+from .plan import Plan, ZPGroup
+
+R_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class ClusterView:
+    name: str
+    devices: list[DeviceSpec]
+    link: LinkConfig
+
+
+def as_cluster(cluster: Any) -> ClusterView:
+    """ClusterConfig / dict / list of device names or specs -> name, specs, link."""
+    if isinstance(cluster, ClusterView):
+        return cluster
+    if isinstance(cluster, (list, tuple)):
+        if not cluster:
+            raise ValueError("empty cluster: name at least one device")
+        devs = [get_device(d) for d in cluster]
+        return ClusterView("custom", devs, LinkConfig())
+    if not isinstance(cluster, ClusterConfig):
+        cluster = from_cfg(ClusterConfig, cluster)
+    return ClusterView(cluster.name, resolve_cluster(cluster), cluster.link)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Search:
+    def __init__(
+        self,
+        view: ClusterView,
+        model: ModelConfig,
+        seq_len: int,
+        total_seqs: int,
+        timer,
+        asym: bool,
+        max_microbatches: int,
+    ):
+        self.view, self.model, self.S, self.total = view, model, seq_len, total_seqs
+        self.timer, self.asym, self.max_R = timer, asym, max_microbatches
+        self.mem = MemoryModel(model)
+        self.devs = view.devices
+        self.profile: Profile | None = getattr(timer, "profile", None)
+        self.last_error = ""
+        self.errors: list[str] = []
+
+    # ---- building blocks -----------------------------------------------------------------
+    def role_order(self) -> list[int]:
+        t = self.timer
+        S = self.S
+
+        def affinity(d: DeviceSpec) -> float:
+            return (t.expert(d, 4096) / 4096) / (t.attention(d, S) / S)
+
+        holdable = [r for r, d in enumerate(self.devs) if self.mem.attention_fits(d, tokens_in_flight=S, mb_tokens=S)]
+        if not holdable:
+            need = self.mem.attention_bytes(tokens_in_flight=S, mb_tokens=S) / 1e9
+            raise ValueError(
+                f"no rank can hold the attention stack: it needs {need:.1f} GB with one sequence of {S} tokens, "
+                f"the largest device has {max(d.usable_bytes for d in self.devs) / 1e9:.1f} GB usable"
+            )
+        key = {r: (-affinity(self.devs[r]), -ep_speed(self.devs[r], t, self.model, S), r) for r in holdable}
+        rest = [r for r in range(len(self.devs)) if r not in key]
+        return sorted(key, key=key.get) + rest
+
+    def groups(self, attn: list[int], expert: list[int], G: int) -> list[ZPGroup] | None:
+        def split(ranks: list[int]) -> list[list[int]] | None:
+            by_kind: dict[str, list[int]] = {}
+            for r in ranks:
+                by_kind.setdefault(self.devs[r].name, []).append(r)
+            if any(len(v) % G for v in by_kind.values()):
+                return None
+            out: list[list[int]] = [[] for _ in range(G)]
+            for kind in sorted(by_kind):
+                for i, r in enumerate(sorted(by_kind[kind])):
+                    out[i % G].append(r)
+            return out
+
+        a, e = split(attn), split(expert)
+        if a is None or e is None:
+            return None
+        return [ZPGroup(attention_ranks=a[g], expert_ranks=e[g]) for g in range(G)]
+
+    def candidate(self, order: list[int], M: int, G: int, R: int) -> Plan | None:
+        """A full plan for (M attention ranks, G groups, R micro-batches), or None if it does not fit."""
+        m, S, devs = self.model, self.S, self.devs
+        attn, expert = sorted(order[:M]), sorted(order[M:])
+        groups = self.groups(attn, expert, G)
+        if groups is None:
+            return None
+        group_seqs = self.total // G
+        if group_seqs < 1:
+            self.last_error = f"{self.total} sequences cannot feed {G} ZP groups"
+            return None
+        g0 = groups[0]
+        speeds = [ep_speed(devs[r], self.timer, m, S) for r in g0.attention_ranks]
+        member_seqs = apportion(group_seqs, speeds)
+        if R > max(member_seqs):
+            return None
+        k, E, L = m.moe.top_k, m.moe.num_experts, m.n_layers
+        group_tokens = group_seqs * S
+        mb_group_tokens = group_tokens / R
+        per_expert_flight = group_tokens * k / E
+        per_expert_mb = math.ceil(group_seqs / R) * S * k / E
+        attn_cap, attn_t, attn_xt = [], [], []
+        for r, s in zip(g0.attention_ranks, member_seqs):
+            cap = self.mem.expert_capacity(
+                devs[r],
+                tokens_in_flight_per_expert=per_expert_flight,
+                mb_tokens_per_expert=per_expert_mb,
+                attention_tokens_in_flight=s * S,
+                attention_mb_tokens=math.ceil(s / R) * S,
+                holds_attention=True,
+            )
+            if cap < 0:
+                self.last_error = (
+                    f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations of "
+                    f"{s} sequences of {S} tokens"
+                )
+                return None
+            attn_cap.append(self.profile_cap(devs[r], cap, "attention"))
+            attn_t.append(self.timer.attention(devs[r], s * S / R))
+            attn_xt.append(self.timer.expert(devs[r], mb_group_tokens * k / E))
+        exp_cap = [
+            self.profile_cap(
+                devs[r],
+                max(
+                    self.mem.expert_capacity(
+                        devs[r], tokens_in_flight_per_expert=per_expert_flight, mb_tokens_per_expert=per_expert_mb
+                    ),
+                    0,
+                ),
+                "expert",
+            )
+            for r in g0.expert_ranks
+        ]
+        exp_t = [self.timer.expert(devs[r], mb_group_tokens * k / E) for r in g0.expert_ranks]
+        try:
+            res = assign_experts(
+                AsymEAInput(L, E, attn_t, attn_xt, exp_t, attn_cap, exp_cap, num_microbatches=min(R, 4)),
+                asym=self.asym,
+            )
+        except ValueError as err:
+            self.last_error = str(err)
+            return None
+        M_g = len(g0.attention_ranks)
+        roles = ["attention" if r in attn else "expert" for r in range(len(devs))]
+        seqs = [0] * len(devs)
+        for grp in groups:
+            for r, s in zip(grp.attention_ranks, member_seqs):
+                seqs[r] = s
+        plan = Plan(
+            model=m.name,
+            cluster=self.view.name,
+            seq_len=S,
+            devices=[d.name for d in devs],
+            roles=roles,
+            zp_groups=groups,
+            num_microbatches=R,
+            seqs_per_rank=seqs,
+            placement=placement_from_counts(res.counts, E, M_g),
+            asym_ea=self.asym,
+            n_min=res.n_min,
+            n_max=res.n_max,
+            base_counts=res.base_counts,
+            distep_microbatches=self.distep_R(g0, member_seqs, res.base_counts, group_seqs),
+        )
+        return plan
+
+    def profile_cap(self, dev: DeviceSpec, modelled: int, role: str) -> int:
+        """A measured capacity (profile) bounds the modelled one: the smaller wins."""
+        if self.profile is None or dev.name not in self.profile.devices:
+            return modelled
+        dp = self.profile.get(dev.name)
+        measured = dp.max_experts_attention if role == "attention" else dp.max_experts_expert
+        return modelled if measured is None else min(modelled, max(int(measured), 0))
+
+    def distep_R(self, g0: ZPGroup, member_seqs: list[int], base: list[list[int]], group_seqs: int) -> int:
+        """Fewest micro-batches DistEP needs (one micro-batch of activations in flight)."""
+        m, S = self.model, self.S
+        k, E = m.moe.top_k, m.moe.num_experts
+        for R in range(1, max(member_seqs) + 1):
+            per_exp = math.ceil(group_seqs / R) * S * k / E
+            ok = True
+            for p, r in enumerate(g0.members):
+                dev = self.devs[r]
+                if p < len(g0.attention_ranks):
+                    mb = math.ceil(member_seqs[p] / R) * S
+                    cap = self.mem.expert_capacity(
+                        dev,
+                        tokens_in_flight_per_expert=per_exp,
+                        mb_tokens_per_expert=per_exp,
+                        attention_tokens_in_flight=mb,
+                        attention_mb_tokens=mb,
+                        holds_attention=True,
+                    )
+                else:
+                    cap = self.mem.expert_capacity(
+                        dev, tokens_in_flight_per_expert=per_exp, mb_tokens_per_expert=per_exp
+                    )
+                if cap < sum(base[p]):
+                    ok = False
+                    break
+            if ok:
+                return R
+        return max(member_seqs)
+
+    def _sim(self, plan: Plan) -> float:
+        return simulate_plan(
+            plan, self.devs, self.model, self.view.link, self.timer, schedule="zebra", keep_timeline=False
+        ).step_time
+
+    def score(self, plan: Plan) -> float:
+        """Simulated zebra step time. Asym-EA's greedy scores forward times only; if the full
+        step (backward, LM head, transfers) says its moves do not pay, the plan falls back to
+        the base placement (nothing offloaded beyond what memory forces)."""
+        t = self._sim(plan)
+        if plan.asym_ea and plan.base_counts and plan.expert_counts(0) != plan.base_counts:
+            m_att = len(plan.zp_groups[0].attention_ranks)
+            base_placement = placement_from_counts(plan.base_counts, self.model.moe.num_experts, m_att)
+            saved = plan.placement
+            plan.placement = base_placement
+            t_base = self._sim(plan)
+            if t_base < t:
+                return t_base
+            plan.placement = saved
+        return t
+
+    def r_values(self) -> list[int]:
+        return [r for r in R_CANDIDATES if r <= self.max_R] or [1]
+
+
+def make_plan(
+    cluster: Any,
+    model: ModelConfig | dict,
+    *,
+    seq_len: int,
+    global_batch_tokens: int,
+    profile: Profile | None = None,
+    cost_model: CostModel | None = None,
+    asym_ea: bool = True,
+    num_microbatches: int | None = None,
+    max_microbatches: int = 16,
+    num_attention_ranks: int | None = None,
+    num_zp_groups: int | None = None,
+    require_expert_ranks: bool = False,
+    schedules: Sequence[str] = SCHEDULES,
+) -> Plan:
+    """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``.
+
+    ``profile`` (measured times) replaces the cost model when given. ``num_microbatches``,
+    ``num_attention_ranks`` and ``num_zp_groups`` pin a choice instead of searching it.
+    The search may give every rank the attention role (experts sharded over them: the EP
+    layout, still with zebra's micro-batch overlap) when that is fastest; with
+    ``require_expert_ranks`` at least one rank per ZP group serves experts only.
+    The returned plan carries the predicted step time and tokens/s of every schedule in
+    ``schedules`` (``None`` plus an ``error`` where a baseline does not fit in memory).
+    """
+    model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
+    view = as_cluster(cluster)
+    if not view.devices:
+        raise ValueError("empty cluster: name at least one device")
+    if seq_len < 1 or seq_len > model.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} is invalid: must be in [1, model.max_seq_len={model.max_seq_len}]")
+    total = global_batch_tokens // seq_len
+    if total < 1:
+        raise ValueError(f"global_batch_tokens={global_batch_tokens} is smaller than one sequence of {seq_len} tokens")
+    timer = make_timer(model, seq_len, profile, cost_model)
+    search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches)
+    W = len(view.devices)
+    mem = search.mem
+    need_experts = model.n_layers * model.moe.num_experts * mem.expert_params() * mem.bytes_per_param
+    need = need_experts + mem.attention_stack_params() * mem.bytes_per_param
+    have = sum(d.usable_bytes for d in view.devices)
+    if need > have:
+        raise ValueError(
+            f"experts exceed total memory: model state needs {need / 1e9:.1f} GB "
+            f"({model.n_layers}x{model.moe.num_experts} experts = {need_experts / 1e9:.1f} GB), "
+            f"the cluster has {have / 1e9:.1f} GB usable"
+        )
+    order = search.role_order()
+    n_holdable = sum(
+        1 for r in order if mem.attention_fits(view.devices[r], tokens_in_flight=seq_len, mb_tokens=seq_len)
+    )
+    if num_attention_ranks is not None:
+        if not 1 <= num_attention_ranks <= n_holdable:
+            raise ValueError(f"num_attention_ranks={num_attention_ranks} must be in [1, {n_holdable}]")
+        Ms = [num_attention_ranks]
+    else:
+        top = min(n_holdable, W - 1) if require_expert_ranks else n_holdable
+        if require_expert_ranks and top < 1:
+            raise ValueError(f"require_expert_ranks needs at least 2 ranks with one able to attend, cluster has {W}")
+        Ms = list(range(1, top + 1)) if W > 1 else [1]
+    Rs = [num_microbatches] if num_microbatches else search.r_values()
+
+    def best_for(M: int, Gs: list[int], R_list: list[int]) -> tuple[float, Plan] | None:
+        best = None
+        for G in Gs:
+            local, worse = None, 0
+            for R in R_list:  # ascending; stop once two larger R in a row do not help
+                plan = search.candidate(order, M, G, R)
+                if plan is None:
+                    if search.last_error:
+                        search.errors.append(search.last_error)
+                        search.last_error = ""
+                    continue
+                t = search.score(plan)
+                if local is None or t < local * (1 - 1e-9):
+                    local, worse = t, 0
+                else:
+                    worse += 1
+                    if worse >= 2:
+                        break
+                if best is None or t < best[0] * (1 - 1e-9):
+                    best = (t, plan)
+        return best
+
+    def g_values(M: int) -> list[int]:
+        if num_zp_groups is not None:
+            return [num_zp_groups]
+        return _divisors(math.gcd(M, W - M) if W - M else M)
+
+    # pass 1: each role split with one group and a mid-size R
+    first = []
+    probe = [r for r in Rs if r <= 2][-1:] or Rs[:1]
+    for M in Ms:
+        got = best_for(M, [num_zp_groups or 1], probe) or best_for(M, [num_zp_groups or 1], Rs)
+        if got is not None:
+            first.append((got[0], M))
+    if not first:
+        seen = list(dict.fromkeys(search.errors))[:3]
+        raise ValueError(f"no feasible plan for {model.name} on {view.name}: " + ("; ".join(seen) or "nothing fits"))
+    first.sort()
+    best = None
+    for _, M in first[:2]:
+        got = best_for(M, g_values(M), Rs)
+        if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
+            best = got
+    assert best is not None
+    plan = best[1]
+    plan.predicted = predict(plan, view, model, timer, schedules)
+    return plan
+
+
+def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES) -> dict:
+    """Step time and tokens/s of ``plan`` under each schedule (NaN where it does not fit)."""
+    view = as_cluster(cluster)
+    out: dict[str, dict[str, float]] = {}
+    for s in schedules:
+        try:
+            res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=s, keep_timeline=False)
+            out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
+        except ValueError as err:
+            # None, not NaN: the plan stays valid JSON and compares equal to its round trip
+            out[s] = {"step_time_s": None, "tokens_per_s": None, "error": str(err)}
+    return out

@@ -1,0 +1,86 @@
+"""One interface for task durations, backed by a measured Profile or by the CostModel.
+
+The planner and the simulator ask a :class:`TaskTimer` and never care where numbers come
+from: :class:`CostModelTimer` computes them, :class:`ProfileTimer` interpolates measured
+ones (and falls back to the cost model for what the profiler does not measure: the LM
+head, the optimizer step, the network).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..cluster.config import LinkConfig
+from ..cluster.devices import DeviceSpec
+from ..config import ModelConfig
+from .cost_model import CostModel
+from .profile import Profile
+
+
+@dataclass(frozen=True)
+class CostModelTimer:
+    model: ModelConfig
+    seq_len: int
+    cost: CostModel = field(default_factory=CostModel)
+
+    def attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        m = self.model
+        return self.cost.attention_time(
+            dev,
+            tokens=tokens,
+            seq_len=self.seq_len,
+            d_model=m.d_model,
+            n_heads=m.n_heads,
+            num_experts=m.moe.num_experts,
+            backward=backward,
+        )
+
+    def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        m = self.model
+        return self.cost.expert_time(
+            dev, tokens=tokens, d_model=m.d_model, d_ff=m.moe.d_ff, activation=m.moe.activation, backward=backward
+        )
+
+    def head(self, dev: DeviceSpec, tokens: float) -> float:
+        return self.cost.head_time(dev, tokens=tokens, d_model=self.model.d_model, vocab_size=self.model.vocab_size)
+
+    def optimizer(self, dev: DeviceSpec, n_params: float) -> float:
+        return self.cost.optimizer_time(dev, n_params)
+
+    def comm(self, nbytes: float, link: LinkConfig) -> float:
+        return self.cost.comm_time(nbytes, link)
+
+    def allreduce(self, nbytes: float, n_ranks: int, link: LinkConfig) -> float:
+        return self.cost.allreduce_time(nbytes, n_ranks, link)
+
+
+@dataclass(frozen=True)
+class ProfileTimer(CostModelTimer):
+    """Measured attention/expert/head times; cost model for the rest."""
+
+    profile: Profile | None = None
+
+    def __post_init__(self) -> None:
+        if self.profile is None:
+            raise ValueError("ProfileTimer needs a profile")
+        if self.profile.seq_len != self.seq_len:
+            raise ValueError(
+                f"profile was measured at seq_len={self.profile.seq_len}, the plan asks for {self.seq_len}: re-profile"
+            )
+
+    def attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        return self.profile.get(dev.name).attention(tokens, backward)
+
+    def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        return self.profile.get(dev.name).expert(tokens, backward)
+
+    def head(self, dev: DeviceSpec, tokens: float) -> float:
+        measured = self.profile.get(dev.name).head(tokens)
+        return measured if measured is not None else super().head(dev, tokens)
+
+
+def make_timer(model: ModelConfig, seq_len: int, profile: Profile | None = None, cost: CostModel | None = None):
+    cost = cost or CostModel()
+    if profile is not None:
+        return ProfileTimer(model=model, seq_len=seq_len, cost=cost, profile=profile)
+    return CostModelTimer(model=model, seq_len=seq_len, cost=cost)

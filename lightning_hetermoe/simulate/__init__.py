@@ -1,0 +1,37 @@
+"""Discrete-event simulation of one training step under a plan and a schedule."""
+
+from .engine import Task, Timeline, run_dag
+from .gantt import draw_gantt
+from .schedules import (
+    SCHEDULES,
+    apportion,
+    ep_setup,
+    make_lanes,
+    plan_setup,
+    simulate_ep,
+    simulate_ep_ideal,
+    simulate_plan,
+    split_microbatches,
+)
+from .step import Lane, StepResult, StepSetup, build_tasks, simulate_step
+
+__all__ = [
+    "SCHEDULES",
+    "Task",
+    "Timeline",
+    "run_dag",
+    "Lane",
+    "StepSetup",
+    "StepResult",
+    "build_tasks",
+    "simulate_step",
+    "simulate_plan",
+    "simulate_ep",
+    "simulate_ep_ideal",
+    "ep_setup",
+    "plan_setup",
+    "make_lanes",
+    "apportion",
+    "split_microbatches",
+    "draw_gantt",
+]

@@ -1,0 +1,241 @@
+"""The five schedules the simulator compares, built from a plan or a bare device list.
+
+* ``zebra``: disaggregated roles (attention ranks / expert ranks), R micro-batches that
+  overlap (Theorem-1 order), Asym-EA placement: the plan as it would run.
+* ``distep``: the same roles but no micro-batch overlap and no Asym-EA; micro-batches
+  run one after another (gradient accumulation), so attention and expert ranks take
+  turns.
+* ``ep``: every rank holds attention and ``E/W`` experts per layer and gets an equal share
+  of the batch; all-to-alls are synchronous, so the slowest rank sets the pace.
+* ``ep_balanced``: EP with each rank's share of sequences proportional to its speed.
+* ``ep_ideal``: each device kind trains alone as its own EP job on its share of the
+  batch; the throughputs are summed (EP(Ideal) in the paper).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from ..cluster.config import LinkConfig
+from ..cluster.devices import DeviceSpec
+from ..config import ModelConfig
+from ..profile.memory import MemoryModel
+from .step import Lane, StepResult, StepSetup, simulate_step
+
+SCHEDULES = ("zebra", "distep", "ep", "ep_balanced", "ep_ideal")
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """Split ``total`` whole units in proportion to ``weights`` (largest remainder)."""
+    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"apportion: cannot split {total} over weights {list(weights)}")
+    s = sum(weights)
+    raw = [total * w / s for w in weights]
+    out = [math.floor(x) for x in raw]
+    order = sorted(range(len(raw)), key=lambda i: (-(raw[i] - out[i]), i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def split_microbatches(n_seqs: int, R: int) -> list[int]:
+    """``n_seqs`` whole sequences over ``R`` micro-batches, sizes differing by at most one."""
+    base, extra = divmod(n_seqs, R)
+    return [base + (1 if j < extra else 0) for j in range(R)]
+
+
+def make_lanes(members: list[tuple[int, DeviceSpec, str, list[int], list[int]]]) -> list[Lane]:
+    """Merge ranks ``(rank, device, role, seqs_per_mb, experts_per_layer)`` that behave alike."""
+    lanes: dict[tuple, Lane] = {}
+    for rank, dev, role, seqs, experts in members:
+        key = (dev, role, tuple(seqs), tuple(experts))
+        if key in lanes:
+            lanes[key].ranks.append(rank)
+        else:
+            lanes[key] = Lane(device=dev, ranks=[rank], seqs=list(seqs), experts=list(experts), role=role)
+    return list(lanes.values())
+
+
+def even_experts(num_experts: int, n_ranks: int, n_layers: int) -> list[list[int]]:
+    """Per-rank per-layer expert counts, spread as evenly as whole experts allow."""
+    out = [[0] * n_layers for _ in range(n_ranks)]
+    for l in range(n_layers):
+        # rotate the ranks that get the extra expert so totals stay balanced across layers
+        counts = split_microbatches(num_experts, n_ranks)
+        for r in range(n_ranks):
+            out[(r + l) % n_ranks][l] = counts[r]
+    return out
+
+
+# ---- EP --------------------------------------------------------------------------------
+def _ep_min_microbatches(
+    devs: Sequence[DeviceSpec], seqs: Sequence[int], experts: Sequence[Sequence[int]], model: ModelConfig, seq_len: int
+) -> int | None:
+    """Fewest micro-batches with which every EP rank fits (one micro-batch in flight)."""
+    mem = MemoryModel(model)
+    k, E = model.moe.top_k, model.moe.num_experts
+    for R in range(1, max(seqs) + 1):
+        mbs = [math.ceil(s / R) for s in seqs]
+        group_mb = sum(mbs) * seq_len
+        ok = True
+        for dev, mb, ex in zip(devs, mbs, experts):
+            need = mem.attention_bytes(tokens_in_flight=mb * seq_len, mb_tokens=mb * seq_len)
+            need += sum(ex) * mem.expert_bytes(tokens_in_flight_per_expert=group_mb * k / E)
+            need += mem.expert_working_bytes(group_mb * k / E)
+            if need > dev.usable_bytes:
+                ok = False
+                break
+        if ok:
+            return R
+    return None
+
+
+def ep_speed(dev: DeviceSpec, timer, model: ModelConfig, seq_len: int) -> float:
+    """Sequences per second of attention work (all layers, forward+backward, LM head) on ``dev``.
+
+    In EP the experts stay evenly spread, so a rank's expert work does not depend on its
+    share of the batch; only the attention side can be balanced by the split.
+    """
+    L = model.n_layers
+    per_seq = L * (timer.attention(dev, seq_len) + timer.attention(dev, seq_len, backward=True))
+    return 1.0 / (per_seq + timer.head(dev, seq_len))
+
+
+def ep_setup(
+    devs: Sequence[DeviceSpec],
+    model: ModelConfig,
+    *,
+    seq_len: int,
+    total_seqs: int,
+    link: LinkConfig,
+    timer,
+    balanced: bool = False,
+    ranks: Sequence[int] | None = None,
+    num_microbatches: int | None = None,
+) -> StepSetup:
+    W = len(devs)
+    if W == 0:
+        raise ValueError("EP needs at least one rank")
+    ranks = list(ranks) if ranks is not None else list(range(W))
+    if balanced:
+        seqs = apportion(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
+    else:
+        seqs = apportion(total_seqs, [1.0] * W)
+    experts = even_experts(model.moe.num_experts, W, model.n_layers)
+    R = num_microbatches or _ep_min_microbatches(devs, seqs, experts, model, seq_len)
+    if R is None:
+        raise ValueError(
+            f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
+        )
+    members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i]) for i in range(W)]
+    return StepSetup(
+        lanes=make_lanes(members),
+        model=model,
+        seq_len=seq_len,
+        num_microbatches=R,
+        link=link,
+        overlap=False,
+        replicas=1,
+        attention_dp=W,
+    )
+
+
+def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True) -> StepResult:
+    setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer, balanced=balanced)
+    return simulate_step(setup, timer, "ep_balanced" if balanced else "ep", keep_timeline=keep_timeline)
+
+
+def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepResult:
+    """Each device kind runs EP alone on its rank share of the batch; throughputs add up."""
+    kinds: dict[str, list[int]] = {}
+    for r, d in enumerate(devs):
+        kinds.setdefault(d.name, []).append(r)
+    shares = apportion(total_seqs, [len(v) for v in kinds.values()])
+    tokens, tps = 0, 0.0
+    busy: dict[int, float] = {}
+    devices: dict[int, str] = {}
+    bubbles: dict[str, Any] = {}
+    lanes: list[str] = []
+    subs = []
+    for (name, ranks), share in zip(kinds.items(), shares):
+        if share == 0:
+            continue
+        sub_devs = [devs[r] for r in ranks]
+        setup = ep_setup(sub_devs, model, seq_len=seq_len, total_seqs=share, link=link, timer=timer, ranks=ranks)
+        res = simulate_step(setup, timer, "ep", keep_timeline=False)
+        subs.append(res)
+        tokens += res.tokens
+        tps += res.tokens_per_s
+        bubbles.update(res.bubbles)
+        lanes += res.lanes
+        for r in ranks:
+            devices[r] = name
+            busy[r] = res.busy[r] / res.step_time  # utilisation; rescaled below
+    step = tokens / tps
+    busy = {r: u * step for r, u in busy.items()}
+    idle = {r: step - b for r, b in busy.items()}
+    return StepResult(
+        schedule="ep_ideal",
+        step_time=step,
+        tokens=tokens,
+        busy=busy,
+        idle=idle,
+        devices=devices,
+        bubbles=bubbles,
+        lanes=lanes,
+        num_microbatches=max(s.num_microbatches for s in subs),
+    )
+
+
+# ---- plans -----------------------------------------------------------------------------
+def plan_setup(
+    plan, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig, *, schedule: str = "zebra"
+) -> StepSetup:
+    """The first ZP group of ``plan`` (all groups are identical) as a StepSetup."""
+    group = plan.zp_groups[0]
+    L = model.n_layers
+    counts = plan.expert_counts(0)  # [member][layer]
+    if schedule == "distep":
+        counts = plan.base_counts if plan.base_counts else counts
+        R = plan.distep_microbatches or 1
+    elif schedule == "zebra":
+        R = plan.num_microbatches
+    else:
+        raise ValueError(f"plan_setup: schedule {schedule!r} is not disaggregated")
+    members = []
+    for p, rank in enumerate(group.members):
+        role = plan.roles[rank]
+        seqs = split_microbatches(plan.seqs_per_rank[rank], R) if role == "attention" else []
+        members.append((rank, devs[rank], role, seqs, counts[p] if counts else [0] * L))
+    return StepSetup(
+        lanes=make_lanes(members),
+        model=model,
+        seq_len=plan.seq_len,
+        num_microbatches=R,
+        link=link,
+        overlap=(schedule == "zebra"),
+        replicas=len(plan.zp_groups),
+        attention_dp=len(plan.attention_ranks),
+    )
+
+
+def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
+    """Predict one step of ``plan`` under ``schedule`` (one of :data:`SCHEDULES`)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
+    total = plan.total_seqs
+    if schedule in ("zebra", "distep"):
+        return simulate_step(plan_setup(plan, devs, model, link, schedule=schedule), timer, schedule, keep_timeline)
+    if schedule == "ep_ideal":
+        return simulate_ep_ideal(devs, model, seq_len=plan.seq_len, total_seqs=total, link=link, timer=timer)
+    return simulate_ep(
+        devs,
+        model,
+        seq_len=plan.seq_len,
+        total_seqs=total,
+        link=link,
+        timer=timer,
+        balanced=(schedule == "ep_balanced"),
+        keep_timeline=keep_timeline,
+    )

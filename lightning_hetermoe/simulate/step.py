@@ -1,0 +1,383 @@
+"""One training step of one ZP group (or one EP group) as a task graph, simulated.
+
+Ranks that would behave identically (same device, same tokens, same experts) are one
+:class:`Lane` simulated once and counted ``len(lane.ranks)`` times; the result is the same
+as simulating every rank, only faster.
+
+Per layer ``l`` and micro-batch ``j`` the graph is (forward, then backward)::
+
+    A_f(r,l,j) on ranks with tokens  -> D_f(l,j) dispatch  -> X_f(r,l,j) on ranks with experts
+    -> C_f(l,j) combine -> A_f(r,l+1,j) ... -> H(r,j) LM head+loss at the top
+    -> D_b(l,j) grad of expert outputs -> X_b(r,l,j) -> C_b(l,j) grad of expert inputs
+    -> A_b(r,l,j) -> D_b(l-1,j) ...
+
+Dispatch-direction transfers (D_f, D_b) share one channel and combine-direction ones
+(C_f, C_b) another: the paper gives each direction its own process group so both flow at
+once. A collective takes ``latency + max over ranks of max(bytes sent, bytes received) /
+bandwidth``; tokens routed to an expert on the same rank never touch the network.
+
+Attention-holding ranks pick ready tasks in the Theorem-1 order: layer by layer forward
+over micro-batches 1..R; at the top layer each micro-batch's forward is followed by its
+backward; then backward layer by layer down, micro-batches 1..R. Expert-only ranks run
+tasks in the order their inputs arrive. ``overlap=False`` chains micro-batches (the next
+one starts when the previous backward is done): DistEP and EP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cluster.config import LinkConfig
+from ..cluster.devices import DeviceSpec
+from ..config import ModelConfig
+from .engine import Task, Timeline, run_dag
+
+COMPUTE_KINDS = ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd", "head")
+
+
+@dataclass
+class Lane:
+    """A set of ranks that behave identically."""
+
+    device: DeviceSpec
+    ranks: list[int]
+    # sequences of attention work per micro-batch (len R); empty list: no attention role
+    seqs: list[int] = field(default_factory=list)
+    # experts hosted per layer (len n_layers)
+    experts: list[int] = field(default_factory=list)
+    role: str = "attention"
+
+    @property
+    def name(self) -> str:
+        r = self.ranks
+        span = (
+            f"{r[0]}"
+            if len(r) == 1
+            else f"{r[0]}..{r[-1]}"
+            if r == list(range(r[0], r[-1] + 1))
+            else ",".join(map(str, r))
+        )
+        return f"{self.role[0]}:{self.device.name}[{span}]"
+
+    @property
+    def has_attention(self) -> bool:
+        return any(s > 0 for s in self.seqs)
+
+
+@dataclass
+class StepSetup:
+    lanes: list[Lane]
+    model: ModelConfig
+    seq_len: int
+    num_microbatches: int
+    link: LinkConfig
+    overlap: bool = True
+    # identical groups (DP replicas) this one stands for
+    replicas: int = 1
+    # ranks holding a replica of the attention stack, cluster-wide (gradient all-reduce)
+    attention_dp: int = 1
+
+
+@dataclass
+class StepResult:
+    schedule: str
+    step_time: float
+    tokens: int
+    busy: dict[int, float]
+    idle: dict[int, float]
+    devices: dict[int, str]
+    bubbles: dict[str, list[tuple[float, float]]]
+    lanes: list[str]
+    num_microbatches: int
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def utilization(self) -> dict[int, float]:
+        return {r: (b / self.step_time if self.step_time > 0 else 0.0) for r, b in self.busy.items()}
+
+    def summary(self) -> dict[str, Any]:
+        util = self.utilization
+        by_dev: dict[str, list[float]] = {}
+        for r, u in util.items():
+            by_dev.setdefault(self.devices[r], []).append(u)
+        return {
+            "schedule": self.schedule,
+            "step_time_s": self.step_time,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "num_microbatches": self.num_microbatches,
+            "utilization_by_device": {d: sum(v) / len(v) for d, v in sorted(by_dev.items())},
+            "busy_s": {str(r): b for r, b in sorted(self.busy.items())},
+            "idle_s": {str(r): b for r, b in sorted(self.idle.items())},
+            "bubble_s": {lane: sum(e - s for s, e in gaps) for lane, gaps in self.bubbles.items()},
+        }
+
+
+def _check(setup: StepSetup) -> None:
+    m = setup.model
+    R = setup.num_microbatches
+    if R < 1:
+        raise ValueError(f"num_microbatches={R} must be >= 1")
+    if not setup.lanes:
+        raise ValueError("simulate: no ranks")
+    for lane in setup.lanes:
+        if lane.seqs and len(lane.seqs) != R:
+            raise ValueError(f"lane {lane.name}: {len(lane.seqs)} micro-batch sizes for R={R}")
+        if len(lane.experts) != m.n_layers:
+            raise ValueError(f"lane {lane.name}: expert counts for {len(lane.experts)} layers, model has {m.n_layers}")
+    for l in range(m.n_layers):
+        placed = sum(len(lane.ranks) * lane.experts[l] for lane in setup.lanes)
+        if placed != m.moe.num_experts:
+            raise ValueError(f"layer {l}: {placed} experts placed, model has {m.moe.num_experts}")
+    if not any(lane.has_attention for lane in setup.lanes):
+        raise ValueError("simulate: no rank has any tokens")
+
+
+def build_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], dict[str, float]]:
+    """The task graph, the resource policies and the per-lane tail (grad sync + optimizer)."""
+    _check(setup)
+    m = setup.model
+    L, R, E, k, d = m.n_layers, setup.num_microbatches, m.moe.num_experts, m.moe.top_k, m.d_model
+    S = setup.seq_len
+    lanes = setup.lanes
+    tasks: list[Task] = []
+
+    def add(name, resource, duration, deps, priority, kind, layer, mb) -> int:
+        tasks.append(Task(name, resource, duration, deps, priority, kind, layer, mb))
+        return len(tasks) - 1
+
+    tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in lanes]
+    group_tok = [sum(len(lane.ranks) * tok[i][j] for i, lane in enumerate(lanes)) for j in range(R)]
+    bytes_per_routed = k * d * 2  # fp16 hidden states, top-k copies per token
+
+    coll_cache: dict[tuple[int, int], float] = {}
+
+    def collective(l: int, j: int) -> float:
+        if (l, j) in coll_cache:
+            return coll_cache[(l, j)]
+        worst = 0.0
+        for i, lane in enumerate(lanes):
+            mine = lane.experts[l]
+            send = tok[i][j] * bytes_per_routed * (E - mine) / E
+            recv = (group_tok[j] - tok[i][j]) * bytes_per_routed * mine / E
+            worst = max(worst, send, recv)
+        coll_cache[(l, j)] = timer.comm(worst, setup.link)
+        return coll_cache[(l, j)]
+
+    # expert work per micro-batch on one lane: hosted experts x one expert on T_j*k/E tokens
+    exp_tok = [group_tok[j] * k / E for j in range(R)]
+    memo: dict[tuple, float] = {}
+
+    def dur(what: str, i: int, tokens: float) -> float:
+        key = (what, i, tokens)
+        if key not in memo:
+            dev = lanes[i].device
+            if what == "af":
+                memo[key] = timer.attention(dev, tokens)
+            elif what == "ab":
+                memo[key] = timer.attention(dev, tokens, backward=True)
+            elif what == "h":
+                memo[key] = timer.head(dev, tokens)
+            elif what == "xf":
+                memo[key] = timer.expert(dev, tokens)
+            else:
+                memo[key] = timer.expert(dev, tokens, backward=True)
+        return memo[key]
+
+    A_f: dict[tuple[int, int, int], int] = {}
+    A_b: dict[tuple[int, int, int], int] = {}
+    X_f: dict[tuple[int, int, int], int] = {}
+    X_b: dict[tuple[int, int, int], int] = {}
+    H: dict[tuple[int, int], int] = {}
+    D_f: dict[tuple[int, int], int] = {}
+    C_f: dict[tuple[int, int], int] = {}
+    D_b: dict[tuple[int, int], int] = {}
+    C_b: dict[tuple[int, int], int] = {}
+    att = [i for i, lane in enumerate(lanes) if lane.has_attention]
+
+    names = [f"{i}:{lane.name}" for i, lane in enumerate(lanes)]
+
+    def res(i: int) -> str:
+        return names[i]
+
+    def pri_fwd(l: int, j: int, sub: int) -> tuple:
+        return (l, j, sub) if l == L - 1 else (l, 0 if sub == 0 else 1, j)
+
+    for j in range(R):
+        for l in range(L):
+            for i in att:
+                deps = [C_f[(l - 1, j)]] if l > 0 else []
+                if l == 0 and j > 0 and not setup.overlap:
+                    deps = [A_b[(i2, 0, j - 1)] for i2 in att]
+                A_f[(i, l, j)] = add(
+                    name=f"Af{l}.{j}",
+                    resource=res(i),
+                    duration=dur("af", i, tok[i][j]),
+                    deps=deps,
+                    priority=pri_fwd(l, j, 0),
+                    kind="attn_fwd",
+                    layer=l,
+                    mb=j,
+                )
+            D_f[(l, j)] = add(
+                name=f"Df{l}.{j}",
+                resource="a2e",
+                duration=collective(l, j),
+                deps=[A_f[(i, l, j)] for i in att],
+                priority=(l, j),
+                kind="dispatch",
+                layer=l,
+                mb=j,
+            )
+            for i, lane in enumerate(lanes):
+                if lane.experts[l]:
+                    X_f[(i, l, j)] = add(
+                        name=f"Xf{l}.{j}",
+                        resource=res(i),
+                        duration=lane.experts[l] * dur("xf", i, exp_tok[j]),
+                        deps=[D_f[(l, j)]],
+                        priority=pri_fwd(l, j, 1),
+                        kind="expert_fwd",
+                        layer=l,
+                        mb=j,
+                    )
+            C_f[(l, j)] = add(
+                name=f"Cf{l}.{j}",
+                resource="e2a",
+                duration=collective(l, j),
+                deps=[X_f[(i, l, j)] for i, lane in enumerate(lanes) if lane.experts[l]],
+                priority=(l, j),
+                kind="combine",
+                layer=l,
+                mb=j,
+            )
+        for i in att:
+            H[(i, j)] = add(
+                name=f"H.{j}",
+                resource=res(i),
+                duration=dur("h", i, tok[i][j]),
+                deps=[C_f[(L - 1, j)]],
+                priority=(L - 1, j, 2),
+                kind="head",
+                layer=L - 1,
+                mb=j,
+            )
+        for l in reversed(range(L)):
+            up = [H[(i, j)] for i in att] if l == L - 1 else [A_b[(i, l + 1, j)] for i in att]
+            D_b[(l, j)] = add(
+                name=f"Db{l}.{j}",
+                resource="a2e",
+                duration=collective(l, j),
+                deps=up,
+                priority=(2 * L - l, j),
+                kind="dispatch",
+                layer=l,
+                mb=j,
+            )
+            top = l == L - 1
+            for i, lane in enumerate(lanes):
+                if lane.experts[l]:
+                    X_b[(i, l, j)] = add(
+                        name=f"Xb{l}.{j}",
+                        resource=res(i),
+                        duration=lane.experts[l] * dur("xb", i, exp_tok[j]),
+                        deps=[D_b[(l, j)], X_f[(i, l, j)]],
+                        priority=(L - 1, j, 3) if top else (2 * L - l, 0, j),
+                        kind="expert_bwd",
+                        layer=l,
+                        mb=j,
+                    )
+            C_b[(l, j)] = add(
+                name=f"Cb{l}.{j}",
+                resource="e2a",
+                duration=collective(l, j),
+                deps=[X_b[(i, l, j)] for i, lane in enumerate(lanes) if lane.experts[l]],
+                priority=(2 * L - l, j),
+                kind="combine",
+                layer=l,
+                mb=j,
+            )
+            for i in att:
+                A_b[(i, l, j)] = add(
+                    name=f"Ab{l}.{j}",
+                    resource=res(i),
+                    duration=dur("ab", i, tok[i][j]),
+                    deps=[C_b[(l, j)]],
+                    priority=(L - 1, j, 4) if top else (2 * L - l, 1, j),
+                    kind="attn_bwd",
+                    layer=l,
+                    mb=j,
+                )
+    policies = {"a2e": "fifo", "e2a": "fifo"}
+    for i, lane in enumerate(lanes):
+        policies[res(i)] = "priority" if lane.has_attention else "fifo"
+
+    # Tail: gradient all-reduce among replicas (not overlapped: conservative) + optimizer.
+    from ..profile.memory import MemoryModel
+
+    mem = MemoryModel(m)
+    tails: dict[str, float] = {}
+    for i, lane in enumerate(lanes):
+        n_exp = sum(lane.experts)
+        params = n_exp * mem.expert_params()
+        t = timer.allreduce(n_exp * mem.expert_params() * 2, setup.replicas, setup.link)
+        if lane.has_attention:
+            params += mem.attention_stack_params()
+            t += timer.allreduce(mem.attention_stack_params() * 2, setup.attention_dp, setup.link)
+        tails[res(i)] = t + timer.optimizer(lane.device, params)
+    return tasks, policies, tails
+
+
+def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
+    """Simulate one step of ``setup``; times come from ``timer`` (a TaskTimer)."""
+    tasks, policies, tails = build_tasks(setup, timer)
+    tl = run_dag(tasks, policies)
+    lanes = setup.lanes
+    per_res_busy: dict[str, float] = {}
+    per_res_last: dict[str, float] = {}
+    per_res_spans: dict[str, list[tuple[float, float]]] = {}
+    for t, s, e in zip(tl.tasks, tl.start, tl.end):
+        if t.kind in COMPUTE_KINDS:
+            per_res_busy[t.resource] = per_res_busy.get(t.resource, 0.0) + (e - s)
+            per_res_spans.setdefault(t.resource, []).append((s, e))
+        per_res_last[t.resource] = max(per_res_last.get(t.resource, 0.0), e)
+    compute_end = tl.makespan
+    step = max(compute_end, max((per_res_last.get(r, 0.0) + tail for r, tail in tails.items()), default=0.0))
+    busy: dict[int, float] = {}
+    idle: dict[int, float] = {}
+    devices: dict[int, str] = {}
+    bubbles: dict[str, list[tuple[float, float]]] = {}
+    for i, lane in enumerate(lanes):
+        r = f"{i}:{lane.name}"
+        b = per_res_busy.get(r, 0.0)
+        spans = sorted(per_res_spans.get(r, []))
+        gaps, cur = [], 0.0
+        for s, e in spans:
+            if s > cur + 1e-12:
+                gaps.append((cur, s))
+            cur = max(cur, e)
+        if compute_end > cur + 1e-12:
+            gaps.append((cur, compute_end))
+        bubbles[lane.name] = gaps
+        for rank in lane.ranks:
+            busy[rank] = b
+            idle[rank] = step - b
+            devices[rank] = lane.device.name
+    tokens = setup.replicas * sum(len(lane.ranks) * sum(lane.seqs) * setup.seq_len for lane in lanes if lane.seqs)
+    return StepResult(
+        schedule=schedule,
+        step_time=step,
+        tokens=tokens,
+        busy=busy,
+        idle=idle,
+        devices=devices,
+        bubbles=bubbles,
+        lanes=[lane.name for lane in lanes],
+        num_microbatches=setup.num_microbatches,
+        timeline=tl if keep_timeline else None,
+    )

@@ -1,0 +1,72 @@
+"""Plan a model on a GPU mix and predict a training step per schedule. No GPU needed.
+
+    python recipes/plan.py model=d1 cluster=o1 data.seq_len=32768
+
+Prints the plan and writes ``plan.json``, ``summary.json`` and ``gantt_<schedule>.png``
+into the Hydra run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lightning_hetermoe.cluster import ClusterConfig
+from lightning_hetermoe.config import ModelConfig, from_cfg
+from lightning_hetermoe.plan import as_cluster, make_plan
+from lightning_hetermoe.profile import Profile, make_timer
+from lightning_hetermoe.simulate import draw_gantt, simulate_plan
+
+
+@hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
+def main(cfg: DictConfig) -> dict:
+    model = from_cfg(ModelConfig, cfg.model)
+    cluster = from_cfg(ClusterConfig, cfg.cluster)
+    profile = Profile.from_json(hydra.utils.to_absolute_path(cfg.plan.profile)) if cfg.plan.profile else None
+    seq_len, tokens = int(cfg.data.seq_len), int(cfg.data.global_batch_tokens)
+    plan = make_plan(
+        cluster,
+        model,
+        seq_len=seq_len,
+        global_batch_tokens=tokens,
+        profile=profile,
+        asym_ea=cfg.plan.asym_ea,
+        num_microbatches=cfg.plan.num_microbatches,
+        max_microbatches=cfg.plan.max_microbatches,
+        num_attention_ranks=cfg.plan.num_attention_ranks,
+        num_zp_groups=cfg.plan.num_zp_groups,
+        require_expert_ranks=cfg.plan.require_expert_ranks,
+    )
+    out = HydraConfig.get().runtime.output_dir
+    print(plan)
+    plan.to_json(os.path.join(out, "plan.json"))
+    view = as_cluster(cluster)
+    timer = make_timer(model, seq_len, profile)
+    summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "plan": "plan.json", "schedules": {}}
+    for sched in plan.predicted:
+        try:
+            res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=sched)
+        except ValueError as err:
+            summary["schedules"][sched] = {"error": str(err)}
+            continue
+        summary["schedules"][sched] = res.summary()
+        if sched in cfg.plan.gantt and res.timeline is not None:
+            path = draw_gantt(
+                res,
+                os.path.join(out, f"gantt_{sched}.png"),
+                title=f"{sched}: {model.name} on {cluster.name}, seq {seq_len}, {res.tokens_per_s:,.0f} tokens/s",
+            )
+            summary["schedules"][sched]["gantt"] = os.path.basename(path)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"\nwrote plan.json, summary.json and Gantt charts to {out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

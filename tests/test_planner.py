@@ -1,0 +1,292 @@
+"""Planner and Asym-EA properties, Plan JSON round trip, Profile input, bad inputs."""
+
+import json
+import re
+
+import pytest
+
+from lightning_hetermoe.cluster import ClusterConfig
+from lightning_hetermoe.config import ModelConfig, MoEConfig
+from lightning_hetermoe.plan import AsymEAInput, Plan, assign_experts, make_plan, placement_from_counts
+from lightning_hetermoe.profile import DeviceProfile, Profile, ProfileTimer, make_timer
+
+
+def model(layers=2, experts=12, d=1024, vocab=32000, max_seq=16384):
+    return ModelConfig(
+        name="m",
+        vocab_size=vocab,
+        d_model=d,
+        n_layers=layers,
+        n_heads=16,
+        max_seq_len=max_seq,
+        moe=MoEConfig(num_experts=experts, top_k=2, d_ff=int(3.5 * d)),
+    )
+
+
+def cluster(*pairs, name="c"):
+    devices = [d for d, n in pairs for _ in range(n)]
+    return ClusterConfig(name=name, devices=devices)
+
+
+def check_placement(plan: Plan, n_layers: int, n_experts: int) -> None:
+    for g, grp in enumerate(plan.zp_groups):
+        for l in range(n_layers):
+            owners = [plan.owner(g, l, e) for e in range(n_experts)]
+            assert all(o in grp.members for o in owners)
+            # every expert exactly once per group: the per-rank lists partition range(E)
+            held = sorted(e for r in grp.members for e in plan.experts_on(r, l))
+            assert held == list(range(n_experts))
+
+
+def ea(M, N, *, attn=1.0, attn_exp=0.5, exp=0.5, L=4, E=12, acap=100, ecap=100, R=4):
+    return AsymEAInput(L, E, [attn] * M, [attn_exp] * M, [exp] * N, [acap] * M, [ecap] * N, num_microbatches=R)
+
+
+# ---- Asym-EA ------------------------------------------------------------------------------
+def test_asym_ea_offloads_nothing_when_expert_ranks_are_faster():
+    res = assign_experts(ea(2, 2, attn=10.0, exp=0.1))
+    assert res.offloaded(2) == [0, 0, 0, 0] and res.counts == res.base_counts
+
+
+def test_asym_ea_offloads_more_as_the_bubble_grows():
+    moved = [
+        sum(assign_experts(ea(3, 4, attn=1.0, attn_exp=0.3, exp=e, E=24)).offloaded(3))
+        for e in (0.05, 0.3, 0.6, 1.0, 2.0)
+    ]
+    assert moved == sorted(moved) and moved[0] == 0 and moved[-1] > moved[1]
+
+
+@pytest.mark.parametrize("M,N", [(4, 3), (3, 4), (2, 4), (4, 2), (3, 5)])
+def test_asym_ea_handles_non_divisible_m_n(M, N):
+    E, L = 24, 4
+    res = assign_experts(ea(M, N, attn=1.0, attn_exp=0.4, exp=1.5, L=L, E=E))
+    for l in range(L):
+        assert sum(res.counts[p][l] for p in range(M + N)) == E  # every expert placed once
+    assert sum(res.offloaded(M)) > 0
+    # squeeze keeps attention ranks within one expert of each other per layer
+    for l in range(L):
+        a = [res.counts[i][l] for i in range(M)]
+        assert max(a) - min(a) <= 1
+    place = placement_from_counts(res.counts, E, M)
+    assert all(sorted(set(row)) <= list(range(M + N)) and len(row) == E for row in place)
+
+
+def test_gather_and_squeeze_chunk_is_one_per_expert_rank_and_n_over_m_per_attention_rank():
+    # M=2 attention, N=4 expert ranks, 16 experts: a chunk takes one expert from each of the
+    # 4 expert ranks and gives 4/2 = 2 to each attention rank (the printed formula swaps these)
+    res = assign_experts(ea(2, 4, attn=1.0, attn_exp=0.1, exp=1.0, L=1, E=16, R=4))
+    assert res.chunks and res.chunks[0][1] == 4
+    first = res.chunks[0]
+    assert first == (0, 4)
+    base = [res.base_counts[p][0] for p in range(6)]
+    assert base == [0, 0, 4, 4, 4, 4]
+    moved_chunks = len(res.chunks)
+    after = [res.counts[p][0] for p in range(6)]
+    assert after[:2] == [2 * moved_chunks, 2 * moved_chunks]
+    assert after[2:] == [4 - moved_chunks] * 4
+
+
+def test_memory_bounds_force_n_min_and_cap_n_max():
+    # expert ranks hold 5 experts each (all layers), 4 layers x 12 = 48 experts, 2 expert ranks
+    res = assign_experts(ea(2, 2, attn=10.0, exp=0.1, L=4, E=12, ecap=5, acap=30))
+    assert res.n_min == 48 - 10
+    for p in range(2, 4):
+        assert sum(res.counts[p]) <= 5
+    for p in range(2):
+        assert sum(res.counts[p]) <= 30
+    with pytest.raises(ValueError, match="experts exceed total memory"):
+        assign_experts(ea(2, 2, L=4, E=12, ecap=5, acap=10))
+    # attention ranks full: Asym-EA cannot move anything even with a huge bubble
+    res = assign_experts(ea(2, 2, attn=0.1, exp=5.0, L=4, E=12, ecap=100, acap=0))
+    assert res.offloaded(2) == [0, 0, 0, 0]
+
+
+# ---- planner -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plan_43():
+    # long sequences: disaggregation clearly pays, so the free search must pick the A40s to attend
+    return make_plan(cluster(("a40", 4), ("v100", 3)), model(), seq_len=16384, global_batch_tokens=32 * 16384)
+
+
+def test_plan_roles_groups_and_placement(plan_43):
+    p = plan_43
+    assert set(p.attention_ranks) <= {0, 1, 2, 3}  # new GPUs attend
+    assert all(p.devices[r] == "v100" for r in p.expert_ranks) or not p.expert_ranks
+    check_placement(p, 2, 12)
+    assert p.total_seqs * p.seq_len <= 32 * 16384 and p.num_microbatches >= 1
+    assert set(p.predicted) == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal"}
+    assert p.predicted["zebra"]["tokens_per_s"] > p.predicted["distep"]["tokens_per_s"]
+
+
+def test_plan_json_round_trip(plan_43, tmp_path):
+    text = plan_43.to_json()
+    again = Plan.from_json(text)
+    assert again == plan_43
+    path = str(tmp_path / "plan.json")
+    plan_43.to_json(path)
+    assert Plan.from_json(path) == plan_43
+    assert json.loads(text)["num_microbatches"] == plan_43.num_microbatches
+
+
+def test_planning_is_deterministic(plan_43):
+    # every rank plans on its own; they must agree without talking
+    again = make_plan(cluster(("a40", 4), ("v100", 3)), model(), seq_len=16384, global_batch_tokens=32 * 16384)
+    assert again == plan_43 and again.to_json() == plan_43.to_json()
+
+
+def test_infeasible_baselines_are_reported_not_fatal():
+    # one 32K sequence of W1 (4 layers, d=2048) does not fit a 16 GB T4 as an EP rank
+    big = model(layers=4, experts=12, d=2048, max_seq=32768)
+    p = make_plan(cluster(("l40s", 2), ("t4", 6)), big, seq_len=32768, global_batch_tokens=16 * 32768)
+    assert p.predicted["zebra"]["tokens_per_s"] > 0
+    assert p.predicted["ep"]["tokens_per_s"] is None and "fit" in p.predicted["ep"]["error"]
+    assert Plan.from_json(p.to_json()) == p and "does not fit" in str(p)
+
+
+def test_plan_prints_a_table(plan_43):
+    text = str(plan_43)
+    assert "ZP group" in text and "zebra" in text and "v100" in text
+    rows = [l for l in text.splitlines() if re.match(r"^\s+\d+\s+(a40|v100)\s+(attention|expert)\s", l)]
+    assert len(rows) == 7
+
+
+def test_require_expert_ranks_keeps_disaggregation():
+    tiny = model(layers=2, experts=4, d=64, vocab=256, max_seq=128)
+    p = make_plan(["cpu", "cpu"], tiny, seq_len=64, global_batch_tokens=8 * 64, require_expert_ranks=True)
+    assert p.roles.count("expert") >= 1 and p.roles.count("attention") >= 1
+    check_placement(p, 2, 4)
+    with pytest.raises(ValueError, match="require_expert_ranks"):
+        make_plan(["cpu"], tiny, seq_len=64, global_batch_tokens=8 * 64, require_expert_ranks=True)
+
+
+def test_plan_3_attention_4_expert():
+    p = make_plan(
+        cluster(("a40", 3), ("v100", 4)),
+        model(),
+        seq_len=4096,
+        global_batch_tokens=48 * 4096,
+        num_attention_ranks=3,
+        num_zp_groups=1,
+    )
+    assert sorted(p.attention_ranks) == [0, 1, 2] and len(p.zp_groups) == 1
+    check_placement(p, 2, 12)
+
+
+def test_three_tiers_newest_attend_oldest_serve_experts():
+    p = make_plan(cluster(("h100", 2), ("a40", 2), ("v100", 2)), model(), seq_len=8192, global_batch_tokens=32 * 8192)
+    roles = dict(zip(p.devices, p.roles))
+    assert roles["h100"] == "attention" and roles["v100"] == "expert"
+    check_placement(p, 2, 12)
+
+
+def test_zp_groups_are_identical_replicas():
+    p = make_plan(
+        cluster(("a40", 4), ("v100", 4)),
+        model(),
+        seq_len=4096,
+        global_batch_tokens=64 * 4096,
+        num_attention_ranks=4,
+        num_zp_groups=2,
+    )
+    assert len(p.zp_groups) == 2
+    kinds = [[p.devices[r] for r in g.members] for g in p.zp_groups]
+    assert kinds[0] == kinds[1]
+    check_placement(p, 2, 12)
+
+
+def test_planner_accepts_a_profile_instead_of_the_cost_model():
+    m = model()
+    base = make_timer(m, 4096)
+    from lightning_hetermoe.cluster import get_device
+
+    def prof(expert_slowdown):
+        devs = {}
+        for name in ("a40", "v100"):
+            d = get_device(name)
+            slow = expert_slowdown  # same factor on every kind: role order unchanged, bubble grows
+            devs[name] = DeviceProfile(
+                device=name,
+                attention_fwd_s={t: base.attention(d, t) for t in (4096, 16384, 65536)},
+                expert_fwd_s={t: slow * base.expert(d, t) for t in (256, 4096, 65536)},
+            )
+        return Profile(model="m", seq_len=4096, devices=devs, source="test")
+
+    c = cluster(("a40", 2), ("v100", 2))
+    kw = dict(seq_len=4096, global_batch_tokens=32 * 4096, num_attention_ranks=2, num_zp_groups=1)
+    fast, slow = make_plan(c, m, profile=prof(0.2), **kw), make_plan(c, m, profile=prof(8.0), **kw)
+    assert sum(slow.offloaded()) > sum(fast.offloaded())
+    assert slow.predicted["zebra"]["tokens_per_s"] < fast.predicted["zebra"]["tokens_per_s"]
+    # measured memory capacities bound the placement: V100s that hold 5 experts force moves
+    capped = prof(1.0)
+    capped.devices["v100"].max_experts_expert = 5
+    p = make_plan(c, m, profile=capped, **kw)
+    assert p.n_min == 2 * 12 - 2 * 5
+    for r in p.expert_ranks:
+        assert sum(len(p.experts_on(r, l)) for l in range(2)) <= 5
+    # JSON round trip of the profile, and a clear error on a seq_len mismatch
+    again = Profile.from_json(prof(1.0).to_json())
+    assert again.get("v100").expert(4096) == pytest.approx(prof(1.0).get("v100").expert(4096))
+    with pytest.raises(ValueError, match="seq_len"):
+        ProfileTimer(model=m, seq_len=8192, profile=again)
+    with pytest.raises(ValueError, match="no measurements"):
+        again.get("t4")
+
+
+# ---- bad inputs --------------------------------------------------------------------------
+def test_empty_cluster_raises():
+    with pytest.raises(ValueError, match="empty"):
+        make_plan([], model(), seq_len=4096, global_batch_tokens=4096)
+    with pytest.raises(ValueError, match="empty"):
+        ClusterConfig(devices=[])
+
+
+def test_experts_exceeding_total_memory_raise():
+    huge = model(layers=8, experts=64, d=2048)
+    with pytest.raises(ValueError, match="experts exceed total memory"):
+        make_plan(cluster(("t4", 2)), huge, seq_len=4096, global_batch_tokens=8 * 4096)
+
+
+def test_no_rank_holding_the_attention_stack_raises():
+    c = ClusterConfig(
+        name="small",
+        devices=["tiny", "tiny"],
+        custom_devices={
+            "tiny": {
+                "memory_gb": 2.0,
+                "fp16_tflops": 10,
+                "mem_bw_gbps": 100,
+                "flash_attention": False,
+                "reserved_gb": 0.5,
+            }
+        },
+    )
+    with pytest.raises(ValueError, match="no rank can hold the attention stack"):
+        make_plan(c, model(layers=2, experts=2, vocab=64000), seq_len=8192, global_batch_tokens=4 * 8192)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="smaller than one sequence"):
+        make_plan(cluster(("a40", 1), ("v100", 1)), model(), seq_len=4096, global_batch_tokens=100)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        make_plan(cluster(("a40", 1), ("v100", 1)), model(), seq_len=65536, global_batch_tokens=2**21)
+    with pytest.raises(ValueError, match="unknown device"):
+        make_plan(["a40", "gtx480"], model(), seq_len=4096, global_batch_tokens=2**20)
+    with pytest.raises(ValueError, match="num_attention_ranks"):
+        make_plan(
+            cluster(("a40", 1), ("v100", 1)), model(), seq_len=4096, global_batch_tokens=2**20, num_attention_ranks=5
+        )
+
+
+def test_plan_validation_rejects_inconsistent_plans(plan_43):
+    d = plan_43.to_dict()
+    d["roles"] = ["attention"] * len(d["roles"])
+    with pytest.raises(ValueError, match="role"):
+        Plan.from_dict(d)
+    d = plan_43.to_dict()
+    d["zp_groups"] = (
+        d["zp_groups"][:1]
+        if len(d["zp_groups"]) > 1
+        else [{"attention_ranks": d["zp_groups"][0]["attention_ranks"], "expert_ranks": []}]
+    )
+    with pytest.raises(ValueError):
+        Plan.from_dict(d)

@@ -1,0 +1,182 @@
+"""The step simulator against hand-computed timelines, and the schedules' basic laws."""
+
+import os
+
+import pytest
+
+from lightning_hetermoe.cluster import LinkConfig, get_device
+from lightning_hetermoe.config import ModelConfig, MoEConfig
+from lightning_hetermoe.profile import make_timer
+from lightning_hetermoe.simulate import (
+    Lane,
+    StepSetup,
+    Task,
+    draw_gantt,
+    ep_setup,
+    run_dag,
+    simulate_ep,
+    simulate_ep_ideal,
+    simulate_step,
+)
+
+
+class FakeTimer:
+    """Fixed durations per device name, independent of token counts (0 for no tokens)."""
+
+    def __init__(self, attn=None, expert=None):
+        self.attn = attn or {}
+        self.exp = expert or {}
+
+    def attention(self, dev, tokens, backward=False):
+        f = self.attn.get(dev.name, 1.0)
+        return 0.0 if tokens <= 0 else (2 * f if backward else f)
+
+    def expert(self, dev, tokens, backward=False):
+        f = self.exp.get(dev.name, 1.0)
+        return 0.0 if tokens <= 0 else (2 * f if backward else f)
+
+    def head(self, dev, tokens):
+        return 0.0
+
+    def optimizer(self, dev, n):
+        return 0.0
+
+    def comm(self, nbytes, link):
+        return 0.0
+
+    def allreduce(self, nbytes, n, link):
+        return 0.0
+
+
+def tiny_model(experts=1, top_k=1):
+    return ModelConfig(
+        name="t",
+        vocab_size=16,
+        d_model=8,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=16,
+        moe=MoEConfig(num_experts=experts, top_k=top_k, d_ff=16),
+    )
+
+
+A40, V100 = get_device("a40"), get_device("v100")
+
+
+def zebra_setup(overlap=True):
+    # one attention rank (1 sequence per micro-batch), one expert rank holding the only expert
+    lanes = [Lane(A40, [0], seqs=[1, 1], experts=[0, 0]), Lane(V100, [1], seqs=[], experts=[1, 1], role="expert")]
+    return StepSetup(lanes=lanes, model=tiny_model(), seq_len=4, num_microbatches=2, link=LinkConfig(), overlap=overlap)
+
+
+def test_zebra_two_layers_two_microbatches_by_hand():
+    # attention fwd 1, bwd 2; expert fwd 1, bwd 2; head and transfers free.
+    # A: Af(0,0)[0,1] Af(0,1)[1,2] Af(1,0)[2,3] Af(1,1)[3,4]   X: Xf(0,0)[1,2] Xf(0,1)[2,3] Xf(1,0)[3,4]
+    # X: Xf(1,1)[4,5] Xb(1,0)[5,7] Xb(1,1)[7,9] Xb(0,0)[9,11] Xb(0,1)[11,13]
+    # A: Ab(1,0)[7,9] Ab(1,1)[9,11] Ab(0,0)[11,13] Ab(0,1)[13,15]  -> step 15
+    res = simulate_step(zebra_setup(), FakeTimer())
+    assert res.step_time == pytest.approx(15.0)
+    assert res.busy[0] == pytest.approx(4 * 1 + 4 * 2)  # 4 forward + 4 backward attention tasks
+    assert res.busy[1] == pytest.approx(4 * 1 + 4 * 2)
+    assert res.idle[0] == pytest.approx(3.0)
+    assert sum(e - s for s, e in res.bubbles[res.lanes[1]]) == pytest.approx(3.0)
+    tl = res.timeline
+    start = {(t.name, t.resource[0]): s for t, s in zip(tl.tasks, tl.start)}
+    assert start[("Xb1.0", "1")] == pytest.approx(5.0) and start[("Ab0.1", "0")] == pytest.approx(13.0)
+
+
+def test_distep_serialises_microbatches_by_hand():
+    # one micro-batch: Af Xf Af Xf (4) + H (0) + Xb Ab Xb Ab (8) = 12; two in a row = 24
+    res = simulate_step(zebra_setup(overlap=False), FakeTimer(), "distep")
+    assert res.step_time == pytest.approx(24.0)
+    assert simulate_step(zebra_setup(), FakeTimer()).step_time < res.step_time
+
+
+def test_ep_slowest_rank_sets_the_pace_by_hand():
+    # two EP ranks, one expert each (E=2, top-1), one micro-batch; V100 attention takes 2 (bwd 4)
+    # per layer fwd: max(1, 2) + 1 = 3 -> 6; bwd: 2 + max(2, 4) = 6 -> 12; step 18
+    lanes = [Lane(A40, [0], seqs=[1], experts=[1, 1], role="ep"), Lane(V100, [1], seqs=[1], experts=[1, 1], role="ep")]
+    setup = StepSetup(
+        lanes=lanes, model=tiny_model(experts=2), seq_len=4, num_microbatches=1, link=LinkConfig(), overlap=False
+    )
+    res = simulate_step(setup, FakeTimer(attn={"v100": 2.0}), "ep")
+    assert res.step_time == pytest.approx(18.0)
+    assert res.busy[0] == pytest.approx(2 * 1 + 2 * 1 + 2 * 2 + 2 * 2)
+    assert res.idle[0] == pytest.approx(6.0) and res.idle[1] == pytest.approx(0.0)
+    assert res.tokens == 8 and res.tokens_per_s == pytest.approx(8 / 18.0)
+
+
+def test_transfers_and_tails_add_time():
+    class Slow(FakeTimer):
+        def comm(self, nbytes, link):
+            return 0.5 if nbytes > 0 else 0.0
+
+    # every forward/backward expert round trip pays two transfers on the critical path at least
+    assert simulate_step(zebra_setup(), Slow()).step_time > simulate_step(zebra_setup(), FakeTimer()).step_time
+
+
+def test_run_dag_rejects_cycles_and_honours_fifo():
+    with pytest.raises(ValueError, match="cycle"):
+        run_dag([Task("a", "r", 1.0, [1]), Task("b", "r", 1.0, [0])])
+    # fifo: the task that became ready first runs first even with a worse priority
+    tasks = [
+        Task("x", "p", 1.0, []),
+        Task("y", "q", 3.0, []),
+        Task("late", "r", 1.0, [1], priority=(0,)),
+        Task("early", "r", 1.0, [0], priority=(9,)),
+    ]
+    tl = run_dag(tasks, {"r": "fifo"})
+    assert tl.start[3] == pytest.approx(1.0) and tl.start[2] == pytest.approx(3.0)
+
+
+def test_bad_setups_raise():
+    s = zebra_setup()
+    s.lanes[1].experts = [0, 1]  # layer 0 expert placed nowhere
+    with pytest.raises(ValueError, match="layer 0"):
+        simulate_step(s, FakeTimer())
+    s = zebra_setup()
+    s.num_microbatches = 3
+    with pytest.raises(ValueError, match="micro-batch"):
+        simulate_step(s, FakeTimer())
+
+
+def realistic():
+    model = ModelConfig(
+        name="d",
+        vocab_size=32000,
+        d_model=1024,
+        n_layers=2,
+        n_heads=16,
+        max_seq_len=8192,
+        moe=MoEConfig(num_experts=8, top_k=2, d_ff=3584),
+    )
+    return model, make_timer(model, 4096)
+
+
+def test_ep_balanced_gives_faster_ranks_more_and_helps():
+    model, timer = realistic()
+    devs = [A40, A40, V100, V100]
+    bal = ep_setup(devs, model, seq_len=4096, total_seqs=16, link=LinkConfig(), timer=timer, balanced=True)
+    seqs = {lane.device.name: sum(lane.seqs) for lane in bal.lanes}
+    assert seqs["a40"] > seqs["v100"]
+    even = simulate_ep(devs, model, seq_len=4096, total_seqs=16, link=LinkConfig(), timer=timer)
+    fast = simulate_ep(devs, model, seq_len=4096, total_seqs=16, link=LinkConfig(), timer=timer, balanced=True)
+    assert fast.tokens_per_s > even.tokens_per_s and fast.tokens == even.tokens
+
+
+def test_ep_ideal_sums_separate_homogeneous_runs():
+    model, timer = realistic()
+    devs = [A40, A40, V100, V100]
+    ideal = simulate_ep_ideal(devs, model, seq_len=4096, total_seqs=16, link=LinkConfig(), timer=timer)
+    a = simulate_ep(devs[:2], model, seq_len=4096, total_seqs=8, link=LinkConfig(), timer=timer)
+    v = simulate_ep(devs[2:], model, seq_len=4096, total_seqs=8, link=LinkConfig(), timer=timer)
+    assert ideal.tokens_per_s == pytest.approx(a.tokens_per_s + v.tokens_per_s)
+    assert set(ideal.busy) == {0, 1, 2, 3}
+
+
+def test_gantt_png_is_written(tmp_path):
+    res = simulate_step(zebra_setup(), FakeTimer())
+    path = draw_gantt(res, str(tmp_path / "g.png"))
+    assert os.path.getsize(path) > 1000
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
