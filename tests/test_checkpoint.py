@@ -4,7 +4,6 @@ resumed on 4 ranks (another placement), ending where uninterrupted training ends
 import copy
 
 import lightning as L
-import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
@@ -21,12 +20,6 @@ from lightning_hetermoe import (
 
 GLOBAL_BATCH = 8
 
-
-@pytest.fixture(autouse=True)
-def sampler_seed(monkeypatch):
-    """Lightning seeds its DistributedSampler from PL_GLOBAL_SEED (0 when unset); pin it so
-    that a seed_everything() in an earlier test cannot change the global batches."""
-    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
 STEPS_PER_EPOCH = 3
 NUM_EXPERTS = 4
 

@@ -21,12 +21,6 @@ from lightning_hetermoe import (
 
 GLOBAL_BATCH = 8
 
-
-@pytest.fixture(autouse=True)
-def sampler_seed(monkeypatch):
-    """Lightning seeds its DistributedSampler from PL_GLOBAL_SEED (0 when unset); pin it so
-    that a seed_everything() in an earlier test cannot change the global batches."""
-    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
 STEPS = 5
 
 

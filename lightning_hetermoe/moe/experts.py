@@ -21,21 +21,12 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import EXPERT_BACKENDS
+from ..kernels.activation import forward as activate
 
 GroupedMLP = Callable[..., Tensor]
-
-
-def activate(h: Tensor, activation: str) -> Tensor:
-    if activation == "gelu":
-        return F.gelu(h)
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    raise ValueError(f"activation={activation!r} is invalid: must be 'gelu' or 'swiglu'")
 
 
 def grouped_mlp_torch(
