@@ -145,7 +145,7 @@ def test_transfer_padding_uses_the_link_model():
     assert em.transfer_s(1e6) == pytest.approx(0.011)
     t0 = time.perf_counter()
     em.sleep_for("transfer", "x", em.transfer_s(1e6))
-    assert 0.011 <= time.perf_counter() - t0 < 0.03
+    assert 0.011 <= time.perf_counter() - t0 < 0.05  # upper bound: a loaded CI box oversleeps
     with pytest.raises(ValueError, match="time_scale"):
         Emulator(get_device("a40"), LinkConfig(), time_scale=0)
 

@@ -53,6 +53,8 @@ def grouped_mlp_torch(
         else:
             outs.append(_expert_fn(seg, e, w_up, b_up, w_down, b_down, activation))
     if not outs:
+        # Stay in the autograd graph with no rows: under expert parallelism a rank that
+        # received nothing must still run the backward all-to-all with its peers.
         return xs.new_zeros(0, w_down.shape[-1]) + 0 * w_down.sum()
     return torch.cat(outs, 0)
 
@@ -122,6 +124,3 @@ class Experts(nn.Module):
         fn = resolve_backend(self.backend, x.device)
         return fn(x, gather_idx, counts, self.w_up, self.b_up, self.w_down, self.b_down,
                   self.activation, recompute=self.recompute)
-
-    def expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.named_parameters(recurse=False)]
