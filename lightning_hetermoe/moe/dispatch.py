@@ -111,6 +111,11 @@ class AllToAllDispatcher:
         row_expert = torch.repeat_interleave(local_expert, recv_counts.reshape(-1))
         by_expert = torch.argsort(row_expert, stable=True)
         out = experts(received, by_expert, recv_counts.sum(0))
+        if out.shape[0] == 0 and received.requires_grad:
+            # Nothing arrived here, so no expert ran on ``received``: tie it to the output
+            # anyway, or this rank would skip the backward of the dispatch all-to-all that
+            # its peers run, and the collectives would fall out of step.
+            out = out + received.sum() * 0
         out = scatter_to_slots(out, by_expert, received.shape[0])
         back = self.exchange(out, recv_splits, send_splits)
         return scatter_to_slots(back, sc.slot, indices.numel())

@@ -53,8 +53,8 @@ def grouped_mlp_torch(
         else:
             outs.append(_expert_fn(seg, e, w_up, b_up, w_down, b_down, activation))
     if not outs:
-        # Stay in the autograd graph with no rows: under expert parallelism a rank that
-        # received nothing must still run the backward all-to-all with its peers.
+        # No rows: still return a tensor in the graph of the weights, so that callers
+        # can treat "no tokens" like any other batch (zero gradients, not None).
         return xs.new_zeros(0, w_down.shape[-1]) + 0 * w_down.sum()
     return torch.cat(outs, 0)
 
