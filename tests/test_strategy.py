@@ -40,7 +40,7 @@ def data(world: int) -> ByteCorpusDataModule:
     return dm
 
 
-def reference_training(model: MoELanguageModel) -> dict[str, torch.Tensor]:
+def reference_training(model: MoELanguageModel, clip: float | None = None) -> dict[str, torch.Tensor]:
     """The naive reference: one process, the whole global batch, plain SGD."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=model.optim_cfg.lr)
@@ -53,15 +53,18 @@ def reference_training(model: MoELanguageModel) -> dict[str, torch.Tensor]:
     for _, batch in zip(range(STEPS), loader):
         opt.zero_grad()
         model.losses(batch)["loss"].backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model.state_dict()
 
 
-def strategy_training(model: MoELanguageModel, devices: int, ep_size: int | None = None) -> dict[str, torch.Tensor]:
+def strategy_training(model: MoELanguageModel, devices: int, ep_size: int | None = None,
+                      clip: float | None = None) -> dict[str, torch.Tensor]:
     strategy = HeterMoEStrategy(expert_parallel_size=ep_size, start_method="spawn")
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0)
+                        limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=clip)
     trainer.fit(model, datamodule=data(devices))
     return model.state_dict()
 
@@ -84,6 +87,19 @@ def test_multiprocess_training_matches_single_process(devices, num_experts, ep_s
     initial = copy.deepcopy(model.state_dict())
     expected = reference_training(model)
     actual = strategy_training(model, devices, ep_size)
+    assert_same_params(actual, expected, initial)
+
+
+def test_gradient_clipping_uses_the_global_norm():
+    """Each rank sees different experts: clipping by a per-rank norm would desynchronise
+    the dense weights and differ from clipping the whole model."""
+    model = tiny_model(4)
+    initial = copy.deepcopy(model.state_dict())
+    clip = 0.05
+    expected = reference_training(model, clip)
+    unclipped = reference_training(model)
+    assert (expected["model.head.weight"] - unclipped["model.head.weight"]).abs().max() > 1e-3, "clip never bit"
+    actual = strategy_training(model, 2, clip=clip)
     assert_same_params(actual, expected, initial)
 
 
