@@ -6,7 +6,7 @@ import importlib
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 import lightning_hetermoe
 from lightning_hetermoe import (
@@ -44,12 +44,9 @@ def reference_training(model: MoELanguageModel, clip: float | None = None) -> di
     """The naive reference: one process, the whole global batch, plain SGD."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=model.optim_cfg.lr)
-    # Lightning always gives distributed training a shuffling DistributedSampler (seed 0);
-    # rank r takes every W-th index of one shared permutation, so per step the ranks
-    # together see exactly the first GLOBAL_BATCH indices of that permutation.
-    train_set = data(1).train_set
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(train_set, batch_size=GLOBAL_BATCH, sampler=sampler)
+    # Rank r of W takes every W-th window of one shared order: per step the ranks together
+    # see the same GLOBAL_BATCH windows as this single process.
+    loader = DataLoader(data(1).train_set, batch_size=GLOBAL_BATCH, shuffle=False)
     for _, batch in zip(range(STEPS), loader):
         opt.zero_grad()
         model.losses(batch)["loss"].backward()
@@ -74,7 +71,7 @@ def assert_same_params(actual, expected, initial):
     for name in expected:
         moved = (expected[name] - initial[name]).abs().max()
         assert moved > 0 or "noise" in name, f"{name} never trained: the comparison would be vacuous"
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=2e-6, msg=name)
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("devices,num_experts,ep_size", [

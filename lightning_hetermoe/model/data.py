@@ -10,7 +10,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from ..config import DataConfig
 
@@ -62,9 +62,20 @@ class ByteCorpusDataModule(L.LightningDataModule):
         self.val_set = ByteWindows(val, cfg.seq_len, val_starts)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, shuffle=self.cfg.shuffle,
-                          num_workers=self.cfg.num_workers, drop_last=True)
+        return self._loader(self.train_set, shuffle=self.cfg.shuffle, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.cfg.batch_size, shuffle=False,
-                          num_workers=self.cfg.num_workers, drop_last=True)
+        return self._loader(self.val_set, shuffle=False, drop_last=True)
+
+    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool) -> DataLoader:
+        """Distributed runs get our own DistributedSampler, so ``data.shuffle`` and
+        ``data.seed`` decide the order (Lightning's automatic one always shuffles training
+        data, seeded from PL_GLOBAL_SEED). Either way, rank r of W takes every W-th index
+        of one shared order, so a global batch is independent of the world size."""
+        sampler = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.cfg.seed, drop_last=drop_last)
+        elif shuffle:
+            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(self.cfg.seed))
+        return DataLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler,
+                          num_workers=self.cfg.num_workers, drop_last=drop_last)
