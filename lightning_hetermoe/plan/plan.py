@@ -8,9 +8,9 @@ is the global rank that holds expert ``e`` of layer ``l`` in group ``g``.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+
+from ..serialization import JsonDataclass
 
 ROLES = ("attention", "expert")
 
@@ -26,7 +26,7 @@ class ZPGroup:
 
 
 @dataclass
-class Plan:
+class Plan(JsonDataclass):
     model: str
     cluster: str
     seq_len: int
@@ -150,27 +150,7 @@ class Plan:
         return split_microbatches(self.seqs_per_rank[rank], self.num_microbatches)
 
     # ---- serialisation -------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
-        return cls(**dict(d))
-
-    def to_json(self, path: str | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str) -> "Plan":
-        text = text_or_path
-        if not text.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+    json_indent = 1
 
     # ---- printing ------------------------------------------------------------------------
     def __str__(self) -> str:

@@ -13,9 +13,10 @@ Everything is plain JSON: ``Profile.to_json()`` / ``Profile.from_json()``.
 from __future__ import annotations
 
 import bisect
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from ..serialization import JsonDataclass
 
 
 def _points(d: Mapping[Any, float]) -> list[tuple[float, float]]:
@@ -86,7 +87,7 @@ class DeviceProfile:
 
 
 @dataclass
-class Profile:
+class Profile(JsonDataclass):
     """Per-device-kind measurements for one model at one sequence length."""
 
     model: str
@@ -109,24 +110,3 @@ class Profile:
             raise ValueError(f"Profile has no measurements for device {device!r}; profiled: {sorted(self.devices)}")
         return self.devices[key]
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
-        return cls(**dict(d))
-
-    def to_json(self, path: str | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str) -> "Profile":
-        text = text_or_path
-        if not text.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
