@@ -177,16 +177,10 @@ class HeterMoEStrategy(DDPStrategy):
         if not self._sharded:
             return state
         # Per-parameter optimizer tensors shaped like a sharded expert are gathered too.
-        index = {id(p): i for i, p in enumerate(p for g in _unwrap(optimizer).param_groups for p in g["params"])}
-        for _, layer in moe_layers(self.lightning_module):
-            placement = layer.dispatcher.placement
-            for p in layer.experts.parameters(recurse=False):
-                slot = state["state"].get(index.get(id(p)))
-                if not slot:
-                    continue
-                for key, value in list(slot.items()):
-                    if torch.is_tensor(value) and value.shape == p.shape:
-                        slot[key] = gather_experts(value, placement, self.ep_groups.ep_group)
+        for layer, p, slot in self._expert_optimizer_slots(state, optimizer):
+            for key, value in list(slot.items()):
+                if torch.is_tensor(value) and value.shape == p.shape:
+                    slot[key] = gather_experts(value, layer.dispatcher.placement, self.ep_groups.ep_group)
         return state
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -196,17 +190,23 @@ class HeterMoEStrategy(DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
 
     def _slice_optimizer_state(self, opt_state: dict[str, Any], optimizer) -> None:
-        index = {id(p): i for i, p in enumerate(p for g in _unwrap(optimizer).param_groups for p in g["params"])}
+        for layer, p, slot in self._expert_optimizer_slots(opt_state, optimizer):
+            mine = torch.tensor(layer.dispatcher.placement[self.ep_groups.ep_rank], dtype=torch.long)
+            for key, value in list(slot.items()):
+                if torch.is_tensor(value) and value.dim() == p.dim() and value.shape[1:] == p.shape[1:] \
+                        and value.shape[0] == layer.num_experts:
+                    slot[key] = value[mine]
+
+    def _expert_optimizer_slots(self, opt_state: dict[str, Any], optimizer):
+        """(layer, expert parameter, its per-parameter optimizer state) for every expert
+        parameter that has state; optimizer state is keyed by parameter position."""
+        params = (p for g in getattr(optimizer, "_optimizer", optimizer).param_groups for p in g["params"])
+        index = {id(p): i for i, p in enumerate(params)}
         for _, layer in moe_layers(self.lightning_module):
-            mine = layer.dispatcher.placement[self.ep_groups.ep_rank]
             for p in layer.experts.parameters(recurse=False):
                 slot = opt_state["state"].get(index.get(id(p)))
-                if not slot:
-                    continue
-                for key, value in list(slot.items()):
-                    if torch.is_tensor(value) and value.dim() == p.dim() and value.shape[1:] == p.shape[1:] \
-                            and value.shape[0] == layer.num_experts:
-                        slot[key] = value[torch.tensor(mine, dtype=torch.long)]
+                if slot:
+                    yield layer, p, slot
 
     def teardown(self) -> None:
         # After a successful fit every rank holds all experts again, so the user's module
@@ -223,7 +223,3 @@ class HeterMoEStrategy(DDPStrategy):
             if handle is not None:
                 handle.remove()
         super().teardown()
-
-
-def _unwrap(optimizer):
-    return getattr(optimizer, "_optimizer", optimizer)
