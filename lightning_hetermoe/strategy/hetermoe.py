@@ -82,7 +82,6 @@ class HeterMoEStrategy(DDPStrategy):
             raise ValueError(f"expert_parallel_size={expert_parallel_size} is invalid: must be >= 1")
         self.expert_parallel_size = expert_parallel_size
         self.ep_groups: ExpertParallelGroups | None = None
-        self.placements: dict[str, list[list[int]]] = {}
         self._sharded = False
 
     def _configure_launcher(self) -> None:
@@ -112,9 +111,9 @@ class HeterMoEStrategy(DDPStrategy):
     # -- model set-up -------------------------------------------------------------------
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         assert self.ep_groups is not None
-        self.placements = shard_experts(model, self.ep_groups)
+        placements = shard_experts(model, self.ep_groups)
         self._sharded = True
-        self._report_placement()
+        self._report_placement(placements)
         if self.cluster is not None and self.cluster.emulate:
             from ..emulation import apply_emulation
 
@@ -125,13 +124,13 @@ class HeterMoEStrategy(DDPStrategy):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
         return super()._setup_model(model)
 
-    def _report_placement(self) -> None:
-        if self.global_rank != 0 or not self.placements:
+    def _report_placement(self, placements: dict[str, list[list[int]]]) -> None:
+        if self.global_rank != 0 or not placements:
             return
-        first = next(iter(self.placements.values()))
+        first = next(iter(placements.values()))
         sizes = [len(p) for p in first]
         uneven = " (uneven split)" if len(set(sizes)) > 1 else ""
-        log.info(f"hetermoe[{self.mode}]: {len(self.placements)} MoE layers, experts per EP rank {sizes}{uneven}, "
+        log.info(f"hetermoe[{self.mode}]: {len(placements)} MoE layers, experts per EP rank {sizes}{uneven}, "
                  f"{self.world_size // self.ep_groups.ep_size} replica(s)")
 
     def setup(self, trainer) -> None:
