@@ -13,12 +13,18 @@ from typing import Any, TypeVar
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk")
 ACTIVATIONS = ("gelu", "swiglu")
 EXPERT_BACKENDS = ("auto", "triton", "torch")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+CORPORA = ("pydoc_topics",)
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, caught before any process starts. The message names the
+    Hydra path of the field and what would be valid; recipes print it as one line."""
 
 
 def _require(cond: bool, field_name: str, value: Any, valid: str) -> None:
     if not cond:
-        raise ValueError(f"{field_name}={value!r} is invalid: {valid}")
+        raise ConfigError(f"{field_name}={value!r} is invalid: {valid}")
 
 
 @dataclass
@@ -42,34 +48,34 @@ class MoEConfig:
     recompute_activation: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.num_experts >= 1, "moe.num_experts", self.num_experts, "must be >= 1")
+        _require(self.num_experts >= 1, "model.moe.num_experts", self.num_experts, "must be >= 1")
         _require(
             1 <= self.top_k <= self.num_experts,
-            "moe.top_k",
+            "model.moe.top_k",
             self.top_k,
             f"must be in [1, num_experts={self.num_experts}]",
         )
-        _require(self.d_ff >= 1, "moe.d_ff", self.d_ff, "must be >= 1")
-        _require(self.router in ROUTERS, "moe.router", self.router, f"must be one of {ROUTERS}")
+        _require(self.d_ff >= 1, "model.moe.d_ff", self.d_ff, "must be >= 1")
+        _require(self.router in ROUTERS, "model.moe.router", self.router, f"must be one of {ROUTERS}")
         if self.router == "switch":
-            _require(self.top_k == 1, "moe.top_k", self.top_k, "the switch router is top-1: set top_k=1")
+            _require(self.top_k == 1, "model.moe.top_k", self.top_k, "the switch router is top-1: set top_k=1")
         if self.router == "gshard":
-            _require(self.top_k == 2, "moe.top_k", self.top_k, "the gshard router is top-2: set top_k=2")
+            _require(self.top_k == 2, "model.moe.top_k", self.top_k, "the gshard router is top-2: set top_k=2")
         _require(
             self.capacity_factor >= 0,
-            "moe.capacity_factor",
+            "model.moe.capacity_factor",
             self.capacity_factor,
             "must be >= 0 (0 = dropless)",
         )
         _require(
-            self.activation in ACTIVATIONS, "moe.activation", self.activation, f"must be one of {ACTIVATIONS}"
+            self.activation in ACTIVATIONS, "model.moe.activation", self.activation, f"must be one of {ACTIVATIONS}"
         )
-        _require(self.jitter_eps >= 0, "moe.jitter_eps", self.jitter_eps, "must be >= 0")
-        _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
-        _require(self.z_loss_coef >= 0, "moe.z_loss_coef", self.z_loss_coef, "must be >= 0")
+        _require(self.jitter_eps >= 0, "model.moe.jitter_eps", self.jitter_eps, "must be >= 0")
+        _require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+        _require(self.z_loss_coef >= 0, "model.moe.z_loss_coef", self.z_loss_coef, "must be >= 0")
         _require(
             self.expert_backend in EXPERT_BACKENDS,
-            "moe.expert_backend",
+            "model.moe.expert_backend",
             self.expert_backend,
             f"must be one of {EXPERT_BACKENDS}",
         )
@@ -108,11 +114,15 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    """``adamw`` (decoupled weight decay), ``adam`` (weight decay as L2 in the gradient) or
+    ``sgd`` (optionally with momentum and Nesterov)."""
+
     name: str = "adamw"
     lr: float = 3e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = 0.0  # sgd only
+    nesterov: bool = False  # sgd only; needs momentum > 0
     warmup_steps: int = 10
 
     def __post_init__(self) -> None:
@@ -121,6 +131,10 @@ class OptimConfig:
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         _require(0 <= self.momentum < 1, "optim.momentum", self.momentum, "must be in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(not self.nesterov or (self.name == "sgd" and self.momentum > 0), "optim.nesterov", self.nesterov,
+                 "Nesterov needs name=sgd and momentum > 0")
+        _require(len(tuple(self.betas)) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas,
+                 "must be two numbers in [0, 1)")
         self.betas = tuple(self.betas)  # YAML gives a list
 
 
@@ -145,13 +159,17 @@ class DataConfig:
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
         _require(self.train_windows >= 1, "data.train_windows", self.train_windows, "must be >= 1")
         _require(self.val_windows >= 1, "data.val_windows", self.val_windows, "must be >= 1")
+        _require(self.corpus in CORPORA, "data.corpus", self.corpus, f"must be one of {CORPORA}")
+        _require(isinstance(self.num_workers, int) and self.num_workers >= 0, "data.num_workers", self.num_workers,
+                 "must be an integer >= 0")
 
 
 T = TypeVar("T")
 
 
-def from_cfg(cls: type[T], cfg: Any) -> T:
-    """Build dataclass ``cls`` from a DictConfig/dict, naming any unknown field."""
+def from_cfg(cls: type[T], cfg: Any, section: str | None = None) -> T:
+    """Build dataclass ``cls`` from a DictConfig/dict, naming any unknown field (under the
+    Hydra ``section``, e.g. ``model``, when given)."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, cls):
@@ -162,10 +180,12 @@ def from_cfg(cls: type[T], cfg: Any) -> T:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(cfg) - set(known))
     if unknown:
-        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        where = f"{section}: " if section else f"{cls.__name__}: "
+        raise ConfigError(f"{where}unknown field(s) {unknown}; valid fields are {sorted(known)}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in cfg.items():
         sub = hints[name]
-        kwargs[name] = from_cfg(sub, value) if is_dataclass(sub) and isinstance(value, dict) else value
+        nested = f"{section}.{name}" if section else None
+        kwargs[name] = from_cfg(sub, value, nested) if is_dataclass(sub) and isinstance(value, dict) else value
     return cls(**kwargs)

@@ -268,28 +268,6 @@ class EmulationHandle:
         self.removed = True
 
 
-def _find_blocks(model: nn.Module) -> list[tuple[nn.Module, Any]]:
-    """(block, moe_layer) for every MoE layer: the block is the module holding it as a child."""
-    from .moe import MoELayer
-
-    out = []
-    for parent in model.modules():
-        for child in parent.children():
-            if isinstance(child, MoELayer):
-                out.append((parent, child))
-    return out
-
-
-def _n_heads(block: nn.Module, default: int | None) -> int:
-    for m in block.modules():
-        n = getattr(m, "n_heads", None)
-        if isinstance(n, int) and n > 0:
-            return n
-    if default is None:
-        raise ValueError(f"emulation: cannot find n_heads in block {type(block).__name__}")
-    return default
-
-
 def install(model: nn.Module, emulator: Emulator, *, n_heads: int | None = None) -> EmulationHandle:
     """Install ``emulator``'s clock on every MoE block of ``model`` (see module docstring)."""
     previous = _INSTALLED.get(model)
@@ -297,13 +275,13 @@ def install(model: nn.Module, emulator: Emulator, *, n_heads: int | None = None)
         previous.remove()
     handle = EmulationHandle(model, emulator)
     em = emulator
-    blocks = _find_blocks(model)
-    if not blocks:
-        raise ValueError("emulation: the model has no MoELayer to emulate")
+    from .contract import describe_model, find_blocks
+
+    blocks = [(block, moe) for _, block, moe in find_blocks(model)]
+    heads = n_heads if n_heads is not None else describe_model(model).n_heads
     current: list[_BlockCall] = []  # stack of block calls in flight (forward)
 
     for layer_idx, (block, moe) in enumerate(blocks):
-        heads = _n_heads(block, n_heads)
         num_experts = moe.num_experts
 
         def block_pre(mod, args, kwargs, layer_idx=layer_idx, heads=heads, num_experts=num_experts):
@@ -422,7 +400,6 @@ def apply_emulation(model: nn.Module, cluster, global_rank: int, *, cost_model=N
         raise ValueError(f"global_rank={global_rank} is outside cluster '{cluster.name}' of {cluster.world_size} ranks")
     device = get_device(cluster.devices[global_rank], cluster.custom_devices)
     emulator = Emulator(device, cluster.link, cluster.time_scale, cost_model, warmup_calls=warmup_calls)
-    cfg = getattr(model, "model_cfg", None)
-    handle = install(model, emulator, n_heads=getattr(cfg, "n_heads", None))
+    handle = install(model, emulator)
     log.info(f"emulation: rank {global_rank} plays {device.name} at time_scale={cluster.time_scale:g}")
     return handle

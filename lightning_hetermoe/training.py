@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .callbacks import RunSummary
 from .cluster import ClusterConfig
-from .config import DataConfig, ModelConfig, OptimConfig, from_cfg
+from .config import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
 from .model import ByteCorpusDataModule, MoELanguageModel
 from .strategy import HeterMoEStrategy
 
@@ -23,18 +24,44 @@ log = logging.getLogger(__name__)
 STRATEGY_FIELDS = ("mode", "expert_parallel_size")
 
 
+# Trainer arguments that must be whole numbers (None and -1 keep Lightning's meaning).
+INT_TRAINER_FIELDS = ("max_steps", "min_steps", "max_epochs", "min_epochs", "num_nodes", "log_every_n_steps",
+                      "accumulate_grad_batches", "num_sanity_val_steps", "check_val_every_n_epoch")
+
+
 def build_trainer_kwargs(cfg: DictConfig, cluster: ClusterConfig) -> dict[str, Any]:
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    for key in INT_TRAINER_FIELDS:
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"trainer.{key}={value!r} is invalid: must be an integer")
+    for key in ("accumulate_grad_batches", "log_every_n_steps"):
+        if kwargs.get(key) is not None and kwargs[key] < 1:
+            raise ConfigError(f"trainer.{key}={kwargs[key]!r} is invalid: must be >= 1")
     if kwargs.get("devices") is None:
         kwargs["devices"] = cluster.world_size // int(kwargs.get("num_nodes") or 1)
     return kwargs
+
+
+def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
+    """``cfg.callbacks``: a mapping of name -> ``{_target_: ..., **kwargs}`` (lightning-hydra-template)."""
+    from hydra.utils import instantiate
+
+    out = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise ConfigError(f"callbacks.{name} needs a _target_ (the callback's class path)")
+        out.append(instantiate(node))
+    return out
 
 
 def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = "popen") -> HeterMoEStrategy:
     scfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     unknown = sorted(set(scfg) - set(STRATEGY_FIELDS))
     if unknown:
-        raise ValueError(f"strategy: unknown field(s) {unknown}; valid fields are {list(STRATEGY_FIELDS)}")
+        raise ConfigError(f"strategy: unknown field(s) {unknown}; valid fields are {list(STRATEGY_FIELDS)}")
     return HeterMoEStrategy(cluster=cluster, start_method=start_method, **scfg)
 
 
@@ -42,17 +69,24 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     """Validate every config group, train, validate, and (rank 0) write ``summary.json``.
 
     Returns the summary on global rank 0 and ``None`` on other ranks."""
-    model_cfg = from_cfg(ModelConfig, cfg.model)
-    data_cfg = from_cfg(DataConfig, cfg.data)
-    optim_cfg = from_cfg(OptimConfig, cfg.optim)
-    cluster = from_cfg(ClusterConfig, cfg.cluster)
+    model_cfg = from_cfg(ModelConfig, cfg.model, "model")
+    data_cfg = from_cfg(DataConfig, cfg.data, "data")
+    optim_cfg = from_cfg(OptimConfig, cfg.optim, "optim")
+    cluster = from_cfg(ClusterConfig, cfg.cluster, "cluster")
     if data_cfg.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
+        raise ConfigError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
+    if model_cfg.moe.expert_backend == "triton":
+        from .kernels import triton_available, unavailable_reason
+
+        device = torch.device("cuda" if cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") else "cpu")
+        if not triton_available(device):
+            raise ConfigError(f"model.moe.expert_backend='triton' is invalid here: {unavailable_reason(device)}; "
+                              f"use expert_backend=auto (Triton on CUDA, torch elsewhere) or torch")
     strategy = build_strategy(cfg, cluster, start_method)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     summary_cb = RunSummary()
-    trainer = L.Trainer(strategy=strategy, callbacks=[summary_cb], logger=False,
+    trainer = L.Trainer(strategy=strategy, callbacks=[summary_cb, *build_callbacks(cfg)], logger=False,
                         default_root_dir=str(output_dir), **build_trainer_kwargs(cfg, cluster))
     model = MoELanguageModel(model_cfg, optim_cfg)
     data = ByteCorpusDataModule(data_cfg)
@@ -61,6 +95,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     if cfg.get("final_validation", True):
         trainer.validate(model, datamodule=data, verbose=False)
     if not trainer.is_global_zero:
+        strategy.shutdown()
         return None
     summary = summary_cb.summary(trainer)
     summary.update({
@@ -76,4 +111,5 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     shown = ", ".join(f"{k}={summary[k]:.4g}" for k in ("first_loss", "final_loss", "val_loss", "tokens_per_s")
                       if isinstance(summary.get(k), (int, float)))
     print(f"[hetermoe] wrote {path}: {shown}", flush=True)
+    strategy.shutdown()
     return summary

@@ -11,12 +11,17 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from lightning_hetermoe.config import ConfigError
 from lightning_hetermoe.training import train
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    train(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        train(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:
+        # A bad value is the user's to fix: one line naming the field, no stack trace.
+        raise SystemExit(f"[hetermoe] config error: {err}") from None
 
 
 if __name__ == "__main__":

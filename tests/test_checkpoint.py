@@ -1,83 +1,63 @@
-"""Placement-independent checkpoints: saved while experts are sharded over 2 ranks,
-resumed on 4 ranks (another placement), ending where uninterrupted training ends."""
+"""Checkpoints: saving never touches live state, and a checkpoint taken mid-epoch on one
+world size resumes on another exactly where the uninterrupted run would be."""
+
+from __future__ import annotations
 
 import copy
+from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_hetermoe import (
-    ByteCorpusDataModule,
-    DataConfig,
-    HeterMoEStrategy,
-    ModelConfig,
-    MoEConfig,
-    MoELanguageModel,
-    OptimConfig,
-)
+from harness import run_ranks
+from lightning_hetermoe import HeterMoEStrategy, OptimConfig
+from reference import assert_same_params, data, make_model, reference_fit, trainer
 
-GLOBAL_BATCH = 8
-
-STEPS_PER_EPOCH = 3
+WINDOWS = 24  # 3 global batches of 8 per epoch
+EPOCHS = 3
+STEPS = EPOCHS * WINDOWS // 8
 NUM_EXPERTS = 4
-DATA_SEED = 7
 
 
-def make_model() -> MoELanguageModel:
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=16,
-                      moe=MoEConfig(num_experts=NUM_EXPERTS, top_k=2, d_ff=12, aux_loss_coef=0.0))
-    # Momentum makes the optimizer state matter: a lost or misplaced buffer changes the result.
-    return MoELanguageModel(cfg, OptimConfig(name="sgd", lr=0.2, momentum=0.9, warmup_steps=0))
+def model(seed: int = 0):
+    # AdamW's moments and step counts make the optimizer state matter on resume.
+    return make_model(NUM_EXPERTS, seed=seed, optim=OptimConfig())
 
 
-def data(world: int) -> ByteCorpusDataModule:
-    dm = ByteCorpusDataModule(DataConfig(seq_len=16, batch_size=GLOBAL_BATCH // world, shuffle=True, seed=DATA_SEED,
-                                         train_windows=GLOBAL_BATCH * STEPS_PER_EPOCH, val_windows=8))
-    dm.setup()
-    return dm
+def fit_with_step_checkpoints(rank: int, world: int, ckpt_dir: str):
+    m = model(seed=rank)
+    every = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    t = trainer(HeterMoEStrategy(), world, max_epochs=EPOCHS, callbacks=[every], enable_checkpointing=True)
+    t.fit(m, datamodule=data(world, windows=WINDOWS))
+    return m.state_dict() if rank == 0 else None
 
 
-def reference(model: MoELanguageModel, epochs: int) -> dict[str, torch.Tensor]:
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    train_set = data(1).train_set
-    # The datamodule's DistributedSampler: one seeded permutation per epoch, shared by all ranks.
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=DATA_SEED)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for batch in DataLoader(train_set, batch_size=GLOBAL_BATCH, sampler=sampler):
-            opt.zero_grad()
-            model.losses(batch)["loss"].backward()
-            opt.step()
-    return model.state_dict()
+def resume(rank: int, world: int, ckpt: str):
+    m = model(seed=100 + rank)  # anything: the checkpoint decides
+    t = trainer(HeterMoEStrategy(), world, max_epochs=EPOCHS)
+    t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
+    return m.state_dict() if rank == 0 else None
 
 
-def trainer(devices: int, max_epochs: int, callbacks=()) -> L.Trainer:
-    return L.Trainer(strategy=HeterMoEStrategy(start_method="spawn"), accelerator="cpu", devices=devices,
-                     max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     limit_val_batches=0, num_sanity_val_steps=0, callbacks=list(callbacks),
-                     enable_checkpointing=bool(callbacks))
+def test_step_checkpoints_change_nothing_and_resume_mid_epoch_on_another_world(tmp_path):
+    m = model()
+    initial = copy.deepcopy(m.state_dict())
+    expected = reference_fit(m, STEPS, windows=WINDOWS)
 
+    # Saving every 2 steps across 3 epochs: training goes on and ends as without checkpoints.
+    saved = run_ranks(2, fit_with_step_checkpoints, 2, str(tmp_path))[0]
+    assert_same_params(saved, expected, initial)
+    names = sorted(p.name for p in Path(tmp_path).glob("*.ckpt"))
+    assert names == [f"step={s}.ckpt" for s in (2, 4, 6, 8)], names
 
-def test_checkpoint_saved_on_two_ranks_resumes_on_four(tmp_path):
-    model = make_model()
-    expected = reference(model, epochs=2)
-
-    ckpt_cb = ModelCheckpoint(dirpath=tmp_path, filename="epoch{epoch}", save_top_k=-1, every_n_epochs=1)
-    trainer(2, 1, [ckpt_cb]).fit(model, datamodule=data(2))
-    path = next(tmp_path.glob("*.ckpt"))
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = torch.load(tmp_path / "step=4.ckpt", weights_only=False)
     w_up = ckpt["state_dict"]["model.blocks.0.moe.experts.w_up"]
-    assert w_up.shape[0] == NUM_EXPERTS, "checkpoint must hold every expert, not rank 0's shard"
-    names = list(ckpt["state_dict"].keys())
-    momentum = ckpt["optimizer_states"][0]["state"][names.index("model.blocks.0.moe.experts.w_up")]
-    assert momentum["momentum_buffer"].shape == w_up.shape
+    assert w_up.shape[0] == NUM_EXPERTS, "a checkpoint must hold every expert, not one rank's shard"
+    keys = list(ckpt["state_dict"].keys())
+    adam = ckpt["optimizer_states"][0]["state"][keys.index("model.blocks.0.moe.experts.w_up")]
+    assert adam["exp_avg"].shape == w_up.shape and adam["exp_avg_sq"].shape == w_up.shape
+    assert ckpt["epoch"] == 1, "step 4 lies inside epoch 1 (3 steps per epoch): the resume must be mid-epoch"
 
-    resumed = make_model()
-    trainer(4, 2).fit(resumed, datamodule=data(4), ckpt_path=str(path))
-    actual = resumed.state_dict()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5)
+    # Resume the mid-epoch checkpoint on 4 ranks (same global batch): the uninterrupted result.
+    resumed = run_ranks(4, resume, 4, str(tmp_path / "step=4.ckpt"))[0]
+    assert_same_params(resumed, expected, initial)

@@ -51,26 +51,41 @@ def compose(*overrides: str):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("override,field", [
-    ("model.moe.top_k=9", "moe.top_k"),
-    ("model.d_model=30", "model.d_model"),
-    ("strategy.mode=bogus", "mode='bogus'"),
-    ("model.moe.router=hash", "moe.router"),
-    ("data.seq_len=512", "data.seq_len"),
-    ("+strategy.ep_size=2", "ep_size"),
-    ("trainer.devices=3", "cluster 'cpu2' names 2 devices"),
+@pytest.mark.parametrize("overrides,message", [
+    (["model.moe.top_k=9"], "model.moe.top_k=9 is invalid: must be in [1, num_experts=8]"),
+    (["model.d_model=30"], "model.d_model=30 is invalid"),
+    (["strategy.mode=bogus"], "mode='bogus' is invalid"),
+    (["model.moe.router=hash"], "model.moe.router='hash' is invalid"),
+    (["data.seq_len=512"], "data.seq_len=512 is invalid"),
+    (["+strategy.ep_size=2"], "strategy: unknown field(s) ['ep_size']"),
+    (["trainer.devices=3"], "cluster 'cpu2' names 2 devices"),
+    (["cluster.devices=[cpu,foo]"], "cluster.devices[1]='foo' is invalid: unknown device 'foo'"),
+    (["cluster.devices=[mygpu,cpu]", "+cluster.custom_devices={mygpu:{memory_gb:24}}"],
+     "cluster.custom_devices.mygpu: missing field(s) ['fp16_tflops', 'mem_bw_gbps', 'flash_attention']"),
+    (["cluster.devices=[mygpu,cpu]", "+cluster.custom_devices={mygpu:{base:a40,memory_gbs:24}}"],
+     "cluster.custom_devices.mygpu: unknown field(s) ['memory_gbs']"),
+    (["model.moe.expert_backend=triton"], "model.moe.expert_backend='triton' is invalid"),
+    (["data.corpus=wikipedia"], "data.corpus='wikipedia' is invalid: must be one of ('pydoc_topics',)"),
+    (["data.num_workers=-1"], "data.num_workers=-1 is invalid: must be an integer >= 0"),
+    (["trainer.max_steps=1.5"], "trainer.max_steps=1.5 is invalid: must be an integer"),
+    (["+model.d_modle=32"], "model: unknown field(s) ['d_modle']"),
 ])
-def test_bad_config_is_rejected_naming_the_field(tmp_path, override, field):
+def test_bad_config_is_rejected_naming_the_field(tmp_path, overrides, message):
+    """Rejected in the launching process (``train`` here), before any rank exists."""
+    from lightning_hetermoe.config import ConfigError
     from lightning_hetermoe.training import train
 
-    with pytest.raises(ValueError) as err:
-        train(compose(override), tmp_path)
-    assert field in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        train(compose(*overrides), tmp_path)
+    assert message in str(err.value)
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_bad_config_on_the_command_line_fails_before_any_process_starts(tmp_path):
-    proc = run_recipe("model.moe.top_k=9", f"hydra.run.dir={tmp_path}", timeout=120)
+def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tmp_path):
+    proc = run_recipe("cluster.devices=[cpu,foo]", f"hydra.run.dir={tmp_path}", timeout=120)
     assert proc.returncode != 0
-    assert "moe.top_k=9 is invalid" in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["[hetermoe] config error: cluster.devices[1]='foo' is invalid: unknown device 'foo'; known "
+                     "devices: a100, a10g, a40, cpu, h100, h200, l40s, mi250x, rtx4090, t4, v100 (define others "
+                     "under cluster.custom_devices)"], proc.stderr
     assert "Initializing distributed" not in proc.stderr + proc.stdout

@@ -10,22 +10,25 @@ import torch
 
 
 class RunSummary(L.Callback):
-    """Records the training loss of every step and global tokens/s.
+    """Records the training loss of every optimizer step and global tokens/s.
 
-    Throughput skips the first ``warmup_steps`` steps (process start-up, allocator
-    warm-up) and counts the tokens of every rank: per-rank batch tokens x world size.
+    A step is one optimizer step: under ``accumulate_grad_batches=n`` it spans ``n``
+    batches. Timing skips the first ``warmup_steps`` steps (process start-up, allocator
+    warm-up); tokens are every rank's batch tokens, so global tokens per second.
     """
 
     def __init__(self, warmup_steps: int = 1) -> None:
         self.warmup_steps = warmup_steps
         self.losses: list[float] = []
-        self._tokens = 0
-        self._t0: float | None = None
-        self._elapsed = 0.0
         self.step_times: list[float] = []
+        self._tokens = 0
+        self._step_tokens = 0
+        self._step_losses: list[float] = []
+        self._t0: float | None = None
+        self._last_step = -1
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if len(self.losses) >= self.warmup_steps:
+        if self._t0 is None:
             self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -33,29 +36,46 @@ class RunSummary(L.Callback):
         if loss is None and isinstance(outputs, dict):
             loss = outputs.get("loss")
         if loss is not None:
-            self.losses.append(float(loss))
-        if self._t0 is not None:
-            dt = time.perf_counter() - self._t0
-            self._elapsed += dt
-            self.step_times.append(dt)
-            self._tokens += batch[0].numel() * trainer.world_size
-            self._t0 = None
+            self._step_losses.append(float(loss))
+        self._step_tokens += _tokens(batch) * trainer.world_size
+        if trainer.global_step == self._last_step:
+            return  # still accumulating gradients: the optimizer step has not happened yet
+        self._last_step = trainer.global_step
+        if self._step_losses:
+            self.losses.append(sum(self._step_losses) / len(self._step_losses))
+        if len(self.losses) > self.warmup_steps and self._t0 is not None:
+            self.step_times.append(time.perf_counter() - self._t0)
+            self._tokens += self._step_tokens
+        self._step_losses, self._step_tokens, self._t0 = [], 0, None
 
     @property
     def tokens_per_s(self) -> float:
-        return self._tokens / self._elapsed if self._elapsed > 0 else float("nan")
+        elapsed = sum(self.step_times)
+        return self._tokens / elapsed if elapsed > 0 else float("nan")
 
     def summary(self, trainer: L.Trainer) -> dict[str, Any]:
         tail = self.losses[-5:]
         val = trainer.callback_metrics.get("val_loss")
+        times = sorted(self.step_times)
         return {
             "first_loss": self.losses[0] if self.losses else None,
             "final_loss": sum(tail) / len(tail) if tail else None,
             "val_loss": float(val) if isinstance(val, torch.Tensor) else val,
             "tokens_per_s": self.tokens_per_s,
-            # Wall seconds per training step after warm-up (forward, backward, optimizer).
-            "step_time_s": self._elapsed / len(self.step_times) if self.step_times else None,
-            "step_time_median_s": sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else None,
+            # Wall seconds per optimizer step after warm-up (forward, backward, optimizer).
+            "step_time_s": sum(times) / len(times) if times else None,
+            "step_time_median_s": times[len(times) // 2] if times else None,
             "steps": trainer.global_step,
             "world_size": trainer.world_size,
         }
+
+
+def _tokens(batch: Any) -> int:
+    """Tokens of a batch: the element count of its first tensor (``[batch, seq]``)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, (list, tuple)) and batch:
+        return _tokens(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _tokens(next(iter(batch.values())))
+    return 0

@@ -18,7 +18,7 @@ Devices come from three places:
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Mapping
 
 
@@ -149,9 +149,12 @@ def register_device(spec: DeviceSpec, *, overwrite: bool = False) -> DeviceSpec:
     return spec
 
 
-def _custom_spec(name: str, body: Any) -> DeviceSpec:
+def custom_spec(name: str, body: Any, where: str | None = None) -> DeviceSpec:
+    """A device from its YAML body; ``base: <known device>`` starts from a registry entry.
+    Errors name ``where`` (the Hydra path) and the fields that are missing or unknown."""
     if isinstance(body, DeviceSpec):
         return body
+    where = where or f"custom device {name!r}"
     try:
         from omegaconf import DictConfig, OmegaConf
 
@@ -159,15 +162,30 @@ def _custom_spec(name: str, body: Any) -> DeviceSpec:
             body = OmegaConf.to_container(body, resolve=True)
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         pass
+    if body is not None and not isinstance(body, Mapping):
+        raise ValueError(f"{where} must be a mapping of DeviceSpec fields, got {body!r}")
     body = dict(body or {})
     body.setdefault("name", name)
     # A custom device may start from a known one: {base: a40, memory_gb: 24}.
     base = body.pop("base", None)
     if base is not None:
-        merged = get_device(base).to_dict()
+        if str(base).lower() not in KNOWN_DEVICES:
+            raise ValueError(f"{where}.base={base!r} is invalid: must be one of {', '.join(sorted(KNOWN_DEVICES))}")
+        merged = KNOWN_DEVICES[str(base).lower()].to_dict()
         merged.update(body)
         body = merged
-    return DeviceSpec.from_dict(body)
+    known = {f.name: f for f in fields(DeviceSpec)}
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+    required = [f for f, spec in known.items() if spec.default is MISSING and f not in body]
+    if required:
+        raise ValueError(f"{where}: missing field(s) {required}; give them, or start from a known device "
+                         f"with base: <one of {', '.join(sorted(KNOWN_DEVICES))}>")
+    try:
+        return DeviceSpec.from_dict(body)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def get_device(name: str, custom: Mapping[str, Any] | None = None) -> DeviceSpec:
@@ -177,7 +195,7 @@ def get_device(name: str, custom: Mapping[str, Any] | None = None) -> DeviceSpec
     key = str(name).lower()
     for cname, body in (custom or {}).items():
         if str(cname).lower() == key:
-            return _custom_spec(key, body)
+            return custom_spec(key, body)
     if key in KNOWN_DEVICES:
         return KNOWN_DEVICES[key]
     known = sorted(set(KNOWN_DEVICES) | {str(c).lower() for c in (custom or {})})

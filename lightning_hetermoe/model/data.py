@@ -10,11 +10,11 @@ from __future__ import annotations
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, Dataset
 
-from ..config import DataConfig
+from ..config import CORPORA, DataConfig
+from .sampling import GlobalOrderSampler, ResumableLoader
 
-CORPORA = ("pydoc_topics",)
 
 
 def load_corpus(name: str) -> bytes:
@@ -62,20 +62,27 @@ class ByteCorpusDataModule(L.LightningDataModule):
         self.val_set = ByteWindows(val, cfg.seq_len, val_starts)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=self.cfg.shuffle, drop_last=True)
+        return self._loader(self.train_set, shuffle=self.cfg.shuffle, drop_last=True,
+                            consumed_batches=self._consumed_train_batches)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False, drop_last=True)
 
-    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool) -> DataLoader:
-        """Distributed runs get our own DistributedSampler, so ``data.shuffle`` and
-        ``data.seed`` decide the order (Lightning's automatic one always shuffles training
-        data, seeded from PL_GLOBAL_SEED). Either way, rank r of W takes every W-th index
-        of one shared order, so a global batch is independent of the world size."""
-        sampler = None
+    def _consumed_train_batches(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool, consumed_batches=None) -> DataLoader:
+        """One global order per epoch (see :mod:`.sampling`): rank r of W takes every W-th
+        sample of it, so a global batch does not depend on the world size, in any epoch,
+        and a mid-epoch checkpoint resumes at the next unseen sample."""
+        world, rank = 1, 0
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.cfg.seed, drop_last=drop_last)
-        elif shuffle:
-            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(self.cfg.seed))
-        return DataLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler,
-                          num_workers=self.cfg.num_workers, drop_last=drop_last)
+            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        sampler = GlobalOrderSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=self.cfg.seed,
+                                     drop_last=drop_last)
+        return ResumableLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler,
+                               num_workers=self.cfg.num_workers, drop_last=drop_last,
+                               consumed_batches=consumed_batches)

@@ -50,7 +50,10 @@ class MoELanguageModel(L.LightningModule):
     def configure_optimizers(self):
         o = self.optim_cfg
         if o.name == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+            opt = torch.optim.SGD(self.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                                  nesterov=o.nesterov)
+        elif o.name == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         if o.warmup_steps == 0:

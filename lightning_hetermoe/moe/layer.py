@@ -1,7 +1,9 @@
 """The MoE feed-forward layer: router -> capacity -> dispatch/experts/combine.
 
-It knows nothing of process groups: ``self.dispatcher`` defaults to a local one, and a
-parallel strategy swaps it (and slices ``self.experts``) from outside.
+It knows nothing of process groups: ``self.dispatcher`` defaults to a local one and
+``self.balance`` to the loss over the tokens in hand; a parallel strategy swaps both (and
+slices ``self.experts``) from outside. The auxiliary losses are computed after the
+dispatcher returns, so a strategy may gather the whole batch's routing counts meanwhile.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from ..config import MoEConfig
 from .capacity import apply_capacity
 from .dispatch import LocalDispatcher
 from .experts import Experts
-from .routers import RouterOutput, build_router, load_balancing_loss, router_z_loss
+from .balance import LocalBalance
+from .routers import RouterOutput, build_router, router_z_loss
 
 
 @dataclass
@@ -38,6 +41,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff, cfg.activation, cfg.bias,
                                backend=cfg.expert_backend, recompute=cfg.recompute_activation)
         self.dispatcher = LocalDispatcher()
+        self.balance = LocalBalance()
 
     def route(self, x: Tensor) -> RouterOutput:
         r = self.router(x)
@@ -50,10 +54,10 @@ class MoELayer(nn.Module):
         r = self.route(x)
         slots = self.dispatcher(x, r.indices, r.keep, self.experts)
         weights = (r.weights * r.keep).to(slots.dtype)
-        y = (slots.view(x.shape[0], self.top_k, -1) * weights.unsqueeze(-1)).sum(1)
+        y = (slots.view(x.shape[0], self.top_k, slots.shape[-1]) * weights.unsqueeze(-1)).sum(1)
         kept = r.indices[r.keep]
         aux = MoEAux(
-            balance_loss=load_balancing_loss(r.probs, r.indices, self.num_experts),
+            balance_loss=self.balance(r.probs, r.indices),
             z_loss=router_z_loss(r.logits),
             tokens_per_expert=torch.bincount(kept, minlength=self.num_experts),
             dropped=(~r.keep).sum(),

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ROUTERS, MoEConfig
+from .balance import LocalBalance
 
 
 @dataclass
@@ -27,14 +28,14 @@ class RouterOutput:
 
 
 def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Tensor:
-    """Switch/GShard auxiliary loss: E * sum_e f_e * P_e.
+    """Switch/GShard auxiliary loss over these tokens: E * sum_e f_e * P_e (see ``balance.py``).
 
     f_e is the fraction of routing choices sent to expert e (not differentiable), P_e the
     mean router probability of e. It is 1 for perfectly uniform routing.
     """
-    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(probs.dtype)
-    frac = counts / max(indices.numel(), 1)
-    return num_experts * (frac * probs.mean(0)).sum()
+    if probs.shape[-1] != num_experts:
+        raise ValueError(f"probs have {probs.shape[-1]} experts, expected {num_experts}")
+    return LocalBalance()(probs, indices)
 
 
 def router_z_loss(logits: Tensor) -> Tensor:

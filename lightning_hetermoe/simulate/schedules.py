@@ -102,6 +102,15 @@ def ep_speed(dev: DeviceSpec, timer, model: ModelConfig, seq_len: int) -> float:
     return 1.0 / (per_seq + timer.head(dev, seq_len))
 
 
+def ep_balanced_shares(total_seqs: int, speeds: Sequence[float]) -> list[int]:
+    """Sequences per EP rank in proportion to ``speeds``, at least one each: every EP rank
+    takes part in every all-to-all, and a rank without tokens would only wait."""
+    W = len(speeds)
+    if total_seqs < W:
+        raise ValueError(f"{total_seqs} sequences cannot give each of {W} EP ranks one")
+    return [1 + s for s in apportion(total_seqs - W, speeds)]
+
+
 def ep_setup(
     devs: Sequence[DeviceSpec],
     model: ModelConfig,
@@ -119,7 +128,7 @@ def ep_setup(
         raise ValueError("EP needs at least one rank")
     ranks = list(ranks) if ranks is not None else list(range(W))
     if balanced:
-        seqs = apportion(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
+        seqs = ep_balanced_shares(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
     else:
         seqs = apportion(total_seqs, [1.0] * W)
     experts = even_experts(model.moe.num_experts, W, model.n_layers)

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..moe import AllToAllDispatcher, LocalDispatcher, MoELayer
+from ..contract import moe_layers
+from ..moe import AllToAllDispatcher, LocalDispatcher
+from ..moe.balance import GlobalBalance, LocalBalance
 
 
 def contiguous_placement(num_experts: int, ep_size: int) -> list[list[int]]:
@@ -59,10 +61,6 @@ class ExpertParallelGroups:
         return cls(ep_size, ep_group, replica_group, rank % ep_size, world)
 
 
-def moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
-    return [(n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)]
-
-
 def expert_param_names(module: nn.Module) -> list[str]:
     names = []
     for prefix, layer in moe_layers(module):
@@ -71,19 +69,50 @@ def expert_param_names(module: nn.Module) -> list[str]:
     return names
 
 
+def allreduce_counts(group: dist.ProcessGroup | None):
+    """Sum routing counts over ``group`` (the data-parallel ranks): the global ``f`` of the
+    balance loss (see :mod:`lightning_hetermoe.moe.balance`)."""
+
+    def reduce(counts: Tensor) -> Tensor:
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+        return counts
+
+    return reduce
+
+
+def broadcast_experts(module: nn.Module, src: int = 0) -> None:
+    """Rank ``src``'s full expert weights on every rank, before anyone slices its own.
+
+    DDP broadcasts the dense weights at wrap time; the experts are outside DDP, so without
+    this each rank would start from its own random experts."""
+    for _, layer in moe_layers(module):
+        for p in layer.experts.parameters(recurse=False):
+            dist.broadcast(p.data, src=src)
+
+
+def slice_experts(layer, mine: list[int]) -> None:
+    """Keep rows ``mine`` (global expert ids, in that order) of every expert tensor."""
+    ex = layer.experts
+    idx = torch.tensor(mine, dtype=torch.long)
+    for pname, p in list(ex.named_parameters(recurse=False)):
+        setattr(ex, pname, nn.Parameter(p.detach()[idx.to(p.device)].clone(), requires_grad=p.requires_grad))
+    ex.expert_ids = idx.to(ex.expert_ids.device)
+
+
 def shard_experts(module: nn.Module, groups: ExpertParallelGroups) -> dict[str, list[list[int]]]:
-    """Keep only this rank's experts in every MoE layer and route through all-to-all.
+    """Keep only this rank's experts in every MoE layer and route through all-to-all; the
+    balance loss takes its counts over all ranks (every rank holds a different share of the
+    batch).
 
     Returns the placement per layer (layer name -> experts per EP rank)."""
+    broadcast_experts(module)
     placements = {}
     for name, layer in moe_layers(module):
         placement = contiguous_placement(layer.num_experts, groups.ep_size)
-        mine = torch.tensor(placement[groups.ep_rank], dtype=torch.long)
-        ex = layer.experts
-        for pname, p in list(ex.named_parameters(recurse=False)):
-            setattr(ex, pname, nn.Parameter(p.detach()[mine.to(p.device)].clone(), requires_grad=p.requires_grad))
-        ex.expert_ids = mine.to(ex.expert_ids.device)
+        slice_experts(layer, placement[groups.ep_rank])
         layer.dispatcher = AllToAllDispatcher(groups.ep_group, placement)
+        layer.balance = GlobalBalance(allreduce_counts(None))
         placements[name] = placement
     return placements
 
@@ -98,6 +127,7 @@ def unshard_experts(module: nn.Module, groups: ExpertParallelGroups) -> None:
             setattr(ex, pname, nn.Parameter(full, requires_grad=p.requires_grad))
         ex.expert_ids = torch.arange(layer.num_experts, device=ex.expert_ids.device)
         layer.dispatcher = LocalDispatcher()
+        layer.balance = LocalBalance()
 
 
 def gather_experts(local: Tensor, placement: list[list[int]], group: dist.ProcessGroup | None) -> Tensor:

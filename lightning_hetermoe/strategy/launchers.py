@@ -1,14 +1,35 @@
-"""A process launcher that is safe under Hydra multirun."""
+"""Process launchers: Hydra-multirun safe, checked before any process starts, and loud
+about which rank died.
+
+* :class:`HydraAwareScriptLauncher` (``strategy="hetermoe"``) re-runs the script in child
+  processes like Lightning's own, but under Hydra each child re-runs only its own job.
+* :class:`CheckedSpawnLauncher` (``"hetermoe_spawn"``) is Lightning's spawn launcher.
+* Both call ``pre_launch(model)`` first, so a model the strategy cannot run fails in the
+  launching process, before any child exists.
+* :class:`RankObserver` replaces Lightning's child-process observer: when a rank exits
+  badly it prints which rank, its role and its exit code or signal, then stops the rest.
+  Children watch their launcher too (:func:`watch_launcher`): if it dies they exit instead
+  of waiting on a collective that will never complete.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+PreLaunch = Callable[[Any], None]
+DescribeRank = Callable[[int], str]
+_LAUNCHER_PID = "HETERMOE_LAUNCHER_PID"
 
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -81,14 +102,129 @@ def _leave_previous_job() -> None:
     os.environ[_JOB_MARK] = job
 
 
+def exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name} ({-code})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class RankObserver(threading.Thread):
+    """Polls the child ranks; on the first bad exit, says who and stops every rank."""
+
+    def __init__(self, procs: list[subprocess.Popen], describe_rank: DescribeRank | None, node_rank_offset: int,
+                 period_s: float = 1.0) -> None:
+        super().__init__(daemon=True, name="hetermoe-rank-observer")
+        self.procs, self.describe_rank, self.offset, self.period_s = procs, describe_rank, node_rank_offset, period_s
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            if all(p.poll() == 0 for p in self.procs):
+                return
+            dead = first_dead(self.procs)
+            if dead is not None:
+                report_dead(self.offset + dead[0], dead[1], self.describe_rank)
+                self.stop_all()
+                return
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_watch = {"armed": False, "started": False}
+
+
+def first_dead(procs: list[subprocess.Popen], wait_s: float = 0.0) -> tuple[int, int] | None:
+    """``(local rank, exit code)`` of the first child that exited badly, waiting up to
+    ``wait_s`` for one (a peer's socket closes a moment before its process is reaped)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for local_rank, p in enumerate(procs, start=1):
+            code = p.poll()
+            if code:
+                return local_rank, code
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+_reported: set[int] = set()
+
+
+def report_dead(rank: int, code: int, describe_rank: DescribeRank | None) -> None:
+    if rank in _reported:
+        return
+    _reported.add(rank)
+    role = ""
+    if describe_rank is not None:
+        try:
+            role = f" ({describe_rank(rank)})"
+        except Exception:  # the plan may not exist yet
+            role = ""
+    sys.stderr.write(f"[hetermoe] rank {rank}{role} exited with {exit_description(code)}; stopping the other ranks\n")
+    sys.stderr.flush()
+
+
+def watch_launcher(armed: bool = True, period_s: float = 1.0) -> None:
+    """In a child started by :class:`HydraAwareScriptLauncher`: while armed (a fit, validate
+    or test is running), exit if the launcher dies, instead of waiting on a collective that
+    will never complete. Disarmed between runs, so a child may outlive a finished launcher."""
+    _watch["armed"] = armed
+    launcher = os.environ.get(_LAUNCHER_PID)
+    if not armed or _watch["started"] or launcher is None or int(launcher) == os.getpid():
+        return
+    _watch["started"] = True
+
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            if _watch["armed"] and os.getppid() != int(launcher):
+                sys.stderr.write(f"[hetermoe] the launching process (rank 0, pid {launcher}) is gone; "
+                                 f"rank {os.environ.get('LOCAL_RANK', '?')} exits\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="hetermoe-launcher-watch").start()
+
+
 class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
-    """Subprocess launcher that re-runs only the current Hydra job in each child, and
-    starts every job of a multirun sweep from a clean slate."""
+    """Subprocess launcher that re-runs only the current Hydra job in each child, starts
+    every job of a multirun sweep from a clean slate, checks the model before starting any
+    child and reports a dead rank by rank and role."""
+
+    def __init__(self, cluster_environment: Any, num_processes: int, num_nodes: int,
+                 pre_launch: PreLaunch | None = None, describe_rank: DescribeRank | None = None) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.pre_launch, self.describe_rank = pre_launch, describe_rank
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if self.pre_launch is not None and args:
+            self.pre_launch(args[0])
         if _hydra_in_use():
             _leave_previous_job()
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            os.environ[_LAUNCHER_PID] = str(os.getpid())
+            self._call_children_scripts()
+            if self.procs:
+                RankObserver(self.procs, self.describe_rank,
+                             self.cluster_environment.node_rank() * self.num_processes).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    def report_dead_children(self, wait_s: float = 3.0) -> bool:
+        """After a failed collective on rank 0: say which launched rank died, if one did."""
+        dead = first_dead(self.procs, wait_s) if self.procs else None
+        if dead is not None:
+            report_dead(self.cluster_environment.node_rank() * self.num_processes + dead[0], dead[1],
+                        self.describe_rank)
+        return dead is not None
 
     def _call_children_scripts(self) -> None:
         if not _hydra_in_use():
@@ -107,3 +243,16 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
             proc = subprocess.Popen(command, env=child_env, cwd=cwd)
             self.procs.append(proc)
             _children_of_job.append(proc)
+
+
+class CheckedSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, with the model checked before any process starts."""
+
+    def __init__(self, strategy: Any, start_method: str, pre_launch: PreLaunch | None = None) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self.pre_launch = pre_launch
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if self.pre_launch is not None and args:
+            self.pre_launch(args[0])
+        return super().launch(function, *args, trainer=trainer, **kwargs)

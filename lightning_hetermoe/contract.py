@@ -1,0 +1,94 @@
+"""What the strategy needs of a user's model, read from the module itself.
+
+The model contract (also in the README):
+
+* The model holds one or more :class:`~lightning_hetermoe.moe.MoELayer` modules. Each sits
+  directly inside a *block* module (a decoder layer) that the model calls once per forward,
+  in order; the block's first positional argument is the hidden state (the residual
+  stream), and what a block returns feeds only later blocks and the loss.
+* Planning and emulation read the shape of the model from it: ``d_model``, the experts
+  (count, ``top_k``, ``d_ff``, activation) from the MoE layers, the number of layers from
+  how many there are, the vocabulary from the largest ``nn.Embedding``, and the attention
+  heads from an ``int`` attribute ``n_heads`` (or ``num_heads``, ``num_attention_heads``)
+  of some module inside each block. A LightningModule with a ``model_cfg``
+  (:class:`~lightning_hetermoe.config.ModelConfig`) gives all of it directly.
+* The zebra and distep modes drive the LightningModule's ``training_step`` (and
+  ``validation_step``/``test_step``/``predict_step``) once per micro-batch, with automatic
+  optimization; a batch is a tensor or a tuple/list/dict of tensors whose first dimension
+  is the batch, the same shape on every rank.
+
+:func:`describe_model` turns a module into a :class:`ModelConfig`; :func:`find_blocks`
+returns the blocks; both raise :class:`ModelContractError` with a sentence that says what is
+missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from .config import ModelConfig
+from .moe import MoELayer
+
+HEAD_ATTRIBUTES = ("n_heads", "num_heads", "num_attention_heads")
+
+
+class ModelContractError(ValueError):
+    """The model does not give the strategy what it needs (see this module's docstring)."""
+
+
+def moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)]
+
+
+def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module, MoELayer]]:
+    """``(name, block, moe_layer)`` for every MoE layer, in model order; the block is the
+    module that holds the MoE layer as a direct child."""
+    names = {id(m): n for n, m in module.named_modules()}
+    out = []
+    for parent in module.modules():
+        for child in parent.children():
+            if isinstance(child, MoELayer):
+                out.append((names[id(parent)], parent, child))
+    if not out:
+        raise ModelContractError(
+            f"{type(module).__name__} holds no lightning_hetermoe.MoELayer: the strategy looks for MoELayer modules "
+            f"(each the direct child of a decoder block) to place experts and cut the schedule")
+    if len({id(b) for _, b, _ in out}) != len(out):
+        raise ModelContractError("a block holds more than one MoELayer: the executor cuts the schedule at blocks, "
+                                 "so each block may hold one MoE layer")
+    return out
+
+
+def _heads(block_name: str, block: nn.Module) -> int:
+    for m in block.modules():
+        for attr in HEAD_ATTRIBUTES:
+            n = getattr(m, attr, None)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                return n
+    raise ModelContractError(
+        f"block {block_name or type(block).__name__} ({type(block).__name__}) has no attention head count: planning "
+        f"and emulation read an int attribute {' / '.join(HEAD_ATTRIBUTES)} of a module inside each MoE block "
+        f"(e.g. self.n_heads on the attention module), or a model_cfg on the LightningModule")
+
+
+def describe_model(module: nn.Module) -> ModelConfig:
+    """The model's shape as a :class:`ModelConfig` (for the planner, simulator and emulator)."""
+    blocks = find_blocks(module)
+    cfg = getattr(module, "model_cfg", None)
+    if isinstance(cfg, ModelConfig):
+        if cfg.n_layers != len(blocks) or cfg.moe.num_experts != blocks[0][2].num_experts:
+            raise ModelContractError(
+                f"model_cfg says {cfg.n_layers} layers of {cfg.moe.num_experts} experts, the module holds "
+                f"{len(blocks)} MoE layers of {blocks[0][2].num_experts}")
+        return cfg
+    name, block, moe = blocks[0]
+    d_model = moe.router.weight.shape[1]
+    heads = _heads(name, block)
+    if d_model % heads:
+        raise ModelContractError(f"d_model={d_model} is not a multiple of {heads} attention heads in {name}")
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeddings), default=2)
+    return ModelConfig(name=type(module).__name__.lower(), vocab_size=max(vocab, 2), d_model=d_model,
+                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20, moe=replace(moe.cfg))

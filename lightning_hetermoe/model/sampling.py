@@ -1,0 +1,79 @@
+"""One global sample order per epoch, whatever the world size, resumable mid-epoch.
+
+Epoch ``e``'s order is ``randperm(n)`` seeded with ``seed + e`` (or ``0..n-1``), cut to a
+multiple of the replica count. Replica ``r`` of ``W`` takes positions ``r, r + W, ...``,
+so step ``t``'s global batch (all replicas together, ``b`` each) is positions
+``[t*b*W, (t+1)*b*W)`` of that order: the same set of samples on 1, 2 or 4 processes.
+
+The loader's state is the epoch and the number of *global* samples the training loop has
+consumed in it, so a checkpoint taken mid-epoch resumes at the next unseen sample even on
+another world size (keep ``b * W`` fixed to keep the global batches).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class GlobalOrderSampler(DistributedSampler):
+    """A :class:`DistributedSampler` (so Lightning keeps it) whose order and resume point
+    are global. ``num_replicas=1, rank=0`` is the single-process order."""
+
+    def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = True) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.start = 0  # global position to resume from, this epoch only
+
+    def order(self) -> list[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        if self.drop_last:
+            return order[: self.total_size]
+        return (order + order[: self.total_size - n])[: self.total_size]  # pad as DistributedSampler does
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.order()
+        start = self.start - self.start % self.num_replicas  # whole rounds of replicas only
+        return iter(order[start + self.rank :: self.num_replicas])
+
+    # ``__len__`` stays the full epoch's length (DistributedSampler's): Lightning reads it
+    # once, after restoring a mid-epoch state, as the length of every epoch, and counts the
+    # batches it already ran in the resumed epoch itself.
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
+        super().set_epoch(epoch)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over a :class:`GlobalOrderSampler` with ``state_dict``/``load_state_dict``.
+
+    ``consumed_batches()`` says how many batches of this epoch the training loop has used;
+    the datamodule wires it to Lightning's progress counter, because Lightning fetches a
+    batch ahead and the loader's own count would be one too many at a mid-epoch save."""
+
+    def __init__(self, *args: Any, consumed_batches: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, GlobalOrderSampler):
+            raise TypeError("ResumableLoader needs a GlobalOrderSampler")
+        self._consumed_batches = consumed_batches
+
+    def state_dict(self) -> dict[str, int]:
+        s: GlobalOrderSampler = self.sampler  # type: ignore[assignment]
+        done = self._consumed_batches() if self._consumed_batches is not None else 0
+        start = s.start - s.start % s.num_replicas
+        return {"epoch": s.epoch, "position": start + done * self.batch_size * s.num_replicas}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        s: GlobalOrderSampler = self.sampler  # type: ignore[assignment]
+        s.set_epoch(int(state["epoch"]))
+        s.start = int(state["position"])

@@ -1,0 +1,25 @@
+"""Faults to inject into real runs (used through Hydra's ``+callbacks.<name>._target_``)."""
+
+import os
+import signal
+
+import lightning as L
+
+
+class KillRankAt(L.Callback):
+    """Rank ``rank`` kills itself with SIGKILL when batch ``step`` starts (a crashed GPU node)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaiseAt(KillRankAt):
+    """Rank ``rank`` raises when batch ``step`` starts (a bug in user code)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {trainer.global_step}")

@@ -1,0 +1,77 @@
+"""Real multi-process runs for tests, started once and reused for several fits.
+
+``run_ranks(world, fn, *args)`` starts ``world`` processes with ``spawn`` and sets the
+variables torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
+``LOCAL_RANK``, ``NODE_RANK``). Lightning then sees processes that were created externally
+and launches none of its own, so each rank may run several ``Trainer.fit`` calls in one
+start (gloo process group and all). ``fn(rank, *args)`` runs in every rank; the return
+values come back in rank order. A rank that raises fails the call with its traceback; a
+run that outlives ``timeout`` is killed and fails.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1")
+    torch.set_num_threads(1)
+    path = Path(outdir) / f"rank{rank}.pkl"
+    try:
+        result = fn(rank, *args)
+        with open(path, "wb") as f:
+            torch.save({"ok": result}, f)
+    except BaseException:
+        with open(path, "wb") as f:
+            pickle.dump({"error": traceback.format_exc()}, f)
+        raise
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 240.0) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="ranks_") as outdir:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world}-rank run did not finish in {timeout:.0f} s")
+        except mp.ProcessRaisedException as err:
+            errors = []
+            for r in range(world):
+                p = Path(outdir) / f"rank{r}.pkl"
+                if p.exists():
+                    with open(p, "rb") as f:
+                        try:
+                            rec = pickle.load(f)
+                        except Exception:
+                            continue
+                    if isinstance(rec, dict) and "error" in rec:
+                        errors.append(f"--- rank {r} ---\n{rec['error']}")
+            raise RuntimeError("\n".join(errors) or str(err)) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for r in range(world):
+            results.append(torch.load(Path(outdir) / f"rank{r}.pkl", weights_only=False)["ok"])
+        return results

@@ -1,0 +1,82 @@
+"""The naive reference every parallel run is compared with: one process, the whole global
+batch per step, the model's own optimizer and LR schedule, plain ``loss.backward()``.
+
+Also the small builders the distributed tests share (model, data, Lightning trainer)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_hetermoe import ByteCorpusDataModule, DataConfig, ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
+from lightning_hetermoe.model.sampling import GlobalOrderSampler
+
+SEQ = 16
+
+
+def make_model(num_experts: int = 4, n_layers: int = 2, seed: int = 0, optim: OptimConfig | None = None,
+               **moe: Any) -> MoELanguageModel:
+    """A tiny model at the default loss coefficients (balance and z-loss on) unless ``moe`` says otherwise."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=SEQ,
+                      moe=MoEConfig(num_experts=num_experts, d_ff=12, **moe))
+    return MoELanguageModel(cfg, optim or OptimConfig())
+
+
+def data(world: int, global_batch: int = 8, windows: int = 64, shuffle: bool = True, seed: int = 7
+         ) -> ByteCorpusDataModule:
+    if global_batch % world:
+        raise ValueError(f"global batch {global_batch} does not split over {world} ranks")
+    dm = ByteCorpusDataModule(DataConfig(seq_len=SEQ, batch_size=global_batch // world, shuffle=shuffle, seed=seed,
+                                         train_windows=windows, val_windows=8))
+    dm.setup()
+    return dm
+
+
+def global_batches(global_batch: int = 8, windows: int = 64, shuffle: bool = True, seed: int = 7):
+    """The global batches of epoch 0, 1, ... in order, as one process sees them."""
+    train_set = data(1, global_batch, windows, shuffle, seed).train_set
+    sampler = GlobalOrderSampler(train_set, shuffle=shuffle, seed=seed)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from DataLoader(train_set, batch_size=global_batch, sampler=sampler, drop_last=True)
+
+
+def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8, windows: int = 64,
+                  accumulate: int = 1, clip: float | None = None, shuffle: bool = True,
+                  seed: int = 7) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    conf = model.configure_optimizers()
+    opt = conf["optimizer"] if isinstance(conf, dict) else conf
+    sched = conf["lr_scheduler"]["scheduler"] if isinstance(conf, dict) else None
+    batches = global_batches(global_batch, windows, shuffle, seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(accumulate):
+            (model.losses(next(batches))["loss"] / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return model.state_dict()
+
+
+def trainer(strategy, devices: int, **kwargs: Any) -> L.Trainer:
+    defaults = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, devices=devices, **defaults)
+
+
+def assert_same_params(actual: dict, expected: dict, initial: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        moved = (expected[name] - initial[name]).abs().max()
+        assert moved > 0 or "noise" in name, f"{name} never trained: the comparison would be vacuous"
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=name)

@@ -1,0 +1,71 @@
+"""Expert-parallel training on real gloo processes equals single-process training on the
+global batch, at the default loss coefficients (balance and z-loss on), for the optimizers,
+accumulation and clipping users run, with every rank seeded differently (the strategy must
+start all ranks from rank 0's weights, experts included)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from harness import run_ranks
+from lightning_hetermoe import ClusterConfig, HeterMoEStrategy, OptimConfig
+from reference import assert_same_params, data, make_model, reference_fit, trainer
+
+STEPS = 5
+
+CASES = {
+    2: [
+        dict(name="adamw"),
+        dict(name="adam_l2", optim=dict(name="adam", weight_decay=0.05)),
+        dict(name="sgd_nesterov", optim=dict(name="sgd", lr=0.1, momentum=0.9, nesterov=True, warmup_steps=0)),
+        dict(name="accumulate_clip", accumulate=2, clip=0.05),
+        # At these tiny shapes kernel launches dominate, so the slow device launches slowly.
+        dict(name="speed_split", strategy=dict(batch_split="speed", cluster=dict(
+            name="mix", devices=["a40", "slow"], custom_devices={"slow": {"base": "v100", "launch_overhead_s": 1e-4}}))),
+    ],
+    4: [
+        dict(name="adamw_uneven", num_experts=3),  # 1+1+1+0 experts
+        dict(name="replicas_clip", num_experts=8, clip=0.05, strategy=dict(expert_parallel_size=2)),
+        dict(name="sgd_accumulate", optim=dict(name="sgd", lr=0.1, momentum=0.9, nesterov=True, warmup_steps=0),
+             accumulate=2),
+    ],
+}
+
+
+def build(case: dict, seed: int):
+    return make_model(case.get("num_experts", 4), seed=seed, optim=OptimConfig(**case.get("optim", {})))
+
+
+def fit_cases(rank: int, world: int, cases: list[dict]) -> list[dict] | None:
+    out = []
+    for case in cases:
+        model = build(case, seed=rank)  # differently seeded ranks: rank 0's weights must win
+        strategy = HeterMoEStrategy(**case.get("strategy", {}))
+        t = trainer(strategy, world, max_steps=STEPS, accumulate_grad_batches=case.get("accumulate", 1),
+                    gradient_clip_val=case.get("clip"))
+        t.fit(model, datamodule=data(world))
+        out.append({k: v.clone() for k, v in model.state_dict().items()})
+        if case["name"] == "speed_split":
+            out[-1]["__shares__"] = torch.tensor(strategy._shares)
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_distributed_equals_single_process_at_default_settings(world):
+    cases = CASES[world]
+    results = run_ranks(world, fit_cases, world, cases)[0]
+    for case, actual in zip(cases, results):
+        model = build(case, seed=0)
+        initial = copy.deepcopy(model.state_dict())
+        expected = reference_fit(model, STEPS, accumulate=case.get("accumulate", 1), clip=case.get("clip"))
+        if case.get("clip"):
+            unclipped = reference_fit(model, STEPS, accumulate=case.get("accumulate", 1))
+            gap = (expected["model.head.weight"] - unclipped["model.head.weight"]).abs().max()
+            assert gap > 1e-4, f"{case['name']}: clipping never bit, the clip check would be vacuous"
+        shares = actual.pop("__shares__", None)
+        if shares is not None:
+            assert shares.tolist()[0] > shares.tolist()[1], f"a40 must get the larger share: {shares.tolist()}"
+        assert_same_params(actual, expected, initial)

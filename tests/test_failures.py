@@ -1,0 +1,42 @@
+"""A rank that dies or raises ends the whole run quickly, and the output says which rank."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_main_job(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=50",
+                           f"hydra.run.dir={tmp_path}", *overrides], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("target,rank,expect", [
+    ("faults.KillRankAt", 1, "[hetermoe] rank 1 (ep rank, device cpu) exited with signal SIGKILL (9); "
+                             "stopping the other ranks"),
+    ("faults.RaiseAt", 1, "[hetermoe] rank 1 (ep rank, device cpu) exited with exit code 1; stopping the other ranks"),
+])
+def test_a_dead_child_rank_is_named_and_everything_stops(tmp_path, target, rank, expect):
+    proc, wall = run_main_job(tmp_path, f"+callbacks.fault._target_={target}", f"+callbacks.fault.rank={rank}",
+                              "+callbacks.fault.step=3")
+    assert proc.returncode != 0
+    assert expect in proc.stderr, proc.stderr[-3000:]
+    assert wall < 60, f"the run took {wall:.0f} s to end after rank {rank} failed"
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_rank_zero_raising_ends_the_children(tmp_path):
+    proc, wall = run_main_job(tmp_path, "+callbacks.fault._target_=faults.RaiseAt", "+callbacks.fault.rank=0",
+                              "+callbacks.fault.step=3")
+    assert proc.returncode != 0
+    assert "injected failure on rank 0" in proc.stderr
+    assert wall < 60
