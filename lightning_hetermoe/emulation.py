@@ -403,3 +403,34 @@ def apply_emulation(model: nn.Module, cluster, global_rank: int, *, cost_model=N
     handle = install(model, emulator)
     log.info(f"emulation: rank {global_rank} plays {device.name} at time_scale={cluster.time_scale:g}")
     return handle
+
+
+def emulation_timer(cluster, model_cfg, seq_len: int):
+    """The task timer of an emulated cluster (what its ranks pad to)."""
+    from .profile.timer import make_timer
+
+    return make_timer(model_cfg, seq_len, cost=emulation_cost_model())
+
+
+class EmulatedClock:
+    """One emulated device's clock for the zebra executor: modelled seconds x time_scale."""
+
+    def __init__(self, cluster, rank: int, timer) -> None:
+        from .cluster.devices import get_device
+
+        self.device = get_device(cluster.devices[rank], cluster.custom_devices)
+        self.timer, self.scale, self.link = timer, cluster.time_scale, cluster.link
+
+    def attention(self, tokens: float, backward: bool = False) -> float:
+        return self.scale * self.timer.attention(self.device, tokens, backward)
+
+    def head(self, tokens: float, forward_only: bool = False) -> float:
+        h = self.timer.head(self.device, tokens)
+        return self.scale * (h / 3.0 if forward_only else h)
+
+    def experts(self, counts, backward: bool = False) -> float:
+        return self.scale * sum(self.timer.expert(self.device, c, backward) for c in counts if c > 0)
+
+    def transfer(self, rows: float) -> float:
+        d = self.timer.model.d_model
+        return self.scale * self.timer.comm(rows * d * self.timer.cost.dtype_bytes, self.link)

@@ -13,7 +13,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_hetermoe import ByteCorpusDataModule, DataConfig, ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
+from lightning_hetermoe import (ByteCorpusDataModule, DataConfig, ModelConfig, MoEConfig, MoELanguageModel, MoELayer,
+                                OptimConfig)
 from lightning_hetermoe.model.sampling import GlobalOrderSampler
 
 SEQ = 16
@@ -47,9 +48,54 @@ def global_batches(global_batch: int = 8, windows: int = 64, shuffle: bool = Tru
         yield from DataLoader(train_set, batch_size=global_batch, sampler=sampler, drop_last=True)
 
 
+class _RecordBalance:
+    """Stands in for a layer's balance loss in :func:`pieces_loss`: records what it needs."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def __call__(self, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(indices.reshape(-1), minlength=probs.shape[-1])
+        self.items.append((probs.mean(0), counts, probs.shape[0]))
+        return probs.sum() * 0
+
+
+def pieces_loss(model: MoELanguageModel, batch, pieces: list[int], stats: dict | None = None) -> torch.Tensor:
+    """The global batch as separate forward passes of ``pieces`` sequences each (capacity then
+    applies per piece, as on a rank's micro-batch), with the balance loss's expert fractions
+    over the whole global batch, written out term by term."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    saved = [layer.balance for layer in layers]
+    recorders = [_RecordBalance() for _ in layers]
+    for layer, rec in zip(layers, recorders):
+        layer.balance = rec
+    try:
+        total = sum(pieces)
+        loss, at = 0.0, 0
+        for n in pieces:
+            piece = tuple(t[at:at + n] for t in batch)
+            out = model.losses(piece)
+            loss = loss + out["loss"] * (n / total)
+            at += n
+            if stats is not None:  # what the case exercised: drops, experts left without tokens
+                stats["dropped"] = stats.get("dropped", 0) + int(out["dropped"])
+                stats["idle_experts"] = stats.get("idle_experts", 0) + int((out["tokens_per_expert"] == 0).sum())
+        coef = model.model_cfg.moe.aux_loss_coef
+        for rec in recorders:
+            counts = sum(c for _, c, _ in rec.items)
+            frac = counts.float() / counts.sum()
+            mean_probs = sum(p * (t / (total * batch[0].shape[1])) for p, _, t in rec.items)
+            loss = loss + coef * len(frac) * (frac * mean_probs).sum()
+        return loss
+    finally:
+        for layer, b in zip(layers, saved):
+            layer.balance = b
+
+
 def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8, windows: int = 64,
                   accumulate: int = 1, clip: float | None = None, shuffle: bool = True,
-                  seed: int = 7) -> dict[str, torch.Tensor]:
+                  seed: int = 7, pieces: list[int] | None = None, stats: dict | None = None
+                  ) -> dict[str, torch.Tensor]:
     model = copy.deepcopy(model)
     conf = model.configure_optimizers()
     opt = conf["optimizer"] if isinstance(conf, dict) else conf
@@ -58,7 +104,9 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
     for _ in range(steps):
         opt.zero_grad()
         for _ in range(accumulate):
-            (model.losses(next(batches))["loss"] / accumulate).backward()
+            batch = next(batches)
+            loss = model.losses(batch)["loss"] if pieces is None else pieces_loss(model, batch, pieces, stats)
+            (loss / accumulate).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

@@ -7,6 +7,7 @@ import pytest
 from lightning_hetermoe.cluster import LinkConfig, get_device
 from lightning_hetermoe.config import ModelConfig, MoEConfig
 from lightning_hetermoe.profile import make_timer
+from lightning_hetermoe.schedule import build_schedule
 from lightning_hetermoe.simulate import (
     Lane,
     StepSetup,
@@ -63,10 +64,11 @@ def tiny_model(experts=1, top_k=1):
 A40, V100 = get_device("a40"), get_device("v100")
 
 
-def zebra_setup(overlap=True):
+def zebra_setup(kind="zebra"):
     # one attention rank (1 sequence per micro-batch), one expert rank holding the only expert
     lanes = [Lane(A40, [0], seqs=[1, 1], experts=[0, 0]), Lane(V100, [1], seqs=[], experts=[1, 1], role="expert")]
-    return StepSetup(lanes=lanes, model=tiny_model(), seq_len=4, num_microbatches=2, link=LinkConfig(), overlap=overlap)
+    return StepSetup(lanes=lanes, model=tiny_model(), seq_len=4, num_microbatches=2, link=LinkConfig(),
+                     schedule=build_schedule(kind, 2, 2))
 
 
 def test_zebra_two_layers_two_microbatches_by_hand():
@@ -87,7 +89,7 @@ def test_zebra_two_layers_two_microbatches_by_hand():
 
 def test_distep_serialises_microbatches_by_hand():
     # one micro-batch: Af Xf Af Xf (4) + H (0) + Xb Ab Xb Ab (8) = 12; two in a row = 24
-    res = simulate_step(zebra_setup(overlap=False), FakeTimer(), "distep")
+    res = simulate_step(zebra_setup("distep"), FakeTimer(), "distep")
     assert res.step_time == pytest.approx(24.0)
     assert simulate_step(zebra_setup(), FakeTimer()).step_time < res.step_time
 
@@ -97,7 +99,7 @@ def test_ep_slowest_rank_sets_the_pace_by_hand():
     # per layer fwd: max(1, 2) + 1 = 3 -> 6; bwd: 2 + max(2, 4) = 6 -> 12; step 18
     lanes = [Lane(A40, [0], seqs=[1], experts=[1, 1], role="ep"), Lane(V100, [1], seqs=[1], experts=[1, 1], role="ep")]
     setup = StepSetup(
-        lanes=lanes, model=tiny_model(experts=2), seq_len=4, num_microbatches=1, link=LinkConfig(), overlap=False
+        lanes=lanes, model=tiny_model(experts=2), seq_len=4, num_microbatches=1, link=LinkConfig()
     )
     res = simulate_step(setup, FakeTimer(attn={"v100": 2.0}), "ep")
     assert res.step_time == pytest.approx(18.0)

@@ -284,10 +284,12 @@ def make_plan(
     num_zp_groups: int | None = None,
     require_expert_ranks: bool = False,
     schedules: Sequence[str] = SCHEDULES,
+    timer: Any = None,
 ) -> Plan:
     """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``.
 
-    ``profile`` (measured times) replaces the cost model when given. ``num_microbatches``,
+    ``profile`` (measured times) replaces the cost model when given; ``timer`` (any task
+    timer, e.g. an emulated workload's clock) replaces both. ``num_microbatches``,
     ``num_attention_ranks`` and ``num_zp_groups`` pin a choice instead of searching it.
     The search may give every rank the attention role (experts sharded over them: the EP
     layout, still with zebra's micro-batch overlap) when that is fastest; with
@@ -304,7 +306,7 @@ def make_plan(
     total = global_batch_tokens // seq_len
     if total < 1:
         raise ValueError(f"global_batch_tokens={global_batch_tokens} is smaller than one sequence of {seq_len} tokens")
-    timer = make_timer(model, seq_len, profile, cost_model)
+    timer = timer if timer is not None else make_timer(model, seq_len, profile, cost_model)
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches)
     W = len(view.devices)
     mem = search.mem

@@ -7,7 +7,9 @@ time and, whenever it is idle, starts the best *ready* task in its queue:
 * ``"priority"`` resources pick the smallest ``priority`` key (a schedule's order; the
   resource never idles while something is ready, so it is work-conserving);
 * ``"fifo"`` resources pick the task that became ready first (the order inputs arrive),
-  ties broken by priority.
+  ties broken by priority;
+* ``"order"`` resources run their tasks strictly in ``priority`` order, waiting for the
+  next one even when a later one is ready (a fixed schedule, as the executor follows it).
 
 Time advances from one task completion to the next, so the cost is O(n log n).
 """
@@ -57,10 +59,34 @@ def run_dag(tasks: list[Task], policies: dict[str, str] | None = None) -> Timeli
     start = [0.0] * n
     end = [0.0] * n
 
+    # "order" resources: the tasks in their fixed sequence, and how far along it they are
+    sequence: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        if policies.get(t.resource) == "order":
+            sequence.setdefault(t.resource, []).append(i)
+    for r in sequence:
+        sequence[r].sort(key=lambda i: (tasks[i].priority, i))
+    position = {r: 0 for r in sequence}
+    ready_set: dict[str, set[int]] = {r: set() for r in sequence}
+
     def push(i: int, now: float) -> None:
         t = tasks[i]
+        if t.resource in sequence:
+            ready_set[t.resource].add(i)
+            return
         key = (now, t.priority, i) if policies.get(t.resource) == "fifo" else (t.priority, i)
         heapq.heappush(queues.setdefault(t.resource, []), (key, i))
+
+    def next_ready(r: str) -> int | None:
+        if r in sequence:
+            seq, k = sequence[r], position[r]
+            if k < len(seq) and seq[k] in ready_set[r]:
+                position[r] += 1
+                ready_set[r].discard(seq[k])
+                return seq[k]
+            return None
+        q = queues.get(r)
+        return heapq.heappop(q)[1] if q else None
 
     for i in range(n):
         if indeg[i] == 0:
@@ -68,12 +94,14 @@ def run_dag(tasks: list[Task], policies: dict[str, str] | None = None) -> Timeli
     events: list[tuple[float, int]] = []
     now = 0.0
     done = 0
-    dirty = set(queues)
+    finished_flags = [False] * n
+    dirty = set(queues) | set(sequence)
     while True:
         for r in dirty:
-            q = queues.get(r)
-            if q and not busy.get(r, False):
-                _, i = heapq.heappop(q)
+            if busy.get(r, False):
+                continue
+            i = next_ready(r)
+            if i is not None:
                 busy[r] = True
                 start[i] = now
                 end[i] = now + tasks[i].duration
@@ -87,6 +115,7 @@ def run_dag(tasks: list[Task], policies: dict[str, str] | None = None) -> Timeli
             finished.append(heapq.heappop(events)[1])
         for i in finished:
             done += 1
+            finished_flags[i] = True
             r = tasks[i].resource
             busy[r] = False
             dirty.add(r)
@@ -96,6 +125,6 @@ def run_dag(tasks: list[Task], policies: dict[str, str] | None = None) -> Timeli
                     push(c, now)
                     dirty.add(tasks[c].resource)
     if done != n:
-        stuck = [tasks[i].name for i in range(n) if indeg[i] > 0][:5]
-        raise ValueError(f"task graph has a cycle or unreachable tasks, e.g. {stuck}")
+        stuck = [f"{tasks[i].name}@{tasks[i].resource}" for i in range(n) if not finished_flags[i]][:5]
+        raise ValueError(f"task graph has a cycle, unreachable tasks or an impossible fixed order, e.g. {stuck}")
     return Timeline(tasks, start, end)

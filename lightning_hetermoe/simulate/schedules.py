@@ -144,7 +144,6 @@ def ep_setup(
         seq_len=seq_len,
         num_microbatches=R,
         link=link,
-        overlap=False,
         replicas=1,
         attention_dp=W,
     )
@@ -202,16 +201,19 @@ def plan_setup(
     plan, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig, *, schedule: str = "zebra"
 ) -> StepSetup:
     """The first ZP group of ``plan`` (all groups are identical) as a StepSetup."""
+    from ..schedule import build_schedule
+
     group = plan.zp_groups[0]
     L = model.n_layers
     counts = plan.expert_counts(0)  # [member][layer]
     if schedule == "distep":
         counts = plan.base_counts if plan.base_counts else counts
         R = plan.distep_microbatches or 1
-    elif schedule == "zebra":
+    elif schedule in ("zebra", "forward"):
         R = plan.num_microbatches
     else:
         raise ValueError(f"plan_setup: schedule {schedule!r} is not disaggregated")
+    steps = build_schedule(schedule, L, R, balance=model.moe.aux_loss_coef > 0)
     members = []
     for p, rank in enumerate(group.members):
         role = plan.roles[rank]
@@ -223,7 +225,7 @@ def plan_setup(
         seq_len=plan.seq_len,
         num_microbatches=R,
         link=link,
-        overlap=(schedule == "zebra"),
+        schedule=steps,
         replicas=len(plan.zp_groups),
         attention_dp=len(plan.attention_ranks),
     )

@@ -16,11 +16,14 @@ Dispatch-direction transfers (D_f, D_b) share one channel and combine-direction 
 once. A collective takes ``latency + max over ranks of max(bytes sent, bytes received) /
 bandwidth``; tokens routed to an expert on the same rank never touch the network.
 
-Attention-holding ranks pick ready tasks in the Theorem-1 order: layer by layer forward
-over micro-batches 1..R; at the top layer each micro-batch's forward is followed by its
-backward; then backward layer by layer down, micro-batches 1..R. Expert-only ranks run
-tasks in the order their inputs arrive. ``overlap=False`` chains micro-batches (the next
-one starts when the previous backward is done): DistEP and EP.
+Disaggregated schedules (zebra, DistEP, forward-only) take every rank's task order and
+the channels' round order from a :class:`~lightning_hetermoe.schedule.Schedule`, the same
+object the executor follows, and run them as fixed orders. The balance loss's routing
+counts are summed over the attention ranks on a third channel (``dense``), and a layer's
+combine waits for them (see the schedule module).
+
+EP lanes (``setup.schedule is None``) pick ready tasks by priority, micro-batches one after
+another: the all-to-alls are synchronous, the slowest rank sets the pace.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from ..cluster.config import LinkConfig
 from ..cluster.devices import DeviceSpec
 from ..config import ModelConfig
+from ..schedule import Round, Schedule, Task as ScheduleTask
 from .engine import Task, Timeline, run_dag
 
 COMPUTE_KINDS = ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd", "head")
@@ -72,11 +76,12 @@ class StepSetup:
     seq_len: int
     num_microbatches: int
     link: LinkConfig
-    overlap: bool = True
     # identical groups (DP replicas) this one stands for
     replicas: int = 1
     # ranks holding a replica of the attention stack, cluster-wide (gradient all-reduce)
     attention_dp: int = 1
+    # zebra / DistEP / forward-only: the fixed orders (None: EP)
+    schedule: Schedule | None = None
 
 
 @dataclass
@@ -141,6 +146,137 @@ def _check(setup: StepSetup) -> None:
 def build_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], dict[str, float]]:
     """The task graph, the resource policies and the per-lane tail (grad sync + optimizer)."""
     _check(setup)
+    if setup.schedule is not None:
+        tasks, policies = _schedule_tasks(setup, timer)
+    else:
+        tasks, policies = _ep_tasks(setup, timer)
+    tails = {}
+    if setup.schedule is None or setup.schedule.kind != "forward":
+        tails = {lane_resource(i, lane): lane_tail(timer, setup, lane) for i, lane in enumerate(setup.lanes)}
+    return tasks, policies, tails
+
+
+def lane_resource(i: int, lane: Lane) -> str:
+    return f"{i}:{lane.name}"
+
+
+def lane_tail(timer, setup: StepSetup, lane: Lane) -> float:
+    """After the last backward: gradient all-reduce among replicas (not overlapped, to be
+    conservative) and the optimizer step over the parameters the lane holds."""
+    from ..profile.memory import MemoryModel
+
+    mem = MemoryModel(setup.model)
+    n_exp = sum(lane.experts)
+    params = n_exp * mem.expert_params()
+    t = timer.allreduce(n_exp * mem.expert_params() * 2, setup.replicas, setup.link)
+    if lane.has_attention or lane.role == "attention":
+        params += mem.attention_stack_params()
+        t += timer.allreduce(mem.attention_stack_params() * 2, setup.attention_dp, setup.link)
+    return t + timer.optimizer(lane.device, params)
+
+
+def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
+    """One leg of a round: latency + the busiest rank's max(bytes sent, received) over the link.
+    ``tokens[i]`` is lane ``i``'s tokens in the round; experts are assumed evenly routed."""
+    m = setup.model
+    E, k, d = m.moe.num_experts, m.moe.top_k, m.d_model
+    group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
+    worst = 0.0
+    for lane, t in zip(setup.lanes, tokens):
+        mine = lane.experts[layer]
+        send = t * k * d * 2 * (E - mine) / E
+        recv = (group - t) * k * d * 2 * mine / E
+        worst = max(worst, send, recv)
+    return timer.comm(worst, setup.link)
+
+
+def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
+    sched = setup.schedule
+    m = setup.model
+    L, R, E, k = m.n_layers, setup.num_microbatches, m.moe.num_experts, m.moe.top_k
+    if sched.num_layers != L or sched.num_microbatches != R:
+        raise ValueError(f"schedule is for {sched.num_layers} layers x {sched.num_microbatches} micro-batches, "
+                         f"the setup has {L} x {R}")
+    S = setup.seq_len
+    lanes = setup.lanes
+    tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in lanes]
+    group_tok = [sum(len(lane.ranks) * tok[i][j] for i, lane in enumerate(lanes)) for j in range(R)]
+    att = [i for i, lane in enumerate(lanes) if lane.role == "attention"]
+    tasks: list[Task] = []
+    ids: dict[tuple, int] = {}
+
+    def add(key, name, resource, duration, priority, kind, layer, mb) -> int:
+        tasks.append(Task(name, resource, duration, [], priority, kind, layer, mb))
+        ids[key] = len(tasks) - 1
+        return ids[key]
+
+    def task_duration(i: int, t: ScheduleTask) -> float:
+        dev, n = lanes[i].device, tok[i][t.mb]
+        if t.kind == "attn_fwd":
+            return timer.attention(dev, n)
+        if t.kind == "attn_bwd":
+            return timer.attention(dev, n, backward=True)
+        if t.kind == "head":
+            return timer.head(dev, n) if sched.kind != "forward" else timer.head(dev, n) / 3.0
+        per_expert = group_tok[t.mb] * k / E
+        return lanes[i].experts[t.layer] * timer.expert(dev, per_expert, backward=t.kind == "expert_bwd")
+
+    kind_of = {"attn_fwd": "attn_fwd", "attn_bwd": "attn_bwd", "head": "head", "expert_fwd": "expert_fwd",
+               "expert_bwd": "expert_bwd"}
+    policies: dict[str, str] = {}
+    for i, lane in enumerate(lanes):
+        res = lane_resource(i, lane)
+        policies[res] = "order"
+        order = sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts])
+        for pos, t in enumerate(order):
+            add((i, t), str(t), res, task_duration(i, t), (pos,), kind_of[t.kind], t.layer, t.mb)
+    for chan, label in (("a2e", "D"), ("e2a", "C")):
+        policies[chan] = "order"
+        for pos, r in enumerate(sched.rounds):
+            dur = round_transfer_time(setup, timer, r.layer, [tok[i][r.mb] for i in range(len(lanes))])
+            add((chan, r), f"{label}{r.phase[0]}{r.layer}.{r.mb}", chan, dur, (pos,),
+                "dispatch" if chan == "a2e" else "combine", r.layer, r.mb)
+    policies["dense"] = "order"
+    count_bytes = E * 8
+    for pos, (l, g) in enumerate(sched.count_rounds()):
+        add(("count", l, g), f"N{l}.{g}", "dense", timer.allreduce(count_bytes, setup.attention_dp, setup.link),
+            (pos,), "count", l, -1)
+
+    def dep(key, on) -> None:
+        if on in ids:
+            tasks[ids[key]].deps.append(ids[on])
+
+    from ..schedule import awaited_round, emitted_round
+
+    for i, lane in enumerate(lanes):
+        for t in sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]):
+            if t.kind in ("expert_fwd", "expert_bwd"):
+                dep((i, t), ("a2e", Round("fwd" if t.kind == "expert_fwd" else "bwd", t.layer, t.mb)))
+                continue
+            need = awaited_round(t, L)
+            if need is not None:
+                dep((i, t), ("e2a", need))
+            g = sched.balance_group(t.mb)
+            if g is not None and t.kind in ("attn_fwd", "head") and (t.kind == "head" or t.layer > 0):
+                dep((i, t), ("count", L - 1 if t.kind == "head" else t.layer - 1, g))
+    for r in sched.rounds:
+        for i in att:
+            for t in sched.attention:
+                if emitted_round(t, L) == r:
+                    dep(("a2e", r), (i, t))
+        for i, lane in enumerate(lanes):
+            if lane.experts[r.layer]:
+                dep(("e2a", r), (i, r.expert_task))
+    for g, mbs in enumerate(sched.balance_groups):
+        for l in range(L):
+            for i in att:
+                for j in mbs:
+                    dep(("count", l, g), (i, ScheduleTask("attn_fwd", l, j)))
+    return tasks, policies
+
+
+def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
+    """EP: every rank attends and hosts experts; micro-batches one after another."""
     m = setup.model
     L, R, E, k, d = m.n_layers, setup.num_microbatches, m.moe.num_experts, m.moe.top_k, m.d_model
     S = setup.seq_len
@@ -212,7 +348,7 @@ def build_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], di
         for l in range(L):
             for i in att:
                 deps = [C_f[(l - 1, j)]] if l > 0 else []
-                if l == 0 and j > 0 and not setup.overlap:
+                if l == 0 and j > 0:
                     deps = [A_b[(i2, 0, j - 1)] for i2 in att]
                 A_f[(i, l, j)] = add(
                     name=f"Af{l}.{j}",
@@ -316,21 +452,7 @@ def build_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], di
     policies = {"a2e": "fifo", "e2a": "fifo"}
     for i, lane in enumerate(lanes):
         policies[res(i)] = "priority" if lane.has_attention else "fifo"
-
-    # Tail: gradient all-reduce among replicas (not overlapped: conservative) + optimizer.
-    from ..profile.memory import MemoryModel
-
-    mem = MemoryModel(m)
-    tails: dict[str, float] = {}
-    for i, lane in enumerate(lanes):
-        n_exp = sum(lane.experts)
-        params = n_exp * mem.expert_params()
-        t = timer.allreduce(n_exp * mem.expert_params() * 2, setup.replicas, setup.link)
-        if lane.has_attention:
-            params += mem.attention_stack_params()
-            t += timer.allreduce(mem.attention_stack_params() * 2, setup.attention_dp, setup.link)
-        tails[res(i)] = t + timer.optimizer(lane.device, params)
-    return tasks, policies, tails
+    return tasks, policies
 
 
 def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
@@ -353,7 +475,7 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
     devices: dict[int, str] = {}
     bubbles: dict[str, list[tuple[float, float]]] = {}
     for i, lane in enumerate(lanes):
-        r = f"{i}:{lane.name}"
+        r = lane_resource(i, lane)
         b = per_res_busy.get(r, 0.0)
         spans = sorted(per_res_spans.get(r, []))
         gaps, cur = [], 0.0

@@ -72,6 +72,18 @@ def load_plan(plan: Any):
     raise ConfigError(f"strategy plan={plan!r} is invalid: expected a Plan, its dict, or the path of a plan.json")
 
 
+def load_profile(profile: Any):
+    from ..profile import Profile
+
+    if profile is None or isinstance(profile, Profile):
+        return profile
+    path = Path(str(profile))
+    if not path.is_file():
+        raise ConfigError(f"strategy profile={str(profile)!r} is invalid: expected a Profile or the path of a "
+                          f"profile JSON (written by recipes/profile_devices.py); no such file")
+    return Profile.from_json(str(path))
+
+
 class HeterMoEStrategy(DDPStrategy):
     strategy_name = "hetermoe"
 
@@ -82,6 +94,10 @@ class HeterMoEStrategy(DDPStrategy):
         cluster: ClusterConfig | dict | None = None,
         expert_parallel_size: int | None = None,
         batch_split: str = "equal",
+        num_microbatches: int | None = None,
+        asym_ea: bool = True,
+        require_expert_ranks: bool = True,
+        profile: Any = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -120,12 +136,24 @@ class HeterMoEStrategy(DDPStrategy):
         if batch_split == "speed" and self.mode != "ep":
             raise ConfigError("strategy batch_split='speed' is for mode='ep'; zebra and distep split the batch "
                               "as their plan says")
+        if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
+            raise ConfigError(f"strategy num_microbatches={num_microbatches!r} is invalid: must be an integer >= 1 "
+                              f"(or null: the planner chooses)")
+        if num_microbatches is not None and self.mode == "ep":
+            raise ConfigError("strategy num_microbatches is for mode='zebra' and 'distep'")
         self.expert_parallel_size = expert_parallel_size
         self.batch_split = batch_split
+        self.num_microbatches = num_microbatches
+        self.asym_ea = bool(asym_ea)
+        self.require_expert_ranks = bool(require_expert_ranks)
+        self.profile = load_profile(profile)
         self.ep_groups: ExpertParallelGroups | None = None
         self._sharded = False
         self._emulation = None
         self._shares: list[int] | None = None
+        self._runtime = None  # zebra / distep
+        self._step_grads: list = []
+        self.prediction: dict[str, Any] | None = None
 
     # -- launch -------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -149,6 +177,15 @@ class HeterMoEStrategy(DDPStrategy):
             raise ConfigError(f"strategy expert_parallel_size={ep} is invalid: must divide the world size {world_size}")
         if self.batch_split == "speed" and self.cluster is None:
             raise ConfigError("strategy batch_split='speed' needs a cluster config naming each rank's device")
+        if self.mode != "ep" and world_size < 2:
+            raise ConfigError(f"strategy mode={self.mode!r} needs at least 2 ranks (attention and experts), the "
+                              f"trainer runs {world_size}")
+        if self.plan is not None and self.plan.world_size != world_size:
+            raise ConfigError(f"the plan is for {self.plan.world_size} ranks, the trainer runs {world_size}")
+        if self.plan is not None and self.cluster is not None and list(self.plan.devices) != \
+                [d.name for d in self.cluster.specs()]:
+            raise ConfigError(f"the plan is for devices {self.plan.devices}, cluster '{self.cluster.name}' names "
+                              f"{self.cluster.devices}")
 
     def check_model(self, model: Any) -> None:
         """Everything about the model that can be checked before processes start."""
@@ -175,6 +212,9 @@ class HeterMoEStrategy(DDPStrategy):
                                   f"{unavailable_reason(device)}; use expert_backend=auto or torch ({name})")
 
     def describe_rank(self, rank: int) -> str:
+        plan = self._runtime.plan if self._runtime is not None else self.plan
+        if plan is not None:
+            return f"{plan.roles[rank]} rank, device {plan.devices[rank]}"
         device = self.cluster.devices[rank] if self.cluster is not None else "?"
         return f"{self.mode} rank, device {device}"
 
@@ -182,7 +222,8 @@ class HeterMoEStrategy(DDPStrategy):
         watch_launcher()
         self._validate_world(self.world_size)
         super().setup_environment()
-        self.ep_groups = ExpertParallelGroups.build(self.expert_parallel_size or self.world_size)
+        if self.mode == "ep" and self.ep_groups is None:
+            self.ep_groups = ExpertParallelGroups.build(self.expert_parallel_size or self.world_size)
 
     # -- model set-up -------------------------------------------------------------------
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -210,6 +251,8 @@ class HeterMoEStrategy(DDPStrategy):
                  f"{self.world_size // self.ep_groups.ep_size} replica(s)")
 
     def setup(self, trainer) -> None:
+        if self.mode != "ep":
+            self._zebra_setup(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             # Dense and expert gradients live in different groups: the global norm needs both.
@@ -217,12 +260,178 @@ class HeterMoEStrategy(DDPStrategy):
         if self.batch_split == "speed":
             self._shares = None  # computed from the first global batch
 
-    # -- the batch ----------------------------------------------------------------------
+    def configure_ddp(self) -> None:
+        if self.mode == "ep":
+            super().configure_ddp()
+        # zebra/distep: no DDP wrapper; the runtime sums gradients in the right groups itself
+
+    # -- zebra / distep -----------------------------------------------------------------
+    def _zebra_setup(self, trainer) -> None:
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ConfigError(f"mode={self.mode!r} runs the backward itself: it needs automatic optimization")
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ConfigError(f"mode={self.mode!r} supports precision 32-true and bf16-mixed; 16-mixed scales the "
+                              f"loss, which the executor's own backward does not")
+        if self._runtime is None:
+            from .zebra.runtime import ZebraRuntime
+
+            model_cfg = describe_model(module)
+            if self.plan is not None:
+                plan = self.plan
+                check_plan(plan, model_cfg, self.world_size)
+                per_rank, seq_len = loader_batch_shape(trainer)
+                if per_rank * self.world_size != plan.total_seqs:
+                    raise ConfigError(f"the plan is for {plan.total_seqs} sequences per step, the loaders give "
+                                      f"{per_rank} x {self.world_size} ranks = {per_rank * self.world_size}")
+            else:
+                plan = self._make_plan(trainer, model_cfg)
+                check_plan(plan, model_cfg, self.world_size)
+            self._runtime = ZebraRuntime(plan, self.mode, self.global_rank,
+                                         balance=model_cfg.moe.aux_loss_coef > 0, device=self.root_device,
+                                         clock=self._emulation_clock(plan, model_cfg),
+                                         timeout_s=self._timeout.total_seconds() if self._timeout else 1800.0)
+            self._announce_plan(trainer, plan)
+        self._runtime.apply(module)
+
+    def _plan_timer(self, model_cfg, seq_len: int):
+        """The task times the planner (and the emulated clock) use."""
+        from ..emulation import emulation_timer
+        from ..profile.timer import make_timer
+
+        if self.cluster is not None and self.cluster.emulate:
+            return emulation_timer(self.cluster, model_cfg, seq_len)
+        return make_timer(model_cfg, seq_len, self.profile)
+
+    def _emulation_clock(self, plan, model_cfg):
+        if self.cluster is None or not self.cluster.emulate:
+            return None
+        from ..emulation import EmulatedClock
+
+        return EmulatedClock(self.cluster, self.global_rank, self._plan_timer(model_cfg, plan.seq_len))
+
+    def _make_plan(self, trainer, model_cfg):
+        from ..cluster import ClusterConfig as _CC
+        from ..cluster.devices import detect_cuda_devices
+        from ..plan import make_plan
+
+        per_rank, seq_len = loader_batch_shape(trainer)
+        if self.cluster is not None:
+            cluster = self.cluster
+        elif self.root_device.type == "cuda":
+            cluster = [d for d in detect_cuda_devices()]
+        else:
+            cluster = _CC(name=f"cpu{self.world_size}", devices=["cpu"] * self.world_size)
+        try:
+            return make_plan(cluster, model_cfg, seq_len=seq_len, global_batch_tokens=per_rank * self.world_size
+                             * seq_len, profile=self.profile, asym_ea=self.asym_ea,
+                             num_microbatches=self.num_microbatches, require_expert_ranks=self.require_expert_ranks,
+                             timer=self._plan_timer(model_cfg, seq_len))
+        except ValueError as err:
+            raise ConfigError(f"mode={self.mode!r}: no plan fits: {err}") from None
+
+    def _announce_plan(self, trainer, plan) -> None:
+        if self.global_rank != 0:
+            return
+        print(str(plan), flush=True)
+        root = Path(trainer.default_root_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        plan.to_json(str(root / "plan.json"))
+
+    def _zebra_step(self, hook: str, context, args: tuple, kwargs: dict, train: bool) -> Any:
+        from .zebra.logs import MicrobatchLogs
+
+        module = self.lightning_module
+        batch = args[0] if args else kwargs.pop("batch")
+        rest, kw = tuple(args[1:]), dict(kwargs)
+        full = gather_global_batch(batch)
+        total = batch_size(full)
+        fn = getattr(module, hook)
+        accumulate = module.trainer.accumulate_grad_batches if train else 1
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def fiber_context():
+            from contextlib import ExitStack
+
+            stack = ExitStack()
+            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+            stack.enter_context(context())
+            return stack
+
+        # Lightning zeroes gradients between the step and ``backward()``, but the executor's
+        # backward runs inside the step: collect this step's gradients apart and hand them
+        # over in ``backward()`` (whatever accumulated before stays where it was).
+        params = [p for p in module.parameters() if p.requires_grad] if train else []
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with MicrobatchLogs(module) as logs:
+            step = self._runtime.step_input(full, total, lambda mb, j: fn(mb, *rest, **kw), fiber_context, train,
+                                            accumulate)
+            out = self._runtime.run_step(step, task_context=context)
+            logs.replay(step.sizes)
+        if train:
+            self._step_grads = [(p, p.grad) for p in params if p.grad is not None]
+            for p, g in zip(params, before):
+                p.grad = g
+        return self._zebra_result(out, step, total, train)
+
+    def _zebra_result(self, out, step, total: int, train: bool) -> Any:
+        """The step's value on every rank: the global mean loss (training), this rank's
+        outputs in micro-batch order (evaluation; ``None`` on expert ranks)."""
+        if not train:
+            outs = [out.results[j] for j in sorted(out.results)]
+            if not outs:
+                return None
+            if all(isinstance(o, torch.Tensor) for o in outs) and all(o.dim() > 0 for o in outs):
+                return torch.cat(outs)
+            return outs[0] if len(outs) == 1 else outs
+        from .zebra.executor import _loss_of
+
+        loss = torch.zeros((), dtype=torch.float64)
+        for j, result in out.results.items():
+            loss = loss + _loss_of(result, j).detach().double().cpu() * (step.sizes[j] / total)
+        dist.all_reduce(loss)
+        return loss.float().to(self.root_device)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None:
+            return self._zebra_step("training_step", self.precision_plugin.train_step_context, args, kwargs, True)
         if self.batch_split == "speed" and args:
             args = (self._speed_share(args[0]),) + tuple(args[1:])
         return super().training_step(*args, **kwargs)
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None:
+            return self._zebra_step("validation_step", self.precision_plugin.val_step_context, args, kwargs, False)
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None:
+            return self._zebra_step("test_step", self.precision_plugin.test_step_context, args, kwargs, False)
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None:
+            return self._zebra_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs, False)
+        return super().predict_step(*args, **kwargs)
+
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Logged metrics live on attention ranks only: reduce them there.
+        if self._runtime is not None and group is None:
+            group = self._runtime.groups.dense
+            if group is None:  # an expert rank has nothing logged to reduce
+                return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    # -- the batch (ep, speed split) ------------------------------------------------------
     def _speed_share(self, batch: Any) -> Any:
         """This rank's speed-proportional share of the global batch (``ep_balanced``)."""
         full = gather_global_batch(batch)
@@ -234,6 +443,17 @@ class HeterMoEStrategy(DDPStrategy):
         return take(full, start, count)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._runtime is not None:
+            # The executor already ran the backward inside the step; Lightning's hooks still run.
+            module = self.lightning_module
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            for p, g in self._step_grads:
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+            self._step_grads = []
+            return self.precision_plugin.post_backward(closure_loss, module)
         if self.batch_split == "speed":
             # DDP averages over ranks; with unequal shares each rank's mean must count by its size.
             closure_loss = closure_loss * self._loss_weight
@@ -243,71 +463,107 @@ class HeterMoEStrategy(DDPStrategy):
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
             result = closure()
-            if self._sharded:
+            if self._runtime is not None:
+                self._runtime.sync_grads(self.lightning_module)
+            elif self._sharded:
                 reduce_expert_grads(self.lightning_module, self.ep_groups)
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
-        expert_ids = {id(p) for _, l in moe_layers(self.lightning_module) for p in l.experts.parameters()}
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        dense_sq = sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids),
-                       torch.zeros((), dtype=torch.float64))
-        total = (dense_sq + expert_grad_sq_norm(self.lightning_module, self.ep_groups)).sqrt()
+        if self._runtime is not None:
+            total = self._runtime.grad_sq_norm(self.lightning_module).sqrt()
+        else:
+            expert_ids = {id(p) for _, l in moe_layers(self.lightning_module) for p in l.experts.parameters()}
+            dense_sq = sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids),
+                           torch.zeros((), dtype=torch.float64))
+            total = (dense_sq + expert_grad_sq_norm(self.lightning_module, self.ep_groups)).sqrt()
         coef = (clip_val / (total + 1e-6)).clamp(max=1.0)
         for p in params:
             p.grad.mul_(coef.to(p.grad.dtype))
 
     # -- placement-independent state ----------------------------------------------------
+    def _spread_layers(self) -> list[tuple[int, str, Any]]:
+        """``(index, name, layer)`` of every MoE layer whose experts are spread over ranks now."""
+        if not (self._sharded or (self._runtime is not None and self._runtime.applied)):
+            return []
+        return [(l, name, layer) for l, (name, layer) in enumerate(moe_layers(self.lightning_module))]
+
+    def _gather_layer(self, l: int, layer: Any, local: torch.Tensor) -> torch.Tensor:
+        if self._runtime is not None:
+            return self._runtime.gather_layer(l, local)
+        return gather_experts(local, layer.dispatcher.placement, self.ep_groups.ep_group)
+
+    def _mine(self, l: int, layer: Any) -> list[int]:
+        if self._runtime is not None:
+            return self._runtime.layout.mine(l)
+        return layer.dispatcher.placement[self.ep_groups.ep_rank]
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = self.lightning_module.state_dict()
-        if not self._sharded:
-            return state
-        for name, layer in moe_layers(self.lightning_module):
-            placement = layer.dispatcher.placement
+        for l, name, layer in self._spread_layers():
             for pname, p in layer.experts.named_parameters(recurse=False):
-                key = f"{name}.experts.{pname}"
-                state[key] = gather_experts(p.detach(), placement, self.ep_groups.ep_group)
+                state[f"{name}.experts.{pname}"] = self._gather_layer(l, layer, p.detach())
         return state
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        if not self._sharded:
+        if not self._spread_layers():
             return state
         # ``Optimizer.state_dict()`` hands out the optimizer's own per-parameter dicts: copy
         # them before writing gathered tensors, or the live optimizer would step on them.
         state = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
-        for layer, p, slot in self._expert_optimizer_slots(state, optimizer):
+        for l, layer, p, slot in self._expert_optimizer_slots(state, optimizer):
             for key, value in list(slot.items()):
-                if torch.is_tensor(value) and value.shape == p.shape:
-                    slot[key] = gather_experts(value, layer.dispatcher.placement, self.ep_groups.ep_group)
+                if torch.is_tensor(value) and value.shape == p.shape and value.dim() > 0:
+                    slot[key] = self._gather_layer(l, layer, value)
         return state
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        if self._sharded:
+        if self._spread_layers():
             for opt_state, optimizer in zip(checkpoint["optimizer_states"], self.optimizers):
                 self._slice_optimizer_state(opt_state, optimizer)
         super().load_optimizer_state_dict(checkpoint)
 
     def _slice_optimizer_state(self, opt_state: dict[str, Any], optimizer) -> None:
-        for layer, p, slot in self._expert_optimizer_slots(opt_state, optimizer):
-            mine = torch.tensor(layer.dispatcher.placement[self.ep_groups.ep_rank], dtype=torch.long)
+        for l, layer, p, slot in self._expert_optimizer_slots(opt_state, optimizer):
+            mine = torch.tensor(self._mine(l, layer), dtype=torch.long)
             for key, value in list(slot.items()):
                 if torch.is_tensor(value) and value.dim() == p.dim() and value.shape[1:] == p.shape[1:] \
                         and value.shape[0] == layer.num_experts:
                     slot[key] = value[mine]
+        if self._runtime is not None and not self._runtime.layout.is_attention:
+            # An expert rank holds no dense weights, so it keeps no dense optimizer state either.
+            params = [p for g in getattr(optimizer, "_optimizer", optimizer).param_groups for p in g["params"]]
+            for i, p in enumerate(params):
+                if p.numel() == 0:
+                    opt_state["state"].pop(i, None)
 
     def _expert_optimizer_slots(self, opt_state: dict[str, Any], optimizer):
-        """(layer, expert parameter, its per-parameter optimizer state) for every expert
-        parameter that has state; optimizer state is keyed by parameter position."""
+        """(layer index, layer, expert parameter, its per-parameter optimizer state) for every
+        expert parameter that has state; optimizer state is keyed by parameter position."""
         params = (p for g in getattr(optimizer, "_optimizer", optimizer).param_groups for p in g["params"])
         index = {id(p): i for i, p in enumerate(params)}
-        for _, layer in moe_layers(self.lightning_module):
+        for l, _, layer in self._spread_layers():
             for p in layer.experts.parameters(recurse=False):
                 slot = opt_state["state"].get(index.get(id(p)))
                 if slot:
-                    yield layer, p, slot
+                    yield l, layer, p, slot
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._runtime is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        # Dense weights live on attention ranks: the first of them writes (its state is complete).
+        if self.global_rank == self._runtime.layout.saver:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self._runtime is None:
+            return super().remove_checkpoint(filepath)
+        if self.global_rank == self._runtime.layout.saver:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         # A peer's death surfaces here as a gloo "connection closed/reset": name the peer.
@@ -327,18 +583,57 @@ class HeterMoEStrategy(DDPStrategy):
             proc.wait(timeout=120)
 
     def teardown(self) -> None:
-        # After a successful fit every rank holds all experts again, so the user's module
-        # (and the spawn launcher's returned weights) are complete and usable anywhere.
+        # After a successful run every rank holds the whole model again, so the user's
+        # module (and the spawn launcher's returned weights) are complete and usable anywhere.
         module = self.lightning_module
-        if self._sharded and module is not None and module.trainer is not None \
-                and module.trainer.state.status == TrainerStatus.RUNNING:
+        succeeded = module is not None and module.trainer is not None \
+            and module.trainer.state.status == TrainerStatus.RUNNING
+        if self._sharded and succeeded:
             unshard_experts(module, self.ep_groups)
             self._sharded = False
+        if self._runtime is not None and self._runtime.applied and succeeded:
+            self._runtime.restore(module)
         if self._emulation is not None:
             self._emulation.remove()
             self._emulation = None
         watch_launcher(armed=False)
         super().teardown()
+
+
+def check_plan(plan: Any, model_cfg: Any, world_size: int) -> None:
+    """A plan must fit the world and the model; one clear error per mismatch."""
+    if plan.world_size != world_size:
+        raise ConfigError(f"the plan is for {plan.world_size} ranks, the trainer runs {world_size}")
+    if plan.num_layers != model_cfg.n_layers:
+        raise ConfigError(f"the plan is for {plan.num_layers} MoE layers, the model has {model_cfg.n_layers}")
+    if plan.num_experts != model_cfg.moe.num_experts:
+        raise ConfigError(f"the plan is for {plan.num_experts} experts per layer, the model has "
+                          f"{model_cfg.moe.num_experts}")
+
+
+def loader_batch_shape(trainer) -> tuple[int, int]:
+    """``(sequences per rank, sequence length)`` of the stage's loader, read without iterating
+    it: its ``batch_size`` and its dataset's first sample (``[seq_len, ...]`` first tensor)."""
+    from lightning.pytorch.trainer.states import TrainerFn as Fn
+
+    loop = {Fn.FITTING: trainer.fit_loop, Fn.VALIDATING: trainer.validate_loop, Fn.TESTING: trainer.test_loop,
+            Fn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
+    try:
+        loader = loop._data_source.dataloader()
+        if isinstance(loader, (list, tuple)):
+            loader = loader[0]
+        if isinstance(loader, dict):
+            loader = next(iter(loader.values()))
+        per_rank = int(loader.batch_size)
+        sample = loader.dataset[0]
+        first = sample
+        while isinstance(first, (list, tuple, dict)):
+            first = first[0] if not isinstance(first, dict) else next(iter(first.values()))
+        return per_rank, int(first.shape[0])
+    except Exception as err:
+        raise ConfigError(
+            "zebra plans from the batch shape, read from the loader's batch_size and its dataset's first sample "
+            f"([seq_len, ...]); that failed ({type(err).__name__}: {err}): pass a plan (plan=plan.json)") from None
 
 
 def speed_shares(cluster: ClusterConfig, module: Any, total: int, seq_len: int) -> list[int]:

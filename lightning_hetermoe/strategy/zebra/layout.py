@@ -1,0 +1,126 @@
+"""A plan as this process sees it: its role, its ZP group, which experts it holds in each
+layer, and the process groups the zebra executor talks over.
+
+Group ranks follow sorted global ranks (``torch.distributed.new_group`` sorts them), so
+every exchange is indexed by group rank, never by the plan's member order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ...plan import Plan
+
+
+@dataclass
+class Layout:
+    plan: Plan
+    rank: int
+    placement: list[list[int]]  # [layer][expert] -> member index (zebra: Asym-EA; distep: base)
+    group_index: int = 0
+    members: list[int] = field(default_factory=list)  # this ZP group, plan order (attention first)
+    group_ranks: list[int] = field(default_factory=list)  # the same ranks sorted: group-rank order
+
+    @classmethod
+    def from_plan(cls, plan: Plan, rank: int, placement: list[list[int]] | None = None) -> "Layout":
+        g = plan.group_of(rank)
+        members = plan.zp_groups[g].members
+        return cls(plan, rank, placement or plan.placement, g, members, sorted(members))
+
+    # -- roles --------------------------------------------------------------------------
+    @property
+    def role(self) -> str:
+        return self.plan.roles[self.rank]
+
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+    @property
+    def attention_members(self) -> list[int]:
+        return list(self.plan.zp_groups[self.group_index].attention_ranks)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.placement)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.placement[0])
+
+    def group_rank(self, global_rank: int) -> int:
+        return self.group_ranks.index(global_rank)
+
+    @property
+    def my_group_rank(self) -> int:
+        return self.group_rank(self.rank)
+
+    @property
+    def saver(self) -> int:
+        """The rank that writes checkpoints: the first attention rank holds the dense weights."""
+        return min(self.plan.attention_ranks)
+
+    # -- experts ------------------------------------------------------------------------
+    def experts_of(self, global_rank: int, layer: int) -> list[int]:
+        p = self.members.index(global_rank)
+        return [e for e, q in enumerate(self.placement[layer]) if q == p]
+
+    def mine(self, layer: int) -> list[int]:
+        return self.experts_of(self.rank, layer)
+
+    def holds(self) -> list[bool]:
+        return [bool(self.mine(l)) for l in range(self.num_layers)]
+
+    def by_group_rank(self, layer: int) -> list[list[int]]:
+        """Expert ids per group rank in ``layer`` (the order exchanged rows are laid out in)."""
+        return [self.experts_of(r, layer) for r in self.group_ranks]
+
+    def expert_position(self, layer: int) -> list[int]:
+        """``position[e]``: where expert ``e``'s rows go when a token batch is laid out by
+        holder (group-rank order), then by the holder's own expert order."""
+        position = [0] * self.num_experts
+        k = 0
+        for experts in self.by_group_rank(layer):
+            for e in experts:
+                position[e] = k
+                k += 1
+        return position
+
+    def replica_ranks(self) -> list[int]:
+        """This member's counterparts in every ZP group (they hold the same experts)."""
+        p = self.members.index(self.rank)
+        return [grp.members[p] for grp in self.plan.zp_groups]
+
+
+@dataclass
+class ZebraGroups:
+    """Process groups, created by every rank in the same order (a collective)."""
+
+    dispatch: dist.ProcessGroup | None  # this ZP group, attention -> experts
+    combine: dist.ProcessGroup | None  # this ZP group, experts -> attention
+    zp: dist.ProcessGroup | None  # this ZP group, for checkpoint gathers and the clip norm
+    dense: dist.ProcessGroup | None  # every attention rank of every ZP group
+    replicas: dist.ProcessGroup | None  # this member's counterparts in the other ZP groups
+
+    @classmethod
+    def build(cls, layout: Layout) -> "ZebraGroups":
+        plan, rank = layout.plan, layout.rank
+        mine: dict[str, dist.ProcessGroup | None] = {"dispatch": None, "combine": None, "zp": None,
+                                                      "dense": None, "replicas": None}
+        for grp in plan.zp_groups:
+            for name in ("dispatch", "combine", "zp"):
+                g = dist.new_group(sorted(grp.members))
+                if rank in grp.members:
+                    mine[name] = g
+        g = dist.new_group(sorted(plan.attention_ranks))
+        if rank in plan.attention_ranks:
+            mine["dense"] = g
+        size = len(plan.zp_groups[0].members)
+        for p in range(size):
+            ranks = sorted(grp.members[p] for grp in plan.zp_groups)
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine["replicas"] = g
+        return cls(**mine)
