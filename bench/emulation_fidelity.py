@@ -66,7 +66,7 @@ def predict(cfg) -> dict:
     from lightning_hetermoe.cluster import ClusterConfig
     from lightning_hetermoe.cluster.devices import resolve_cluster
     from lightning_hetermoe.config import DataConfig, ModelConfig, from_cfg
-    from lightning_hetermoe.emulation import emulation_cost_model
+    from lightning_hetermoe.emulate import emulation_cost_model
     from lightning_hetermoe.profile.timer import make_timer
     from lightning_hetermoe.simulate import ep_setup, simulate_step
 

@@ -7,7 +7,7 @@ Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit unde
 from .callbacks import RunSummary
 from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
 from .config import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
-from .emulation import apply_emulation
+from .emulate import apply_emulation
 from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer
 from .moe import MoELayer
 from .plan import Plan, make_plan

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .callbacks import RunSummary
@@ -21,7 +22,8 @@ from .strategy import HeterMoEStrategy
 
 log = logging.getLogger(__name__)
 
-STRATEGY_FIELDS = ("mode", "expert_parallel_size")
+STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "plan", "num_microbatches", "asym_ea",
+                   "require_expert_ranks", "profile")
 
 
 # Trainer arguments that must be whole numbers (None and -1 keep Lightning's meaning).
@@ -62,7 +64,42 @@ def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = 
     unknown = sorted(set(scfg) - set(STRATEGY_FIELDS))
     if unknown:
         raise ConfigError(f"strategy: unknown field(s) {unknown}; valid fields are {list(STRATEGY_FIELDS)}")
+    from hydra.utils import to_absolute_path
+
+    for key in ("plan", "profile"):  # paths are relative to where the user started the job
+        if isinstance(scfg.get(key), str) and HydraConfig.initialized():
+            scfg[key] = to_absolute_path(scfg[key])
     return HeterMoEStrategy(cluster=cluster, start_method=start_method, **scfg)
+
+
+def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster: ClusterConfig,
+                   emulation: dict[str, Any] | None) -> dict[str, Any]:
+    """Measured beside predicted, and the emulated clock's honesty."""
+    out: dict[str, Any] = {}
+    pred = strategy.prediction
+    measured = summary.get("step_time_s")
+    if pred is not None:
+        out["predicted_schedule"] = pred["schedule"]
+        out["predicted_step_time_s"] = pred["step_time_s"]
+        if measured:
+            out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
+    if strategy._runtime is not None:
+        out["plan"] = "plan.json"
+        out["num_microbatches"] = strategy._runtime.num_microbatches
+    if emulation is not None:
+        frac = emulation["overrun_fraction"]
+        out["emulation"] = {"padded_tasks": emulation["padded_tasks"], "overruns": emulation["overruns"],
+                            "overrun_fraction": frac, "faithful": frac <= 0.05,
+                            "needed_time_scale": max((r or {}).get("needed_time_scale", 0.0)
+                                                     for r in emulation["ranks"])}
+        if frac > 0.05:
+            out["emulation"]["warning"] = (f"{frac:.0%} of the emulated tasks overran their modelled time: the clock "
+                                           f"is not faithful; raise cluster.time_scale")
+        if pred is not None and measured:
+            # the workload's tokens per second on the cluster the run emulates (its clock / time_scale)
+            out["workload_tokens_per_s"] = pred["workload_tokens_per_step"] / (measured / cluster.time_scale)
+            out["workload"] = cluster.emulate_workload or {"model": summary.get("model")}
+    return out
 
 
 def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "popen") -> dict[str, Any] | None:
@@ -92,6 +129,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     data = ByteCorpusDataModule(data_cfg)
     started = time.perf_counter()
     trainer.fit(model, datamodule=data)
+    emulation = strategy.emulation_report()  # a collective: before the ranks part ways
     if cfg.get("final_validation", True):
         trainer.validate(model, datamodule=data, verbose=False)
     if not trainer.is_global_zero:
@@ -105,6 +143,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         "model": model_cfg.name,
         "wall_s": time.perf_counter() - started,
     })
+    summary.update(timing_summary(summary, strategy, cluster, emulation))
     path = Path(output_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
     log.info(f"summary: {json.dumps(summary)}")

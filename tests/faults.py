@@ -23,3 +23,36 @@ class RaiseAt(KillRankAt):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step >= self.step:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {trainer.global_step}")
+
+
+class KillInExperts(KillRankAt):
+    """Rank ``rank`` kills itself inside an expert computation of step ``step`` (mid-schedule)."""
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_hetermoe import MoELayer
+
+        def hook(module, args):
+            if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        for m in pl_module.modules():
+            if isinstance(m, MoELayer):
+                m.experts.register_forward_pre_hook(hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass
+
+
+class RaiseInRouter(KillInExperts):
+    """Rank ``rank`` raises inside a router forward of step ``step`` (inside a zebra fiber)."""
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_hetermoe import MoELayer
+
+        def hook(module, args):
+            if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+                raise RuntimeError(f"injected failure in a router on rank {self.rank}")
+
+        for m in pl_module.modules():
+            if isinstance(m, MoELayer):
+                m.router.register_forward_pre_hook(hook)

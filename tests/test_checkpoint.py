@@ -61,3 +61,36 @@ def test_step_checkpoints_change_nothing_and_resume_mid_epoch_on_another_world(t
     # Resume the mid-epoch checkpoint on 4 ranks (same global batch): the uninterrupted result.
     resumed = run_ranks(4, resume, 4, str(tmp_path / "step=4.ckpt"))[0]
     assert_same_params(resumed, expected, initial)
+
+
+def fit_zebra_with_checkpoints(rank: int, world: int, ckpt_dir: str, plan):
+    m = model(seed=rank)
+    every = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    t = trainer(HeterMoEStrategy(mode="zebra", plan=plan), world, max_epochs=EPOCHS, callbacks=[every],
+                enable_checkpointing=True)
+    t.fit(m, datamodule=data(world, windows=WINDOWS))
+    return m.state_dict() if rank == 0 else None
+
+
+def resume_as(rank: int, world: int, ckpt: str, mode: str, plan):
+    m = model(seed=100 + rank)
+    t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS)
+    t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
+    return m.state_dict() if rank == 0 else None
+
+
+def test_zebra_checkpoint_resumes_under_ep_and_under_another_zebra_mix(tmp_path):
+    from test_zebra import make_test_plan
+
+    m = model()
+    initial = copy.deepcopy(m.state_dict())
+    expected = reference_fit(m, STEPS, windows=WINDOWS)
+    # Saved by zebra on 1 attention + 1 expert rank, R=2 ...
+    plan2 = make_test_plan(2, [0], R=2, num_experts=NUM_EXPERTS)
+    saved = run_ranks(2, fit_zebra_with_checkpoints, 2, str(tmp_path), plan2)[0]
+    assert_same_params(saved, expected, initial)
+    ckpt = str(tmp_path / "step=4.ckpt")
+    # ... resumed mid-epoch by EP on 4 ranks, and by zebra on 2 attention + 2 expert ranks with Asym-EA.
+    assert_same_params(run_ranks(4, resume_as, 4, ckpt, "ep", None)[0], expected, initial)
+    plan4 = make_test_plan(4, [0, 1], R=3, num_experts=NUM_EXPERTS, placement=[[2, 2, 3, 0], [2, 3, 3, 1]])
+    assert_same_params(run_ranks(4, resume_as, 4, ckpt, "zebra", plan4)[0], expected, initial)

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_main_job(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=50",
+    overrides = overrides if any(o.startswith("strategy.mode=") for o in overrides) else ("strategy.mode=ep",) + overrides
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=50", "cluster=cpu2",
                            f"hydra.run.dir={tmp_path}", *overrides], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     return proc, time.monotonic() - t0
@@ -40,3 +41,16 @@ def test_rank_zero_raising_ends_the_children(tmp_path):
     assert proc.returncode != 0
     assert "injected failure on rank 0" in proc.stderr
     assert wall < 60
+
+
+@pytest.mark.parametrize("fault,rank,expect", [
+    ("faults.KillInExperts", 1, "[hetermoe] rank 1 (expert rank, device cpu) exited with signal SIGKILL (9)"),
+    ("faults.RaiseInRouter", 0, "[hetermoe] rank 0 (attention rank, device cpu) failed: RuntimeError: injected "
+                                "failure in a router on rank 0"),
+])
+def test_zebra_rank_failing_mid_schedule_ends_every_rank(tmp_path, fault, rank, expect):
+    proc, wall = run_main_job(tmp_path, "strategy.mode=zebra", f"+callbacks.fault._target_={fault}",
+                              f"+callbacks.fault.rank={rank}", "+callbacks.fault.step=2")
+    assert proc.returncode != 0
+    assert expect in proc.stderr, proc.stderr[-3000:]
+    assert wall < 60, f"the run took {wall:.0f} s to end after rank {rank} failed"

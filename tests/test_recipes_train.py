@@ -19,20 +19,26 @@ def run_recipe(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_main_job_runs_and_writes_summary(tmp_path):
+def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_path):
     proc = run_recipe("trainer.max_steps=12", "trainer.limit_val_batches=2", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["world_size"] == 2 and summary["steps"] == 12
-    assert summary["strategy"] == "hetermoe:ep" and summary["cluster"] == "cpu2"
+    assert summary["strategy"] == "hetermoe:zebra" and summary["cluster"] == "emu_a40_v100_d1_8k"
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
-    assert summary["tokens_per_s"] > 0
+    assert summary["tokens_per_s"] > 0 and summary["workload_tokens_per_s"] > summary["tokens_per_s"]
+    assert "HeterMoE plan: model d1 on cluster emu_a40_v100_d1_8k" in proc.stdout, "the plan is printed"
+    assert (tmp_path / "plan.json").is_file()
+    # The emulated clock is honest about itself, and the real executor keeps to the
+    # simulator's step time for the same plan (loose: CI machines are noisy).
+    assert summary["emulation"]["padded_tasks"] > 0 and "overrun_fraction" in summary["emulation"]
+    assert abs(summary["step_time_rel_error"]) < 0.25, summary
 
 
 def test_multirun_sweep_runs_each_job_once(tmp_path):
     """Each child must re-run its own job, not the whole sweep (Lightning's default)."""
-    proc = run_recipe("-m", "cluster=cpu1,cpu2", "trainer.max_steps=3", "trainer.limit_val_batches=1",
+    proc = run_recipe("-m", "cluster=cpu1,cpu2", "strategy.mode=ep", "trainer.max_steps=3", "trainer.limit_val_batches=1",
                       f"hydra.sweep.dir={tmp_path}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = sorted(tmp_path.rglob("summary.json"))
@@ -58,7 +64,7 @@ def compose(*overrides: str):
     (["model.moe.router=hash"], "model.moe.router='hash' is invalid"),
     (["data.seq_len=512"], "data.seq_len=512 is invalid"),
     (["+strategy.ep_size=2"], "strategy: unknown field(s) ['ep_size']"),
-    (["trainer.devices=3"], "cluster 'cpu2' names 2 devices"),
+    (["trainer.devices=3"], "cluster 'emu_a40_v100_d1_8k' names 2 devices"),
     (["cluster.devices=[cpu,foo]"], "cluster.devices[1]='foo' is invalid: unknown device 'foo'"),
     (["cluster.devices=[mygpu,cpu]", "+cluster.custom_devices={mygpu:{memory_gb:24}}"],
      "cluster.custom_devices.mygpu: missing field(s) ['fp16_tflops', 'mem_bw_gbps', 'flash_attention']"),

@@ -36,7 +36,7 @@ class FakeTimer:
         f = self.exp.get(dev.name, 1.0)
         return 0.0 if tokens <= 0 else (2 * f if backward else f)
 
-    def head(self, dev, tokens):
+    def head(self, dev, tokens, forward_only=False):
         return 0.0
 
     def optimizer(self, dev, n):
@@ -44,6 +44,9 @@ class FakeTimer:
 
     def comm(self, nbytes, link):
         return 0.0
+
+    def transfer(self, rows, link):
+        return self.comm(rows, link)
 
     def allreduce(self, nbytes, n, link):
         return 0.0

@@ -107,3 +107,43 @@ def test_two_plus_three_ranks_neither_count_divides_the_other():
 def test_two_zp_groups_sum_expert_gradients_over_replicas():
     groups = [([0], [2]), ([1], [3])]
     check(4, [dict(plan=make_test_plan(4, [0, 1], R=2, groups=groups))])
+
+
+def recorded_orders(rank: int, world: int, plan: Plan) -> list[str]:
+    model = make_model(4, seed=rank, optim=OptimConfig())
+    strategy = HeterMoEStrategy(mode="zebra", plan=plan)
+    trainer(strategy, world, max_steps=1).fit(model, datamodule=data(world, GLOBAL[world]))
+    return [str(task) for task, _, _ in strategy._runtime.last.trace]
+
+
+def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists():
+    from lightning_hetermoe.cluster import LinkConfig, get_device
+    from lightning_hetermoe.schedule import Task, check_theorem1
+    from lightning_hetermoe.simulate import plan_setup, simulate_step
+    from lightning_hetermoe.profile import make_timer
+
+    plan = make_test_plan(3, [0], R=3, placement=[[1, 1, 2, 0], [1, 2, 0, 0]])  # Asym-EA on rank 0
+    orders = run_ranks(3, recorded_orders, 3, plan)
+
+    attention = orders[0]
+    tasks = [Task(*_parse(t)) for t in attention]
+    assert check_theorem1(tasks, 2, 3) == [], attention
+    assert {"Xf0.0", "Xb1.2"} <= set(attention), "the attention rank must run its Asym-EA experts in its list"
+    assert all(t[0] == "X" for t in orders[1] + orders[2]), "expert ranks run expert tasks only"
+
+    model = make_model(4).model_cfg
+    devs = [get_device("cpu")] * 3
+    res = simulate_step(plan_setup(plan, devs, model, LinkConfig()), make_timer(model, SEQ))
+    for rank in range(3):
+        lane = next(t.resource for t in res.timeline.tasks if t.resource.endswith(f"[{rank}]"))
+        simulated = [t.name for t, s in sorted(((t, s) for t, s in zip(res.timeline.tasks, res.timeline.start)
+                                                if t.resource == lane), key=lambda x: x[1])]
+        assert simulated == orders[rank], f"rank {rank}: executor {orders[rank]} vs simulator {simulated}"
+
+
+def _parse(name: str) -> tuple[str, int, int]:
+    kinds = {"Af": "attn_fwd", "Ab": "attn_bwd", "Xf": "expert_fwd", "Xb": "expert_bwd"}
+    if name.startswith("H."):
+        return "head", 1, int(name[2:])
+    layer, mb = name[2:].split(".")
+    return kinds[name[:2]], int(layer), int(mb)

@@ -27,8 +27,10 @@ class ClusterConfig:
     """One device name per global rank, in rank order.
 
     ``emulate: true`` makes each CPU process play its named device (real math, modelled
-    clock, scaled by ``time_scale``). ``custom_devices`` defines devices the registry does
-    not know, by the fields of ``DeviceSpec``.
+    clock, scaled by ``time_scale``). ``emulate_workload: {model: d1, seq_len: 16384}``
+    times every emulated task as the matching task of that workload (a ``conf/model`` name
+    or model fields); see :mod:`lightning_hetermoe.emulate.clock`. ``custom_devices``
+    defines devices the registry does not know, by the fields of ``DeviceSpec``.
     """
 
     name: str = "cpu2"
@@ -37,6 +39,7 @@ class ClusterConfig:
     time_scale: float = 1.0
     link: LinkConfig = field(default_factory=LinkConfig)
     custom_devices: dict[str, Any] = field(default_factory=dict)
+    emulate_workload: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.link, dict):
@@ -47,6 +50,24 @@ class ClusterConfig:
         if self.time_scale <= 0:
             raise ConfigError(f"cluster.time_scale={self.time_scale!r} is invalid: must be > 0")
         self.specs()  # every name must resolve, emulated or not
+        if self.emulate_workload is not None:
+            self._check_workload()
+
+    def _check_workload(self) -> None:
+        w = dict(self.emulate_workload)
+        unknown = sorted(set(w) - {"model", "seq_len"})
+        if unknown or "model" not in w or "seq_len" not in w:
+            raise ConfigError(f"cluster.emulate_workload={w!r} is invalid: give exactly model (a conf/model name or "
+                              f"model fields) and seq_len" + (f"; unknown {unknown}" if unknown else ""))
+        if not isinstance(w["seq_len"], int) or isinstance(w["seq_len"], bool) or w["seq_len"] < 1:
+            raise ConfigError(f"cluster.emulate_workload.seq_len={w['seq_len']!r} is invalid: must be an integer >= 1")
+        if not self.emulate:
+            raise ConfigError("cluster.emulate_workload is set but cluster.emulate is false: the workload clock only "
+                              "times emulated ranks")
+        from ..emulate.clock import workload_model
+
+        workload_model(w["model"])
+        self.emulate_workload = w
 
     def specs(self) -> list:
         """One :class:`~.devices.DeviceSpec` per rank; names the bad field if one does not resolve."""

@@ -138,14 +138,17 @@ class CostModel:
         t += dev.launch_overhead_s
         return self._bwd(t) if backward else t
 
-    def head_time(self, dev: DeviceSpec, *, tokens: float, d_model: int, vocab_size: int) -> float:
-        """Final norm + LM head + cross-entropy, forward and backward (not checkpointed)."""
+    def head_time(self, dev: DeviceSpec, *, tokens: float, d_model: int, vocab_size: int,
+                  forward_only: bool = False) -> float:
+        """Final norm + LM head + cross-entropy, forward and backward (not checkpointed);
+        ``forward_only`` for evaluation."""
         if tokens <= 0:
             return 0.0
         fwd = self.gemm_time(dev, tokens, d_model, vocab_size)
         # Logits in fp32 for a stable loss: written, read by softmax, gradient written.
-        ew = self.elementwise_time(dev, 3 * tokens * vocab_size * 4)
-        return fwd * (1.0 + self.backward_factor) + ew + dev.launch_overhead_s
+        ew = self.elementwise_time(dev, (2 if forward_only else 3) * tokens * vocab_size * 4)
+        gemms = fwd if forward_only else fwd * (1.0 + self.backward_factor)
+        return gemms + ew + dev.launch_overhead_s
 
     def optimizer_time(self, dev: DeviceSpec, n_params: float) -> float:
         return self.elementwise_time(dev, n_params * self.optimizer_bytes_per_param)

@@ -12,7 +12,7 @@ and works out how many experts a rank of that kind holds next to its other state
 on CUDA the memory is the one the device reports).
 
 On emulated ranks (``cluster.emulate``) the very same code runs with the rank's emulated
-clock installed on the block (:mod:`lightning_hetermoe.emulation`), so the figures are the
+clock installed on the block (:mod:`lightning_hetermoe.emulate`), so the figures are the
 emulated device's: measured wall time divided by ``cluster.time_scale``. The LM head is
 not emulated, so emulated profiles leave ``head_s`` empty (the planner then takes it from
 the cost model).
@@ -99,9 +99,9 @@ def measure_device(
     warmup: int = 1,
     seed: int = 0,
 ) -> DeviceProfile:
-    """Measure one device kind here. ``emulator`` (an :class:`~lightning_hetermoe.emulation.Emulator`)
+    """Measure one device kind here. ``emulator`` (an :class:`~lightning_hetermoe.emulate.Emulator`)
     makes this process play ``spec``; figures are then divided by its ``time_scale``."""
-    from ..emulation import install
+    from ..emulate import install
     from ..model.transformer import DecoderBlock, RMSNorm
 
     cfg = from_cfg(ModelConfig, model_cfg)
@@ -117,7 +117,7 @@ def measure_device(
         block = DecoderBlock(cfg).to(device=device, dtype=dtype)
         head = nn.Sequential(RMSNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)).to(device, dtype)
     block.moe.dispatcher = _NoExperts()
-    handle = install(block, emulator, n_heads=cfg.n_heads) if emulator is not None else None
+    handle = install(block, emulator) if emulator is not None else None
     threads = torch.get_num_threads()
     if emulator is not None:
         # The emulated clock hides CPU speed; one thread avoids OpenMP stalls on busy cores.
@@ -224,10 +224,11 @@ def profile_cluster(
     """A :class:`Profile` with one entry per device kind of ``cluster`` (see module docstring).
 
     ``cost_model`` is the emulated clock's (default
-    :func:`~lightning_hetermoe.emulation.emulation_cost_model`)."""
+    :func:`~lightning_hetermoe.emulate.emulation_cost_model`)."""
     import torch.distributed as dist
 
-    from ..emulation import Emulator
+    from ..emulate import Emulator, emulation_cost_model
+    from .timer import make_timer
 
     cfg = from_cfg(ModelConfig, model_cfg)
     cl = from_cfg(ClusterConfig, cluster) if cluster is not None else None
@@ -257,7 +258,10 @@ def profile_cluster(
     results: dict[str, DeviceProfile] = {}
     for k in mine:
         spec = get_device(k, cl.custom_devices if cl is not None else None)
-        emulator = Emulator(spec, cl.link, cl.time_scale, cost_model) if emulate else None
+        emulator = None
+        if emulate:
+            timer = make_timer(cfg, seq_len, cost=cost_model or emulation_cost_model())
+            emulator = Emulator(spec, timer, link=cl.link, time_scale=cl.time_scale)
         dev = device if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if (torch.cuda.is_available() and not emulate) else "cpu")
         log.info(f"profile: measuring {k}{' (emulated)' if emulate else ''} on {dev}")
@@ -323,7 +327,7 @@ def run_profile(cfg) -> Profile:
 
 def profile_summary(profile: Profile, cfg=None, cost_model=None) -> dict[str, Any]:
     """Headline figures per device kind, beside the cost model's for the same tasks."""
-    from ..emulation import emulation_cost_model
+    from ..emulate import emulation_cost_model
     from .cost_model import CostModel
 
     cfg_model = from_cfg(ModelConfig, cfg.model) if cfg is not None else None

@@ -41,14 +41,19 @@ class CostModelTimer:
             dev, tokens=tokens, d_model=m.d_model, d_ff=m.moe.d_ff, activation=m.moe.activation, backward=backward
         )
 
-    def head(self, dev: DeviceSpec, tokens: float) -> float:
-        return self.cost.head_time(dev, tokens=tokens, d_model=self.model.d_model, vocab_size=self.model.vocab_size)
+    def head(self, dev: DeviceSpec, tokens: float, forward_only: bool = False) -> float:
+        return self.cost.head_time(dev, tokens=tokens, d_model=self.model.d_model, vocab_size=self.model.vocab_size,
+                                   forward_only=forward_only)
 
     def optimizer(self, dev: DeviceSpec, n_params: float) -> float:
         return self.cost.optimizer_time(dev, n_params)
 
     def comm(self, nbytes: float, link: LinkConfig) -> float:
         return self.cost.comm_time(nbytes, link)
+
+    def transfer(self, rows: float, link: LinkConfig) -> float:
+        """One leg of an expert exchange whose busiest link moves ``rows`` hidden-state rows."""
+        return self.comm(rows * self.model.d_model * self.cost.dtype_bytes, link)
 
     def allreduce(self, nbytes: float, n_ranks: int, link: LinkConfig) -> float:
         return self.cost.allreduce_time(nbytes, n_ranks, link)
@@ -74,9 +79,12 @@ class ProfileTimer(CostModelTimer):
     def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
         return self.profile.get(dev.name).expert(tokens, backward)
 
-    def head(self, dev: DeviceSpec, tokens: float) -> float:
+    def head(self, dev: DeviceSpec, tokens: float, forward_only: bool = False) -> float:
         measured = self.profile.get(dev.name).head(tokens)
-        return measured if measured is not None else super().head(dev, tokens)
+        if measured is None:
+            return super().head(dev, tokens, forward_only)
+        # measured forward + backward; the forward is a third of it (backward = 2 x forward)
+        return measured / 3.0 if forward_only else measured
 
 
 def make_timer(model: ModelConfig, seq_len: int, profile: Profile | None = None, cost: CostModel | None = None):

@@ -160,34 +160,38 @@ def lane_resource(i: int, lane: Lane) -> str:
     return f"{i}:{lane.name}"
 
 
-def lane_tail(timer, setup: StepSetup, lane: Lane) -> float:
+def step_tail(timer, model: ModelConfig, device: DeviceSpec, link: LinkConfig, *, experts_held: int,
+              has_attention: bool, replicas: int, attention_dp: int) -> float:
     """After the last backward: gradient all-reduce among replicas (not overlapped, to be
-    conservative) and the optimizer step over the parameters the lane holds."""
+    conservative) and the optimizer step over the parameters a rank holds."""
     from ..profile.memory import MemoryModel
 
-    mem = MemoryModel(setup.model)
-    n_exp = sum(lane.experts)
-    params = n_exp * mem.expert_params()
-    t = timer.allreduce(n_exp * mem.expert_params() * 2, setup.replicas, setup.link)
-    if lane.has_attention or lane.role == "attention":
+    mem = MemoryModel(model)
+    params = experts_held * mem.expert_params()
+    t = timer.allreduce(experts_held * mem.expert_params() * 2, replicas, link)
+    if has_attention:
         params += mem.attention_stack_params()
-        t += timer.allreduce(mem.attention_stack_params() * 2, setup.attention_dp, setup.link)
-    return t + timer.optimizer(lane.device, params)
+        t += timer.allreduce(mem.attention_stack_params() * 2, attention_dp, link)
+    return t + timer.optimizer(device, params)
+
+
+def lane_tail(timer, setup: StepSetup, lane: Lane) -> float:
+    return step_tail(timer, setup.model, lane.device, setup.link, experts_held=sum(lane.experts),
+                     has_attention=lane.has_attention or lane.role == "attention", replicas=setup.replicas,
+                     attention_dp=setup.attention_dp)
 
 
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
     """One leg of a round: latency + the busiest rank's max(bytes sent, received) over the link.
     ``tokens[i]`` is lane ``i``'s tokens in the round; experts are assumed evenly routed."""
     m = setup.model
-    E, k, d = m.moe.num_experts, m.moe.top_k, m.d_model
+    E, k = m.moe.num_experts, m.moe.top_k
     group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
     worst = 0.0
     for lane, t in zip(setup.lanes, tokens):
         mine = lane.experts[layer]
-        send = t * k * d * 2 * (E - mine) / E
-        recv = (group - t) * k * d * 2 * mine / E
-        worst = max(worst, send, recv)
-    return timer.comm(worst, setup.link)
+        worst = max(worst, t * k * (E - mine) / E, (group - t) * k * mine / E)
+    return timer.transfer(worst, setup.link)
 
 
 def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
@@ -217,7 +221,7 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         if t.kind == "attn_bwd":
             return timer.attention(dev, n, backward=True)
         if t.kind == "head":
-            return timer.head(dev, n) if sched.kind != "forward" else timer.head(dev, n) / 3.0
+            return timer.head(dev, n, forward_only=sched.kind == "forward")
         per_expert = group_tok[t.mb] * k / E
         return lanes[i].experts[t.layer] * timer.expert(dev, per_expert, backward=t.kind == "expert_bwd")
 
@@ -278,7 +282,7 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
 def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
     """EP: every rank attends and hosts experts; micro-batches one after another."""
     m = setup.model
-    L, R, E, k, d = m.n_layers, setup.num_microbatches, m.moe.num_experts, m.moe.top_k, m.d_model
+    L, R, E, k = m.n_layers, setup.num_microbatches, m.moe.num_experts, m.moe.top_k
     S = setup.seq_len
     lanes = setup.lanes
     tasks: list[Task] = []
@@ -289,20 +293,11 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
 
     tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in lanes]
     group_tok = [sum(len(lane.ranks) * tok[i][j] for i, lane in enumerate(lanes)) for j in range(R)]
-    bytes_per_routed = k * d * 2  # fp16 hidden states, top-k copies per token
-
     coll_cache: dict[tuple[int, int], float] = {}
 
     def collective(l: int, j: int) -> float:
-        if (l, j) in coll_cache:
-            return coll_cache[(l, j)]
-        worst = 0.0
-        for i, lane in enumerate(lanes):
-            mine = lane.experts[l]
-            send = tok[i][j] * bytes_per_routed * (E - mine) / E
-            recv = (group_tok[j] - tok[i][j]) * bytes_per_routed * mine / E
-            worst = max(worst, send, recv)
-        coll_cache[(l, j)] = timer.comm(worst, setup.link)
+        if (l, j) not in coll_cache:
+            coll_cache[(l, j)] = round_transfer_time(setup, timer, l, [tok[i][j] for i in range(len(lanes))])
         return coll_cache[(l, j)]
 
     # expert work per micro-batch on one lane: hosted experts x one expert on T_j*k/E tokens

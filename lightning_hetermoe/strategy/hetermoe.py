@@ -13,6 +13,8 @@ checkpoints hold full expert tensors (placement-independent).
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -152,6 +154,8 @@ class HeterMoEStrategy(DDPStrategy):
         self._emulation = None
         self._shares: list[int] | None = None
         self._runtime = None  # zebra / distep
+        self._workload = None
+        self.emulator = None  # this rank's emulated clock, when the cluster is emulated
         self._step_grads: list = []
         self.prediction: dict[str, Any] | None = None
 
@@ -232,9 +236,10 @@ class HeterMoEStrategy(DDPStrategy):
         self._sharded = True
         self._report_placement(placements)
         if self.cluster is not None and self.cluster.emulate:
-            from ..emulation import apply_emulation
+            from ..emulate import apply_emulation
 
-            self._emulation = apply_emulation(model, self.cluster, self.global_rank)
+            self._emulation = apply_emulation(model, self.cluster, self.global_rank, workload=self._workload)
+            self.emulator = self._emulation.emulator
         ignore = expert_param_names(model) + [
             f"{n}.experts.expert_ids" if n else "experts.expert_ids" for n, _ in moe_layers(model)
         ]
@@ -253,6 +258,14 @@ class HeterMoEStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         if self.mode != "ep":
             self._zebra_setup(trainer)
+        elif self.cluster is not None and self.prediction is None:
+            try:
+                self._timing(trainer)
+            except ConfigError:
+                if self.cluster.emulate or self.batch_split == "speed":
+                    raise  # both need the batch shape; plain EP does not
+            else:
+                self.prediction = self._predict()
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             # Dense and expert gradients live in different groups: the global norm needs both.
@@ -278,46 +291,55 @@ class HeterMoEStrategy(DDPStrategy):
         if self._runtime is None:
             from .zebra.runtime import ZebraRuntime
 
+            self._timing(trainer)
             model_cfg = describe_model(module)
             if self.plan is not None:
                 plan = self.plan
                 check_plan(plan, model_cfg, self.world_size)
-                per_rank, seq_len = loader_batch_shape(trainer)
-                if per_rank * self.world_size != plan.total_seqs:
+                if self._per_rank * self.world_size != plan.total_seqs:
                     raise ConfigError(f"the plan is for {plan.total_seqs} sequences per step, the loaders give "
-                                      f"{per_rank} x {self.world_size} ranks = {per_rank * self.world_size}")
+                                      f"{self._per_rank} x {self.world_size} ranks = {self._per_rank * self.world_size}")
             else:
                 plan = self._make_plan(trainer, model_cfg)
                 check_plan(plan, model_cfg, self.world_size)
+            self.emulator = self._make_emulator()
             self._runtime = ZebraRuntime(plan, self.mode, self.global_rank,
                                          balance=model_cfg.moe.aux_loss_coef > 0, device=self.root_device,
-                                         clock=self._emulation_clock(plan, model_cfg),
+                                         clock=self.emulator,
                                          timeout_s=self._timeout.total_seconds() if self._timeout else 1800.0)
             self._announce_plan(trainer, plan)
+            self.prediction = self._predict()
         self._runtime.apply(module)
 
-    def _plan_timer(self, model_cfg, seq_len: int):
-        """The task times the planner (and the emulated clock) use."""
-        from ..emulation import emulation_timer
+    def _timing(self, trainer) -> None:
+        """The clock this run is planned, emulated and predicted with: an emulated cluster's
+        workload clock, a measured profile, or the cost model of the model run."""
+        from ..emulate import emulated_workload
         from ..profile.timer import make_timer
 
+        run = describe_model(self.lightning_module)
+        self._per_rank, self._seq_len = loader_batch_shape(trainer)
         if self.cluster is not None and self.cluster.emulate:
-            return emulation_timer(self.cluster, model_cfg, seq_len)
-        return make_timer(model_cfg, seq_len, self.profile)
+            self._workload = emulated_workload(self.cluster, run, self._seq_len)
+            self._clock_model, self._clock_seq = self._workload.model, self._workload.seq_len
+            self._timer = self._workload.timer
+        else:
+            self._workload = None
+            self._clock_model, self._clock_seq = run, self._seq_len
+            self._timer = make_timer(run, self._seq_len, self.profile)
 
-    def _emulation_clock(self, plan, model_cfg):
-        if self.cluster is None or not self.cluster.emulate:
+    def _make_emulator(self):
+        if self._workload is None:
             return None
-        from ..emulation import EmulatedClock
+        from ..emulate import rank_emulator
 
-        return EmulatedClock(self.cluster, self.global_rank, self._plan_timer(model_cfg, plan.seq_len))
+        return rank_emulator(self.cluster, self.global_rank, self._workload)
 
     def _make_plan(self, trainer, model_cfg):
         from ..cluster import ClusterConfig as _CC
         from ..cluster.devices import detect_cuda_devices
         from ..plan import make_plan
 
-        per_rank, seq_len = loader_batch_shape(trainer)
         if self.cluster is not None:
             cluster = self.cluster
         elif self.root_device.type == "cuda":
@@ -325,12 +347,64 @@ class HeterMoEStrategy(DDPStrategy):
         else:
             cluster = _CC(name=f"cpu{self.world_size}", devices=["cpu"] * self.world_size)
         try:
-            return make_plan(cluster, model_cfg, seq_len=seq_len, global_batch_tokens=per_rank * self.world_size
-                             * seq_len, profile=self.profile, asym_ea=self.asym_ea,
-                             num_microbatches=self.num_microbatches, require_expert_ranks=self.require_expert_ranks,
-                             timer=self._plan_timer(model_cfg, seq_len))
+            return make_plan(cluster, self._clock_model, seq_len=self._clock_seq,
+                             global_batch_tokens=self._per_rank * self.world_size * self._clock_seq,
+                             profile=self.profile, asym_ea=self.asym_ea, num_microbatches=self.num_microbatches,
+                             require_expert_ranks=self.require_expert_ranks, timer=self._timer)
         except ValueError as err:
             raise ConfigError(f"mode={self.mode!r}: no plan fits: {err}") from None
+
+    def _predict(self) -> dict[str, Any] | None:
+        """The simulator's step time for this very run (its plan, its clock), scaled like the
+        emulated clock; ``None`` without a cluster config (no device names to simulate)."""
+        from ..simulate import ep_setup, simulate_plan, simulate_step
+
+        if self.cluster is None:
+            return None
+        devs, link, scale = self.cluster.specs(), self.cluster.link, self.cluster.time_scale
+        if not self.cluster.emulate:
+            scale = 1.0
+        total = self._per_rank * self.world_size
+        if self._runtime is not None:
+            res = simulate_plan(self._runtime.plan, devs, self._clock_model, link, self._timer, schedule=self.mode,
+                                keep_timeline=False)
+        else:
+            setup = ep_setup(devs, self._clock_model, seq_len=self._clock_seq, total_seqs=total, link=link,
+                             timer=self._timer, balanced=self.batch_split == "speed", num_microbatches=1)
+            res = simulate_step(setup, self._timer, "ep", keep_timeline=False)
+        return {"schedule": "ep_balanced" if self.batch_split == "speed" else self.mode,
+                "step_time_s": res.step_time * scale, "device_step_time_s": res.step_time,
+                "workload_tokens_per_step": total * self._clock_seq}
+
+    def emulation_report(self) -> dict[str, Any] | None:
+        """Every rank's clock summary, gathered (a collective: call it on every rank)."""
+        mine = self.emulator.summary() if self.emulator is not None else None
+        if not (dist.is_available() and dist.is_initialized()):
+            return {"ranks": [mine]} if mine else None
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        if all(e is None for e in everyone):
+            return None
+        tasks = sum(e["padded_tasks"] for e in everyone if e)
+        overruns = sum(e["overruns"] for e in everyone if e)
+        return {"ranks": everyone, "padded_tasks": tasks, "overruns": overruns,
+                "overrun_fraction": overruns / tasks if tasks else 0.0}
+
+    def _pad_tail(self, started: float) -> None:
+        """Emulation: the step's tail (gradient sync + optimizer) takes the modelled time."""
+        if self.emulator is None:
+            return
+        if self._runtime is not None:
+            lay = self._runtime.layout
+            held = sum(len(lay.mine(l)) for l in range(lay.num_layers))
+            modelled = self.emulator.tail(experts_held=held, has_attention=lay.is_attention,
+                                          replicas=len(lay.plan.zp_groups), attention_dp=len(lay.plan.attention_ranks))
+        else:
+            held = sum(layer.experts.num_local_experts for _, layer in moe_layers(self.lightning_module))
+            modelled = self.emulator.tail(experts_held=held, has_attention=True,
+                                          replicas=self.world_size // self.ep_groups.ep_size,
+                                          attention_dp=self.world_size)
+        self.emulator.pad("tail", "tail", started, modelled)
 
     def _announce_plan(self, trainer, plan) -> None:
         if self.global_rank != 0:
@@ -437,7 +511,7 @@ class HeterMoEStrategy(DDPStrategy):
         full = gather_global_batch(batch)
         total = batch_size(full)
         if self._shares is None or sum(self._shares) != total:
-            self._shares = speed_shares(self.cluster, self.lightning_module, total, sequence_length(full))
+            self._shares = speed_shares(self.cluster, self._clock_model, self._timer, total, self._clock_seq)
         start, count = split_sizes(total, self._shares)[self.global_rank]
         self._loss_weight = count * self.world_size / total
         return take(full, start, count)
@@ -461,15 +535,21 @@ class HeterMoEStrategy(DDPStrategy):
 
     # -- gradients ----------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        tail_started: list[float] = []
+
         def closure_then_reduce() -> Any:
             result = closure()
+            tail_started.append(time.perf_counter())
             if self._runtime is not None:
                 self._runtime.sync_grads(self.lightning_module)
             elif self._sharded:
                 reduce_expert_grads(self.lightning_module, self.ep_groups)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        if tail_started:
+            self._pad_tail(tail_started[0])
+        return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -566,6 +646,13 @@ class HeterMoEStrategy(DDPStrategy):
             self.checkpoint_io.remove_checkpoint(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
+        from .zebra.comm import ChannelError
+
+        lost_peer = isinstance(exception, ChannelError) or "closed" in str(exception).lower() \
+            or "reset by peer" in str(exception).lower()
+        if not lost_peer and not isinstance(exception, KeyboardInterrupt):
+            print(f"[hetermoe] rank {self.global_rank} ({self.describe_rank(self.global_rank)}) failed: "
+                  f"{type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
         # A peer's death surfaces here as a gloo "connection closed/reset": name the peer.
         report = getattr(self._launcher, "report_dead_children", None)
         if report is not None:
@@ -586,8 +673,8 @@ class HeterMoEStrategy(DDPStrategy):
         # After a successful run every rank holds the whole model again, so the user's
         # module (and the spawn launcher's returned weights) are complete and usable anywhere.
         module = self.lightning_module
-        succeeded = module is not None and module.trainer is not None \
-            and module.trainer.state.status == TrainerStatus.RUNNING
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if self._sharded and succeeded:
             unshard_experts(module, self.ep_groups)
             self._sharded = False
@@ -636,12 +723,8 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
             f"([seq_len, ...]); that failed ({type(err).__name__}: {err}): pass a plan (plan=plan.json)") from None
 
 
-def speed_shares(cluster: ClusterConfig, module: Any, total: int, seq_len: int) -> list[int]:
+def speed_shares(cluster: ClusterConfig, model: Any, timer: Any, total: int, seq_len: int) -> list[int]:
     """Sequences per rank in proportion to each device's attention speed (``ep_balanced``)."""
-    from ..cluster.devices import resolve_cluster
-    from ..profile.timer import make_timer
     from ..simulate.schedules import ep_balanced_shares, ep_speed
 
-    model = describe_model(module)
-    timer = make_timer(model, seq_len)
-    return ep_balanced_shares(total, [ep_speed(d, timer, model, seq_len) for d in resolve_cluster(cluster)])
+    return ep_balanced_shares(total, [ep_speed(d, timer, model, seq_len) for d in cluster.specs()])

@@ -96,18 +96,14 @@ class Mailboxes:
             slot.event.set()
 
 
-TransferClock = Callable[[float], float]  # busiest link's rows -> seconds to sleep (emulation)
-
-
 class Exchange:
     """The channels of one step (threads live for one step)."""
 
     def __init__(self, layout: Layout, groups: ZebraGroups, schedule: Schedule, *, d_model: int,
-                 dtype: torch.dtype, device: torch.device, transfer_clock: TransferClock | None = None,
-                 timeout_s: float = 1800.0) -> None:
+                 dtype: torch.dtype, device: torch.device, emulator: Any = None, timeout_s: float = 1800.0) -> None:
         self.layout, self.groups, self.schedule = layout, groups, schedule
         self.d, self.dtype, self.device = d_model, dtype, device
-        self.transfer_clock = transfer_clock
+        self.emulator = emulator
         self.timeout_s = timeout_s
         self.box = Mailboxes()
         self._matrices: dict[tuple[int, int], tuple[Tensor, list[list[int]]]] = {}
@@ -171,18 +167,18 @@ class Exchange:
         dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
         return out
 
-    def _pad(self, channel: str, r: Round, started: float) -> None:
-        if self.transfer_clock is None:
+    def _pad(self, channel: str, r: Round) -> None:
+        """Emulation: once the exchange returned (every peer has joined: the moment the
+        modelled transfer starts), the busiest link's modelled time passes."""
+        if self.emulator is None:
             return
         _, rows = self._matrix(r.layer, r.mb)
         G = len(rows)
         off_sent = max(sum(rows[s]) - rows[s][s] for s in range(G))
         off_recv = max(sum(rows[s][d] for s in range(G)) - rows[d][d] for d in range(G))
-        seconds = self.transfer_clock(max(off_sent, off_recv))
+        seconds = self.emulator.transfer(max(off_sent, off_recv))
         self.transfer_s[(channel, r)] = seconds
-        rest = seconds - (time.perf_counter() - started)
-        if rest > 0:
-            time.sleep(rest)
+        self.emulator.sleep_for("transfer", channel, seconds)
 
     def _serve_dispatch(self) -> None:
         lay, group = self.layout, self.groups.dispatch
@@ -201,9 +197,8 @@ class Exchange:
                     self._matrices[(r.layer, r.mb)] = (counts, matrix)
                     self._matrix_ready.setdefault((r.layer, r.mb), threading.Event()).set()
             counts, matrix = self._matrix(r.layer, r.mb)
-            started = time.perf_counter()
             out = self._exchange(group, rows.to(self.dtype), matrix[me], [matrix[s][me] for s in range(G)])
-            self._pad("dispatch", r, started)
+            self._pad("dispatch", r)
             if r.phase == "fwd":
                 mine = lay.mine(r.layer)
                 out = Dispatched(out, counts[:, mine] if mine else torch.zeros(G, 0, dtype=torch.long))
@@ -217,9 +212,8 @@ class Exchange:
             holding = bool(lay.mine(r.layer))
             post = self._await_post("combine", r) if holding else None
             rows = post if post is not None else torch.empty(0, self.d, dtype=self.dtype, device=self.device)
-            started = time.perf_counter()
             out = self._exchange(group, rows.to(self.dtype), [matrix[s][me] for s in range(G)], matrix[me])
-            self._pad("combine", r, started)
+            self._pad("combine", r)
             self.box.put(("got", "combine", r), out)
 
     def _serve_balance(self) -> None:

@@ -78,11 +78,22 @@ class StepRun:
         self.out = StepOutput()
         self.L = schedule.num_layers
         self.tokens = [0] * schedule.num_microbatches
+        self._outbox: list[tuple[str, Any, Any]] = []
         self._last_of_group: dict[int, int] = {}
         for g, mbs in enumerate(schedule.balance_groups):
             self._last_of_group[g] = mbs[-1]
 
     # -- used from inside the model (fiber threads) -------------------------------------
+    def post(self, channel: str, key: Any, value: Any) -> None:
+        """What a task sends leaves when the task ends: after its padding, under emulation,
+        as on the device it plays (a send cannot start before the kernel that made it)."""
+        self._outbox.append((channel, key, value))
+
+    def _flush(self) -> None:
+        for channel, key, value in self._outbox:
+            self.exchange.post(channel, key, value)
+        self._outbox.clear()
+
     def record(self, layer: int, mb: int) -> dict[str, Any]:
         return self.records.setdefault((layer, mb), {})
 
@@ -107,7 +118,7 @@ class StepRun:
             acc = self.routed.get((layer, g))
             counts = routed_counts(indices, self.layout.num_experts).cpu()
             self.routed[(layer, g)] = counts if acc is None else acc + counts
-        self.exchange.post("dispatch", Round("fwd", layer, mb), {"rows": sent.detach(), "expert_counts": expert_counts})
+        self.post("dispatch", Round("fwd", layer, mb), {"rows": sent.detach(), "expert_counts": expert_counts})
         fiber.park()
         back = rec.pop("back")
         recv = back.detach().requires_grad_(torch.is_grad_enabled())
@@ -132,6 +143,7 @@ class StepRun:
                 with self.task_context() if self.task_context is not None else _null():
                     self._compute(task, inputs)
                 self._pad(task, t0, inputs)
+                self._flush()
                 self.out.trace.append((task, t0 - t_step, time.perf_counter() - t_step))
             self.exchange.join()
         except BaseException as err:
@@ -162,10 +174,10 @@ class StepRun:
     def _compute(self, task: Task, inputs: Any) -> None:
         kind, l, j = task.kind, task.layer, task.mb
         if kind == "expert_fwd":
-            self.exchange.post("combine", Round("fwd", l, j), self.experts.forward(l, j, inputs))
+            self.post("combine", Round("fwd", l, j), self.experts.forward(l, j, inputs))
             return
         if kind == "expert_bwd":
-            self.exchange.post("combine", Round("bwd", l, j), self.experts.backward(l, j, inputs))
+            self.post("combine", Round("bwd", l, j), self.experts.backward(l, j, inputs))
             return
         empty = self.step.sizes[j] == 0
         if kind == "attn_fwd":
@@ -216,7 +228,7 @@ class StepRun:
         return torch.empty(0, self.d, dtype=self.exchange.dtype, device=self.exchange.device)
 
     def _post_empty_dispatch(self, l: int, j: int) -> None:
-        self.exchange.post("dispatch", Round("fwd", l, j), {
+        self.post("dispatch", Round("fwd", l, j), {
             "rows": self._empty_rows(), "expert_counts": torch.zeros(self.layout.num_experts, dtype=torch.long)})
 
     def _post_counts_if_last(self, l: int, j: int) -> None:
@@ -224,13 +236,13 @@ class StepRun:
         if g is None or self._last_of_group[g] != j:
             return
         counts = self.routed.get((l, g), torch.zeros(self.layout.num_experts, dtype=torch.long))
-        self.exchange.post("balance", (l, g), counts)
+        self.post("balance", (l, g), counts)
 
     def _send_answer_grad(self, l: int, j: int) -> None:
         """Gradient of block ``l``'s expert answer, from the gradients of the block's outputs."""
         rec = self.records.get((l, j))
         if rec is None:  # an empty micro-batch
-            self.exchange.post("dispatch", Round("bwd", l, j), {"rows": self._empty_rows()})
+            self.post("dispatch", Round("bwd", l, j), {"rows": self._empty_rows()})
             return
         outs = [(o, leaf.grad) for o, leaf in rec.get("outputs", []) if leaf.grad is not None]
         rec["outs"] = outs
@@ -241,7 +253,7 @@ class StepRun:
                                           allow_unused=True)
         if grad is None:
             grad = torch.zeros_like(recv)
-        self.exchange.post("dispatch", Round("bwd", l, j), {"rows": grad.detach()})
+        self.post("dispatch", Round("bwd", l, j), {"rows": grad.detach()})
 
     def _block_backward(self, l: int, j: int, sent_grad: Tensor) -> None:
         rec = self.records.pop((l, j))
@@ -264,16 +276,17 @@ class StepRun:
         kind, j = task.kind, task.mb
         if kind in ("expert_fwd", "expert_bwd"):
             modelled = self.clock.experts(self.experts.counts[(task.layer, j)], backward=kind == "expert_bwd")
+            name = "experts"
         elif kind == "head":
             modelled = self.clock.head(self.tokens[j], forward_only=not self.step.train)
+            name = "head"
         else:
             modelled = self.clock.attention(self.tokens[j], backward=kind == "attn_bwd")
-        real = time.perf_counter() - t0
+            name = "attention"
         self.out.tasks += 1
-        if real > modelled > 0:
+        if time.perf_counter() - t0 > modelled > 0:
             self.out.overruns += 1
-        if modelled > real:
-            time.sleep(modelled - real)
+        self.clock.pad(name, (kind, task.layer), t0, modelled)
 
 
 class ExpertTasks:

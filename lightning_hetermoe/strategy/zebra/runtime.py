@@ -188,8 +188,7 @@ class ZebraRuntime:
     def run_step(self, step: StepInput, task_context: Callable[[], Any] | None = None) -> StepOutput:
         schedule: Schedule = self.schedule if step.train else self.forward_schedule
         exchange = Exchange(self.layout, self.groups, schedule, d_model=self.d_model, dtype=self.dtype,
-                            device=self.device, transfer_clock=self.clock.transfer if self.clock else None,
-                            timeout_s=self.timeout_s)
+                            device=self.device, emulator=self.clock, timeout_s=self.timeout_s)
         tasks = schedule.member_tasks(self.layout.is_attention, self.layout.holds())
         run = StepRun(self.layout, schedule, exchange, self.layers, self.experts, step, clock=self.clock,
                       d_model=self.d_model, task_context=task_context or nullcontext)

@@ -1,0 +1,28 @@
+"""Heterogeneous GPUs emulated on CPU processes: real math, real collectives, modelled clock."""
+
+from .clock import (
+    EmulatedWorkload,
+    EmulationWarning,
+    Emulator,
+    TaskStats,
+    emulated_workload,
+    emulation_cost_model,
+    rank_emulator,
+    workload_model,
+)
+from .hooks import EmulationHandle, apply_emulation, install, installed
+
+__all__ = [
+    "EmulatedWorkload",
+    "EmulationHandle",
+    "EmulationWarning",
+    "Emulator",
+    "TaskStats",
+    "apply_emulation",
+    "emulated_workload",
+    "emulation_cost_model",
+    "install",
+    "installed",
+    "rank_emulator",
+    "workload_model",
+]

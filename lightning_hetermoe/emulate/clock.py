@@ -1,0 +1,225 @@
+"""The modelled clock of an emulated device.
+
+Every task an emulated rank runs does its real math on the CPU and is then padded (slept)
+to the time the task would take on the device the rank plays, times ``time_scale``.
+
+**Whose time.** Without ``cluster.emulate_workload`` a task is timed as the model actually
+run (tiny shapes, where launch overhead dominates and device kinds barely differ). With
+``emulate_workload: {model: d1, seq_len: 16384}`` it is timed as the matching task of that
+workload: the workload's widths (``d_model``, heads, ``d_ff``, activation, vocabulary) at
+its sequence length, on the run's own depth, expert count and ``top_k`` (give the tiny
+model the workload's ``n_layers``/``num_experts``/``top_k`` to stand for the whole of it).
+
+**The token mapping.** One sequence of the run stands for one workload sequence: every
+token the run really handled counts ``token_scale = workload seq_len / run seq_len``
+workload tokens. Attention of a micro-batch, each expert on the tokens routed to it, each
+transfer (per direction, by the rows that really moved) and the head are timed on the
+scaled counts, so routing skew in the run shows in the clock.
+
+:class:`Emulator` is one rank's clock: the task times, the padding, and an honest count of
+the tasks whose real compute overran their modelled time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import ConfigError, ModelConfig, from_cfg
+
+WORKLOAD_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+
+
+def emulation_cost_model(**overrides: Any):
+    """The cost model emulated ranks use: no activation checkpointing (the CPU job has none)."""
+    from ..profile.cost_model import CostModel
+
+    kw = {"activation_checkpointing": False}
+    kw.update(overrides)
+    return CostModel(**kw)
+
+
+def workload_model(spec: Any) -> ModelConfig:
+    """A workload's model: the name of a ``conf/model`` file (``d1``, ``w2`` ...) or its fields."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    if isinstance(spec, str):
+        path = WORKLOAD_DIR / f"{spec}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml")) if WORKLOAD_DIR.is_dir() else []
+            raise ConfigError(f"cluster.emulate_workload.model={spec!r} is invalid: must be one of {known} "
+                              f"(the files of conf/model) or a mapping of model fields")
+        from omegaconf import OmegaConf
+
+        return from_cfg(ModelConfig, OmegaConf.load(path), "cluster.emulate_workload.model")
+    return from_cfg(ModelConfig, spec, "cluster.emulate_workload.model")
+
+
+@dataclass(frozen=True)
+class EmulatedWorkload:
+    """What an emulated run's clock times, and how its tokens map onto it."""
+
+    model: ModelConfig  # the clock's model (workload widths on the run's depth and experts)
+    seq_len: int  # the clock's sequence length
+    token_scale: float  # clock tokens per real token
+    timer: Any  # a CostModelTimer over ``model`` at ``seq_len``
+
+    def scaled(self, run_tokens: float) -> float:
+        return run_tokens * self.token_scale
+
+
+def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) -> EmulatedWorkload:
+    from ..profile.timer import make_timer
+
+    spec = getattr(cluster, "emulate_workload", None)
+    if not spec:
+        model, seq_len, scale = run_model, run_seq_len, 1.0
+    else:
+        work = workload_model(spec["model"])
+        seq_len = int(spec["seq_len"])
+        moe = replace(work.moe, num_experts=run_model.moe.num_experts, top_k=run_model.moe.top_k,
+                      aux_loss_coef=run_model.moe.aux_loss_coef, capacity_factor=run_model.moe.capacity_factor)
+        model = replace(work, n_layers=run_model.n_layers, max_seq_len=max(work.max_seq_len, seq_len), moe=moe)
+        scale = seq_len / run_seq_len
+    return EmulatedWorkload(model, seq_len, scale, make_timer(model, seq_len, cost=emulation_cost_model()))
+
+
+class EmulationWarning(UserWarning):
+    """Real CPU compute took longer than the modelled device time: the clock is not faithful."""
+
+
+@dataclass
+class TaskStats:
+    count: int = 0
+    real_s: float = 0.0  # real time spent in the task before padding
+    modelled_s: float = 0.0  # scaled modelled time (what the task should take)
+    slept_s: float = 0.0
+    overruns: int = 0  # calls whose real time exceeded the modelled time
+    worst_ratio: float = 0.0  # max real / modelled
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+TASKS = ("attention", "experts", "transfer", "head", "tail")
+
+
+class Emulator:
+    """One emulated device's clock. Durations returned are already times ``time_scale``.
+
+    ``warmup_calls`` first calls of each task key are not warned about (allocator and
+    thread-pool start-up), only counted."""
+
+    def __init__(self, device, timer, *, link, time_scale: float = 1.0, token_scale: float = 1.0,
+                 warmup_calls: int = 1, sleep: Callable[[float], None] = time.sleep) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale={time_scale!r} is invalid: must be > 0")
+        self.device, self.timer, self.link = device, timer, link
+        self.time_scale, self.token_scale = float(time_scale), float(token_scale)
+        self.warmup_calls = warmup_calls
+        self._sleep = sleep
+        self.stats: dict[str, TaskStats] = {t: TaskStats() for t in TASKS}
+        self._seen: dict[Any, int] = {}
+        self._warned = False
+        self._needed_scale = 0.0
+        self._lock = threading.Lock()
+
+    # -- modelled durations (scaled) -----------------------------------------------------
+    def attention(self, tokens: float, backward: bool = False) -> float:
+        return self.time_scale * self.timer.attention(self.device, tokens * self.token_scale, backward)
+
+    def head(self, tokens: float, forward_only: bool = False) -> float:
+        return self.time_scale * self.timer.head(self.device, tokens * self.token_scale, forward_only=forward_only)
+
+    def experts(self, counts, backward: bool = False) -> float:
+        """Every local expert, each on its own token count."""
+        return self.time_scale * sum(self.timer.expert(self.device, c * self.token_scale, backward)
+                                     for c in counts if c > 0)
+
+    def transfer(self, rows: float) -> float:
+        """One leg of an exchange whose busiest link moves ``rows`` token rows."""
+        return self.time_scale * self.timer.transfer(rows * self.token_scale, self.link)
+
+    def tail(self, *, experts_held: int, has_attention: bool, replicas: int, attention_dp: int) -> float:
+        """Gradient all-reduce and optimizer step of what this rank holds (as the simulator)."""
+        from ..simulate.step import step_tail
+
+        return self.time_scale * step_tail(self.timer, self.timer.model, self.device, self.link,
+                                           experts_held=experts_held, has_attention=has_attention,
+                                           replicas=replicas, attention_dp=attention_dp)
+
+    # -- padding ---------------------------------------------------------------------------
+    def pad(self, task: str, key: Any, started: float, modelled: float, *, already: float = 0.0) -> float:
+        """Sleep until ``started + modelled - already``; record and warn on overrun.
+
+        ``already`` is task time spent in earlier segments (the task was interrupted).
+        Returns the seconds slept."""
+        real = time.perf_counter() - started + already
+        rest = modelled - real
+        if rest > 0:
+            self._sleep(rest)
+        slept = max(rest, 0.0)
+        with self._lock:
+            st = self.stats[task]
+            st.count += 1
+            st.real_s += real
+            st.modelled_s += modelled
+            st.slept_s += slept
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if modelled > 0:
+                st.worst_ratio = max(st.worst_ratio, real / modelled)
+            if real > modelled and modelled > 0:
+                st.overruns += 1
+                if seen > self.warmup_calls:
+                    self._overrun(task, key, real, modelled)
+        return slept
+
+    def sleep_for(self, task: str, key: Any, seconds: float) -> None:
+        """A transfer: the modelled time is slept in full once the real exchange is done
+        (it returns when the last peer joined: the moment the modelled transfer starts)."""
+        if seconds > 0:
+            self._sleep(seconds)
+        with self._lock:
+            st = self.stats[task]
+            st.count += 1
+            st.modelled_s += seconds
+            st.slept_s += seconds
+
+    def _overrun(self, task: str, key: Any, real: float, modelled: float) -> None:
+        needed = self.time_scale * real / modelled if modelled > 0 else math.inf
+        self._needed_scale = max(self._needed_scale, needed)
+        if self._warned:
+            return
+        self._warned = True
+        msg = (f"emulated {self.device.name}: real CPU compute of {task} {key} took {real * 1e3:.2f} ms, more than its "
+               f"modelled {modelled * 1e3:.2f} ms at cluster.time_scale={self.time_scale:g}; the emulated clock is "
+               f"not faithful: set cluster.time_scale >= {math.ceil(needed):d} (warned once)")
+        warnings.warn(msg, EmulationWarning, stacklevel=3)
+
+    @property
+    def needed_time_scale(self) -> float:
+        """Smallest time_scale that would have covered every overrun seen after warm-up (0 if none)."""
+        return self._needed_scale
+
+    def summary(self) -> dict[str, Any]:
+        padded = [s for k, s in self.stats.items() if k != "transfer"]
+        tasks = sum(s.count for s in padded)
+        overruns = sum(s.overruns for s in padded)
+        return {"device": self.device.name, "time_scale": self.time_scale, "token_scale": self.token_scale,
+                "needed_time_scale": self._needed_scale, "padded_tasks": tasks, "overruns": overruns,
+                "tasks": {k: v.as_dict() for k, v in self.stats.items()}}
+
+
+def rank_emulator(cluster: Any, rank: int, workload: EmulatedWorkload, warmup_calls: int = 1) -> Emulator:
+    from ..cluster.devices import get_device
+
+    if not 0 <= rank < cluster.world_size:
+        raise ValueError(f"global_rank={rank} is outside cluster '{cluster.name}' of {cluster.world_size} ranks")
+    device = get_device(cluster.devices[rank], cluster.custom_devices)
+    return Emulator(device, workload.timer, link=cluster.link, time_scale=cluster.time_scale,
+                    token_scale=workload.token_scale, warmup_calls=warmup_calls)

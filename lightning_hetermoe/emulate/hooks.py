@@ -1,0 +1,275 @@
+"""The emulated clock installed on a model that runs by itself (expert parallelism, the
+profiler): hooks time its tasks and pad them to an :class:`~.clock.Emulator`'s durations.
+(The zebra executor runs its tasks itself and pads them directly.)
+
+Concurrency stays real (real processes, real gloo collectives), only the clock is modelled.
+
+Tasks, per MoE layer, forward and backward:
+
+* **attention** (everything of the layer's block up to the experts: norms, attention,
+  residual, router). Forward: from the block's entry to the first step of its expert path
+  (the first exchange, or the experts themselves without one); padded right there so a
+  slow attention device delays the dispatch, as on real hardware. Backward: the block's
+  backward minus its expert path; padded when the gradient leaves the block.
+* **experts** (the local experts on the tokens this rank received): padded to
+  ``sum_e expert_time(tokens_e)`` over the local experts.
+* **transfer** (each ``AllToAllDispatcher.exchange``, dispatch and combine, and their
+  backward): after the real collective returns (its wall time is synchronisation with
+  the other ranks plus a gloo copy), the modelled transfer time of the rows this rank
+  moves off-rank (``max(sent, received)``) is slept.
+* **head** (after the last MoE block: final norm, LM head, loss, and their backward):
+  padded when the gradient reaches the last block's output.
+
+Everything is installed from outside the model: forward (pre-)hooks on the block that
+holds each :class:`~lightning_hetermoe.moe.MoELayer` and on its ``experts``, a wrapper on
+the dispatcher's ``exchange``, and identity autograd functions that timestamp (and pad)
+the backward at task boundaries. :func:`apply_emulation` returns a handle whose
+``remove()`` restores the model exactly; applying again replaces the previous install.
+
+The emulated GPU runs the configured model in ``CostModel.dtype_bytes`` precision and,
+since the CPU job does not checkpoint activations, backward = ``backward_factor`` x
+forward (``CostModel(activation_checkpointing=False)``): ``emulation_cost_model`` is that
+model, and the simulator must be given the same one to predict an emulated run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from .clock import Emulator, EmulatedWorkload, emulated_workload, rank_emulator
+
+log = logging.getLogger(__name__)
+
+_INSTALLED: "weakref.WeakKeyDictionary[nn.Module, EmulationHandle]" = weakref.WeakKeyDictionary()
+
+
+# -- backward boundary markers ----------------------------------------------------------
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls ``fn()`` before passing the gradient on."""
+
+    @staticmethod
+    def forward(ctx, fn, x):  # noqa: D401
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return None, grad
+
+
+def _mark(x: Tensor, fn: Callable[[], None]) -> Tensor:
+    if torch.is_grad_enabled() and isinstance(x, Tensor) and x.requires_grad:
+        return _Mark.apply(fn, x)
+    return x
+
+
+class _BlockCall:
+    """The attention task of one forward call of one block, forward and backward."""
+
+    __slots__ = ("em", "layer", "fwd_start", "fwd_padded", "fwd_model", "bwd_model", "bwd_acc", "bwd_since",
+                 "fwd_end", "head_model")
+
+    def __init__(self, em: Emulator, layer: int, fwd_model: float, bwd_model: float,
+                 head_model: float | None = None) -> None:
+        self.em, self.layer = em, layer
+        self.head_model = head_model  # the last block pads the head (everything after it)
+        self.fwd_end = 0.0
+        self.fwd_start = time.perf_counter()
+        self.fwd_padded = False
+        self.fwd_model, self.bwd_model = fwd_model, bwd_model
+        self.bwd_acc = 0.0
+        self.bwd_since: float | None = None
+
+    # forward: pad the attention task the first time the expert path starts
+    def enter_expert_path(self) -> None:
+        if not self.fwd_padded:
+            self.fwd_padded = True
+            self.em.pad("attention", (self.layer, "fwd"), self.fwd_start, self.fwd_model)
+
+    # backward: the block's own work is timed between expert-path segments
+    def bwd_start(self) -> None:  # gradient reached the block output
+        if self.head_model is not None:  # head forward + loss + head backward ran since fwd_end
+            self.em.pad("head", "head", self.fwd_end, self.head_model)
+        self.bwd_acc, self.bwd_since = 0.0, time.perf_counter()
+
+    def bwd_pause(self) -> None:  # an expert-path task begins its backward
+        if self.bwd_since is not None:
+            self.bwd_acc += time.perf_counter() - self.bwd_since
+            self.bwd_since = None
+
+    def bwd_resume(self) -> None:  # an expert-path task finished its backward
+        self.bwd_since = time.perf_counter()
+
+    def bwd_end(self) -> None:  # gradient leaves the block input
+        since = self.bwd_since if self.bwd_since is not None else time.perf_counter()
+        self.em.pad("attention", (self.layer, "bwd"), since, self.bwd_model, already=self.bwd_acc)
+        self.bwd_since = None
+
+
+class EmulationHandle:
+    """What :func:`apply_emulation` installed; ``remove()`` undoes all of it."""
+
+    def __init__(self, model: nn.Module, emulator: Emulator) -> None:
+        self.model = model
+        self.emulator = emulator
+        self._hooks: list[Any] = []
+        self._exchanges: list[Any] = []  # dispatchers whose exchange we shadowed
+        self.removed = False
+
+    @property
+    def stats(self) -> dict[str, TaskStats]:
+        return self.emulator.stats
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        for h in self._hooks:
+            h.remove()
+        for disp in self._exchanges:
+            if "exchange" in vars(disp):
+                del disp.exchange
+        self._hooks.clear()
+        self._exchanges.clear()
+        if _INSTALLED.get(self.model) is self:
+            del _INSTALLED[self.model]
+        self.removed = True
+
+
+def install(model: nn.Module, emulator: Emulator, *, head: bool = False) -> EmulationHandle:
+    """Install ``emulator``'s clock on every MoE block of ``model`` (see module docstring);
+    ``head`` also pads the work after the last block (a whole LM, not a single block)."""
+    previous = _INSTALLED.get(model)
+    if previous is not None:
+        previous.remove()
+    handle = EmulationHandle(model, emulator)
+    em = emulator
+    from ..contract import find_blocks
+
+    blocks = [(block, moe) for _, block, moe in find_blocks(model)]
+    current: list[_BlockCall] = []  # stack of block calls in flight (forward)
+
+    for layer_idx, (block, moe) in enumerate(blocks):
+        last = head and layer_idx == len(blocks) - 1
+
+        def block_pre(mod, args, kwargs, layer_idx=layer_idx, last=last):
+            x = args[0]
+            tokens = x.numel() // x.shape[-1]
+            call = _BlockCall(em, layer_idx, em.attention(tokens), em.attention(tokens, backward=True),
+                              em.head(tokens) if last else None)
+            current.append(call)
+            return (_mark(x, call.bwd_end),) + tuple(args[1:]), kwargs
+
+        def block_post(mod, args, kwargs, output):
+            call = current.pop()
+            call.enter_expert_path()  # no expert path ran (e.g. empty input): pad here
+            call.fwd_end = time.perf_counter()
+            if isinstance(output, tuple):
+                return (_mark(output[0], call.bwd_start),) + output[1:]
+            return _mark(output, call.bwd_start)
+
+        handle._hooks.append(block.register_forward_pre_hook(block_pre, with_kwargs=True))
+        handle._hooks.append(block.register_forward_hook(block_post, with_kwargs=True))
+
+        experts = moe.experts
+        state: dict[str, Any] = {}
+
+        def experts_pre(mod, args, kwargs, layer_idx=layer_idx, state=state):
+            call = current[-1] if current else None
+            if call is not None:
+                call.enter_expert_path()
+            x, _, counts = args[0], args[1], args[2]
+            rec = {"call": call, "t0": time.perf_counter(), "counts": [int(c) for c in counts.tolist()]}
+            state["rec"] = rec
+
+            def bwd_in(rec=rec):  # gradient left the experts: the task is over
+                modelled = em.experts(rec["counts"], backward=True)
+                em.pad("experts", (layer_idx, "bwd"), rec.get("bwd_t0", time.perf_counter()), modelled)
+                if rec["call"] is not None:
+                    rec["call"].bwd_resume()
+
+            return (_mark(x, bwd_in),) + tuple(args[1:]), kwargs
+
+        def experts_post(mod, args, kwargs, output, layer_idx=layer_idx, state=state):
+            rec = state.pop("rec")
+            modelled = em.experts(rec["counts"])
+            em.pad("experts", (layer_idx, "fwd"), rec["t0"], modelled)
+
+            def bwd_out(rec=rec):  # gradient reached the experts' output
+                if rec["call"] is not None:
+                    rec["call"].bwd_pause()
+                rec["bwd_t0"] = time.perf_counter()
+
+            return _mark(output, bwd_out)
+
+        handle._hooks.append(experts.register_forward_pre_hook(experts_pre, with_kwargs=True))
+        handle._hooks.append(experts.register_forward_hook(experts_post, with_kwargs=True))
+
+        disp = moe.dispatcher
+        if hasattr(disp, "exchange"):
+            _wrap_exchange(handle, moe, disp, layer_idx, current)
+    _INSTALLED[model] = handle
+    return handle
+
+
+def installed(model: nn.Module) -> EmulationHandle | None:
+    """The emulation handle active on ``model``, if any."""
+    return _INSTALLED.get(model)
+
+
+def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: list[_BlockCall]) -> None:
+    em = handle.emulator
+    original = disp.exchange  # bound method
+
+    def exchange(x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
+        call = current[-1] if current else None
+        if call is not None:
+            call.enter_expert_path()
+        me = getattr(disp, "rank", 0)
+        remote_rows = max(sum(send_splits) - send_splits[me], sum(recv_splits) - recv_splits[me])
+        seconds = em.transfer(remote_rows)
+
+        def bwd_in():  # the backward collective returned: pad its transfer, block resumes
+            em.sleep_for("transfer", (layer_idx, "bwd"), seconds)
+            if call is not None:
+                call.bwd_resume()
+
+        def bwd_out():  # gradient reached the exchange output: block work pauses
+            if call is not None:
+                call.bwd_pause()
+
+        out = original(_mark(x, bwd_in), send_splits, recv_splits)
+        em.sleep_for("transfer", (layer_idx, "fwd"), seconds)
+        return _mark(out, bwd_out)
+
+    disp.exchange = exchange
+    handle._exchanges.append(disp)
+
+
+def apply_emulation(model: nn.Module, cluster, global_rank: int, *, seq_len: int | None = None,
+                    workload: EmulatedWorkload | None = None, warmup_calls: int = 1) -> EmulationHandle:
+    """Make this process play ``cluster.devices[global_rank]`` (see module docstring).
+
+    ``model`` is the LightningModule (or any module) after the strategy has sliced its
+    experts and swapped its dispatchers; ``workload`` is the clock (default: the model run
+    at ``seq_len`` tokens per sequence, or ``cluster.emulate_workload``). Returns an :class:`EmulationHandle`; calling again on
+    the same model replaces the earlier install instead of stacking a second one."""
+    from ..cluster import ClusterConfig
+    from ..config import from_cfg
+    from ..contract import describe_model
+
+    cluster = from_cfg(ClusterConfig, cluster)
+    if workload is None:
+        if seq_len is None:
+            raise ValueError("apply_emulation needs the run's seq_len (tokens per sequence) or a workload")
+        workload = emulated_workload(cluster, describe_model(model), seq_len)
+    emulator = rank_emulator(cluster, global_rank, workload, warmup_calls)
+    handle = install(model, emulator, head=True)
+    log.info(f"emulation: rank {global_rank} plays {emulator.device.name} at time_scale={cluster.time_scale:g}")
+    return handle
