@@ -4,7 +4,7 @@ Importing this package registers ``Trainer(strategy="hetermoe")`` (and ``"heterm
 Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit under the MoE layer.
 """
 
-from .callbacks import RunSummary
+from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
 from .config import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
 from .emulate import apply_emulation
@@ -24,6 +24,8 @@ __all__ = [
     "CostModel",
     "DataConfig",
     "DeviceSpec",
+    "ExpertLoadMonitor",
+    "ExpertRebalancer",
     "HeterMoEStrategy",
     "LinkConfig",
     "ModelConfig",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .callbacks import RunSummary
+from .callbacks import ExpertLoadMonitor, RunSummary
+from .callbacks.progress import ProgressLog
 from .cluster import ClusterConfig
 from .config import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
 from .model import ByteCorpusDataModule, MoELanguageModel
@@ -37,12 +39,30 @@ def build_trainer_kwargs(cfg: DictConfig, cluster: ClusterConfig) -> dict[str, A
         value = kwargs.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"trainer.{key}={value!r} is invalid: must be an integer")
+    if "logger" in kwargs:
+        raise ConfigError("trainer.logger is set by the logger config group: use logger=csv, logger=tensorboard or "
+                          "logger=none (files land in the run directory)")
     for key in ("accumulate_grad_batches", "log_every_n_steps"):
         if kwargs.get(key) is not None and kwargs[key] < 1:
             raise ConfigError(f"trainer.{key}={kwargs[key]!r} is invalid: must be >= 1")
     if kwargs.get("devices") is None:
         kwargs["devices"] = cluster.world_size // int(kwargs.get("num_nodes") or 1)
     return kwargs
+
+
+def build_loggers(cfg: DictConfig, output_dir: str | os.PathLike) -> list[Any]:
+    """``cfg.logger``: name -> ``{_target_: ..., save_dir: null}``; ``save_dir: null`` is the run directory."""
+    from hydra.utils import instantiate
+
+    out = []
+    for name, node in (cfg.get("logger") or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise ConfigError(f"logger.{name} needs a _target_ (a Lightning logger class path)")
+        extra = {"save_dir": str(output_dir)} if node.get("save_dir") is None else {}
+        out.append(instantiate(node, **extra))
+    return out
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
@@ -73,7 +93,7 @@ def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = 
 
 
 def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster: ClusterConfig,
-                   emulation: dict[str, Any] | None) -> dict[str, Any]:
+                   emulation: dict[str, Any] | None, monitor: ExpertLoadMonitor | None = None) -> dict[str, Any]:
     """Measured beside predicted, and the emulated clock's honesty."""
     out: dict[str, Any] = {}
     pred = strategy.prediction
@@ -83,6 +103,14 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         out["predicted_step_time_s"] = pred["step_time_s"]
         if measured:
             out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
+        load = monitor.mean_share() if monitor is not None else None
+        if load is not None:
+            # the same prediction with the routing this run really had (the simulator assumes even routing)
+            at_load = strategy.predict_at_load(load)
+            out["predicted_step_time_at_measured_load_s"] = at_load
+            out["expert_load_max_over_mean"] = max(max(row) * len(row) for row in load)
+            if measured and at_load:
+                out["step_time_rel_error_at_measured_load"] = (measured - at_load) / at_load
     if strategy._runtime is not None:
         out["plan"] = "plan.json"
         out["num_microbatches"] = strategy._runtime.num_microbatches
@@ -123,8 +151,16 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     summary_cb = RunSummary()
-    trainer = L.Trainer(strategy=strategy, callbacks=[summary_cb, *build_callbacks(cfg)], logger=False,
-                        default_root_dir=str(output_dir), **build_trainer_kwargs(cfg, cluster))
+    callbacks = [summary_cb, *build_callbacks(cfg)]
+    trainer_kwargs = build_trainer_kwargs(cfg, cluster)
+    if trainer_kwargs.get("enable_progress_bar") is None:
+        # A bar on a terminal; a line every few steps in a log file, where a bar floods.
+        trainer_kwargs["enable_progress_bar"] = sys.stderr.isatty()
+        if not trainer_kwargs["enable_progress_bar"]:
+            callbacks.append(ProgressLog(every_n_steps=int(trainer_kwargs.get("log_every_n_steps") or 10)))
+    loggers = build_loggers(cfg, output_dir)
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=loggers or False,
+                        default_root_dir=str(output_dir), **trainer_kwargs)
     model = MoELanguageModel(model_cfg, optim_cfg)
     data = ByteCorpusDataModule(data_cfg)
     started = time.perf_counter()
@@ -143,7 +179,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         "model": model_cfg.name,
         "wall_s": time.perf_counter() - started,
     })
-    summary.update(timing_summary(summary, strategy, cluster, emulation))
+    monitor = next((c for c in trainer.callbacks if isinstance(c, ExpertLoadMonitor)), None)
+    summary.update(timing_summary(summary, strategy, cluster, emulation, monitor))
     path = Path(output_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
     log.info(f"summary: {json.dumps(summary)}")

@@ -107,12 +107,29 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
             batch = next(batches)
             loss = model.losses(batch)["loss"] if pieces is None else pieces_loss(model, batch, pieces, stats)
             (loss / accumulate).backward()
+            if stats is not None:
+                with torch.no_grad():
+                    stats["last_ce"] = float(model.losses(batch)["ce"])
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         if sched is not None:
             sched.step()
+    if stats is not None:
+        stats["model"] = model
     return model.state_dict()
+
+
+def validation_loss(model: MoELanguageModel, world_batch: int = 8) -> float:
+    """Mean cross-entropy over the validation batches (one process, global batches)."""
+    val = data(1, world_batch).val_set
+    losses = []
+    with torch.no_grad():
+        model.eval()
+        for batch in DataLoader(val, batch_size=world_batch, drop_last=True):
+            losses.append(float(model.losses(batch)["ce"]))
+        model.train()
+    return sum(losses) / len(losses)
 
 
 def trainer(strategy, devices: int, **kwargs: Any) -> L.Trainer:

@@ -47,6 +47,15 @@ def test_multirun_sweep_runs_each_job_once(tmp_path):
     assert [(s["cluster"], s["world_size"]) for s in got] == [("cpu1", 1), ("cpu2", 2)]
     # A re-run sweep would start extra jobs: Hydra prints one "Launching" line per job.
     assert proc.stdout.count("#0 :") == 1 and proc.stdout.count("#1 :") == 1, proc.stdout[-2000:]
+    # ... and the sweep ends as one result: a table row per job, and a plot
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
+    assert [r["job"] for r in rows] == ["0", "1"] and all(r["status"] == "ok" for r in rows)
+    assert "cluster=cpu1" in rows[0]["overrides"] and "cluster=cpu2" in rows[1]["overrides"]
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 4  # header, rule, two rows
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
 
 
 def compose(*overrides: str):
@@ -95,3 +104,36 @@ def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tm
                      "devices: a100, a10g, a40, cpu, h100, h200, l40s, mi250x, rtx4090, t4, v100 (define others "
                      "under cluster.custom_devices)"], proc.stderr
     assert "Initializing distributed" not in proc.stderr + proc.stdout
+
+
+def test_torchrun_launches_the_ranks_and_the_pack_spawns_none(tmp_path):
+    """``torchrun --nproc_per_node=2 recipes/train.py``: Lightning's TorchElastic environment
+    sees processes that already exist; the strategy's launcher must not start more."""
+    from harness import free_port
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep", "trainer.max_steps=3",
+           "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    # two ranks, each started by torchrun: exactly two "Initializing distributed" lines, no third process
+    assert (proc.stdout + proc.stderr).count("Initializing distributed:") == 2
+
+
+def test_metrics_reach_the_csv_logger(tmp_path):
+    proc = run_recipe("cluster=cpu2", "strategy.mode=ep", "trainer.max_steps=10", "trainer.log_every_n_steps=5",
+                      "callbacks.load_monitor.log_every_n_steps=5", "trainer.limit_val_batches=1",
+                      f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import csv
+
+    metrics = next(tmp_path.glob("logs/version_*/metrics.csv"))
+    rows = list(csv.DictReader(open(metrics)))
+    columns = set(rows[0])
+    for name in ("train_loss", "perf/tokens_per_s", "perf/step_time_s", "moe_load/max_over_mean",
+                 "moe_load/layer0_max_over_mean"):
+        assert name in columns, sorted(columns)
+    assert any(r["train_loss"] for r in rows) and any(r["perf/tokens_per_s"] for r in rows)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
-import torch
 
 from harness import run_ranks
-from lightning_hetermoe import HeterMoEStrategy, OptimConfig, Plan
+from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig, Plan
 from lightning_hetermoe.plan import ZPGroup
 from lightning_hetermoe.simulate import split_microbatches
-from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer
+from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer, validation_loss
 
 STEPS = 5
 GLOBAL = {2: 8, 3: 12, 4: 8, 5: 10}  # sequences per step, a multiple of the world size
@@ -53,34 +53,66 @@ def pieces(plan: Plan, mode: str) -> list[int]:
     return out
 
 
+class Holdings(L.Callback):
+    """What each rank holds while training runs (before teardown gathers the model back)."""
+
+    def on_train_end(self, trainer, pl_module):
+        experts = {id(p) for m in pl_module.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
+        dense = [p for p in pl_module.parameters() if id(p) not in experts]
+        opt = trainer.optimizers[0]
+        self.dense_numel = sum(p.numel() for p in dense)
+        self.dense_state = sum(1 for p in dense if opt.state.get(p))
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
 def fit_cases(rank: int, world: int, cases: list[dict]) -> list | None:
     out = []
     for case in cases:
         model = make_model(case.get("num_experts", 4), seed=rank, optim=OptimConfig(), **case.get("moe", {}))
         strategy = HeterMoEStrategy(mode=case.get("mode", "zebra"), plan=case.get("plan"))
-        t = trainer(strategy, world, max_steps=STEPS)
-        t.fit(model, datamodule=data(world, GLOBAL[world]))
-        out.append({k: v.clone() for k, v in model.state_dict().items()})
-    return out if rank == 0 else None
+        held = Holdings()
+        t = trainer(strategy, world, max_steps=STEPS, callbacks=[held], **case.get("trainer", {}))
+        dm = data(world, GLOBAL[world])
+        t.fit(model, datamodule=dm)
+        result = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "dense_numel": held.dense_numel,
+                  "dense_state": held.dense_state, "train_metrics": held.metrics}
+        if case.get("validate"):
+            result["val"] = t.validate(model, datamodule=dm, verbose=False)
+        out.append(result)
+    return out
 
 
 def check(world: int, cases: list[dict]) -> None:
-    results = run_ranks(world, fit_cases, world, cases)[0]
-    for case, actual in zip(cases, results):
+    per_rank = run_ranks(world, fit_cases, world, cases)
+    for c, case in enumerate(cases):
+        actual = per_rank[0][c]
         model = make_model(case.get("num_experts", 4), seed=0, optim=OptimConfig(), **case.get("moe", {}))
         initial = copy.deepcopy(model.state_dict())
         plan = case.get("plan")
-        cut = pieces(plan, case.get("mode", "zebra")) if plan is not None else None
+        mode = case.get("mode", "zebra")
+        cut = pieces(plan, mode) if plan is not None else None
         stats: dict = {}
-        expected = reference_fit(model, STEPS, global_batch=GLOBAL[world], pieces=cut, stats=stats)
+        tk = case.get("trainer", {})
+        expected = reference_fit(model, STEPS, global_batch=GLOBAL[world], pieces=cut, stats=stats,
+                                 accumulate=tk.get("accumulate_grad_batches", 1), clip=tk.get("gradient_clip_val"))
         for key in case.get("exercises", ()):
             assert stats.get(key, 0) > 0, f"the case never exercised {key}: {stats}"
-        assert_same_params(actual, expected, initial)
+        assert_same_params(actual["state"], expected, initial)
+        if plan is not None and mode != "ep":
+            for r in plan.expert_ranks:  # expert ranks hold no dense weights, no dense optimizer state
+                assert per_rank[r][c]["dense_numel"] == 0 and per_rank[r][c]["dense_state"] == 0, r
+            for r in plan.attention_ranks:
+                assert per_rank[r][c]["dense_numel"] > 0 and per_rank[r][c]["dense_state"] > 0, r
+        if case.get("validate"):
+            # self.log in the user's steps, once per step, reduced over the attention ranks
+            want = validation_loss(stats["model"], GLOBAL[world])
+            assert abs(actual["val"][0]["val_loss"] - want) < 1e-4, (actual["val"], want)
+            assert abs(actual["train_metrics"]["train_loss"] - stats["last_ce"]) < 1e-4
 
 
 def test_one_attention_one_expert_rank_zebra_distep_and_ep_agree():
     check(2, [
-        dict(plan=make_test_plan(2, [0], R=2)),
+        dict(plan=make_test_plan(2, [0], R=2), validate=True),
         dict(plan=make_test_plan(2, [0], R=3)),  # 8 sequences in 3 micro-batches: 3+3+2
         dict(plan=make_test_plan(2, [0], R=1)),
         dict(plan=make_test_plan(2, [0], R=2), mode="distep"),
@@ -92,7 +124,9 @@ def test_three_ranks_two_attention_and_asym_ea_experts_on_the_attention_rank():
     # 1+2 with Asym-EA: layer 0 puts expert 3 on the attention rank, layer 1 experts 2 and 3.
     asym = [[1, 1, 2, 0], [1, 2, 0, 0]]
     check(3, [
-        dict(plan=make_test_plan(3, [0, 1], R=2)),  # 2+1
+        dict(plan=make_test_plan(3, [0, 1], R=2), validate=True),  # 2+1: val_loss reduced over 2 attention ranks
+        # Lightning's gradient accumulation and global-norm clipping, through the zebra executor
+        dict(plan=make_test_plan(3, [0, 1], R=2), trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
         dict(plan=make_test_plan(3, [0], R=2, placement=asym)),
         dict(plan=make_test_plan(3, [0], R=3, placement=asym), moe=dict(top_k=1), exercises=["idle_experts"]),
         # capacity drops: each expert takes ceil(1.0 * tokens * k / E) choices per micro-batch
@@ -147,3 +181,19 @@ def _parse(name: str) -> tuple[str, int, int]:
         return "head", 1, int(name[2:])
     layer, mb = name[2:].split(".")
     return kinds[name[:2]], int(layer), int(mb)
+
+
+def test_a_plan_that_does_not_fit_is_rejected_with_one_error_per_mismatch():
+    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.strategy.hetermoe import check_plan
+
+    cfg = make_model(4).model_cfg
+    plan = make_test_plan(2, [0], R=2)
+    with pytest.raises(ConfigError, match="the plan is for 2 ranks, the trainer runs 3"):
+        check_plan(plan, cfg, 3)
+    with pytest.raises(ConfigError, match="the plan is for 2 MoE layers, the model has 3"):
+        check_plan(plan, make_model(4, n_layers=3).model_cfg, 2)
+    with pytest.raises(ConfigError, match="the plan is for 4 experts per layer, the model has 6"):
+        check_plan(plan, make_model(6).model_cfg, 2)
+    with pytest.raises(ConfigError, match="the plan is for 2 ranks, the trainer runs 4"):
+        L.Trainer(strategy=HeterMoEStrategy(mode="zebra", plan=plan), accelerator="cpu", devices=4, logger=False)

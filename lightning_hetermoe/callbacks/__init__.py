@@ -1,5 +1,7 @@
-"""Callbacks: what a run measures about itself."""
+"""Callbacks: what a run measures about itself, and what it does about it."""
 
+from .load_monitor import ExpertLoadMonitor
+from .rebalancer import ExpertRebalancer
 from .run_summary import RunSummary
 
-__all__ = ["RunSummary"]
+__all__ = ["ExpertLoadMonitor", "ExpertRebalancer", "RunSummary"]

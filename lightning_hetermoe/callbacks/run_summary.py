@@ -27,6 +27,9 @@ class RunSummary(L.Callback):
         self._t0: float | None = None
         self._last_step = -1
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last_step = trainer.global_step  # a step ends when the global step moves on
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
@@ -46,6 +49,12 @@ class RunSummary(L.Callback):
         if len(self.losses) > self.warmup_steps and self._t0 is not None:
             self.step_times.append(time.perf_counter() - self._t0)
             self._tokens += self._step_tokens
+            every = trainer.log_every_n_steps or 1
+            if trainer.global_step % every == 0:
+                metrics = {"perf/step_time_s": self.step_times[-1],
+                           "perf/tokens_per_s": self._step_tokens / self.step_times[-1]}
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step)
         self._step_losses, self._step_tokens, self._t0 = [], 0, None
 
     @property

@@ -29,14 +29,33 @@ class SortedChoices:
 
 def sort_choices(indices: Tensor, keep: Tensor, expert_position: Tensor) -> SortedChoices:
     """Group kept choices by ``expert_position[expert]`` (the order experts are laid out in)."""
-    k = indices.shape[1]
-    flat = indices.reshape(-1)
+    return sort_by_position(expert_position[indices.reshape(-1)].view_as(indices), keep, expert_position.numel())
+
+
+def sort_by_position(position: Tensor, keep: Tensor, num_positions: int) -> SortedChoices:
+    """Group kept choices by their own slot position ``position [T, k]`` (stable: token order kept)."""
+    k = position.shape[1]
     live = keep.reshape(-1).nonzero().squeeze(-1)
-    pos = expert_position[flat.index_select(0, live)]
+    pos = position.reshape(-1).index_select(0, live)
     order = torch.argsort(pos, stable=True)
     slot = live.index_select(0, order)
-    counts = torch.bincount(pos, minlength=expert_position.numel())
+    counts = torch.bincount(pos, minlength=num_positions)
     return SortedChoices(slot=slot, token=torch.div(slot, k, rounding_mode="floor"), counts=counts)
+
+
+def split_over_copies(indices: Tensor, keep: Tensor, copy_position: Tensor, num_copies: Tensor) -> Tensor:
+    """Each choice's slot position when experts have copies: the kept choices of expert ``e``
+    (in token order) are cut into ``num_copies[e]`` even runs, one per copy
+    (``copy_position[e, c]`` is copy ``c``'s position). Which copy serves a token does not
+    change the result: the copies hold the same weights."""
+    flat = indices.reshape(-1)
+    live = keep.reshape(-1).long()
+    E = num_copies.numel()
+    onehot = torch.nn.functional.one_hot(flat, E) * live.unsqueeze(-1)
+    rank_in_expert = (onehot.cumsum(0) - 1).gather(1, flat.unsqueeze(-1)).squeeze(-1).clamp(min=0)
+    count = onehot.sum(0).index_select(0, flat).clamp(min=1)
+    copy = torch.div(rank_in_expert * num_copies.index_select(0, flat), count, rounding_mode="floor")
+    return copy_position[flat, copy].view_as(indices)
 
 
 def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
@@ -71,7 +90,8 @@ class LocalDispatcher:
 class AllToAllDispatcher:
     """Expert parallelism over ``group``: ``placement[r]`` lists the global expert ids held by
     group rank ``r`` (the local ``Experts`` rows, in that order). Placements may be uneven
-    (e.g. 6 experts over 4 ranks as 2+2+1+1) and ranks may hold no expert at all."""
+    (e.g. 6 experts over 4 ranks as 2+2+1+1), ranks may hold no expert at all, and an
+    expert may have copies on several ranks (its tokens split evenly over them)."""
 
     def __init__(self, group: dist.ProcessGroup | None, placement: list[list[int]]) -> None:
         self.group = group
@@ -81,12 +101,18 @@ class AllToAllDispatcher:
         if len(self.placement) != self.size:
             raise ValueError(f"placement has {len(self.placement)} entries for an expert-parallel group of {self.size}")
         flat = [e for p in self.placement for e in p]
-        num_experts = len(flat)
-        if sorted(flat) != list(range(num_experts)):
-            raise ValueError(f"placement {self.placement} must list every expert 0..{num_experts - 1} exactly once")
-        position = torch.empty(num_experts, dtype=torch.long)
-        position[torch.tensor(flat, dtype=torch.long)] = torch.arange(num_experts)
-        self._position = position
+        num_experts = len(set(flat))
+        if sorted(set(flat)) != list(range(num_experts)) or any(len(set(p)) != len(p) for p in self.placement):
+            raise ValueError(f"placement {self.placement} must hold every expert 0..{num_experts - 1}, "
+                             f"each at most once per rank")
+        self.copies: list[list[int]] = [[] for _ in range(num_experts)]  # positions of each expert's copies
+        for pos, e in enumerate(flat):
+            self.copies[e].append(pos)
+        self.num_positions = len(flat)
+        most = max(len(c) for c in self.copies)
+        self._copy_position = torch.tensor([c + [c[0]] * (most - len(c)) for c in self.copies], dtype=torch.long)
+        self._num_copies = torch.tensor([len(c) for c in self.copies], dtype=torch.long)
+        self.replicated = most > 1
         self.experts_per_rank = [len(p) for p in self.placement]
 
     def exchange(self, x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
@@ -97,7 +123,11 @@ class AllToAllDispatcher:
         mine = self.experts_per_rank[self.rank]
         if experts.num_local_experts != mine:
             raise RuntimeError(f"rank {self.rank} holds {experts.num_local_experts} experts, placement says {mine}")
-        sc = sort_choices(indices, keep, self._position.to(x.device))
+        if self.replicated:
+            position = split_over_copies(indices, keep, self._copy_position.to(x.device), self._num_copies.to(x.device))
+        else:
+            position = self._copy_position[:, 0].to(x.device)[indices.reshape(-1)].view_as(indices)
+        sc = sort_by_position(position, keep, self.num_positions)
         # Per-expert counts go first so every rank can size its receive buffers.
         recv_counts = sc.counts.new_empty(self.size * mine)
         dist.all_to_all_single(recv_counts, sc.counts, [mine] * self.size, self.experts_per_rank, group=self.group)

@@ -139,6 +139,14 @@ class Plan(JsonDataclass):
                 out[p][l] += 1
         return out
 
+    def placement_for(self, schedule: str) -> list[list[int]]:
+        """DistEP runs without Asym-EA (the base placement: only memory-forced moves)."""
+        if schedule == "distep" and self.base_counts:
+            from .asym_ea import placement_from_counts
+
+            return placement_from_counts(self.base_counts, self.num_experts, len(self.zp_groups[0].attention_ranks))
+        return self.placement
+
     def offloaded(self) -> list[int]:
         """Per layer, experts held by attention ranks (Asym-EA) in one ZP group."""
         m = len(self.zp_groups[0].attention_ranks)

@@ -21,6 +21,7 @@ from ..cluster.config import LinkConfig
 from ..cluster.devices import DeviceSpec
 from ..config import ModelConfig
 from ..profile.memory import MemoryModel
+from ..placement import contiguous_placement
 from .step import Lane, StepResult, StepSetup, simulate_step
 
 SCHEDULES = ("zebra", "distep", "ep", "ep_balanced", "ep_ideal")
@@ -45,27 +46,19 @@ def split_microbatches(n_seqs: int, R: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(R)]
 
 
-def make_lanes(members: list[tuple[int, DeviceSpec, str, list[int], list[int]]]) -> list[Lane]:
-    """Merge ranks ``(rank, device, role, seqs_per_mb, experts_per_layer)`` that behave alike."""
+def make_lanes(members: list[tuple]) -> list[Lane]:
+    """Merge ranks ``(rank, device, role, seqs_per_mb, experts_per_layer[, expert_ids_per_layer])``
+    that behave alike (the same expert ids too, when given: loads may differ per expert)."""
     lanes: dict[tuple, Lane] = {}
-    for rank, dev, role, seqs, experts in members:
-        key = (dev, role, tuple(seqs), tuple(experts))
+    for rank, dev, role, seqs, experts, *rest in members:
+        ids = [list(x) for x in rest[0]] if rest else []
+        key = (dev, role, tuple(seqs), tuple(experts), tuple(tuple(x) for x in ids))
         if key in lanes:
             lanes[key].ranks.append(rank)
         else:
-            lanes[key] = Lane(device=dev, ranks=[rank], seqs=list(seqs), experts=list(experts), role=role)
+            lanes[key] = Lane(device=dev, ranks=[rank], seqs=list(seqs), experts=list(experts), role=role,
+                              expert_ids=ids)
     return list(lanes.values())
-
-
-def even_experts(num_experts: int, n_ranks: int, n_layers: int) -> list[list[int]]:
-    """Per-rank per-layer expert counts, spread as evenly as whole experts allow."""
-    out = [[0] * n_layers for _ in range(n_ranks)]
-    for l in range(n_layers):
-        # rotate the ranks that get the extra expert so totals stay balanced across layers
-        counts = split_microbatches(num_experts, n_ranks)
-        for r in range(n_ranks):
-            out[(r + l) % n_ranks][l] = counts[r]
-    return out
 
 
 # ---- EP --------------------------------------------------------------------------------
@@ -122,6 +115,7 @@ def ep_setup(
     balanced: bool = False,
     ranks: Sequence[int] | None = None,
     num_microbatches: int | None = None,
+    expert_load: list[list[float]] | None = None,
 ) -> StepSetup:
     W = len(devs)
     if W == 0:
@@ -131,13 +125,15 @@ def ep_setup(
         seqs = ep_balanced_shares(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
     else:
         seqs = apportion(total_seqs, [1.0] * W)
-    experts = even_experts(model.moe.num_experts, W, model.n_layers)
+    placement = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
+    ids = [[placement[i]] * model.n_layers for i in range(W)]
+    experts = [[len(placement[i])] * model.n_layers for i in range(W)]
     R = num_microbatches or _ep_min_microbatches(devs, seqs, experts, model, seq_len)
     if R is None:
         raise ValueError(
             f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
         )
-    members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i]) for i in range(W)]
+    members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i], ids[i]) for i in range(W)]
     return StepSetup(
         lanes=make_lanes(members),
         model=model,
@@ -146,6 +142,7 @@ def ep_setup(
         link=link,
         replicas=1,
         attention_dp=W,
+        expert_load=expert_load,
     )
 
 
@@ -198,27 +195,29 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepR
 
 # ---- plans -----------------------------------------------------------------------------
 def plan_setup(
-    plan, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig, *, schedule: str = "zebra"
+    plan, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig, *, schedule: str = "zebra",
+    expert_load: list[list[float]] | None = None,
 ) -> StepSetup:
-    """The first ZP group of ``plan`` (all groups are identical) as a StepSetup."""
+    """The first ZP group of ``plan`` (all groups are identical) as a StepSetup;
+    ``expert_load`` (per layer, each expert's share of the routing) replaces even routing."""
     from ..schedule import build_schedule
 
     group = plan.zp_groups[0]
     L = model.n_layers
-    counts = plan.expert_counts(0)  # [member][layer]
     if schedule == "distep":
-        counts = plan.base_counts if plan.base_counts else counts
         R = plan.distep_microbatches or 1
     elif schedule in ("zebra", "forward"):
         R = plan.num_microbatches
     else:
         raise ValueError(f"plan_setup: schedule {schedule!r} is not disaggregated")
+    placement = plan.placement_for(schedule)
     steps = build_schedule(schedule, L, R, balance=model.moe.aux_loss_coef > 0)
     members = []
     for p, rank in enumerate(group.members):
         role = plan.roles[rank]
         seqs = split_microbatches(plan.seqs_per_rank[rank], R) if role == "attention" else []
-        members.append((rank, devs[rank], role, seqs, counts[p] if counts else [0] * L))
+        ids = [[e for e, q in enumerate(placement[l]) if q == p] for l in range(L)]
+        members.append((rank, devs[rank], role, seqs, [len(x) for x in ids], ids))
     return StepSetup(
         lanes=make_lanes(members),
         model=model,
@@ -228,16 +227,19 @@ def plan_setup(
         schedule=steps,
         replicas=len(plan.zp_groups),
         attention_dp=len(plan.attention_ranks),
+        expert_load=expert_load,
     )
 
 
-def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
+def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True,
+                  expert_load: list[list[float]] | None = None) -> StepResult:
     """Predict one step of ``plan`` under ``schedule`` (one of :data:`SCHEDULES`)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
     total = plan.total_seqs
     if schedule in ("zebra", "distep"):
-        return simulate_step(plan_setup(plan, devs, model, link, schedule=schedule), timer, schedule, keep_timeline)
+        setup = plan_setup(plan, devs, model, link, schedule=schedule, expert_load=expert_load)
+        return simulate_step(setup, timer, schedule, keep_timeline)
     if schedule == "ep_ideal":
         return simulate_ep_ideal(devs, model, seq_len=plan.seq_len, total_seqs=total, link=link, timer=timer)
     return simulate_ep(

@@ -51,6 +51,8 @@ class Lane:
     # experts hosted per layer (len n_layers)
     experts: list[int] = field(default_factory=list)
     role: str = "attention"
+    # which experts, per layer (empty: unknown, routing assumed even)
+    expert_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -82,6 +84,22 @@ class StepSetup:
     attention_dp: int = 1
     # zebra / DistEP / forward-only: the fixed orders (None: EP)
     schedule: Schedule | None = None
+    # measured routing: per layer, each expert's share of the routed choices (None: even)
+    expert_load: list[list[float]] | None = None
+
+    def expert_tokens(self, lane: Lane, layer: int, group_tokens: float) -> list[float]:
+        """Tokens each expert the lane holds processes when the group routes ``group_tokens``."""
+        k, E = self.model.moe.top_k, self.model.moe.num_experts
+        if self.expert_load is not None and lane.expert_ids:
+            load = self.expert_load[layer]
+            return [group_tokens * k * load[e] for e in lane.expert_ids[layer]]
+        return [group_tokens * k / E] * lane.experts[layer]
+
+    def own_share(self, lane: Lane, layer: int) -> float:
+        """The share of every token's routed choices that lands on this lane's experts."""
+        if self.expert_load is not None and lane.expert_ids:
+            return sum(self.expert_load[layer][e] for e in lane.expert_ids[layer])
+        return lane.experts[layer] / self.model.moe.num_experts
 
 
 @dataclass
@@ -184,13 +202,12 @@ def lane_tail(timer, setup: StepSetup, lane: Lane) -> float:
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
     """One leg of a round: latency + the busiest rank's max(bytes sent, received) over the link.
     ``tokens[i]`` is lane ``i``'s tokens in the round; experts are assumed evenly routed."""
-    m = setup.model
-    E, k = m.moe.num_experts, m.moe.top_k
+    k = setup.model.moe.top_k
     group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
     worst = 0.0
     for lane, t in zip(setup.lanes, tokens):
-        mine = lane.experts[layer]
-        worst = max(worst, t * k * (E - mine) / E, (group - t) * k * mine / E)
+        share = setup.own_share(lane, layer)
+        worst = max(worst, t * k * (1 - share), (group - t) * k * share)
     return timer.transfer(worst, setup.link)
 
 
@@ -222,8 +239,8 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
             return timer.attention(dev, n, backward=True)
         if t.kind == "head":
             return timer.head(dev, n, forward_only=sched.kind == "forward")
-        per_expert = group_tok[t.mb] * k / E
-        return lanes[i].experts[t.layer] * timer.expert(dev, per_expert, backward=t.kind == "expert_bwd")
+        return sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
+                   for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
 
     kind_of = {"attn_fwd": "attn_fwd", "attn_bwd": "attn_bwd", "head": "head", "expert_fwd": "expert_fwd",
                "expert_bwd": "expert_bwd"}
@@ -300,8 +317,6 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
             coll_cache[(l, j)] = round_transfer_time(setup, timer, l, [tok[i][j] for i in range(len(lanes))])
         return coll_cache[(l, j)]
 
-    # expert work per micro-batch on one lane: hosted experts x one expert on T_j*k/E tokens
-    exp_tok = [group_tok[j] * k / E for j in range(R)]
     memo: dict[tuple, float] = {}
 
     def dur(what: str, i: int, tokens: float) -> float:
@@ -370,7 +385,7 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
                     X_f[(i, l, j)] = add(
                         name=f"Xf{l}.{j}",
                         resource=res(i),
-                        duration=lane.experts[l] * dur("xf", i, exp_tok[j]),
+                        duration=sum(dur("xf", i, n) for n in setup.expert_tokens(lane, l, group_tok[j])),
                         deps=[D_f[(l, j)]],
                         priority=pri_fwd(l, j, 1),
                         kind="expert_fwd",
@@ -416,7 +431,7 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
                     X_b[(i, l, j)] = add(
                         name=f"Xb{l}.{j}",
                         resource=res(i),
-                        duration=lane.experts[l] * dur("xb", i, exp_tok[j]),
+                        duration=sum(dur("xb", i, n) for n in setup.expert_tokens(lane, l, group_tok[j])),
                         deps=[D_b[(l, j)], X_f[(i, l, j)]],
                         priority=(L - 1, j, 3) if top else (2 * L - l, 0, j),
                         kind="expert_bwd",

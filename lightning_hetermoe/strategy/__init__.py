@@ -1,6 +1,6 @@
 """The Lightning strategy: process groups, expert placement, gradient sync, launchers."""
 
-from .expert_parallel import contiguous_placement
+from ..placement import contiguous_placement
 from .hetermoe import MODES, HeterMoEStrategy
 from .registry import register_strategies
 

@@ -16,21 +16,7 @@ from torch import Tensor, nn
 from ..contract import moe_layers
 from ..moe import AllToAllDispatcher, LocalDispatcher
 from ..moe.balance import GlobalBalance, LocalBalance
-
-
-def contiguous_placement(num_experts: int, ep_size: int) -> list[list[int]]:
-    """Split experts into ``ep_size`` contiguous runs, the first ``E % P`` ranks one longer.
-
-    Uneven splits are allowed on purpose: 6 experts on 4 ranks is 2+2+1+1 (ranks with more
-    experts do more expert work; the heterogeneity-aware planner exists to fix that).
-    """
-    base, extra = divmod(num_experts, ep_size)
-    out, start = [], 0
-    for r in range(ep_size):
-        n = base + (1 if r < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
+from ..placement import contiguous_placement
 
 
 @dataclass
@@ -138,35 +124,65 @@ def gather_experts(local: Tensor, placement: list[list[int]], group: dist.Proces
     padded[: local.shape[0]] = local
     chunks = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(chunks, padded.contiguous(), group=group)
-    full = local.new_empty((sum(sizes),) + tuple(local.shape[1:]))
+    full = local.new_empty((len({e for p in placement for e in p}),) + tuple(local.shape[1:]))
     for chunk, experts in zip(chunks, placement):
         if experts:
             full[torch.tensor(experts, device=local.device)] = chunk[: len(experts)]
     return full
 
 
+def sum_copies(layer, grads: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Copies of one expert on several ranks each saw part of its tokens: every copy gets
+    the sum, so the copies stay identical under any optimizer."""
+    disp = layer.dispatcher
+    shared = [e for e, c in enumerate(getattr(disp, "copies", [])) if len(c) > 1]
+    if not shared:
+        return
+    where = {e: i for i, e in enumerate(shared)}
+    ids = layer.experts.expert_ids.tolist()
+    for g in grads:
+        buf = g.new_zeros((len(shared),) + tuple(g.shape[1:]))
+        for slot, e in enumerate(ids):
+            if e in where:
+                buf[where[e]] += g[slot]
+        dist.all_reduce(buf, group=group)
+        for slot, e in enumerate(ids):
+            if e in where:
+                g[slot] = buf[where[e]]
+
+
 def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None:
-    """Expert gradient = sum over replicas of the same expert / world size.
+    """Expert gradient = sum over every copy of the same expert / world size.
 
     The all-to-all backward already summed the contributions of every rank in the EP group
-    onto the owner; dividing by the world size matches DDP's averaging of the non-expert
-    gradients, so the result equals the gradient of the global mean loss."""
+    onto the copy that served them; copies of one expert in the group (rebalancing) and
+    replicas in other EP groups are summed next; dividing by the world size matches DDP's
+    averaging of the non-expert gradients, so the result equals the gradient of the global
+    mean loss."""
     replicas = groups.world_size // groups.ep_size
     for _, layer in moe_layers(module):
-        for p in layer.experts.parameters(recurse=False):
+        params = list(layer.experts.parameters(recurse=False))
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        sum_copies(layer, [p.grad for p in params], groups.ep_group)
+        for p in params:
             if replicas > 1:
                 dist.all_reduce(p.grad, group=groups.replica_group)
             p.grad.div_(groups.world_size)
 
 
 def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups) -> Tensor:
-    """Squared norm of all expert gradients of the model, each expert counted once."""
+    """Squared norm of all expert gradients of the model, each expert counted once (a copy
+    of an expert on ``n`` ranks counts ``1/n`` on each)."""
     local = torch.zeros((), dtype=torch.float64)
     for _, layer in moe_layers(module):
+        copies = getattr(layer.dispatcher, "copies", None)
+        ids = layer.experts.expert_ids.tolist()
+        weight = torch.tensor([1.0 / len(copies[e]) if copies else 1.0 for e in ids], dtype=torch.float64)
         for p in layer.experts.parameters(recurse=False):
-            if p.grad is not None:
-                local = local.to(p.grad.device) + p.grad.detach().double().square().sum()
+            if p.grad is not None and p.numel():
+                per_slot = p.grad.detach().double().square().reshape(p.shape[0], -1).sum(1)
+                local = local.to(p.grad.device) + (per_slot * weight.to(p.grad.device)).sum()
     dist.all_reduce(local, group=groups.ep_group)
     return local

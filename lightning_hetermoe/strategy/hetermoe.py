@@ -12,6 +12,7 @@ checkpoints hold full expert tensors (placement-independent).
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
@@ -155,6 +156,10 @@ class HeterMoEStrategy(DDPStrategy):
         self._shares: list[int] | None = None
         self._runtime = None  # zebra / distep
         self._workload = None
+        self._timer = None
+        self._last_step_s: float | None = None  # wall time of the last optimizer step
+        self._step_started: float | None = None
+        self._busy_mark: dict[str, float] | None = None
         self.emulator = None  # this rank's emulated clock, when the cluster is emulated
         self._step_grads: list = []
         self.prediction: dict[str, Any] | None = None
@@ -354,9 +359,10 @@ class HeterMoEStrategy(DDPStrategy):
         except ValueError as err:
             raise ConfigError(f"mode={self.mode!r}: no plan fits: {err}") from None
 
-    def _predict(self) -> dict[str, Any] | None:
+    def _predict(self, expert_load: list[list[float]] | None = None) -> dict[str, Any] | None:
         """The simulator's step time for this very run (its plan, its clock), scaled like the
-        emulated clock; ``None`` without a cluster config (no device names to simulate)."""
+        emulated clock; ``None`` without a cluster config (no device names to simulate).
+        ``expert_load`` (per layer, each expert's share) replaces even routing."""
         from ..simulate import ep_setup, simulate_plan, simulate_step
 
         if self.cluster is None:
@@ -367,14 +373,123 @@ class HeterMoEStrategy(DDPStrategy):
         total = self._per_rank * self.world_size
         if self._runtime is not None:
             res = simulate_plan(self._runtime.plan, devs, self._clock_model, link, self._timer, schedule=self.mode,
-                                keep_timeline=False)
+                                keep_timeline=False, expert_load=expert_load)
         else:
             setup = ep_setup(devs, self._clock_model, seq_len=self._clock_seq, total_seqs=total, link=link,
-                             timer=self._timer, balanced=self.batch_split == "speed", num_microbatches=1)
+                             timer=self._timer, balanced=self.batch_split == "speed", num_microbatches=1,
+                             expert_load=expert_load)
             res = simulate_step(setup, self._timer, "ep", keep_timeline=False)
         return {"schedule": "ep_balanced" if self.batch_split == "speed" else self.mode,
                 "step_time_s": res.step_time * scale, "device_step_time_s": res.step_time,
                 "workload_tokens_per_step": total * self._clock_seq}
+
+    # -- placement while training runs (rebalancing) ---------------------------------------
+    def holders(self) -> list[str]:
+        """Who can hold experts, in the order placements list them: EP-group ranks (ep) or
+        the ZP group's members (zebra/distep), as ``device`` names."""
+        if self._runtime is not None:
+            lay = self._runtime.layout
+            return [lay.plan.devices[r] for r in lay.members]
+        if self.cluster is None:
+            return ["cpu"] * self.ep_groups.ep_size
+        return [self.cluster.devices[r] for r in range(self.ep_groups.ep_size)]
+
+    def current_placement(self) -> list[list[list[int]]]:
+        """``[layer][holder]`` -> expert ids held (copies repeat an id across holders)."""
+        if self._runtime is not None:
+            lay = self._runtime.layout
+            return [[lay.experts_of(r, l) for r in lay.members] for l in range(lay.num_layers)]
+        return [[list(p) for p in layer.dispatcher.placement] for _, layer in moe_layers(self.lightning_module)]
+
+    def apply_placement(self, new: list[list[list[int]]]) -> int:
+        """Move experts to ``new`` (``[layer][holder]`` -> ids), at a step boundary, on every
+        rank (a collective; every rank passes the same decision). Weights and every
+        per-parameter optimizer tensor (Adam moments, momentum buffers) travel with their
+        expert; copies start from the same values. Returns the copies that moved."""
+        module = self.lightning_module
+        current = self.current_placement()
+        layers = moe_layers(module)
+        moved = 0
+        for l, (_, layer) in enumerate(layers):
+            if new[l] == current[l]:
+                continue
+            mine = new[l][self._holder_index()]
+            moved += sum(1 for h, held in enumerate(new[l]) for e in held if e not in current[l][h])
+            idx = torch.tensor(mine, dtype=torch.long)
+            for p in layer.experts.parameters(recurse=False):
+                full = self._gather_layer(l, layer, p.data)  # gathered with the placement still in force
+                states = []
+                for opt in self.optimizers:
+                    st = opt.state.get(p)
+                    for key, value in (st or {}).items():
+                        if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape:
+                            states.append((st, key, self._gather_layer(l, layer, value)))
+                p.data = full[idx.to(full.device)].clone()
+                p.grad = None
+                for st, key, value in states:
+                    st[key] = value[idx.to(value.device)].clone()
+            layer.experts.expert_ids = idx.to(layer.experts.expert_ids.device)
+            if self._runtime is not None:
+                self._runtime.set_layer_placement(l, new[l])
+            else:
+                from ..moe import AllToAllDispatcher
+
+                layer.dispatcher = AllToAllDispatcher(self.ep_groups.ep_group, new[l])
+        if self._runtime is not None:
+            self._runtime.placement_changed()
+        return moved
+
+    def placement_is_live(self) -> bool:
+        """Experts are spread over ranks right now (between set-up and teardown)."""
+        return bool(self._spread_layers())
+
+    def predict_placement(self, placement: list[list[list[int]]], expert_load: list[list[float]]) -> float:
+        """Zebra: the simulator's device step time for this plan with ``placement`` and the
+        measured ``expert_load`` (what the rebalancer compares candidates by)."""
+        from ..simulate import simulate_plan
+
+        plan = copy.deepcopy(self._runtime.plan)
+        for l, per_member in enumerate(placement):
+            for m, held in enumerate(per_member):
+                for e in held:
+                    plan.placement[l][e] = m
+        return simulate_plan(plan, self.cluster.specs(), self._clock_model, self.cluster.link, self._timer,
+                             schedule=self.mode, keep_timeline=False, expert_load=expert_load).step_time
+
+    def _holder_index(self) -> int:
+        if self._runtime is not None:
+            return self._runtime.layout.members.index(self.global_rank)
+        return self.ep_groups.ep_rank
+
+    def predict_at_load(self, expert_load: list[list[float]]) -> float | None:
+        """The predicted step time (scaled like ``prediction``) with measured routing."""
+        pred = self._predict(expert_load) if self.cluster is not None and self._timer is not None else None
+        return None if pred is None else pred["step_time_s"]
+
+    def rank_busy(self) -> dict[str, float] | None:
+        """This rank's time in the last training step by kind: ``attention`` and ``experts``
+        (compute), ``comm`` (modelled transfers; under zebra they overlap compute), ``idle``.
+        From the zebra executor's trace, or from the emulated clock under EP; ``None`` when
+        neither measures it (EP on real devices)."""
+        step = self._last_step_s
+        if step is None:
+            return None
+        if self._runtime is not None and self._runtime.last is not None:
+            out = self._runtime.last
+            by = {"attention": 0.0, "experts": 0.0}
+            for task, start, end in out.trace:
+                by["experts" if task.kind.startswith("expert") else "attention"] += end - start
+            comm = sum(getattr(out, "transfer_s", {}).values())
+            return {**by, "comm": comm, "idle": max(step - by["attention"] - by["experts"], 0.0)}
+        if self.emulator is not None:
+            now = {k: v.modelled_s for k, v in self.emulator.stats.items()}
+            before, self._busy_mark = self._busy_mark or {k: 0.0 for k in now}, now
+            d = {k: now[k] - before.get(k, 0.0) for k in now}
+            attention = d["attention"] + d["head"] + d["tail"]
+            out = {"attention": attention, "experts": d["experts"], "comm": d["transfer"]}
+            out["idle"] = max(step - attention - d["experts"] - d["transfer"], 0.0)
+            return out
+        return None
 
     def emulation_report(self) -> dict[str, Any] | None:
         """Every rank's clock summary, gathered (a collective: call it on every rank)."""
@@ -471,6 +586,8 @@ class HeterMoEStrategy(DDPStrategy):
         return loss.float().to(self.root_device)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
         if self._runtime is not None:
             return self._zebra_step("training_step", self.precision_plugin.train_step_context, args, kwargs, True)
         if self.batch_split == "speed" and args:
@@ -549,6 +666,9 @@ class HeterMoEStrategy(DDPStrategy):
         out = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         if tail_started:
             self._pad_tail(tail_started[0])
+        if self._step_started is not None:
+            self._last_step_s = time.perf_counter() - self._step_started
+            self._step_started = None
         return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ...contract import find_blocks
 from ...moe import LocalDispatcher
 from ...moe.balance import LocalBalance, balance_loss_from_counts, routed_counts
-from ...plan import Plan, placement_from_counts
+from ...plan import Plan
 from ...schedule import Schedule, build_schedule
 from ...simulate.schedules import apportion, split_microbatches
 from ..batch import split_sizes, take
@@ -69,20 +69,13 @@ class ZebraBalance:
         return balance_loss_from_counts(probs, counts)
 
 
-def mode_placement(plan: Plan, mode: str) -> list[list[int]]:
-    """DistEP runs without Asym-EA: the base placement (only memory-forced moves)."""
-    if mode == "distep" and plan.base_counts:
-        return placement_from_counts(plan.base_counts, plan.num_experts, len(plan.zp_groups[0].attention_ranks))
-    return plan.placement
-
-
 class ZebraRuntime:
     def __init__(self, plan: Plan, mode: str, rank: int, *, balance: bool, device: torch.device,
                  clock: Any = None, timeout_s: float = 1800.0) -> None:
         if mode not in ("zebra", "distep"):
             raise ValueError(f"zebra runtime mode {mode!r}: must be zebra or distep")
         self.plan, self.mode, self.device, self.clock, self.timeout_s = plan, mode, device, clock, timeout_s
-        self.layout = Layout.from_plan(plan, rank, mode_placement(plan, mode))
+        self.layout = Layout.from_plan(plan, rank, plan.placement_for(mode))
         L = self.layout.num_layers
         self.num_microbatches = (plan.distep_microbatches or 1) if mode == "distep" else plan.num_microbatches
         self.schedule = build_schedule(mode, L, self.num_microbatches, balance=balance)
@@ -151,6 +144,20 @@ class ZebraRuntime:
             self._cuts.remove()
             self._cuts = None
         self.applied = False
+
+    def set_layer_placement(self, layer: int, per_member: list[list[int]]) -> None:
+        """Layer ``layer``'s experts now live as ``per_member`` says (member order; no copies)."""
+        row = [0] * self.layout.num_experts
+        for m, held in enumerate(per_member):
+            for e in held:
+                row[e] = m
+        self.layout.placement[layer] = row
+
+    def placement_changed(self) -> None:
+        """After a move: the exchange layout follows the new placement (and so does the plan
+        the simulator and checkpoints read)."""
+        self.plan.placement = [list(r) for r in self.layout.placement]
+        self.experts = ExpertTasks(self.layout, self.layers, self.device)
 
     def _expert_param_ids(self) -> set[int]:
         return {id(p) for layer in self.layers for p in layer.experts.parameters(recurse=False)}

@@ -1,0 +1,47 @@
+"""Shared by the benchmarks: run the main job as a subprocess with overrides, read its summary.
+
+Every run is a real multi-process job (``recipes/train.py``): real processes, real gloo
+collectives, the real strategy and executor; emulated clusters only model the clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What every benchmark run leaves out: validation, and the sanity check before training.
+QUIET = ["trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0", "final_validation=false",
+         "trainer.enable_progress_bar=false"]
+
+
+def cluster_overrides(name: str, devices: list[str], workload: str, seq_len: int, time_scale: float) -> list[str]:
+    """An emulated cluster of ``devices`` whose clock is ``workload`` at ``seq_len`` tokens."""
+    return ["cluster=emu_a40_v100_d1", f"cluster.name={name}", f"cluster.devices=[{','.join(devices)}]",
+            f"cluster.time_scale={time_scale}", f"cluster.emulate_workload.model={workload}",
+            f"cluster.emulate_workload.seq_len={seq_len}"]
+
+
+def run_job(overrides: list[str], timeout: float = 300.0, workdir: Path | None = None) -> dict:
+    """Run the main job with ``overrides``; its ``summary.json`` plus the process wall time."""
+    with tempfile.TemporaryDirectory(prefix="bench_", dir=workdir) as tmp:
+        cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), *QUIET, *overrides, f"hydra.run.dir={tmp}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+            raise RuntimeError(f"run failed (exit {proc.returncode}): {' '.join(overrides)}")
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+        plan = Path(tmp) / "plan.json"
+        if plan.exists():
+            summary["plan_json"] = json.loads(plan.read_text())
+    summary["process_wall_s"] = wall
+    return summary

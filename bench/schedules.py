@@ -1,0 +1,150 @@
+"""Every schedule on emulated GPU mixes, measured in real processes beside the simulator.
+
+    python bench/schedules.py            # the grid below, about 15 minutes on 2 cores
+    python bench/schedules.py --quick    # one cell: A40+V100 1+1 at the D1 16K clock, ep and zebra
+
+For each mix (A40+V100 as 1+1, 2+2, 1+2; L40S+T4 as 1+3) and workload clock (D1 at 4K and
+16K tokens per sequence) it runs ``ep``, ``ep`` with speed-proportional batches, ``distep``
+and ``zebra`` through ``recipes/train.py``: real processes, real gloo collectives, the real
+strategy and executor; only the clock is modelled (``lightning_hetermoe/emulate``). The
+tiny model runs with D1's 24 experts, top-2, on 4 layers (the clock is D1's widths on that
+depth), 12 sequences per step, 3 steps per run of which the first is warm-up.
+
+Per cell it prints the measured s/step, the simulator's s/step for the same plan (even
+routing, as planned) and its relative error, the simulator's s/step at the routing the run
+really had (the load monitor's counts) and that error, the share of emulated tasks that
+overran their modelled time, and zebra/ep measured beside zebra/ep predicted.
+
+Then the planner check: on A40+V100 at 16K, zebra with the planner's R against R-1 and
+R+1, and Asym-EA on against off; the planner's choice must measure within 5% of the best.
+
+The last line is one JSON object with ``max_rel_error``, ``max_rel_error_at_measured_load``,
+``zebra_over_ep_a40_v100_16k`` (measured, 1+1), ``zebra_over_distep_a40_v100_16k`` and the
+planner check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from runs import cluster_overrides, run_job
+
+MIXES = {
+    "a40+v100 1+1": ["a40", "v100"],
+    "a40+v100 2+2": ["a40", "a40", "v100", "v100"],
+    "a40+v100 1+2": ["a40", "v100", "v100"],
+    "l40s+t4 1+3": ["l40s", "t4", "t4", "t4"],
+}
+CLOCKS = {"4K": 4096, "16K": 16384}
+# The tiny model's CPU tasks must stay under their modelled times: shorter at 4K, and four
+# processes share two cores.
+TIME_SCALE = {("4K", 2): 3.0, ("4K", 3): 4.0, ("4K", 4): 5.0, ("16K", 2): 1.5, ("16K", 3): 2.0, ("16K", 4): 2.5}
+SCHEDULES = {"ep": ["strategy.mode=ep"], "ep_speed": ["strategy.mode=ep", "strategy.batch_split=speed"],
+             "distep": ["strategy.mode=distep"], "zebra": ["strategy.mode=zebra"]}
+GLOBAL_BATCH = 12
+MODEL = ["model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2", "trainer.max_steps=3"]
+
+
+def cell_overrides(mix: str, clock: str, schedule: str, extra: list[str] = ()) -> list[str]:
+    devices = MIXES[mix]
+    W = len(devices)
+    name = mix.replace(" ", "_").replace("+", "_")
+    return [*cluster_overrides(name, devices, "d1", CLOCKS[clock], TIME_SCALE[(clock, min(W, 4))]),
+            *MODEL, f"data.batch_size={GLOBAL_BATCH // W}", *SCHEDULES[schedule], *extra]
+
+
+def measure(mix: str, clock: str, schedule: str, extra: list[str] = ()) -> dict:
+    s = run_job(cell_overrides(mix, clock, schedule, extra))
+    row = {"mix": mix, "clock": clock, "schedule": schedule, "measured_s": s["step_time_s"],
+           "predicted_s": s["predicted_step_time_s"], "rel_error": s["step_time_rel_error"],
+           "predicted_at_load_s": s.get("predicted_step_time_at_measured_load_s"),
+           "rel_error_at_load": s.get("step_time_rel_error_at_measured_load"),
+           "overrun_fraction": s["emulation"]["overrun_fraction"], "wall_s": s["process_wall_s"]}
+    if "plan_json" in s and schedule in ("zebra", "distep"):
+        p = s["plan_json"]
+        row["R"] = p["num_microbatches"] if schedule == "zebra" else p["distep_microbatches"]
+        row["roles"] = "".join(r[0] for r in p["roles"])
+        row["offloaded"] = sum(1 for layer in p["placement"] for q in layer
+                               if q < len(p["zp_groups"][0]["attention_ranks"]))
+    return row
+
+
+def print_row(r: dict) -> None:
+    load = (f"{r['predicted_at_load_s']:7.3f} {r['rel_error_at_load']:+6.1%}" if r["rel_error_at_load"] is not None
+            else f"{'':>15}")
+    extra = f"  R={r['R']} roles={r['roles']} offloaded={r['offloaded']}" if "R" in r else ""
+    print(f"{r['mix']:13} {r['clock']:>4} {r['schedule']:9} {r['measured_s']:8.3f} {r['predicted_s']:8.3f} "
+          f"{r['rel_error']:+6.1%}  {load}  {r['overrun_fraction']:5.1%}{extra}", flush=True)
+
+
+def planner_check() -> dict:
+    """The planner's R and Asym-EA choice against their neighbours, measured (A40+V100, 16K)."""
+    mix, clock = "a40+v100 1+2", "16K"
+    chosen = measure(mix, clock, "zebra")
+    R = chosen["R"]
+    rows = {f"R={R} (planner)": chosen}
+    for r in (R - 1, R + 1):
+        if r >= 1:
+            rows[f"R={r}"] = measure(mix, clock, "zebra", [f"strategy.num_microbatches={r}"])
+    rows["Asym-EA off"] = measure(mix, clock, "zebra", ["strategy.asym_ea=false"])
+    best = min(r["measured_s"] for r in rows.values())
+    print(f"\nplanner check on {mix} at {clock} (zebra):")
+    for name, r in rows.items():
+        print(f"  {name:16} measured {r['measured_s']:.3f} s/step, predicted {r['predicted_s']:.3f}, "
+              f"offloaded experts {r.get('offloaded')}")
+    within = chosen["measured_s"] <= best * 1.05
+    print(f"  planner's choice is {chosen['measured_s'] / best - 1:+.1%} from the best measured: "
+          f"{'within' if within else 'NOT within'} 5%")
+    return {"mix": mix, "clock": clock, "planner_R": R, "planner_over_best": chosen["measured_s"] / best,
+            "within_5pct": within, "measured": {k: v["measured_s"] for k, v in rows.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one cell: A40+V100 1+1 at the 16K clock, ep and zebra")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    grid = [("a40+v100 1+1", "16K", s) for s in ("ep", "zebra")] if args.quick else \
+        [(m, c, s) for c in CLOCKS for m in MIXES for s in SCHEDULES]
+    print(f"{'mix':13} {'clock':>4} {'schedule':9} {'meas s':>8} {'sim s':>8} {'error':>6}  "
+          f"{'sim@load':>7} {'error':>6}  {'overrun':>6}", flush=True)
+    rows = []
+    for mix, clock, schedule in grid:
+        rows.append(measure(mix, clock, schedule))
+        print_row(rows[-1])
+    by = {(r["mix"], r["clock"], r["schedule"]): r for r in rows}
+    print("\nzebra / ep (speed-up, measured beside predicted):")
+    ratios = {}
+    for mix in MIXES:
+        for clock in CLOCKS:
+            z, e, d = (by.get((mix, clock, s)) for s in ("zebra", "ep", "distep"))
+            if z and e:
+                ratios[(mix, clock)] = (e["measured_s"] / z["measured_s"], e["predicted_s"] / z["predicted_s"])
+                line = (f"  {mix:13} {clock:>4}: zebra/ep measured {ratios[(mix, clock)][0]:.2f}x, predicted "
+                        f"{ratios[(mix, clock)][1]:.2f}x")
+                if d:
+                    line += f"; zebra/distep measured {d['measured_s'] / z['measured_s']:.2f}x"
+                print(line, flush=True)
+    check = None if args.quick else planner_check()
+    headline = by[("a40+v100 1+1", "16K", "zebra")], by[("a40+v100 1+1", "16K", "ep")]
+    distep = by.get(("a40+v100 1+1", "16K", "distep"))
+    result = {
+        "max_rel_error": max(abs(r["rel_error"]) for r in rows),
+        "max_rel_error_at_measured_load": max(abs(r["rel_error_at_load"]) for r in rows
+                                              if r["rel_error_at_load"] is not None),
+        "zebra_over_ep_a40_v100_16k": headline[1]["measured_s"] / headline[0]["measured_s"],
+        "zebra_over_ep_a40_v100_16k_predicted": headline[1]["predicted_s"] / headline[0]["predicted_s"],
+        "zebra_over_distep_a40_v100_16k": distep["measured_s"] / headline[0]["measured_s"] if distep else None,
+        "max_overrun_fraction": max(r["overrun_fraction"] for r in rows),
+        "planner_check": check,
+        "cells": len(rows),
+        "wall_s": time.perf_counter() - started,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

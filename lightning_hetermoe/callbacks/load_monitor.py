@@ -1,0 +1,223 @@
+"""``ExpertLoadMonitor``: how the experts and the ranks are loaded, step by step.
+
+* **Expert load.** Every MoE layer's kept routing choices per expert, summed over the
+  global batch of each optimizer step (all micro-batches, accumulation batches and ranks;
+  a forward hook reads them from the layer's ``MoEAux``). A moving average of each
+  expert's share is what :class:`~.rebalancer.ExpertRebalancer` balances.
+* **Rank load.** Each rank's time in the step, split into attention, experts,
+  communication and idle (:meth:`HeterMoEStrategy.rank_busy`: the zebra executor's trace,
+  or the emulated clock).
+* **Imbalance.** Per layer the busiest expert against the mean (1.0 is perfect), and the
+  slowest rank with its margin over the mean busy time.
+
+Every ``log_every_n_steps`` the figures go to the trainer's loggers under ``moe_load/...``
+and ``rank_busy/...`` (names that read well in TensorBoard and CSV). At the end of fit the
+global rank 0 writes ``expert_load.png`` (layer x expert load over steps) and
+``rank_utilisation.png`` into ``output_dir`` (default: the trainer's ``default_root_dir``).
+The monitor has a ``state_dict``, so a resumed run keeps its averages and history.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from ..contract import moe_layers
+
+BUSY_KINDS = ("attention", "experts", "comm", "idle")
+
+
+class ExpertLoadMonitor(L.Callback):
+    def __init__(self, log_every_n_steps: int = 10, ema_decay: float = 0.9, plots: bool = True,
+                 output_dir: str | None = None, history: int = 10000) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"ExpertLoadMonitor log_every_n_steps={log_every_n_steps} is invalid: must be >= 1")
+        if not 0 <= ema_decay < 1:
+            raise ValueError(f"ExpertLoadMonitor ema_decay={ema_decay} is invalid: must be in [0, 1)")
+        self.log_every_n_steps, self.ema_decay, self.plots = log_every_n_steps, ema_decay, plots
+        self.output_dir, self.max_history = output_dir, history
+        self.ema: torch.Tensor | None = None  # [L, E] moving average of each expert's share
+        self.history: list[list[list[int]]] = []  # per step, [L][E] tokens
+        self.busy_history: list[list[dict[str, float] | None]] = []  # per logged step, per rank
+        self.last_counts: torch.Tensor | None = None
+        self._step_counts: torch.Tensor | None = None
+        self._hooks: list[Any] = []
+        self._seen_step = -1
+
+    # -- collection -----------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._remove_hooks()
+        layers = [layer for _, layer in moe_layers(pl_module)]
+        if not layers:
+            return
+        E = layers[0].num_experts
+        self._step_counts = torch.zeros(len(layers), E, dtype=torch.long)
+
+        def hook(l: int):
+            def record(module, args, output):
+                if module.training and isinstance(output, tuple) and len(output) == 2:
+                    self._step_counts[l] += output[1].tokens_per_expert.detach().cpu()
+
+            return record
+
+        self._hooks = [layer.register_forward_hook(hook(l)) for l, layer in enumerate(layers)]
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._seen_step = trainer.global_step  # a step ends when the global step moves on
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._step_counts is None or trainer.global_step == self._seen_step:
+            return  # no MoE layer, or still accumulating gradients
+        self._seen_step = trainer.global_step
+        counts = self._step_counts.clone()
+        self._step_counts.zero_()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts)  # every rank's share of the global batch (expert ranks add zeros)
+        self.last_counts = counts
+        share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
+        self.ema = share if self.ema is None else self.ema_decay * self.ema + (1 - self.ema_decay) * share
+        self.history.append(counts.tolist())
+        del self.history[:-self.max_history]
+        if trainer.global_step % self.log_every_n_steps == 0:
+            self._log(trainer, counts)
+
+    def _log(self, trainer, counts: torch.Tensor) -> None:
+        busy = trainer.strategy.rank_busy() if hasattr(trainer.strategy, "rank_busy") else None
+        if dist.is_available() and dist.is_initialized():
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, busy)
+        else:
+            everyone = [busy]
+        self.busy_history.append(everyone)
+        if trainer.global_rank != 0:
+            return
+        metrics = self.figures(counts, everyone)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        self.last_metrics = metrics
+
+    # -- figures --------------------------------------------------------------------------
+    @staticmethod
+    def figures(counts: torch.Tensor, busy: list[dict[str, float] | None]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        per_layer = counts.double()
+        ratio = per_layer.max(1).values / per_layer.mean(1).clamp(min=1e-12)
+        for l, r in enumerate(ratio.tolist()):
+            out[f"moe_load/layer{l}_max_over_mean"] = r
+        out["moe_load/max_over_mean"] = float(ratio.max())
+        out["moe_load/tokens"] = float(per_layer.sum())
+        if any(b is not None for b in busy):
+            totals = []
+            for r, b in enumerate(busy):
+                if b is None:
+                    continue
+                for k in BUSY_KINDS:
+                    out[f"rank_busy/rank{r}_{k}_s"] = b[k]
+                totals.append((b["attention"] + b["experts"] + (b["comm"] if b["idle"] > 0 else 0.0), r))
+            mean = sum(t for t, _ in totals) / len(totals)
+            worst, rank = max(totals)
+            out["rank_busy/slowest_rank"] = float(rank)
+            out["rank_busy/slowest_margin"] = worst / mean - 1 if mean > 0 else 0.0
+        return out
+
+    def load_share(self) -> list[list[float]] | None:
+        """Moving average of each expert's share of its layer's routing, ``[L][E]``."""
+        return None if self.ema is None else self.ema.tolist()
+
+    def mean_share(self, skip: int = 1) -> list[list[float]] | None:
+        """Each expert's share of its layer's routing over the recorded steps (after ``skip``)."""
+        steps = self.history[skip:] or self.history
+        if not steps:
+            return None
+        total = torch.tensor(steps, dtype=torch.float64).sum(0)
+        return (total / total.sum(1, keepdim=True).clamp(min=1)).tolist()
+
+    # -- plots ----------------------------------------------------------------------------
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not self.plots or trainer.global_rank != 0 or not self.history:
+            return
+        out = Path(self.output_dir or trainer.default_root_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.plot_load(out / "expert_load.png")
+        if any(any(b is not None for b in step) for step in self.busy_history):
+            self.plot_busy(out / "rank_utilisation.png")
+
+    def plot_load(self, path: Path) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        steps = torch.tensor(self.history, dtype=torch.float64)  # [S, L, E]
+        share = steps / steps.sum(2, keepdim=True).clamp(min=1)
+        S, L, E = share.shape
+        image = share.permute(1, 2, 0).reshape(L * E, S).numpy()  # rows: (layer, expert)
+        fig, ax = plt.subplots(figsize=(10, 0.25 * L * E + 1.5))
+        im = ax.imshow(image, aspect="auto", interpolation="nearest", cmap="viridis")
+        ax.set_yticks([l * E + E / 2 - 0.5 for l in range(L)], [f"layer {l}" for l in range(L)])
+        for l in range(1, L):
+            ax.axhline(l * E - 0.5, color="white", lw=0.8)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(f"share of each layer's routing per expert (even: {1 / E:.3f})")
+        fig.colorbar(im, ax=ax, fraction=0.03)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def plot_busy(self, path: Path) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        ranks = max(len(step) for step in self.busy_history)
+        totals = {k: [0.0] * ranks for k in BUSY_KINDS}
+        for step in self.busy_history:
+            for r, b in enumerate(step):
+                for k in BUSY_KINDS:
+                    totals[k][r] += (b or {}).get(k, 0.0)
+        fig, ax = plt.subplots(figsize=(1.2 * ranks + 3, 3.5))
+        bottom = [0.0] * ranks
+        colours = {"attention": "#4c72b0", "experts": "#dd8452", "comm": "#937860", "idle": "#dddddd"}
+        for k in BUSY_KINDS:
+            if k == "comm":
+                continue  # comm overlaps compute under zebra: shown as a line, not stacked
+            ax.bar(range(ranks), totals[k], bottom=bottom, color=colours[k], label=k)
+            bottom = [b + v for b, v in zip(bottom, totals[k])]
+        ax.plot(range(ranks), totals["comm"], "o", color=colours["comm"], label="comm (modelled)")
+        for r in range(ranks):
+            busy = totals["attention"][r] + totals["experts"][r]
+            ax.text(r, bottom[r], f"{busy / bottom[r]:.0%}" if bottom[r] else "", ha="center", va="bottom",
+                    fontsize=8)
+        ax.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+        ax.set_ylabel("seconds (logged steps)")
+        ax.set_title("per-rank time: compute busy % on top")
+        ax.legend(fontsize=7, loc="upper right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    # -- resume ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": None if self.ema is None else self.ema.tolist(), "history": self.history,
+                "busy_history": self.busy_history, "seen_step": self._seen_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ema = None if state.get("ema") is None else torch.tensor(state["ema"], dtype=torch.float64)
+        self.history = list(state.get("history", []))
+        self.busy_history = list(state.get("busy_history", []))
+        self._seen_step = state.get("seen_step", -1)

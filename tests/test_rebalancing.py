@@ -1,0 +1,129 @@
+"""Moving and copying experts while training runs changes no number; the monitor counts
+what the routers route; a checkpoint taken after a move resumes anywhere."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from harness import run_ranks
+from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, OptimConfig
+from reference import assert_same_params, data, global_batches, make_model, reference_fit, trainer
+from test_zebra import make_test_plan
+
+STEPS = 6
+SGD = dict(name="sgd", lr=0.1, momentum=0.9, warmup_steps=0)
+
+
+class MoveAt(L.Callback):
+    """At the end of step ``step``, move every layer's experts to ``placement`` (a test's
+    stand-in for a rebalancing decision: the same call the rebalancer makes)."""
+
+    def __init__(self, step: int, placement) -> None:
+        self.step, self.placement, self.moved = step, placement, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and self.moved is None:
+            self.moved = trainer.strategy.apply_placement(self.placement)
+            self.after = trainer.strategy.current_placement()
+
+
+def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = None):
+    out = []
+    for case in cases:
+        model = make_model(4, seed=rank, optim=OptimConfig(**case.get("optim", {})))
+        strategy = HeterMoEStrategy(mode=case.get("mode", "ep"), plan=case.get("plan"))
+        move = MoveAt(2, case["placement"])
+        callbacks = [move, ExpertLoadMonitor(log_every_n_steps=1, plots=False)]
+        if case.get("rebalancer"):
+            callbacks.append(ExpertRebalancer(every_n_steps=2, warmup_steps=3, min_gain=0.0, **case["rebalancer"]))
+        if ckpt_dir:
+            callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=4,
+                                             save_top_k=-1))
+        t = trainer(strategy, world, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir))
+        t.fit(model, datamodule=data(world, case.get("global", 8)))
+        out.append({"state": model.state_dict(), "moved": move.moved, "after": move.after,
+                    "counts": callbacks[1].last_counts})
+    return out if rank == 0 else None
+
+
+CASES = [
+    # EP on 2 ranks: swap experts between the ranks, AdamW
+    dict(placement=[[[2, 3], [0, 1]], [[0, 2], [1, 3]]]),
+    # EP: copies of experts 0 and 1 on both ranks (replication), SGD with momentum; then
+    # the real rebalancer runs every 2 steps with copies allowed
+    dict(placement=[[[0, 1, 2], [0, 1, 3]], [[0, 1], [1, 2, 3]]], optim=SGD,
+         rebalancer=dict(redundant_experts=2)),
+]
+
+
+def test_moves_and_copies_in_the_middle_of_training_change_no_number():
+    results = run_ranks(2, fit_moving, 2, CASES)[0]
+    for case, got in zip(CASES, results):
+        model = make_model(4, seed=0, optim=OptimConfig(**case.get("optim", {})))
+        initial = copy.deepcopy(model.state_dict())
+        expected = reference_fit(model, STEPS)
+        assert got["moved"] > 0 and got["after"] == case["placement"], (got["moved"], got["after"])
+        assert_same_params(got["state"], expected, initial)
+
+
+def test_zebra_moves_between_expert_ranks_and_onto_the_attention_rank():
+    plan = make_test_plan(3, [0], R=2)  # members: attention 0, experts 1 and 2
+    # layer 0: expert 3 goes to the attention rank, 0 and 2 swap expert ranks; layer 1 reshuffles
+    cases = [dict(mode="zebra", plan=plan, global_=12, placement=[[[3], [0, 1], [2]], [[], [0, 3], [1, 2]]]),
+             dict(mode="zebra", plan=plan, global_=12, placement=[[[0], [1, 2], [3]], [[1], [0], [2, 3]]],
+                  optim=SGD, rebalancer={})]
+    for case in cases:
+        case["global"] = case.pop("global_")
+    results = run_ranks(3, fit_moving, 3, cases)[0]
+    for case, got in zip(cases, results):
+        model = make_model(4, seed=0, optim=OptimConfig(**case.get("optim", {})))
+        initial = copy.deepcopy(model.state_dict())
+        from test_zebra import pieces
+
+        expected = reference_fit(model, STEPS, global_batch=12, pieces=pieces(plan, "zebra"))
+        assert got["moved"] > 0 and got["after"] == case["placement"]
+        assert_same_params(got["state"], expected, initial)
+
+
+def test_monitor_counts_equal_the_routers_counts_summed_by_hand():
+    got = run_ranks(2, fit_moving, 2, CASES[:1])[0][0]
+    # the last step's global batch, routed by the model as it was before the last update
+    model = make_model(4, seed=0, optim=OptimConfig())
+    before_last = reference_fit(model, STEPS - 1)
+    model.load_state_dict(before_last)
+    batch = list(global_batches())[STEPS - 1]
+    with torch.no_grad():
+        auxes = model.model(batch[0])[1]
+    by_hand = torch.zeros(2, 4, dtype=torch.long)
+    for l, aux in enumerate(auxes):
+        for e in range(4):
+            by_hand[l, e] = int(aux.tokens_per_expert[e])
+    assert torch.equal(got["counts"], by_hand), (got["counts"], by_hand)
+    assert int(by_hand.sum()) == 2 * 8 * 16 * 2  # layers x sequences x tokens x top_k: every choice counted
+
+
+def resume(rank: int, world: int, ckpt: str):
+    model = make_model(4, seed=50 + rank, optim=OptimConfig())
+    t = trainer(HeterMoEStrategy(), world, max_steps=STEPS,
+                callbacks=[ExpertLoadMonitor(plots=False), ExpertRebalancer(every_n_steps=100)])
+    t.fit(model, datamodule=data(world), ckpt_path=ckpt)
+    return model.state_dict() if rank == 0 else None
+
+
+def test_a_checkpoint_after_a_move_resumes_on_another_world_size(tmp_path):
+    got = run_ranks(2, fit_moving, 2, [dict(CASES[0], rebalancer=dict(redundant_experts=0))], str(tmp_path))[0][0]
+    model = make_model(4, seed=0, optim=OptimConfig())
+    initial = copy.deepcopy(model.state_dict())
+    expected = reference_fit(model, STEPS)
+    assert_same_params(got["state"], expected, initial)
+    ckpt = torch.load(tmp_path / "step=4.ckpt", weights_only=False)
+    w_up = ckpt["state_dict"]["model.blocks.0.moe.experts.w_up"]
+    assert w_up.shape[0] == 4, "placement-independent: every expert, once"
+    saved = next(v for k, v in ckpt["callbacks"].items() if "ExpertRebalancer" in k)["saved"]
+    assert saved["placement"] == CASES[0]["placement"], "the placement is part of the checkpoint"
+    assert_same_params(run_ranks(4, resume, 4, str(tmp_path / "step=4.ckpt"))[0], expected, initial)
