@@ -7,6 +7,7 @@ Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit unde
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
 from .config import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
+from .convert import HFMoELanguageModel, from_hf, to_hetermoe, to_hf
 from .emulate import apply_emulation
 from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer
 from .moe import MoELayer
@@ -26,6 +27,7 @@ __all__ = [
     "DeviceSpec",
     "ExpertLoadMonitor",
     "ExpertRebalancer",
+    "HFMoELanguageModel",
     "HeterMoEStrategy",
     "LinkConfig",
     "ModelConfig",
@@ -39,10 +41,13 @@ __all__ = [
     "RunSummary",
     "apply_emulation",
     "from_cfg",
+    "from_hf",
     "get_device",
     "make_plan",
     "profile_cluster",
     "register_device",
     "resolve_cluster",
     "simulate_plan",
+    "to_hetermoe",
+    "to_hf",
 ]

@@ -46,6 +46,12 @@ class MoEConfig:
     expert_backend: str = "auto"
     # Recompute the expert hidden activation in backward instead of storing it.
     recompute_activation: bool = False
+    # topk router: rescale the kept top-k probabilities to sum to 1 (Mixtral); False keeps
+    # the raw softmax probabilities (OLMoE, Qwen-MoE with norm_topk_prob=False).
+    normalize_topk: bool = True
+    # Width of a dense expert every token passes through, scaled by a sigmoid gate
+    # (Qwen2-MoE); 0 = none. It runs where the layer runs, never through the dispatcher.
+    shared_expert_d_ff: int = 0
 
     def __post_init__(self) -> None:
         _require(self.num_experts >= 1, "model.moe.num_experts", self.num_experts, "must be >= 1")
@@ -79,6 +85,14 @@ class MoEConfig:
             self.expert_backend,
             f"must be one of {EXPERT_BACKENDS}",
         )
+        _require(isinstance(self.normalize_topk, bool), "model.moe.normalize_topk", self.normalize_topk,
+                 "must be true or false")
+        if not self.normalize_topk:
+            _require(self.router == "topk", "model.moe.normalize_topk", self.normalize_topk,
+                     f"only the topk router has an un-normalised variant (router={self.router!r} fixes its weights)")
+        _require(isinstance(self.shared_expert_d_ff, int) and not isinstance(self.shared_expert_d_ff, bool)
+                 and self.shared_expert_d_ff >= 0, "model.moe.shared_expert_d_ff", self.shared_expert_d_ff,
+                 "must be an integer >= 0 (0 = no shared expert)")
 
 
 @dataclass
@@ -91,6 +105,10 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     max_seq_len: int = 128
+    # Key/value heads for grouped-query attention; None = n_heads (multi-head attention).
+    n_kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -106,10 +124,26 @@ class ModelConfig:
             f"must be a positive multiple of n_heads={self.n_heads}",
         )
         _require(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "must be >= 1")
+        _require(
+            self.n_kv_heads is None or (isinstance(self.n_kv_heads, int) and not isinstance(self.n_kv_heads, bool)
+                                        and 1 <= self.n_kv_heads <= self.n_heads
+                                        and self.n_heads % self.n_kv_heads == 0),
+            "model.n_kv_heads",
+            self.n_kv_heads,
+            f"must be null (= n_heads) or a divisor of n_heads={self.n_heads}",
+        )
+        _require(isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
+                 and self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be a number > 0")
+        _require(isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool)
+                 and self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be a number > 0")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
 
 @dataclass

@@ -62,15 +62,18 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module, MoELayer]]:
 
 
 def _heads(block_name: str, block: nn.Module) -> int:
+    # Hugging Face attention modules keep the count only in their config object.
     for m in block.modules():
-        for attr in HEAD_ATTRIBUTES:
-            n = getattr(m, attr, None)
-            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                return n
+        for owner in (m, getattr(m, "config", None)):
+            for attr in HEAD_ATTRIBUTES:
+                n = getattr(owner, attr, None)
+                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                    return n
     raise ModelContractError(
         f"block {block_name or type(block).__name__} ({type(block).__name__}) has no attention head count: planning "
         f"and emulation read an int attribute {' / '.join(HEAD_ATTRIBUTES)} of a module inside each MoE block "
-        f"(e.g. self.n_heads on the attention module), or a model_cfg on the LightningModule")
+        f"(e.g. self.n_heads on the attention module, or config.num_attention_heads on a Hugging Face one), "
+        f"or a model_cfg on the LightningModule")
 
 
 def describe_model(module: nn.Module) -> ModelConfig:

@@ -23,8 +23,8 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def rotary_tables(seq_len: int, head_dim: int, device: torch.device, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
     return ang.cos(), ang.sin()
 
@@ -35,19 +35,29 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """Rotary causal attention; with ``n_kv_heads < n_heads`` each key/value head serves
+    ``n_heads / n_kv_heads`` consecutive query heads (grouped-query attention)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         nn.init.normal_(self.qkv.weight, std=1.0 / math.sqrt(cfg.d_model))
         nn.init.normal_(self.proj.weight, std=1.0 / math.sqrt(cfg.d_model * 2 * cfg.n_layers))
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        cos, sin = rotary_tables(s, self.head_dim, x.device)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([d, kv, kv], dim=-1)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
+        cos, sin = rotary_tables(s, self.head_dim, x.device, self.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            group = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(b, s, d))
 
@@ -57,9 +67,9 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg)
-        self.moe_norm = RMSNorm(cfg.d_model)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.moe = MoELayer(cfg.d_model, cfg.moe)
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
@@ -75,7 +85,7 @@ class MoETransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         nn.init.normal_(self.head.weight, std=1.0 / math.sqrt(cfg.d_model))
 

@@ -8,12 +8,15 @@ dispatcher returns, so a strategy may gather the whole batch's routing counts me
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import MoEConfig
+from ..kernels.activation import forward as activate
 from .capacity import apply_capacity
 from .dispatch import LocalDispatcher
 from .experts import Experts
@@ -31,6 +34,34 @@ class MoEAux:
     dropped: Tensor  # scalar: number of routing choices dropped by capacity or the router
 
 
+class SharedExpert(nn.Module):
+    """A dense MLP every token passes through, scaled per token by ``sigmoid(gate . x)``
+    (Qwen2-MoE's shared expert). Its weights are dense parameters like attention's: a
+    strategy leaves them in place and averages their gradients with the rest."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool) -> None:
+        super().__init__()
+        self.activation = activation
+        h = 2 * d_ff if activation == "swiglu" else d_ff
+        self.w_up = nn.Parameter(torch.empty(d_model, h))
+        self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
+        self.b_up = nn.Parameter(torch.zeros(h)) if bias else None
+        self.b_down = nn.Parameter(torch.zeros(d_model)) if bias else None
+        self.gate = nn.Parameter(torch.empty(1, d_model))
+        nn.init.normal_(self.w_up, std=1.0 / math.sqrt(d_model))
+        nn.init.normal_(self.w_down, std=1.0 / math.sqrt(d_ff))
+        nn.init.normal_(self.gate, std=1.0 / math.sqrt(d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x @ self.w_up
+        if self.b_up is not None:
+            h = h + self.b_up
+        y = activate(h, self.activation) @ self.w_down
+        if self.b_down is not None:
+            y = y + self.b_down
+        return torch.sigmoid(F.linear(x, self.gate)) * y
+
+
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -40,6 +71,8 @@ class MoELayer(nn.Module):
         self.router = build_router(cfg, d_model)
         self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff, cfg.activation, cfg.bias,
                                backend=cfg.expert_backend, recompute=cfg.recompute_activation)
+        self.shared_expert = (SharedExpert(d_model, cfg.shared_expert_d_ff, cfg.activation, cfg.bias)
+                              if cfg.shared_expert_d_ff > 0 else None)
         self.dispatcher = LocalDispatcher()
         self.balance = LocalBalance()
 
@@ -55,6 +88,8 @@ class MoELayer(nn.Module):
         slots = self.dispatcher(x, r.indices, r.keep, self.experts)
         weights = (r.weights * r.keep).to(slots.dtype)
         y = (slots.view(x.shape[0], self.top_k, slots.shape[-1]) * weights.unsqueeze(-1)).sum(1)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x)
         kept = r.indices[r.keep]
         aux = MoEAux(
             balance_loss=self.balance(r.probs, r.indices),

@@ -41,7 +41,7 @@ def reference_routing(layer: MoELayer, x: Tensor) -> tuple[list[list[int]], list
             ws = [probs[order[0]]]
         else:
             sel = torch.stack([probs[e] for e in order])
-            ws = list(sel / sel.sum())
+            ws = list(sel / sel.sum()) if cfg.normalize_topk else list(sel)
         keep = [True] * k
         if gshard_u is not None:
             keep[1] = bool(gshard_u[t] < 2.0 * float(ws[1].detach()))
@@ -79,6 +79,22 @@ def reference_expert(layer: MoELayer, e: int, xt: Tensor) -> Tensor:
     return y
 
 
+def reference_shared_expert(layer: MoELayer, xt: Tensor) -> Tensor:
+    sh = layer.shared_expert
+    h = xt @ sh.w_up
+    if sh.b_up is not None:
+        h = h + sh.b_up
+    if sh.activation == "swiglu":
+        gate, up = h[: sh.w_down.shape[0]], h[sh.w_down.shape[0]:]
+        a = gate * torch.sigmoid(gate) * up
+    else:
+        a = 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
+    y = a @ sh.w_down
+    if sh.b_down is not None:
+        y = y + sh.b_down
+    return torch.sigmoid(sh.gate[0] @ xt) * y
+
+
 def reference_moe(layer: MoELayer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (output, balance_loss, z_loss) computed one token at a time."""
     shape = x.shape
@@ -90,6 +106,8 @@ def reference_moe(layer: MoELayer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         for e, w in zip(choices[t], weights[t]):
             if e >= 0:
                 acc = acc + w.to(x.dtype) * reference_expert(layer, e, x[t])
+        if layer.shared_expert is not None:
+            acc = acc + reference_shared_expert(layer, x[t])
         rows.append(acc)
     out = torch.stack(rows).view(shape)
 

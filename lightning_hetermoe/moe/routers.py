@@ -61,13 +61,18 @@ class Router(nn.Module):
 
 
 class TopKRouter(Router):
-    """Softmax over all experts, keep the top k, renormalise the kept weights to sum to 1."""
+    """Softmax over all experts, keep the top k, renormalise the kept weights to sum to 1
+    (``normalize=False``: keep the softmax probabilities as they are)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        self.normalize = normalize
 
     def forward(self, x: Tensor) -> RouterOutput:
         logits = self.logits(x)
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
-        weights = top_p / top_p.sum(-1, keepdim=True)
+        weights = top_p / top_p.sum(-1, keepdim=True) if self.normalize else top_p
         keep = torch.ones_like(top_i, dtype=torch.bool)
         return RouterOutput(top_i, weights, keep, probs, logits)
 
@@ -137,7 +142,7 @@ class NoisyTopKRouter(Router):
 
 def build_router(cfg: MoEConfig, d_model: int) -> Router:
     if cfg.router == "topk":
-        return TopKRouter(d_model, cfg.num_experts, cfg.top_k)
+        return TopKRouter(d_model, cfg.num_experts, cfg.top_k, normalize=cfg.normalize_topk)
     if cfg.router == "switch":
         return SwitchRouter(d_model, cfg.num_experts, cfg.jitter_eps)
     if cfg.router == "gshard":

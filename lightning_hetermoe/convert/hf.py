@@ -1,0 +1,254 @@
+"""Hugging Face sparse MoE blocks <-> this project's :class:`~lightning_hetermoe.moe.MoELayer`.
+
+:func:`to_hetermoe` puts an :class:`HFMoEBlock` (an ``MoELayer``) where each Mixtral,
+Qwen2-MoE, Qwen3-MoE or OLMoE sparse MoE block stood, with the same weights, so that the
+strategy places and routes its experts; :func:`to_hf` puts Hugging Face blocks back with
+the trained weights, for export. Only tensors are converted: nothing here imports
+``transformers``, so the package works without it and with any version whose block
+layout :func:`moe_tensors_from_hf` recognises.
+
+Weight layouts (``F.linear`` weights are ``[out, in]``; ours are ``[in, out]``)::
+
+    HF                                         ours
+    gate.weight                  [E, d]        router.weight        [E, d]
+    experts.gate_up_proj         [E, 2f, d]    experts.w_up         [E, d, 2f]  gate columns, then up
+    experts.down_proj            [E, d, f]     experts.w_down       [E, f, d]
+      or per expert (older transformers): experts.{e}.w1/w3/w2.weight (Mixtral) or
+      experts.{e}.gate_proj/up_proj/down_proj.weight
+    shared_expert.gate_proj/up_proj.weight     shared_expert.w_up   [d, 2fs]
+    shared_expert.down_proj.weight             shared_expert.w_down [fs, d]
+    shared_expert_gate.weight    [1, d]        shared_expert.gate   [1, d]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..config import MoEConfig
+from ..moe import MoEAux, MoELayer
+
+SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+
+# Fixed by the Hugging Face block itself; the rest of MoEConfig the caller may choose.
+DERIVED_FIELDS = ("num_experts", "top_k", "d_ff", "router", "activation", "bias", "normalize_topk",
+                  "shared_expert_d_ff")
+PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))  # (gate, up, down)
+
+
+class HFMoEBlock(MoELayer):
+    """An :class:`MoELayer` in the place of a Hugging Face sparse MoE block: the direct
+    child of the decoder layer, where the strategy looks for it.
+
+    The decoder layer takes back the hidden states alone, so each call leaves its
+    :class:`MoEAux` in ``last_aux`` for the loss to collect (:func:`moe_aux`).
+    ``hf_class`` and ``hf_config`` rebuild the original block for :func:`to_hf`.
+    """
+
+    def __init__(self, d_model: int, cfg: MoEConfig, hf_class: type, hf_config: Any, input_jitter: float = 0.0
+                 ) -> None:
+        super().__init__(d_model, cfg)
+        self.hf_class, self.hf_config = hf_class, hf_config
+        self.input_jitter = input_jitter
+        self.last_aux: MoEAux | None = None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
+        if self.training and self.input_jitter > 0:
+            # Mixtral's router_jitter_noise scales the experts' input too, not only the router's.
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.input_jitter, 1.0 + self.input_jitter)
+            hidden_states = hidden_states * noise
+        y, self.last_aux = super().forward(hidden_states)
+        return y
+
+
+def moe_aux(model: nn.Module) -> list[MoEAux]:
+    """The auxiliary losses of every :class:`HFMoEBlock` from the last forward, in model
+    order; each is handed out once, so a stale one is never counted twice."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, HFMoEBlock):
+            if m.last_aux is None:
+                raise RuntimeError(f"MoE layer {name} did not run since its losses were last collected: "
+                                   f"collect them once after each forward")
+            out.append(m.last_aux)
+            m.last_aux = None
+    return out
+
+
+# -- tensors ----------------------------------------------------------------------------------
+
+def moe_tensors_from_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """An HF sparse MoE block's ``state_dict`` (or its gradients, under the same names) as
+    an :class:`MoELayer`'s. Every tensor must be consumed: an unknown one is an error, not a
+    weight silently lost."""
+    sd = dict(sd)
+    out = {"router.weight": sd.pop("gate.weight")}
+    if "experts.gate_up_proj" in sd:
+        out["experts.w_up"] = sd.pop("experts.gate_up_proj").transpose(1, 2)
+        out["experts.w_down"] = sd.pop("experts.down_proj").transpose(1, 2)
+    else:
+        gate, up, down = _per_expert_names(sd)
+        n = len({k.split(".")[1] for k in sd if re.match(r"experts\.\d+\.", k)})
+        ups, downs = [], []
+        for e in range(n):
+            g, u = sd.pop(f"experts.{e}.{gate}.weight"), sd.pop(f"experts.{e}.{up}.weight")
+            ups.append(torch.cat([g.t(), u.t()], dim=1))
+            downs.append(sd.pop(f"experts.{e}.{down}.weight").t())
+        out["experts.w_up"], out["experts.w_down"] = torch.stack(ups), torch.stack(downs)
+    if "shared_expert.gate_proj.weight" in sd:
+        g, u = sd.pop("shared_expert.gate_proj.weight"), sd.pop("shared_expert.up_proj.weight")
+        out["shared_expert.w_up"] = torch.cat([g.t(), u.t()], dim=1)
+        out["shared_expert.w_down"] = sd.pop("shared_expert.down_proj.weight").t()
+        out["shared_expert.gate"] = sd.pop("shared_expert_gate.weight")
+    if sd:
+        raise ValueError(f"Hugging Face MoE block tensors this converter does not know: {sorted(sd)}")
+    return out
+
+
+def moe_tensors_to_hf(ours: dict[str, Tensor], hf_names: list[str]) -> dict[str, Tensor]:
+    """Inverse of :func:`moe_tensors_from_hf`, laid out as the block whose tensor names are
+    ``hf_names``."""
+    w_up, w_down = ours["experts.w_up"], ours["experts.w_down"]
+    f = w_down.shape[1]
+    out = {"gate.weight": ours["router.weight"]}
+    if "experts.gate_up_proj" in hf_names:
+        out["experts.gate_up_proj"] = w_up.transpose(1, 2)
+        out["experts.down_proj"] = w_down.transpose(1, 2)
+    else:
+        gate, up, down = _per_expert_names(dict.fromkeys(hf_names))
+        for e in range(w_up.shape[0]):
+            out[f"experts.{e}.{gate}.weight"] = w_up[e, :, :f].t()
+            out[f"experts.{e}.{up}.weight"] = w_up[e, :, f:].t()
+            out[f"experts.{e}.{down}.weight"] = w_down[e].t()
+    if "shared_expert.w_up" in ours:
+        fs = ours["shared_expert.w_down"].shape[0]
+        out["shared_expert.gate_proj.weight"] = ours["shared_expert.w_up"][:, :fs].t()
+        out["shared_expert.up_proj.weight"] = ours["shared_expert.w_up"][:, fs:].t()
+        out["shared_expert.down_proj.weight"] = ours["shared_expert.w_down"].t()
+        out["shared_expert_gate.weight"] = ours["shared_expert.gate"]
+    if set(out) != set(hf_names):
+        raise ValueError(f"cannot lay out the MoE layer as this Hugging Face block: it has {sorted(hf_names)}, "
+                         f"the layer gives {sorted(out)}")
+    return out
+
+
+def _per_expert_names(sd: dict) -> tuple[str, str, str]:
+    for names in PER_EXPERT_NAMES:
+        if f"experts.0.{names[0]}.weight" in sd:
+            return names
+    raise ValueError(f"unknown Hugging Face expert layout: expected experts.gate_up_proj/down_proj or per-expert "
+                     f"{' or '.join('/'.join(n) for n in PER_EXPERT_NAMES)} weights, found {sorted(sd)}")
+
+
+def fresh_copy(t: Tensor) -> Tensor:
+    # Own contiguous storage: the expert kernels want it, and the old block may live on.
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+# -- modules ----------------------------------------------------------------------------------
+
+def sparse_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """``(parent, attribute, block)`` for every Hugging Face sparse MoE block, in model order."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child).__name__ in SPARSE_BLOCKS]
+
+
+def moe_config_for(block: nn.Module, config: Any, **options: Any) -> MoEConfig:
+    """The :class:`MoEConfig` that computes what ``block`` computes (``options``: the other
+    MoEConfig fields, e.g. ``capacity_factor`` or ``aux_loss_coef``)."""
+    derived = sorted(set(options) & set(DERIVED_FIELDS))
+    if derived:
+        raise ValueError(f"{derived} are read from the Hugging Face block and cannot be overridden")
+    unknown = sorted(set(options) - {f.name for f in fields(MoEConfig)})
+    if unknown:
+        raise ValueError(f"unknown MoEConfig field(s) {unknown}")
+    experts = block.experts
+    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
+        raise ValueError(f"{type(experts).__name__} stores transposed or interleaved gate/up weights; this converter "
+                         f"reads the concatenated [E, 2*d_ff, d] layout")
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r}: the converted experts are SwiGLU (silu); other activations are not "
+                         f"supported")
+    sd = block.state_dict()
+    ours = moe_tensors_from_hf(sd)
+    shared = ours.get("shared_expert.w_down")
+    router = getattr(block, "gate", None)
+    # The block's own flag: newer transformers keep it on the router, older on the block.
+    normalize = getattr(router, "norm_topk_prob", getattr(block, "norm_topk_prob", True))
+    return MoEConfig(num_experts=ours["router.weight"].shape[0], top_k=config.num_experts_per_tok,
+                     d_ff=ours["experts.w_down"].shape[1], router="topk", activation="swiglu", bias=False,
+                     normalize_topk=bool(normalize), shared_expert_d_ff=0 if shared is None else shared.shape[0],
+                     **options)
+
+
+def to_hetermoe(model: nn.Module, **options: Any) -> nn.Module:
+    """Replace every Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE sparse MoE block of ``model`` by an
+    :class:`HFMoEBlock` holding the same weights, in place; returns ``model``.
+
+    ``options`` are further :class:`MoEConfig` fields (``capacity_factor``,
+    ``expert_backend``, ``z_loss_coef``, ...). ``aux_loss_coef`` defaults to the model's
+    ``router_aux_loss_coef * top_k / layers``: Hugging Face pools every layer's tokens into
+    one loss that is ``top_k`` times ours for one layer, and we sum one loss per layer (see
+    :mod:`lightning_hetermoe.moe.balance`), so the two agree when the layers route alike.
+    The torch RNG is left untouched.
+    """
+    config = _text_config(model)
+    found = sparse_blocks(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} holds no sparse MoE block of a supported class {SPARSE_BLOCKS}")
+    if "aux_loss_coef" not in options and getattr(config, "router_aux_loss_coef", None) is not None:
+        options["aux_loss_coef"] = config.router_aux_loss_coef * config.num_experts_per_tok / len(found)
+    for parent, name, block in found:
+        cfg = moe_config_for(block, config, **options)
+        weight = block.gate.weight
+        with torch.device("meta"):  # the weights come from the block: no init, no RNG draws
+            layer = HFMoEBlock(weight.shape[1], cfg, type(block), config,
+                               input_jitter=float(getattr(block, "jitter_noise", 0.0) or 0.0))
+        tensors = {k: fresh_copy(v) for k, v in moe_tensors_from_hf(block.state_dict()).items()}
+        layer.load_state_dict(tensors, strict=True, assign=True)
+        layer.experts.expert_ids = torch.arange(cfg.num_experts, device=weight.device)
+        check_filled(layer, "the converted MoE layer")
+        layer.train(block.training)
+        setattr(parent, name, layer)
+    return model
+
+
+def to_hf(model: nn.Module) -> nn.Module:
+    """Put the original Hugging Face block class back wherever :func:`to_hetermoe` put an
+    :class:`HFMoEBlock`, with the layer's current weights, in place; returns ``model``."""
+    found = [(parent, f"{path}.{name}".lstrip("."), name, child) for path, parent in model.named_modules()
+             for name, child in parent.named_children() if isinstance(child, HFMoEBlock)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} holds no HFMoEBlock (made by to_hetermoe) to convert back")
+    for parent, path, name, layer in found:
+        if layer.experts.num_local_experts != layer.num_experts:
+            raise ValueError(f"{path} holds {layer.experts.num_local_experts} of {layer.num_experts} experts: export "
+                             f"after training, when every rank holds all experts again")
+        with torch.device("meta"):
+            block = layer.hf_class(layer.hf_config)
+        hf_names = list(block.state_dict())
+        tensors = moe_tensors_to_hf(layer.state_dict(), hf_names)
+        block.load_state_dict({k: fresh_copy(v) for k, v in tensors.items()}, strict=True, assign=True)
+        check_filled(block, layer.hf_class.__name__)
+        block.train(layer.training)
+        setattr(parent, name, block)
+    return model
+
+
+def check_filled(module: nn.Module, what: str) -> None:
+    """Built on the meta device and filled from a state dict: no tensor may be left empty."""
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{what} has tensors the conversion did not fill: {left}")
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config: pass a transformers PreTrainedModel")
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

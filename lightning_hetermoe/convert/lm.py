@@ -1,0 +1,76 @@
+"""A converted Hugging Face causal LM as a LightningModule the strategy trains."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import OptimConfig, from_cfg
+from ..model.lm import MoELanguageModel
+from .hf import HFMoEBlock, moe_aux, to_hetermoe
+
+
+class HFMoELanguageModel(L.LightningModule):
+    """Next-token cross-entropy plus every MoE layer's balance and z-loss, each at its
+    layer's ``aux_loss_coef`` / ``z_loss_coef``.
+
+    ``hf_model`` is a ``...ForCausalLM``; one not yet converted is converted here
+    (:func:`~.hf.to_hetermoe`). A batch is ``(tokens, targets)`` (targets already shifted,
+    as :class:`~lightning_hetermoe.ByteCorpusDataModule` gives) or a dict with
+    ``input_ids`` and optional ``labels`` (unshifted, ``-100`` ignored) and
+    ``attention_mask``, as Hugging Face collators give (padding still counts in the
+    balance loss's routing fractions).
+    """
+
+    def __init__(self, hf_model: nn.Module, optim: OptimConfig | dict | None = None) -> None:
+        super().__init__()
+        self.optim_cfg = from_cfg(OptimConfig, optim or {})
+        self.save_hyperparameters({"optim": asdict(self.optim_cfg)})
+        if not any(isinstance(m, HFMoEBlock) for m in hf_model.modules()):
+            hf_model = to_hetermoe(hf_model)
+        self.model = hf_model
+
+    def setup(self, stage: str) -> None:
+        mode = getattr(self.trainer.strategy, "mode", "ep")
+        if mode != "ep":
+            raise ValueError(
+                f"HFMoELanguageModel trains with the hetermoe strategy's mode='ep', not {mode!r}: a Hugging Face "
+                f"decoder layer returns the hidden states alone, so the MoE losses leave each block beside its "
+                f"output, where the {mode} executor's block-by-block backward cannot follow them")
+
+    def forward(self, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits
+
+    def losses(self, batch: Any) -> dict[str, Tensor]:
+        tokens, targets, mask = _unpack(batch)
+        logits = self(tokens, mask)
+        auxes = moe_aux(self.model)
+        layers = [m for m in self.model.modules() if isinstance(m, HFMoEBlock)]
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        balance = torch.stack([a.balance_loss for a in auxes]).sum()
+        z = torch.stack([a.z_loss for a in auxes]).sum()
+        loss = ce + sum(l.cfg.aux_loss_coef * a.balance_loss + l.cfg.z_loss_coef * a.z_loss
+                        for l, a in zip(layers, auxes))
+        dropped = torch.stack([a.dropped for a in auxes]).sum()
+        return {"loss": loss, "ce": ce, "balance_loss": balance, "z_loss": z, "dropped": dropped,
+                "tokens_per_expert": torch.stack([a.tokens_per_expert for a in auxes])}
+
+    # The same steps, logging and optimizer set-up as the pack's own model: they only use
+    # ``losses`` and ``optim_cfg``, so both models train and report alike.
+    training_step = MoELanguageModel.training_step
+    validation_step = MoELanguageModel.validation_step
+    configure_optimizers = MoELanguageModel.configure_optimizers
+
+
+def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    if isinstance(batch, dict):
+        tokens = batch["input_ids"]
+        labels = batch.get("labels", tokens)
+        return tokens, F.pad(labels[:, 1:], (0, 1), value=-100), batch.get("attention_mask")
+    tokens, targets = batch
+    return tokens, targets, None

@@ -1,0 +1,301 @@
+"""Hugging Face MoE models converted to MoELayer and back, against transformers' own modules:
+outputs and every gradient within 1e-5 relative in fp32, on tiny random configs (no download).
+Also the MoE layer's new options against the naive reference, and the pack's own
+MoETransformer (rope theta, norm eps, grouped-query attention) against transformers' Mixtral."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hetermoe import MoELayer, from_hf, to_hetermoe, to_hf
+from lightning_hetermoe.config import ConfigError, ModelConfig, MoEConfig
+from lightning_hetermoe.contract import describe_model, find_blocks
+from lightning_hetermoe.convert import HFMoEBlock, mixtral_tensors, moe_aux, moe_tensors_from_hf, moe_tensors_to_hf
+from test_moe_reference import check
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.mixtral import modeling_mixtral as hf_mixtral  # noqa: E402
+from transformers.models.olmoe import modeling_olmoe as hf_olmoe  # noqa: E402
+from transformers.models.qwen2_moe import modeling_qwen2_moe as hf_qwen2  # noqa: E402
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3  # noqa: E402
+
+RTOL = 1e-5
+COMMON = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+              num_hidden_layers=2, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None)
+
+
+def rel_err(actual, expected) -> float:
+    return float((actual.detach() - expected.detach()).abs().max() / expected.detach().abs().max().clamp_min(1e-6))
+
+
+def assert_close(actual, expected, what):
+    err = rel_err(actual, expected)
+    assert err <= RTOL, f"{what}: max relative error {err:.2e} > {RTOL}"
+
+
+ARCHS = {
+    "mixtral": (hf_mixtral.MixtralConfig, hf_mixtral.MixtralForCausalLM, hf_mixtral.MixtralSparseMoeBlock,
+                dict(num_local_experts=5, num_experts_per_tok=2)),
+    "mixtral_jitter": (hf_mixtral.MixtralConfig, hf_mixtral.MixtralForCausalLM, hf_mixtral.MixtralSparseMoeBlock,
+                       dict(num_local_experts=5, num_experts_per_tok=2, router_jitter_noise=0.2)),
+    "qwen2_moe": (hf_qwen2.Qwen2MoeConfig, hf_qwen2.Qwen2MoeForCausalLM, hf_qwen2.Qwen2MoeSparseMoeBlock,
+                  dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=12,
+                       shared_expert_intermediate_size=20, norm_topk_prob=False)),
+    "qwen3_moe": (hf_qwen3.Qwen3MoeConfig, hf_qwen3.Qwen3MoeForCausalLM, hf_qwen3.Qwen3MoeSparseMoeBlock,
+                  dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=12, norm_topk_prob=True)),
+    "olmoe": (hf_olmoe.OlmoeConfig, hf_olmoe.OlmoeForCausalLM, hf_olmoe.OlmoeSparseMoeBlock,
+              dict(num_experts=5, num_experts_per_tok=2, norm_topk_prob=False)),
+}
+
+
+def hf_config(arch: str, **kw):
+    cls, _, _, extra = ARCHS[arch]
+    return cls(**{**COMMON, **extra, **kw})
+
+
+def randomize(module: nn.Module, seed: int = 0) -> None:
+    """Weights large enough that routing and every expert matter (HF's init is std 0.02)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def hf_model(arch: str, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    model = ARCHS[arch][1](hf_config(arch, **kw)).float()
+    randomize(model, seed)
+    return model
+
+
+def converted_grads(model: nn.Module, hf_grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF gradients under the converted model's names (each MoE block's mapped like its weights)."""
+    out = dict(hf_grads)
+    blocks = [n for n, m in model.named_modules() if isinstance(m, HFMoEBlock)]
+    for b in blocks:
+        sub = {k[len(b) + 1:]: out.pop(k) for k in list(out) if k.startswith(b + ".")}
+        out.update({f"{b}.{k}": v for k, v in moe_tensors_from_hf(sub).items()})
+    return out
+
+
+# -- one sparse MoE block -------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_block_matches_transformers(arch):
+    config = hf_config(arch, experts_implementation="eager")
+    block = ARCHS[arch][2](config).train()
+    randomize(block)
+    holder = nn.Module()
+    holder.config, holder.mlp = config, copy.deepcopy(block)
+    to_hetermoe(holder)
+    layer = holder.mlp
+    assert isinstance(layer, MoELayer) and isinstance(layer, HFMoEBlock)
+    assert layer.cfg.normalize_topk == getattr(config, "norm_topk_prob", True)
+    assert layer.cfg.shared_expert_d_ff == getattr(config, "shared_expert_intermediate_size", 0)
+
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    upstream = torch.randn(3, 7, 16)
+    torch.manual_seed(100)  # the same jitter draws in both (Mixtral's router_jitter_noise)
+    y_hf = block(x * 1)  # HF scales its input in place: give it a non-leaf
+    names = [n for n, _ in block.named_parameters()]
+    g_hf = torch.autograd.grad((y_hf * upstream).sum(), [x] + list(block.parameters()))
+    torch.manual_seed(100)
+    y = layer(x)
+    g = torch.autograd.grad((y * upstream).sum(), [x] + list(layer.parameters()))
+
+    assert y.shape == y_hf.shape
+    assert_close(y, y_hf, f"{arch} output")
+    assert_close(g[0], g_hf[0], f"{arch} input gradient")
+    expected = moe_tensors_from_hf(dict(zip(names, g_hf[1:])))
+    ours = dict(zip([n for n, _ in layer.named_parameters()], g[1:]))
+    assert ours.keys() == expected.keys()
+    for name in expected:
+        assert_close(ours[name], expected[name], f"{arch} gradient of {name}")
+    assert moe_aux(holder)[0].tokens_per_expert.sum() == 21 * layer.top_k
+
+
+def test_balance_loss_is_top_k_times_ours_for_one_layer():
+    """The relation that sets the converted aux_loss_coef (see moe/balance.py)."""
+    config = hf_config("olmoe", num_experts_per_tok=3, experts_implementation="eager")
+    block = ARCHS["olmoe"][2](config)
+    randomize(block)
+    holder = nn.Module()
+    holder.config, holder.mlp = config, copy.deepcopy(block)
+    to_hetermoe(holder)
+    x = torch.randn(40, 16)
+    logits, _, _ = block.gate(x)
+    hf_loss = hf_olmoe.load_balancing_loss_func((logits,), config.num_experts, config.num_experts_per_tok)
+    _, aux = MoELayer.forward(holder.mlp, x)
+    assert_close(hf_loss, 3 * aux.balance_loss, "HF balance loss vs top_k x ours")
+    assert holder.mlp.cfg.aux_loss_coef == pytest.approx(config.router_aux_loss_coef * 3 / 1)
+
+
+# -- whole models ---------------------------------------------------------------------------
+
+def test_converted_mixtral_matches_transformers():
+    hf = hf_model("mixtral").train()
+    conv = to_hetermoe(copy.deepcopy(hf))
+    assert [type(b).__name__ for _, b, _ in find_blocks(conv)] == ["MixtralDecoderLayer"] * 2
+    tokens = torch.randint(0, 64, (3, 12))
+    upstream = torch.randn(3, 12, 64)
+    logits_hf = hf(input_ids=tokens).logits
+    g_hf = torch.autograd.grad((logits_hf * upstream).sum(), list(hf.parameters()))
+    logits = conv(input_ids=tokens).logits
+    g = torch.autograd.grad((logits * upstream).sum(), list(conv.parameters()))
+    assert_close(logits, logits_hf, "logits")
+    expected = converted_grads(conv, dict(zip([n for n, _ in hf.named_parameters()], g_hf)))
+    ours = dict(zip([n for n, _ in conv.named_parameters()], g))
+    assert ours.keys() == expected.keys()
+    for name in expected:
+        assert_close(ours[name], expected[name], f"gradient of {name}")
+    assert len(moe_aux(conv)) == 2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_round_trip_gives_identical_weights_and_exports_trained_ones(arch):
+    hf = hf_model(arch)
+    original = copy.deepcopy(hf.state_dict())
+    rng = torch.get_rng_state()
+    model = to_hetermoe(hf)
+    assert torch.equal(torch.get_rng_state(), rng), "conversion must not draw from the torch RNG"
+    back = to_hf(copy.deepcopy(model))
+    assert not any(isinstance(m, MoELayer) for m in back.modules())
+    assert type(back.model.layers[0].mlp) is ARCHS[arch][2]
+    sd = back.state_dict()
+    assert sd.keys() == original.keys()
+    for name in original:
+        assert torch.equal(sd[name], original[name]), name
+
+    # Trained weights travel back: change every MoE weight, export, compare the two models.
+    with torch.no_grad():
+        for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+            for p in layer.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    tokens = torch.randint(0, 64, (2, 9))
+    expected = model(input_ids=tokens).logits
+    exported = to_hf(model)
+    assert_close(exported(input_ids=tokens).logits, expected, f"{arch} exported logits")
+
+
+def test_contract_reads_heads_from_hf_config():
+    model = to_hetermoe(hf_model("qwen2_moe"))
+    cfg = describe_model(model)
+    assert (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.vocab_size) == (2, 4, 16, 64)
+    assert cfg.moe.shared_expert_d_ff == 20 and not cfg.moe.normalize_topk
+
+
+def test_older_per_expert_layout_maps_like_fused():
+    """transformers < 5 kept one Linear per expert (Mixtral w1/w3/w2, others gate/up/down_proj)."""
+    E, d, f = 3, 4, 5
+    g = torch.Generator().manual_seed(0)
+    for gate, up, down in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")):
+        sd = {"gate.weight": torch.randn(E, d, generator=g)}
+        for e in range(E):
+            sd[f"experts.{e}.{gate}.weight"] = torch.randn(f, d, generator=g)
+            sd[f"experts.{e}.{up}.weight"] = torch.randn(f, d, generator=g)
+            sd[f"experts.{e}.{down}.weight"] = torch.randn(d, f, generator=g)
+        fused = {"gate.weight": sd["gate.weight"],
+                 "experts.gate_up_proj": torch.stack([torch.cat([sd[f"experts.{e}.{gate}.weight"],
+                                                                 sd[f"experts.{e}.{up}.weight"]]) for e in range(E)]),
+                 "experts.down_proj": torch.stack([sd[f"experts.{e}.{down}.weight"] for e in range(E)])}
+        ours, ours_fused = moe_tensors_from_hf(sd), moe_tensors_from_hf(fused)
+        assert all(torch.equal(ours[k], ours_fused[k]) for k in ours_fused)
+        back = moe_tensors_to_hf(ours, list(sd))
+        assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    with pytest.raises(ValueError, match="does not know"):
+        moe_tensors_from_hf({**fused, "experts.gate_up_proj_bias": torch.zeros(E, 2 * f)})
+
+
+def test_conversion_errors_are_clear():
+    plain = nn.Module()
+    plain.config, plain.proj = hf_config("mixtral"), nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="no sparse MoE block"):
+        to_hetermoe(plain)
+    with pytest.raises(ValueError, match="cannot be overridden"):
+        to_hetermoe(hf_model("mixtral"), top_k=1)
+    with pytest.raises(ValueError, match="holds no HFMoEBlock"):
+        to_hf(hf_model("mixtral"))
+    model = to_hetermoe(hf_model("olmoe"), capacity_factor=1.0, z_loss_coef=0.0)
+    layer = model.model.layers[1].mlp
+    assert layer.cfg.capacity_factor == 1.0 and layer.cfg.z_loss_coef == 0.0
+
+
+# -- the pack's own model against transformers' Mixtral -------------------------------------
+
+def test_moe_transformer_matches_transformers_mixtral():
+    hf = hf_model("mixtral", rope_parameters={"rope_type": "default", "rope_theta": 500.0}, rms_norm_eps=1e-3,
+                  num_attention_heads=4, num_key_value_heads=2).train()
+    ours = from_hf(hf)
+    cfg = ours.cfg
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.n_heads, cfg.n_kv_heads) == (500.0, 1e-3, 4, 2)
+    tokens = torch.randint(0, 64, (3, 12))
+    upstream = torch.randn(3, 12, 64)
+    logits_hf = hf(input_ids=tokens).logits
+    g_hf = torch.autograd.grad((logits_hf * upstream).sum(), list(hf.parameters()))
+    logits, auxes = ours(tokens)
+    g = torch.autograd.grad((logits * upstream).sum(), list(ours.parameters()))
+    assert_close(logits, logits_hf, "logits")
+    expected = mixtral_tensors(dict(zip([n for n, _ in hf.named_parameters()], g_hf)), cfg.n_layers)
+    got = dict(zip([n for n, _ in ours.named_parameters()], g))
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert_close(got[name], expected[name], f"gradient of {name}")
+
+
+def test_from_hf_rejects_what_moe_transformer_cannot_compute():
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        from_hf(hf_model("mixtral", tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="to_hetermoe"):
+        from_hf(hf_model("olmoe"))
+
+
+# -- the new options against the naive reference, and their validation ----------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(normalize_topk=False, top_k=3),
+    dict(shared_expert_d_ff=7),
+    dict(shared_expert_d_ff=6, normalize_topk=False, activation="gelu", bias=True, capacity_factor=0.6),
+])
+def test_new_layer_options_match_reference(kw):
+    check(MoEConfig(**{"num_experts": 5, "top_k": 2, "d_ff": 9, "router": "topk", **kw}))
+
+
+def test_gqa_with_as_many_kv_heads_is_plain_attention():
+    from lightning_hetermoe import MoETransformer
+
+    torch.manual_seed(0)
+    a = MoETransformer(ModelConfig(d_model=16, n_heads=4, max_seq_len=8, moe=MoEConfig(num_experts=2, d_ff=8)))
+    torch.manual_seed(0)
+    b = MoETransformer(ModelConfig(d_model=16, n_heads=4, n_kv_heads=4, max_seq_len=8,
+                                   moe=MoEConfig(num_experts=2, d_ff=8)))
+    tokens = torch.randint(0, 256, (2, 8))
+    assert torch.equal(a(tokens)[0], b(tokens)[0])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_kv_heads=3), "model.n_kv_heads"), (dict(n_kv_heads=0), "model.n_kv_heads"),
+    (dict(n_kv_heads=8), "model.n_kv_heads"), (dict(rope_theta=0.0), "model.rope_theta"),
+    (dict(norm_eps=-1e-6), "model.norm_eps"), (dict(norm_eps=0), "model.norm_eps"),
+])
+def test_bad_model_options(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(n_heads=4, d_model=64, **kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(shared_expert_d_ff=-1), "model.moe.shared_expert_d_ff"),
+    (dict(shared_expert_d_ff=1.5), "model.moe.shared_expert_d_ff"),
+    (dict(normalize_topk=False, router="gshard"), "model.moe.normalize_topk"),
+    (dict(normalize_topk="no"), "model.moe.normalize_topk"),
+])
+def test_bad_moe_options(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        MoEConfig(**kw)
