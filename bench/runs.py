@@ -33,8 +33,9 @@ def run_job(overrides: list[str], timeout: float = 300.0, workdir: Path | None =
     with tempfile.TemporaryDirectory(prefix="bench_", dir=workdir) as tmp:
         cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), *QUIET, *overrides, f"hydra.run.dir={tmp}"]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench"), env.get("PYTHONPATH")) if p)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])

@@ -15,7 +15,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .callbacks import ExpertLoadMonitor, RunSummary
+from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .callbacks.progress import ProgressLog
 from .cluster import ClusterConfig
 from .config import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
@@ -103,7 +103,7 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         out["predicted_step_time_s"] = pred["step_time_s"]
         if measured:
             out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
-        load = monitor.mean_share() if monitor is not None else None
+        load = monitor.mean_share(skip=summary.get("timing_warmup_steps", 1)) if monitor is not None else None
         if load is not None:
             # the same prediction with the routing this run really had (the simulator assumes even routing)
             at_load = strategy.predict_at_load(load)
@@ -150,7 +150,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     strategy = build_strategy(cfg, cluster, start_method)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    summary_cb = RunSummary()
+    summary_cb = RunSummary(warmup_steps=int(cfg.get("timing_warmup_steps", 1)))
     callbacks = [summary_cb, *build_callbacks(cfg)]
     trainer_kwargs = build_trainer_kwargs(cfg, cluster)
     if trainer_kwargs.get("enable_progress_bar") is None:
@@ -180,7 +180,16 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         "wall_s": time.perf_counter() - started,
     })
     monitor = next((c for c in trainer.callbacks if isinstance(c, ExpertLoadMonitor)), None)
+    summary["timing_warmup_steps"] = summary_cb.warmup_steps
     summary.update(timing_summary(summary, strategy, cluster, emulation, monitor))
+    if monitor is not None and monitor.history:
+        # each layer's two busiest experts: their share of the layer's tokens (a top-k choice each)
+        k = model_cfg.moe.top_k
+        top2 = [sorted(row, reverse=True)[:2] for row in (monitor.mean_share() or [])]
+        summary["expert_token_share_top2_min"] = min(min(r) * k for r in top2) if top2 else None
+    rebalancer = next((c for c in trainer.callbacks if isinstance(c, ExpertRebalancer)), None)
+    if rebalancer is not None:
+        summary["rebalance"] = rebalancer.decisions
     path = Path(output_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
     log.info(f"summary: {json.dumps(summary)}")

@@ -55,24 +55,10 @@ def run_job(job: tuple) -> dict:
     n_new = sum(1 for d in view.devices if d.flash_attention)
     fixed = n_new if kind == "ablation" and 0 < n_new < len(view.devices) else None
     groups = 1 if kind == "ablation" else None
-    plan, err = None, None
-    # the largest batch (halving from the configured one) whose activations fit
-    for batch in (tokens, tokens // 2, tokens // 4):
-        try:
-            plan = make_plan(
-                cluster,
-                model,
-                seq_len=seq_len,
-                global_batch_tokens=batch,
-                asym_ea=asym,
-                max_microbatches=max_mb,
-                num_attention_ranks=fixed,
-                num_zp_groups=groups,
-            )
-            break
-        except ValueError as e:
-            err = e
-    if plan is None:
+    try:  # the largest batch (halving from the configured one) whose activations fit
+        plan = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, shrink_to_fit=2, asym_ea=asym,
+                         max_microbatches=max_mb, num_attention_ranks=fixed, num_zp_groups=groups)
+    except ValueError as err:
         out["error"] = str(err)
         return out
     out["global_batch_tokens"] = plan.global_batch_tokens

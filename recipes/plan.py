@@ -20,7 +20,7 @@ from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.config import ModelConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
 from lightning_hetermoe.profile import Profile, make_timer
-from lightning_hetermoe.simulate import draw_gantt, simulate_plan
+from lightning_hetermoe.simulate import draw_gantt, draw_gantt_compare, simulate_plan
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
@@ -41,13 +41,16 @@ def main(cfg: DictConfig) -> dict:
         num_attention_ranks=cfg.plan.num_attention_ranks,
         num_zp_groups=cfg.plan.num_zp_groups,
         require_expert_ranks=cfg.plan.require_expert_ranks,
+        shrink_to_fit=2 if cfg.plan.shrink_batch_to_fit else 0,
     )
     out = HydraConfig.get().runtime.output_dir
     print(plan)
     plan.to_json(os.path.join(out, "plan.json"))
     view = as_cluster(cluster)
     timer = make_timer(model, seq_len, profile)
-    summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "plan": "plan.json", "schedules": {}}
+    summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "plan": "plan.json",
+               "devices": list(cluster.devices), "schedules": {}}
+    drawn = {}
     for sched in plan.predicted:
         try:
             res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=sched)
@@ -62,6 +65,10 @@ def main(cfg: DictConfig) -> dict:
                 title=f"{sched}: {model.name} on {cluster.name}, seq {seq_len}, {res.tokens_per_s:,.0f} tokens/s",
             )
             summary["schedules"][sched]["gantt"] = os.path.basename(path)
+            drawn[sched] = res
+    if len(drawn) > 1:
+        draw_gantt_compare(drawn, os.path.join(out, "gantt_compare.png"),
+                           title=f"{model.name} on {cluster.name}, seq {seq_len}: the same step under each schedule")
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"\nwrote plan.json, summary.json and Gantt charts to {out}")

@@ -34,7 +34,7 @@ def data(world: int, global_batch: int = 8, windows: int = 64, shuffle: bool = T
     if global_batch % world:
         raise ValueError(f"global batch {global_batch} does not split over {world} ranks")
     dm = ByteCorpusDataModule(DataConfig(seq_len=SEQ, batch_size=global_batch // world, shuffle=shuffle, seed=seed,
-                                         train_windows=windows, val_windows=8))
+                                         train_windows=windows, val_windows=2 * global_batch))
     dm.setup()
     return dm
 
@@ -107,9 +107,10 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
             batch = next(batches)
             loss = model.losses(batch)["loss"] if pieces is None else pieces_loss(model, batch, pieces, stats)
             (loss / accumulate).backward()
-            if stats is not None:
+            if stats is not None:  # the CE a rank logs: over its own rows (default: all)
+                rows = stats.get("ce_rows") or batch[0].shape[0]
                 with torch.no_grad():
-                    stats["last_ce"] = float(model.losses(batch)["ce"])
+                    stats["last_ce"] = float(model.losses(tuple(t[:rows] for t in batch))["ce"])
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

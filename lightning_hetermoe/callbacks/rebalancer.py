@@ -1,19 +1,20 @@
 """``ExpertRebalancer``: re-place experts from measured loads while training runs.
 
-Every ``every_n_steps`` (after ``warmup_steps``) rank 0 takes the
+Right after ``warmup_steps`` and every ``every_n_steps`` after that, rank 0 takes the
 :class:`~.load_monitor.ExpertLoadMonitor`'s moving average of each expert's share and the
 devices' per-token expert cost (the run's own clock: cost model, profile or emulated
 workload), and computes a new placement with
 :func:`lightning_hetermoe.plan.rebalance.rebalance`: the predicted maximum per-holder
 *time* of every layer's expert phase is minimised (tokens x the device's cost), and experts
 too hot for any single holder get copies (``redundant_experts`` > 0, expert parallelism).
-Under zebra the expert ranks are balanced first, then Asym-EA is re-run greedily with the
-measured loads: one expert at a time moves onto an attention rank while the simulator,
-fed the measured loads, predicts a faster step.
+That start is then refined one move at a time while the simulator, fed the measured loads,
+predicts a faster step (so transfers and the schedule count, not only the expert phase).
+Under zebra the same search may move experts onto attention ranks: Asym-EA re-run with
+measured times.
 
 It applies the placement only if the predicted gain per step is at least ``min_gain`` of
-the step and, over the steps until the next check, outweighs the migration (every moved
-copy's weights and optimizer state over the link). Every rank then moves experts in place
+the step and, over ``amortize_steps`` steps (how long a placement is expected to last),
+outweighs the migration (every moved copy's weights and optimizer state over the link). Every rank then moves experts in place
 (:meth:`HeterMoEStrategy.apply_placement`): weights and every optimizer tensor travel with
 their expert. What moved, the predicted gain and the measured migration time go to the
 loggers (``rebalance/...``) and to ``decisions``.
@@ -24,7 +25,6 @@ moves back to it; on another mix it starts from the plan.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -32,7 +32,7 @@ from typing import Any
 
 import lightning as L
 
-from ..plan.rebalance import rebalance
+from ..plan.rebalance import rebalance, refine
 from .load_monitor import ExpertLoadMonitor
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ POLICIES = ("time", "eplb")
 
 class ExpertRebalancer(L.Callback):
     def __init__(self, every_n_steps: int = 50, warmup_steps: int = 10, policy: str = "time",
-                 redundant_experts: int = 0, capacity_slack: float = 2.0, min_gain: float = 0.02) -> None:
+                 redundant_experts: int = 0, capacity_slack: float = 2.0, min_gain: float = 0.02,
+                 amortize_steps: int | None = 500) -> None:
         if policy not in POLICIES:
             raise ValueError(f"ExpertRebalancer policy={policy!r} is invalid: must be one of {POLICIES}")
         if every_n_steps < 1 or warmup_steps < 0 or redundant_experts < 0 or capacity_slack < 1:
@@ -49,6 +50,7 @@ class ExpertRebalancer(L.Callback):
                              "capacity_slack >= 1 are required")
         self.every_n_steps, self.warmup_steps, self.policy = every_n_steps, warmup_steps, policy
         self.redundant, self.capacity_slack, self.min_gain = redundant_experts, capacity_slack, min_gain
+        self.amortize_steps = amortize_steps
         self.decisions: list[dict[str, Any]] = []
         self._saved: dict[str, Any] | None = None
         self._checked = -1
@@ -85,7 +87,7 @@ class ExpertRebalancer(L.Callback):
     # -- the check ------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
-        if step == self._checked or step < self.warmup_steps or step % self.every_n_steps:
+        if step == self._checked or step < self.warmup_steps or (step - self.warmup_steps) % self.every_n_steps:
             return
         self._checked = step
         decision = self.decide(trainer) if trainer.global_rank == 0 else None
@@ -110,16 +112,20 @@ class ExpertRebalancer(L.Callback):
                      f"{decision['predicted_after_s'] * 1e3:.1f} ms/step")
 
     def decide(self, trainer) -> dict[str, Any] | None:
-        """Rank 0: the placement to move to, and whether moving pays."""
+        """Rank 0: the placement to move to, and whether moving pays.
+
+        Candidates start from a per-layer time-balanced packing and from EPLB's packing
+        (same budget of copies); the faster by the simulator (measured loads: transfers and
+        the schedule count, not only the expert phase) is refined one move at a time.
+        ``policy="eplb"`` takes EPLB's packing as it is (the baseline)."""
         monitor = self._monitor(trainer)
         share = monitor.load_share()
         strategy = trainer.strategy
-        if share is None or strategy._timer is None or monitor.last_counts is None:
+        if share is None or strategy._timer is None or monitor.last_counts is None or strategy.cluster is None:
             return None
         from ..cluster.devices import get_device
 
-        custom = strategy.cluster.custom_devices if strategy.cluster is not None else None
-        specs = [get_device(name, custom) for name in strategy.holders()]
+        specs = [get_device(name, strategy.cluster.custom_devices) for name in strategy.holders()]
         timer = strategy._timer
         scale = strategy._workload.token_scale if strategy._workload is not None else 1.0
         tokens = float(monitor.last_counts.sum(1).double().mean()) * scale  # routed choices per layer per step
@@ -127,62 +133,37 @@ class ExpertRebalancer(L.Callback):
         def cost(h: int, t: float) -> float:
             return timer.expert(specs[h], t) if t > 0 else 0.0
 
-        current = strategy.current_placement()
-        E = len(share[0])
-        if strategy.mode == "ep":
-            H = len(specs)
-            capacity = [math.ceil(E / H * self.capacity_slack) + self.redundant] * H
-            new, t_new, t_now, moves = rebalance(share, tokens, current, cost, capacity, self.redundant, self.policy)
-        else:
-            new, t_new, t_now, moves = self._zebra(strategy, share, tokens, current, cost)
-        step_s = strategy.prediction["device_step_time_s"] if strategy.prediction else max(t_now, 1e-9)
-        bytes_per_copy = _expert_bytes(strategy)
-        link = strategy.cluster.link if strategy.cluster is not None else None
-        migration = timer.comm(bytes_per_copy * moves, link) if link is not None and moves else 0.0
-        gain = t_now - t_new
-        apply = moves > 0 and gain > 0 and gain >= self.min_gain * step_s and gain * self.every_n_steps > migration
-        return {"apply": bool(apply), "placement": new, "moves": moves, "predicted_before_s": t_now,
-                "predicted_after_s": t_new, "predicted_gain_s": gain, "migration_cost_s": migration}
+        def score(placement) -> float:
+            return strategy.predict_placement(placement, share)
 
-    def _zebra(self, strategy, share, tokens, current, cost):
-        """Balance the expert ranks by time, then Asym-EA with measured loads, by simulation."""
-        lay = strategy._runtime.layout
-        M = len(lay.attention_members)
-        members = list(range(len(lay.members)))
-        experts_side = members[M:]
-        new = copy.deepcopy(current)
-        for l, row in enumerate(current):
-            mine = [e for h in experts_side for e in row[h]]
-            sub_tokens = [share[l][e] * tokens if e in mine else 0.0 for e in range(len(share[l]))]
-            sub_current = [row[h] for h in experts_side]
-            cap = [math.ceil(len(mine) / max(len(experts_side), 1) * self.capacity_slack)] * len(experts_side)
-            res, *_ = rebalance([[t / tokens if tokens else 0.0 for t in sub_tokens]], tokens, [sub_current],
-                                lambda h, t: cost(experts_side[h], t), cap, 0, self.policy)
-            for i, h in enumerate(experts_side):
-                new[l][h] = [e for e in res[0][i]]
-        best = strategy.predict_placement(new, share)
-        t_now = strategy.predict_placement(current, share)
-        improved = True
-        while improved and M:  # Asym-EA, greedy, on measured loads: offload one expert at a time
-            improved = False
-            for l in range(len(new)):
-                slow = max(experts_side, key=lambda h: sum(cost(h, share[l][e] * tokens) for e in new[l][h]))
-                if not new[l][slow]:
-                    continue
-                hot = max(new[l][slow], key=lambda e: share[l][e])
-                for a in range(M):
-                    trial = copy.deepcopy(new)
-                    trial[l][slow].remove(hot)
-                    trial[l][a] = sorted(trial[l][a] + [hot])
-                    t = strategy.predict_placement(trial, share)
-                    if t < best * (1 - 1e-6):
-                        new, best, improved = trial, t, True
-                        break
+        current = strategy.current_placement()
+        E, H = len(share[0]), len(specs)
+        redundant = self.redundant
+        if strategy.mode == "ep":
+            capacity = [math.ceil(E / H * self.capacity_slack) + redundant] * H
+        else:  # zebra: expert ranks trade experts; attention ranks may take more (Asym-EA, measured)
+            M = len(strategy._runtime.layout.attention_members)
+            held = [max(len(row[h]) for row in current) for h in range(H)]
+            capacity = [held[h] + 2 if h < M else math.ceil(E / max(H - M, 1) * self.capacity_slack)
+                        for h in range(H)]
+            redundant = 0
+        eplb, *_ = rebalance(share, tokens, current, cost, capacity, redundant, "eplb")
+        if self.policy == "eplb":
+            new, t_new = eplb, score(eplb)
+        else:
+            timed, *_ = rebalance(share, tokens, current, cost, capacity, redundant, "time")
+            new, t_new = refine(min((timed, eplb), key=score), score, capacity)
+        t_now = score(current)
+        if t_new >= t_now * (1 - 1e-9):
+            new, t_new = current, t_now
         moves = sum(1 for l, row in enumerate(new) for h, held in enumerate(row) for e in held
                     if e not in current[l][h])
-        if best >= t_now * (1 - 1e-9):
-            return current, t_now, t_now, 0
-        return new, best, t_now, moves
+        migration = timer.comm(_expert_bytes(strategy) * moves, strategy.cluster.link) if moves else 0.0
+        gain = t_now - t_new
+        horizon = self.amortize_steps or self.every_n_steps
+        apply = moves > 0 and gain > 0 and gain >= self.min_gain * t_now and gain * horizon > migration
+        return {"apply": bool(apply), "placement": new, "moves": moves, "predicted_before_s": t_now,
+                "predicted_after_s": t_new, "predicted_gain_s": gain, "migration_cost_s": migration}
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -49,6 +49,8 @@ class Plan(JsonDataclass):
     distep_microbatches: int = 1
     # schedule -> {"step_time_s": ..., "tokens_per_s": ...}
     predicted: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the global batch the plan was asked for (tokens); more than it holds if it was cut to fit
+    requested_tokens: int = 0
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -169,16 +171,23 @@ class Plan(JsonDataclass):
             f"schedule {self.schedule}",
             f"  seq_len {self.seq_len}, {self.total_seqs} sequences/step ({self.global_batch_tokens:,} tokens), "
             f"R = {self.num_microbatches} micro-batches",
-            f"  {len(self.zp_groups)} ZP group(s) of {M} attention + {N} expert ranks"
-            + (
-                "; no expert ranks: experts sharded over the attention ranks (EP layout, zebra overlap)"
-                if N == 0
-                else f"; experts/layer on attention ranks (Asym-EA): {self.offloaded()}"
-            )
-            + f" (n_min {self.n_min}, n_max {self.n_max})",
-            "",
-            f"  {'rank':>4}  {'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer",
         ]
+        if self.requested_tokens and self.global_batch_tokens * 2 <= self.requested_tokens:
+            lines.append(f"  WARNING: the global batch was cut from {self.requested_tokens:,} to "
+                         f"{self.global_batch_tokens:,} tokens so that activations fit in memory")
+        elif self.requested_tokens > self.global_batch_tokens:
+            left = (self.requested_tokens - self.global_batch_tokens) // self.seq_len
+            lines.append(f"  note: {left} of the {self.requested_tokens // self.seq_len} sequences asked for are left "
+                         f"out so that the batch splits evenly over {len(self.zp_groups)} ZP group(s)")
+        if N == 0:
+            lines.append(f"  {len(self.zp_groups)} ZP group(s) of {M} ranks, all attention: experts sharded over them "
+                         f"(the EP layout, with zebra's micro-batch overlap)")
+        else:
+            lines.append(f"  {len(self.zp_groups)} ZP group(s) of {M} attention + {N} expert ranks; experts per layer "
+                         f"moved onto attention ranks by Asym-EA: {self.offloaded()}")
+            lines.append(f"  memory: n_min = {self.n_min} experts per group had to leave the expert ranks (they do "
+                         f"not fit there); the attention ranks can hold n_max = {self.n_max}")
+        lines += ["", f"  {'rank':>4}  {'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer"]
         for r in range(self.world_size):
             g = self.group_of(r)
             per_layer = [len(self.experts_on(r, l)) for l in range(self.num_layers)]
@@ -188,12 +197,22 @@ class Plan(JsonDataclass):
             )
         if self.predicted:
             base = self.predicted.get(self.schedule, {}).get("tokens_per_s")
-            lines += ["", f"  {'schedule':<12} {'step (s)':>10} {'tokens/s':>12} {self.schedule + ' gain':>11}"]
+            lines += ["", f"  {'schedule':<12} {'step time':>10} {'tokens/s':>12}  {'throughput vs ' + self.schedule}"]
             for name, p in self.predicted.items():
                 tps, step = p.get("tokens_per_s"), p.get("step_time_s")
                 if not tps or not step:
-                    lines.append(f"  {name:<12} {'does not fit':>23} {'n/a':>11}")
+                    lines.append(f"  {name:<12} {'does not fit in memory':>24}")
                     continue
-                rel = f"{base / tps:>10.2f}x" if base else f"{'n/a':>11}"
-                lines.append(f"  {name:<12} {step:>10.3f} {tps:>12,.0f} {rel}")
+                rel = f"{tps / base:.2f}x" if base else "n/a"
+                lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel}")
+            lines.append(f"  (throughput vs {self.schedule}: below 1x is slower than {self.schedule})")
         return "\n".join(lines)
+
+
+def format_seconds(t: float) -> str:
+    """A duration in the unit that suits it: 1.23 s, 45.6 ms, 789 us."""
+    if t >= 1.0:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.1f} ms"
+    return f"{t * 1e6:.0f} us"

@@ -269,7 +269,30 @@ class _Search:
         return [r for r in R_CANDIDATES if r <= self.max_R] or [1]
 
 
-def make_plan(
+def make_plan(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_batch_tokens: int,
+              shrink_to_fit: int = 0, **kwargs: Any) -> Plan:
+    """Plan ``model`` on ``cluster``; see :func:`plan_for_batch` for the arguments.
+
+    With ``shrink_to_fit=n``, a batch whose activations fit nowhere is halved up to ``n``
+    times; the plan then records the batch it was asked for (``requested_tokens``) and its
+    table warns that the batch was cut."""
+    err: ValueError | None = None
+    for halvings in range(shrink_to_fit + 1):
+        tokens = global_batch_tokens >> halvings
+        if halvings and tokens < seq_len:
+            break  # halving went below one sequence: the first attempt's error stands
+        try:
+            plan = plan_for_batch(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, **kwargs)
+        except ValueError as e:
+            err = err or e
+            continue
+        plan.requested_tokens = global_batch_tokens
+        return plan
+    assert err is not None
+    raise err
+
+
+def plan_for_batch(
     cluster: Any,
     model: ModelConfig | dict,
     *,

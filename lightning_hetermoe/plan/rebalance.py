@@ -153,3 +153,39 @@ def rebalance(load_share: Sequence[Sequence[float]], tokens_per_step: float, cur
         t_now += res.current_time
         moves += res.moved
     return out, t_new, t_now, moves
+
+
+def refine(placement: list[list[list[int]]], score: Callable[[list[list[list[int]]]], float],
+           capacity: Sequence[int], movable: Sequence[int] | None = None, max_passes: int = 3,
+           ) -> tuple[list[list[list[int]]], float]:
+    """Local search on a whole-model placement: move one expert copy at a time to another
+    holder while ``score`` (a predicted step time: the simulator with measured loads, so
+    transfers and the pipeline count, not just the expert phase) falls. ``movable`` limits
+    which holders may gain or lose copies (default: all). Returns the placement and score."""
+    best = [[list(h) for h in layer] for layer in placement]
+    t_best = score(best)
+    holders = list(movable) if movable is not None else list(range(len(best[0])))
+    for _ in range(max_passes):
+        improved = False
+        for l, layer in enumerate(best):
+            for a in holders:
+                for e in list(layer[a]):
+                    if sum(e in h for h in layer) == 1 and len(layer[a]) == 1 and len(holders) == 1:
+                        continue
+                    for b in holders:
+                        if b == a or e in layer[b] or len(layer[b]) >= capacity[b]:
+                            continue
+                        trial = [[list(h) for h in x] for x in best]
+                        trial[l][a].remove(e)
+                        trial[l][b] = sorted(trial[l][b] + [e])
+                        t = score(trial)
+                        if t < t_best * (1 - 1e-6):
+                            best, t_best, improved = trial, t, True
+                            layer = best[l]
+                            break
+                    else:
+                        continue
+                    break
+        if not improved:
+            break
+    return best, t_best

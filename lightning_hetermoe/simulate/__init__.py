@@ -1,7 +1,7 @@
 """Discrete-event simulation of one training step under a plan and a schedule."""
 
 from .engine import Task, Timeline, run_dag
-from .gantt import draw_gantt
+from .gantt import draw_gantt, draw_gantt_compare
 from .schedules import (
     SCHEDULES,
     apportion,
@@ -34,4 +34,5 @@ __all__ = [
     "apportion",
     "split_microbatches",
     "draw_gantt",
+    "draw_gantt_compare",
 ]

@@ -1,4 +1,6 @@
-"""Gantt chart of a simulated step: one row per lane (ranks that behave alike) and channel."""
+"""Gantt charts of simulated steps: one row per lane (ranks that behave alike) and channel,
+each compute row labelled with how busy it is, bars labelled with their micro-batch;
+:func:`draw_gantt_compare` puts several schedules on one time axis."""
 
 from __future__ import annotations
 
@@ -13,40 +15,86 @@ COLORS = {
     "dispatch": "#937860",
     "combine": "#c44e52",
 }
+CHANNELS = {"a2e": "dispatch channel", "e2a": "combine channel", "dense": "balance counts"}
+
+
+def _rows(result: StepResult) -> list[str]:
+    tl = result.timeline
+    return sorted({t.resource for t in tl.tasks}, key=lambda r: (r in CHANNELS, r))
+
+
+def _draw(ax, result: StepResult, title: str) -> None:
+    tl = result.timeline
+    rows = _rows(result)
+    y = {r: i for i, r in enumerate(rows)}
+    busy: dict[str, float] = {}
+    for t, s, e in zip(tl.tasks, tl.start, tl.end):
+        if e <= s:
+            continue
+        busy[t.resource] = busy.get(t.resource, 0.0) + (e - s)
+        ax.barh(y[t.resource], e - s, left=s, height=0.8, color=COLORS.get(t.kind, "grey"), edgecolor="white",
+                linewidth=0.3)
+        if t.mb >= 0 and (e - s) > result.step_time / 60:  # label bars wide enough to read
+            ax.text((s + e) / 2, y[t.resource], str(t.mb), ha="center", va="center", fontsize=6, color="white")
+    labels = []
+    for r in rows:
+        name = CHANNELS.get(r, r.split(":", 1)[1] if ":" in r else r)
+        share = busy.get(r, 0.0) / result.step_time if result.step_time > 0 else 0.0
+        labels.append(f"{name}  {share:.0%} busy")
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(result.step_time, color="k", lw=0.8, ls="--")
+    ax.set_title(title, fontsize=9)
+
+
+def _legend(fig) -> None:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
+    fig.legend(handles=handles, ncol=len(COLORS), fontsize=7, loc="lower center")
 
 
 def draw_gantt(result: StepResult, path: str, title: str | None = None) -> str:
-    """Write a PNG of ``result``'s timeline to ``path`` (matplotlib, Agg backend)."""
+    """Write a PNG of ``result``'s timeline to ``path`` (matplotlib, Agg backend); bar labels
+    are micro-batch numbers."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    tl = result.timeline
-    if tl is None:
+    if result.timeline is None:
         raise ValueError("draw_gantt: the result has no timeline (simulate with keep_timeline=True)")
-    rows = sorted({t.resource for t in tl.tasks}, key=lambda r: (r in ("a2e", "e2a"), r))
-    y = {r: i for i, r in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.6))
-    for t, s, e in zip(tl.tasks, tl.start, tl.end):
-        if e <= s:
-            continue
-        ax.barh(y[t.resource], e - s, left=s, height=0.8, color=COLORS.get(t.kind, "grey"), edgecolor="none")
-    labels = [r.split(":", 1)[1] if ":" in r else {"a2e": "dispatch ch.", "e2a": "combine ch."}.get(r, r) for r in rows]
-    ax.set_yticks(range(len(rows)), labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (s)")
-    ax.set_title(title or f"{result.schedule}: step {result.step_time:.3f} s, {result.tokens_per_s:,.0f} tokens/s")
-    ax.axvline(result.step_time, color="k", lw=0.8, ls="--")
-    ax.legend(
-        handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
-        ncol=7,
-        fontsize=7,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.18 if len(rows) < 6 else -0.08),
-    )
-    fig.tight_layout()
+    rows = _rows(result)
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.8))
+    _draw(ax, result, title or f"{result.schedule}: step {result.step_time:.3g} s, {result.tokens_per_s:,.0f} tokens/s")
+    ax.set_xlabel("time (s); bar labels: micro-batch")
+    _legend(fig)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_gantt_compare(results: dict[str, StepResult], path: str, title: str = "") -> str:
+    """Several schedules of the same step, stacked on one shared time axis."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    shown = {k: r for k, r in results.items() if r.timeline is not None}
+    if not shown:
+        raise ValueError("draw_gantt_compare: no result has a timeline")
+    heights = [len(_rows(r)) + 1 for r in shown.values()]
+    fig, axes = plt.subplots(len(shown), 1, sharex=True, figsize=(12, 0.42 * sum(heights) + 1.8),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (name, r) in zip(axes[:, 0], shown.items()):
+        _draw(ax, r, f"{name}: step {r.step_time:.3g} s, {r.tokens_per_s:,.0f} tokens/s")
+    axes[-1, 0].set_xlabel("time (s), shared by every schedule; bar labels: micro-batch")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    _legend(fig)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -87,18 +87,27 @@ class StepSetup:
     # measured routing: per layer, each expert's share of the routed choices (None: even)
     expert_load: list[list[float]] | None = None
 
+    def copies(self, layer: int) -> list[int]:
+        """How many ranks hold each expert of ``layer`` (copies split their expert's tokens)."""
+        n = [0] * self.model.moe.num_experts
+        for lane in self.lanes:
+            for e in (lane.expert_ids[layer] if lane.expert_ids else []):
+                n[e] += len(lane.ranks)
+        return n
+
     def expert_tokens(self, lane: Lane, layer: int, group_tokens: float) -> list[float]:
         """Tokens each expert the lane holds processes when the group routes ``group_tokens``."""
         k, E = self.model.moe.top_k, self.model.moe.num_experts
         if self.expert_load is not None and lane.expert_ids:
-            load = self.expert_load[layer]
-            return [group_tokens * k * load[e] for e in lane.expert_ids[layer]]
+            load, n = self.expert_load[layer], self.copies(layer)
+            return [group_tokens * k * load[e] / n[e] for e in lane.expert_ids[layer]]
         return [group_tokens * k / E] * lane.experts[layer]
 
     def own_share(self, lane: Lane, layer: int) -> float:
         """The share of every token's routed choices that lands on this lane's experts."""
         if self.expert_load is not None and lane.expert_ids:
-            return sum(self.expert_load[layer][e] for e in lane.expert_ids[layer])
+            n = self.copies(layer)
+            return sum(self.expert_load[layer][e] / n[e] for e in lane.expert_ids[layer])
         return lane.experts[layer] / self.model.moe.num_experts
 
 
@@ -154,6 +163,11 @@ def _check(setup: StepSetup) -> None:
         if len(lane.experts) != m.n_layers:
             raise ValueError(f"lane {lane.name}: expert counts for {len(lane.experts)} layers, model has {m.n_layers}")
     for l in range(m.n_layers):
+        if all(lane.expert_ids for lane in setup.lanes):  # copies allowed: every expert held somewhere
+            missing = [e for e, n in enumerate(setup.copies(l)) if n == 0]
+            if missing:
+                raise ValueError(f"layer {l}: experts {missing} are held by no rank")
+            continue
         placed = sum(len(lane.ranks) * lane.experts[l] for lane in setup.lanes)
         if placed != m.moe.num_experts:
             raise ValueError(f"layer {l}: {placed} experts placed, model has {m.moe.num_experts}")

@@ -261,8 +261,12 @@ class HeterMoEStrategy(DDPStrategy):
                  f"{self.world_size // self.ep_groups.ep_size} replica(s)")
 
     def setup(self, trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
         if self.mode != "ep":
-            self._zebra_setup(trainer)
+            # Fitting: the layout first, so the optimizer is built over this rank's parameters
+            # only. Otherwise Lightning re-syncs the whole module first (DDP does it without
+            # its wrapper), which needs every rank to still hold every tensor.
+            self._zebra_setup(trainer, apply=fitting)
         elif self.cluster is not None and self.prediction is None:
             try:
                 self._timing(trainer)
@@ -272,7 +276,9 @@ class HeterMoEStrategy(DDPStrategy):
             else:
                 self.prediction = self._predict()
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if self.mode != "ep" and not fitting:
+            self._runtime.apply(self.lightning_module)
+        if fitting:
             # Dense and expert gradients live in different groups: the global norm needs both.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if self.batch_split == "speed":
@@ -284,7 +290,7 @@ class HeterMoEStrategy(DDPStrategy):
         # zebra/distep: no DDP wrapper; the runtime sums gradients in the right groups itself
 
     # -- zebra / distep -----------------------------------------------------------------
-    def _zebra_setup(self, trainer) -> None:
+    def _zebra_setup(self, trainer, apply: bool = True) -> None:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         module = self.lightning_module
@@ -314,7 +320,8 @@ class HeterMoEStrategy(DDPStrategy):
                                          timeout_s=self._timeout.total_seconds() if self._timeout else 1800.0)
             self._announce_plan(trainer, plan)
             self.prediction = self._predict()
-        self._runtime.apply(module)
+        if apply:
+            self._runtime.apply(module)
 
     def _timing(self, trainer) -> None:
         """The clock this run is planned, emulated and predicted with: an emulated cluster's
@@ -444,10 +451,18 @@ class HeterMoEStrategy(DDPStrategy):
         return bool(self._spread_layers())
 
     def predict_placement(self, placement: list[list[list[int]]], expert_load: list[list[float]]) -> float:
-        """Zebra: the simulator's device step time for this plan with ``placement`` and the
-        measured ``expert_load`` (what the rebalancer compares candidates by)."""
-        from ..simulate import simulate_plan
+        """The simulator's device step time of this run with ``placement`` and the measured
+        ``expert_load`` (what the rebalancer compares candidates by)."""
+        from ..simulate import ep_setup, simulate_plan, simulate_step
 
+        if self._runtime is None:
+            setup = ep_setup(self.cluster.specs(), self._clock_model, seq_len=self._clock_seq,
+                             total_seqs=self._per_rank * self.world_size, link=self.cluster.link, timer=self._timer,
+                             balanced=self.batch_split == "speed", num_microbatches=1, expert_load=expert_load)
+            for lane in setup.lanes:
+                ids = [placement[l][lane.ranks[0] % self.ep_groups.ep_size] for l in range(len(placement))]
+                lane.expert_ids, lane.experts = ids, [len(x) for x in ids]
+            return simulate_step(setup, self._timer, "ep", keep_timeline=False).step_time
         plan = copy.deepcopy(self._runtime.plan)
         for l, per_member in enumerate(placement):
             for m, held in enumerate(per_member):

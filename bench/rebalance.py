@@ -1,0 +1,105 @@
+"""Rebalancing under skewed routing, measured: static placement, this rebalancer, EPLB's policy.
+
+    python bench/rebalance.py           # about 10 minutes on 2 cores
+    python bench/rebalance.py --quick   # A40+V100 only
+
+Load: every router gets a fixed logit offset on experts 22 and 23 (``bench/skew.py``), so
+those two take roughly half of every layer's tokens for the whole run (the table shows the
+measured share); the static placement puts both on the last, slowest rank. Model: the tiny model with D1's 24 experts, top-2, on 4 layers; clock: the
+D1 workload at 4K tokens per sequence (experts weigh most there); expert parallelism.
+
+Clusters: emulated A40+V100, 2xA40+2xV100, a homogeneous 4xA40, and L40S+T4 (where the
+devices' expert speeds differ most). Policies, side by side
+in one run: the static placement, ``ExpertRebalancer`` (time-balanced, copies allowed), and
+EPLB's published policy (balanced packing of token counts plus replication, written in
+``lightning_hetermoe/plan/rebalance.py``), both with the same budget of redundant copies,
+deciding once, at step 2. Step time is timed from step 5 on (after the moves). A perfectly
+even load (``UniformRouter``: every expert the same number of tokens) checks that the
+rebalancer does no harm: on the homogeneous 4xA40 nothing needs fixing; on A40+V100 even
+routing still leaves the slower V100 with half the expert work, which time-awareness fixes.
+
+The last line is JSON with ``rebalanced_over_static`` and ``rebalanced_over_eplb`` (step-time
+ratios on A40+V100; below 1 is faster) and every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from runs import cluster_overrides, run_job
+
+MIXES = {"a40+v100": ["a40", "v100"], "2xa40+2xv100": ["a40", "a40", "v100", "v100"], "4xa40": ["a40"] * 4,
+         "l40s+t4": ["l40s", "t4"]}
+TIME_SCALE = {2: 6.0, 4: 8.0}  # D1 at 4K: the tiny CPU tasks stay under their modelled times
+GLOBAL_BATCH = 12
+BASE = ["strategy.mode=ep", "model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2",
+        "trainer.max_steps=8", "timing_warmup_steps=4"]
+# The two hot experts are the last two: under the static (contiguous) placement they sit on
+# the last rank, the slowest device of every mix.
+SKEW = ["+callbacks.skew._target_=skew.SkewedRouter", "+callbacks.skew.bias=3.0", "+callbacks.skew.hot=[22,23]"]
+# A perfectly even load (every expert the same number of tokens): nothing to fix.
+EVEN = ["+callbacks.skew._target_=skew.UniformRouter"]
+
+
+def policy(name: str, redundant: int) -> list[str]:
+    if name == "static":
+        return []
+    return ["+callbacks.rebalancer._target_=lightning_hetermoe.ExpertRebalancer",
+            f"+callbacks.rebalancer.policy={'time' if name == 'rebalancer' else 'eplb'}",
+            "+callbacks.rebalancer.every_n_steps=100", "+callbacks.rebalancer.warmup_steps=2",
+            f"+callbacks.rebalancer.redundant_experts={redundant}", "+callbacks.rebalancer.min_gain=0.0"]
+
+
+def run(mix: str, name: str, skewed: bool = True) -> dict:
+    devices = MIXES[mix]
+    W = len(devices)
+    s = run_job([*cluster_overrides(mix.replace("+", "_"), devices, "d1", 4096, TIME_SCALE[W]), *BASE,
+                 f"data.batch_size={GLOBAL_BATCH // W}", *(SKEW if skewed else EVEN), *policy(name, W)])
+    moves = sum(d.get("moves", 0) for d in s.get("rebalance", []) if d.get("apply"))
+    return {"mix": mix, "policy": name, "skewed": skewed, "step_s": s["step_time_s"],
+            "top2_share": s.get("expert_token_share_top2_min"), "moves": moves,
+            "overrun_fraction": s["emulation"]["overrun_fraction"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="A40+V100 only")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    rows = []
+    print(f"{'mix':14} {'load':9} {'policy':10} {'s/step':>7} {'/static':>8} {'hot share':>9} {'moves':>5} "
+          f"{'overrun':>7}", flush=True)
+    mixes = ["a40+v100"] if args.quick else list(MIXES)
+    for mix in mixes:
+        for skewed in (True, False) if mix in ("a40+v100", "4xa40") else (True,):
+            static = None
+            for name in ("static", "rebalancer", "eplb") if skewed else ("static", "rebalancer"):
+                r = run(mix, name, skewed)
+                static = static or r["step_s"]
+                r["over_static"] = r["step_s"] / static
+                rows.append(r)
+                share = f"{r['top2_share']:.0%}" if r["top2_share"] is not None else "-"
+                print(f"{mix:14} {'skewed' if skewed else 'even':9} {name:10} {r['step_s']:7.3f} "
+                      f"{r['over_static']:8.2f} {share:>9} {r['moves']:5d} {r['overrun_fraction']:7.1%}", flush=True)
+    by = {(r["mix"], r["policy"], r["skewed"]): r for r in rows}
+    het = [m for m in mixes if m != "4xa40"]
+    result = {
+        "rebalanced_over_static": by[("a40+v100", "rebalancer", True)]["over_static"],
+        "rebalanced_over_eplb": by[("a40+v100", "rebalancer", True)]["step_s"] / by[("a40+v100", "eplb", True)]["step_s"],
+        "rebalanced_over_eplb_by_mix": {m: by[(m, "rebalancer", True)]["step_s"] / by[(m, "eplb", True)]["step_s"]
+                                        for m in mixes},
+        "rebalanced_over_static_balanced_load": by[("a40+v100", "rebalancer", False)]["over_static"],
+        "rebalanced_over_static_balanced_homogeneous": by[("4xa40", "rebalancer", False)]["over_static"]
+        if ("4xa40", "rebalancer", False) in by else None,
+        "heterogeneous_mixes": het,
+        "rows": rows,
+        "wall_s": time.perf_counter() - started,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The zebra executor: plan to processes, micro-batch fibers, the bipartite exchange."""
