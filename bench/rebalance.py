@@ -1,6 +1,6 @@
 """Rebalancing under skewed routing, measured: static placement, this rebalancer, EPLB's policy.
 
-    python bench/rebalance.py           # about 10 minutes on 2 cores
+    python bench/rebalance.py           # about 13 minutes on 2 cores
     python bench/rebalance.py --quick   # A40+V100 only
 
 Load: every router gets a fixed logit offset on experts 22 and 23 (``bench/skew.py``), so

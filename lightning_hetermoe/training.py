@@ -50,33 +50,29 @@ def build_trainer_kwargs(cfg: DictConfig, cluster: ClusterConfig) -> dict[str, A
     return kwargs
 
 
-def build_loggers(cfg: DictConfig, output_dir: str | os.PathLike) -> list[Any]:
-    """``cfg.logger``: name -> ``{_target_: ..., save_dir: null}``; ``save_dir: null`` is the run directory."""
+def instantiate_group(cfg: DictConfig, group: str, what: str, **defaults: Any) -> list[Any]:
+    """``cfg.<group>``: name -> ``{_target_: ..., **kwargs}`` (lightning-hydra-template), each
+    built with ``hydra.utils.instantiate``; ``defaults`` fill keys the node leaves null."""
     from hydra.utils import instantiate
 
     out = []
-    for name, node in (cfg.get("logger") or {}).items():
+    for name, node in (cfg.get(group) or {}).items():
         if node is None:
             continue
         if "_target_" not in node:
-            raise ConfigError(f"logger.{name} needs a _target_ (a Lightning logger class path)")
-        extra = {"save_dir": str(output_dir)} if node.get("save_dir") is None else {}
+            raise ConfigError(f"{group}.{name} needs a _target_ ({what})")
+        extra = {k: v for k, v in defaults.items() if node.get(k, None) is None}
         out.append(instantiate(node, **extra))
     return out
 
 
-def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    """``cfg.callbacks``: a mapping of name -> ``{_target_: ..., **kwargs}`` (lightning-hydra-template)."""
-    from hydra.utils import instantiate
+def build_loggers(cfg: DictConfig, output_dir: str | os.PathLike) -> list[Any]:
+    """``save_dir: null`` is the run directory."""
+    return instantiate_group(cfg, "logger", "a Lightning logger class path", save_dir=str(output_dir))
 
-    out = []
-    for name, node in (cfg.get("callbacks") or {}).items():
-        if node is None:
-            continue
-        if "_target_" not in node:
-            raise ConfigError(f"callbacks.{name} needs a _target_ (the callback's class path)")
-        out.append(instantiate(node))
-    return out
+
+def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
+    return instantiate_group(cfg, "callbacks", "the callback's class path")
 
 
 def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = "popen") -> HeterMoEStrategy:
@@ -119,7 +115,11 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         out["emulation"] = {"padded_tasks": emulation["padded_tasks"], "overruns": emulation["overruns"],
                             "overrun_fraction": frac, "faithful": frac <= 0.05,
                             "needed_time_scale": max((r or {}).get("needed_time_scale", 0.0)
-                                                     for r in emulation["ranks"])}
+                                                     for r in emulation["ranks"]),
+                            # where the clock slipped: rank -> task kind -> overrun count
+                            "overruns_by_rank": {str(i): {k: t["overruns"] for k, t in r["tasks"].items()
+                                                          if t["overruns"]}
+                                                 for i, r in enumerate(emulation["ranks"]) if r}}
         if frac > 0.05:
             out["emulation"]["warning"] = (f"{frac:.0%} of the emulated tasks overran their modelled time: the clock "
                                            f"is not faithful; raise cluster.time_scale")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import tempfile
 from typing import Any
 
 import lightning as L
@@ -134,7 +136,9 @@ def validation_loss(model: MoELanguageModel, world_batch: int = 8) -> float:
 
 
 def trainer(strategy, devices: int, **kwargs: Any) -> L.Trainer:
-    defaults = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    # the run directory (plan.json, checkpoints) goes to a temporary place, not the checkout
+    defaults = dict(default_root_dir=os.path.join(tempfile.gettempdir(), "lightning-hetermoe-tests"),
+                    accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     defaults.update(kwargs)
     return L.Trainer(strategy=strategy, devices=devices, **defaults)

@@ -24,17 +24,18 @@ def model(seed: int = 0):
     return make_model(NUM_EXPERTS, seed=seed, optim=OptimConfig())
 
 
-def fit_with_step_checkpoints(rank: int, world: int, ckpt_dir: str):
+def fit_with_step_checkpoints(rank: int, world: int, ckpt_dir: str, mode: str = "ep", plan=None):
     m = model(seed=rank)
     every = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    t = trainer(HeterMoEStrategy(), world, max_epochs=EPOCHS, callbacks=[every], enable_checkpointing=True)
+    t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS, callbacks=[every],
+                enable_checkpointing=True)
     t.fit(m, datamodule=data(world, windows=WINDOWS))
     return m.state_dict() if rank == 0 else None
 
 
-def resume(rank: int, world: int, ckpt: str):
+def resume(rank: int, world: int, ckpt: str, mode: str = "ep", plan=None):
     m = model(seed=100 + rank)  # anything: the checkpoint decides
-    t = trainer(HeterMoEStrategy(), world, max_epochs=EPOCHS)
+    t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS)
     t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
     return m.state_dict() if rank == 0 else None
 
@@ -63,22 +64,6 @@ def test_step_checkpoints_change_nothing_and_resume_mid_epoch_on_another_world(t
     assert_same_params(resumed, expected, initial)
 
 
-def fit_zebra_with_checkpoints(rank: int, world: int, ckpt_dir: str, plan):
-    m = model(seed=rank)
-    every = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    t = trainer(HeterMoEStrategy(mode="zebra", plan=plan), world, max_epochs=EPOCHS, callbacks=[every],
-                enable_checkpointing=True)
-    t.fit(m, datamodule=data(world, windows=WINDOWS))
-    return m.state_dict() if rank == 0 else None
-
-
-def resume_as(rank: int, world: int, ckpt: str, mode: str, plan):
-    m = model(seed=100 + rank)
-    t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS)
-    t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
-    return m.state_dict() if rank == 0 else None
-
-
 def test_zebra_checkpoint_resumes_under_ep_and_under_another_zebra_mix(tmp_path):
     from test_zebra import make_test_plan
 
@@ -87,10 +72,10 @@ def test_zebra_checkpoint_resumes_under_ep_and_under_another_zebra_mix(tmp_path)
     expected = reference_fit(m, STEPS, windows=WINDOWS)
     # Saved by zebra on 1 attention + 1 expert rank, R=2 ...
     plan2 = make_test_plan(2, [0], R=2, num_experts=NUM_EXPERTS)
-    saved = run_ranks(2, fit_zebra_with_checkpoints, 2, str(tmp_path), plan2)[0]
+    saved = run_ranks(2, fit_with_step_checkpoints, 2, str(tmp_path), "zebra", plan2)[0]
     assert_same_params(saved, expected, initial)
     ckpt = str(tmp_path / "step=4.ckpt")
     # ... resumed mid-epoch by EP on 4 ranks, and by zebra on 2 attention + 2 expert ranks with Asym-EA.
-    assert_same_params(run_ranks(4, resume_as, 4, ckpt, "ep", None)[0], expected, initial)
+    assert_same_params(run_ranks(4, resume, 4, ckpt, "ep", None)[0], expected, initial)
     plan4 = make_test_plan(4, [0, 1], R=3, num_experts=NUM_EXPERTS, placement=[[2, 2, 3, 0], [2, 3, 3, 1]])
-    assert_same_params(run_ranks(4, resume_as, 4, ckpt, "zebra", plan4)[0], expected, initial)
+    assert_same_params(run_ranks(4, resume, 4, ckpt, "zebra", plan4)[0], expected, initial)

@@ -290,3 +290,34 @@ def test_plan_validation_rejects_inconsistent_plans(plan_43):
     )
     with pytest.raises(ValueError):
         Plan.from_dict(d)
+
+
+def test_plan_table_wording_snapshot():
+    """The table a user reads: speed-ups that cannot be read backwards, n_min/n_max said in
+    words, units that suit the size, and a cut batch flagged."""
+    from lightning_hetermoe.plan import ZPGroup
+
+    plan = Plan(model="d1", cluster="mix", seq_len=4096, devices=["a40", "v100", "v100"],
+                roles=["attention", "expert", "expert"], zp_groups=[ZPGroup([0], [1, 2])], num_microbatches=4,
+                seqs_per_rank=[8, 0, 0], placement=[[1, 1, 2, 0], [1, 2, 2, 1]], n_min=0, n_max=12,
+                requested_tokens=4 * 8 * 4096,
+                predicted={"zebra": {"step_time_s": 0.0123, "tokens_per_s": 2664065.0},
+                           "distep": {"step_time_s": 1.5, "tokens_per_s": 21845.3},
+                           "ep": {"step_time_s": None, "tokens_per_s": None, "error": "does not fit"}})
+    assert str(plan) == """\
+HeterMoE plan: model d1 on cluster mix (3 ranks), schedule zebra
+  seq_len 4096, 8 sequences/step (32,768 tokens), R = 4 micro-batches
+  WARNING: the global batch was cut from 131,072 to 32,768 tokens so that activations fit in memory
+  1 ZP group(s) of 1 attention + 2 expert ranks; experts per layer moved onto attention ranks by Asym-EA: [1, 0]
+  memory: n_min = 0 experts per group had to leave the expert ranks (they do not fit there); the attention ranks can hold n_max = 12
+
+  rank  device   role      zp  seqs  experts per layer
+     0  a40      attention  0     8   1  0
+     1  v100     expert     0     0   2  2
+     2  v100     expert     0     0   1  2
+
+  schedule      step time     tokens/s  throughput vs zebra
+  zebra           12.3 ms    2,664,065  1.00x
+  distep           1.50 s       21,845  0.01x
+  ep             does not fit in memory
+  (throughput vs zebra: below 1x is slower than zebra)"""

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, OptimConfig
+from lightning_hetermoe.contract import moe_layers
 from reference import assert_same_params, data, global_batches, make_model, reference_fit, trainer
 from test_zebra import make_test_plan
 
@@ -29,8 +30,12 @@ class MoveAt(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step and self.moved is None:
+            before = [layer.dispatcher for _, layer in moe_layers(pl_module)]
             self.moved = trainer.strategy.apply_placement(self.placement)
             self.after = trainer.strategy.current_placement()
+            # A move keeps each layer's dispatcher object: what wraps it (the emulated
+            # clock's exchange timing) must survive a migration.
+            self.kept = all(a is b for a, b in zip(before, [layer.dispatcher for _, layer in moe_layers(pl_module)]))
 
 
 def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = None):
@@ -47,7 +52,7 @@ def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = 
                                              save_top_k=-1))
         t = trainer(strategy, world, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir))
         t.fit(model, datamodule=data(world, case.get("global", 8)))
-        out.append({"state": model.state_dict(), "moved": move.moved, "after": move.after,
+        out.append({"state": model.state_dict(), "moved": move.moved, "after": move.after, "kept": move.kept,
                     "counts": callbacks[1].last_counts})
     return out if rank == 0 else None
 
@@ -69,6 +74,7 @@ def test_moves_and_copies_in_the_middle_of_training_change_no_number():
         initial = copy.deepcopy(model.state_dict())
         expected = reference_fit(model, STEPS)
         assert got["moved"] > 0 and got["after"] == case["placement"], (got["moved"], got["after"])
+        assert got["kept"]
         assert_same_params(got["state"], expected, initial)
 
 

@@ -29,6 +29,8 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
     assert summary["tokens_per_s"] > 0 and summary["workload_tokens_per_s"] > summary["tokens_per_s"]
     assert "HeterMoE plan: model d1 on cluster emu_a40_v100_d1_8k" in proc.stdout, "the plan is printed"
+    # output is not a terminal here: a progress line instead of a redrawn bar
+    assert "[hetermoe] step 10/12, train_loss" in proc.stderr and "it/s]" not in proc.stderr
     assert (tmp_path / "plan.json").is_file()
     # The emulated clock is honest about itself, and the real executor keeps to the
     # simulator's step time for the same plan (loose: CI machines are noisy).
@@ -123,8 +125,9 @@ def test_torchrun_launches_the_ranks_and_the_pack_spawns_none(tmp_path):
     assert (proc.stdout + proc.stderr).count("Initializing distributed:") == 2
 
 
-def test_metrics_reach_the_csv_logger(tmp_path):
-    proc = run_recipe("cluster=cpu2", "strategy.mode=ep", "trainer.max_steps=10", "trainer.log_every_n_steps=5",
+def test_metrics_reach_the_csv_and_tensorboard_loggers(tmp_path):
+    proc = run_recipe("cluster=cpu2", "strategy.mode=ep", "logger=[csv,tensorboard]", "trainer.max_steps=10",
+                      "trainer.log_every_n_steps=5",
                       "callbacks.load_monitor.log_every_n_steps=5", "trainer.limit_val_batches=1",
                       f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -137,3 +140,5 @@ def test_metrics_reach_the_csv_logger(tmp_path):
                  "moe_load/layer0_max_over_mean"):
         assert name in columns, sorted(columns)
     assert any(r["train_loss"] for r in rows) and any(r["perf/tokens_per_s"] for r in rows)
+    events = list(tmp_path.glob("tensorboard/version_*/events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 500, "TensorBoard event file with the metrics"

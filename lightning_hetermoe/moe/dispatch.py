@@ -95,16 +95,21 @@ class AllToAllDispatcher:
 
     def __init__(self, group: dist.ProcessGroup | None, placement: list[list[int]]) -> None:
         self.group = group
-        self.placement = [list(p) for p in placement]
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        if len(self.placement) != self.size:
-            raise ValueError(f"placement has {len(self.placement)} entries for an expert-parallel group of {self.size}")
-        flat = [e for p in self.placement for e in p]
+        self.set_placement(placement)
+
+    def set_placement(self, placement: list[list[int]]) -> None:
+        """Adopt a new placement in place (after a migration): whatever wraps this
+        dispatcher (the emulated clock wraps ``exchange``) stays installed."""
+        if len(placement) != self.size:
+            raise ValueError(f"placement has {len(placement)} entries for an expert-parallel group of {self.size}")
+        flat = [e for p in placement for e in p]
         num_experts = len(set(flat))
-        if sorted(set(flat)) != list(range(num_experts)) or any(len(set(p)) != len(p) for p in self.placement):
-            raise ValueError(f"placement {self.placement} must hold every expert 0..{num_experts - 1}, "
+        if sorted(set(flat)) != list(range(num_experts)) or any(len(set(p)) != len(p) for p in placement):
+            raise ValueError(f"placement {placement} must hold every expert 0..{num_experts - 1}, "
                              f"each at most once per rank")
+        self.placement = [list(p) for p in placement]
         self.copies: list[list[int]] = [[] for _ in range(num_experts)]  # positions of each expert's copies
         for pos, e in enumerate(flat):
             self.copies[e].append(pos)

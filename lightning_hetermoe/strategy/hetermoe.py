@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..cluster import ClusterConfig
@@ -257,8 +257,9 @@ class HeterMoEStrategy(DDPStrategy):
         first = next(iter(placements.values()))
         sizes = [len(p) for p in first]
         uneven = " (uneven split)" if len(set(sizes)) > 1 else ""
-        log.info(f"hetermoe[{self.mode}]: {len(placements)} MoE layers, experts per EP rank {sizes}{uneven}, "
-                 f"{self.world_size // self.ep_groups.ep_size} replica(s)")
+        # rank_zero_info reaches plain scripts too (Lightning's logger prints INFO), not only Hydra runs
+        rank_zero_info(f"hetermoe[{self.mode}]: {len(placements)} MoE layers, experts per EP rank {sizes}{uneven}, "
+                       f"{self.world_size // self.ep_groups.ep_size} replica(s)")
 
     def setup(self, trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -438,10 +439,8 @@ class HeterMoEStrategy(DDPStrategy):
             layer.experts.expert_ids = idx.to(layer.experts.expert_ids.device)
             if self._runtime is not None:
                 self._runtime.set_layer_placement(l, new[l])
-            else:
-                from ..moe import AllToAllDispatcher
-
-                layer.dispatcher = AllToAllDispatcher(self.ep_groups.ep_group, new[l])
+            else:  # in place: a new dispatcher would drop the emulated clock's exchange wrapper
+                layer.dispatcher.set_placement(new[l])
         if self._runtime is not None:
             self._runtime.placement_changed()
         return moved
