@@ -13,7 +13,7 @@ from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer
 from .moe import MoELayer
 from .plan import Plan, make_plan
 from .profile import CostModel, Profile
-from .profile.profiler import profile_cluster
+from .profiler import profile_cluster
 from .simulate import simulate_plan
 from .strategy import HeterMoEStrategy, register_strategies
 

@@ -7,6 +7,7 @@ is built (from Python or from YAML through :func:`from_cfg`), before any process
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -223,3 +224,23 @@ def from_cfg(cls: type[T], cfg: Any, section: str | None = None) -> T:
         nested = f"{section}.{name}" if section else None
         kwargs[name] = from_cfg(sub, value, nested) if is_dataclass(sub) and isinstance(value, dict) else value
     return cls(**kwargs)
+
+
+# The named models of conf/model (d1, w2, ...): workloads the emulated clock can stand for.
+WORKLOAD_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def workload_model(spec: Any) -> ModelConfig:
+    """A workload's model: the name of a ``conf/model`` file (``d1``, ``w2`` ...) or its fields."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    if isinstance(spec, str):
+        path = WORKLOAD_DIR / f"{spec}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml")) if WORKLOAD_DIR.is_dir() else []
+            raise ConfigError(f"cluster.emulate_workload.model={spec!r} is invalid: must be one of {known} "
+                              f"(the files of conf/model) or a mapping of model fields")
+        from omegaconf import OmegaConf
+
+        return from_cfg(ModelConfig, OmegaConf.load(path), "cluster.emulate_workload.model")
+    return from_cfg(ModelConfig, spec, "cluster.emulate_workload.model")

@@ -1,6 +1,6 @@
 """What devices exist: per-rank device specs from a cluster config or from detection."""
 
-from .config import ClusterConfig, LinkConfig
+from .config import ClusterConfig, LinkConfig, resolve_cluster
 from .devices import (
     KNOWN_DEVICES,
     DeviceSpec,
@@ -8,7 +8,6 @@ from .devices import (
     get_device,
     match_device_name,
     register_device,
-    resolve_cluster,
     spec_from_properties,
 )
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, from_cfg, workload_model
+from .devices import DeviceSpec, custom_spec, get_device
 
 
 @dataclass
@@ -64,15 +65,11 @@ class ClusterConfig:
         if not self.emulate:
             raise ConfigError("cluster.emulate_workload is set but cluster.emulate is false: the workload clock only "
                               "times emulated ranks")
-        from ..emulate.clock import workload_model
-
         workload_model(w["model"])
         self.emulate_workload = w
 
     def specs(self) -> list:
         """One :class:`~.devices.DeviceSpec` per rank; names the bad field if one does not resolve."""
-        from .devices import custom_spec, get_device
-
         for name, body in dict(self.custom_devices or {}).items():
             try:
                 custom_spec(str(name).lower(), body, where=f"cluster.custom_devices.{name}")
@@ -89,3 +86,10 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return len(self.devices)
+
+
+def resolve_cluster(cluster_cfg: Any) -> list[DeviceSpec]:
+    """One :class:`DeviceSpec` per rank, in rank order, from a ClusterConfig (or its dict)."""
+    if not isinstance(cluster_cfg, ClusterConfig):
+        cluster_cfg = from_cfg(ClusterConfig, cluster_cfg)
+    return [get_device(n, cluster_cfg.custom_devices) for n in cluster_cfg.devices]

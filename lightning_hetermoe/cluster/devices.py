@@ -204,17 +204,6 @@ def get_device(name: str, custom: Mapping[str, Any] | None = None) -> DeviceSpec
     )
 
 
-def resolve_cluster(cluster_cfg: Any) -> list[DeviceSpec]:
-    """One :class:`DeviceSpec` per rank, in rank order, from a ClusterConfig (or its dict)."""
-    from .config import ClusterConfig
-
-    if not isinstance(cluster_cfg, ClusterConfig):
-        from ..config import from_cfg
-
-        cluster_cfg = from_cfg(ClusterConfig, cluster_cfg)
-    return [get_device(n, cluster_cfg.custom_devices) for n in cluster_cfg.devices]
-
-
 # Marketing names as CUDA reports them ("NVIDIA A40", "Tesla V100-SXM2-32GB", ...).
 _NAME_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"h200", "h200"),

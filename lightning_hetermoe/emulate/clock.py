@@ -27,12 +27,10 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable
 
-from ..config import ConfigError, ModelConfig, from_cfg
+from ..config import ModelConfig, workload_model
 
-WORKLOAD_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
 def emulation_cost_model(**overrides: Any):
@@ -42,22 +40,6 @@ def emulation_cost_model(**overrides: Any):
     kw = {"activation_checkpointing": False}
     kw.update(overrides)
     return CostModel(**kw)
-
-
-def workload_model(spec: Any) -> ModelConfig:
-    """A workload's model: the name of a ``conf/model`` file (``d1``, ``w2`` ...) or its fields."""
-    if isinstance(spec, ModelConfig):
-        return spec
-    if isinstance(spec, str):
-        path = WORKLOAD_DIR / f"{spec}.yaml"
-        if not path.is_file():
-            known = sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml")) if WORKLOAD_DIR.is_dir() else []
-            raise ConfigError(f"cluster.emulate_workload.model={spec!r} is invalid: must be one of {known} "
-                              f"(the files of conf/model) or a mapping of model fields")
-        from omegaconf import OmegaConf
-
-        return from_cfg(ModelConfig, OmegaConf.load(path), "cluster.emulate_workload.model")
-    return from_cfg(ModelConfig, spec, "cluster.emulate_workload.model")
 
 
 @dataclass(frozen=True)

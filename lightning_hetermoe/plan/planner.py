@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..cluster.config import ClusterConfig, LinkConfig
-from ..cluster.devices import DeviceSpec, get_device, resolve_cluster
+from ..cluster.config import ClusterConfig, LinkConfig, resolve_cluster
+from ..cluster.devices import DeviceSpec, get_device
 from ..config import ModelConfig, from_cfg
 from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel

@@ -34,11 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cluster import ClusterConfig
-from ..cluster.devices import DeviceSpec, get_device
-from ..config import ModelConfig, from_cfg
-from .memory import MemoryModel
-from .profile import DeviceProfile, Profile
+from .cluster import ClusterConfig
+from .cluster.devices import DeviceSpec, detect_cuda_devices, get_device, match_device_name
+from .config import ModelConfig, from_cfg
+from .emulate import Emulator, emulation_cost_model, install
+from .model.transformer import DecoderBlock, RMSNorm
+from .profile.cost_model import CostModel
+from .profile.memory import MemoryModel
+from .profile.profile import DeviceProfile, Profile
+from .profile.timer import make_timer
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +105,6 @@ def measure_device(
 ) -> DeviceProfile:
     """Measure one device kind here. ``emulator`` (an :class:`~lightning_hetermoe.emulate.Emulator`)
     makes this process play ``spec``; figures are then divided by its ``time_scale``."""
-    from ..emulate import install
-    from ..model.transformer import DecoderBlock, RMSNorm
 
     cfg = from_cfg(ModelConfig, model_cfg)
     if seq_len < 1 or seq_len > cfg.max_seq_len:
@@ -201,7 +203,6 @@ def _rank_kinds(cluster: ClusterConfig | None) -> list[str]:
 
     if cluster is not None:
         return [get_device(n, cluster.custom_devices).name for n in cluster.devices]
-    from ..cluster.devices import detect_cuda_devices
 
     if torch.cuda.is_available():
         return [d.name for d in detect_cuda_devices()]
@@ -227,8 +228,6 @@ def profile_cluster(
     :func:`~lightning_hetermoe.emulate.emulation_cost_model`)."""
     import torch.distributed as dist
 
-    from ..emulate import Emulator, emulation_cost_model
-    from .timer import make_timer
 
     cfg = from_cfg(ModelConfig, model_cfg)
     cl = from_cfg(ClusterConfig, cluster) if cluster is not None else None
@@ -283,7 +282,6 @@ def profile_cluster(
 
 def _local_kind(device) -> str:
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
-        from ..cluster.devices import match_device_name
 
         name = torch.cuda.get_device_name(device)
         return match_device_name(name) or name.lower()
@@ -327,8 +325,6 @@ def run_profile(cfg) -> Profile:
 
 def profile_summary(profile: Profile, cfg=None, cost_model=None) -> dict[str, Any]:
     """Headline figures per device kind, beside the cost model's for the same tasks."""
-    from ..emulate import emulation_cost_model
-    from .cost_model import CostModel
 
     cfg_model = from_cfg(ModelConfig, cfg.model) if cfg is not None else None
     cluster = from_cfg(ClusterConfig, cfg.cluster) if cfg is not None else None
