@@ -6,7 +6,8 @@
   expert's share is what :class:`~.rebalancer.ExpertRebalancer` balances.
 * **Rank load.** Each rank's time in the step, split into attention, experts,
   communication and idle (:meth:`HeterMoEStrategy.rank_busy`: the zebra executor's trace,
-  or the emulated clock).
+  the emulated clock, or under EP on real devices each task's measured span, CUDA events
+  on a GPU).
 * **Imbalance.** Per layer the busiest expert against the mean (1.0 is perfect), and the
   slowest rank with its margin over the mean busy time.
 
@@ -51,6 +52,8 @@ class ExpertLoadMonitor(L.Callback):
     # -- collection -----------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._remove_hooks()
+        if hasattr(trainer.strategy, "measure_busy"):
+            trainer.strategy.measure_busy = True  # before the strategy's set-up: EP ranks on real devices time their tasks
         layers = [layer for _, layer in moe_layers(pl_module)]
         if not layers:
             return

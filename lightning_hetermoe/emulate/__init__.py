@@ -1,4 +1,5 @@
-"""Heterogeneous GPUs emulated on CPU processes: real math, real collectives, modelled clock."""
+"""Heterogeneous GPUs emulated on CPU processes: real math, real collectives, modelled clock;
+and the same task boundaries measured on real devices (:class:`BusyMeter`)."""
 
 from .clock import (
     EmulatedWorkload,
@@ -11,8 +12,10 @@ from .clock import (
     workload_model,
 )
 from .hooks import EmulationHandle, apply_emulation, install, installed
+from .meter import BusyMeter
 
 __all__ = [
+    "BusyMeter",
     "EmulatedWorkload",
     "EmulationHandle",
     "EmulationWarning",

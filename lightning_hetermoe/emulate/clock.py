@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..config import ModelConfig, workload_model
 
@@ -136,12 +136,18 @@ class Emulator:
                                            replicas=replicas, attention_dp=attention_dp)
 
     # -- padding ---------------------------------------------------------------------------
-    def pad(self, task: str, key: Any, started: float, modelled: float, *, already: float = 0.0) -> float:
+    def now(self) -> float:
+        """A time stamp, as :meth:`pad` takes it (the hooks drive an Emulator and a
+        :class:`~.meter.BusyMeter` alike)."""
+        return time.perf_counter()
+
+    def pad(self, task: str, key: Any, started: float, modelled: float, *, already: float = 0.0,
+            earlier: Sequence[tuple[float, float]] = ()) -> float:
         """Sleep until ``started + modelled - already``; record and warn on overrun.
 
-        ``already`` is task time spent in earlier segments (the task was interrupted).
-        Returns the seconds slept."""
-        real = time.perf_counter() - started + already
+        ``already`` is task time spent in earlier segments (the task was interrupted), or
+        ``earlier`` lists those segments as ``(start, end)`` stamps. Returns the seconds slept."""
+        real = time.perf_counter() - started + already + sum(e - s for s, e in earlier)
         rest = modelled - real
         if rest > 0:
             self._sleep(rest)
@@ -171,6 +177,10 @@ class Emulator:
             st.count += 1
             st.modelled_s += seconds
             st.slept_s += seconds
+
+    def transfer_done(self, key: Any, started: float, seconds: float) -> None:
+        """An exchange returned (``started`` is when it was called): its modelled time follows."""
+        self.sleep_for("transfer", key, seconds)
 
     def _overrun(self, task: str, key: Any, real: float, modelled: float) -> None:
         needed = self.time_scale * real / modelled if modelled > 0 else math.inf

@@ -20,6 +20,10 @@ Tasks, per MoE layer, forward and backward:
 * **head** (after the last MoE block: final norm, LM head, loss, and their backward):
   padded when the gradient reaches the last block's output.
 
+The same hooks drive a :class:`~.meter.BusyMeter` on real devices: it pads nothing and
+records each task's real span (CUDA events on a GPU), which is how the load monitor sees a
+rank's busy time without emulation.
+
 Everything is installed from outside the model: forward (pre-)hooks on the block that
 holds each :class:`~lightning_hetermoe.moe.MoELayer` and on its ``experts``, a wrapper on
 the dispatcher's ``exchange``, and identity autograd functions that timestamp (and pad)
@@ -35,7 +39,6 @@ model, and the simulator must be given the same one to predict an emulated run.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from typing import Any, Callable
 
@@ -43,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from .clock import Emulator, EmulatedWorkload, emulated_workload, rank_emulator
+from .meter import BusyMeter
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +77,19 @@ def _mark(x: Tensor, fn: Callable[[], None]) -> Tensor:
 class _BlockCall:
     """The attention task of one forward call of one block, forward and backward."""
 
-    __slots__ = ("em", "layer", "fwd_start", "fwd_padded", "fwd_model", "bwd_model", "bwd_acc", "bwd_since",
+    __slots__ = ("em", "layer", "fwd_start", "fwd_padded", "fwd_model", "bwd_model", "bwd_segments", "bwd_since",
                  "fwd_end", "head_model")
 
     def __init__(self, em: Emulator, layer: int, fwd_model: float, bwd_model: float,
                  head_model: float | None = None) -> None:
         self.em, self.layer = em, layer
         self.head_model = head_model  # the last block pads the head (everything after it)
-        self.fwd_end = 0.0
-        self.fwd_start = time.perf_counter()
+        self.fwd_end: Any = None
+        self.fwd_start = em.now()
         self.fwd_padded = False
         self.fwd_model, self.bwd_model = fwd_model, bwd_model
-        self.bwd_acc = 0.0
-        self.bwd_since: float | None = None
+        self.bwd_segments: list[tuple[Any, Any]] = []
+        self.bwd_since: Any = None
 
     # forward: pad the attention task the first time the expert path starts
     def enter_expert_path(self) -> None:
@@ -97,26 +101,26 @@ class _BlockCall:
     def bwd_start(self) -> None:  # gradient reached the block output
         if self.head_model is not None:  # head forward + loss + head backward ran since fwd_end
             self.em.pad("head", "head", self.fwd_end, self.head_model)
-        self.bwd_acc, self.bwd_since = 0.0, time.perf_counter()
+        self.bwd_segments, self.bwd_since = [], self.em.now()
 
     def bwd_pause(self) -> None:  # an expert-path task begins its backward
         if self.bwd_since is not None:
-            self.bwd_acc += time.perf_counter() - self.bwd_since
+            self.bwd_segments.append((self.bwd_since, self.em.now()))
             self.bwd_since = None
 
     def bwd_resume(self) -> None:  # an expert-path task finished its backward
-        self.bwd_since = time.perf_counter()
+        self.bwd_since = self.em.now()
 
     def bwd_end(self) -> None:  # gradient leaves the block input
-        since = self.bwd_since if self.bwd_since is not None else time.perf_counter()
-        self.em.pad("attention", (self.layer, "bwd"), since, self.bwd_model, already=self.bwd_acc)
+        since = self.bwd_since if self.bwd_since is not None else self.em.now()
+        self.em.pad("attention", (self.layer, "bwd"), since, self.bwd_model, earlier=self.bwd_segments)
         self.bwd_since = None
 
 
 class EmulationHandle:
     """What :func:`apply_emulation` installed; ``remove()`` undoes all of it."""
 
-    def __init__(self, model: nn.Module, emulator: Emulator) -> None:
+    def __init__(self, model: nn.Module, emulator: Emulator | BusyMeter) -> None:
         self.model = model
         self.emulator = emulator
         self._hooks: list[Any] = []
@@ -125,7 +129,7 @@ class EmulationHandle:
 
     @property
     def stats(self) -> dict[str, TaskStats]:
-        return self.emulator.stats
+        return getattr(self.emulator, "stats", {})
 
     def remove(self) -> None:
         if self.removed:
@@ -142,9 +146,10 @@ class EmulationHandle:
         self.removed = True
 
 
-def install(model: nn.Module, emulator: Emulator, *, head: bool = False) -> EmulationHandle:
-    """Install ``emulator``'s clock on every MoE block of ``model`` (see module docstring);
-    ``head`` also pads the work after the last block (a whole LM, not a single block)."""
+def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = False) -> EmulationHandle:
+    """Install ``emulator``'s clock (or a :class:`BusyMeter`) on every MoE block of
+    ``model`` (see module docstring); ``head`` also times the work after the last block (a
+    whole LM, not a single block)."""
     previous = _INSTALLED.get(model)
     if previous is not None:
         previous.remove()
@@ -169,7 +174,7 @@ def install(model: nn.Module, emulator: Emulator, *, head: bool = False) -> Emul
         def block_post(mod, args, kwargs, output):
             call = current.pop()
             call.enter_expert_path()  # no expert path ran (e.g. empty input): pad here
-            call.fwd_end = time.perf_counter()
+            call.fwd_end = em.now()
             if isinstance(output, tuple):
                 return (_mark(output[0], call.bwd_start),) + output[1:]
             return _mark(output, call.bwd_start)
@@ -185,12 +190,12 @@ def install(model: nn.Module, emulator: Emulator, *, head: bool = False) -> Emul
             if call is not None:
                 call.enter_expert_path()
             x, _, counts = args[0], args[1], args[2]
-            rec = {"call": call, "t0": time.perf_counter(), "counts": [int(c) for c in counts.tolist()]}
+            rec = {"call": call, "t0": em.now(), "counts": [int(c) for c in counts.tolist()]}
             state["rec"] = rec
 
             def bwd_in(rec=rec):  # gradient left the experts: the task is over
                 modelled = em.experts(rec["counts"], backward=True)
-                em.pad("experts", (layer_idx, "bwd"), rec.get("bwd_t0", time.perf_counter()), modelled)
+                em.pad("experts", (layer_idx, "bwd"), rec["bwd_t0"] if "bwd_t0" in rec else em.now(), modelled)
                 if rec["call"] is not None:
                     rec["call"].bwd_resume()
 
@@ -204,7 +209,7 @@ def install(model: nn.Module, emulator: Emulator, *, head: bool = False) -> Emul
             def bwd_out(rec=rec):  # gradient reached the experts' output
                 if rec["call"] is not None:
                     rec["call"].bwd_pause()
-                rec["bwd_t0"] = time.perf_counter()
+                rec["bwd_t0"] = em.now()
 
             return _mark(output, bwd_out)
 
@@ -235,17 +240,21 @@ def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: 
         remote_rows = max(sum(send_splits) - send_splits[me], sum(recv_splits) - recv_splits[me])
         seconds = em.transfer(remote_rows)
 
+        bwd = {}
+
         def bwd_in():  # the backward collective returned: pad its transfer, block resumes
-            em.sleep_for("transfer", (layer_idx, "bwd"), seconds)
+            em.transfer_done((layer_idx, "bwd"), bwd.pop("t0") if "t0" in bwd else em.now(), seconds)
             if call is not None:
                 call.bwd_resume()
 
         def bwd_out():  # gradient reached the exchange output: block work pauses
             if call is not None:
                 call.bwd_pause()
+            bwd["t0"] = em.now()
 
+        started = em.now()
         out = original(_mark(x, bwd_in), send_splits, recv_splits)
-        em.sleep_for("transfer", (layer_idx, "fwd"), seconds)
+        em.transfer_done((layer_idx, "fwd"), started, seconds)
         return _mark(out, bwd_out)
 
     disp.exchange = exchange

@@ -160,6 +160,10 @@ class HeterMoEStrategy(DDPStrategy):
         self._last_step_s: float | None = None  # wall time of the last optimizer step
         self._step_started: float | None = None
         self._busy_mark: dict[str, float] | None = None
+        self._last_busy: dict[str, float] | None = None  # the last step's busy time by kind
+        # Set by ExpertLoadMonitor: time each task of an EP rank on its real device.
+        self.measure_busy = False
+        self._meter = None
         self.emulator = None  # this rank's emulated clock, when the cluster is emulated
         self._step_grads: list = []
         self.prediction: dict[str, Any] | None = None
@@ -245,6 +249,11 @@ class HeterMoEStrategy(DDPStrategy):
 
             self._emulation = apply_emulation(model, self.cluster, self.global_rank, workload=self._workload)
             self.emulator = self._emulation.emulator
+        elif self.measure_busy:
+            from ..emulate import BusyMeter, install
+
+            self._meter = BusyMeter(self.root_device)
+            self._emulation = install(model, self._meter, head=True)
         ignore = expert_param_names(model) + [
             f"{n}.experts.expert_ids" if n else "experts.expert_ids" for n, _ in moe_layers(model)
         ]
@@ -482,9 +491,9 @@ class HeterMoEStrategy(DDPStrategy):
 
     def rank_busy(self) -> dict[str, float] | None:
         """This rank's time in the last training step by kind: ``attention`` and ``experts``
-        (compute), ``comm`` (modelled transfers; under zebra they overlap compute), ``idle``.
-        From the zebra executor's trace, or from the emulated clock under EP; ``None`` when
-        neither measures it (EP on real devices)."""
+        (compute), ``comm`` (transfers; under zebra they overlap compute), ``idle``. From
+        the zebra executor's trace, the emulated clock, or (EP on real devices, when a
+        monitor asked for it) a :class:`~lightning_hetermoe.emulate.BusyMeter`; else ``None``."""
         step = self._last_step_s
         if step is None:
             return None
@@ -495,15 +504,29 @@ class HeterMoEStrategy(DDPStrategy):
                 by["experts" if task.kind.startswith("expert") else "attention"] += end - start
             comm = sum(getattr(out, "transfer_s", {}).values())
             return {**by, "comm": comm, "idle": max(step - by["attention"] - by["experts"], 0.0)}
+        if self._last_busy is None:
+            return None
+        busy = dict(self._last_busy)
+        busy["idle"] = max(step - busy["attention"] - busy["experts"] - busy["comm"], 0.0)
+        return busy
+
+    def _busy_step_start(self) -> None:
         if self.emulator is not None:
+            self._busy_mark = {k: v.modelled_s for k, v in self.emulator.stats.items()}
+        elif self._meter is not None:
+            self._meter.reset()  # validation since the last step is not this step's work
+
+    def _busy_step_end(self) -> None:
+        """Busy time of the step that just ended (after its tail), by kind."""
+        if self.emulator is not None and self._busy_mark is not None:
             now = {k: v.modelled_s for k, v in self.emulator.stats.items()}
-            before, self._busy_mark = self._busy_mark or {k: 0.0 for k in now}, now
-            d = {k: now[k] - before.get(k, 0.0) for k in now}
-            attention = d["attention"] + d["head"] + d["tail"]
-            out = {"attention": attention, "experts": d["experts"], "comm": d["transfer"]}
-            out["idle"] = max(step - attention - d["experts"] - d["transfer"], 0.0)
-            return out
-        return None
+            d = {k: now[k] - self._busy_mark.get(k, 0.0) for k in now}
+            self._last_busy = {"attention": d["attention"] + d["head"] + d["tail"], "experts": d["experts"],
+                               "comm": d["transfer"]}
+        elif self._meter is not None:
+            d = self._meter.take()
+            self._last_busy = {"attention": d["attention"] + d["head"], "experts": d["experts"],
+                               "comm": d["transfer"]}
 
     def emulation_report(self) -> dict[str, Any] | None:
         """Every rank's clock summary, gathered (a collective: call it on every rank)."""
@@ -602,6 +625,7 @@ class HeterMoEStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._step_started is None:
             self._step_started = time.perf_counter()
+            self._busy_step_start()
         if self._runtime is not None:
             return self._zebra_step("training_step", self.precision_plugin.train_step_context, args, kwargs, True)
         if self.batch_split == "speed" and args:
@@ -683,6 +707,7 @@ class HeterMoEStrategy(DDPStrategy):
         if self._step_started is not None:
             self._last_step_s = time.perf_counter() - self._step_started
             self._step_started = None
+            self._busy_step_end()
         return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:

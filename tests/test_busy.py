@@ -1,0 +1,72 @@
+"""Each rank's busy time per step, as the load monitor sees it: measured on real devices
+(EP without emulation), or from the emulated clock, one step at a time."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import pytest
+
+from harness import run_ranks
+from lightning_hetermoe import ExpertLoadMonitor, HeterMoEStrategy
+from lightning_hetermoe.emulate import BusyMeter
+from reference import data, make_model, trainer
+
+KINDS = ("attention", "experts", "comm", "idle")
+
+
+class Record(L.Callback):
+    """Every step's busy split and step time, read from the strategy right after the step."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[dict, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        s = trainer.strategy
+        self.steps.append((s.rank_busy(), s._last_step_s))
+
+
+def fit_busy(rank: int, world: int, cluster):
+    model = make_model(4)
+    record = Record()
+    monitor = ExpertLoadMonitor(log_every_n_steps=2, plots=False)
+    t = trainer(HeterMoEStrategy(mode="ep", cluster=cluster), world, max_steps=4, callbacks=[monitor, record])
+    t.fit(model, datamodule=data(world))
+    return {"steps": record.steps, "logged": monitor.busy_history}
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["measured", "emulated"])
+def test_busy_time_is_one_steps_work_split_by_kind(emulate):
+    cluster = ({"name": "a40_v100", "devices": ["a40", "v100"], "emulate": True, "time_scale": 1.0}
+               if emulate else None)
+    results = run_ranks(2, fit_busy, 2, cluster)
+    for rank, got in enumerate(results):
+        assert len(got["steps"]) == 4
+        for busy, step_s in got["steps"]:
+            assert busy is not None and set(busy) == set(KINDS), busy
+            # every kind of work happened, inside the step and not counted twice
+            assert busy["attention"] > 0 and busy["experts"] > 0 and busy["comm"] > 0, busy
+            work = busy["attention"] + busy["experts"] + busy["comm"]
+            assert work <= step_s * 1.02, (rank, busy, step_s)
+            assert busy["idle"] == pytest.approx(max(step_s - work, 0.0), abs=1e-9)
+        # the monitor logs every 2nd step: one step's figures each time, gathered from every rank
+        assert len(got["logged"]) == 2 and all(len(step) == 2 for step in got["logged"])
+        for logged in got["logged"]:
+            assert sum(logged[rank][k] for k in KINDS[:3]) <= max(s for _, s in got["steps"]) * 1.02
+
+
+def test_meter_sums_spans_by_kind_and_clears():
+    meter = BusyMeter("cpu")
+    t0 = meter.now()
+    time.sleep(0.02)
+    seg = (t0, meter.now())
+    time.sleep(0.01)
+    meter.pad("attention", (0, "bwd"), meter.now(), 0.0, earlier=[seg])
+    start = meter.now()
+    time.sleep(0.01)
+    meter.transfer_done((0, "fwd"), start, 0.0)
+    got = meter.take()
+    assert 0.02 <= got["attention"] < 0.03  # the segment, not the 10 ms gap after it
+    assert got["transfer"] >= 0.01 and got["experts"] == 0.0
+    assert meter.take() == {"attention": 0.0, "head": 0.0, "experts": 0.0, "transfer": 0.0}
