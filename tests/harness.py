@@ -39,6 +39,12 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
         result = fn(rank, *args)
         with open(path, "wb") as f:
             torch.save({"ok": result}, f)
+        # Leave the process group together, as the strategy's shutdown() does for the
+        # recipes: left to interpreter exit, gloo's and the store's C++ threads can be torn
+        # down mid-flight ("terminate called without an active exception", SIGABRT).
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     except BaseException:
         with open(path, "wb") as f:
             pickle.dump({"error": traceback.format_exc()}, f)
