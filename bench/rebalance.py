@@ -1,12 +1,15 @@
 """Rebalancing under skewed routing, measured: static placement, this rebalancer, EPLB's policy.
 
-    python bench/rebalance.py           # about 13 minutes on 2 cores
+    python bench/rebalance.py           # about 15 minutes on 2 cores
     python bench/rebalance.py --quick   # A40+V100 only
 
 Load: every router gets a fixed logit offset on experts 22 and 23 (``bench/skew.py``), so
 those two take roughly half of every layer's tokens for the whole run (the table shows the
-measured share); the static placement puts both on the last, slowest rank. Model: the tiny model with D1's 24 experts, top-2, on 4 layers; clock: the
-D1 workload at 4K tokens per sequence (experts weigh most there); expert parallelism.
+measured share); the static placement puts both on the last, slowest rank. Model: the tiny
+model with D1's 24 experts, top-2, on 4 layers; clock: the D1 workload at 4K tokens per
+sequence (experts weigh most there); expert parallelism, and once zebra on A40+V100 (the A40
+attends, the V100 serves; there the policies move experts, with no copies, and may move
+them onto the A40: Asym-EA on measured loads).
 
 Clusters: emulated A40+V100, 2xA40+2xV100, a homogeneous 4xA40, and L40S+T4 (where the
 devices' expert speeds differ most). Policies, side by side
@@ -19,7 +22,8 @@ rebalancer does no harm: on the homogeneous 4xA40 nothing needs fixing; on A40+V
 routing still leaves the slower V100 with half the expert work, which time-awareness fixes.
 
 The last line is JSON with ``rebalanced_over_static`` and ``rebalanced_over_eplb`` (step-time
-ratios on A40+V100; below 1 is faster) and every row.
+ratios on A40+V100 under EP; below 1 is faster), the same two under zebra
+(``zebra_rebalanced_over_static``, ``zebra_rebalanced_over_eplb``) and every row.
 """
 
 from __future__ import annotations
@@ -52,13 +56,15 @@ def policy(name: str, redundant: int) -> list[str]:
             f"+callbacks.rebalancer.redundant_experts={redundant}", "+callbacks.rebalancer.min_gain=0.0"]
 
 
-def run(mix: str, name: str, skewed: bool = True) -> dict:
+def run(mix: str, name: str, skewed: bool = True, mode: str = "ep") -> dict:
     devices = MIXES[mix]
     W = len(devices)
-    s = run_job([*cluster_overrides(mix.replace("+", "_"), devices, "d1", 4096, TIME_SCALE[W]), *BASE,
-                 f"data.batch_size={GLOBAL_BATCH // W}", *(SKEW if skewed else EVEN), *policy(name, W)])
+    base = [o if o != "strategy.mode=ep" else f"strategy.mode={mode}" for o in BASE]
+    redundant = W if mode == "ep" else 0  # zebra moves experts (Asym-EA on measured loads), no copies
+    s = run_job([*cluster_overrides(mix.replace("+", "_"), devices, "d1", 4096, TIME_SCALE[W]), *base,
+                 f"data.batch_size={GLOBAL_BATCH // W}", *(SKEW if skewed else EVEN), *policy(name, redundant)])
     moves = sum(d.get("moves", 0) for d in s.get("rebalance", []) if d.get("apply"))
-    return {"mix": mix, "policy": name, "skewed": skewed, "step_s": s["step_time_s"],
+    return {"mix": mix, "mode": mode, "policy": name, "skewed": skewed, "step_s": s["step_time_s"],
             "top2_share": s.get("expert_token_share_top2_min"), "moves": moves,
             "overrun_fraction": s["emulation"]["overrun_fraction"]}
 
@@ -69,21 +75,24 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     started = time.perf_counter()
     rows = []
-    print(f"{'mix':14} {'load':9} {'policy':10} {'s/step':>7} {'/static':>8} {'hot share':>9} {'moves':>5} "
+    print(f"{'mix':14} {'mode':5} {'load':9} {'policy':10} {'s/step':>7} {'/static':>8} {'hot share':>9} {'moves':>5} "
           f"{'overrun':>7}", flush=True)
     mixes = ["a40+v100"] if args.quick else list(MIXES)
-    for mix in mixes:
-        for skewed in (True, False) if mix in ("a40+v100", "4xa40") else (True,):
-            static = None
-            for name in ("static", "rebalancer", "eplb") if skewed else ("static", "rebalancer"):
-                r = run(mix, name, skewed)
-                static = static or r["step_s"]
-                r["over_static"] = r["step_s"] / static
-                rows.append(r)
-                share = f"{r['top2_share']:.0%}" if r["top2_share"] is not None else "-"
-                print(f"{mix:14} {'skewed' if skewed else 'even':9} {name:10} {r['step_s']:7.3f} "
-                      f"{r['over_static']:8.2f} {share:>9} {r['moves']:5d} {r['overrun_fraction']:7.1%}", flush=True)
-    by = {(r["mix"], r["policy"], r["skewed"]): r for r in rows}
+    cases = [(mix, "ep", skewed) for mix in mixes
+             for skewed in ((True, False) if mix in ("a40+v100", "4xa40") else (True,))]
+    cases.append(("a40+v100", "zebra", True))  # the product's own schedule: the A40 attends, the V100 serves
+    for mix, mode, skewed in cases:
+        static = None
+        for name in ("static", "rebalancer", "eplb") if skewed else ("static", "rebalancer"):
+            r = run(mix, name, skewed, mode)
+            static = static or r["step_s"]
+            r["over_static"] = r["step_s"] / static
+            rows.append(r)
+            share = f"{r['top2_share']:.0%}" if r["top2_share"] is not None else "-"
+            print(f"{mix:14} {mode:5} {'skewed' if skewed else 'even':9} {name:10} {r['step_s']:7.3f} "
+                  f"{r['over_static']:8.2f} {share:>9} {r['moves']:5d} {r['overrun_fraction']:7.1%}", flush=True)
+    by = {(r["mix"], r["policy"], r["skewed"]): r for r in rows if r["mode"] == "ep"}
+    zebra = {r["policy"]: r for r in rows if r["mode"] == "zebra"}
     het = [m for m in mixes if m != "4xa40"]
     result = {
         "rebalanced_over_static": by[("a40+v100", "rebalancer", True)]["over_static"],
@@ -93,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
         "rebalanced_over_static_balanced_load": by[("a40+v100", "rebalancer", False)]["over_static"],
         "rebalanced_over_static_balanced_homogeneous": by[("4xa40", "rebalancer", False)]["over_static"]
         if ("4xa40", "rebalancer", False) in by else None,
+        "zebra_rebalanced_over_static": zebra["rebalancer"]["over_static"],
+        "zebra_rebalanced_over_eplb": zebra["rebalancer"]["step_s"] / zebra["eplb"]["step_s"],
         "heterogeneous_mixes": het,
         "rows": rows,
         "wall_s": time.perf_counter() - started,
