@@ -32,7 +32,6 @@ from typing import Any, Callable, Sequence
 from ..config import ModelConfig, workload_model
 
 
-
 def emulation_cost_model(**overrides: Any):
     """The cost model emulated ranks use: no activation checkpointing (the CPU job has none)."""
     from ..profile.cost_model import CostModel
