@@ -32,7 +32,7 @@ from typing import Any
 
 import lightning as L
 
-from ..plan.rebalance import rebalance, refine
+from ..plan.rebalance import moved_copies, rebalance, refine
 from .load_monitor import ExpertLoadMonitor
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class ExpertRebalancer(L.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
             log.info(f"rebalance at step {step}: {'moved ' + str(decision['moves']) + ' expert copies' if decision['apply'] else 'kept the placement'}, "
-                     f"predicted expert phase {decision['predicted_before_s'] * 1e3:.1f} -> "
+                     f"predicted step {decision['predicted_before_s'] * 1e3:.1f} -> "
                      f"{decision['predicted_after_s'] * 1e3:.1f} ms/step")
 
     def decide(self, trainer) -> dict[str, Any] | None:
@@ -156,8 +156,7 @@ class ExpertRebalancer(L.Callback):
         t_now = score(current)
         if t_new >= t_now * (1 - 1e-9):
             new, t_new = current, t_now
-        moves = sum(1 for l, row in enumerate(new) for h, held in enumerate(row) for e in held
-                    if e not in current[l][h])
+        moves = sum(moved_copies(row, current[l]) for l, row in enumerate(new))
         migration = timer.comm(_expert_bytes(strategy) * moves, strategy.cluster.link) if moves else 0.0
         gain = t_now - t_new
         horizon = self.amortize_steps or self.every_n_steps
@@ -182,5 +181,6 @@ def _expert_bytes(strategy) -> float:
     """Bytes to move one expert copy: weights and optimizer state, at the clock's sizes."""
     from ..profile.memory import MemoryModel
 
-    return MemoryModel(strategy._clock_model).expert_params() * MemoryModel(strategy._clock_model).bytes_per_param
+    memory = MemoryModel(strategy._clock_model)
+    return memory.expert_params() * memory.bytes_per_param
 

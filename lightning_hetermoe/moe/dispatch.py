@@ -130,9 +130,9 @@ class AllToAllDispatcher:
             raise RuntimeError(f"rank {self.rank} holds {experts.num_local_experts} experts, placement says {mine}")
         if self.replicated:
             position = split_over_copies(indices, keep, self._copy_position.to(x.device), self._num_copies.to(x.device))
-        else:
-            position = self._copy_position[:, 0].to(x.device)[indices.reshape(-1)].view_as(indices)
-        sc = sort_by_position(position, keep, self.num_positions)
+            sc = sort_by_position(position, keep, self.num_positions)
+        else:  # one copy each: an expert's position is its only copy's
+            sc = sort_choices(indices, keep, self._copy_position[:, 0].to(x.device))
         # Per-expert counts go first so every rank can size its receive buffers.
         recv_counts = sc.counts.new_empty(self.size * mine)
         dist.all_to_all_single(recv_counts, sc.counts, [mine] * self.size, self.experts_per_rank, group=self.group)

@@ -58,7 +58,8 @@ def layer_time(placement: list[list[int]], tokens: Sequence[float], cost: Cost) 
     return max((sum(cost(h, tokens[e] / n[e]) for e in held) for h, held in enumerate(placement)), default=0.0)
 
 
-def _moved(new: list[list[int]], old: list[list[int]]) -> int:
+def moved_copies(new: list[list[int]], old: list[list[int]]) -> int:
+    """Expert copies of a layer that land on a holder that did not hold that expert."""
     return sum(1 for h, held in enumerate(new) for e in held if e not in old[h])
 
 
@@ -106,7 +107,7 @@ def balance_layer(tokens: Sequence[float], current: list[list[int]], cost: Cost,
     t_new = layer_time(placement, tokens, cost)
     if t_new >= now * (1 - 1e-9):
         return LayerResult([list(c) for c in current], now, now, 0)
-    return LayerResult(placement, t_new, now, _moved(placement, current))
+    return LayerResult(placement, t_new, now, moved_copies(placement, current))
 
 
 def eplb_layer(tokens: Sequence[float], current: list[list[int]], cost: Cost, redundant: int = 0) -> LayerResult:
@@ -131,7 +132,7 @@ def eplb_layer(tokens: Sequence[float], current: list[list[int]], cost: Cost, re
         load[h] += t
     placement = [sorted(x) for x in held]
     now = layer_time(current, tokens, cost)
-    return LayerResult(placement, layer_time(placement, tokens, cost), now, _moved(placement, current))
+    return LayerResult(placement, layer_time(placement, tokens, cost), now, moved_copies(placement, current))
 
 
 def rebalance(load_share: Sequence[Sequence[float]], tokens_per_step: float, current: list[list[list[int]]],
@@ -156,22 +157,19 @@ def rebalance(load_share: Sequence[Sequence[float]], tokens_per_step: float, cur
 
 
 def refine(placement: list[list[list[int]]], score: Callable[[list[list[list[int]]]], float],
-           capacity: Sequence[int], movable: Sequence[int] | None = None, max_passes: int = 3,
-           ) -> tuple[list[list[list[int]]], float]:
+           capacity: Sequence[int], max_passes: int = 3) -> tuple[list[list[list[int]]], float]:
     """Local search on a whole-model placement: move one expert copy at a time to another
     holder while ``score`` (a predicted step time: the simulator with measured loads, so
-    transfers and the pipeline count, not just the expert phase) falls. ``movable`` limits
-    which holders may gain or lose copies (default: all). Returns the placement and score."""
+    transfers and the pipeline count, not just the expert phase) falls. Returns the
+    placement and its score."""
     best = [[list(h) for h in layer] for layer in placement]
     t_best = score(best)
-    holders = list(movable) if movable is not None else list(range(len(best[0])))
+    holders = range(len(best[0]))
     for _ in range(max_passes):
         improved = False
         for l, layer in enumerate(best):
             for a in holders:
                 for e in list(layer[a]):
-                    if sum(e in h for h in layer) == 1 and len(layer[a]) == 1 and len(holders) == 1:
-                        continue
                     for b in holders:
                         if b == a or e in layer[b] or len(layer[b]) >= capacity[b]:
                             continue

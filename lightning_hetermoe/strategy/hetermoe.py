@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..cluster import ClusterConfig
 from ..config import ConfigError, from_cfg
 from ..contract import ModelContractError, describe_model, moe_layers
-from .batch import batch_size, gather_global_batch, sequence_length, split_sizes, take
+from ..plan.rebalance import moved_copies
+from .batch import batch_size, gather_global_batch, split_sizes, take
 from .expert_parallel import (
     ExpertParallelGroups,
     expert_grad_sq_norm,
@@ -380,25 +381,39 @@ class HeterMoEStrategy(DDPStrategy):
         """The simulator's step time for this very run (its plan, its clock), scaled like the
         emulated clock; ``None`` without a cluster config (no device names to simulate).
         ``expert_load`` (per layer, each expert's share) replaces even routing."""
-        from ..simulate import ep_setup, simulate_plan, simulate_step
-
         if self.cluster is None:
             return None
-        devs, link, scale = self.cluster.specs(), self.cluster.link, self.cluster.time_scale
-        if not self.cluster.emulate:
-            scale = 1.0
-        total = self._per_rank * self.world_size
-        if self._runtime is not None:
-            res = simulate_plan(self._runtime.plan, devs, self._clock_model, link, self._timer, schedule=self.mode,
-                                keep_timeline=False, expert_load=expert_load)
-        else:
-            setup = ep_setup(devs, self._clock_model, seq_len=self._clock_seq, total_seqs=total, link=link,
-                             timer=self._timer, balanced=self.batch_split == "speed", num_microbatches=1,
-                             expert_load=expert_load)
-            res = simulate_step(setup, self._timer, "ep", keep_timeline=False)
+        scale = self.cluster.time_scale if self.cluster.emulate else 1.0
+        step = self._simulate(expert_load)
         return {"schedule": "ep_balanced" if self.batch_split == "speed" else self.mode,
-                "step_time_s": res.step_time * scale, "device_step_time_s": res.step_time,
-                "workload_tokens_per_step": total * self._clock_seq}
+                "step_time_s": step * scale, "device_step_time_s": step,
+                "workload_tokens_per_step": self._per_rank * self.world_size * self._clock_seq}
+
+    def _simulate(self, expert_load: list[list[float]] | None = None,
+                  placement: list[list[list[int]]] | None = None) -> float:
+        """The simulator's device step time of this run (its plan or EP layout, its clock),
+        with ``placement`` (``[layer][holder]`` -> ids) instead of the current one if given."""
+        from ..simulate import ep_setup, simulate_plan, simulate_step
+
+        devs, link = self.cluster.specs(), self.cluster.link
+        if self._runtime is not None:
+            plan = self._runtime.plan
+            if placement is not None:
+                plan = copy.deepcopy(plan)
+                for l, per_member in enumerate(placement):
+                    for m, held in enumerate(per_member):
+                        for e in held:
+                            plan.placement[l][e] = m
+            return simulate_plan(plan, devs, self._clock_model, link, self._timer, schedule=self.mode,
+                                 keep_timeline=False, expert_load=expert_load).step_time
+        setup = ep_setup(devs, self._clock_model, seq_len=self._clock_seq, total_seqs=self._per_rank * self.world_size,
+                         link=link, timer=self._timer, balanced=self.batch_split == "speed", num_microbatches=1,
+                         expert_load=expert_load)
+        if placement is not None:
+            for lane in setup.lanes:
+                ids = [placement[l][lane.ranks[0] % self.ep_groups.ep_size] for l in range(len(placement))]
+                lane.expert_ids, lane.experts = ids, [len(x) for x in ids]
+        return simulate_step(setup, self._timer, "ep", keep_timeline=False).step_time
 
     # -- placement while training runs (rebalancing) ---------------------------------------
     def holders(self) -> list[str]:
@@ -431,7 +446,7 @@ class HeterMoEStrategy(DDPStrategy):
             if new[l] == current[l]:
                 continue
             mine = new[l][self._holder_index()]
-            moved += sum(1 for h, held in enumerate(new[l]) for e in held if e not in current[l][h])
+            moved += moved_copies(new[l], current[l])
             idx = torch.tensor(mine, dtype=torch.long)
             for p in layer.experts.parameters(recurse=False):
                 full = self._gather_layer(l, layer, p.data)  # gathered with the placement still in force
@@ -461,23 +476,7 @@ class HeterMoEStrategy(DDPStrategy):
     def predict_placement(self, placement: list[list[list[int]]], expert_load: list[list[float]]) -> float:
         """The simulator's device step time of this run with ``placement`` and the measured
         ``expert_load`` (what the rebalancer compares candidates by)."""
-        from ..simulate import ep_setup, simulate_plan, simulate_step
-
-        if self._runtime is None:
-            setup = ep_setup(self.cluster.specs(), self._clock_model, seq_len=self._clock_seq,
-                             total_seqs=self._per_rank * self.world_size, link=self.cluster.link, timer=self._timer,
-                             balanced=self.batch_split == "speed", num_microbatches=1, expert_load=expert_load)
-            for lane in setup.lanes:
-                ids = [placement[l][lane.ranks[0] % self.ep_groups.ep_size] for l in range(len(placement))]
-                lane.expert_ids, lane.experts = ids, [len(x) for x in ids]
-            return simulate_step(setup, self._timer, "ep", keep_timeline=False).step_time
-        plan = copy.deepcopy(self._runtime.plan)
-        for l, per_member in enumerate(placement):
-            for m, held in enumerate(per_member):
-                for e in held:
-                    plan.placement[l][e] = m
-        return simulate_plan(plan, self.cluster.specs(), self._clock_model, self.cluster.link, self._timer,
-                             schedule=self.mode, keep_timeline=False, expert_load=expert_load).step_time
+        return self._simulate(expert_load, placement)
 
     def _holder_index(self) -> int:
         if self._runtime is not None:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ...moe.balance import balance_loss_from_counts, routed_counts
+from ...moe.balance import routed_counts
 from ...moe.dispatch import scatter_to_slots, sort_choices
 from ...schedule import Round, Schedule, Task
 from . import fibers
