@@ -76,6 +76,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _bars(row: dict[str, Any]) -> tuple[float, float]:
+    """Measured and predicted tokens/s on one basis: the workload's when the run was emulated
+    (the prediction scaled by the same step-time ratio), else the run's own."""
+    workload, step, pred_step = (row.get(k) for k in ("workload_tokens_per_s", "step_time_s",
+                                                       "predicted_step_time_s"))
+    if workload and step and pred_step:
+        return workload, workload * step / pred_step
+    return row.get("tokens_per_s") or 0, row.get("predicted_tokens_per_s") or 0
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib
 
@@ -86,8 +96,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     labels = [f"{r['job']}: {r.get('overrides') or r.get('cluster')}\n{r.get('schedule')}" for r in ok]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(ok) + 2), 4.5))
     x = range(len(ok))
-    measured = [r.get("workload_tokens_per_s") or r.get("tokens_per_s") or 0 for r in ok]
-    predicted = [r.get("predicted_tokens_per_s") or 0 for r in ok]
+    pairs = [_bars(r) for r in ok]
+    measured, predicted = [m for m, _ in pairs], [p for _, p in pairs]
     if any(measured):
         ax.bar([i - 0.2 for i in x], measured, width=0.4, label="measured (workload tokens/s if emulated)")
     ax.bar([i + 0.2 for i in x], predicted, width=0.4, label="predicted", alpha=0.7)

@@ -200,7 +200,7 @@ class ExpertLoadMonitor(L.Callback):
                 continue  # comm overlaps compute under zebra: shown as a line, not stacked
             ax.bar(range(ranks), totals[k], bottom=bottom, color=colours[k], label=k)
             bottom = [b + v for b, v in zip(bottom, totals[k])]
-        ax.plot(range(ranks), totals["comm"], "o", color=colours["comm"], label="comm (modelled)")
+        ax.plot(range(ranks), totals["comm"], "o", color=colours["comm"], label="comm")
         for r in range(ranks):
             busy = totals["attention"][r] + totals["experts"][r]
             ax.text(r, bottom[r], f"{busy / bottom[r]:.0%}" if bottom[r] else "", ha="center", va="bottom",
