@@ -7,7 +7,6 @@ is built (from Python or from YAML through :func:`from_cfg`), before any process
 from __future__ import annotations
 
 import typing
-from pathlib import Path
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -226,8 +225,13 @@ def from_cfg(cls: type[T], cfg: Any, section: str | None = None) -> T:
     return cls(**kwargs)
 
 
-# The named models of conf/model (d1, w2, ...): workloads the emulated clock can stand for.
-WORKLOAD_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+def workload_dir():
+    """The named models of ``conf/model`` (d1, w2, ...): workloads the emulated clock can
+    stand for. Package data (``lightning_hetermoe.conf``), found the same way from a source
+    tree, an editable install and a wheel."""
+    from importlib.resources import files
+
+    return files("lightning_hetermoe.conf") / "model"
 
 
 def workload_model(spec: Any) -> ModelConfig:
@@ -235,12 +239,13 @@ def workload_model(spec: Any) -> ModelConfig:
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
-        path = WORKLOAD_DIR / f"{spec}.yaml"
+        folder = workload_dir()
+        path = folder / f"{spec}.yaml"
         if not path.is_file():
-            known = sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml")) if WORKLOAD_DIR.is_dir() else []
+            known = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
             raise ConfigError(f"cluster.emulate_workload.model={spec!r} is invalid: must be one of {known} "
                               f"(the files of conf/model) or a mapping of model fields")
         from omegaconf import OmegaConf
 
-        return from_cfg(ModelConfig, OmegaConf.load(path), "cluster.emulate_workload.model")
+        return from_cfg(ModelConfig, OmegaConf.create(path.read_text()), "cluster.emulate_workload.model")
     return from_cfg(ModelConfig, spec, "cluster.emulate_workload.model")

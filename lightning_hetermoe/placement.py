@@ -1,7 +1,20 @@
-"""Where experts live under plain expert parallelism: one definition, used by the EP
-strategy and by the simulator that predicts it."""
+"""Where experts live: one type, :class:`Placement`, for every part that places experts.
+
+A placement says, for every MoE layer, which expert ids each *holder* keeps. Holders are
+the ranks that can hold experts, in a fixed order: the ranks of an expert-parallel group
+(expert parallelism) or the members of a ZP group, attention ranks first (zebra, distep).
+An expert may have copies on several holders (expert parallelism with replicas).
+
+Two shapes of the same fact meet in the code, and convert here only:
+
+* ``held``: ``[layer][holder] -> expert ids`` (what each holder keeps, in its local order);
+* ``owners``: ``[layer][expert] -> holder`` (the plan's form; only without copies).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 
 def contiguous_placement(num_experts: int, ep_size: int) -> list[list[int]]:
@@ -17,3 +30,96 @@ def contiguous_placement(num_experts: int, ep_size: int) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+def moved_copies(new: Sequence[Sequence[int]], old: Sequence[Sequence[int]]) -> int:
+    """Expert copies of one layer that land on a holder that did not hold that expert."""
+    return sum(1 for h, held in enumerate(new) for e in held if e not in old[h])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``held[layer][holder]``: the expert ids a holder keeps in that layer, in local order."""
+
+    held: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def __init__(self, held: Sequence[Sequence[Sequence[int]]]) -> None:
+        rows = tuple(tuple(tuple(int(e) for e in h) for h in layer) for layer in held)
+        if not rows or len({len(layer) for layer in rows}) != 1:
+            raise ValueError(f"a placement needs at least one layer and the same number of holders in every "
+                             f"layer, got {[len(layer) for layer in rows]}")
+        for l, layer in enumerate(rows):
+            ids = sorted({e for h in layer for e in h})
+            if ids != list(range(len(ids))) or any(len(set(h)) != len(h) for h in layer):
+                raise ValueError(f"layer {l} of a placement must hold every expert 0..{len(ids) - 1}, each at most "
+                                 f"once per holder, got {[list(h) for h in layer]}")
+        object.__setattr__(self, "held", rows)
+
+    @classmethod
+    def from_owners(cls, owners: Sequence[Sequence[int]], num_holders: int) -> "Placement":
+        """From ``owners[layer][expert] -> holder`` (the plan's form)."""
+        held = []
+        for row in owners:
+            per_holder: list[list[int]] = [[] for _ in range(num_holders)]
+            for e, h in enumerate(row):
+                if not 0 <= h < num_holders:
+                    raise ValueError(f"expert {e} is placed on holder {h}; there are {num_holders} holders")
+                per_holder[h].append(e)
+            held.append(per_holder)
+        return cls(held)
+
+    @classmethod
+    def contiguous(cls, num_layers: int, num_experts: int, num_holders: int) -> "Placement":
+        """Every layer split into contiguous runs (plain expert parallelism)."""
+        return cls([contiguous_placement(num_experts, num_holders)] * num_layers)
+
+    # -- shape ----------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.held)
+
+    @property
+    def num_holders(self) -> int:
+        return len(self.held[0])
+
+    @property
+    def num_experts(self) -> int:
+        return 1 + max(e for h in self.held[0] for e in h)
+
+    @property
+    def replicated(self) -> bool:
+        """Some expert has copies on several holders."""
+        return any(sum(len(h) for h in layer) > len({e for h in layer for e in h}) for layer in self.held)
+
+    # -- queries --------------------------------------------------------------------------
+    def experts_of(self, holder: int, layer: int) -> list[int]:
+        return list(self.held[layer][holder])
+
+    def layer(self, layer: int) -> list[list[int]]:
+        return [list(h) for h in self.held[layer]]
+
+    def owners(self) -> list[list[int]]:
+        """``[layer][expert] -> holder``; a placement with copies has no single owner."""
+        if self.replicated:
+            raise ValueError("a placement with expert copies has no single owner per expert")
+        out = []
+        for layer in self.held:
+            row = [0] * sum(len(h) for h in layer)
+            for h, held in enumerate(layer):
+                for e in held:
+                    row[e] = h
+            out.append(row)
+        return out
+
+    def moved_copies(self, old: "Placement") -> int:
+        """Expert copies that land on a holder that did not hold that expert (all layers)."""
+        return sum(moved_copies(new, prev) for new, prev in zip(self.held, old.held))
+
+    def with_layer(self, layer: int, held: Sequence[Sequence[int]]) -> "Placement":
+        rows = list(self.held)
+        rows[layer] = tuple(tuple(h) for h in held)
+        return Placement(rows)
+
+    def to_lists(self) -> list[list[list[int]]]:
+        """Plain lists (JSON, checkpoints)."""
+        return [self.layer(l) for l in range(self.num_layers)]

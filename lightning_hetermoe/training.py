@@ -102,14 +102,14 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         load = monitor.mean_share(skip=summary.get("timing_warmup_steps", 1)) if monitor is not None else None
         if load is not None:
             # the same prediction with the routing this run really had (the simulator assumes even routing)
-            at_load = strategy.predict_at_load(load)
+            at_load = strategy.predict(expert_load=load)["step_time_s"]
             out["predicted_step_time_at_measured_load_s"] = at_load
             out["expert_load_max_over_mean"] = max(max(row) * len(row) for row in load)
             if measured and at_load:
                 out["step_time_rel_error_at_measured_load"] = (measured - at_load) / at_load
-    if strategy._runtime is not None:
+    if strategy.schedule in ("zebra", "distep"):
         out["plan"] = "plan.json"
-        out["num_microbatches"] = strategy._runtime.num_microbatches
+        out["num_microbatches"] = strategy.num_microbatches
     if emulation is not None:
         frac = emulation["overrun_fraction"]
         out["emulation"] = {"padded_tasks": emulation["padded_tasks"], "overruns": emulation["overruns"],
@@ -173,7 +173,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         return None
     summary = summary_cb.summary(trainer)
     summary.update({
-        "strategy": f"hetermoe:{strategy.mode}",
+        "strategy": f"hetermoe:{strategy.schedule}",
+        "mode": strategy.mode,
         "cluster": cluster.name,
         "devices": cluster.devices,
         "model": model_cfg.name,

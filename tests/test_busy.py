@@ -24,7 +24,7 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         s = trainer.strategy
-        self.steps.append((s.rank_busy(), s._last_step_s))
+        self.steps.append((s.rank_busy(), s.clock.last_step_s))
 
 
 def fit_busy(rank: int, world: int, cluster):

@@ -43,13 +43,13 @@ def fit_cases(rank: int, world: int, cases: list[dict]) -> list[dict] | None:
     out = []
     for case in cases:
         model = build(case, seed=rank)  # differently seeded ranks: rank 0's weights must win
-        strategy = HeterMoEStrategy(**case.get("strategy", {}))
+        strategy = HeterMoEStrategy(**{"mode": "ep", **case.get("strategy", {})})
         t = trainer(strategy, world, max_steps=STEPS, accumulate_grad_batches=case.get("accumulate", 1),
                     gradient_clip_val=case.get("clip"))
         t.fit(model, datamodule=data(world))
         out.append({k: v.clone() for k, v in model.state_dict().items()})
         if case["name"] == "speed_split":
-            out[-1]["__shares__"] = torch.tensor(strategy._shares)
+            out[-1]["__shares__"] = torch.tensor(strategy.backend.shares)
     return out if rank == 0 else None
 
 

@@ -13,3 +13,35 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
     assert conf["package-dir"]["lightning_hetermoe.kernels"] == "kernels" and "lightning_hetermoe.kernels" in listed
     assert "lightning_hetermoe.emulate" in listed and "lightning_hetermoe.strategy.zebra" in listed
+
+
+def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):
+    """Built as a wheel and installed into a fresh virtual environment (its dependencies
+    borrowed from this one, without this checkout's editable finder), the package resolves
+    a named workload model from its own package data."""
+    import subprocess
+    import sys
+    import sysconfig
+    import zipfile
+
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
+                    str(ROOT)], check=True, capture_output=True, text=True)
+    (wheel,) = dist.glob("lightning_hetermoe-*.whl")
+    assert "lightning_hetermoe/conf/model/d1.yaml" in zipfile.ZipFile(wheel).namelist()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, capture_output=True, text=True)
+    # A path line in a .pth adds the directory only: the .pth files inside it (this
+    # checkout's editable finder among them) are not processed.
+    (site / "borrowed_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    probe = ("import lightning_hetermoe, sys; from lightning_hetermoe.config import workload_model; "
+             "m = workload_model('d1'); print(lightning_hetermoe.__file__); print(m.d_model, m.n_layers, m.moe.num_experts)")
+    out = subprocess.run([str(python), "-c", probe], cwd=tmp_path, check=True, capture_output=True, text=True)
+    where, shape = out.stdout.split()[0], out.stdout.split()[1:]
+    assert where.startswith(str(site)), f"imported {where}, not the wheel in {site}"
+    assert shape == ["1024", "8", "24"], shape  # D1 of the HeterMoE paper: 8 layers, d=1024, 24 experts

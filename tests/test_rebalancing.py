@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, OptimConfig
+from lightning_hetermoe.placement import Placement
 from lightning_hetermoe.contract import moe_layers
 from reference import assert_same_params, data, global_batches, make_model, reference_fit, trainer
 from test_zebra import make_test_plan
@@ -31,8 +32,8 @@ class MoveAt(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step and self.moved is None:
             before = [layer.dispatcher for _, layer in moe_layers(pl_module)]
-            self.moved = trainer.strategy.apply_placement(self.placement)
-            self.after = trainer.strategy.current_placement()
+            self.moved = trainer.strategy.move_experts(Placement(self.placement))
+            self.after = trainer.strategy.placement.to_lists()
             # A move keeps each layer's dispatcher object: what wraps it (the emulated
             # clock's exchange timing) must survive a migration.
             self.kept = all(a is b for a, b in zip(before, [layer.dispatcher for _, layer in moe_layers(pl_module)]))
@@ -116,7 +117,7 @@ def test_monitor_counts_equal_the_routers_counts_summed_by_hand():
 
 def resume(rank: int, world: int, ckpt: str):
     model = make_model(4, seed=50 + rank, optim=OptimConfig())
-    t = trainer(HeterMoEStrategy(), world, max_steps=STEPS,
+    t = trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS,
                 callbacks=[ExpertLoadMonitor(plots=False), ExpertRebalancer(every_n_steps=100)])
     t.fit(model, datamodule=data(world), ckpt_path=ckpt)
     return model.state_dict() if rank == 0 else None

@@ -20,7 +20,7 @@ def test_string_resolves_to_strategy_and_reimport_is_safe():
     importlib.reload(lightning_hetermoe)
     trainer = L.Trainer(strategy="hetermoe", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, HeterMoEStrategy)
-    assert trainer.strategy.mode == "ep"
+    assert trainer.strategy.mode == "auto"  # resolved at set-up: see test_selection.py
     spawn = L.Trainer(strategy="hetermoe_spawn", accelerator="cpu", devices=2, logger=False)
     assert isinstance(spawn.strategy, HeterMoEStrategy)
     assert spawn.strategy._start_method == "spawn"
@@ -35,16 +35,18 @@ def test_bad_arguments_are_rejected_with_the_field():
     with pytest.raises(ConfigError, match="plan='garbage' is invalid: expected a Plan.*no such file"):
         HeterMoEStrategy(mode="zebra", plan="garbage")
     with pytest.raises(ConfigError, match="expert_parallel_size=0"):
-        HeterMoEStrategy(expert_parallel_size=0)
+        HeterMoEStrategy(mode="ep", expert_parallel_size=0)
     with pytest.raises(ConfigError, match="batch_split='fast' is invalid"):
         HeterMoEStrategy(batch_split="fast")
     with pytest.raises(ConfigError, match="batch_split='speed' needs a cluster"):
-        L.Trainer(strategy=HeterMoEStrategy(batch_split="speed"), accelerator="cpu", devices=2, logger=False)
+        L.Trainer(strategy=HeterMoEStrategy(mode="ep", batch_split="speed"), accelerator="cpu", devices=2,
+                  logger=False)
 
 
 def test_expert_parallel_size_must_divide_world_before_launch():
     with pytest.raises(ConfigError, match="expert_parallel_size=3"):
-        L.Trainer(strategy=HeterMoEStrategy(expert_parallel_size=3), accelerator="cpu", devices=2, logger=False)
+        L.Trainer(strategy=HeterMoEStrategy(mode="ep", expert_parallel_size=3), accelerator="cpu", devices=2,
+                  logger=False)
 
 
 def test_cluster_size_must_match_devices_before_launch():
@@ -99,7 +101,7 @@ def test_emulation_needs_head_count_and_says_so_before_launch():
 def test_model_without_moe_layer_warns_naming_what_is_looked_for():
     plain = nn.Sequential(nn.Linear(4, 4))
     with pytest.warns(UserWarning, match="found no lightning_hetermoe.MoELayer in Sequential: it trains as plain DDP"):
-        HeterMoEStrategy().check_model(plain)
+        HeterMoEStrategy(mode="ep").check_model(plain)
     with pytest.raises(ConfigError, match="holds no lightning_hetermoe.MoELayer"):
         HeterMoEStrategy(mode="zebra").check_model(plain)
 

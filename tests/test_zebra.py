@@ -153,7 +153,7 @@ def recorded_orders(rank: int, world: int, plan: Plan) -> list[str]:
     model = make_model(4, seed=rank, optim=OptimConfig())
     strategy = HeterMoEStrategy(mode="zebra", plan=plan)
     trainer(strategy, world, max_steps=1).fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
-    return [str(task) for task, _, _ in strategy._runtime.last.trace]
+    return [str(task) for task, _, _ in strategy.backend.last_step.trace]
 
 
 def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists():
@@ -191,7 +191,7 @@ def _parse(name: str) -> tuple[str, int, int]:
 
 def test_a_plan_that_does_not_fit_is_rejected_with_one_error_per_mismatch():
     from lightning_hetermoe.config import ConfigError
-    from lightning_hetermoe.strategy.hetermoe import check_plan
+    from lightning_hetermoe.strategy.arguments import check_plan
 
     cfg = make_model(4).model_cfg
     plan = make_test_plan(2, [0], R=2)

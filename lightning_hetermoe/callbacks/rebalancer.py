@@ -15,7 +15,7 @@ measured times.
 It applies the placement only if the predicted gain per step is at least ``min_gain`` of
 the step and, over ``amortize_steps`` steps (how long a placement is expected to last),
 outweighs the migration (every moved copy's weights and optimizer state over the link). Every rank then moves experts in place
-(:meth:`HeterMoEStrategy.apply_placement`): weights and every optimizer tensor travel with
+(:meth:`HeterMoEStrategy.move_experts`): weights and every optimizer tensor travel with
 their expert. What moved, the predicted gain and the measured migration time go to the
 loggers (``rebalance/...``) and to ``decisions``.
 
@@ -32,7 +32,8 @@ from typing import Any
 
 import lightning as L
 
-from ..plan.rebalance import moved_copies, rebalance, refine
+from ..placement import Placement
+from ..plan.rebalance import rebalance, refine
 from .load_monitor import ExpertLoadMonitor
 
 log = logging.getLogger(__name__)
@@ -70,19 +71,23 @@ class ExpertRebalancer(L.Callback):
             raise ValueError("ExpertRebalancer works with HeterMoEStrategy (strategy='hetermoe'), which places experts")
         self._monitor(trainer)
         self._trainer = trainer
-        if trainer.strategy.mode != "ep" and self.redundant:
-            raise ValueError("ExpertRebalancer redundant_experts > 0 (expert copies) needs mode='ep'; zebra and "
-                             "distep move whole experts only")
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # the strategy has chosen what runs by now (mode="auto" resolves at its set-up)
+        if trainer.strategy.schedule in ("zebra", "distep") and self.redundant:
+            raise ValueError("ExpertRebalancer redundant_experts > 0 (expert copies) needs expert parallelism; zebra "
+                             "and distep move whole experts only")
 
     def _signature(self, trainer) -> dict[str, Any]:
-        return {"mode": trainer.strategy.mode, "world": trainer.world_size, "holders": trainer.strategy.holders()}
+        return {"mode": trainer.strategy.schedule, "world": trainer.world_size, "holders": trainer.strategy.holders()}
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._checked = trainer.global_step
         saved = self._saved
         if saved is not None and saved.get("signature") == self._signature(trainer):
-            if saved["placement"] != trainer.strategy.current_placement():
-                trainer.strategy.apply_placement(saved["placement"])  # the rebalanced placement comes back
+            placement = Placement(saved["placement"])
+            if placement != trainer.strategy.placement:
+                trainer.strategy.move_experts(placement)  # the rebalanced placement comes back
 
     # -- the check ------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -96,7 +101,7 @@ class ExpertRebalancer(L.Callback):
             return
         if decision["apply"]:
             t0 = time.perf_counter()
-            moved = trainer.strategy.apply_placement(decision["placement"])
+            moved = trainer.strategy.move_experts(Placement(decision["placement"]))
             decision["migration_s"] = time.perf_counter() - t0
             decision["moved"] = moved
         decision["step"] = step
@@ -121,32 +126,32 @@ class ExpertRebalancer(L.Callback):
         monitor = self._monitor(trainer)
         share = monitor.load_share()
         strategy = trainer.strategy
-        if share is None or strategy._timer is None or monitor.last_counts is None or strategy.cluster is None:
+        clock = strategy.clock
+        if share is None or not clock.bound or monitor.last_counts is None or strategy.cluster is None:
             return None
         from ..cluster.devices import get_device
 
         specs = [get_device(name, strategy.cluster.custom_devices) for name in strategy.holders()]
-        timer = strategy._timer
-        scale = strategy._workload.token_scale if strategy._workload is not None else 1.0
-        tokens = float(monitor.last_counts.sum(1).double().mean()) * scale  # routed choices per layer per step
+        tokens = float(monitor.last_counts.sum(1).double().mean()) * clock.token_scale  # routed choices per layer
 
         def cost(h: int, t: float) -> float:
-            return timer.expert(specs[h], t) if t > 0 else 0.0
+            return clock.expert_seconds(specs[h], t)
 
-        def score(placement) -> float:
-            return strategy.predict_placement(placement, share)
+        def score(held: list[list[list[int]]]) -> float:
+            return strategy.predict(Placement(held), share)["device_step_time_s"]
 
-        current = strategy.current_placement()
+        current = strategy.placement.to_lists()
         E, H = len(share[0]), len(specs)
         redundant = self.redundant
-        if strategy.mode == "ep":
-            capacity = [math.ceil(E / H * self.capacity_slack) + redundant] * H
-        else:  # zebra: expert ranks trade experts; attention ranks may take more (Asym-EA, measured)
-            M = len(strategy._runtime.layout.attention_members)
+        if strategy.schedule in ("zebra", "distep"):
+            # expert ranks trade experts; attention ranks may take more (Asym-EA, measured)
+            M = len(strategy.plan.zp_groups[0].attention_ranks)
             held = [max(len(row[h]) for row in current) for h in range(H)]
             capacity = [held[h] + 2 if h < M else math.ceil(E / max(H - M, 1) * self.capacity_slack)
                         for h in range(H)]
             redundant = 0
+        else:
+            capacity = [math.ceil(E / H * self.capacity_slack) + redundant] * H
         eplb, *_ = rebalance(share, tokens, current, cost, capacity, redundant, "eplb")
         if self.policy == "eplb":
             new, t_new = eplb, score(eplb)
@@ -156,8 +161,8 @@ class ExpertRebalancer(L.Callback):
         t_now = score(current)
         if t_new >= t_now * (1 - 1e-9):
             new, t_new = current, t_now
-        moves = sum(moved_copies(row, current[l]) for l, row in enumerate(new))
-        migration = timer.comm(_expert_bytes(strategy) * moves, strategy.cluster.link) if moves else 0.0
+        moves = Placement(new).moved_copies(Placement(current))
+        migration = clock.timer.comm(clock.expert_bytes() * moves, strategy.cluster.link) if moves else 0.0
         gain = t_now - t_new
         horizon = self.amortize_steps or self.every_n_steps
         apply = moves > 0 and gain > 0 and gain >= self.min_gain * t_now and gain * horizon > migration
@@ -168,19 +173,12 @@ class ExpertRebalancer(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         trainer = getattr(self, "_trainer", None)
         saved = self._saved
-        if trainer is not None and trainer.strategy.placement_is_live():
-            saved = {"placement": trainer.strategy.current_placement(), "signature": self._signature(trainer)}
+        placement = trainer.strategy.placement if trainer is not None else None
+        if placement is not None:
+            saved = {"placement": placement.to_lists(), "signature": self._signature(trainer)}
         return {"saved": saved, "decisions": self.decisions}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._saved = state.get("saved")
         self.decisions = list(state.get("decisions", []))
-
-
-def _expert_bytes(strategy) -> float:
-    """Bytes to move one expert copy: weights and optimizer state, at the clock's sizes."""
-    from ..profile.memory import MemoryModel
-
-    memory = MemoryModel(strategy._clock_model)
-    return memory.expert_params() * memory.bytes_per_param
 

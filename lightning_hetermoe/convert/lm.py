@@ -35,9 +35,12 @@ class HFMoELanguageModel(L.LightningModule):
             hf_model = to_hetermoe(hf_model)
         self.model = hf_model
 
+    # mode="auto" does not weigh zebra or distep for this model (see setup)
+    disaggregates = False
+
     def setup(self, stage: str) -> None:
         mode = getattr(self.trainer.strategy, "mode", "ep")
-        if mode != "ep":
+        if mode in ("zebra", "distep"):
             raise ValueError(
                 f"HFMoELanguageModel trains with the hetermoe strategy's mode='ep', not {mode!r}: a Hugging Face "
                 f"decoder layer returns the hidden states alone, so the MoE losses leave each block beside its "

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..placement import moved_copies
+
 Cost = Callable[[int, float], float]  # (holder index, tokens) -> seconds for one expert
 
 
@@ -56,11 +58,6 @@ def layer_time(placement: list[list[int]], tokens: Sequence[float], cost: Cost) 
     """Expert-phase time of a layer: its slowest holder (replicas split their expert's tokens)."""
     n = copies_of(placement, len(tokens))
     return max((sum(cost(h, tokens[e] / n[e]) for e in held) for h, held in enumerate(placement)), default=0.0)
-
-
-def moved_copies(new: list[list[int]], old: list[list[int]]) -> int:
-    """Expert copies of a layer that land on a holder that did not hold that expert."""
-    return sum(1 for h, held in enumerate(new) for e in held if e not in old[h])
 
 
 def _replicate(work: list[float], slots: int, holders: int) -> list[int]:

@@ -1,7 +1,9 @@
-"""The Lightning strategy: process groups, expert placement, gradient sync, launchers."""
+"""The Lightning strategy: argument checks, backend choice, one backend per parallelism
+(single device, expert parallel, zebra/DistEP), the run's clock, expert state, launchers."""
 
-from ..placement import contiguous_placement
-from .hetermoe import MODES, HeterMoEStrategy
+from ..placement import Placement, contiguous_placement
+from .arguments import MODES
+from .hetermoe import HeterMoEStrategy
 from .registry import register_strategies
 
-__all__ = ["HeterMoEStrategy", "MODES", "contiguous_placement", "register_strategies"]
+__all__ = ["HeterMoEStrategy", "MODES", "Placement", "contiguous_placement", "register_strategies"]

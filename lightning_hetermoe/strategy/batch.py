@@ -14,6 +14,7 @@ A batch is a tensor, or a tuple/list/dict of tensors whose first dimension is th
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -21,19 +22,40 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor], *, strict: bool = False) -> Any:
+    """``fn`` applied to every tensor in tuples (named or not), lists, dicts and dataclasses.
+
+    Other leaves pass through unchanged, or raise with ``strict`` (a batch is tensors only:
+    a non-tensor leaf could not be gathered or split, see the model contract)."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(o, fn, strict=strict) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(o, fn, strict=strict) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn, strict=strict) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, strict=strict)
+                               for f in fields(obj) if f.init})
+    if strict:
+        raise TypeError(f"a batch must be a tensor or a tuple/list/dict of tensors, got {type(obj).__name__}")
+    return obj
+
+
+def tensors(obj: Any, *, strict: bool = False) -> list[Tensor]:
+    """Every tensor of ``obj``, in the order :func:`map_tensors` visits them."""
+    found: list[Tensor] = []
+    map_tensors(obj, lambda t: found.append(t) or t, strict=strict)
+    return found
+
+
 def map_batch(batch: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(batch, Tensor):
-        return fn(batch)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(map_batch(b, fn) for b in batch)
-    if isinstance(batch, dict):
-        return {k: map_batch(v, fn) for k, v in batch.items()}
-    raise TypeError(f"a batch must be a tensor or a tuple/list/dict of tensors, got {type(batch).__name__}")
+    return map_tensors(batch, fn, strict=True)
 
 
 def batch_size(batch: Any) -> int:
-    sizes = set()
-    map_batch(batch, lambda t: sizes.add(int(t.shape[0])) or t)
+    sizes = {int(t.shape[0]) for t in tensors(batch, strict=True)}
     if len(sizes) != 1:
         raise ValueError(f"the tensors of a batch disagree on the batch size: {sorted(sizes)}")
     return sizes.pop()
@@ -41,8 +63,7 @@ def batch_size(batch: Any) -> int:
 
 def sequence_length(batch: Any) -> int:
     """Tokens per sequence: the second dimension of the batch's first tensor (``[batch, seq]``)."""
-    first: list[Tensor] = []
-    map_batch(batch, lambda t: first.append(t) or t)
+    first = tensors(batch, strict=True)
     if not first or first[0].dim() < 2:
         raise ValueError("the batch's first tensor must be [batch, seq_len, ...] to plan by sequence length")
     return int(first[0].shape[1])

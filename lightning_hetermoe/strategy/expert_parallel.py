@@ -1,22 +1,31 @@
-"""Expert parallelism applied from outside the model: slice experts, swap dispatchers,
-reduce expert gradients, and gather/slice expert tensors for placement-independent state.
+"""Expert parallelism (``ep``, and ``ep_balanced`` with speed-proportional batch shares).
 
-Ranks form ``world / ep_size`` expert-parallel (EP) groups of consecutive ranks; rank ``i``
-of every EP group holds the same experts, so ranks with equal ``i`` form a replica group.
+DDP holds the dense part; the experts of every MoE layer are sliced over an
+expert-parallel (EP) group and reached through all-to-all. Ranks form ``world / ep_size``
+EP groups of consecutive ranks; rank ``i`` of every EP group holds the same experts, so
+ranks with equal ``i`` form a replica group. Everything is applied from outside the model:
+slice experts, swap dispatchers, reduce expert gradients, gather expert tensors for
+placement-independent state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..contract import moe_layers
 from ..moe import AllToAllDispatcher, LocalDispatcher
 from ..moe.balance import GlobalBalance, LocalBalance
-from ..placement import contiguous_placement
+from ..placement import Placement
+from .backend import Context, ParallelBackend, Simulated, StepFn, TailShape
+from .batch import batch_size, gather_global_batch, split_sizes, take
+from .expert_state import gather_experts, slice_experts, unslice_experts
 
 
 @dataclass
@@ -47,14 +56,6 @@ class ExpertParallelGroups:
         return cls(ep_size, ep_group, replica_group, rank % ep_size, world)
 
 
-def expert_param_names(module: nn.Module) -> list[str]:
-    names = []
-    for prefix, layer in moe_layers(module):
-        for pname, _ in layer.experts.named_parameters(recurse=False):
-            names.append(f"{prefix}.experts.{pname}" if prefix else f"experts.{pname}")
-    return names
-
-
 def allreduce_counts(group: dist.ProcessGroup | None):
     """Sum routing counts over ``group`` (the data-parallel ranks): the global ``f`` of the
     balance loss (see :mod:`lightning_hetermoe.moe.balance`)."""
@@ -65,70 +66,6 @@ def allreduce_counts(group: dist.ProcessGroup | None):
         return counts
 
     return reduce
-
-
-def broadcast_experts(module: nn.Module, src: int = 0) -> None:
-    """Rank ``src``'s full expert weights on every rank, before anyone slices its own.
-
-    DDP broadcasts the dense weights at wrap time; the experts are outside DDP, so without
-    this each rank would start from its own random experts."""
-    for _, layer in moe_layers(module):
-        for p in layer.experts.parameters(recurse=False):
-            dist.broadcast(p.data, src=src)
-
-
-def slice_experts(layer, mine: list[int]) -> None:
-    """Keep rows ``mine`` (global expert ids, in that order) of every expert tensor."""
-    ex = layer.experts
-    idx = torch.tensor(mine, dtype=torch.long)
-    for pname, p in list(ex.named_parameters(recurse=False)):
-        setattr(ex, pname, nn.Parameter(p.detach()[idx.to(p.device)].clone(), requires_grad=p.requires_grad))
-    ex.expert_ids = idx.to(ex.expert_ids.device)
-
-
-def shard_experts(module: nn.Module, groups: ExpertParallelGroups) -> dict[str, list[list[int]]]:
-    """Keep only this rank's experts in every MoE layer and route through all-to-all; the
-    balance loss takes its counts over all ranks (every rank holds a different share of the
-    batch).
-
-    Returns the placement per layer (layer name -> experts per EP rank)."""
-    broadcast_experts(module)
-    placements = {}
-    for name, layer in moe_layers(module):
-        placement = contiguous_placement(layer.num_experts, groups.ep_size)
-        slice_experts(layer, placement[groups.ep_rank])
-        layer.dispatcher = AllToAllDispatcher(groups.ep_group, placement)
-        layer.balance = GlobalBalance(allreduce_counts(None))
-        placements[name] = placement
-    return placements
-
-
-def unshard_experts(module: nn.Module, groups: ExpertParallelGroups) -> None:
-    """Inverse of :func:`shard_experts`: every rank ends with all experts, local dispatch."""
-    for _, layer in moe_layers(module):
-        placement = layer.dispatcher.placement
-        ex = layer.experts
-        for pname, p in list(ex.named_parameters(recurse=False)):
-            full = gather_experts(p.detach(), placement, groups.ep_group)
-            setattr(ex, pname, nn.Parameter(full, requires_grad=p.requires_grad))
-        ex.expert_ids = torch.arange(layer.num_experts, device=ex.expert_ids.device)
-        layer.dispatcher = LocalDispatcher()
-        layer.balance = LocalBalance()
-
-
-def gather_experts(local: Tensor, placement: list[list[int]], group: dist.ProcessGroup | None) -> Tensor:
-    """All-gather per-rank expert slices (uneven first dims) into the full ``[E, ...]`` tensor."""
-    sizes = [len(p) for p in placement]
-    most = max(sizes)
-    padded = local.new_zeros((most,) + tuple(local.shape[1:]))
-    padded[: local.shape[0]] = local
-    chunks = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(chunks, padded.contiguous(), group=group)
-    full = local.new_empty((len({e for p in placement for e in p}),) + tuple(local.shape[1:]))
-    for chunk, experts in zip(chunks, placement):
-        if experts:
-            full[torch.tensor(experts, device=local.device)] = chunk[: len(experts)]
-    return full
 
 
 def sum_copies(layer, grads: list[Tensor], group: dist.ProcessGroup | None) -> None:
@@ -186,3 +123,161 @@ def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups) -> Tens
                 local = local.to(p.grad.device) + (per_slot * weight.to(p.grad.device)).sum()
     dist.all_reduce(local, group=groups.ep_group)
     return local
+
+
+class ExpertParallelBackend(ParallelBackend):
+    """``ep_size`` ranks per EP group; ``balanced``: each rank's share of the global batch
+    in proportion to its device's speed (the clock's cost model)."""
+
+    def __init__(self, ep_size: int | None, balanced: bool, clock: Any, rank: int, world_size: int,
+                 device: torch.device, measure_busy: bool = False) -> None:
+        self.ep_size = ep_size or world_size
+        self.balanced = balanced
+        self.schedule = "ep_balanced" if balanced else "ep"
+        self.clock, self.rank, self.world_size, self.device = clock, rank, world_size, device
+        self.measure_busy = measure_busy
+        self.groups: ExpertParallelGroups | None = None
+        self._sharded = False
+        self._layers: list = []
+        self._emulation: Any = None
+        self._shares: list[int] | None = None
+        self._loss_weight = 1.0
+
+    # -- set-up and restore -------------------------------------------------------------
+    def setup(self, module: nn.Module, fitting: bool) -> None:
+        if self.groups is None:
+            self.groups = ExpertParallelGroups.build(self.ep_size)
+        if not fitting:
+            # no gradients to reduce: every rank holds the whole model, rank 0's weights
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=0)
+            return
+        self._layers = [layer for _, layer in moe_layers(module)]
+        # DDP broadcasts the dense weights at wrap time; the experts stay outside DDP, so
+        # rank 0's experts go everywhere before anyone slices its own.
+        for layer in self._layers:
+            for p in layer.experts.parameters(recurse=False):
+                dist.broadcast(p.data, src=0)
+        held = Placement.contiguous(len(self._layers), self._layers[0].num_experts, self.ep_size) \
+            if self._layers else None
+        for l, layer in enumerate(self._layers):
+            slice_experts(layer, held.experts_of(self.groups.ep_rank, l))
+            layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l))
+            layer.balance = GlobalBalance(allreduce_counts(None))
+        self._sharded = bool(self._layers)
+        self._report(held)
+        self._emulation = self.clock.install(module, self.device, self.measure_busy)
+        self._shares = None  # computed from the first global batch
+
+    def _report(self, held: Placement | None) -> None:
+        if self.rank != 0 or held is None:
+            return
+        sizes = [len(p) for p in held.held[0]]
+        uneven = " (uneven split)" if len(set(sizes)) > 1 else ""
+        # rank_zero_info reaches plain scripts too (Lightning's logger prints INFO), not only Hydra runs
+        rank_zero_info(f"hetermoe[{self.schedule}]: {held.num_layers} MoE layers, experts per EP rank {sizes}{uneven}, "
+                       f"{self.world_size // self.ep_size} replica(s)")
+
+    @property
+    def wraps_ddp(self) -> bool:
+        return True
+
+    def ddp_ignored(self, module: nn.Module) -> list[str]:
+        names = []
+        for prefix, layer in moe_layers(module):
+            at = f"{prefix}.experts" if prefix else "experts"
+            names += [f"{at}.{pname}" for pname, _ in layer.experts.named_parameters(recurse=False)]
+            names.append(f"{at}.expert_ids")
+        return names
+
+    def restore(self, module: nn.Module, succeeded: bool) -> None:
+        if self._sharded and succeeded:
+            for l, layer in enumerate(self._layers):
+                full = {pname: self.gather_experts(l, p.detach())
+                        for pname, p in layer.experts.named_parameters(recurse=False)}
+                unslice_experts(layer, full)
+                layer.dispatcher = LocalDispatcher()
+                layer.balance = LocalBalance()
+            self._sharded = False
+        if self._emulation is not None:
+            self._emulation.remove()
+            self._emulation = None
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self, module: nn.Module, hook: str, default: StepFn, context: Context, args: tuple,
+             kwargs: dict) -> Any:
+        if self.balanced and hook == "training_step" and args:
+            args = (self._speed_share(args[0]),) + tuple(args[1:])
+        return default(*args, **kwargs)
+
+    def _speed_share(self, batch: Any) -> Any:
+        """This rank's speed-proportional share of the global batch."""
+        full = gather_global_batch(batch)
+        total = batch_size(full)
+        if self._shares is None or sum(self._shares) != total:
+            self._shares = self.clock.speed_shares(total)
+        start, count = split_sizes(total, self._shares)[self.rank]
+        self._loss_weight = count * self.world_size / total
+        return take(full, start, count)
+
+    @property
+    def shares(self) -> list[int] | None:
+        """Sequences per rank of the last step (``ep_balanced``)."""
+        return None if self._shares is None else list(self._shares)
+
+    def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
+                 module: nn.Module) -> Tensor:
+        if self.balanced:
+            # DDP averages over ranks; with unequal shares each rank's mean must count by its size.
+            closure_loss = closure_loss * self._loss_weight
+        return default(closure_loss)
+
+    def sync_grads(self, module: nn.Module) -> None:
+        if self._sharded:
+            reduce_expert_grads(module, self.groups)
+
+    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
+        expert_ids = {id(p) for layer in self._layers for p in layer.experts.parameters()}
+        dense_sq = sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids),
+                       torch.zeros((), dtype=torch.float64, device=self.device))
+        if not self._sharded:
+            return dense_sq
+        return dense_sq + expert_grad_sq_norm(module, self.groups)
+
+    # -- experts ------------------------------------------------------------------------
+    @property
+    def spread(self) -> bool:
+        return self._sharded
+
+    def placement(self) -> Placement | None:
+        if not self._sharded:
+            return None
+        return Placement([layer.dispatcher.placement for layer in self._layers])
+
+    def holder_index(self) -> int:
+        return self.groups.ep_rank
+
+    def holder_devices(self) -> list[str]:
+        names = [d.name for d in self.clock.devices] or ["cpu"] * self.world_size
+        return names[: self.ep_size]
+
+    def gather_experts(self, layer: int, local: Tensor) -> Tensor:
+        return gather_experts(local, self._layers[layer].dispatcher.placement, self.groups.ep_group)
+
+    def adopt_placement(self, placement: Placement) -> None:
+        for l, layer in enumerate(self._layers):
+            # in place: a new dispatcher would drop the emulated clock's exchange wrapper
+            layer.dispatcher.set_placement(placement.layer(l))
+
+    # -- timing -------------------------------------------------------------------------
+    def tail_shape(self) -> TailShape:
+        held = sum(layer.experts.num_local_experts for layer in self._layers)
+        return TailShape(experts_held=held, has_attention=True, replicas=self.world_size // self.ep_size,
+                         attention_dp=self.world_size)
+
+    def simulated(self, placement: Placement | None = None) -> Simulated:
+        return Simulated(self.schedule, ep_size=self.ep_size, placement=placement)
+
+    def describe_rank(self, rank: int) -> str:
+        names = [d.name for d in self.clock.devices]
+        return f"{self.schedule} rank, device {names[rank] if rank < len(names) else '?'}"

@@ -60,7 +60,7 @@ class BlockCuts:
             fiber = fibers.current()
             if fiber is None or not torch.is_grad_enabled():
                 return None
-            rec = fiber.step.record(layer, fiber.mb)
+            rec = fiber.owner.record(layer, fiber.mb)
             if rec.get("inputs") is not None:
                 raise RuntimeError(f"block {layer} ran twice on micro-batch {fiber.mb}: the zebra executor needs "
                                    f"each MoE block called once per forward")
@@ -75,7 +75,7 @@ class BlockCuts:
             fiber = fibers.current()
             if fiber is None or not torch.is_grad_enabled():
                 return None
-            rec = fiber.step.record(layer, fiber.mb)
+            rec = fiber.owner.record(layer, fiber.mb)
             rec["outputs"] = pairs = []
             return map_tensors(output, self._cut(pairs))
 

@@ -58,6 +58,7 @@ class StepOutput:
     trace: list[tuple[Task, float, float]] = field(default_factory=list)  # (task, start, end) from step start
     overruns: int = 0  # tasks whose real compute exceeded their modelled time
     tasks: int = 0
+    transfer_s: dict[tuple[str, Round], float] = field(default_factory=dict)  # modelled seconds per transfer
 
 
 class StepRun:
@@ -146,6 +147,7 @@ class StepRun:
                 self._flush()
                 self.out.trace.append((task, t0 - t_step, time.perf_counter() - t_step))
             self.exchange.join()
+            self.out.transfer_s = dict(self.exchange.transfer_s)
         except BaseException as err:
             self.exchange.abort(err)
             for f in self.fibers.values():
@@ -196,7 +198,7 @@ class StepRun:
                 self._resume(j, expect=None)
                 self.out.results[j] = self.fibers[j].result
                 if self.step.train:
-                    loss = _loss_of(self.fibers[j].result, j)
+                    loss = loss_of(self.fibers[j].result, j)
                     (loss * self.step.weights[j]).backward()
             if self.step.train:
                 self._send_answer_grad(self.L - 1, j)
@@ -209,8 +211,7 @@ class StepRun:
     # -- attention pieces ---------------------------------------------------------------
     def _start_fiber(self, j: int) -> None:
         batch, run = self.step.microbatches[j], self.step.run
-        fiber = fibers.Fiber(lambda: run(batch, j), mb=j, context=self.step.context)
-        fiber.step = self
+        fiber = fibers.Fiber(lambda: run(batch, j), mb=j, context=self.step.context, owner=self)
         self.fibers[j] = fiber
         self.tokens[j] = _tokens(batch)
 
@@ -328,7 +329,7 @@ class ExpertTasks:
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
 
-def _loss_of(result: Any, mb: int) -> Tensor:
+def loss_of(result: Any, mb: int) -> Tensor:
     loss = result.get("loss") if isinstance(result, dict) else result
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         raise ZebraContractError(f"training_step of micro-batch {mb} returned {type(result).__name__}: zebra needs a "

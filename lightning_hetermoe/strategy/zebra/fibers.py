@@ -27,8 +27,10 @@ def current() -> "Fiber | None":
 
 class Fiber:
     def __init__(self, fn: Callable[[], Any], *, mb: int, context: Callable[[], AbstractContextManager] | None = None,
-                 name: str = "") -> None:
+                 owner: Any = None, name: str = "") -> None:
         self.fn, self.mb = fn, mb
+        self.owner = owner  # the step run this micro-batch belongs to (the model's hooks call it)
+        self.expect: int | None = None  # the MoE layer the schedule lets this fiber reach next
         self.context = context or nullcontext
         self.done = False
         self.result: Any = None

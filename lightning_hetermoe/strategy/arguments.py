@@ -1,0 +1,155 @@
+"""The strategy's arguments, checked the moment they are given and again once the world is
+known (before any process starts): every error names the field and what would be valid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from ..cluster import ClusterConfig
+from ..config import ConfigError, from_cfg
+from ..contract import ModelContractError, describe_model, moe_layers
+
+MODES = ("auto", "ep", "zebra", "distep")
+DISAGGREGATED = ("zebra", "distep")
+BATCH_SPLITS = ("equal", "speed")
+
+
+def load_plan(plan: Any):
+    """A Plan from a Plan, its dict, or the path of a ``plan.json``; ``None`` stays ``None``."""
+    from ..plan import Plan
+
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, Path)):
+        path = Path(plan)
+        if not path.is_file():
+            raise ConfigError(f"strategy plan={str(plan)!r} is invalid: expected a Plan, its dict, or the path of a "
+                              f"plan.json (written by recipes/plan.py or a zebra run); no such file")
+        try:
+            return Plan.from_json(str(path))
+        except (ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"strategy plan={str(plan)!r} is not a valid plan.json: {err}") from None
+    raise ConfigError(f"strategy plan={plan!r} is invalid: expected a Plan, its dict, or the path of a plan.json")
+
+
+def load_profile(profile: Any):
+    from ..profile import Profile
+
+    if profile is None or isinstance(profile, Profile):
+        return profile
+    path = Path(str(profile))
+    if not path.is_file():
+        raise ConfigError(f"strategy profile={str(profile)!r} is invalid: expected a Profile or the path of a "
+                          f"profile JSON (written by recipes/profile_devices.py); no such file")
+    return Profile.from_json(str(path))
+
+
+def _positive_int(name: str, value: Any, hint: str = "") -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"strategy {name}={value!r} is invalid: must be an integer >= 1{hint}")
+
+
+@dataclass
+class StrategyArguments:
+    """What the user asked for (``mode="auto"`` is resolved at set-up, see :mod:`.selection`)."""
+
+    mode: str = "auto"
+    plan: Any = None
+    cluster: ClusterConfig | dict | None = None
+    expert_parallel_size: int | None = None
+    batch_split: str = "equal"
+    num_microbatches: int | None = None
+    asym_ea: bool = True
+    require_expert_ranks: bool = True
+    profile: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"strategy mode={self.mode!r} is invalid: must be one of {MODES}")
+        self.plan = load_plan(self.plan)
+        self.profile = load_profile(self.profile)
+        self.cluster = None if self.cluster is None else from_cfg(ClusterConfig, self.cluster, "cluster")
+        if self.plan is not None and self.mode == "ep":
+            raise ConfigError("strategy plan is used by mode='zebra', 'distep' and 'auto'; mode='ep' places experts "
+                              "evenly and takes no plan")
+        if self.plan is not None and self.mode == "auto" and self.plan.schedule not in DISAGGREGATED:
+            raise ConfigError(f"strategy plan: its schedule {self.plan.schedule!r} is not one a plan runs "
+                              f"({DISAGGREGATED}); set mode explicitly")
+        _positive_int("expert_parallel_size", self.expert_parallel_size)
+        if self.expert_parallel_size is not None and self.mode != "ep":
+            raise ConfigError("strategy expert_parallel_size is for mode='ep' (auto, zebra and distep take their "
+                              "groups from the plan)")
+        if self.batch_split not in BATCH_SPLITS:
+            raise ConfigError(f"strategy batch_split={self.batch_split!r} is invalid: must be one of {BATCH_SPLITS}")
+        if self.batch_split == "speed" and self.mode != "ep":
+            raise ConfigError("strategy batch_split='speed' is for mode='ep'; zebra and distep split the batch as "
+                              "their plan says, and mode='auto' weighs the speed split itself")
+        _positive_int("num_microbatches", self.num_microbatches, " (or null: the planner chooses)")
+        if self.num_microbatches is not None and self.mode == "ep":
+            raise ConfigError("strategy num_microbatches is for mode='zebra', 'distep' and 'auto'")
+        self.asym_ea = bool(self.asym_ea)
+        self.require_expert_ranks = bool(self.require_expert_ranks)
+
+    @property
+    def emulated(self) -> bool:
+        return self.cluster is not None and self.cluster.emulate
+
+    # -- once the world is known --------------------------------------------------------
+    def check_world(self, world_size: int) -> None:
+        cluster, plan = self.cluster, self.plan
+        if cluster is not None and cluster.world_size != world_size:
+            raise ConfigError(f"cluster '{cluster.name}' names {cluster.world_size} devices but the trainer runs "
+                              f"{world_size} processes: set trainer devices*num_nodes={cluster.world_size}")
+        ep = self.expert_parallel_size or world_size
+        if world_size % ep:
+            raise ConfigError(f"strategy expert_parallel_size={ep} is invalid: must divide the world size {world_size}")
+        if self.batch_split == "speed" and cluster is None:
+            raise ConfigError("strategy batch_split='speed' needs a cluster config naming each rank's device")
+        if self.mode in DISAGGREGATED and world_size < 2:
+            raise ConfigError(f"strategy mode={self.mode!r} needs at least 2 ranks (attention and experts), the "
+                              f"trainer runs {world_size}; mode='auto' trains one device as a plain single device")
+        if plan is not None and plan.world_size != world_size:
+            raise ConfigError(f"the plan is for {plan.world_size} ranks, the trainer runs {world_size}")
+        if plan is not None and cluster is not None and list(plan.devices) != [d.name for d in cluster.specs()]:
+            raise ConfigError(f"the plan is for devices {plan.devices}, cluster '{cluster.name}' names "
+                              f"{cluster.devices}")
+
+    def check_model(self, model: Any, device: torch.device) -> None:
+        """Everything about the model that can be checked before processes start."""
+        try:
+            layers = moe_layers(model)
+            if not layers:
+                if self.mode in DISAGGREGATED:
+                    describe_model(model)  # raises the contract's sentence
+                rank_zero_warn(f"HeterMoEStrategy found no lightning_hetermoe.MoELayer in {type(model).__name__}: "
+                               f"it trains as plain DDP. The strategy places and routes the experts of MoELayer "
+                               f"modules (each the direct child of a decoder block).")
+                return
+            if self.emulated or self.batch_split == "speed" or self.mode in DISAGGREGATED:
+                describe_model(model)
+        except ModelContractError as err:
+            raise ConfigError(str(err)) from None
+        from ..kernels import triton_available, unavailable_reason
+
+        for name, layer in layers:
+            if layer.experts.backend == "triton" and not triton_available(device):
+                raise ConfigError(f"model.moe.expert_backend='triton' is invalid on {device}: "
+                                  f"{unavailable_reason(device)}; use expert_backend=auto or torch ({name})")
+
+
+def check_plan(plan: Any, model_cfg: Any, world_size: int) -> None:
+    """A plan must fit the world and the model; one clear error per mismatch."""
+    if plan.world_size != world_size:
+        raise ConfigError(f"the plan is for {plan.world_size} ranks, the trainer runs {world_size}")
+    if plan.num_layers != model_cfg.n_layers:
+        raise ConfigError(f"the plan is for {plan.num_layers} MoE layers, the model has {model_cfg.n_layers}")
+    if plan.num_experts != model_cfg.moe.num_experts:
+        raise ConfigError(f"the plan is for {plan.num_experts} experts per layer, the model has "
+                          f"{model_cfg.moe.num_experts}")

@@ -1,0 +1,145 @@
+"""Expert tensors across ranks: slicing them onto holders, gathering them back, moving them.
+
+* **Checkpoints** hold every expert once, with its optimizer state, whatever the placement:
+  saving gathers into *new* dicts (live state is never touched); loading slices the full
+  tensors down to what this rank holds.
+* **Migration** (the rebalancer) moves experts to a new placement at a step boundary:
+  weights and every per-parameter optimizer tensor (Adam moments, momentum buffers) travel
+  with their expert, copies start from the same values.
+
+Both work through the backend's :meth:`~.backend.ParallelBackend.gather_experts`, so
+they mean the same under expert parallelism and under zebra.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..contract import moe_layers
+from ..placement import Placement
+
+
+def slice_experts(layer, mine: list[int]) -> None:
+    """Keep rows ``mine`` (global expert ids, in that order) of every expert tensor."""
+    ex = layer.experts
+    idx = torch.tensor(mine, dtype=torch.long, device=ex.expert_ids.device)
+    for pname, p in list(ex.named_parameters(recurse=False)):
+        setattr(ex, pname, nn.Parameter(p.detach()[idx.to(p.device)].clone(), requires_grad=p.requires_grad))
+    ex.expert_ids = idx
+
+
+def unslice_experts(layer, full: dict[str, Tensor]) -> None:
+    """Every expert again (``full``: parameter name -> gathered ``[E, ...]`` tensor)."""
+    ex = layer.experts
+    for pname, p in list(ex.named_parameters(recurse=False)):
+        setattr(ex, pname, nn.Parameter(full[pname], requires_grad=p.requires_grad))
+    ex.expert_ids = torch.arange(layer.num_experts, device=ex.expert_ids.device)
+
+
+def gather_experts(local: Tensor, held: list[list[int]], group: dist.ProcessGroup | None) -> Tensor:
+    """All-gather per-holder expert slices (uneven first dims) into the full ``[E, ...]``
+    tensor; ``held[r]`` lists the ids group rank ``r`` holds, in its local order."""
+    most = max(len(p) for p in held)
+    padded = local.new_zeros((most,) + tuple(local.shape[1:]))
+    padded[: local.shape[0]] = local
+    chunks = [torch.empty_like(padded) for _ in held]
+    dist.all_gather(chunks, padded.contiguous(), group=group)
+    full = local.new_empty((len({e for p in held for e in p}),) + tuple(local.shape[1:]))
+    for chunk, experts in zip(chunks, held):
+        if experts:
+            full[torch.tensor(experts, device=local.device)] = chunk[: len(experts)]
+    return full
+
+
+def _params(optimizer) -> list[nn.Parameter]:
+    return [p for g in getattr(optimizer, "_optimizer", optimizer).param_groups for p in g["params"]]
+
+
+class ExpertState:
+    """Placement-independent expert state of ``module`` under ``backend``."""
+
+    def __init__(self, backend: Any, module: nn.Module) -> None:
+        self.backend, self.module = backend, module
+
+    def _layers(self) -> list[tuple[int, str, Any]]:
+        if not self.backend.spread:
+            return []
+        return [(l, name, layer) for l, (name, layer) in enumerate(moe_layers(self.module))]
+
+    # -- checkpoints --------------------------------------------------------------------
+    def module_state(self) -> dict[str, Any]:
+        state = self.module.state_dict()
+        for l, name, layer in self._layers():
+            for pname, p in layer.experts.named_parameters(recurse=False):
+                state[f"{name}.experts.{pname}"] = self.backend.gather_experts(l, p.detach())
+        return state
+
+    def gathered_optimizer_state(self, state: dict[str, Any], optimizer) -> dict[str, Any]:
+        if not self._layers():
+            return state
+        # ``Optimizer.state_dict()`` hands out the optimizer's own per-parameter dicts: copy
+        # them before writing gathered tensors, or the live optimizer would step on them.
+        state = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+        for l, layer, p, slot in self._slots(state, optimizer):
+            for key, value in list(slot.items()):
+                if torch.is_tensor(value) and value.shape == p.shape and value.dim() > 0:
+                    slot[key] = self.backend.gather_experts(l, value)
+        return state
+
+    def slice_optimizer_state(self, opt_state: dict[str, Any], optimizer) -> None:
+        """A full checkpoint's optimizer state, cut down to what this rank holds (in place)."""
+        if not self._layers():
+            return
+        placement = self.backend.placement()
+        me = self.backend.holder_index()
+        for l, layer, p, slot in self._slots(opt_state, optimizer):
+            mine = torch.tensor(placement.experts_of(me, l), dtype=torch.long)
+            for key, value in list(slot.items()):
+                if torch.is_tensor(value) and value.dim() == p.dim() and value.shape[1:] == p.shape[1:] \
+                        and value.shape[0] == layer.num_experts:
+                    slot[key] = value[mine.to(value.device)]
+        if not self.backend.holds_dense:
+            # A rank without dense weights keeps no dense optimizer state either.
+            for i, p in enumerate(_params(optimizer)):
+                if p.numel() == 0:
+                    opt_state["state"].pop(i, None)
+
+    def _slots(self, opt_state: dict[str, Any], optimizer) -> Iterator[tuple[int, Any, nn.Parameter, dict]]:
+        """(layer index, layer, expert parameter, its per-parameter optimizer state) for every
+        expert parameter that has state; optimizer state is keyed by parameter position."""
+        index = {id(p): i for i, p in enumerate(_params(optimizer))}
+        for l, _, layer in self._layers():
+            for p in layer.experts.parameters(recurse=False):
+                slot = opt_state["state"].get(index.get(id(p)))
+                if slot:
+                    yield l, layer, p, slot
+
+    # -- migration ----------------------------------------------------------------------
+    def move(self, new: Placement, optimizers: list) -> int:
+        """Move experts to ``new`` on every rank (a collective: every rank passes the same
+        placement). Returns the expert copies that moved."""
+        current = self.backend.placement()
+        me = self.backend.holder_index()
+        for l, _, layer in self._layers():
+            if new.held[l] == current.held[l]:
+                continue
+            idx = torch.tensor(new.experts_of(me, l), dtype=torch.long)
+            for p in layer.experts.parameters(recurse=False):
+                full = self.backend.gather_experts(l, p.data)  # gathered with the old placement in force
+                states = []
+                for opt in optimizers:
+                    st = opt.state.get(p)
+                    for key, value in (st or {}).items():
+                        if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape:
+                            states.append((st, key, self.backend.gather_experts(l, value)))
+                p.data = full[idx.to(full.device)].clone()
+                p.grad = None
+                for st, key, value in states:
+                    st[key] = value[idx.to(value.device)].clone()
+            layer.experts.expert_ids = idx.to(layer.experts.expert_ids.device)
+        self.backend.adopt_placement(new)
+        return new.moved_copies(current)

@@ -1,0 +1,181 @@
+"""The clock a run is planned, emulated and predicted with, and the timing of its steps.
+
+* **Whose time.** An emulated cluster's workload clock (``cluster.emulate_workload``), a
+  measured profile (``profile=``), or the cost model of the model actually run.
+* **Predictions.** The simulator's step time for what the backend runs (its plan, or the
+  EP layout), with even routing or with measured loads, and with another placement than
+  the current one (what the rebalancer compares candidates by).
+* **Step timing.** Wall time per optimizer step, the step's tail padded to its modelled
+  time under emulation, and the busy split of ranks whose tasks the emulated clock or a
+  :class:`~lightning_hetermoe.emulate.BusyMeter` times (expert parallelism).
+
+Callbacks and recipes read it through ``HeterMoEStrategy.clock``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+
+from ..cluster import ClusterConfig, DeviceSpec
+from ..config import ModelConfig
+from .backend import Simulated, TailShape
+
+
+class RunClock:
+    def __init__(self, cluster: ClusterConfig | None, profile: Any, rank: int) -> None:
+        self.cluster, self.profile, self.rank = cluster, profile, rank
+        self.model: ModelConfig | None = None  # the model the clock times (the workload's under emulation)
+        self.seq_len = 0  # the clock's tokens per sequence
+        self.run_seq_len = 0  # the run's own tokens per sequence
+        self.per_rank = 0  # sequences per rank per step
+        self.world_size = 1
+        self.timer: Any = None
+        self.workload: Any = None  # EmulatedWorkload under emulation
+        self.emulator: Any = None  # this rank's emulated clock
+        self.meter: Any = None  # BusyMeter on real devices, when a monitor asked for busy time
+        self.devices: list[DeviceSpec] = []
+        self.prediction: dict[str, Any] | None = None
+        self.last_step_s: float | None = None
+        self._step_started: float | None = None
+        self._busy_mark: dict[str, float] | None = None
+        self._last_busy: dict[str, float] | None = None
+
+    # -- binding to a run ---------------------------------------------------------------
+    @property
+    def bound(self) -> bool:
+        return self.timer is not None
+
+    def bind(self, run_model: ModelConfig, per_rank: int, seq_len: int, world_size: int,
+             devices: list[DeviceSpec]) -> None:
+        """Fix the clock to the run's model and batch shape (once, at the first set-up)."""
+        from ..emulate import emulated_workload, rank_emulator
+        from ..profile.timer import make_timer
+
+        self.per_rank, self.run_seq_len, self.world_size, self.devices = per_rank, seq_len, world_size, devices
+        if self.cluster is not None and self.cluster.emulate:
+            self.workload = emulated_workload(self.cluster, run_model, seq_len)
+            self.model, self.seq_len, self.timer = self.workload.model, self.workload.seq_len, self.workload.timer
+            self.emulator = rank_emulator(self.cluster, self.rank, self.workload)
+        else:
+            self.model, self.seq_len = run_model, seq_len
+            self.timer = make_timer(run_model, seq_len, self.profile)
+
+    def install(self, module: torch.nn.Module, device: torch.device, measure_busy: bool) -> Any:
+        """Hooks on a model that runs its own tasks (expert parallelism, one device): the
+        emulated clock pads them, or a :class:`BusyMeter` times them on the real device when
+        a monitor asked for busy time. Returns the handle to remove them, or ``None``."""
+        from ..emulate import BusyMeter, install
+
+        if self.emulator is not None:
+            return install(module, self.emulator, head=True)
+        if measure_busy:
+            self.meter = self.meter or BusyMeter(device)
+            return install(module, self.meter, head=True)
+        return None
+
+    @property
+    def token_scale(self) -> float:
+        """Clock tokens per real token (1 unless a workload clock stands for larger sequences)."""
+        return self.workload.token_scale if self.workload is not None else 1.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of a global batch, at the clock's sequence length."""
+        return self.per_rank * self.world_size * self.seq_len
+
+    @property
+    def time_scale(self) -> float:
+        return self.cluster.time_scale if self.cluster is not None and self.cluster.emulate else 1.0
+
+    # -- predictions --------------------------------------------------------------------
+    def step_time(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> float:
+        """The simulator's device seconds per step for ``sim`` (even routing unless ``expert_load``)."""
+        from ..simulate import ep_setup, simulate_plan, simulate_step
+
+        link = self.cluster.link if self.cluster is not None else ClusterConfig().link
+        if sim.plan is not None:
+            plan = sim.plan
+            if sim.placement is not None:
+                plan = copy.deepcopy(plan)
+                plan.placement = sim.placement.owners()
+            return simulate_plan(plan, self.devices, self.model, link, self.timer, schedule=sim.schedule,
+                                 keep_timeline=False, expert_load=expert_load).step_time
+        setup = ep_setup(self.devices, self.model, seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size,
+                         link=link, timer=self.timer, balanced=sim.schedule == "ep_balanced", num_microbatches=1,
+                         expert_load=expert_load)
+        if sim.placement is not None:
+            for lane in setup.lanes:
+                ids = [sim.placement.experts_of(lane.ranks[0] % sim.ep_size, l) for l in range(sim.placement.num_layers)]
+                lane.expert_ids, lane.experts = ids, [len(x) for x in ids]
+        return simulate_step(setup, self.timer, "ep", keep_timeline=False).step_time
+
+    def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> dict[str, Any] | None:
+        """The predicted step of this very run, in wall seconds (scaled like the emulated
+        clock); ``None`` without a cluster config (no device names to predict for)."""
+        if self.cluster is None or not self.bound:
+            return None
+        step = self.step_time(sim, expert_load)
+        return {"schedule": sim.schedule, "step_time_s": step * self.time_scale, "device_step_time_s": step,
+                "workload_tokens_per_step": self.tokens_per_step}
+
+    def expert_seconds(self, device: DeviceSpec, tokens: float) -> float:
+        """One expert on ``tokens`` (clock tokens) on ``device``."""
+        return self.timer.expert(device, tokens) if tokens > 0 else 0.0
+
+    def expert_bytes(self) -> float:
+        """Bytes to move one expert copy: weights and optimizer state, at the clock's sizes."""
+        from ..profile.memory import MemoryModel
+
+        memory = MemoryModel(self.model)
+        return memory.expert_params() * memory.bytes_per_param
+
+    def speed_shares(self, total: int) -> list[int]:
+        """Sequences per rank in proportion to each device's attention speed (``ep_balanced``)."""
+        from ..simulate.schedules import ep_balanced_shares, ep_speed
+
+        return ep_balanced_shares(total, [ep_speed(d, self.timer, self.model, self.seq_len) for d in self.devices])
+
+    # -- steps --------------------------------------------------------------------------
+    def step_started(self) -> None:
+        if self._step_started is not None:
+            return  # gradient accumulation: the optimizer step began with its first batch
+        self._step_started = time.perf_counter()
+        if self.emulator is not None:
+            self._busy_mark = {k: v.modelled_s for k, v in self.emulator.stats.items()}
+        elif self.meter is not None:
+            self.meter.reset()  # validation since the last step is not this step's work
+
+    def step_ended(self, tail_started: float | None, tail: TailShape) -> None:
+        """After the optimizer: pad the tail (emulation), record the step's time and busy split."""
+        if tail_started is not None and self.emulator is not None:
+            modelled = self.emulator.tail(experts_held=tail.experts_held, has_attention=tail.has_attention,
+                                          replicas=tail.replicas, attention_dp=tail.attention_dp)
+            self.emulator.pad("tail", "tail", tail_started, modelled)
+        if self._step_started is None:
+            return
+        self.last_step_s = time.perf_counter() - self._step_started
+        self._step_started = None
+        if self.emulator is not None and self._busy_mark is not None:
+            now = {k: v.modelled_s for k, v in self.emulator.stats.items()}
+            d = {k: now[k] - self._busy_mark.get(k, 0.0) for k in now}
+            self._last_busy = {"attention": d["attention"] + d["head"] + d["tail"], "experts": d["experts"],
+                               "comm": d["transfer"]}
+        elif self.meter is not None:
+            d = self.meter.take()
+            self._last_busy = {"attention": d["attention"] + d["head"], "experts": d["experts"],
+                               "comm": d["transfer"]}
+
+    def busy(self) -> dict[str, float] | None:
+        """The last step's busy split from the emulated clock or the meter, idle included."""
+        if self.last_step_s is None or self._last_busy is None:
+            return None
+        busy = dict(self._last_busy)
+        busy["idle"] = max(self.last_step_s - busy["attention"] - busy["experts"] - busy["comm"], 0.0)
+        return busy
+
+    def emulation_summary(self) -> dict[str, Any] | None:
+        return self.emulator.summary() if self.emulator is not None else None

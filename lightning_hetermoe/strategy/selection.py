@@ -1,0 +1,214 @@
+"""Which backend a run uses, decided once at set-up.
+
+``mode="auto"`` (the default) predicts every schedule that can run here with the run's own
+clock (the cost model, a profile, or an emulated workload) and takes the fastest by
+predicted throughput: ``zebra`` and ``distep`` on the planner's plan, ``ep``, and
+``ep_balanced`` (expert parallelism with speed-proportional shares, where the devices
+differ). One device trains as a plain single device. The choice and the runner-up are
+printed; a plan, when one runs, is printed as a table and written to ``plan.json``.
+
+Rank 0 decides and broadcasts, so every rank builds the same backend from the same plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+
+from ..cluster import ClusterConfig, DeviceSpec
+from ..config import ConfigError
+from ..contract import ModelContractError, describe_model
+from .arguments import DISAGGREGATED, check_plan
+from .backend import ParallelBackend, Simulated
+from .batch import tensors
+
+AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced")
+
+
+def loader_batch_shape(trainer) -> tuple[int, int]:
+    """``(sequences per rank, sequence length)`` of the stage's loader, read without iterating
+    it: its ``batch_size`` and its dataset's first sample (``[seq_len, ...]`` first tensor)."""
+    loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
+    try:
+        loader = loop._data_source.dataloader()
+        if isinstance(loader, (list, tuple)):
+            loader = loader[0]
+        if isinstance(loader, dict):
+            loader = next(iter(loader.values()))
+        return int(loader.batch_size), int(tensors(loader.dataset[0])[0].shape[0])
+    except Exception as err:
+        raise ConfigError(
+            "the strategy plans from the batch shape, read from the loader's batch_size and its dataset's first "
+            f"sample ([seq_len, ...]); that failed ({type(err).__name__}: {err}): pass a plan (plan=plan.json) or "
+            "mode='ep'") from None
+
+
+def run_devices(cluster: ClusterConfig | None, device: torch.device, world_size: int) -> list[DeviceSpec]:
+    """The devices the run plans for: the cluster config's, the CUDA devices of every rank,
+    or plain CPUs."""
+    from ..cluster.devices import detect_cuda_devices, get_device
+
+    if cluster is not None:
+        return cluster.specs()
+    if device.type == "cuda":
+        return list(detect_cuda_devices())
+    return [get_device("cpu")] * world_size
+
+
+def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
+    """Bind the run's clock, choose the schedule, build its backend (every rank)."""
+    args, clock = strategy.args, strategy.clock
+    module, world, rank = strategy.lightning_module, strategy.world_size, strategy.global_rank
+    devices = run_devices(args.cluster, strategy.root_device, world)
+    needs_clock = args.mode in ("auto", *DISAGGREGATED) and world > 1 or args.emulated or args.batch_split == "speed"
+    try:
+        per_rank, seq_len = loader_batch_shape(trainer)
+        clock.bind(describe_model(module), per_rank, seq_len, world, devices)
+    except (ConfigError, ModelContractError) as err:
+        if needs_clock:
+            raise ConfigError(str(err)) from None
+        clock.devices = devices  # plain EP of a model the clock cannot read: no predictions
+
+    if world == 1 and args.mode == "auto":
+        choice, plan = "single", None
+    else:
+        choice, plan = _decide(strategy, trainer, module) if rank == 0 else (None, None)
+        choice, plan = strategy.broadcast((choice, None if plan is None else plan.to_dict()), src=0)
+        if plan is not None:
+            from ..plan import Plan
+
+            plan = Plan.from_dict(plan)
+    backend = _build(strategy, choice, plan, module)
+    clock.prediction = clock.predict(backend.simulated())
+    if plan is not None:
+        _announce_plan(strategy, trainer, plan)
+    return backend
+
+
+def _decide(strategy: Any, trainer: Any, module: Any) -> tuple[str, Any]:
+    """Rank 0: the schedule (and its plan, if it runs one)."""
+    args, clock = strategy.args, strategy.clock
+    if args.mode == "ep":
+        return ("ep_balanced" if args.batch_split == "speed" else "ep"), None
+    if args.mode in DISAGGREGATED:
+        return args.mode, _plan(strategy, module, required=True, schedule=args.mode)
+    if args.plan is not None:  # auto with a given plan runs what the plan was made for
+        return args.plan.schedule, _plan(strategy, module, required=True)
+    plan = _plan(strategy, module, required=False, schedule="zebra") if _can_disaggregate(strategy, module) else None
+    throughput: dict[str, float] = {}
+    for name in AUTO_CANDIDATES:
+        if name in DISAGGREGATED:
+            if plan is None:
+                continue
+            sim, tokens = Simulated(name, plan=plan), plan.total_seqs * clock.seq_len
+        else:
+            if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
+                continue  # identical devices: the speed split is the equal split
+            sim, tokens = Simulated(name, ep_size=strategy.world_size), clock.tokens_per_step
+        try:
+            throughput[name] = tokens / clock.step_time(sim)
+        except ValueError:
+            continue  # does not fit in memory
+    if not throughput:
+        raise ConfigError("mode='auto': no schedule fits this cluster and model (every prediction failed); set "
+                          "strategy.mode explicitly")
+    ranked = sorted(throughput, key=throughput.get, reverse=True)
+    best = ranked[0]
+    line = f"hetermoe[auto]: chose {best} ({_rate(throughput[best])} predicted)"
+    if len(ranked) > 1:
+        second = ranked[1]
+        line += f"; runner-up {second} ({_rate(throughput[second])}, {throughput[best] / throughput[second]:.2f}x slower)"
+    print(line, flush=True)
+    if best not in DISAGGREGATED:
+        return best, None
+    plan.schedule = best
+    return best, plan
+
+
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s:,.0f} tokens/s"
+
+
+def _can_disaggregate(strategy: Any, module: Any) -> bool:
+    """Zebra and distep can run this model here (auto weighs them only then)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if strategy.world_size < 2 or not getattr(module, "automatic_optimization", False):
+        return False
+    if not getattr(module, "disaggregates", True):  # the module says its blocks cannot be cut
+        return False
+    plugin = strategy.precision_plugin
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+        return False
+    try:
+        describe_model(module)
+    except ModelContractError:
+        return False
+    return True
+
+
+def _plan(strategy: Any, module: Any, required: bool, schedule: str = "zebra") -> Any:
+    """The plan the run gives, or a new one from the planner for ``schedule`` (``None`` if
+    none fits and none is ``required``)."""
+    from ..plan import make_plan
+
+    args, clock, world = strategy.args, strategy.clock, strategy.world_size
+    model_cfg = describe_model(module)
+    if args.plan is not None:
+        check_plan(args.plan, model_cfg, world)
+        if clock.per_rank * world != args.plan.total_seqs:
+            raise ConfigError(f"the plan is for {args.plan.total_seqs} sequences per step, the loaders give "
+                              f"{clock.per_rank} x {world} ranks = {clock.per_rank * world}")
+        return args.plan
+    cluster = args.cluster if args.cluster is not None else clock.devices
+    try:
+        plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
+                         profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
+                         require_expert_ranks=args.require_expert_ranks, timer=clock.timer)
+    except ValueError as err:
+        if required:
+            raise ConfigError(f"mode={args.mode!r}: no plan fits: {err}") from None
+        return None
+    check_plan(plan, model_cfg, world)
+    plan.schedule = schedule
+    return plan
+
+
+def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBackend:
+    args, clock = strategy.args, strategy.clock
+    device, rank, world = strategy.root_device, strategy.global_rank, strategy.world_size
+    if choice == "single":
+        from .single import SingleDeviceBackend
+
+        return SingleDeviceBackend(clock, device, measure_busy=strategy.measure_busy)
+    if choice in ("ep", "ep_balanced"):
+        from .expert_parallel import ExpertParallelBackend
+
+        return ExpertParallelBackend(args.expert_parallel_size, choice == "ep_balanced", clock, rank, world, device,
+                                     measure_busy=strategy.measure_busy)
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from .zebra.backend import ZebraBackend
+
+    if not module.automatic_optimization:
+        raise ConfigError(f"mode={choice!r} runs the backward itself: it needs automatic optimization")
+    plugin = strategy.precision_plugin
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+        raise ConfigError(f"mode={choice!r} supports precision 32-true and bf16-mixed; 16-mixed scales the loss, "
+                          f"which the executor's own backward does not")
+    balance = describe_model(module).moe.aux_loss_coef > 0
+    timeout = strategy.pg_timeout_s
+    return ZebraBackend(plan, choice, rank, balance=balance, device=device, clock=clock, timeout_s=timeout)
+
+
+def _announce_plan(strategy: Any, trainer: Any, plan: Any) -> None:
+    if strategy.global_rank != 0:
+        return
+    print(str(plan), flush=True)
+    root = Path(trainer.default_root_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    plan.to_json(str(root / "plan.json"))

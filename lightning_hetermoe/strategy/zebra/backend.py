@@ -1,0 +1,352 @@
+"""Zebra and DistEP: a plan applied to the user's module on this rank, and its steps.
+
+* **Roles and memory.** Attention ranks keep the dense model (embeddings, attention,
+  routers, norms, head) and the experts the plan puts on them (Asym-EA); expert ranks keep
+  only their experts: their dense parameters become empty tensors before the optimizer is
+  built, so they get no gradients and no optimizer state.
+* **Start-up.** Rank 0's weights, dense and experts, are broadcast (on the device) before
+  anyone slices, so differently seeded ranks start equal (there is no DDP wrapper here).
+* **A step.** Every rank gathers the global batch; each attention rank takes its share
+  (the plan's ``seqs_per_rank``, scaled when a batch differs), cuts it into ``R``
+  micro-batches, and the executor runs this rank's task list. Micro-batch ``j`` weighs
+  ``n_j / N`` of the global batch, so summing gradients (not averaging them) gives the
+  gradient of the global mean loss: dense gradients are summed over every attention rank
+  of every ZP group, expert gradients over the copies of the same expert in the other ZP
+  groups. The executor's backward runs inside the step; Lightning zeroes gradients between
+  the step and ``backward()``, so the step's gradients are kept apart and handed over in
+  ``backward()``.
+* **State.** Checkpoints take dense weights from the first attention rank and every expert
+  gathered within a ZP group: they do not depend on the placement.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ...contract import find_blocks
+from ...moe import LocalDispatcher
+from ...moe.balance import LocalBalance, balance_loss_from_counts, routed_counts
+from ...placement import Placement
+from ...plan import Plan
+from ...schedule import build_schedule
+from ...simulate.schedules import apportion, split_microbatches
+from ..backend import Context, ParallelBackend, Simulated, StepFn, TailShape, zero_missing_grads
+from ..batch import batch_size, gather_global_batch, split_sizes, take
+from ..expert_state import gather_experts, slice_experts, unslice_experts
+from . import fibers
+from .comm import Exchange
+from .cuts import BlockCuts
+from .executor import ExpertTasks, StepInput, StepOutput, StepRun, ZebraContractError, loss_of
+from .layout import Layout, ZebraGroups
+from .logs import MicrobatchLogs
+
+
+class ZebraDispatcher:
+    """Swapped into each MoE layer on attention ranks: hands the rows to the step's rounds."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+        fiber = fibers.current()
+        if fiber is None:
+            raise ZebraContractError("the model ran outside the zebra executor while the strategy owns it; run "
+                                     "it through the Trainer (training/validation/test/predict steps)")
+        return fiber.owner.dispatch(self.layer, x, indices, keep)
+
+
+class ZebraBalance:
+    """The balance loss with expert fractions over the whole step's tokens (see schedule)."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+
+    def __call__(self, probs: Tensor, indices: Tensor) -> Tensor:
+        fiber = fibers.current()
+        counts = fiber.owner.balance_counts(self.layer, indices) if fiber is not None else \
+            routed_counts(indices, probs.shape[-1])
+        return balance_loss_from_counts(probs, counts)
+
+
+class ZebraBackend(ParallelBackend):
+    def __init__(self, plan: Plan, mode: str, rank: int, *, balance: bool, device: torch.device,
+                 clock: Any = None, timeout_s: float = 1800.0) -> None:
+        if mode not in ("zebra", "distep"):
+            raise ValueError(f"zebra backend mode {mode!r}: must be zebra or distep")
+        self.plan, self.schedule, self.device, self.timeout_s = plan, mode, device, timeout_s
+        self.emulator = clock.emulator if clock is not None else None
+        self.layout = Layout.from_plan(plan, rank, plan.placement_for(mode))
+        L = self.layout.num_layers
+        self._R = (plan.distep_microbatches or 1) if mode == "distep" else plan.num_microbatches
+        self.train_schedule = build_schedule(mode, L, self._R, balance=balance)
+        self.forward_schedule = build_schedule("forward", L, self._R, balance=balance)
+        self.groups = ZebraGroups.build(self.layout)
+        self._stripped: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._cuts: BlockCuts | None = None
+        self.layers: list = []
+        self.experts: ExpertTasks | None = None
+        self.applied = False
+        self.d_model = 0
+        self.dtype = torch.float32
+        self.last_step: StepOutput | None = None  # the last training step (its trace: what ran, when)
+        self._step_grads: list[tuple[nn.Parameter, Tensor]] = []
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._R
+
+    # -- set-up and restore -------------------------------------------------------------
+    def setup(self, module: nn.Module, fitting: bool) -> None:
+        if self.applied:
+            return
+        blocks = find_blocks(module)
+        self.layers = [moe for _, _, moe in blocks]
+        if len(self.layers) != self.layout.num_layers:
+            raise ZebraContractError(f"the plan is for {self.layout.num_layers} MoE layers, the model has "
+                                     f"{len(self.layers)}")
+        self.d_model = self.layers[0].router.weight.shape[1]
+        self.dtype = self.layers[0].experts.w_up.dtype
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=0)  # rank 0's weights everywhere, before anyone slices
+        for l, layer in enumerate(self.layers):
+            slice_experts(layer, self.layout.mine(l))
+        if not self.layout.is_attention:
+            expert_ids = self._expert_param_ids()
+            for name, p in module.named_parameters():
+                if id(p) not in expert_ids:
+                    self._stripped[name] = (p.shape, p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        else:
+            for l, layer in enumerate(self.layers):
+                layer.dispatcher = ZebraDispatcher(l)
+                layer.balance = ZebraBalance(l)
+            self._cuts = BlockCuts([b for _, b, _ in blocks])
+        self.experts = ExpertTasks(self.layout, self.layers, self.device)
+        self.applied = True
+
+    def restore(self, module: nn.Module, succeeded: bool) -> None:
+        """Every rank ends with the whole model again, local dispatch (after a fit)."""
+        if not self.applied or not succeeded:
+            return
+        for l, layer in enumerate(self.layers):
+            full = {pname: self.gather_experts(l, p.detach())
+                    for pname, p in layer.experts.named_parameters(recurse=False)}
+            unslice_experts(layer, full)
+            layer.dispatcher = LocalDispatcher()
+            layer.balance = LocalBalance()
+        params = dict(module.named_parameters())
+        for name, (shape, dtype) in self._stripped.items():
+            params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+        expert_ids = self._expert_param_ids()
+        for p in module.parameters():
+            if id(p) not in expert_ids:
+                dist.broadcast(p.data, src=self.layout.saver)
+        self._stripped.clear()
+        if self._cuts is not None:
+            self._cuts.remove()
+            self._cuts = None
+        self.applied = False
+
+    def _expert_param_ids(self) -> set[int]:
+        return {id(p) for layer in self.layers for p in layer.experts.parameters(recurse=False)}
+
+    def _dense_params(self, module: nn.Module) -> list[nn.Parameter]:
+        expert_ids = self._expert_param_ids()
+        return [p for p in module.parameters() if id(p) not in expert_ids]
+
+    # -- the batch ----------------------------------------------------------------------
+    def shares(self, total: int) -> list[tuple[int, int]]:
+        """``(start, count)`` of every attention rank's share, in global rank order."""
+        att = self.plan.attention_ranks
+        planned = [self.plan.seqs_per_rank[r] for r in att]
+        sizes = planned if sum(planned) == total else apportion(total, [max(s, 1) for s in planned])
+        return split_sizes(total, sizes)
+
+    def step_input(self, global_batch: Any, total: int, run: Callable[[Any, int], Any] | None,
+                   context: Callable[[], Any] | None, train: bool, accumulate: int = 1) -> StepInput:
+        R = self._R
+        if not self.layout.is_attention:
+            return StepInput([None] * R, [0] * R, [0.0] * R, None, None, train)
+        start, count = self.shares(total)[self.plan.attention_ranks.index(self.layout.rank)]
+        sizes = split_microbatches(count, R)
+        mbs, weights, at = [], [], start
+        for n in sizes:
+            mbs.append(take(global_batch, at, n) if n else None)
+            weights.append(n / total / accumulate)
+            at += n
+        return StepInput(mbs, sizes, weights, run, context, train)
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self, module: nn.Module, hook: str, default: StepFn, context: Context, args: tuple,
+             kwargs: dict) -> Any:
+        train = hook == "training_step"
+        batch = args[0] if args else kwargs.pop("batch")
+        rest, kw = tuple(args[1:]), dict(kwargs)
+        full = gather_global_batch(batch)
+        total = batch_size(full)
+        fn = getattr(module, hook)
+        accumulate = module.trainer.accumulate_grad_batches if train else 1
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def fiber_context() -> ExitStack:
+            stack = ExitStack()
+            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+            stack.enter_context(context())
+            return stack
+
+        # The executor's backward runs inside the step, before Lightning's zero_grad: this
+        # step's gradients are collected apart and handed over in ``backward()`` (whatever
+        # accumulated before stays where it was).
+        params = [p for p in module.parameters() if p.requires_grad] if train else []
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with MicrobatchLogs(module) as logs:
+            step = self.step_input(full, total, lambda mb, j: fn(mb, *rest, **kw), fiber_context, train, accumulate)
+            out = self._run(step, task_context=context)
+            logs.replay(step.sizes)
+        if train:
+            self._step_grads = [(p, p.grad) for p in params if p.grad is not None]
+            for p, g in zip(params, before):
+                p.grad = g
+            self.last_step = out
+        return self._result(out, step, total, train)
+
+    def _run(self, step: StepInput, task_context: Callable[[], Any] | None = None) -> StepOutput:
+        schedule = self.train_schedule if step.train else self.forward_schedule
+        exchange = Exchange(self.layout, self.groups, schedule, d_model=self.d_model, dtype=self.dtype,
+                            device=self.device, emulator=self.emulator, timeout_s=self.timeout_s)
+        tasks = schedule.member_tasks(self.layout.is_attention, self.layout.holds())
+        run = StepRun(self.layout, schedule, exchange, self.layers, self.experts, step, clock=self.emulator,
+                      d_model=self.d_model, task_context=task_context or nullcontext)
+        return run.run(tasks)
+
+    def _result(self, out: StepOutput, step: StepInput, total: int, train: bool) -> Any:
+        """The step's value on every rank: the global mean loss (training), this rank's
+        outputs in micro-batch order (evaluation; ``None`` on expert ranks)."""
+        if not train:
+            outs = [out.results[j] for j in sorted(out.results)]
+            if not outs:
+                return None
+            if all(isinstance(o, torch.Tensor) for o in outs) and all(o.dim() > 0 for o in outs):
+                return torch.cat(outs)
+            return outs[0] if len(outs) == 1 else outs
+        loss = torch.zeros((), dtype=torch.float64)
+        for j, result in out.results.items():
+            loss = loss + loss_of(result, j).detach().double().cpu() * (step.sizes[j] / total)
+        dist.all_reduce(loss)
+        return loss.float().to(self.device)
+
+    def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
+                 module: nn.Module) -> Tensor:
+        # The executor already ran the backward inside the step; Lightning's hooks still run.
+        closure_loss = precision.pre_backward(closure_loss, module)
+        for p, g in self._step_grads:
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        self._step_grads = []
+        return precision.post_backward(closure_loss, module)
+
+    # -- gradients ----------------------------------------------------------------------
+    def sync_grads(self, module: nn.Module) -> None:
+        for layer in self.layers:
+            params = list(layer.experts.parameters(recurse=False))
+            zero_missing_grads(params)
+            if len(self.plan.zp_groups) > 1:
+                for p in params:
+                    dist.all_reduce(p.grad, group=self.groups.replicas)
+        if not self.layout.is_attention:
+            return
+        dense = self._dense_params(module)
+        zero_missing_grads(dense)
+        if len(self.plan.attention_ranks) > 1 and dense:
+            flat = torch.cat([p.grad.reshape(-1) for p in dense])
+            dist.all_reduce(flat, group=self.groups.dense)
+            at = 0
+            for p in dense:
+                n = p.numel()
+                p.grad.copy_(flat[at:at + n].view_as(p.grad))
+                at += n
+
+    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
+        """Every expert once, the dense part once (from the group's first attention rank),
+        summed within the ZP group (groups are identical)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for layer in self.layers:
+            for p in layer.experts.parameters(recurse=False):
+                if p.grad is not None:
+                    sq = sq + p.grad.detach().double().square().sum().cpu()
+        if self.layout.rank == self.layout.attention_members[0]:
+            for p in self._dense_params(module):
+                if p.grad is not None:
+                    sq = sq + p.grad.detach().double().square().sum().cpu()
+        dist.all_reduce(sq, group=self.groups.zp)
+        return sq
+
+    def metrics_group(self, group: Any) -> Any:
+        # Logged metrics live on attention ranks only: reduce them there.
+        if group is not None:
+            return group
+        return self.groups.dense if self.groups.dense is not None else False
+
+    # -- experts ------------------------------------------------------------------------
+    @property
+    def spread(self) -> bool:
+        return self.applied
+
+    def placement(self) -> Placement:
+        return Placement.from_owners(self.layout.placement, len(self.layout.members))
+
+    def holder_index(self) -> int:
+        return self.layout.members.index(self.layout.rank)
+
+    def holder_devices(self) -> list[str]:
+        return [self.plan.devices[r] for r in self.layout.members]
+
+    def gather_experts(self, layer: int, local: Tensor) -> Tensor:
+        return gather_experts(local, self.layout.by_group_rank(layer), self.groups.zp)
+
+    def adopt_placement(self, placement: Placement) -> None:
+        """The exchange layout follows the new placement (and so do the plan the simulator
+        and checkpoints read)."""
+        self.layout.placement = placement.owners()
+        self.plan.placement = [list(r) for r in self.layout.placement]
+        self.experts = ExpertTasks(self.layout, self.layers, self.device)
+
+    @property
+    def holds_dense(self) -> bool:
+        return self.layout.is_attention
+
+    def writes_checkpoints(self, rank: int) -> bool:
+        # Dense weights live on attention ranks: the first of them writes (its state is complete).
+        return rank == self.layout.saver
+
+    # -- timing -------------------------------------------------------------------------
+    def busy(self, step_s: float) -> dict[str, float] | None:
+        out = self.last_step
+        if out is None:
+            return None
+        by = {"attention": 0.0, "experts": 0.0}
+        for task, start, end in out.trace:
+            by["experts" if task.kind.startswith("expert") else "attention"] += end - start
+        comm = sum(out.transfer_s.values())
+        return {**by, "comm": comm, "idle": max(step_s - by["attention"] - by["experts"], 0.0)}
+
+    def tail_shape(self) -> TailShape:
+        lay = self.layout
+        return TailShape(experts_held=sum(len(lay.mine(l)) for l in range(lay.num_layers)),
+                         has_attention=lay.is_attention, replicas=len(self.plan.zp_groups),
+                         attention_dp=len(self.plan.attention_ranks))
+
+    def simulated(self, placement: Placement | None = None) -> Simulated:
+        return Simulated(self.schedule, plan=self.plan, placement=placement)
+
+    def describe_rank(self, rank: int) -> str:
+        return f"{self.plan.roles[rank]} rank, device {self.plan.devices[rank]}"
