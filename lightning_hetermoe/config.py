@@ -109,6 +109,9 @@ class ModelConfig:
     n_kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # Recompute each decoder block's forward in its backward instead of storing its
+    # activations (what long sequences need); every parallel mode supports it.
+    activation_checkpointing: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:

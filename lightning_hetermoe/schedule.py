@@ -28,9 +28,11 @@ round order. While the experts work on micro-batch ``j`` the attention ranks com
 
 **Forward only** (validation, test, predict): zebra's forward and the head's forward.
 
-Experts that Asym-EA puts on an attention rank run inside that rank's list: each expert
-task goes right after the attention task that follows the one emitting its round (so the
-transfer hides behind it), or earlier if that task needs the round's answer.
+Experts that Asym-EA puts on an attention rank run inside that rank's list, right after
+the attention task that emits their round: the rank answers round ``r`` before it emits
+round ``r + 1``, so every member of the ZP group issues the exchange's collectives in
+one order (dispatch ``r``, combine ``r``, dispatch ``r + 1``, ...), which NCCL asks of
+communicators used side by side.
 
 **Balance counts.** The load-balancing loss takes its expert fractions over every token
 computed together (see :mod:`lightning_hetermoe.moe.balance`): for zebra all micro-batches
@@ -138,7 +140,7 @@ class Schedule:
         slots: dict[int, list[Task]] = {}
         last = -1
         for r in mine:
-            at = min(emitter[r] + 2, first_need.get(r, len(attn)))
+            at = min(emitter[r] + 1, first_need.get(r, len(attn)))
             at = max(at, last)  # keep round order on this rank
             last = at
             slots.setdefault(at, []).append(r.expert_task)

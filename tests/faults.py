@@ -56,3 +56,19 @@ class RaiseInRouter(KillInExperts):
         for m in pl_module.modules():
             if isinstance(m, MoELayer):
                 m.router.register_forward_pre_hook(hook)
+
+
+class StopInExperts(KillInExperts):
+    """Rank ``rank`` stops itself (SIGSTOP) inside an expert computation of step ``step``: a
+    frozen host. No process dies and no socket closes; only a heartbeat can tell."""
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_hetermoe import MoELayer
+
+        def hook(module, args):
+            if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        for m in pl_module.modules():
+            if isinstance(m, MoELayer):
+                m.experts.register_forward_pre_hook(hook)

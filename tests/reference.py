@@ -23,10 +23,11 @@ SEQ = 16
 
 
 def make_model(num_experts: int = 4, n_layers: int = 2, seed: int = 0, optim: OptimConfig | None = None,
-               **moe: Any) -> MoELanguageModel:
+               activation_checkpointing: bool = False, **moe: Any) -> MoELanguageModel:
     """A tiny model at the default loss coefficients (balance and z-loss on) unless ``moe`` says otherwise."""
     torch.manual_seed(seed)
     cfg = ModelConfig(d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=SEQ,
+                      activation_checkpointing=activation_checkpointing,
                       moe=MoEConfig(num_experts=num_experts, d_ff=12, **moe))
     return MoELanguageModel(cfg, optim or OptimConfig())
 

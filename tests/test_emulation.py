@@ -157,8 +157,13 @@ def test_transfer_padding_uses_the_link_model():
     rows = 1e6 / (cfg.d_model * 2)  # 1 MB of fp16 rows over 8 Gbit/s = 1 ms, + 0.1 ms latency, x10
     assert em.transfer(rows) == pytest.approx(0.011)
     t0 = time.perf_counter()
-    em.sleep_for("transfer", "x", em.transfer(rows))
+    em.transfer_done("x", t0, em.transfer(rows))
     assert 0.011 <= time.perf_counter() - t0 < 0.05  # upper bound: a loaded CI box oversleeps
+    # the zebra exchange pads at the receiver: what left 5 ms ago arrives 5 ms sooner
+    t0 = time.perf_counter()
+    em.arrive("transfer", "y", t0 - 0.005 + em.transfer(rows), em.transfer(rows))
+    assert 0.006 <= time.perf_counter() - t0 < 0.045
+    assert em.stats["transfer"].count == 2 and em.stats["transfer"].modelled_s == pytest.approx(0.022)
     with pytest.raises(ValueError, match="time_scale"):
         Emulator(get_device("a40"), timer, link=LinkConfig(), time_scale=0)
 

@@ -54,3 +54,33 @@ def test_zebra_rank_failing_mid_schedule_ends_every_rank(tmp_path, fault, rank, 
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
     assert wall < 60, f"the run took {wall:.0f} s to end after rank {rank} failed"
+
+
+@pytest.mark.parametrize("launch", ["pack", "torchrun"])
+def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
+    """SIGSTOP on the expert rank mid-step: nothing dies, no connection closes, the attention
+    rank waits on a collective forever (on NCCL: for the 30-minute process-group timeout).
+    The heartbeat names the stopped rank and ends the job, stopped rank included."""
+    from harness import free_port
+
+    overrides = ["cluster=cpu2", "strategy.mode=zebra", "strategy.heartbeat_timeout_s=5", "trainer.max_steps=50",
+                 "+callbacks.fault._target_=faults.StopInExperts", "+callbacks.fault.rank=1", "+callbacks.fault.step=2",
+                 f"hydra.run.dir={tmp_path}"]
+    script = str(ROOT / "recipes" / "train.py")
+    cmd = [sys.executable, script] if launch == "pack" else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", script]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd + overrides, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        os.killpg(proc.pid, 9) if proc.poll() is None else None
+    wall = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "[hetermoe] rank 1 (expert rank, device cpu) is silent: no heartbeat for" in err, err[-3000:]
+    assert wall < 60, f"the job took {wall:.0f} s to end after rank 1 stopped"
+    # nothing of the job is left: the stopped rank was killed too
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"

@@ -21,7 +21,6 @@ def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):
     a named workload model from its own package data."""
     import subprocess
     import sys
-    import sysconfig
     import zipfile
 
     dist = tmp_path / "dist"
@@ -38,7 +37,8 @@ def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):
                     str(wheel)], check=True, capture_output=True, text=True)
     # A path line in a .pth adds the directory only: the .pth files inside it (this
     # checkout's editable finder among them) are not processed.
-    (site / "borrowed_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "borrowed_deps.pth").write_text("\n".join(deps) + "\n")
     probe = ("import lightning_hetermoe, sys; from lightning_hetermoe.config import workload_model; "
              "m = workload_model('d1'); print(lightning_hetermoe.__file__); print(m.d_model, m.n_layers, m.moe.num_experts)")
     out = subprocess.run([str(python), "-c", probe], cwd=tmp_path, check=True, capture_output=True, text=True)

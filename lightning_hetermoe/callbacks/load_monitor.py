@@ -27,6 +27,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..contract import moe_layers
 
 BUSY_KINDS = ("attention", "experts", "comm", "idle")
@@ -46,6 +47,7 @@ class ExpertLoadMonitor(L.Callback):
         self.busy_history: list[list[dict[str, float] | None]] = []  # per logged step, per rank
         self.last_counts: torch.Tensor | None = None
         self._step_counts: torch.Tensor | None = None
+        self._layers = 0
         self._hooks: list[Any] = []
         self._seen_step = -1
 
@@ -57,13 +59,17 @@ class ExpertLoadMonitor(L.Callback):
         layers = [layer for _, layer in moe_layers(pl_module)]
         if not layers:
             return
-        E = layers[0].num_experts
-        self._step_counts = torch.zeros(len(layers), E, dtype=torch.long)
+        self._layers = len(layers)
+        self._step_counts = None  # on the layers' device, made at the first forward
 
         def hook(l: int):
             def record(module, args, output):
                 if module.training and isinstance(output, tuple) and len(output) == 2:
-                    self._step_counts[l] += output[1].tokens_per_expert.detach().cpu()
+                    counts = output[1].tokens_per_expert.detach()
+                    if self._step_counts is None:
+                        self._step_counts = counts.new_zeros(self._layers, counts.shape[0])
+                    # stays on the device: one copy to the host per step, not one per layer
+                    self._step_counts[l] += counts
 
             return record
 
@@ -81,13 +87,16 @@ class ExpertLoadMonitor(L.Callback):
         self._hooks = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if self._step_counts is None or trainer.global_step == self._seen_step:
+        if not self._hooks or trainer.global_step == self._seen_step:
             return  # no MoE layer, or still accumulating gradients
         self._seen_step = trainer.global_step
-        counts = self._step_counts.clone()
-        self._step_counts.zero_()
+        E = next(layer for _, layer in moe_layers(pl_module)).num_experts
+        counts = self._step_counts.cpu() if self._step_counts is not None else \
+            torch.zeros(self._layers, E, dtype=torch.long, device="cpu")  # a rank that routes nothing (an expert rank)
+        self._step_counts = None
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(counts)  # every rank's share of the global batch (expert ranks add zeros)
+            # every rank's share of the global batch (expert ranks add zeros)
+            comm.host_all_reduce(comm.world(), counts, what="monitor.counts")
         self.last_counts = counts
         share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
         self.ema = share if self.ema is None else self.ema_decay * self.ema + (1 - self.ema_decay) * share
@@ -99,8 +108,7 @@ class ExpertLoadMonitor(L.Callback):
     def _log(self, trainer, counts: torch.Tensor) -> None:
         busy = trainer.strategy.rank_busy() if hasattr(trainer.strategy, "rank_busy") else None
         if dist.is_available() and dist.is_initialized():
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, busy)
+            everyone = comm.gather_objects(comm.world(), busy, what="monitor.busy")
         else:
             everyone = [busy]
         self.busy_history.append(everyone)
@@ -144,7 +152,7 @@ class ExpertLoadMonitor(L.Callback):
         steps = self.history[skip:] or self.history
         if not steps:
             return None
-        total = torch.tensor(steps, dtype=torch.float64).sum(0)
+        total = torch.tensor(steps, dtype=torch.float64, device="cpu").sum(0)
         return (total / total.sum(1, keepdim=True).clamp(min=1)).tolist()
 
     # -- plots ----------------------------------------------------------------------------
@@ -163,7 +171,7 @@ class ExpertLoadMonitor(L.Callback):
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
 
-        steps = torch.tensor(self.history, dtype=torch.float64)  # [S, L, E]
+        steps = torch.tensor(self.history, dtype=torch.float64, device="cpu")  # [S, L, E]
         share = steps / steps.sum(2, keepdim=True).clamp(min=1)
         S, L, E = share.shape
         image = share.permute(1, 2, 0).reshape(L * E, S).numpy()  # rows: (layer, expert)
@@ -220,7 +228,7 @@ class ExpertLoadMonitor(L.Callback):
                 "busy_history": self.busy_history, "seen_step": self._seen_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema = None if state.get("ema") is None else torch.tensor(state["ema"], dtype=torch.float64)
+        self.ema = None if state.get("ema") is None else torch.tensor(state["ema"], dtype=torch.float64, device="cpu")
         self.history = list(state.get("history", []))
         self.busy_history = list(state.get("busy_history", []))
         self._seen_step = state.get("seen_step", -1)

@@ -166,20 +166,22 @@ class Emulator:
                     self._overrun(task, key, real, modelled)
         return slept
 
-    def sleep_for(self, task: str, key: Any, seconds: float) -> None:
-        """A transfer: the modelled time is slept in full once the real exchange is done
-        (it returns when the last peer joined: the moment the modelled transfer starts)."""
-        if seconds > 0:
-            self._sleep(seconds)
+    def arrive(self, task: str, key: Any, at: float, modelled: float) -> None:
+        """Something of ``modelled`` seconds that arrives at ``at`` (a :meth:`now` stamp): wait
+        until then (the zebra exchange pads each transfer at its receiver)."""
+        rest = at - time.perf_counter()
+        if rest > 0:
+            self._sleep(rest)
         with self._lock:
             st = self.stats[task]
             st.count += 1
-            st.modelled_s += seconds
-            st.slept_s += seconds
+            st.modelled_s += modelled
+            st.slept_s += max(rest, 0.0)
 
     def transfer_done(self, key: Any, started: float, seconds: float) -> None:
-        """An exchange returned (``started`` is when it was called): its modelled time follows."""
-        self.sleep_for("transfer", key, seconds)
+        """An exchange returned (``started`` is when it was called): its modelled time follows
+        in full (it returns when the last peer joined: the moment the modelled transfer starts)."""
+        self.arrive("transfer", key, time.perf_counter() + seconds, seconds)
 
     def _overrun(self, task: str, key: Any, real: float, modelled: float) -> None:
         needed = self.time_scale * real / modelled if modelled > 0 else math.inf

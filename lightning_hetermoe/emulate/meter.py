@@ -22,12 +22,13 @@ import torch
 KINDS = ("attention", "head", "experts", "transfer")
 
 
-class BusyMeter:
-    """Records the spans of one rank's tasks; :meth:`take` sums them by kind."""
+class Stopwatch:
+    """Time stamps of work on ``device``: CUDA events recorded on the current stream (the
+    device's own time, not the host's launch time), ``perf_counter`` on the CPU. Stamps are
+    read after one :meth:`sync` on the last of them (stream order: every earlier one is done)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.cuda = torch.device(device).type == "cuda"
-        self._spans: list[tuple[str, Any, Any]] = []
 
     def now(self) -> Any:
         if self.cuda:
@@ -35,6 +36,24 @@ class BusyMeter:
             event.record()
             return event
         return time.perf_counter()
+
+    def sync(self, last: Any) -> None:
+        if self.cuda:
+            last.synchronize()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class BusyMeter:
+    """Records the spans of one rank's tasks; :meth:`take` sums them by kind."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._watch = Stopwatch(device)
+        self._spans: list[tuple[str, Any, Any]] = []
+
+    def now(self) -> Any:
+        return self._watch.now()
 
     # nothing is modelled: the hooks pad to zero, i.e. not at all
     def attention(self, tokens: float, backward: bool = False) -> float:
@@ -65,9 +84,9 @@ class BusyMeter:
     def take(self) -> dict[str, float]:
         """Seconds per task kind since the last :meth:`take` or :meth:`reset`; clears."""
         out = {k: 0.0 for k in KINDS}
-        if self.cuda and self._spans:
-            self._spans[-1][2].synchronize()  # stream order: every earlier event is done too
+        if self._spans:
+            self._watch.sync(self._spans[-1][2])
         for kind, start, end in self._spans:
-            out[kind] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            out[kind] += self._watch.seconds(start, end)
         self._spans.clear()
         return out

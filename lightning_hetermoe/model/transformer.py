@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..moe import MoEAux, MoELayer
@@ -95,6 +96,9 @@ class MoETransformer(nn.Module):
         x = self.embed(tokens)
         auxes = []
         for block in self.blocks:
-            x, aux = block(x)
+            if self.cfg.activation_checkpointing and torch.is_grad_enabled():
+                x, aux = checkpoint(block, x, use_reentrant=False)
+            else:
+                x, aux = block(x)
             auxes.append(aux)
         return self.head(self.norm(x)), auxes

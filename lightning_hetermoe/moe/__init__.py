@@ -1,7 +1,7 @@
 """MoE building blocks. Model code: nothing here knows about process groups."""
 
 from .capacity import apply_capacity, expert_capacity
-from .dispatch import AllToAllDispatcher, LocalDispatcher
+from .dispatch import LocalDispatcher
 from .experts import Experts, grouped_mlp_torch, resolve_backend
 from .layer import MoEAux, MoELayer
 from .routers import (
@@ -17,7 +17,6 @@ from .routers import (
 )
 
 __all__ = [
-    "AllToAllDispatcher",
     "Experts",
     "GShardRouter",
     "LocalDispatcher",

@@ -3,10 +3,9 @@
 A dispatcher takes tokens ``x [T, d]``, the routing choices ``indices [T, k]`` with their
 ``keep`` mask, and the :class:`~.experts.Experts` module, and returns one output row per
 routing choice, ``[T * k, d]`` (zero where a choice was dropped). The layer weights and
-sums them. :class:`LocalDispatcher` runs every expert here; :class:`AllToAllDispatcher`
-sends rows to the rank that owns each expert with ``all_to_all_single`` (uneven splits,
-autograd through the exchange) and brings the results back. The zebra executor will
-split these two halves apart and drive them itself.
+sums them. :class:`LocalDispatcher` runs every expert here; a parallel strategy swaps in
+its own from outside (expert parallelism's all-to-all, the zebra executor's rounds), built
+on the sorting helpers below.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 
@@ -63,20 +61,6 @@ def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
     return out.index_copy(0, slot, rows)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, send_splits: list[int], recv_splits: list[int], group) -> Tensor:
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        send_splits, recv_splits = ctx.splits
-        return _AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
-
-
 class LocalDispatcher:
     """Every expert lives here: no communication."""
 
@@ -85,72 +69,3 @@ class LocalDispatcher:
         sc = sort_choices(indices, keep, positions)
         out = experts(x, sc.token, sc.counts)
         return scatter_to_slots(out, sc.slot, indices.numel())
-
-
-class AllToAllDispatcher:
-    """Expert parallelism over ``group``: ``placement[r]`` lists the global expert ids held by
-    group rank ``r`` (the local ``Experts`` rows, in that order). Placements may be uneven
-    (e.g. 6 experts over 4 ranks as 2+2+1+1), ranks may hold no expert at all, and an
-    expert may have copies on several ranks (its tokens split evenly over them)."""
-
-    def __init__(self, group: dist.ProcessGroup | None, placement: list[list[int]]) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.set_placement(placement)
-
-    def set_placement(self, placement: list[list[int]]) -> None:
-        """Adopt a new placement in place (after a migration): whatever wraps this
-        dispatcher (the emulated clock wraps ``exchange``) stays installed."""
-        if len(placement) != self.size:
-            raise ValueError(f"placement has {len(placement)} entries for an expert-parallel group of {self.size}")
-        flat = [e for p in placement for e in p]
-        num_experts = len(set(flat))
-        if sorted(set(flat)) != list(range(num_experts)) or any(len(set(p)) != len(p) for p in placement):
-            raise ValueError(f"placement {placement} must hold every expert 0..{num_experts - 1}, "
-                             f"each at most once per rank")
-        self.placement = [list(p) for p in placement]
-        self.copies: list[list[int]] = [[] for _ in range(num_experts)]  # positions of each expert's copies
-        for pos, e in enumerate(flat):
-            self.copies[e].append(pos)
-        self.num_positions = len(flat)
-        most = max(len(c) for c in self.copies)
-        self._copy_position = torch.tensor([c + [c[0]] * (most - len(c)) for c in self.copies], dtype=torch.long)
-        self._num_copies = torch.tensor([len(c) for c in self.copies], dtype=torch.long)
-        self.replicated = most > 1
-        self.experts_per_rank = [len(p) for p in self.placement]
-
-    def exchange(self, x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
-        """Differentiable uneven all-to-all; backward runs the reverse exchange."""
-        return _AllToAll.apply(x, send_splits, recv_splits, self.group)
-
-    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
-        mine = self.experts_per_rank[self.rank]
-        if experts.num_local_experts != mine:
-            raise RuntimeError(f"rank {self.rank} holds {experts.num_local_experts} experts, placement says {mine}")
-        if self.replicated:
-            position = split_over_copies(indices, keep, self._copy_position.to(x.device), self._num_copies.to(x.device))
-            sc = sort_by_position(position, keep, self.num_positions)
-        else:  # one copy each: an expert's position is its only copy's
-            sc = sort_choices(indices, keep, self._copy_position[:, 0].to(x.device))
-        # Per-expert counts go first so every rank can size its receive buffers.
-        recv_counts = sc.counts.new_empty(self.size * mine)
-        dist.all_to_all_single(recv_counts, sc.counts, [mine] * self.size, self.experts_per_rank, group=self.group)
-        recv_counts = recv_counts.view(self.size, mine)
-        send_splits = [int(c.sum()) for c in sc.counts.split(self.experts_per_rank)]
-        recv_splits = recv_counts.sum(1).tolist()
-
-        received = self.exchange(x.index_select(0, sc.token), send_splits, recv_splits)
-        # Received rows are ordered (source rank, local expert); the experts want them by expert.
-        local_expert = torch.arange(mine, device=x.device).repeat(self.size)
-        row_expert = torch.repeat_interleave(local_expert, recv_counts.reshape(-1))
-        by_expert = torch.argsort(row_expert, stable=True)
-        out = experts(received, by_expert, recv_counts.sum(0))
-        if out.shape[0] == 0 and received.requires_grad:
-            # Nothing arrived here, so no expert ran on ``received``: tie it to the output
-            # anyway, or this rank would skip the backward of the dispatch all-to-all that
-            # its peers run, and the collectives would fall out of step.
-            out = out + received.sum() * 0
-        out = scatter_to_slots(out, by_expert, received.shape[0])
-        back = self.exchange(out, recv_splits, send_splits)
-        return scatter_to_slots(back, sc.slot, indices.numel())

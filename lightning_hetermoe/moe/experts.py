@@ -121,6 +121,11 @@ class Experts(nn.Module):
         return self.w_up.shape[0]
 
     def forward(self, x: Tensor, gather_idx: Tensor, counts: Tensor) -> Tensor:
+        """``counts`` may be on the host (the torch path reads it there without a sync; the
+        kernels get a copy from pinned memory, ordered on the stream)."""
         fn = resolve_backend(self.backend, x.device)
+        if fn is not grouped_mlp_torch and counts.device != x.device:
+            counts = counts.pin_memory().to(x.device, non_blocking=True) if x.device.type == "cuda" \
+                else counts.to(x.device)
         return fn(x, gather_idx, counts, self.w_up, self.b_up, self.w_down, self.b_down,
                   self.activation, recompute=self.recompute)

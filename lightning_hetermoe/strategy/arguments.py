@@ -69,6 +69,7 @@ class StrategyArguments:
     asym_ea: bool = True
     require_expert_ranks: bool = True
     profile: Any = None
+    heartbeat_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,6 +97,10 @@ class StrategyArguments:
             raise ConfigError("strategy num_microbatches is for mode='zebra', 'distep' and 'auto'")
         self.asym_ea = bool(self.asym_ea)
         self.require_expert_ranks = bool(self.require_expert_ranks)
+        t = self.heartbeat_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ConfigError(f"strategy heartbeat_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
+                              f"null: no silent-rank detection)")
 
     @property
     def emulated(self) -> bool:
@@ -112,7 +117,8 @@ class StrategyArguments:
             raise ConfigError(f"strategy expert_parallel_size={ep} is invalid: must divide the world size {world_size}")
         if self.batch_split == "speed" and cluster is None:
             raise ConfigError("strategy batch_split='speed' needs a cluster config naming each rank's device")
-        if self.mode in DISAGGREGATED and world_size < 2:
+        if self.mode in DISAGGREGATED and world_size < 2 and plan is None:
+            # (a given one-rank plan is a loop-back: its attention rank holds every expert)
             raise ConfigError(f"strategy mode={self.mode!r} needs at least 2 ranks (attention and experts), the "
                               f"trainer runs {world_size}; mode='auto' trains one device as a plain single device")
         if plan is not None and plan.world_size != world_size:

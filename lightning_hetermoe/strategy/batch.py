@@ -18,8 +18,9 @@ from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from .. import comm
 
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor], *, strict: bool = False) -> Any:
@@ -69,14 +70,14 @@ def sequence_length(batch: Any) -> int:
     return int(first[0].shape[1])
 
 
-def gather_global_batch(batch: Any, group: dist.ProcessGroup | None = None) -> Any:
+def gather_global_batch(batch: Any) -> Any:
     """All ranks' batches as one, in global sample order (rank ``r``'s ``i``-th sample is
-    global sample ``i * W + r``)."""
-    world = dist.get_world_size(group)
+    global sample ``i * W + r``). The batch is on the device (Lightning moved it there)."""
+    world = comm.world()
 
     def gather(t: Tensor) -> Tensor:
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous(), group=group)
+        parts = [torch.empty_like(t) for _ in range(world.size)]
+        comm.all_gather(world, parts, t.contiguous(), what="batch.gather")
         stacked = torch.stack(parts, 1)  # [b, W, ...]
         return stacked.reshape((-1,) + tuple(t.shape[1:]))
 

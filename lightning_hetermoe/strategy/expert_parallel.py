@@ -19,20 +19,23 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from .. import comm
+from ..comm import Group
 from ..contract import moe_layers
-from ..moe import AllToAllDispatcher, LocalDispatcher
+from ..moe import LocalDispatcher
 from ..moe.balance import GlobalBalance, LocalBalance
 from ..placement import Placement
 from .backend import Context, ParallelBackend, Simulated, StepFn, TailShape
 from .batch import batch_size, gather_global_batch, split_sizes, take
+from .ep_dispatch import AllToAllDispatcher
 from .expert_state import gather_experts, slice_experts, unslice_experts
 
 
 @dataclass
 class ExpertParallelGroups:
     ep_size: int
-    ep_group: dist.ProcessGroup | None
-    replica_group: dist.ProcessGroup | None
+    ep_group: Group  # this rank's EP group: rows (device), split counts (host)
+    replica_group: Group  # the ranks holding the same experts in the other EP groups
     ep_rank: int
     world_size: int
 
@@ -44,31 +47,23 @@ class ExpertParallelGroups:
         ep_group = replica_group = None
         # Every rank must create every group, in the same order.
         for d in range(world // ep_size):
-            ranks = list(range(d * ep_size, (d + 1) * ep_size))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                ep_group = g
+            g = comm.new_group(f"ep{d}", range(d * ep_size, (d + 1) * ep_size), host=True)
+            ep_group = g if g.member else ep_group
         for i in range(ep_size):
-            ranks = list(range(i, world, ep_size))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                replica_group = g
+            g = comm.new_group(f"ep_replicas{i}", range(i, world, ep_size))
+            replica_group = g if g.member else replica_group
         return cls(ep_size, ep_group, replica_group, rank % ep_size, world)
 
 
-def allreduce_counts(group: dist.ProcessGroup | None):
-    """Sum routing counts over ``group`` (the data-parallel ranks): the global ``f`` of the
-    balance loss (see :mod:`lightning_hetermoe.moe.balance`)."""
-
-    def reduce(counts: Tensor) -> Tensor:
-        counts = counts.clone()
-        dist.all_reduce(counts, group=group)
-        return counts
-
-    return reduce
+def global_balance_counts(counts: Tensor) -> Tensor:
+    """Routing counts summed over every data-parallel rank: the global ``f`` of the balance
+    loss (see :mod:`lightning_hetermoe.moe.balance`); on the device, where the loss uses them."""
+    counts = counts.clone()
+    comm.all_reduce(comm.world(), counts, what="ep.balance")
+    return counts
 
 
-def sum_copies(layer, grads: list[Tensor], group: dist.ProcessGroup | None) -> None:
+def sum_copies(layer, grads: list[Tensor], group: Group) -> None:
     """Copies of one expert on several ranks each saw part of its tokens: every copy gets
     the sum, so the copies stay identical under any optimizer."""
     disp = layer.dispatcher
@@ -76,13 +71,13 @@ def sum_copies(layer, grads: list[Tensor], group: dist.ProcessGroup | None) -> N
     if not shared:
         return
     where = {e: i for i, e in enumerate(shared)}
-    ids = layer.experts.expert_ids.tolist()
+    ids = disp.placement[disp.rank]
     for g in grads:
         buf = g.new_zeros((len(shared),) + tuple(g.shape[1:]))
         for slot, e in enumerate(ids):
             if e in where:
                 buf[where[e]] += g[slot]
-        dist.all_reduce(buf, group=group)
+        comm.all_reduce(group, buf, what="ep.grads.copies")
         for slot, e in enumerate(ids):
             if e in where:
                 g[slot] = buf[where[e]]
@@ -105,23 +100,24 @@ def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None
         sum_copies(layer, [p.grad for p in params], groups.ep_group)
         for p in params:
             if replicas > 1:
-                dist.all_reduce(p.grad, group=groups.replica_group)
+                comm.all_reduce(groups.replica_group, p.grad, what="ep.grads.replicas")
             p.grad.div_(groups.world_size)
 
 
-def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups) -> Tensor:
+def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups, device: torch.device) -> Tensor:
     """Squared norm of all expert gradients of the model, each expert counted once (a copy
     of an expert on ``n`` ranks counts ``1/n`` on each)."""
-    local = torch.zeros((), dtype=torch.float64)
+    local = torch.zeros((), dtype=torch.float64, device=device)
     for _, layer in moe_layers(module):
-        copies = getattr(layer.dispatcher, "copies", None)
-        ids = layer.experts.expert_ids.tolist()
-        weight = torch.tensor([1.0 / len(copies[e]) if copies else 1.0 for e in ids], dtype=torch.float64)
+        disp = layer.dispatcher
+        ids = disp.placement[disp.rank]
+        weight = comm.to_device(torch.tensor([1.0 / len(disp.copies[e]) for e in ids], dtype=torch.float64,
+                                             device="cpu"), device)
         for p in layer.experts.parameters(recurse=False):
             if p.grad is not None and p.numel():
                 per_slot = p.grad.detach().double().square().reshape(p.shape[0], -1).sum(1)
-                local = local.to(p.grad.device) + (per_slot * weight.to(p.grad.device)).sum()
-    dist.all_reduce(local, group=groups.ep_group)
+                local = local + (per_slot * weight).sum()
+    comm.all_reduce(groups.ep_group, local, what="ep.clip")
     return local
 
 
@@ -150,20 +146,20 @@ class ExpertParallelBackend(ParallelBackend):
         if not fitting:
             # no gradients to reduce: every rank holds the whole model, rank 0's weights
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=0)
+                comm.broadcast(comm.world(), t.data, 0, what="ep.weights")
             return
         self._layers = [layer for _, layer in moe_layers(module)]
         # DDP broadcasts the dense weights at wrap time; the experts stay outside DDP, so
         # rank 0's experts go everywhere before anyone slices its own.
         for layer in self._layers:
             for p in layer.experts.parameters(recurse=False):
-                dist.broadcast(p.data, src=0)
+                comm.broadcast(comm.world(), p.data, 0, what="ep.weights")
         held = Placement.contiguous(len(self._layers), self._layers[0].num_experts, self.ep_size) \
             if self._layers else None
         for l, layer in enumerate(self._layers):
             slice_experts(layer, held.experts_of(self.groups.ep_rank, l))
             layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l))
-            layer.balance = GlobalBalance(allreduce_counts(None))
+            layer.balance = GlobalBalance(global_balance_counts)
         self._sharded = bool(self._layers)
         self._report(held)
         self._emulation = self.clock.install(module, self.device, self.measure_busy)
@@ -242,7 +238,7 @@ class ExpertParallelBackend(ParallelBackend):
                        torch.zeros((), dtype=torch.float64, device=self.device))
         if not self._sharded:
             return dense_sq
-        return dense_sq + expert_grad_sq_norm(module, self.groups)
+        return dense_sq + expert_grad_sq_norm(module, self.groups, self.device)
 
     # -- experts ------------------------------------------------------------------------
     @property

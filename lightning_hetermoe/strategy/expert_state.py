@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import comm
+from ..comm import Group
 from ..contract import moe_layers
 from ..placement import Placement
 
@@ -40,14 +41,14 @@ def unslice_experts(layer, full: dict[str, Tensor]) -> None:
     ex.expert_ids = torch.arange(layer.num_experts, device=ex.expert_ids.device)
 
 
-def gather_experts(local: Tensor, held: list[list[int]], group: dist.ProcessGroup | None) -> Tensor:
+def gather_experts(local: Tensor, held: list[list[int]], group: Group) -> Tensor:
     """All-gather per-holder expert slices (uneven first dims) into the full ``[E, ...]``
     tensor; ``held[r]`` lists the ids group rank ``r`` holds, in its local order."""
     most = max(len(p) for p in held)
     padded = local.new_zeros((most,) + tuple(local.shape[1:]))
     padded[: local.shape[0]] = local
     chunks = [torch.empty_like(padded) for _ in held]
-    dist.all_gather(chunks, padded.contiguous(), group=group)
+    comm.all_gather(group, chunks, padded.contiguous(), what="experts.gather")
     full = local.new_empty((len({e for p in held for e in p}),) + tuple(local.shape[1:]))
     for chunk, experts in zip(chunks, held):
         if experts:
@@ -97,7 +98,7 @@ class ExpertState:
         placement = self.backend.placement()
         me = self.backend.holder_index()
         for l, layer, p, slot in self._slots(opt_state, optimizer):
-            mine = torch.tensor(placement.experts_of(me, l), dtype=torch.long)
+            mine = torch.tensor(placement.experts_of(me, l), dtype=torch.long, device="cpu")
             for key, value in list(slot.items()):
                 if torch.is_tensor(value) and value.dim() == p.dim() and value.shape[1:] == p.shape[1:] \
                         and value.shape[0] == layer.num_experts:
@@ -127,7 +128,7 @@ class ExpertState:
         for l, _, layer in self._layers():
             if new.held[l] == current.held[l]:
                 continue
-            idx = torch.tensor(new.experts_of(me, l), dtype=torch.long)
+            idx = torch.tensor(new.experts_of(me, l), dtype=torch.long, device="cpu")
             for p in layer.experts.parameters(recurse=False):
                 full = self.backend.gather_experts(l, p.data)  # gathered with the old placement in force
                 states = []

@@ -26,8 +26,10 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from .. import comm
 from ..cluster import ClusterConfig
 from ..placement import Placement
+from . import heartbeat
 from .arguments import MODES, StrategyArguments
 from .backend import ParallelBackend
 from .expert_state import ExpertState
@@ -49,6 +51,7 @@ class HeterMoEStrategy(DDPStrategy):
         asym_ea: bool = True,
         require_expert_ranks: bool = True,
         profile: Any = None,
+        heartbeat_timeout_s: float | None = 30.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -65,7 +68,8 @@ class HeterMoEStrategy(DDPStrategy):
                          timeout=timeout, start_method=start_method, **kwargs)
         self.args = StrategyArguments(mode=mode, plan=plan, cluster=cluster, expert_parallel_size=expert_parallel_size,
                                       batch_split=batch_split, num_microbatches=num_microbatches, asym_ea=asym_ea,
-                                      require_expert_ranks=require_expert_ranks, profile=profile)
+                                      require_expert_ranks=require_expert_ranks, profile=profile,
+                                      heartbeat_timeout_s=heartbeat_timeout_s)
         self.clock = RunClock(self.args.cluster, self.args.profile, rank=0)
         self.backend: ParallelBackend | None = None
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
@@ -95,10 +99,6 @@ class HeterMoEStrategy(DDPStrategy):
     def prediction(self) -> dict[str, Any] | None:
         """The simulator's step time for this run (its plan, its clock); ``None`` without a cluster config."""
         return self.clock.prediction
-
-    @property
-    def pg_timeout_s(self) -> float:
-        return self._timeout.total_seconds() if self._timeout else 1800.0
 
     # -- launch -------------------------------------------------------------------------
     @override
@@ -131,6 +131,8 @@ class HeterMoEStrategy(DDPStrategy):
         self.args.check_world(self.world_size)
         super().setup_environment()
         self.clock.rank = self.global_rank
+        comm.configure(self.root_device)
+        heartbeat.ensure(self.global_rank, self.world_size, self.args.heartbeat_timeout_s, self.describe_rank)
 
     # -- set-up -------------------------------------------------------------------------
     @override
@@ -147,6 +149,7 @@ class HeterMoEStrategy(DDPStrategy):
 
             self.backend = select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting)
+        self._tune_kernels()
         if fitting:
             if self.backend.wraps_ddp:
                 self.configure_ddp()
@@ -156,6 +159,27 @@ class HeterMoEStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _tune_kernels(self) -> None:
+        """Autotune the Triton expert kernels now, outside any overlapped region (see
+        :func:`lightning_hetermoe.kernels.warm_up`); on CPU there is nothing to tune."""
+        if self.root_device.type != "cuda":
+            return
+        from ..contract import moe_layers
+        from ..kernels import warm_up
+        from ..moe import grouped_mlp_torch, resolve_backend
+
+        plugin = self.precision_plugin
+        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(getattr(plugin, "precision", ""))
+        tuned = set()
+        for _, layer in moe_layers(self.lightning_module):
+            ex = layer.experts
+            if resolve_backend(ex.backend, self.root_device) is grouped_mlp_torch:
+                continue
+            shape = (ex.d_model, ex.d_ff, ex.activation, ex.b_up is not None, dtype or ex.w_up.dtype)
+            if shape not in tuned:
+                tuned.add(shape)
+                warm_up(*shape, device=self.root_device)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -201,7 +225,7 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(flag)
+        comm.all_reduce(comm.world(), flag, what="strategy.decision")
         return bool(flag == self.world_size) if all else bool(flag)
 
     # -- gradients ----------------------------------------------------------------------
@@ -273,8 +297,7 @@ class HeterMoEStrategy(DDPStrategy):
         mine = self.clock.emulation_summary()
         if not (dist.is_available() and dist.is_initialized()):
             return {"ranks": [mine]} if mine else None
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
+        everyone = comm.gather_objects(comm.world(), mine, what="strategy.emulation_report")
         if all(e is None for e in everyone):
             return None
         tasks = sum(e["padded_tasks"] for e in everyone if e)
@@ -314,10 +337,7 @@ class HeterMoEStrategy(DDPStrategy):
     # -- the end ------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
-        from .zebra.comm import ChannelError
-
-        lost_peer = isinstance(exception, ChannelError) or "closed" in str(exception).lower() \
-            or "reset by peer" in str(exception).lower()
+        lost_peer = "closed" in str(exception).lower() or "reset by peer" in str(exception).lower()
         if not lost_peer and not isinstance(exception, KeyboardInterrupt):
             print(f"[hetermoe] rank {self.global_rank} ({self.describe_rank(self.global_rank)}) failed: "
                   f"{type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
@@ -331,9 +351,11 @@ class HeterMoEStrategy(DDPStrategy):
         """End of the job: every rank leaves the process group together, and rank 0 waits
         for the ranks it launched. Leaving it to interpreter exit lets the C++ threads of
         the store and of gloo be torn down mid-flight (an occasional exit 134)."""
+        heartbeat.stop()
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            comm.host_barrier(comm.world(), what="strategy.shutdown")
             dist.destroy_process_group()
+            comm.forget()
         for proc in getattr(self._launcher, "procs", []):
             proc.wait(timeout=120)
 

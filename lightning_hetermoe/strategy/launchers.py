@@ -95,6 +95,9 @@ def _leave_previous_job() -> None:
         for proc in _children_of_job:
             proc.wait()
         _children_of_job.clear()
+        from . import heartbeat
+
+        heartbeat.stop()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for var in _LAUNCH_VARS:
@@ -102,7 +105,21 @@ def _leave_previous_job() -> None:
     os.environ[_JOB_MARK] = job
 
 
+_launched: list[subprocess.Popen] = []  # the child ranks this process started (every job)
+
+
+def kill_launched() -> None:
+    """Kill every child rank this process started (stopped ones too: SIGKILL reaches them)."""
+    for proc in _launched:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def exit_description(code: int) -> str:
+    from .heartbeat import SILENT_PEER_EXIT
+
+    if code == SILENT_PEER_EXIT:
+        return f"exit code {code} (it saw a silent peer)"
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name} ({-code})"
@@ -212,6 +229,7 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             os.environ[_LAUNCHER_PID] = str(os.getpid())
             self._call_children_scripts()
+            _launched.extend(self.procs)
             if self.procs:
                 RankObserver(self.procs, self.describe_rank,
                              self.cluster_environment.node_rank() * self.num_processes).start()

@@ -201,8 +201,7 @@ def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBacken
         raise ConfigError(f"mode={choice!r} supports precision 32-true and bf16-mixed; 16-mixed scales the loss, "
                           f"which the executor's own backward does not")
     balance = describe_model(module).moe.aux_loss_coef > 0
-    timeout = strategy.pg_timeout_s
-    return ZebraBackend(plan, choice, rank, balance=balance, device=device, clock=clock, timeout_s=timeout)
+    return ZebraBackend(plan, choice, rank, balance=balance, device=device, clock=clock)
 
 
 def _announce_plan(strategy: Any, trainer: Any, plan: Any) -> None:

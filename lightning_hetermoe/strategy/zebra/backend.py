@@ -25,9 +25,9 @@ from contextlib import ExitStack, nullcontext
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from ... import comm
 from ...contract import find_blocks
 from ...moe import LocalDispatcher
 from ...moe.balance import LocalBalance, balance_loss_from_counts, routed_counts
@@ -38,47 +38,47 @@ from ...simulate.schedules import apportion, split_microbatches
 from ..backend import Context, ParallelBackend, Simulated, StepFn, TailShape, zero_missing_grads
 from ..batch import batch_size, gather_global_batch, split_sizes, take
 from ..expert_state import gather_experts, slice_experts, unslice_experts
-from . import fibers
-from .comm import Exchange
 from .cuts import BlockCuts
-from .executor import ExpertTasks, StepInput, StepOutput, StepRun, ZebraContractError, loss_of
+from .exchange import Exchange
+from .executor import StepInput, StepOutput, StepRun, ZebraContractError, loss_of
+from .expert_tasks import ExpertTasks
 from .layout import Layout, ZebraGroups
 from .logs import MicrobatchLogs
 
 
 class ZebraDispatcher:
-    """Swapped into each MoE layer on attention ranks: hands the rows to the step's rounds."""
+    """Swapped into each MoE layer on attention ranks: hands the rows to the step's rounds
+    (or, when a checkpointed block recomputes inside its backward, replays its answer)."""
 
-    def __init__(self, layer: int) -> None:
-        self.layer = layer
+    def __init__(self, layer: int, backend: "ZebraBackend") -> None:
+        self.layer, self.backend = layer, backend
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
-        fiber = fibers.current()
-        if fiber is None:
+        run = self.backend.running
+        if run is None:
             raise ZebraContractError("the model ran outside the zebra executor while the strategy owns it; run "
                                      "it through the Trainer (training/validation/test/predict steps)")
-        return fiber.owner.dispatch(self.layer, x, indices, keep)
+        return run.dispatch(self.layer, x, indices, keep)
 
 
 class ZebraBalance:
     """The balance loss with expert fractions over the whole step's tokens (see schedule)."""
 
-    def __init__(self, layer: int) -> None:
-        self.layer = layer
+    def __init__(self, layer: int, backend: "ZebraBackend") -> None:
+        self.layer, self.backend = layer, backend
 
     def __call__(self, probs: Tensor, indices: Tensor) -> Tensor:
-        fiber = fibers.current()
-        counts = fiber.owner.balance_counts(self.layer, indices) if fiber is not None else \
-            routed_counts(indices, probs.shape[-1])
+        run = self.backend.running
+        counts = run.balance_counts(self.layer, indices) if run is not None else routed_counts(indices, probs.shape[-1])
         return balance_loss_from_counts(probs, counts)
 
 
 class ZebraBackend(ParallelBackend):
     def __init__(self, plan: Plan, mode: str, rank: int, *, balance: bool, device: torch.device,
-                 clock: Any = None, timeout_s: float = 1800.0) -> None:
+                 clock: Any = None) -> None:
         if mode not in ("zebra", "distep"):
             raise ValueError(f"zebra backend mode {mode!r}: must be zebra or distep")
-        self.plan, self.schedule, self.device, self.timeout_s = plan, mode, device, timeout_s
+        self.plan, self.schedule, self.device = plan, mode, device
         self.emulator = clock.emulator if clock is not None else None
         self.layout = Layout.from_plan(plan, rank, plan.placement_for(mode))
         L = self.layout.num_layers
@@ -94,6 +94,9 @@ class ZebraBackend(ParallelBackend):
         self.d_model = 0
         self.dtype = torch.float32
         self.last_step: StepOutput | None = None  # the last training step (its trace: what ran, when)
+        self.last_eval: StepOutput | None = None  # the last forward-only step
+        self.running: StepRun | None = None  # the step in progress
+        self.account_memory = False  # record the bytes the executor holds after each task
         self._step_grads: list[tuple[nn.Parameter, Tensor]] = []
 
     @property
@@ -112,7 +115,8 @@ class ZebraBackend(ParallelBackend):
         self.d_model = self.layers[0].router.weight.shape[1]
         self.dtype = self.layers[0].experts.w_up.dtype
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=0)  # rank 0's weights everywhere, before anyone slices
+            # rank 0's weights everywhere, before anyone slices (on the device: set-up moved the model)
+            comm.broadcast(comm.world(), t.data, 0, what="zebra.weights")
         for l, layer in enumerate(self.layers):
             slice_experts(layer, self.layout.mine(l))
         if not self.layout.is_attention:
@@ -123,8 +127,8 @@ class ZebraBackend(ParallelBackend):
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         else:
             for l, layer in enumerate(self.layers):
-                layer.dispatcher = ZebraDispatcher(l)
-                layer.balance = ZebraBalance(l)
+                layer.dispatcher = ZebraDispatcher(l, self)
+                layer.balance = ZebraBalance(l, self)
             self._cuts = BlockCuts([b for _, b, _ in blocks])
         self.experts = ExpertTasks(self.layout, self.layers, self.device)
         self.applied = True
@@ -145,11 +149,13 @@ class ZebraBackend(ParallelBackend):
         expert_ids = self._expert_param_ids()
         for p in module.parameters():
             if id(p) not in expert_ids:
-                dist.broadcast(p.data, src=self.layout.saver)
+                comm.broadcast(comm.world(), p.data, self.layout.saver, what="zebra.weights")
         self._stripped.clear()
         if self._cuts is not None:
             self._cuts.remove()
             self._cuts = None
+        if self.experts is not None:
+            self.experts.remove()
         self.applied = False
 
     def _expert_param_ids(self) -> set[int]:
@@ -215,16 +221,30 @@ class ZebraBackend(ParallelBackend):
             for p, g in zip(params, before):
                 p.grad = g
             self.last_step = out
+        else:
+            self.last_eval = out
         return self._result(out, step, total, train)
 
     def _run(self, step: StepInput, task_context: Callable[[], Any] | None = None) -> StepOutput:
         schedule = self.train_schedule if step.train else self.forward_schedule
-        exchange = Exchange(self.layout, self.groups, schedule, d_model=self.d_model, dtype=self.dtype,
-                            device=self.device, emulator=self.emulator, timeout_s=self.timeout_s)
+        context = task_context or nullcontext
+        exchange = Exchange(self.layout, self.groups, schedule, d_model=self.d_model, device=self.device,
+                            wire_dtype=self._wire_dtype(context), emulator=self.emulator)
         tasks = schedule.member_tasks(self.layout.is_attention, self.layout.holds())
-        run = StepRun(self.layout, schedule, exchange, self.layers, self.experts, step, clock=self.emulator,
-                      d_model=self.d_model, task_context=task_context or nullcontext)
-        return run.run(tasks)
+        self.running = StepRun(self.layout, schedule, exchange, self.layers, self.experts, step, device=self.device,
+                               clock=self.emulator, task_context=context, account=self.account_memory)
+        try:
+            return self.running.run(tasks)
+        finally:
+            self.running = None
+
+    def _wire_dtype(self, context: Callable[[], Any]) -> torch.dtype:
+        """Rows travel in the dtype the experts compute in: the autocast dtype under mixed
+        precision (half the bytes of fp32 weights), else the model's."""
+        with context():
+            if torch.is_autocast_enabled(self.device.type):
+                return torch.get_autocast_dtype(self.device.type)
+        return self.dtype
 
     def _result(self, out: StepOutput, step: StepInput, total: int, train: bool) -> Any:
         """The step's value on every rank: the global mean loss (training), this rank's
@@ -236,11 +256,11 @@ class ZebraBackend(ParallelBackend):
             if all(isinstance(o, torch.Tensor) for o in outs) and all(o.dim() > 0 for o in outs):
                 return torch.cat(outs)
             return outs[0] if len(outs) == 1 else outs
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, result in out.results.items():
-            loss = loss + loss_of(result, j).detach().double().cpu() * (step.sizes[j] / total)
-        dist.all_reduce(loss)
-        return loss.float().to(self.device)
+            loss = loss + loss_of(result, j).detach().double() * (step.sizes[j] / total)
+        comm.all_reduce(comm.world(), loss, what="zebra.loss")
+        return loss.float()
 
     def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
                  module: nn.Module) -> Tensor:
@@ -261,14 +281,14 @@ class ZebraBackend(ParallelBackend):
             zero_missing_grads(params)
             if len(self.plan.zp_groups) > 1:
                 for p in params:
-                    dist.all_reduce(p.grad, group=self.groups.replicas)
+                    comm.all_reduce(self.groups.replicas, p.grad, what="zebra.grads.replicas")
         if not self.layout.is_attention:
             return
         dense = self._dense_params(module)
         zero_missing_grads(dense)
         if len(self.plan.attention_ranks) > 1 and dense:
             flat = torch.cat([p.grad.reshape(-1) for p in dense])
-            dist.all_reduce(flat, group=self.groups.dense)
+            comm.all_reduce(self.groups.dense, flat, what="zebra.grads.dense")
             at = 0
             for p in dense:
                 n = p.numel()
@@ -278,23 +298,23 @@ class ZebraBackend(ParallelBackend):
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
         """Every expert once, the dense part once (from the group's first attention rank),
         summed within the ZP group (groups are identical)."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for layer in self.layers:
             for p in layer.experts.parameters(recurse=False):
                 if p.grad is not None:
-                    sq = sq + p.grad.detach().double().square().sum().cpu()
+                    sq = sq + p.grad.detach().double().square().sum()
         if self.layout.rank == self.layout.attention_members[0]:
             for p in self._dense_params(module):
                 if p.grad is not None:
-                    sq = sq + p.grad.detach().double().square().sum().cpu()
-        dist.all_reduce(sq, group=self.groups.zp)
+                    sq = sq + p.grad.detach().double().square().sum()
+        comm.all_reduce(self.groups.zp, sq, what="zebra.clip")
         return sq
 
     def metrics_group(self, group: Any) -> Any:
         # Logged metrics live on attention ranks only: reduce them there.
         if group is not None:
             return group
-        return self.groups.dense if self.groups.dense is not None else False
+        return self.groups.dense.device if self.groups.dense is not None else False
 
     # -- experts ------------------------------------------------------------------------
     @property
@@ -318,6 +338,7 @@ class ZebraBackend(ParallelBackend):
         and checkpoints read)."""
         self.layout.placement = placement.owners()
         self.plan.placement = [list(r) for r in self.layout.placement]
+        self.experts.remove()
         self.experts = ExpertTasks(self.layout, self.layers, self.device)
 
     @property

@@ -3,8 +3,10 @@
 The user's ``training_step`` runs unchanged in a fiber; at every MoE dispatch the fiber
 ``park()``s and the executor decides what runs next (another micro-batch, a backward
 task, hosted experts). To Python and torch this is ordinary sequential execution: exactly
-one thread touches the model at any moment. Thread-local torch state (grad mode, autocast)
-does not cross threads, so the fiber's body sets its own (the caller's ``context``).
+one thread touches the model at any moment, and it never issues a collective (the
+executor's own thread issues them all). Thread-local state does not cross threads, so a
+fiber sets its own on entry: the rank's CUDA device and compute stream (CUDA keeps both
+per thread), then grad mode and autocast (the caller's ``context``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
+
+import torch
 
 _local = threading.local()
 
@@ -27,9 +31,10 @@ def current() -> "Fiber | None":
 
 class Fiber:
     def __init__(self, fn: Callable[[], Any], *, mb: int, context: Callable[[], AbstractContextManager] | None = None,
-                 owner: Any = None, name: str = "") -> None:
+                 owner: Any = None, device: torch.device | None = None, stream: Any = None, name: str = "") -> None:
         self.fn, self.mb = fn, mb
         self.owner = owner  # the step run this micro-batch belongs to (the model's hooks call it)
+        self.device, self.stream = device, stream
         self.expect: int | None = None  # the MoE layer the schedule lets this fiber reach next
         self.context = context or nullcontext
         self.done = False
@@ -43,6 +48,10 @@ class Fiber:
 
     def _run(self) -> None:
         _local.fiber = self
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            if self.stream is not None:
+                torch.cuda.set_stream(self.stream)
         self._resume.acquire()
         try:
             if self._abort:
@@ -58,8 +67,10 @@ class Fiber:
             _local.fiber = None
             self._parked.release()
 
-    def resume(self) -> None:
-        """Run the fiber until it parks or finishes; its exception is raised here."""
+    def resume(self, expect: int | None = None) -> None:
+        """Run the fiber until it parks (at MoE layer ``expect``) or finishes (``None``);
+        its exception is raised here."""
+        self.expect = expect
         if self.done:
             raise RuntimeError(f"micro-batch {self.mb} has already finished")
         if not self._started:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
+from ... import comm
+from ...comm import Group
 from ...plan import Plan
 
 
@@ -88,39 +88,31 @@ class Layout:
                 k += 1
         return position
 
-    def replica_ranks(self) -> list[int]:
-        """This member's counterparts in every ZP group (they hold the same experts)."""
-        p = self.members.index(self.rank)
-        return [grp.members[p] for grp in self.plan.zp_groups]
-
 
 @dataclass
 class ZebraGroups:
-    """Process groups, created by every rank in the same order (a collective)."""
+    """This rank's groups (see :mod:`lightning_hetermoe.comm`), created by every rank in the
+    same order (a collective). ``None`` where this rank is not a member."""
 
-    dispatch: dist.ProcessGroup | None  # this ZP group, attention -> experts
-    combine: dist.ProcessGroup | None  # this ZP group, experts -> attention
-    zp: dist.ProcessGroup | None  # this ZP group, for checkpoint gathers and the clip norm
-    dense: dist.ProcessGroup | None  # every attention rank of every ZP group
-    replicas: dist.ProcessGroup | None  # this member's counterparts in the other ZP groups
+    dispatch: Group  # this ZP group, attention -> experts: rows (device), round headers (host)
+    combine: Group  # this ZP group, experts -> attention: answers (device)
+    zp: Group  # this ZP group: checkpoint gathers and the clip norm (device)
+    dense: Group | None  # every attention rank of every ZP group: dense gradients (device), balance counts (host)
+    replicas: Group  # this member's counterparts in the other ZP groups: expert gradients (device)
 
     @classmethod
     def build(cls, layout: Layout) -> "ZebraGroups":
         plan, rank = layout.plan, layout.rank
-        mine: dict[str, dist.ProcessGroup | None] = {"dispatch": None, "combine": None, "zp": None,
-                                                      "dense": None, "replicas": None}
-        for grp in plan.zp_groups:
-            for name in ("dispatch", "combine", "zp"):
-                g = dist.new_group(sorted(grp.members))
-                if rank in grp.members:
-                    mine[name] = g
-        g = dist.new_group(sorted(plan.attention_ranks))
-        if rank in plan.attention_ranks:
-            mine["dense"] = g
-        size = len(plan.zp_groups[0].members)
-        for p in range(size):
-            ranks = sorted(grp.members[p] for grp in plan.zp_groups)
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                mine["replicas"] = g
+        mine: dict[str, Group | None] = {}
+        for g, grp in enumerate(plan.zp_groups):
+            for name, host in (("dispatch", True), ("combine", False), ("zp", False)):
+                made = comm.new_group(f"zp{g}.{name}" if name != "zp" else f"zp{g}", grp.members, host=host)
+                if made.member:
+                    mine[name] = made
+        dense = comm.new_group("dense", plan.attention_ranks, host=True)
+        mine["dense"] = dense if dense.member else None
+        for p in range(len(plan.zp_groups[0].members)):
+            made = comm.new_group(f"replicas{p}", [grp.members[p] for grp in plan.zp_groups])
+            if made.member:
+                mine["replicas"] = made
         return cls(**mine)

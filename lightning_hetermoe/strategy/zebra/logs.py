@@ -57,9 +57,11 @@ class MicrobatchLogs:
             if not all(isinstance(v, (torch.Tensor, int, float)) for v in values):
                 value = values[-1]  # a torchmetrics Metric and the like: it aggregates itself
             else:
-                stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
+                # where the logged tensors live (the device), numbers join them there
+                device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+                stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
                 if kind == "mean":
-                    w = torch.tensor(weights, dtype=torch.float64)
+                    w = torch.tensor(weights, dtype=torch.float64, device=device)
                     value = (stacked * w).sum() / w.sum().clamp(min=1)
                 elif kind == "sum":
                     value = stacked.sum()

@@ -1,0 +1,364 @@
+"""Every collective the pack issues, each named by the traffic it carries.
+
+Two kinds of traffic, on two kinds of process group:
+
+* **device**: tensors that live on the compute device (token rows, gradients, weights, the
+  loss), on the device backend (NCCL on CUDA, gloo on CPU). A CPU tensor here is a bug
+  on NCCL; :func:`_check` rejects it by construction, naming the call site.
+* **host**: metadata the host needs (split counts, routing counts, busy times, objects),
+  as CPU tensors on gloo groups. Host collectives never touch a device stream, so a host
+  wait never stalls compute queued on the GPU.
+
+Every :class:`Group` is built with both a device and a host process group where asked
+(``torch.distributed.new_group`` is a collective: every rank builds every group, in the
+same order). On CUDA the device side is NCCL and the host side gloo; on CPU both are gloo,
+still two process groups, so which traffic went where stays checkable on a machine
+without a GPU.
+
+:func:`record` turns on a per-process recorder of every call (group, traffic, operation,
+sizes); :func:`check_sequences` compares the recordings of all ranks: on every group,
+every member must issue the same sequence of collectives with matching sizes (NCCL's
+rule). Tests run it on real gloo processes.
+
+Asynchronous calls return a :class:`Pending`; its tensors stay referenced until
+:meth:`Pending.wait`, which on CUDA orders the current stream after the communication
+without blocking the host. :func:`issuing` runs an issue on the communication stream (on
+CUDA), ordered after the tensors it sends were produced and nothing else, so a receive
+posted early never holds back compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+HOST, DEVICE = "host", "device"
+
+
+class CommError(RuntimeError):
+    """A collective was given the wrong kind of tensor, or a group it is not part of."""
+
+
+@dataclass(eq=False)
+class Group:
+    """A set of global ranks with its device and host process groups (``None`` on ranks
+    outside the group, or where that traffic was not asked for)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    device: Any = None
+    host: Any = None
+    member: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group (group ranks follow sorted global ranks)."""
+        return self.ranks.index(dist.get_rank())
+
+
+@dataclass
+class Call:
+    """One recorded collective, as this rank issued it."""
+
+    group: str
+    ranks: tuple[int, ...]
+    traffic: str
+    op: str
+    what: str
+    group_rank: int
+    dtype: str
+    shape: tuple[int, ...]
+    out_splits: tuple[int, ...] | None = None  # all_to_all: rows this rank receives from each member
+    in_splits: tuple[int, ...] | None = None  # all_to_all: rows this rank sends to each member
+    device: str = ""
+
+
+@dataclass
+class _State:
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    world: Group | None = None
+    recording: list[Call] | None = None
+    stream: Any = None  # the communication stream (CUDA)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_state = _State()
+
+
+# -- set-up ---------------------------------------------------------------------------
+def configure(device: torch.device) -> None:
+    """At process-group set-up, on every rank: the compute device, and the world's host
+    group (built once per process group; a collective)."""
+    _state.device = torch.device(device)
+    if _state.device.type == "cuda" and _state.stream is None:
+        _state.stream = torch.cuda.Stream(device=_state.device)
+    if _state.world is not None and _state.world.device is dist.group.WORLD:
+        return
+    world = tuple(range(dist.get_world_size()))
+    # even where the default group is gloo, host traffic gets its own group
+    _state.world = Group("world", world, device=dist.group.WORLD, host=dist.new_group(list(world), backend="gloo"),
+                         member=True)
+
+
+def compute_device() -> torch.device:
+    return _state.device
+
+
+def world() -> Group:
+    """Every rank. Configured by the strategy when its process group starts; under another
+    strategy, on first use (a collective: every rank reaches it at the same point)."""
+    if _state.world is None or _state.world.device is not dist.group.WORLD:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CommError("lightning_hetermoe.comm: no process group is running")
+        nccl = dist.get_backend() == "nccl"
+        configure(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
+    return _state.world
+
+
+def forget() -> None:
+    """The process group ended: its groups are gone."""
+    _state.world = None
+
+
+def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: bool = False) -> Group:
+    """Build ``name`` over ``ranks`` (a collective over the world: call on every rank)."""
+    ranks = tuple(sorted(ranks))
+    me = dist.get_rank()
+    dev = dist.new_group(list(ranks)) if device else None
+    hst = dist.new_group(list(ranks), backend="gloo") if host else None
+    member = me in ranks
+    return Group(name, ranks, device=dev if member else None, host=hst if member else None, member=member)
+
+
+# -- recording ------------------------------------------------------------------------
+@contextlib.contextmanager
+def record() -> Iterator[list[Call]]:
+    """Record every collective this process issues inside the block."""
+    calls: list[Call] = []
+    previous, _state.recording = _state.recording, calls
+    try:
+        yield calls
+    finally:
+        _state.recording = previous
+
+
+def _note(group: Group, traffic: str, op: str, what: str, t: Tensor | None, out_splits=None, in_splits=None) -> None:
+    if _state.recording is None:
+        return
+    _state.recording.append(Call(group.name, group.ranks, traffic, op, what, group.rank,
+                                 str(t.dtype) if t is not None else "", tuple(t.shape) if t is not None else (),
+                                 tuple(out_splits) if out_splits is not None else None,
+                                 tuple(in_splits) if in_splits is not None else None,
+                                 str(t.device) if t is not None else ""))
+
+
+def check_sequences(per_rank: Sequence[Sequence[Call]]) -> list[str]:
+    """What breaks NCCL's rule in recordings of every rank (empty: nothing): on every
+    communicator (a group's device side, or its host side), every member issues the same
+    collectives in the same order with matching sizes."""
+    problems: list[str] = []
+    by_group: dict[str, dict[int, list[Call]]] = {}
+    ranks_of: dict[str, tuple[int, ...]] = {}
+    for rank, calls in enumerate(per_rank):
+        for c in calls:
+            name = f"{c.group} ({c.traffic})"
+            by_group.setdefault(name, {}).setdefault(rank, []).append(c)
+            if ranks_of.setdefault(name, c.ranks) != c.ranks:
+                problems.append(f"group {name}: ranks {c.ranks} on rank {rank}, {ranks_of[name]} elsewhere")
+    for name, seqs in sorted(by_group.items()):
+        members = ranks_of[name]
+        missing = [r for r in members if r not in seqs]
+        if missing:
+            problems.append(f"group {name}: members {missing} issued nothing, others issued {len(next(iter(seqs.values())))}")
+            continue
+        strangers = [r for r in seqs if r not in members]
+        if strangers:
+            problems.append(f"group {name}: ranks {strangers} issued collectives but are not members")
+        lengths = {r: len(seqs[r]) for r in members}
+        if len(set(lengths.values())) != 1:
+            problems.append(f"group {name}: members issued different numbers of collectives {lengths}")
+        for k in range(min(lengths.values())):
+            calls = {r: seqs[r][k] for r in members}
+            problems += _mismatch(name, k, calls)
+    return problems
+
+
+def _mismatch(name: str, k: int, calls: dict[int, Call]) -> list[str]:
+    first = next(iter(calls.values()))
+    where = f"group {name}, collective #{k}"
+    kinds = {(c.op, c.traffic, c.what) for c in calls.values()}
+    if len(kinds) != 1:
+        return [f"{where}: members issued different collectives {sorted(kinds)}"]
+    if len({c.dtype for c in calls.values()}) != 1:
+        return [f"{where} ({first.what}): dtypes differ {[c.dtype for c in calls.values()]}"]
+    if first.op == "all_to_all":
+        out = []
+        ranks = sorted(calls)
+        for i, ri in enumerate(ranks):
+            for j, rj in enumerate(ranks):
+                sent, got = calls[ri].in_splits[j], calls[rj].out_splits[i]
+                if sent != got:
+                    out.append(f"{where} ({first.what}): rank {ri} sends {sent} rows to rank {rj}, which expects {got}")
+        if len({c.shape[1:] for c in calls.values()}) != 1:
+            out.append(f"{where} ({first.what}): row shapes differ {[c.shape for c in calls.values()]}")
+        return out
+    if first.op != "objects" and len({c.shape for c in calls.values()}) != 1:
+        return [f"{where} ({first.what}): shapes differ {[c.shape for c in calls.values()]}"]
+    return []
+
+
+# -- checks by construction -----------------------------------------------------------
+def _check(group: Group, traffic: str, what: str, *tensors: Tensor) -> Any:
+    pg = group.device if traffic == DEVICE else group.host
+    if not group.member or pg is None:
+        raise CommError(f"{what}: rank {dist.get_rank()} issued {traffic} traffic on group {group.name}, which has no "
+                        f"{traffic} side here (members {list(group.ranks)})")
+    for t in tensors:
+        if traffic == DEVICE and t.device != _state.device:
+            raise CommError(f"{what}: a device collective on group {group.name} got a tensor on {t.device}; the "
+                            f"compute device is {_state.device} (host metadata goes over the host group)")
+        if traffic == HOST and t.device.type != "cpu":
+            raise CommError(f"{what}: a host collective on group {group.name} got a tensor on {t.device}; host "
+                            f"traffic is CPU tensors on gloo")
+    return pg
+
+
+# -- asynchronous work ----------------------------------------------------------------
+class Pending:
+    """An issued asynchronous collective and the tensors it must keep alive until waited."""
+
+    __slots__ = ("work", "keep", "what", "issued_at", "completed_at", "_done")
+
+    def __init__(self, work: Any, keep: tuple, what: str, stamp: bool = False) -> None:
+        self.work, self.keep, self.what = work, keep, what
+        self.issued_at = time.perf_counter()
+        self.completed_at: float | None = None
+        self._done = False
+        if stamp and work is not None:
+            # when the collective completed (every peer had joined): the emulated clock's
+            # transfer starts there. Only a time stamp is taken on the completing thread.
+            work.get_future().add_done_callback(self._stamp)
+
+    def _stamp(self, _future: Any) -> None:
+        self.completed_at = time.perf_counter()
+
+    def wait(self) -> Any:
+        """Wait (on CUDA: order the current stream after it), release the kept tensors,
+        and return the received tensor (the first kept one)."""
+        if not self._done:
+            if self.work is not None:
+                self.work.wait()
+            self._done = True
+        if self.completed_at is None:
+            self.completed_at = time.perf_counter()
+        out = self.keep[0] if self.keep else None
+        self.keep = (out,) if out is not None else ()
+        return out
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+@contextlib.contextmanager
+def issuing(after: Sequence[Tensor] = ()) -> Iterator[None]:
+    """Issue collectives on the communication stream (CUDA), ordered after the compute that
+    produced ``after`` and nothing else; a no-op on CPU."""
+    stream = _state.stream
+    if stream is None:
+        yield
+        return
+    if after:
+        stream.wait_stream(torch.cuda.current_stream(_state.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+# -- device traffic -------------------------------------------------------------------
+def all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], *,
+               what: str, async_op: bool = False, stamp: bool = False) -> Pending | None:
+    """Uneven all-to-all of rows: ``out_splits[j]`` rows arrive from member ``j``,
+    ``in_splits[j]`` rows of ``inp`` go to member ``j``."""
+    pg = _check(group, DEVICE, what, out, inp)
+    _note(group, DEVICE, "all_to_all", what, inp, out_splits, in_splits)
+    work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=pg, async_op=async_op)
+    return Pending(work, (out, inp), what, stamp) if async_op else None
+
+
+def all_reduce(group: Group, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:
+    pg = _check(group, DEVICE, what, t)
+    _note(group, DEVICE, "all_reduce", what, t)
+    work = dist.all_reduce(t, group=pg, async_op=async_op)
+    return Pending(work, (t,), what) if async_op else None
+
+
+def all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str) -> None:
+    pg = _check(group, DEVICE, what, t, *outs)
+    _note(group, DEVICE, "all_gather", what, t)
+    dist.all_gather(outs, t, group=pg)
+
+
+def broadcast(group: Group, t: Tensor, src: int, *, what: str) -> None:
+    """``src`` is a global rank."""
+    pg = _check(group, DEVICE, what, t)
+    _note(group, DEVICE, "broadcast", what, t)
+    dist.broadcast(t, src=src, group=pg)
+
+
+# -- host traffic ---------------------------------------------------------------------
+def host_all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str, async_op: bool = False
+                    ) -> Pending | None:
+    pg = _check(group, HOST, what, t, *outs)
+    _note(group, HOST, "all_gather", what, t)
+    work = dist.all_gather(outs, t, group=pg, async_op=async_op)
+    return Pending(work, (outs, t), what) if async_op else None
+
+
+def host_all_reduce(group: Group, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:
+    pg = _check(group, HOST, what, t)
+    _note(group, HOST, "all_reduce", what, t)
+    work = dist.all_reduce(t, group=pg, async_op=async_op)
+    return Pending(work, (t,), what) if async_op else None
+
+
+def host_all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], *,
+                    what: str) -> None:
+    pg = _check(group, HOST, what, out, inp)
+    _note(group, HOST, "all_to_all", what, inp, out_splits, in_splits)
+    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=pg)
+
+
+def gather_objects(group: Group, obj: Any, *, what: str) -> list[Any]:
+    """Every member's ``obj`` (picklable), in group-rank order."""
+    pg = _check(group, HOST, what)
+    _note(group, HOST, "objects", what, None)
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def host_barrier(group: Group, *, what: str) -> None:
+    pg = _check(group, HOST, what)
+    _note(group, HOST, "barrier", what, None)
+    dist.barrier(group=pg)
+
+
+# -- host to device -------------------------------------------------------------------
+def to_device(t: Tensor, device: torch.device | None = None) -> Tensor:
+    """A host tensor on the compute device without a host sync: from pinned memory,
+    ``non_blocking`` (the copy is ordered on the current stream)."""
+    device = torch.device(device) if device is not None else _state.device
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

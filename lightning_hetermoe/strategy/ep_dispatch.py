@@ -1,0 +1,110 @@
+"""Expert parallelism's token dispatcher: rows to the ranks that hold their experts and back.
+
+Swapped into each :class:`~lightning_hetermoe.moe.MoELayer` from outside (the model never
+sees a process group). Per layer and forward, one host sync: the kept rows per expert are
+copied to the host once, exchanged over the group's host side (gloo), and every split size
+comes from there; the rows themselves go over the device side with an all-to-all whose
+backward runs the reverse exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import comm
+from ..comm import Group
+from ..moe.dispatch import scatter_to_slots, sort_by_position, sort_choices, split_over_copies
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, send_splits: list[int], recv_splits: list[int], group: Group) -> Tensor:
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all(group, out, x.contiguous(), recv_splits, send_splits, what="ep.rows")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        send_splits, recv_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), recv_splits, send_splits, ctx.group), None, None, None
+
+
+class AllToAllDispatcher:
+    """Expert parallelism over ``group``: ``placement[r]`` lists the global expert ids held by
+    group rank ``r`` (the local ``Experts`` rows, in that order). Placements may be uneven
+    (e.g. 6 experts over 4 ranks as 2+2+1+1), ranks may hold no expert at all, and an
+    expert may have copies on several ranks (its tokens split evenly over them)."""
+
+    def __init__(self, group: Group, placement: list[list[int]]) -> None:
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.set_placement(placement)
+
+    def set_placement(self, placement: list[list[int]]) -> None:
+        """Adopt a new placement in place (after a migration): whatever wraps this
+        dispatcher (the emulated clock wraps ``exchange``) stays installed."""
+        if len(placement) != self.size:
+            raise ValueError(f"placement has {len(placement)} entries for an expert-parallel group of {self.size}")
+        flat = [e for p in placement for e in p]
+        num_experts = len(set(flat))
+        if sorted(set(flat)) != list(range(num_experts)) or any(len(set(p)) != len(p) for p in placement):
+            raise ValueError(f"placement {placement} must hold every expert 0..{num_experts - 1}, "
+                             f"each at most once per rank")
+        self.placement = [list(p) for p in placement]
+        self.copies: list[list[int]] = [[] for _ in range(num_experts)]  # positions of each expert's copies
+        for pos, e in enumerate(flat):
+            self.copies[e].append(pos)
+        self.num_positions = len(flat)
+        most = max(len(c) for c in self.copies)
+        self._copy_position = torch.tensor([c + [c[0]] * (most - len(c)) for c in self.copies], dtype=torch.long,
+                                           device="cpu")
+        self._num_copies = torch.tensor([len(c) for c in self.copies], dtype=torch.long, device="cpu")
+        self._on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}  # copied once per device, not per call
+        self.replicated = most > 1
+        self.experts_per_rank = [len(p) for p in self.placement]
+
+    def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if device not in self._on_device:
+            self._on_device[device] = (comm.to_device(self._copy_position, device),
+                                       comm.to_device(self._num_copies, device))
+        return self._on_device[device]
+
+    def exchange(self, x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
+        """Differentiable uneven all-to-all; backward runs the reverse exchange."""
+        return _AllToAll.apply(x, send_splits, recv_splits, self.group)
+
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+        mine = self.experts_per_rank[self.rank]
+        if experts.num_local_experts != mine:
+            raise RuntimeError(f"rank {self.rank} holds {experts.num_local_experts} experts, placement says {mine}")
+        copy_position, num_copies = self._tables(x.device)
+        if self.replicated:
+            position = split_over_copies(indices, keep, copy_position, num_copies)
+            sc = sort_by_position(position, keep, self.num_positions)
+        else:  # one copy each: an expert's position is its only copy's
+            sc = sort_choices(indices, keep, copy_position[:, 0])
+        # The layer's one host sync: every split size comes from these counts.
+        counts = sc.counts.cpu()
+        recv_counts = torch.empty(self.size * mine, dtype=torch.long, device="cpu")
+        comm.host_all_to_all(self.group, recv_counts, counts, [mine] * self.size, self.experts_per_rank,
+                             what="ep.counts")
+        recv_counts = recv_counts.view(self.size, mine)
+        send_splits = [int(c.sum()) for c in counts.split(self.experts_per_rank)]
+        recv_splits = recv_counts.sum(1).tolist()
+
+        received = self.exchange(x.index_select(0, sc.token), send_splits, recv_splits)
+        # Received rows are ordered (source rank, local expert); the experts want them by expert.
+        row_expert = torch.repeat_interleave(torch.arange(mine, device="cpu").repeat(self.size), recv_counts.reshape(-1))
+        by_expert = comm.to_device(torch.argsort(row_expert, stable=True), x.device)
+        out = experts(received, by_expert, recv_counts.sum(0))
+        if out.shape[0] == 0 and received.requires_grad:
+            # Nothing arrived here, so no expert ran on ``received``: tie it to the output
+            # anyway, or this rank would skip the backward of the dispatch all-to-all that
+            # its peers run, and the collectives would fall out of step.
+            out = out + received.sum() * 0
+        out = scatter_to_slots(out, by_expert, received.shape[0])
+        back = self.exchange(out, recv_splits, send_splits)
+        return scatter_to_slots(back, sc.slot, indices.numel())

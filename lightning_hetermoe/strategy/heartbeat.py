@@ -1,0 +1,147 @@
+"""Silent ranks, detected without the communication backend.
+
+On NCCL a peer that stops answering (a frozen or stopped process, a hung host) leaves the
+others blocked until the process-group timeout, 30 minutes by default; gloo notices only a
+closed connection. So every rank runs a small thread that bumps its own counter in the
+job's key-value store (the TCPStore the process group started from: Lightning's rank 0 or
+torchrun's agent) every ``timeout / 6`` seconds and reads everyone else's. A rank whose
+counter has not moved for ``timeout`` seconds is silent: the first rank to see it prints
+which rank, its role and device, and ends the job (under the pack's launcher the launching
+rank kills the others, the stopped one included; under torchrun every rank exits and the
+agent tears the job down). If the store itself stops answering, its host (rank 0 under
+Lightning's launcher) is the silent one.
+
+A counter only says the process is alive (a stopped process, or one whose interpreter
+never lets the thread run, is silent); a collective deadlock among live ranks is left to
+the process-group timeout. A rank that finished marks itself done first, so a job whose
+ranks end at different times is not mistaken for a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+SILENT_PEER_EXIT = 75  # a rank that ends the job because a peer went silent exits with this code
+_DONE = -1
+
+
+class Heartbeat:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, describe: Callable[[int], str],
+                 host: str, port: int, on_silent: Callable[[], None] | None = None) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self.host, self.port = host, port
+        self.describe, self.on_silent = describe, on_silent or _exit_job
+        self.period_s = max(self.timeout_s / 6, 0.05)
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
+                                    wait_for_workers=False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hetermoe-heartbeat")
+
+    def _key(self, rank: int) -> str:
+        return f"hetermoe/heartbeat/{rank}"
+
+    def start(self) -> "Heartbeat":
+        self._store.set(self._key(self.rank) + "/process", f"{socket.gethostname()}:{os.getpid()}")
+        self._store.set(self._key(self.rank), "0")
+        self._thread.start()
+        return self
+
+    def done(self) -> None:
+        """This rank finished: stop watching, and say so (peers stop expecting beats)."""
+        self._stop.set()
+        try:
+            self._store.set(self._key(self.rank), str(_DONE))
+        except Exception:
+            pass  # the store's host already left: nobody is watching any more
+
+    def _run(self) -> None:
+        beats = 0
+        last: dict[int, tuple[int, float]] = {}
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [self._key(r) for r in others]
+        while not self._stop.wait(self.period_s):
+            beats += 1
+            try:
+                self._store.set(self._key(self.rank), str(beats))
+                seen = [int(v) for v in self._store.multi_get(keys)]
+            except Exception:
+                if self._stop.is_set():
+                    return
+                self._report(0, f"the job's store (hosted by rank 0) did not answer for {self.timeout_s:.0f} s")
+                return
+            now = time.monotonic()
+            for r, count in zip(others, seen):
+                if count == _DONE:
+                    continue
+                before = last.get(r)
+                if before is None or before[0] != count:
+                    last[r] = (count, now)
+                elif now - before[1] > self.timeout_s:
+                    self._report(r, f"no heartbeat for {now - before[1]:.0f} s")
+                    return
+
+    def _report(self, rank: int, why: str) -> None:
+        if self._stop.is_set():
+            return
+        try:
+            who = self.describe(rank)
+        except Exception:
+            who = "?"
+        sys.stderr.write(f"[hetermoe] rank {rank} ({who}) is silent: {why} (heartbeat_timeout_s="
+                         f"{self.timeout_s:g}); rank {self.rank} ends the job\n")
+        sys.stderr.flush()
+        self._kill_if_local(rank)
+        self.on_silent()
+
+    def _kill_if_local(self, rank: int) -> None:
+        """A silent rank on this host is killed here (a stopped process ignores everything
+        but SIGKILL), so that no launcher has to wait out its grace period for it."""
+        try:
+            host, pid = self._store.get(self._key(rank) + "/process").decode().rsplit(":", 1)
+            if host == socket.gethostname() and int(pid) != os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
+        except Exception:
+            pass  # another host, or the store is the silent one: the launcher ends it
+
+
+def _exit_job() -> None:
+    """End this process now: a collective may be waiting on the silent peer forever."""
+    from .launchers import kill_launched
+
+    kill_launched()
+    os._exit(SILENT_PEER_EXIT)
+
+
+_current: Heartbeat | None = None
+
+
+def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callable[[int], str]) -> Heartbeat | None:
+    """Start this process's heartbeat for the running job (once; a new job replaces it)."""
+    global _current
+    if not timeout_s or world_size < 2:
+        return None
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host is None or port is None:
+        return None  # no store to beat into (a process group made some other way)
+    if _current is not None and (_current.host, _current.port) == (host, int(port)):
+        return _current
+    stop()
+    _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port)).start()
+    return _current
+
+
+def stop() -> None:
+    """This rank is done with its job."""
+    global _current
+    if _current is not None:
+        _current.done()
+        _current = None

@@ -1,0 +1,74 @@
+"""The experts a rank holds, run on what a round brings (expert ranks, and attention ranks
+that hold experts by Asym-EA). Each round is its own small graph, kept until its backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import comm
+from ...moe.dispatch import scatter_to_slots
+from .layout import Layout
+from .records import Dispatched, ExpertRecord
+
+
+class ExpertTasks:
+    """``work`` (a :class:`~.executor.WorkLog`) hears from the experts' own hooks when a
+    round's experts really ran, forward and backward."""
+
+    def __init__(self, layout: Layout, layers: list, device: torch.device) -> None:
+        self.layout, self.layers = layout, layers
+        self._running: tuple[Any, int, int] | None = None  # (work log, layer, mb) while experts run
+        self._hooks = [layer.experts.register_forward_pre_hook(self._ran) for layer in layers]
+        self.position: list[Tensor] = []  # [E] on the device: where expert e's rows go (attention side)
+        self.ids_by_position: list[Tensor] = []  # [E] on the host: the expert at each position
+        for l in range(layout.num_layers):
+            pos = layout.expert_position(l)
+            self.position.append(torch.tensor(pos, dtype=torch.long, device=device))
+            ids = [0] * len(pos)
+            for e, p in enumerate(pos):
+                ids[p] = e
+            self.ids_by_position.append(torch.tensor(ids, dtype=torch.long, device="cpu"))
+        self.saved: dict[tuple[int, int], ExpertRecord] = {}
+        self.counts: dict[tuple[int, int], list[int]] = {}  # rows per local expert, per round (emulation)
+
+    def _ran(self, module, args) -> None:
+        if self._running is not None:
+            work, layer, mb = self._running
+            work.note("expert_fwd", layer, mb)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def forward(self, layer: int, mb: int, got: Dispatched, work: Any) -> Tensor:
+        counts = got.counts  # host [G, local experts]
+        rows = got.rows
+        per_expert = counts.sum(0)
+        self.counts[(layer, mb)] = per_expert.tolist()
+        local = torch.arange(counts.shape[1], device="cpu").repeat(counts.shape[0])
+        by_expert = comm.to_device(torch.argsort(torch.repeat_interleave(local, counts.reshape(-1)), stable=True),
+                                   rows.device)
+        inp = rows.detach().requires_grad_(torch.is_grad_enabled())
+        self._running = (work, layer, mb)
+        try:
+            y = self.layers[layer].experts(inp, by_expert, per_expert)
+        finally:
+            self._running = None
+        out = scatter_to_slots(y, by_expert, rows.shape[0]) if rows.shape[0] else y
+        if torch.is_grad_enabled():
+            if out.requires_grad:
+                out.register_hook(lambda g: work.note("expert_bwd", layer, mb))  # its backward began
+            self.saved[(layer, mb)] = ExpertRecord(inp, out)
+        return out.detach()
+
+    def backward(self, layer: int, mb: int, grad: Tensor) -> Tensor:
+        rec = self.saved.pop((layer, mb))
+        if rec.outputs.requires_grad:
+            torch.autograd.backward(rec.outputs, grad.to(rec.outputs.dtype))
+        return rec.inputs.grad if rec.inputs.grad is not None else torch.zeros_like(rec.inputs)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for rec in self.saved.values() for t in (rec.inputs, rec.outputs)]

@@ -1,0 +1,148 @@
+"""NCCL's rules, checked on real gloo processes: on every communicator, every member issues
+the same collectives in the same order with matching sizes; host metadata and device
+tensors go over their own groups; no tensor is made on the host by default where the
+device needs it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from harness import run_ranks
+from lightning_hetermoe import ExpertLoadMonitor, HeterMoEStrategy, OptimConfig, comm
+from reference import data, make_model, trainer
+from test_zebra import GLOBAL, WINDOWS, make_test_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST_TRAFFIC = ("zebra.header", "zebra.balance", "ep.counts", "monitor.counts", "monitor.busy",
+                "strategy.emulation_report", "strategy.shutdown")
+DEVICE_TRAFFIC = ("zebra.rows", "zebra.answers", "zebra.loss", "zebra.clip", "zebra.grads.dense",
+                  "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "ep.weights",
+                  "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather", "strategy.decision")
+
+
+def recorded(rank: int, world: int, cases: list[dict], ckpt_dir: str) -> list[list[dict]]:
+    """Each case: fit with validation, a step checkpoint and the load monitor, then validate;
+    every collective this rank issued."""
+    out = []
+    for c, case in enumerate(cases):
+        with comm.record() as calls:
+            model = make_model(4, seed=rank, optim=OptimConfig())
+            strategy = HeterMoEStrategy(mode=case["mode"], plan=case.get("plan"))
+            callbacks = [ModelCheckpoint(dirpath=f"{ckpt_dir}/{c}", every_n_train_steps=2, save_top_k=-1),
+                         ExpertLoadMonitor(log_every_n_steps=1, plots=False)]
+            dm = data(world, GLOBAL[world], windows=WINDOWS[world])
+            t = trainer(strategy, world, max_steps=3, callbacks=callbacks, enable_checkpointing=True,
+                        limit_val_batches=1, val_check_interval=2)
+            t.fit(model, datamodule=dm)
+            t.validate(model, datamodule=dm, verbose=False)
+        out.append([dataclasses.asdict(call) for call in calls])
+    return out
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory):
+    asym = [[1, 1, 2, 0], [1, 2, 0, 0]]  # Asym-EA: the attention rank holds experts in both layers
+    plan = make_test_plan(3, [0], R=3, placement=asym)
+    distep = dataclasses.replace(make_test_plan(3, [0], R=3, placement=asym), distep_microbatches=2)
+    cases = [dict(mode="ep"), dict(mode="zebra", plan=plan), dict(mode="distep", plan=distep)]
+    per_rank = run_ranks(3, recorded, 3, cases, str(tmp_path_factory.mktemp("ckpt")))
+    return {case["mode"]: [[comm.Call(**c) for c in per_rank[r][i]] for r in range(3)]
+            for i, case in enumerate(cases)}
+
+
+@pytest.mark.parametrize("mode", ["ep", "zebra", "distep"])
+def test_every_member_of_every_group_issues_the_same_sequence(recordings, mode):
+    per_rank = recordings[mode]
+    assert comm.check_sequences(per_rank) == []
+    ops = {(c.group, c.what) for calls in per_rank for c in calls}
+    if mode == "ep":
+        assert {("ep0", "ep.counts"), ("ep0", "ep.rows"), ("world", "ep.balance")} <= ops, ops
+    else:
+        # training rounds, validation rounds, checkpoint gathers, the clip norm: all were seen
+        assert {("zp0.dispatch", "zebra.header"), ("zp0.dispatch", "zebra.rows"), ("zp0.combine", "zebra.answers"),
+                ("zp0", "experts.gather"), ("world", "zebra.loss")} <= ops, ops
+    # every all-to-all moved rows somewhere: the sizes compared above were not all empty
+    assert any(sum(c.in_splits) for calls in per_rank for c in calls if c.op == "all_to_all")
+
+
+def test_host_metadata_and_device_tensors_use_their_own_groups(recordings):
+    for mode, per_rank in recordings.items():
+        for rank, calls in enumerate(per_rank):
+            for c in calls:
+                if c.what in HOST_TRAFFIC:
+                    assert c.traffic == comm.HOST and c.device in ("", "cpu"), (mode, rank, c)
+                else:
+                    assert c.what in DEVICE_TRAFFIC, f"{c.what}: a collective this test does not know"
+                    assert c.traffic == comm.DEVICE, (mode, rank, c)
+                    # the compute device here is the CPU; on CUDA comm rejects anything else
+                    assert c.device == "cpu", (mode, rank, c)
+                if c.traffic == comm.HOST and c.dtype:
+                    assert c.dtype in ("torch.int64", "torch.float64"), (mode, rank, c)
+
+
+def test_the_sequence_check_catches_a_seeded_mismatch(recordings):
+    per_rank = [list(calls) for calls in recordings["zebra"]]
+    rows = [i for i, c in enumerate(per_rank[1]) if c.what == "zebra.rows"]
+    # one member issues two rounds in the other order
+    a, b = rows[0], rows[1]
+    per_rank[1][a], per_rank[1][b] = per_rank[1][b], per_rank[1][a]
+    problems = comm.check_sequences(per_rank)
+    assert problems and any("zebra.rows" in p for p in problems), problems
+    # one member sends a row more than its peer expects
+    per_rank = [list(calls) for calls in recordings["zebra"]]
+    i = next(i for i, c in enumerate(per_rank[0]) if c.what == "zebra.rows" and sum(c.in_splits))
+    bad = per_rank[0][i]
+    splits = list(bad.in_splits)
+    splits[splits.index(max(splits))] += 1
+    per_rank[0][i] = dataclasses.replace(bad, in_splits=tuple(splits))
+    assert any("expects" in p for p in comm.check_sequences(per_rank))
+    # one member issues a collective more
+    per_rank = [list(calls) for calls in recordings["zebra"]]
+    per_rank[2].append(per_rank[2][-1])
+    assert any("different numbers" in p for p in comm.check_sequences(per_rank))
+
+
+def _reject_host_tensor_on_device_side(rank: int) -> str:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    comm.configure(torch.device("meta"))  # pretend the compute device is elsewhere
+    group = comm.new_group("g", [0], host=True)
+    try:
+        comm.all_reduce(group, torch.ones(2), what="test.rows")
+    except comm.CommError as err:
+        message = str(err)
+    else:
+        message = ""
+    comm.forget()
+    return message
+
+
+def test_a_host_tensor_given_to_a_device_collective_is_rejected_naming_the_site():
+    (message,) = run_ranks(1, _reject_host_tensor_on_device_side)
+    assert "test.rows" in message and "compute device is meta" in message, message
+
+
+FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "randn", "rand", "randint", "eye",
+             "linspace"}
+
+
+def test_code_that_feeds_collectives_never_makes_tensors_on_the_default_device():
+    """On CUDA a tensor made without ``device=`` lands on the host; in the code around the
+    collectives every factory call says where its tensor lives."""
+    files = [ROOT / "lightning_hetermoe" / "comm.py", ROOT / "lightning_hetermoe" / "callbacks" / "load_monitor.py",
+             *sorted((ROOT / "lightning_hetermoe" / "strategy").rglob("*.py"))]
+    missing = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" \
+                    and not any(k.arg == "device" for k in node.keywords):
+                missing.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.{node.func.attr}")
+    assert not missing, "tensors made without device=: " + ", ".join(missing)

@@ -1,0 +1,35 @@
+"""What the zebra executor holds between tasks in a forward-only step (validation) is
+bounded by the tasks in flight (R micro-batches of one layer), not by the model's depth:
+each (layer, micro-batch) record and each round's buffers are dropped once consumed."""
+
+from __future__ import annotations
+
+from harness import run_ranks
+from lightning_hetermoe import HeterMoEStrategy
+from reference import data, make_model, trainer
+from test_zebra import GLOBAL, WINDOWS, make_test_plan
+
+
+def held_after_each_task(rank: int, world: int, depths: list[int]) -> dict[int, list[int]]:
+    out = {}
+    for layers in depths:
+        model = make_model(4, n_layers=layers, seed=rank)
+        strategy = HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2, layers=layers))
+        t = trainer(strategy, world, max_steps=1, limit_val_batches=1)
+        dm = data(world, GLOBAL[world], windows=WINDOWS[world])
+        t.fit(model, datamodule=dm)
+        strategy.backend.account_memory = True
+        t.validate(model, datamodule=dm, verbose=False)
+        out[layers] = strategy.backend.last_eval.held_bytes
+    return out
+
+
+def test_forward_only_memory_does_not_grow_with_depth():
+    per_rank = run_ranks(2, held_after_each_task, 2, [2, 6])
+    for rank, held in enumerate(per_rank):
+        assert len(held[6]) > len(held[2]) > 0, "every task was accounted"
+        shallow, deep = max(held[2]), max(held[6])
+        # three times the layers; kept records would hold about three times the bytes
+        assert deep <= 1.25 * shallow + 1024, (rank, shallow, deep)
+        assert held[6][-1] == 0, f"rank {rank} still holds {held[6][-1]} bytes after the last task"
+    assert max(per_rank[0][2]) > 0, "the attention rank held rows in flight: the accounting saw them"
