@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -238,20 +237,11 @@ def _check(group: Group, traffic: str, what: str, *tensors: Tensor) -> Any:
 class Pending:
     """An issued asynchronous collective and the tensors it must keep alive until waited."""
 
-    __slots__ = ("work", "keep", "what", "issued_at", "completed_at", "_done")
+    __slots__ = ("work", "keep", "what", "_done")
 
-    def __init__(self, work: Any, keep: tuple, what: str, stamp: bool = False) -> None:
+    def __init__(self, work: Any, keep: tuple, what: str) -> None:
         self.work, self.keep, self.what = work, keep, what
-        self.issued_at = time.perf_counter()
-        self.completed_at: float | None = None
         self._done = False
-        if stamp and work is not None:
-            # when the collective completed (every peer had joined): the emulated clock's
-            # transfer starts there. Only a time stamp is taken on the completing thread.
-            work.get_future().add_done_callback(self._stamp)
-
-    def _stamp(self, _future: Any) -> None:
-        self.completed_at = time.perf_counter()
 
     def wait(self) -> Any:
         """Wait (on CUDA: order the current stream after it), release the kept tensors,
@@ -260,8 +250,6 @@ class Pending:
             if self.work is not None:
                 self.work.wait()
             self._done = True
-        if self.completed_at is None:
-            self.completed_at = time.perf_counter()
         out = self.keep[0] if self.keep else None
         self.keep = (out,) if out is not None else ()
         return out
@@ -287,13 +275,13 @@ def issuing(after: Sequence[Tensor] = ()) -> Iterator[None]:
 
 # -- device traffic -------------------------------------------------------------------
 def all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], *,
-               what: str, async_op: bool = False, stamp: bool = False) -> Pending | None:
+               what: str, async_op: bool = False) -> Pending | None:
     """Uneven all-to-all of rows: ``out_splits[j]`` rows arrive from member ``j``,
     ``in_splits[j]`` rows of ``inp`` go to member ``j``."""
     pg = _check(group, DEVICE, what, out, inp)
     _note(group, DEVICE, "all_to_all", what, inp, out_splits, in_splits)
     work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=pg, async_op=async_op)
-    return Pending(work, (out, inp), what, stamp) if async_op else None
+    return Pending(work, (out, inp), what) if async_op else None
 
 
 def all_reduce(group: Group, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:

@@ -137,6 +137,8 @@ def test_three_ranks_two_attention_and_asym_ea_experts_on_the_attention_rank():
         dict(plan=make_test_plan(3, [0], R=3, placement=asym), moe=dict(top_k=1), exercises=["idle_experts"]),
         # capacity drops: each expert takes ceil(1.0 * tokens * k / E) choices per micro-batch
         dict(plan=make_test_plan(3, [0, 1], R=2), moe=dict(capacity_factor=1.0), exercises=["dropped"]),
+        # an expert rank holding no expert of a layer still takes part in that layer's rounds
+        dict(plan=make_test_plan(3, [0], R=2, num_experts=3, placement=[[1, 1, 0], [0, 2, 2]]), num_experts=3),
     ])
 
 

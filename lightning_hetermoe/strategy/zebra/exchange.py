@@ -16,16 +16,21 @@ ranks emit them) is three collectives on the ZP group:
 3. **combine** (device): an all-to-all of the answers, back in the order the rows came.
 
 Issue order, on every member: ``dispatch(r)`` before ``combine(r)`` before
-``dispatch(r + 1)``. An attention rank posts ``combine(r)``'s receive with the dispatch, so
-the answer can land while it computes the next micro-batch (on CUDA the receive runs on
-the communication stream; nothing waits on it until the answer is used); a holder issues
-``combine(r)`` once its experts ran (holders on attention ranks run them right after the
-emitting task, see :meth:`lightning_hetermoe.schedule.Schedule.member_tasks`, which keeps
-this order). Nothing is waited for before it is needed; every handle is waited once.
+``dispatch(r + 1)``, every round, also where a member holds no expert of the round's layer
+(its share is then empty; a collective skipped on one member hangs the others). An
+attention rank posts ``combine(r)``'s receive with the dispatch, so the answer can land
+while it computes the next micro-batch (on CUDA the receive runs on the communication
+stream; nothing waits on it until the answer is used); a holder issues ``combine(r)``
+once its experts ran (holders on attention ranks run them right after the emitting task,
+see :meth:`lightning_hetermoe.schedule.Schedule.member_tasks`, which keeps this order), and
+an expert rank posts its next ``dispatch`` receive right after, if that round's header is
+already in. Nothing is waited for before it is needed; every handle is waited once.
 
 Under emulation a transfer is padded at its receiver: it arrives at ``max(sent, link
-free) + modelled`` (one transfer at a time per direction), ``sent`` being the header's
-stamp (dispatch) or the moment the combine completed (every holder had sent).
+free) + modelled`` (one transfer at a time per direction), ``sent`` being the moment the
+sending task ends on the modelled clock, carried in the round's header (dispatch) or in a
+combine header (a one-number host all-gather, emulation only). Tasks issue their sends
+before their padding, as a GPU's host runs ahead of its kernels.
 """
 
 from __future__ import annotations
@@ -57,7 +62,14 @@ class Exchange:
         self._combine: dict[Round, Pending] = {}
         self._sends: list[Pending] = []  # pure sends: waited once complete, or at the end
         self._balance: dict[Any, Pending] = {}
+        self._answer_headers: dict[Round, Pending] = {}  # emulation: when each round's answers left
         self._link_free = {"dispatch": 0.0, "combine": 0.0}
+        self._seconds: dict[tuple[int, int], float] = {}  # modelled transfer of a (layer, mb)'s rows
+        self._cursor = 0  # expert ranks: the next round of schedule.rounds not yet answered
+        self._member = [[False] * self.G for _ in range(layout.num_layers)]  # [layer][group rank] holds experts
+        for l in range(layout.num_layers):
+            for d, held in enumerate(layout.by_group_rank(l)):
+                self._member[l][d] = bool(held)
         self.transfer_s: dict[tuple[str, Round], float] = {}
 
     # -- the step -------------------------------------------------------------------------
@@ -65,11 +77,12 @@ class Exchange:
         if not self.lay.is_attention:
             for r in self.schedule.rounds:
                 self._post_header(r, None)
+            self._advance()
 
     def finish(self) -> None:
         """Wait for everything still in flight (the last sends), and book the transfers."""
         for pending in [*self._headers.values(), *self._dispatch.values(), *self._combine.values(), *self._sends,
-                        *self._balance.values()]:
+                        *self._balance.values(), *self._answer_headers.values()]:
             pending.wait()
         if self.emulator is not None:
             for r in self.schedule.rounds:
@@ -87,10 +100,11 @@ class Exchange:
         return out
 
     # -- attention ranks ------------------------------------------------------------------
-    def emit(self, r: Round, rows: Tensor, expert_counts: Tensor | None) -> None:
-        """Rows of round ``r`` leave (``expert_counts``: host, rows per expert id, forward rounds)."""
+    def emit(self, r: Round, rows: Tensor, expert_counts: Tensor | None, leaves_at: float | None = None) -> None:
+        """Rows of round ``r`` leave (``expert_counts``: host, rows per expert id, forward
+        rounds; ``leaves_at``: under emulation, when they leave on the modelled clock)."""
         key = (r.layer, r.mb)
-        self._post_header(r, expert_counts)
+        self._post_header(r, expert_counts, leaves_at)
         if r.phase == "fwd":
             holders = self.lay.by_group_rank(r.layer)
             self._my_splits[key] = [int(expert_counts[h].sum()) if h else 0 for h in holders]
@@ -103,16 +117,17 @@ class Exchange:
             self._dispatch[r] = comm.all_to_all(self.groups.dispatch, out, wire, recv, send, what="zebra.rows",
                                                 async_op=True)
         if not holds:
-            self._post_combine(r, None)
+            self._post_combine(r, None, None)
 
     def answers(self, r: Round) -> Tensor:
         """The experts' answer to round ``r`` (waited here: the compute stream follows it)."""
-        pending = self._combine.pop(r)
-        got = pending.wait()
+        got = self._combine.pop(r).wait()
         sent = self._dispatch.pop(r, None)
         if sent is not None:
             sent.wait()  # complete: every holder received before it answered
-        self._arrive("combine", r, pending.completed_at)
+        if self.emulator is not None:
+            stamps = self._answer_headers.pop(r).wait()
+            self._arrive("combine", r, max(int(t) for t in stamps) / 1e9)
         return got
 
     def post_balance(self, key: Any, counts: Tensor) -> None:
@@ -129,12 +144,7 @@ class Exchange:
         gradient of its answers)."""
         self._reap()
         if r not in self._dispatch:  # an expert rank issues its part when it reaches the round
-            recv = self._column(r)
-            out = torch.empty((sum(recv), self.d), dtype=self.wire, device=self.device)
-            empty = torch.empty((0, self.d), dtype=self.wire, device=self.device)
-            with comm.issuing():
-                self._dispatch[r] = comm.all_to_all(self.groups.dispatch, out, empty, recv, [0] * self.G,
-                                                    what="zebra.rows", async_op=True)
+            self._post_receive(r)
         got = self._dispatch.pop(r).wait()
         self._arrive("dispatch", r, self._sent_at(r))
         if r.phase == "bwd":
@@ -143,19 +153,53 @@ class Exchange:
         mine = self.lay.mine(r.layer)
         return Dispatched(got, counts[:, mine])
 
-    def reply(self, r: Round, answers: Tensor) -> None:
-        """This holder's answers to round ``r`` leave."""
-        self._post_combine(r, answers)
+    def reply(self, r: Round, answers: Tensor, leaves_at: float | None = None) -> None:
+        """This holder's answers to round ``r`` leave (``leaves_at``: on the modelled clock)."""
+        self._post_combine(r, answers, leaves_at)
         if not self.lay.is_attention:
-            self._sends.append(self._combine.pop(r))
+            self._send_only(r)
+            self._cursor += 1
+            self._advance()
+            nxt = self._next_round()
+            if nxt is not None and nxt not in self._dispatch and self._headers[nxt].work.is_completed():
+                self._post_receive(nxt)  # its rows can land while this rank pads or computes
+
+    def _next_round(self) -> Round | None:
+        rounds = self.schedule.rounds
+        return rounds[self._cursor] if self._cursor < len(rounds) else None
+
+    def _advance(self) -> None:
+        """Expert ranks: take part in every round they hold no expert of, in order, up to
+        the next one they serve (empty shares: nothing to wait for)."""
+        while (r := self._next_round()) is not None and not self._member[r.layer][self.me]:
+            self._post_receive(r)
+            self._sends.append(self._dispatch.pop(r))
+            self._post_combine(r, None, None)
+            self._send_only(r)
+            self._cursor += 1
+
+    def _send_only(self, r: Round) -> None:
+        """An expert rank's part of ``combine(r)`` (and its stamp) only sends: waited once done."""
+        self._sends.append(self._combine.pop(r))
+        if r in self._answer_headers:
+            self._sends.append(self._answer_headers.pop(r))
+
+    def _post_receive(self, r: Round) -> None:
+        recv = self._column(r) if self._member[r.layer][self.me] else [0] * self.G
+        out = torch.empty((sum(recv), self.d), dtype=self.wire, device=self.device)
+        empty = torch.empty((0, self.d), dtype=self.wire, device=self.device)
+        with comm.issuing():
+            self._dispatch[r] = comm.all_to_all(self.groups.dispatch, out, empty, recv, [0] * self.G,
+                                                what="zebra.rows", async_op=True)
 
     # -- pieces ---------------------------------------------------------------------------
-    def _post_header(self, r: Round, expert_counts: Tensor | None) -> None:
+    def _post_header(self, r: Round, expert_counts: Tensor | None, leaves_at: float | None = None) -> None:
         payload = torch.zeros(self.E + 1, dtype=torch.long, device="cpu")
         if expert_counts is not None:
             payload[: self.E] = expert_counts
         if self.emulator is not None and self.lay.is_attention:
-            payload[self.E] = time.perf_counter_ns()  # when these rows left (one machine: one monotonic clock)
+            # when these rows leave (one machine: one monotonic clock for every process)
+            payload[self.E] = int((leaves_at if leaves_at is not None else time.perf_counter()) * 1e9)
         parts = [torch.empty_like(payload) for _ in range(self.G)]
         self._headers[r] = comm.host_all_gather(self.groups.dispatch, parts, payload, what="zebra.header",
                                                 async_op=True)
@@ -170,26 +214,36 @@ class Exchange:
         key = (r.layer, r.mb)
         if key not in self._sizes:
             counts = self._header(Round("fwd", r.layer, r.mb))[:, : self.E]
-            holders = self.lay.by_group_rank(r.layer)
-            matrix = [[int(counts[s, holders[d]].sum()) if holders[d] else 0 for d in range(self.G)]
-                      for s in range(self.G)]
-            self._sizes[key] = (counts, matrix)
+            self._sizes[key] = (counts, (counts @ self._holder_of(r.layer)).tolist())
         return self._sizes[key]
+
+    def _holder_of(self, layer: int) -> Tensor:
+        """``[E, G]`` one-hot: which group rank holds each expert of ``layer``."""
+        onehot = torch.zeros(self.E, self.G, dtype=torch.long, device="cpu")
+        for d, held in enumerate(self.lay.by_group_rank(layer)):
+            onehot[held, d] = 1
+        return onehot
 
     def _column(self, r: Round) -> list[int]:
         """Rows this holder receives from each member in round ``r``."""
         _, matrix = self._round_sizes(r)
         return [matrix[s][self.me] for s in range(self.G)]
 
-    def _post_combine(self, r: Round, answers: Tensor | None) -> None:
+    def _post_combine(self, r: Round, answers: Tensor | None, leaves_at: float | None) -> None:
         send = self._column(r) if answers is not None else [0] * self.G
         recv = self._my_splits[(r.layer, r.mb)] if self.lay.is_attention else [0] * self.G
         out = torch.empty((sum(recv), self.d), dtype=self.wire, device=self.device)
         inp = answers.to(self.wire).contiguous() if answers is not None else \
             torch.empty((0, self.d), dtype=self.wire, device=self.device)
+        if self.emulator is not None:
+            stamp = torch.tensor([int(leaves_at * 1e9) if answers is not None and leaves_at else 0], dtype=torch.long,
+                                 device="cpu")
+            parts = [torch.empty_like(stamp) for _ in range(self.G)]
+            self._answer_headers[r] = comm.host_all_gather(self.groups.combine, parts, stamp,
+                                                           what="zebra.answer_header", async_op=True)
         with comm.issuing(after=[inp] if answers is not None else []):
             self._combine[r] = comm.all_to_all(self.groups.combine, out, inp, recv, send, what="zebra.answers",
-                                               async_op=True, stamp=self.emulator is not None)
+                                               async_op=True)
 
     def _reap(self) -> None:
         """Release sends that completed (their rows were held until now)."""
@@ -200,12 +254,16 @@ class Exchange:
         return float(self._header(r)[:, self.E].max()) / 1e9
 
     def _transfer_seconds(self, r: Round) -> float:
-        """The busiest link of the round's matrix, on the emulated link."""
-        _, rows = self._round_sizes(r)
-        G = self.G
-        off_sent = max(sum(rows[s]) - rows[s][s] for s in range(G))
-        off_recv = max(sum(rows[s][d] for s in range(G)) - rows[d][d] for d in range(G))
-        return self.emulator.transfer(max(off_sent, off_recv))
+        """The busiest link of the round's matrix, on the emulated link (a round's backward
+        moves the same rows as its forward)."""
+        key = (r.layer, r.mb)
+        if key not in self._seconds:
+            _, rows = self._round_sizes(r)
+            G = self.G
+            off_sent = max(sum(rows[s]) - rows[s][s] for s in range(G))
+            off_recv = max(sum(rows[s][d] for s in range(G)) - rows[d][d] for d in range(G))
+            self._seconds[key] = self.emulator.transfer(max(off_sent, off_recv))
+        return self._seconds[key]
 
     def _arrive(self, channel: str, r: Round, sent_at: float | None) -> None:
         """Emulation: the rows of ``r`` arrive once the link carried them after they left."""

@@ -14,10 +14,13 @@
   brought (:class:`~.expert_tasks.ExpertTasks`).
 
 This thread is the only one that issues collectives (fibers run only while it waits for
-them, and they never communicate): what a task sends is issued when the task ends (after
-its padding, under emulation: a send cannot start before the kernel that made it), what a
-task needs is waited for before its clock starts. Records are dropped as soon as no later
-task needs them.
+them, and they never communicate): what a task sends is issued when its compute is done
+(on CUDA the communication stream waits for that compute), what a task needs is waited
+for before its clock starts. Under emulation, what a task sends leaves at the task's
+*modelled* end: the task issues it before its padding and stamps that moment in the
+round's headers, so the real cost of issuing on a CPU stays inside the task's modelled
+time, as a GPU's host launches run ahead of its kernels. Records are dropped as soon as
+no later task needs them.
 
 Under activation checkpointing a block's forward runs again inside its backward, on
 autograd's thread, outside any fiber. The executor names the (layer, micro-batch) whose
@@ -76,7 +79,7 @@ class StepOutput:
     overruns: int = 0  # tasks whose real compute exceeded their modelled time
     tasks: int = 0
     transfer_s: dict[tuple[str, Round], float] = field(default_factory=dict)  # modelled seconds per transfer
-    held_bytes: list[int] = field(default_factory=list)  # after each task, when accounted
+    held_bytes: list[int] = field(default_factory=list)  # after each task and at the end, when accounted
 
 
 class WorkLog:
@@ -109,7 +112,7 @@ class StepRun:
         self.work = WorkLog()
         self.replaying: tuple[int, int, BlockRecord] | None = None  # (layer, mb, record) being recomputed
         self.out = StepOutput()
-        self._outbox: list[Callable[[], None]] = []
+        self._outbox: list[Callable[[float | None], None]] = []
         self._last_of_group = {g: mbs[-1] for g, mbs in enumerate(schedule.balance_groups)}
         self._watch = Stopwatch(device)
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -154,7 +157,7 @@ class StepRun:
         if torch.is_grad_enabled():
             rec.sent = sent
         rows = sent.detach()
-        self._outbox.append(lambda: self.exchange.emit(Round("fwd", layer, mb), rows, expert_counts))
+        self._outbox.append(lambda at: self.exchange.emit(Round("fwd", layer, mb), rows, expert_counts, at))
         fiber.park()
         arrived, rec.arrived = rec.arrived, None
         answer = arrived.detach().requires_grad_(torch.is_grad_enabled())
@@ -181,12 +184,15 @@ class StepRun:
                 t0, wall = self._watch.now(), time.perf_counter()
                 with self.task_context():
                     self._compute(task, inputs)
-                self._pad(task, wall)
-                self._flush()
+                modelled = self._modelled(task)
+                self._flush(wall + modelled[1] if modelled else None)
+                self._pad(task, wall, modelled)
                 trace.append((task, t0, self._watch.now()))
                 if self.account:
                     self.out.held_bytes.append(self.held_bytes())
             self.exchange.finish()
+            if self.account:  # and once the last sends completed: nothing may be left
+                self.out.held_bytes.append(self.held_bytes())
         except BaseException:
             for f in self.fibers.values():
                 f.abort()
@@ -203,9 +209,10 @@ class StepRun:
         held = [t for rec in self.records.values() for t in rec.tensors()]
         return tensor_bytes(held + self.experts.tensors() + self.exchange.in_flight())
 
-    def _flush(self) -> None:
+    def _flush(self, leaves_at: float | None) -> None:
+        """Issue what the task sends; ``leaves_at``: when its rows leave on the modelled clock."""
         for send in self._outbox:
-            send()
+            send(leaves_at)
         self._outbox.clear()
 
     def _collect(self, task: Task) -> Any:
@@ -229,11 +236,11 @@ class StepRun:
         ex = self.exchange
         if kind == "expert_fwd":
             answers = self.experts.forward(l, j, inputs, self.work)
-            self._outbox.append(lambda: ex.reply(Round("fwd", l, j), answers))
+            self._outbox.append(lambda at: ex.reply(Round("fwd", l, j), answers, at))
             return
         if kind == "expert_bwd":
             grads = self.experts.backward(l, j, inputs)
-            self._outbox.append(lambda: ex.reply(Round("bwd", l, j), grads))
+            self._outbox.append(lambda at: ex.reply(Round("bwd", l, j), grads, at))
             return
         empty = self.step.sizes[j] == 0
         if kind == "attn_fwd":
@@ -292,14 +299,14 @@ class StepRun:
 
     def _emit_empty(self, r: Round, with_counts: bool) -> None:
         counts = torch.zeros(self.E, dtype=torch.long, device="cpu") if with_counts else None
-        self._outbox.append(lambda: self.exchange.emit(r, self._empty_rows(), counts))
+        self._outbox.append(lambda at: self.exchange.emit(r, self._empty_rows(), counts, at))
 
     def _post_counts_if_last(self, l: int, j: int) -> None:
         g = self.schedule.balance_group(j)
         if g is None or self._last_of_group[g] != j:
             return
         counts = self.routed.get((l, g), torch.zeros(self.E, dtype=torch.long, device="cpu"))
-        self._outbox.append(lambda: self.exchange.post_balance((l, g), counts))
+        self._outbox.append(lambda at: self.exchange.post_balance((l, g), counts))
 
     def _send_answer_grad(self, l: int, j: int) -> None:
         """Gradient of block ``l``'s expert answer, from the gradients of the block's outputs."""
@@ -315,7 +322,7 @@ class StepRun:
                                           [g for _, g in rec.answer_grads], retain_graph=True, allow_unused=True)
             self.replaying = None
         grad = (grad if grad is not None else torch.zeros_like(answer)).detach()
-        self._outbox.append(lambda: self.exchange.emit(Round("bwd", l, j), grad, None))
+        self._outbox.append(lambda at: self.exchange.emit(Round("bwd", l, j), grad, None, at))
 
     def _block_backward(self, l: int, j: int, sent_grad: Tensor) -> None:
         rec = self.records.pop((l, j))
@@ -334,23 +341,25 @@ class StepRun:
             torch.autograd.backward([o for o, _ in ins], [g for _, g in ins])
 
     # -- emulation ----------------------------------------------------------------------------
-    def _pad(self, task: Task, t0: float) -> None:
+    def _modelled(self, task: Task) -> tuple[str, float] | None:
+        """``(kind of work, seconds)`` the emulated device takes for ``task``."""
         if self.clock is None:
-            return
+            return None
         kind, j = task.kind, task.mb
         if kind in ("expert_fwd", "expert_bwd"):
-            modelled = self.clock.experts(self.experts.counts[(task.layer, j)], backward=kind == "expert_bwd")
-            name = "experts"
-        elif kind == "head":
-            modelled = self.clock.head(self.tokens[j], forward_only=not self.step.train)
-            name = "head"
-        else:
-            modelled = self.clock.attention(self.tokens[j], backward=kind == "attn_bwd")
-            name = "attention"
+            return "experts", self.clock.experts(self.experts.counts[(task.layer, j)], backward=kind == "expert_bwd")
+        if kind == "head":
+            return "head", self.clock.head(self.tokens[j], forward_only=not self.step.train)
+        return "attention", self.clock.attention(self.tokens[j], backward=kind == "attn_bwd")
+
+    def _pad(self, task: Task, t0: float, modelled: tuple[str, float] | None) -> None:
+        if modelled is None:
+            return
+        name, seconds = modelled
         self.out.tasks += 1
-        if time.perf_counter() - t0 > modelled > 0:
+        if time.perf_counter() - t0 > seconds > 0:
             self.out.overruns += 1
-        self.clock.pad(name, (kind, task.layer), t0, modelled)
+        self.clock.pad(name, (task.kind, task.layer), t0, seconds)
 
 
 def loss_of(result: Any, mb: int) -> Tensor:

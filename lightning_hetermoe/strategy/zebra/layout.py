@@ -95,7 +95,7 @@ class ZebraGroups:
     same order (a collective). ``None`` where this rank is not a member."""
 
     dispatch: Group  # this ZP group, attention -> experts: rows (device), round headers (host)
-    combine: Group  # this ZP group, experts -> attention: answers (device)
+    combine: Group  # this ZP group, experts -> attention: answers (device), their send times (host, emulation)
     zp: Group  # this ZP group: checkpoint gathers and the clip norm (device)
     dense: Group | None  # every attention rank of every ZP group: dense gradients (device), balance counts (host)
     replicas: Group  # this member's counterparts in the other ZP groups: expert gradients (device)
@@ -105,7 +105,8 @@ class ZebraGroups:
         plan, rank = layout.plan, layout.rank
         mine: dict[str, Group | None] = {}
         for g, grp in enumerate(plan.zp_groups):
-            for name, host in (("dispatch", True), ("combine", False), ("zp", False)):
+            # host sides: the round headers (dispatch), the answers' send times under emulation (combine)
+            for name, host in (("dispatch", True), ("combine", True), ("zp", False)):
                 made = comm.new_group(f"zp{g}.{name}" if name != "zp" else f"zp{g}", grp.members, host=host)
                 if made.member:
                     mine[name] = made
