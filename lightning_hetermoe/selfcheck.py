@@ -174,7 +174,7 @@ def _end_run(strategy: Any) -> None:
     """Leave the run's process group, so the next run starts its own (even after a failure)."""
     import torch.distributed as dist
 
-    from . import comm
+    import lightning_hetermoe.comm as comm
     from .strategy import heartbeat
 
     try:
@@ -371,7 +371,7 @@ def check_kernels(dtype: torch.dtype) -> Callable[[Context], str]:
 
 # -- 3. collectives -------------------------------------------------------------------
 def _traffic_problems(calls: Sequence[Any], compute: str) -> list[str]:
-    from . import comm
+    import lightning_hetermoe.comm as comm
 
     out = []
     for c in calls:
@@ -398,7 +398,7 @@ def check_collectives(mode: str) -> Callable[[Context], str]:
     def check(ctx: Context) -> str:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from . import comm
+        import lightning_hetermoe.comm as comm
 
         plan = _loopback_plan(ctx) if mode == "zebra" else None
         ckpt = ModelCheckpoint(dirpath=os.path.join(ctx.workdir, f"ckpt-{mode}"), every_n_train_steps=1,

@@ -63,8 +63,8 @@ def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
     The heartbeat names the stopped rank and ends the job, stopped rank included."""
     from harness import free_port
 
-    overrides = ["cluster=cpu2", "strategy.mode=zebra", "strategy.heartbeat_timeout_s=5", "trainer.max_steps=50",
-                 "+callbacks.fault._target_=faults.StopInExperts", "+callbacks.fault.rank=1", "+callbacks.fault.step=2",
+    overrides = ["cluster=cpu2", "strategy.mode=zebra", "strategy.heartbeat_timeout_s=3", "trainer.max_steps=50",
+                 "+callbacks.fault._target_=faults.StopInExperts", "+callbacks.fault.rank=1", "+callbacks.fault.step=1",
                  f"hydra.run.dir={tmp_path}"]
     script = str(ROOT / "recipes" / "train.py")
     cmd = [sys.executable, script] if launch == "pack" else \

@@ -36,7 +36,9 @@ def build(arch: str, seed: int) -> HFMoELanguageModel:
     return HFMoELanguageModel(hf.float())
 
 
-ARCHS = ["mixtral", "qwen2_moe"]
+# (architecture, gradient checkpointing): Hugging Face's own checkpointing recomputes each
+# decoder layer, all-to-all included, inside the backward
+ARCHS = [("mixtral", False), ("qwen2_moe", False), ("mixtral", True)]
 
 
 class HeldExperts(L.Callback):
@@ -48,18 +50,26 @@ class HeldExperts(L.Callback):
 
 def fit(rank: int, world: int) -> list[dict]:
     out = []
-    for arch in ARCHS:
+    for arch, checkpointed in ARCHS:
         model = build(arch, seed=rank)
+        calls = []
+        if checkpointed:
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            for m in model.modules():
+                if isinstance(m, MoELayer):
+                    m.register_forward_pre_hook(lambda *a: calls.append(1))
         held = HeldExperts()
         trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS, callbacks=[held]).fit(model,
                                                                                          datamodule=data(world))
-        out.append(({k: v.clone() for k, v in model.state_dict().items()}, held.held))
+        out.append(({k: v.clone() for k, v in model.state_dict().items()}, held.held, len(calls)))
     return out if rank == 0 else None
 
 
 def test_converted_hf_model_trains_like_one_process():
     results = run_ranks(WORLD, fit, WORLD)[0]
-    for arch, (actual, held) in zip(ARCHS, results):
+    for (arch, checkpointed), (actual, held, calls) in zip(ARCHS, results):
+        if checkpointed:  # every MoE layer ran twice per step: forward, then recomputed in backward
+            assert calls == 2 * 2 * STEPS, calls
         assert held == [2, 2], f"{arch}: 4 experts per layer should be split 2+2 over 2 ranks, rank 0 held {held}"
         model = build(arch, seed=0)
         layers = [m for m in model.modules() if isinstance(m, MoELayer)]

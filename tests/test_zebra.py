@@ -151,28 +151,32 @@ def test_two_zp_groups_sum_expert_gradients_over_replicas():
     check(4, [dict(plan=make_test_plan(4, [0, 1], R=2, groups=groups))])
 
 
-def recorded_orders(rank: int, world: int, plan: Plan, swap: tuple[str, str] | None = None) -> dict:
-    """What each rank's work reported (block, expert and gradient hooks), and the loop's trace.
-    ``swap``: on rank 0, run two of its tasks in the wrong order (a broken executor)."""
+def recorded_orders(rank: int, world: int, plan: Plan, swap: tuple[str, str]) -> list[dict]:
+    """What each rank's work reported (block, expert and gradient hooks), and the loop's trace:
+    once as the executor runs, once with two of rank 0's tasks in the wrong order (``swap``:
+    a broken executor)."""
     from lightning_hetermoe.schedule import Schedule
 
-    if swap is not None and rank == 0:
-        original = Schedule.member_tasks
+    original = Schedule.member_tasks
 
-        def swapped(self, has_attention, holds):
-            tasks = original(self, has_attention, holds)
-            names = [str(t) for t in tasks]
-            if self.kind == "zebra" and has_attention:
-                a, b = names.index(swap[0]), names.index(swap[1])
-                tasks[a], tasks[b] = tasks[b], tasks[a]
-            return tasks
+    def swapped(self, has_attention, holds):
+        tasks = original(self, has_attention, holds)
+        names = [str(t) for t in tasks]
+        if self.kind == "zebra" and has_attention and rank == 0:
+            a, b = names.index(swap[0]), names.index(swap[1])
+            tasks[a], tasks[b] = tasks[b], tasks[a]
+        return tasks
 
-        Schedule.member_tasks = swapped
-    model = make_model(4, seed=rank, optim=OptimConfig())
-    strategy = HeterMoEStrategy(mode="zebra", plan=plan)
-    trainer(strategy, world, max_steps=1).fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
-    last = strategy.backend.last_step
-    return {"work": [str(t) for t in last.work], "trace": [str(t) for t, _, _ in last.trace]}
+    out = []
+    for broken in (False, True):
+        Schedule.member_tasks = swapped if broken else original
+        model = make_model(4, seed=rank, optim=OptimConfig())
+        strategy = HeterMoEStrategy(mode="zebra", plan=plan)
+        trainer(strategy, world, max_steps=1).fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        last = strategy.backend.last_step
+        out.append({"work": [str(t) for t in last.work], "trace": [str(t) for t, _, _ in last.trace]})
+    Schedule.member_tasks = original
+    return out
 
 
 def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists():
@@ -182,7 +186,8 @@ def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists(
     from lightning_hetermoe.profile import make_timer
 
     plan = make_test_plan(3, [0], R=3, placement=[[1, 1, 2, 0], [1, 2, 0, 0]])  # Asym-EA on rank 0
-    got = run_ranks(3, recorded_orders, 3, plan)
+    both = run_ranks(3, recorded_orders, 3, plan, ("Ab0.0", "Ab0.1"))
+    got = [b[0] for b in both]
     orders = [g["work"] for g in got]
     for g in got:  # every task of the list did its work, in the list's order
         assert g["work"] == g["trace"], g
@@ -204,7 +209,7 @@ def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists(
 
     # a broken executor (two backward tasks of the first layer swapped, which the exchange
     # tolerates) is caught by what its work reports
-    broken = run_ranks(3, recorded_orders, 3, plan, ("Ab0.0", "Ab0.1"))[0]["work"]
+    broken = both[0][1]["work"]
     problems = check_theorem1([Task(*_parse(t)) for t in broken], 2, 3)
     assert problems == ["backward is not layer by layer downwards with micro-batches 1..R inside each layer"], broken
 

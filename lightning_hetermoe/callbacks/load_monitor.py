@@ -27,7 +27,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from .. import comm
+import lightning_hetermoe.comm as comm
 from ..contract import moe_layers
 
 BUSY_KINDS = ("attention", "experts", "comm", "idle")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .. import comm
+import lightning_hetermoe.comm as comm
 
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor], *, strict: bool = False) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import comm
+import lightning_hetermoe.comm as comm
 from ..comm import Group
 from ..moe.dispatch import scatter_to_slots, sort_by_position, sort_choices, split_over_copies
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .. import comm
+import lightning_hetermoe.comm as comm
 from ..comm import Group
 from ..contract import moe_layers
 from ..moe import LocalDispatcher

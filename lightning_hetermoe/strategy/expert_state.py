@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from .. import comm
+import lightning_hetermoe.comm as comm
 from ..comm import Group
 from ..contract import moe_layers
 from ..placement import Placement

@@ -115,17 +115,16 @@ class Heartbeat:
 
 def _exit_job() -> None:
     """End this process now: a collective may be waiting on the silent peer forever."""
-    from .launchers import kill_launched
-
-    kill_launched()
     os._exit(SILENT_PEER_EXIT)
 
 
 _current: Heartbeat | None = None
 
 
-def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callable[[int], str]) -> Heartbeat | None:
-    """Start this process's heartbeat for the running job (once; a new job replaces it)."""
+def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callable[[int], str],
+           on_silent: Callable[[], None] | None = None) -> Heartbeat | None:
+    """Start this process's heartbeat for the running job (once; a new job replaces it).
+    ``on_silent`` ends the job (default: this process exits; a launcher also kills what it started)."""
     global _current
     if not timeout_s or world_size < 2:
         return None
@@ -135,7 +134,7 @@ def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callab
     if _current is not None and (_current.host, _current.port) == (host, int(port)):
         return _current
     stop()
-    _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port)).start()
+    _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port), on_silent).start()
     return _current
 
 

@@ -26,14 +26,14 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from .. import comm
+import lightning_hetermoe.comm as comm
 from ..cluster import ClusterConfig
 from ..placement import Placement
 from . import heartbeat
 from .arguments import MODES, StrategyArguments
 from .backend import ParallelBackend
 from .expert_state import ExpertState
-from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, watch_launcher
+from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
 from .run_clock import RunClock
 
 
@@ -132,7 +132,8 @@ class HeterMoEStrategy(DDPStrategy):
         super().setup_environment()
         self.clock.rank = self.global_rank
         comm.configure(self.root_device)
-        heartbeat.ensure(self.global_rank, self.world_size, self.args.heartbeat_timeout_s, self.describe_rank)
+        heartbeat.ensure(self.global_rank, self.world_size, self.args.heartbeat_timeout_s, self.describe_rank,
+                         on_silent=end_job_for_silent_peer)
 
     # -- set-up -------------------------------------------------------------------------
     @override

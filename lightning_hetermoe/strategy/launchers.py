@@ -108,11 +108,15 @@ def _leave_previous_job() -> None:
 _launched: list[subprocess.Popen] = []  # the child ranks this process started (every job)
 
 
-def kill_launched() -> None:
-    """Kill every child rank this process started (stopped ones too: SIGKILL reaches them)."""
+def end_job_for_silent_peer() -> None:
+    """A peer went silent: kill every child rank this process started (stopped ones too:
+    SIGKILL reaches them), then exit; a collective may be waiting on the peer forever."""
+    from .heartbeat import SILENT_PEER_EXIT
+
     for proc in _launched:
         if proc.poll() is None:
             proc.kill()
+    os._exit(SILENT_PEER_EXIT)
 
 
 def exit_description(code: int) -> str:

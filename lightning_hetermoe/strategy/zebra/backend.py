@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ... import comm
+import lightning_hetermoe.comm as comm
 from ...contract import find_blocks
 from ...moe import LocalDispatcher
 from ...moe.balance import LocalBalance, balance_loss_from_counts, routed_counts

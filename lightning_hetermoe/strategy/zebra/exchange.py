@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ... import comm
+import lightning_hetermoe.comm as comm
 from ...comm import Pending
 from ...schedule import Round, Schedule
 from .layout import Layout, ZebraGroups

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ... import comm
+import lightning_hetermoe.comm as comm
 from ...emulate.meter import Stopwatch
 from ...moe.balance import routed_counts
 from ...moe.dispatch import scatter_to_slots, sort_choices

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ... import comm
+import lightning_hetermoe.comm as comm
 from ...moe.dispatch import scatter_to_slots
 from .layout import Layout
 from .records import Dispatched, ExpertRecord

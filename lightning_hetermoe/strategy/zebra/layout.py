@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ... import comm
+import lightning_hetermoe.comm as comm
 from ...comm import Group
 from ...plan import Plan
 
