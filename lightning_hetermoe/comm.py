@@ -284,10 +284,11 @@ def all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int]
     return Pending(work, (out, inp), what) if async_op else None
 
 
-def all_reduce(group: Group, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:
+def all_reduce(group: Group, t: Tensor, *, what: str, op: Any = None, async_op: bool = False) -> Pending | None:
+    """Sum (or ``op``) of ``t`` over the group, in place."""
     pg = _check(group, DEVICE, what, t)
     _note(group, DEVICE, "all_reduce", what, t)
-    work = dist.all_reduce(t, group=pg, async_op=async_op)
+    work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=pg, async_op=async_op)
     return Pending(work, (t,), what) if async_op else None
 
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 
-
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lightning_hetermoe.cluster import ClusterConfig
-from lightning_hetermoe.config import ModelConfig, from_cfg
+from lightning_hetermoe.cluster.devices import PRECISIONS
+from lightning_hetermoe.config import ConfigError, ModelConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
-from lightning_hetermoe.profile import Profile, make_timer
+from lightning_hetermoe.profile import CostModel, Profile, make_timer
+from lightning_hetermoe.profile.cost_model import tf32_allowed
+from lightning_hetermoe.strategy.precision import check_bf16
 from lightning_hetermoe.simulate import draw_gantt, draw_gantt_compare, simulate_plan
 
 
@@ -29,6 +31,11 @@ def main(cfg: DictConfig) -> dict:
     cluster = from_cfg(ClusterConfig, cfg.cluster)
     profile = Profile.from_json(hydra.utils.to_absolute_path(cfg.plan.profile)) if cfg.plan.profile else None
     seq_len, tokens = int(cfg.data.seq_len), int(cfg.data.global_batch_tokens)
+    precision = str(cfg.get("precision", "16-mixed"))
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is invalid: must be one of {PRECISIONS}")
+    check_bf16(precision, cluster.specs(), allow_emulated=False)
+    cost = CostModel(precision=precision, tf32=tf32_allowed())
     plan = make_plan(
         cluster,
         model,
@@ -42,13 +49,15 @@ def main(cfg: DictConfig) -> dict:
         num_zp_groups=cfg.plan.num_zp_groups,
         require_expert_ranks=cfg.plan.require_expert_ranks,
         shrink_to_fit=2 if cfg.plan.shrink_batch_to_fit else 0,
+        cost_model=cost,
     )
     out = HydraConfig.get().runtime.output_dir
     print(plan)
     plan.to_json(os.path.join(out, "plan.json"))
     view = as_cluster(cluster)
-    timer = make_timer(model, seq_len, profile)
-    summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "plan": "plan.json",
+    timer = make_timer(model, seq_len, profile, cost)
+    summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "precision": precision,
+               "plan": "plan.json",
                "devices": list(cluster.devices), "schedules": {}}
     drawn = {}
     for sched in plan.predicted:

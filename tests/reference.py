@@ -97,26 +97,38 @@ def pieces_loss(model: MoELanguageModel, batch, pieces: list[int], stats: dict |
 
 def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8, windows: int = 64,
                   accumulate: int = 1, clip: float | None = None, shuffle: bool = True,
-                  seed: int = 7, pieces: list[int] | None = None, stats: dict | None = None
-                  ) -> dict[str, torch.Tensor]:
+                  seed: int = 7, pieces: list[int] | None = None, stats: dict | None = None,
+                  scaler: torch.amp.GradScaler | None = None) -> dict[str, torch.Tensor]:
+    """``scaler``: fp16 autocast with loss scaling, in the order Lightning's 16-mixed runs
+    it (scale, backward, unscale, clip, step unless inf/nan, update; the LR scheduler steps
+    either way)."""
     model = copy.deepcopy(model)
     conf = model.configure_optimizers()
     opt = conf["optimizer"] if isinstance(conf, dict) else conf
     sched = conf["lr_scheduler"]["scheduler"] if isinstance(conf, dict) else None
     batches = global_batches(global_batch, windows, shuffle, seed)
+    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None)
     for _ in range(steps):
         opt.zero_grad()
         for _ in range(accumulate):
             batch = next(batches)
-            loss = model.losses(batch)["loss"] if pieces is None else pieces_loss(model, batch, pieces, stats)
-            (loss / accumulate).backward()
+            with autocast:
+                loss = model.losses(batch)["loss"] if pieces is None else pieces_loss(model, batch, pieces, stats)
+            loss = loss / accumulate
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             if stats is not None:  # the CE a rank logs: over its own rows (default: all)
                 rows = stats.get("ce_rows") or batch[0].shape[0]
                 with torch.no_grad():
                     stats["last_ce"] = float(model.losses(tuple(t[:rows] for t in batch))["ce"])
+        if scaler is not None:
+            scaler.unscale_(opt)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         if sched is not None:
             sched.step()
     if stats is not None:

@@ -89,3 +89,47 @@ def test_bad_inputs_raise():
         CM.expert_time(get_device("a40"), tokens=10, d_model=D, d_ff=FF, activation="relu")
     with pytest.raises(ValueError, match="n_heads"):
         CM.attention_time(get_device("a40"), tokens=10, seq_len=10, d_model=1000, n_heads=16)
+
+
+def test_the_plan_prices_the_precision_it_runs():
+    """fp32 runs GEMMs on CUDA cores (or TF32 where torch allows it), 16-bit precisions on
+    tensor cores: on a GEMM-bound task the times differ by the ratio of the device's peaks;
+    a plan for the same cluster and batch says which it priced."""
+    from lightning_hetermoe.plan import make_plan
+    from lightning_hetermoe.profile import make_timer
+
+    fp16, fp32, tf32 = CostModel(precision="16-mixed"), CostModel(precision="32-true"), \
+        CostModel(precision="32-true", tf32=True)
+    for name in ("a40", "v100", "h100"):
+        dev = get_device(name)
+        # a large GEMM is compute-bound in every precision: exactly the ratio of the peaks
+        gemm = {c: c.gemm_time(dev, 65536, 4096, 14336) for c in (fp16, fp32, tf32)}
+        assert gemm[fp32] / gemm[fp16] == pytest.approx(dev.fp16_tflops / dev.fp32_tflops, rel=1e-9), name
+        peak = dev.tf32_tflops or dev.fp32_tflops  # V100 has no TF32: fp32 either way
+        assert gemm[tf32] / gemm[fp16] == pytest.approx(dev.fp16_tflops / peak, rel=1e-9), name
+        # a whole expert task adds a bandwidth-bound pass (twice the bytes in fp32, not 4-8x)
+        t16 = fp16.expert_time(dev, tokens=65536, d_model=4096, d_ff=14336, backward=True)
+        t32 = fp32.expert_time(dev, tokens=65536, d_model=4096, d_ff=14336, backward=True)
+        assert 0.9 < (t32 / t16) / (dev.fp16_tflops / dev.fp32_tflops) <= 1.0, name
+    # bf16-mixed prices like fp16; fp32 moves twice the bytes
+    assert CostModel(precision="bf16-mixed").expert_time(get_device("a40"), tokens=4096, d_model=1024, d_ff=3584) == \
+        pytest.approx(fp16.expert_time(get_device("a40"), tokens=4096, d_model=1024, d_ff=3584))
+    assert fp32.dtype_bytes == 2 * fp16.dtype_bytes
+    with pytest.raises(ValueError, match="precision='fp8' is invalid"):
+        CostModel(precision="fp8")
+    # the step of one plan on a compute-bound mix: slower in fp32 by about the peaks' ratio
+    from lightning_hetermoe import ModelConfig
+    from lightning_hetermoe.cluster import LinkConfig
+    from lightning_hetermoe.simulate import simulate_plan
+
+    model = ModelConfig(name="w1", vocab_size=32000, d_model=2048, n_layers=4, n_heads=16, max_seq_len=16384,
+                        moe={"num_experts": 12, "d_ff": 7168})
+    devices = [get_device("a40"), get_device("a40")]
+    plan = make_plan(devices, model, seq_len=16384, global_batch_tokens=8 * 16384, cost_model=fp16)
+    assert "precision 16-mixed (fp16 tensor cores)" in str(plan)
+    steps = {p: simulate_plan(plan, devices, model, LinkConfig(bandwidth_gbps=1000.0), make_timer(model, 16384, cost=c),
+                              keep_timeline=False).step_time for p, c in (("16-mixed", fp16), ("32-true", fp32))}
+    ratio = get_device("a40").fp16_tflops / get_device("a40").fp32_tflops
+    assert 0.8 * ratio < steps["32-true"] / steps["16-mixed"] <= 1.01 * ratio, (steps, ratio)
+    plan32 = make_plan(devices, model, seq_len=16384, global_batch_tokens=8 * 16384, cost_model=fp32)
+    assert "precision 32-true (fp32 CUDA cores)" in str(plan32)

@@ -306,7 +306,7 @@ def test_plan_table_wording_snapshot():
                            "ep": {"step_time_s": None, "tokens_per_s": None, "error": "does not fit"}})
     assert str(plan) == """\
 HeterMoE plan: model d1 on cluster mix (3 ranks), schedule zebra
-  seq_len 4096, 8 sequences/step (32,768 tokens), R = 4 micro-batches
+  seq_len 4096, 8 sequences/step (32,768 tokens), R = 4 micro-batches, precision 16-mixed (fp16 tensor cores)
   WARNING: the global batch was cut from 131,072 to 32,768 tokens so that activations fit in memory
   1 ZP group(s) of 1 attention + 2 expert ranks; experts per layer moved onto attention ranks by Asym-EA: [1, 0]
   memory: n_min = 0 experts per group had to leave the expert ranks (they do not fit there); the attention ranks can hold n_max = 12

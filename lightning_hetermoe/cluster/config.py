@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ConfigError, from_cfg, workload_model
-from .devices import DeviceSpec, custom_spec, get_device
+from .devices import PRECISIONS, DeviceSpec, custom_spec, get_device
 
 
 @dataclass
@@ -30,7 +30,9 @@ class ClusterConfig:
     ``emulate: true`` makes each CPU process play its named device (real math, modelled
     clock, scaled by ``time_scale``). ``emulate_workload: {model: d1, seq_len: 16384}``
     times every emulated task as the matching task of that workload (a ``conf/model`` name
-    or model fields); see :mod:`lightning_hetermoe.emulate.clock`. ``custom_devices``
+    or model fields), in the workload's ``precision`` (default ``16-mixed``, as the paper
+    trained; the CPU run's own precision does not change the emulated GPUs' clock); see
+    :mod:`lightning_hetermoe.emulate.clock`. ``custom_devices``
     defines devices the registry does not know, by the fields of ``DeviceSpec``.
     """
 
@@ -56,10 +58,14 @@ class ClusterConfig:
 
     def _check_workload(self) -> None:
         w = dict(self.emulate_workload)
-        unknown = sorted(set(w) - {"model", "seq_len"})
+        unknown = sorted(set(w) - {"model", "seq_len", "precision"})
         if unknown or "model" not in w or "seq_len" not in w:
-            raise ConfigError(f"cluster.emulate_workload={w!r} is invalid: give exactly model (a conf/model name or "
-                              f"model fields) and seq_len" + (f"; unknown {unknown}" if unknown else ""))
+            raise ConfigError(f"cluster.emulate_workload={w!r} is invalid: give model (a conf/model name or model "
+                              f"fields), seq_len and optionally precision" + (f"; unknown {unknown}" if unknown else ""))
+        w.setdefault("precision", "16-mixed")
+        if w["precision"] not in PRECISIONS:
+            raise ConfigError(f"cluster.emulate_workload.precision={w['precision']!r} is invalid: must be one of "
+                              f"{PRECISIONS}")
         if not isinstance(w["seq_len"], int) or isinstance(w["seq_len"], bool) or w["seq_len"] < 1:
             raise ConfigError(f"cluster.emulate_workload.seq_len={w['seq_len']!r} is invalid: must be an integer >= 1")
         if not self.emulate:

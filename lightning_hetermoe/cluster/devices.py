@@ -26,9 +26,11 @@ from typing import Any, Mapping
 class DeviceSpec:
     """One accelerator kind.
 
-    ``fp16_tflops`` is the dense fp16/bf16 tensor-core peak; ``mem_bw_gbps`` the HBM/GDDR
-    bandwidth in GB/s; ``flash_attention`` whether FlashAttention-class fused kernels
-    (causal block skipping, on-chip softmax) run on it (Ampere and newer, or CDNA2+).
+    ``fp16_tflops`` is the dense fp16/bf16 tensor-core peak; ``fp32_tflops`` the fp32 peak
+    on CUDA cores (0: an eighth of ``fp16_tflops``); ``tf32_tflops`` the dense TF32
+    tensor-core peak (0: no TF32, before Ampere); ``mem_bw_gbps`` the HBM/GDDR bandwidth in
+    GB/s; ``flash_attention`` whether FlashAttention-class fused kernels (causal block
+    skipping, on-chip softmax) run on it (Ampere and newer, or CDNA2+; fp16/bf16 only).
     """
 
     name: str
@@ -50,6 +52,8 @@ class DeviceSpec:
     # Fixed cost of launching one task (a few kernels), seconds.
     launch_overhead_s: float = 20e-6
     vendor: str = "nvidia"
+    fp32_tflops: float = 0.0
+    tf32_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         checks = {
@@ -61,6 +65,8 @@ class DeviceSpec:
             "bw_efficiency": 0 < self.bw_efficiency <= 1,
             "reserved_gb": 0 <= self.reserved_gb < self.memory_gb,
             "launch_overhead_s": self.launch_overhead_s >= 0,
+            "fp32_tflops": self.fp32_tflops >= 0,
+            "tf32_tflops": self.tf32_tflops >= 0,
         }
         for key, ok in checks.items():
             if not ok:
@@ -78,13 +84,28 @@ class DeviceSpec:
 
     @property
     def gemm_flops(self) -> float:
-        """Sustained FLOP/s on large GEMMs."""
+        """Sustained FLOP/s on large fp16/bf16 GEMMs."""
         return self.fp16_tflops * 1e12 * self.gemm_efficiency
 
     @property
     def attn_flops(self) -> float:
-        """Sustained FLOP/s of the fused attention core."""
+        """Sustained FLOP/s of the fused attention core in fp16/bf16."""
         return self.fp16_tflops * 1e12 * self.attn_efficiency
+
+    @property
+    def has_bf16(self) -> bool:
+        """bf16 in hardware: CUDA compute capability 8.0 and up (non-CUDA devices: assumed)."""
+        return self.compute_capability == (0, 0) or self.compute_capability >= (8, 0)
+
+    def peak_tflops(self, precision: str, tf32: bool = False) -> float:
+        """The dense peak a GEMM reaches in ``precision``: tensor cores for 16-mixed and
+        bf16-mixed; for 32-true the TF32 tensor cores where the device has them and
+        ``tf32`` allows them, else the CUDA cores' fp32 peak."""
+        if precision_dtype_bytes(precision) == 2:
+            return self.fp16_tflops
+        if tf32 and self.tf32_tflops > 0:
+            return self.tf32_tflops
+        return self.fp32_tflops or self.fp16_tflops / 8
 
     @property
     def stream_bw(self) -> float:
@@ -105,36 +126,50 @@ class DeviceSpec:
         return cls(**dict(d))
 
 
-def _spec(name, mem, tflops, bw, flash, cc, gemm, attn, **kw) -> DeviceSpec:
-    return DeviceSpec(name, mem, tflops, bw, flash, cc, gemm_efficiency=gemm, attn_efficiency=attn, **kw)
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 
-# Datasheet peaks (dense fp16/bf16 tensor, no sparsity). Efficiencies: A40, V100, L40S and T4
-# are fitted to the paper's measured ratios (cost_model.py explains the fit); the others use
-# typical published cuBLAS / FlashAttention-2 utilisation for their generation.
+def precision_dtype_bytes(precision: str) -> int:
+    """Bytes per value a model computes and moves in, under Lightning's ``precision``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid: must be one of {PRECISIONS}")
+    return 4 if precision == "32-true" else 2
+
+
+def _spec(name, mem, tflops, bw, flash, cc, gemm, attn, fp32=0.0, tf32=0.0, **kw) -> DeviceSpec:
+    return DeviceSpec(name, mem, tflops, bw, flash, cc, gemm_efficiency=gemm, attn_efficiency=attn, fp32_tflops=fp32,
+                      tf32_tflops=tf32, **kw)
+
+
+# Datasheet peaks (dense fp16/bf16 tensor, fp32 on CUDA cores, dense TF32 tensor; no
+# sparsity). Efficiencies: A40, V100, L40S and T4 are fitted to the paper's measured ratios
+# (cost_model.py explains the fit); the others use typical published cuBLAS /
+# FlashAttention-2 utilisation for their generation. The same efficiency is applied to the
+# fp32 and TF32 peaks (an approximation: measure a Profile where it matters).
 _BUILTIN: tuple[DeviceSpec, ...] = (
-    # H200 SXM: 141 GB HBM3e, 989 TFLOPS, 4.8 TB/s.
-    _spec("h200", 141, 989.0, 4800, True, (9, 0), 0.70, 0.55),
-    # H100 SXM: 80 GB HBM3, 989 TFLOPS, 3.35 TB/s.
-    _spec("h100", 80, 989.0, 3350, True, (9, 0), 0.70, 0.55),
-    # A100 SXM 80 GB: 312 TFLOPS, 2.04 TB/s.
-    _spec("a100", 80, 312.0, 2039, True, (8, 0), 0.75, 0.60),
-    # L40S: 48 GB GDDR6, 362 TFLOPS (fp32 accumulate), 864 GB/s.
-    _spec("l40s", 48, 362.0, 864, True, (8, 9), 0.70, 0.55),
-    # A40: 48 GB GDDR6, 149.7 TFLOPS, 696 GB/s; 300 W cap keeps clocks low.
-    _spec("a40", 48, 149.7, 696, True, (8, 6), 0.68, 0.55),
-    # A10G (AWS): 24 GB GDDR6, ~70 TFLOPS dense fp16 tensor, 600 GB/s.
-    _spec("a10g", 24, 70.0, 600, True, (8, 6), 0.70, 0.55),
-    # RTX 4090: 24 GB GDDR6X, 165 TFLOPS (fp32 accumulate), 1008 GB/s.
-    _spec("rtx4090", 24, 165.2, 1008, True, (8, 9), 0.70, 0.55),
-    # V100 SXM2 32 GB: 125 TFLOPS, 900 GB/s. No FlashAttention-2 (needs sm80).
-    _spec("v100", 32, 125.0, 900, False, (7, 0), 0.60, 0.34),
-    # T4: 16 GB GDDR6, 65 TFLOPS, 320 GB/s; 70 W cap, sustained clocks far below boost.
-    _spec("t4", 16, 65.0, 320, False, (7, 5), 0.46, 0.42),
-    # MI250X (both GCDs): 128 GB HBM2e, 383 TFLOPS, 3.28 TB/s; CK flash attention.
-    _spec("mi250x", 128, 383.0, 3277, True, (0, 0), 0.55, 0.40, vendor="amd"),
-    # Plain CPU process (tests, emulation hosts): a few hundred GFLOP/s at best.
-    _spec("cpu", 16, 0.5, 20, False, (0, 0), 0.5, 0.3, reserved_gb=1.0, launch_overhead_s=5e-6, vendor="cpu"),
+    # H200 SXM: 141 GB HBM3e, 989 TFLOPS, 4.8 TB/s; fp32 67, TF32 495.
+    _spec("h200", 141, 989.0, 4800, True, (9, 0), 0.70, 0.55, fp32=67.0, tf32=494.7),
+    # H100 SXM: 80 GB HBM3, 989 TFLOPS, 3.35 TB/s; fp32 67, TF32 495.
+    _spec("h100", 80, 989.0, 3350, True, (9, 0), 0.70, 0.55, fp32=67.0, tf32=494.7),
+    # A100 SXM 80 GB: 312 TFLOPS, 2.04 TB/s; fp32 19.5, TF32 156.
+    _spec("a100", 80, 312.0, 2039, True, (8, 0), 0.75, 0.60, fp32=19.5, tf32=156.0),
+    # L40S: 48 GB GDDR6, 362 TFLOPS (fp32 accumulate), 864 GB/s; fp32 91.6, TF32 183.
+    _spec("l40s", 48, 362.0, 864, True, (8, 9), 0.70, 0.55, fp32=91.6, tf32=183.0),
+    # A40: 48 GB GDDR6, 149.7 TFLOPS, 696 GB/s; 300 W cap keeps clocks low; fp32 37.4, TF32 74.8.
+    _spec("a40", 48, 149.7, 696, True, (8, 6), 0.68, 0.55, fp32=37.4, tf32=74.8),
+    # A10G (AWS): 24 GB GDDR6, ~70 TFLOPS dense fp16 tensor, 600 GB/s; fp32 31.2, TF32 35.
+    _spec("a10g", 24, 70.0, 600, True, (8, 6), 0.70, 0.55, fp32=31.2, tf32=35.0),
+    # RTX 4090: 24 GB GDDR6X, 165 TFLOPS (fp32 accumulate), 1008 GB/s; fp32 82.6, TF32 82.6.
+    _spec("rtx4090", 24, 165.2, 1008, True, (8, 9), 0.70, 0.55, fp32=82.6, tf32=82.6),
+    # V100 SXM2 32 GB: 125 TFLOPS, 900 GB/s; fp32 15.7, no TF32, no bf16. No FlashAttention-2 (needs sm80).
+    _spec("v100", 32, 125.0, 900, False, (7, 0), 0.60, 0.34, fp32=15.7),
+    # T4: 16 GB GDDR6, 65 TFLOPS, 320 GB/s; fp32 8.1, no TF32, no bf16; 70 W cap, clocks far below boost.
+    _spec("t4", 16, 65.0, 320, False, (7, 5), 0.46, 0.42, fp32=8.1),
+    # MI250X (both GCDs): 128 GB HBM2e, 383 TFLOPS, 3.28 TB/s; fp32 47.9 (vector); CK flash attention.
+    _spec("mi250x", 128, 383.0, 3277, True, (0, 0), 0.55, 0.40, fp32=47.9, vendor="amd"),
+    # Plain CPU process (tests, emulation hosts): a few hundred GFLOP/s at best, fp16 no faster.
+    _spec("cpu", 16, 0.5, 20, False, (0, 0), 0.5, 0.3, fp32=0.5, reserved_gb=1.0, launch_overhead_s=5e-6,
+          vendor="cpu"),
 )
 
 KNOWN_DEVICES: dict[str, DeviceSpec] = {d.name: d for d in _BUILTIN}

@@ -58,6 +58,7 @@ def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) ->
     from ..profile.timer import make_timer
 
     spec = getattr(cluster, "emulate_workload", None)
+    precision = (spec or {}).get("precision", "16-mixed")
     if not spec:
         model, seq_len, scale = run_model, run_seq_len, 1.0
     else:
@@ -67,7 +68,8 @@ def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) ->
                       aux_loss_coef=run_model.moe.aux_loss_coef, capacity_factor=run_model.moe.capacity_factor)
         model = replace(work, n_layers=run_model.n_layers, max_seq_len=max(work.max_seq_len, seq_len), moe=moe)
         scale = seq_len / run_seq_len
-    return EmulatedWorkload(model, seq_len, scale, make_timer(model, seq_len, cost=emulation_cost_model()))
+    return EmulatedWorkload(model, seq_len, scale, make_timer(model, seq_len,
+                                                              cost=emulation_cost_model(precision=precision)))
 
 
 class EmulationWarning(UserWarning):

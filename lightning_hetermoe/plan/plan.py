@@ -51,6 +51,8 @@ class Plan(JsonDataclass):
     predicted: dict[str, dict[str, float]] = field(default_factory=dict)
     # the global batch the plan was asked for (tokens); more than it holds if it was cut to fit
     requested_tokens: int = 0
+    # what the predictions price: Lightning's precision and what it runs on
+    precision: str = "16-mixed (fp16 tensor cores)"
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -170,7 +172,7 @@ class Plan(JsonDataclass):
             f"HeterMoE plan: model {self.model} on cluster {self.cluster} ({self.world_size} ranks), "
             f"schedule {self.schedule}",
             f"  seq_len {self.seq_len}, {self.total_seqs} sequences/step ({self.global_batch_tokens:,} tokens), "
-            f"R = {self.num_microbatches} micro-batches",
+            f"R = {self.num_microbatches} micro-batches, precision {self.precision}",
         ]
         if self.requested_tokens and self.global_batch_tokens * 2 <= self.requested_tokens:
             lines.append(f"  WARNING: the global batch was cut from {self.requested_tokens:,} to "

@@ -74,9 +74,11 @@ class _Search:
         timer,
         asym: bool,
         max_microbatches: int,
+        expert_load: list[list[float]] | None = None,
     ):
         self.view, self.model, self.S, self.total = view, model, seq_len, total_seqs
         self.timer, self.asym, self.max_R = timer, asym, max_microbatches
+        self.expert_load = expert_load
         self.mem = MemoryModel(model)
         self.devs = view.devices
         self.profile: Profile | None = getattr(timer, "profile", None)
@@ -246,7 +248,8 @@ class _Search:
 
     def _sim(self, plan: Plan) -> float:
         return simulate_plan(
-            plan, self.devs, self.model, self.view.link, self.timer, schedule="zebra", keep_timeline=False
+            plan, self.devs, self.model, self.view.link, self.timer, schedule="zebra", keep_timeline=False,
+            expert_load=self.expert_load,
         ).step_time
 
     def score(self, plan: Plan) -> float:
@@ -308,6 +311,7 @@ def plan_for_batch(
     require_expert_ranks: bool = False,
     schedules: Sequence[str] = SCHEDULES,
     timer: Any = None,
+    expert_load: list[list[float]] | None = None,
 ) -> Plan:
     """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``.
 
@@ -319,6 +323,9 @@ def plan_for_batch(
     ``require_expert_ranks`` at least one rank per ZP group serves experts only.
     The returned plan carries the predicted step time and tokens/s of every schedule in
     ``schedules`` (``None`` plus an ``error`` where a baseline does not fit in memory).
+    ``expert_load`` (per layer, each expert's share of the routing; e.g. what a freshly
+    initialised router does on a warm-up batch) replaces even routing in the search and
+    the predictions.
     """
     model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
     view = as_cluster(cluster)
@@ -330,7 +337,7 @@ def plan_for_batch(
     if total < 1:
         raise ValueError(f"global_batch_tokens={global_batch_tokens} is smaller than one sequence of {seq_len} tokens")
     timer = timer if timer is not None else make_timer(model, seq_len, profile, cost_model)
-    search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches)
+    search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load)
     W = len(view.devices)
     mem = search.mem
     need_experts = model.n_layers * model.moe.num_experts * mem.expert_params() * mem.bytes_per_param
@@ -402,17 +409,22 @@ def plan_for_batch(
             best = got
     assert best is not None
     plan = best[1]
-    plan.predicted = predict(plan, view, model, timer, schedules)
+    plan.predicted = predict(plan, view, model, timer, schedules, expert_load)
+    cost = getattr(timer, "cost", None)
+    if cost is not None:
+        plan.precision = cost.describe()
     return plan
 
 
-def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES) -> dict:
+def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,
+            expert_load: list[list[float]] | None = None) -> dict:
     """Step time and tokens/s of ``plan`` under each schedule (NaN where it does not fit)."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
     for s in schedules:
         try:
-            res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=s, keep_timeline=False)
+            res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=s, keep_timeline=False,
+                                expert_load=expert_load)
             out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
         except ValueError as err:
             # None, not NaN: the plan stays valid JSON and compares equal to its round trip

@@ -35,6 +35,16 @@ reports, per device pair, throughput ratios on the expert MLP and on attention+r
 Backward: a GEMM's backward is two GEMMs of the same size (2× forward). With activation
 checkpointing the forward is recomputed before the backward, so a backward task costs
 ``(2 + 1)×`` its forward (``recompute`` factor 1).
+
+Precision (Lightning's string): ``16-mixed`` and ``bf16-mixed`` run GEMMs and the fused
+attention core on tensor cores (``fp16_tflops``) and move 2 bytes per value (the paper
+trained in fp16, and the calibration above is in fp16). ``32-true`` moves 4 bytes per value
+and runs GEMMs at the TF32 tensor-core peak where the device has TF32 and ``tf32`` allows
+it (torch's ``float32_matmul_precision``), else at the CUDA cores' fp32 peak, and so does
+the attention core (PyTorch's memory-efficient kernel takes fp32 and skips masked blocks
+like FlashAttention: the kernel's shape stays, its peak changes). The efficiency factors
+are the fp16 ones for every precision, so compute-bound work scales by the ratio of the
+peaks and bandwidth-bound work by the bytes.
 """
 
 from __future__ import annotations
@@ -42,14 +52,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..cluster.config import LinkConfig
-from ..cluster.devices import DeviceSpec
+from ..cluster.devices import DeviceSpec, precision_dtype_bytes
+
+
+def tf32_allowed() -> bool:
+    """Whether torch lets fp32 matmuls use TF32 tensor cores in this process."""
+    import torch
+
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Durations (seconds) of the tasks the planner and simulator schedule."""
 
-    dtype_bytes: int = 2
+    precision: str = "16-mixed"
+    # 32-true only: GEMMs on TF32 tensor cores where the device has them
+    tf32: bool = False
     activation_checkpointing: bool = True
     causal: bool = True
     # Backward of a kernel relative to its forward (dgrad + wgrad).
@@ -58,6 +77,24 @@ class CostModel:
     # written, fp16 weight written, fp16 grad read).
     optimizer_bytes_per_param: float = 36.0
 
+    def __post_init__(self) -> None:
+        precision_dtype_bytes(self.precision)  # a clear error for an unknown precision
+
+    @property
+    def dtype_bytes(self) -> int:
+        return precision_dtype_bytes(self.precision)
+
+    def _peak(self, dev: DeviceSpec) -> float:
+        """FLOP/s of the dense peak this precision runs at (before efficiency)."""
+        return dev.peak_tflops(self.precision, self.tf32) * 1e12
+
+    def describe(self) -> str:
+        """The precision and what it runs on, for tables (``16-mixed (fp16 tensor cores)``)."""
+        if self.dtype_bytes == 2:
+            kind = "bf16" if self.precision.startswith("bf16") else "fp16"
+            return f"{self.precision} ({kind} tensor cores)"
+        return f"{self.precision} ({'TF32 tensor cores where the device has them' if self.tf32 else 'fp32 CUDA cores'})"
+
     # ---- kernels -------------------------------------------------------------------------
     def gemm_time(self, dev: DeviceSpec, m: float, k: float, n: float) -> float:
         """Roofline time of an ``[m,k] @ [k,n]`` GEMM."""
@@ -65,7 +102,7 @@ class CostModel:
             return 0.0
         flops = 2.0 * m * k * n
         nbytes = self.dtype_bytes * (m * k + k * n + m * n)
-        return max(flops / dev.gemm_flops, nbytes / dev.stream_bw)
+        return max(flops / (self._peak(dev) * dev.gemm_efficiency), nbytes / dev.stream_bw)
 
     def elementwise_time(self, dev: DeviceSpec, nbytes: float) -> float:
         return nbytes / dev.stream_bw
@@ -80,7 +117,7 @@ class CostModel:
             flops *= 0.5  # causal block skipping
         # Q, K, V read and O written once (tiled kernels keep S×S on chip).
         nbytes = 4 * tokens * d_model * self.dtype_bytes
-        return max(flops / dev.attn_flops, nbytes / dev.stream_bw)
+        return max(flops / (self._peak(dev) * dev.attn_efficiency), nbytes / dev.stream_bw)
 
     def _bwd(self, fwd: float) -> float:
         return fwd * (self.backward_factor + (1.0 if self.activation_checkpointing else 0.0))

@@ -146,8 +146,10 @@ def ep_setup(
     )
 
 
-def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True) -> StepResult:
-    setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer, balanced=balanced)
+def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True,
+                expert_load: list[list[float]] | None = None) -> StepResult:
+    setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer, balanced=balanced,
+                     expert_load=expert_load)
     return simulate_step(setup, timer, "ep_balanced" if balanced else "ep", keep_timeline=keep_timeline)
 
 
@@ -251,4 +253,5 @@ def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", ke
         timer=timer,
         balanced=(schedule == "ep_balanced"),
         keep_timeline=keep_timeline,
+        expert_load=expert_load,
     )

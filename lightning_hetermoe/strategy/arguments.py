@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from ..cluster import ClusterConfig
 from ..config import ConfigError, from_cfg
 from ..contract import ModelContractError, describe_model, moe_layers
+from .precision import check_bf16
 
 MODES = ("auto", "ep", "zebra", "distep")
 DISAGGREGATED = ("zebra", "distep")
@@ -70,6 +71,7 @@ class StrategyArguments:
     require_expert_ranks: bool = True
     profile: Any = None
     heartbeat_timeout_s: float | None = 30.0
+    allow_emulated_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -97,6 +99,7 @@ class StrategyArguments:
             raise ConfigError("strategy num_microbatches is for mode='zebra', 'distep' and 'auto'")
         self.asym_ea = bool(self.asym_ea)
         self.require_expert_ranks = bool(self.require_expert_ranks)
+        self.allow_emulated_bf16 = bool(self.allow_emulated_bf16)
         t = self.heartbeat_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ConfigError(f"strategy heartbeat_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
@@ -107,8 +110,10 @@ class StrategyArguments:
         return self.cluster is not None and self.cluster.emulate
 
     # -- once the world is known --------------------------------------------------------
-    def check_world(self, world_size: int) -> None:
+    def check_world(self, world_size: int, precision: str = "32-true") -> None:
         cluster, plan = self.cluster, self.plan
+        if cluster is not None:
+            check_bf16(precision, cluster.specs(), self.allow_emulated_bf16)
         if cluster is not None and cluster.world_size != world_size:
             raise ConfigError(f"cluster '{cluster.name}' names {cluster.world_size} devices but the trainer runs "
                               f"{world_size} processes: set trainer devices*num_nodes={cluster.world_size}")

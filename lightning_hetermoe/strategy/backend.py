@@ -29,6 +29,13 @@ from ..placement import Placement
 
 StepFn = Callable[..., Any]
 Context = Callable[[], ContextManager]
+STEP_CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
+                 "test_step": "test_step_context", "predict_step": "predict_step_context"}
+
+
+def step_context(precision: Any, hook: str) -> Context:
+    """The precision plugin's context for ``hook`` (autocast under mixed precision)."""
+    return getattr(precision, STEP_CONTEXTS[hook])
 
 
 @dataclass(frozen=True)
@@ -72,10 +79,11 @@ class ParallelBackend(ABC):
         return []
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, module: nn.Module, hook: str, default: StepFn, context: Context, args: tuple,
+    def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
              kwargs: dict) -> Any:
         """One ``training_step``/``validation_step``/... of the LightningModule ``module``;
-        ``default`` is Lightning's own, ``context`` the precision plugin's step context."""
+        ``default`` is Lightning's own; ``precision`` the precision plugin (its step
+        contexts, its loss scaler)."""
         return default(*args, **kwargs)
 
     def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,

@@ -25,7 +25,7 @@ from ..contract import moe_layers
 from ..moe import LocalDispatcher
 from ..moe.balance import GlobalBalance, LocalBalance
 from ..placement import Placement
-from .backend import Context, ParallelBackend, Simulated, StepFn, TailShape
+from .backend import ParallelBackend, Simulated, StepFn, TailShape
 from .batch import batch_size, gather_global_batch, split_sizes, take
 from .ep_dispatch import AllToAllDispatcher
 from .expert_state import gather_experts, slice_experts, unslice_experts
@@ -200,7 +200,7 @@ class ExpertParallelBackend(ParallelBackend):
             self._emulation = None
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, module: nn.Module, hook: str, default: StepFn, context: Context, args: tuple,
+    def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
              kwargs: dict) -> Any:
         if self.balanced and hook == "training_step" and args:
             args = (self._speed_share(args[0]),) + tuple(args[1:])

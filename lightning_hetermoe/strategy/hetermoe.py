@@ -33,6 +33,7 @@ from . import heartbeat
 from .arguments import MODES, StrategyArguments
 from .backend import ParallelBackend
 from .expert_state import ExpertState
+from .precision import agree_on_overflow, precision_name
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
 from .run_clock import RunClock
 
@@ -52,6 +53,7 @@ class HeterMoEStrategy(DDPStrategy):
         require_expert_ranks: bool = True,
         profile: Any = None,
         heartbeat_timeout_s: float | None = 30.0,
+        allow_emulated_bf16: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -69,7 +71,8 @@ class HeterMoEStrategy(DDPStrategy):
         self.args = StrategyArguments(mode=mode, plan=plan, cluster=cluster, expert_parallel_size=expert_parallel_size,
                                       batch_split=batch_split, num_microbatches=num_microbatches, asym_ea=asym_ea,
                                       require_expert_ranks=require_expert_ranks, profile=profile,
-                                      heartbeat_timeout_s=heartbeat_timeout_s)
+                                      heartbeat_timeout_s=heartbeat_timeout_s,
+                                      allow_emulated_bf16=allow_emulated_bf16)
         self.clock = RunClock(self.args.cluster, self.args.profile, rank=0)
         self.backend: ParallelBackend | None = None
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
@@ -105,7 +108,7 @@ class HeterMoEStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         # The connector calls this once the device count is known and before any process
         # starts: the right moment to reject a world that cannot work.
-        self.args.check_world(self.num_processes * self.num_nodes)
+        self.args.check_world(self.num_processes * self.num_nodes, precision_name(self.precision_plugin))
         if self._start_method == "popen":
             self._launcher = HydraAwareScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
                                                       pre_launch=self.check_model, describe_rank=self.describe_rank)
@@ -128,7 +131,7 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         watch_launcher()
-        self.args.check_world(self.world_size)
+        self.args.check_world(self.world_size, precision_name(self.precision_plugin))
         super().setup_environment()
         self.clock.rank = self.global_rank
         comm.configure(self.root_device)
@@ -150,6 +153,7 @@ class HeterMoEStrategy(DDPStrategy):
 
             self.backend = select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting)
+        agree_on_overflow(self.precision_plugin)
         self._tune_kernels()
         if fitting:
             if self.backend.wraps_ddp:
@@ -192,22 +196,22 @@ class HeterMoEStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.clock.step_started()
         return self.backend.step(self.lightning_module, "training_step", super().training_step,
-                                 self.precision_plugin.train_step_context, args, kwargs)
+                                 self.precision_plugin, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.backend.step(self.lightning_module, "validation_step", super().validation_step,
-                                 self.precision_plugin.val_step_context, args, kwargs)
+                                 self.precision_plugin, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.backend.step(self.lightning_module, "test_step", super().test_step,
-                                 self.precision_plugin.test_step_context, args, kwargs)
+                                 self.precision_plugin, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
-                                 self.precision_plugin.predict_step_context, args, kwargs)
+                                 self.precision_plugin, args, kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

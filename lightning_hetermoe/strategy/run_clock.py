@@ -38,6 +38,9 @@ class RunClock:
         self.emulator: Any = None  # this rank's emulated clock
         self.meter: Any = None  # BusyMeter on real devices, when a monitor asked for busy time
         self.devices: list[DeviceSpec] = []
+        # the routing the predictions assume: per layer, each expert's share, measured at
+        # set-up on a warm-up batch through the freshly initialised routers (None: even)
+        self.expert_load: list[list[float]] | None = None
         self.prediction: dict[str, Any] | None = None
         self.last_step_s: float | None = None
         self._step_started: float | None = None
@@ -50,9 +53,11 @@ class RunClock:
         return self.timer is not None
 
     def bind(self, run_model: ModelConfig, per_rank: int, seq_len: int, world_size: int,
-             devices: list[DeviceSpec]) -> None:
-        """Fix the clock to the run's model and batch shape (once, at the first set-up)."""
+             devices: list[DeviceSpec], precision: str = "32-true") -> None:
+        """Fix the clock to the run's model, batch shape and precision (once, at the first
+        set-up). An emulated cluster's clock runs the workload's own precision."""
         from ..emulate import emulated_workload, rank_emulator
+        from ..profile.cost_model import CostModel, tf32_allowed
         from ..profile.timer import make_timer
 
         self.per_rank, self.run_seq_len, self.world_size, self.devices = per_rank, seq_len, world_size, devices
@@ -62,7 +67,7 @@ class RunClock:
             self.emulator = rank_emulator(self.cluster, self.rank, self.workload)
         else:
             self.model, self.seq_len = run_model, seq_len
-            self.timer = make_timer(run_model, seq_len, self.profile)
+            self.timer = make_timer(run_model, seq_len, self.profile, CostModel(precision=precision, tf32=tf32_allowed()))
 
     def install(self, module: torch.nn.Module, device: torch.device, measure_busy: bool) -> Any:
         """Hooks on a model that runs its own tasks (expert parallelism, one device): the
@@ -93,9 +98,11 @@ class RunClock:
 
     # -- predictions --------------------------------------------------------------------
     def step_time(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> float:
-        """The simulator's device seconds per step for ``sim`` (even routing unless ``expert_load``)."""
+        """The simulator's device seconds per step for ``sim``, at ``expert_load`` (default:
+        the routing measured at set-up, or even routing)."""
         from ..simulate import ep_setup, simulate_plan, simulate_step
 
+        expert_load = expert_load if expert_load is not None else self.expert_load
         link = self.cluster.link if self.cluster is not None else ClusterConfig().link
         if sim.plan is not None:
             plan = sim.plan
@@ -119,8 +126,10 @@ class RunClock:
         if self.cluster is None or not self.bound:
             return None
         step = self.step_time(sim, expert_load)
+        load = expert_load if expert_load is not None else self.expert_load
         return {"schedule": sim.schedule, "step_time_s": step * self.time_scale, "device_step_time_s": step,
-                "workload_tokens_per_step": self.tokens_per_step}
+                "workload_tokens_per_step": self.tokens_per_step,
+                "expert_load_max_over_mean": max(max(row) * len(row) for row in load) if load else 1.0}
 
     def expert_seconds(self, device: DeviceSpec, tokens: float) -> float:
         """One expert on ``tokens`` (clock tokens) on ``device``."""

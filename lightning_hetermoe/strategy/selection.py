@@ -7,6 +7,10 @@ predicted throughput: ``zebra`` and ``distep`` on the planner's plan, ``ep``, an
 differ). One device trains as a plain single device. The choice and the runner-up are
 printed; a plan, when one runs, is printed as a table and written to ``plan.json``.
 
+Routing is never even: before planning, a warm-up batch goes through the freshly
+initialised model and each layer's expert shares become the routing every prediction
+assumes (:func:`warmup_routing`).
+
 Rank 0 decides and broadcasts, so every rank builds the same backend from the same plan.
 """
 
@@ -24,6 +28,7 @@ from ..contract import ModelContractError, describe_model
 from .arguments import DISAGGREGATED, check_plan
 from .backend import ParallelBackend, Simulated
 from .batch import tensors
+from .precision import check_bf16, precision_name
 
 AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced")
 
@@ -47,6 +52,48 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
             "mode='ep'") from None
 
 
+def warmup_routing(module: Any, trainer: Any, sequences: int) -> list[list[float]] | None:
+    """Each MoE layer's expert shares on one warm-up batch (``sequences`` samples of the
+    stage's dataset) through the model as initialised: what the routers will do at the
+    start, which the planner and the predictions take instead of even routing. Forward
+    only, in eval mode, with the RNG state preserved (training sees no difference);
+    ``None`` when the model cannot be run on the batch's first tensor alone."""
+    from ..contract import moe_layers
+
+    loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
+    layers = [layer for _, layer in moe_layers(module)]
+    if not layers:
+        return None
+    counts: dict[int, Any] = {}
+
+    def hook(l: int):
+        def record(mod, args, output):
+            counts[l] = counts.get(l, 0) + output[1].tokens_per_expert.detach().double().cpu()
+        return record
+
+    handles = [layer.register_forward_hook(hook(l)) for l, layer in enumerate(layers)]
+    was_training = module.training
+    try:
+        loader = loop._data_source.dataloader()
+        loader = loader[0] if isinstance(loader, (list, tuple)) else loader
+        dataset = loader.dataset
+        samples = [dataset[i] for i in range(min(sequences, len(dataset)))]
+        first = tensors(loader.collate_fn(samples))[0].to(module.device)
+        module.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
+            module(first)
+    except Exception:
+        return None  # a forward that needs more than the tokens: plan with even routing
+    finally:
+        module.train(was_training)
+        for h in handles:
+            h.remove()
+    if len(counts) != len(layers):
+        return None
+    return [(c / c.sum().clamp(min=1)).tolist() for c in (counts[l] for l in range(len(layers)))]
+
+
 def run_devices(cluster: ClusterConfig | None, device: torch.device, world_size: int) -> list[DeviceSpec]:
     """The devices the run plans for: the cluster config's, the CUDA devices of every rank,
     or plain CPUs."""
@@ -64,20 +111,25 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     args, clock = strategy.args, strategy.clock
     module, world, rank = strategy.lightning_module, strategy.world_size, strategy.global_rank
     devices = run_devices(args.cluster, strategy.root_device, world)
+    precision = precision_name(strategy.precision_plugin)
+    check_bf16(precision, devices, args.allow_emulated_bf16)  # detected devices too
     needs_clock = args.mode in ("auto", *DISAGGREGATED) and world > 1 or args.emulated or args.batch_split == "speed"
     try:
         per_rank, seq_len = loader_batch_shape(trainer)
-        clock.bind(describe_model(module), per_rank, seq_len, world, devices)
+        clock.bind(describe_model(module), per_rank, seq_len, world, devices, precision)
     except (ConfigError, ModelContractError) as err:
         if needs_clock:
             raise ConfigError(str(err)) from None
         clock.devices = devices  # plain EP of a model the clock cannot read: no predictions
 
+    if clock.bound and rank == 0:
+        clock.expert_load = warmup_routing(module, trainer, clock.per_rank)
     if world == 1 and args.mode == "auto":
         choice, plan = "single", None
     else:
         choice, plan = _decide(strategy, trainer, module) if rank == 0 else (None, None)
-        choice, plan = strategy.broadcast((choice, None if plan is None else plan.to_dict()), src=0)
+        choice, plan, clock.expert_load = strategy.broadcast(
+            (choice, None if plan is None else plan.to_dict(), clock.expert_load), src=0)
         if plan is not None:
             from ..plan import Plan
 
@@ -135,14 +187,9 @@ def _rate(tokens_per_s: float) -> str:
 
 def _can_disaggregate(strategy: Any, module: Any) -> bool:
     """Zebra and distep can run this model here (auto weighs them only then)."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
     if strategy.world_size < 2 or not getattr(module, "automatic_optimization", False):
         return False
     if not getattr(module, "disaggregates", True):  # the module says its blocks cannot be cut
-        return False
-    plugin = strategy.precision_plugin
-    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
         return False
     try:
         describe_model(module)
@@ -168,7 +215,8 @@ def _plan(strategy: Any, module: Any, required: bool, schedule: str = "zebra") -
     try:
         plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
                          profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
-                         require_expert_ranks=args.require_expert_ranks, timer=clock.timer)
+                         require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
+                         expert_load=clock.expert_load)
     except ValueError as err:
         if required:
             raise ConfigError(f"mode={args.mode!r}: no plan fits: {err}") from None
@@ -190,16 +238,10 @@ def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBacken
 
         return ExpertParallelBackend(args.expert_parallel_size, choice == "ep_balanced", clock, rank, world, device,
                                      measure_busy=strategy.measure_busy)
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
     from .zebra.backend import ZebraBackend
 
     if not module.automatic_optimization:
         raise ConfigError(f"mode={choice!r} runs the backward itself: it needs automatic optimization")
-    plugin = strategy.precision_plugin
-    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-        raise ConfigError(f"mode={choice!r} supports precision 32-true and bf16-mixed; 16-mixed scales the loss, "
-                          f"which the executor's own backward does not")
     balance = describe_model(module).moe.aux_loss_coef > 0
     return ZebraBackend(plan, choice, rank, balance=balance, device=device, clock=clock)
 

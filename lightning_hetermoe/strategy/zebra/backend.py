@@ -35,7 +35,7 @@ from ...placement import Placement
 from ...plan import Plan
 from ...schedule import build_schedule
 from ...simulate.schedules import apportion, split_microbatches
-from ..backend import Context, ParallelBackend, Simulated, StepFn, TailShape, zero_missing_grads
+from ..backend import ParallelBackend, Simulated, StepFn, TailShape, step_context, zero_missing_grads
 from ..batch import batch_size, gather_global_batch, split_sizes, take
 from ..expert_state import gather_experts, slice_experts, unslice_experts
 from .cuts import BlockCuts
@@ -188,9 +188,11 @@ class ZebraBackend(ParallelBackend):
         return StepInput(mbs, sizes, weights, run, context, train)
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, module: nn.Module, hook: str, default: StepFn, context: Context, args: tuple,
+    def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
              kwargs: dict) -> Any:
         train = hook == "training_step"
+        context = step_context(precision, hook)
+        scaler = getattr(precision, "scaler", None) if train else None
         batch = args[0] if args else kwargs.pop("batch")
         rest, kw = tuple(args[1:]), dict(kwargs)
         full = gather_global_batch(batch)
@@ -214,6 +216,8 @@ class ZebraBackend(ParallelBackend):
             p.grad = None
         with MicrobatchLogs(module) as logs:
             step = self.step_input(full, total, lambda mb, j: fn(mb, *rest, **kw), fiber_context, train, accumulate)
+            if scaler is not None:  # 16-mixed: each micro-batch's loss scaled, as Lightning's backward would
+                step.scale = scaler.scale
             out = self._run(step, task_context=context)
             logs.replay(step.sizes)
         if train:

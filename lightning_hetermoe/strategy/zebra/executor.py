@@ -69,6 +69,7 @@ class StepInput:
     run: Callable[[Any, int], Any] | None  # the user's step on one micro-batch, in a fiber
     context: Callable[[], Any] | None  # torch state for the fiber (grad mode, autocast)
     train: bool = True
+    scale: Callable[[Tensor], Tensor] | None = None  # the loss scaler (16-mixed)
 
 
 @dataclass
@@ -261,7 +262,8 @@ class StepRun:
                 self._resume(j, expect=None)
                 self.out.results[j] = self.fibers[j].result
                 if self.step.train:
-                    (loss_of(self.fibers[j].result, j) * self.step.weights[j]).backward()
+                    loss = loss_of(self.fibers[j].result, j) * self.step.weights[j]
+                    (self.step.scale(loss) if self.step.scale is not None else loss).backward()
             if self.step.train:
                 self._send_answer_grad(self.L - 1, j)
             else:

@@ -1,0 +1,82 @@
+"""Precision across ranks: one loss-scaling verdict for every rank, and bf16 only where the
+hardware has it.
+
+* **16-mixed** (fp16 with dynamic loss scaling: what V100 and T4 run fast) goes through
+  Lightning's own precision plugin and its ``GradScaler``. Expert ranks and expert-parallel
+  ranks hold gradients no other rank sees, so an overflow can show on one rank only; the
+  scaler here max-reduces the inf/nan flags over the world after unscaling, so every rank
+  skips the same steps and moves the scale the same way.
+* **bf16** needs compute capability 8.0 (Ampere) or newer; on a V100 or T4 PyTorch only
+  emulates it, far below the fp16 speed the planner assumes. A cluster with such a device
+  and a bf16 precision is a config error before launch, unless the user asks for the
+  emulation (``allow_emulated_bf16=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+import lightning_hetermoe.comm as comm
+
+from ..config import ConfigError
+
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def precision_name(plugin: Any) -> str:
+    """Lightning's precision string of a plugin (``32-true``, ``16-mixed``, ``bf16-mixed`` ...)."""
+    return str(getattr(plugin, "precision", "32-true"))
+
+
+def check_bf16(precision: str, devices: Iterable[Any], allow_emulated: bool) -> None:
+    """Reject bf16 on a cluster whose CUDA devices cannot run it natively."""
+    if not precision.startswith("bf16") or allow_emulated:
+        return
+    old = sorted({d.name for d in devices if not d.has_bf16})
+    if old:
+        raise ConfigError(
+            f"trainer precision={precision!r} is invalid on {', '.join(old)}: compute capability below "
+            f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} has no bf16 hardware, PyTorch only emulates it there; "
+            f"use precision='16-mixed' (fp16 with loss scaling, tensor cores), or strategy allow_emulated_bf16=true "
+            f"to run the emulation anyway")
+
+
+class AgreedGradScaler(torch.amp.GradScaler):
+    """A ``GradScaler`` whose inf/nan verdict is every rank's (see the module docstring)."""
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler, device: str) -> "AgreedGradScaler":
+        """The same scaler (settings and state), agreeing across ranks."""
+        agreed = cls(device=device, enabled=scaler.is_enabled())
+        state = scaler.state_dict()
+        if state:
+            agreed.load_state_dict(state)
+        return agreed
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # noqa: D401 - torch's hook
+        # torch's own extension point (FSDP's sharded scaler reduces here too): unscale as
+        # usual, then one max over the world of this optimizer's flags, on every rank,
+        # also one whose optimizer saw no gradient (a collective every rank must join).
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not (dist.is_available() and dist.is_initialized()):
+            return per_device
+        device = comm.compute_device()
+        agreed = torch.zeros((), dtype=torch.float32, device=device)
+        for flag in per_device.values():
+            agreed = torch.maximum(agreed, flag.to(device))
+        comm.all_reduce(comm.world(), agreed, op=dist.ReduceOp.MAX, what="amp.found_inf")
+        if not per_device:
+            per_device[device] = agreed
+        for flag in per_device.values():
+            flag.copy_(agreed.to(flag.device))
+        return per_device
+
+
+def agree_on_overflow(plugin: Any) -> None:
+    """Make a mixed-precision plugin's scaler decide with every rank (once)."""
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and not isinstance(scaler, AgreedGradScaler):
+        plugin.scaler = AgreedGradScaler.like(scaler, plugin.device)
