@@ -1,27 +1,41 @@
-"""Triton expert kernels, shipped as ``lightning_hetermoe.kernels``.
+"""Expert kernels, shipped as ``lightning_hetermoe.kernels``: Triton, and torch's grouped GEMM.
 
 Importing this package is cheap and never fails on a CPU-only machine: triton and the
 kernel modules load on first use. Modules, one job each:
 
-- ``availability``: whether the kernels can run on a device, and why not.
+- ``availability``: whether each backend can run on a device, and why not.
 - ``triton_src``: the Triton kernels (gather-GEMM with epilogues, grouped weight gradient).
-- ``configs``: autotuning candidates per GPU generation, interpreter block sizes.
-- ``launch``: Python launchers (variant per device, sync-free grids).
+- ``configs``: autotuning candidates per GPU generation, row-count buckets, interpreter blocks.
+- ``launch``: Python launchers (variant per device, sync-free grids, TF32 per torch's setting).
 - ``activation``: GELU/SwiGLU and their derivatives.
-- ``mlp``: the expert MLP as custom ops with autograd (the ``grouped_mlp`` backend).
+- ``mlp``: the expert MLP as custom ops with autograd (the ``triton`` backend, ``grouped_mlp``).
+- ``grouped_mm``: the same on ``torch._grouped_mm`` (the ``grouped_mm`` backend,
+  ``grouped_mlp_grouped_mm``), pure torch.
+- ``measured``: the fastest backend per device kind, as ``bench/kernels.py --write``
+  recorded it in ``measured.json`` (package data), which ``expert_backend=auto`` follows.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .availability import triton_available, unavailable_reason
+from .availability import (
+    grouped_mm_available,
+    grouped_mm_unavailable_reason,
+    triton_available,
+    triton_uses_tensor_cores,
+    unavailable_reason,
+)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
     from torch import Tensor
 
-__all__ = ["grouped_gemm", "grouped_mlp", "grouped_wgrad", "GroupedMLPFunction", "triton_available",
-           "unavailable_reason", "warm_up"]
+__all__ = ["grouped_gemm", "grouped_mlp", "grouped_mlp_grouped_mm", "grouped_mm_available",
+           "grouped_mm_unavailable_reason", "grouped_wgrad", "GroupedMLPFunction", "triton_available",
+           "triton_uses_tensor_cores", "unavailable_reason", "warm_up"]
 
 
 def grouped_mlp(x: "Tensor", gather_idx: "Tensor", counts: "Tensor", w_up: "Tensor", b_up: "Tensor | None",
@@ -32,29 +46,71 @@ def grouped_mlp(x: "Tensor", gather_idx: "Tensor", counts: "Tensor", w_up: "Tens
     return impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
 
 
+def grouped_mlp_grouped_mm(x: "Tensor", gather_idx: "Tensor", counts: "Tensor", w_up: "Tensor",
+                           b_up: "Tensor | None", w_down: "Tensor", b_down: "Tensor | None", activation: str,
+                           recompute: bool = False) -> "Tensor":
+    """Expert backend (contract in ``lightning_hetermoe.moe.experts``) on ``torch._grouped_mm``."""
+    from .grouped_mm import grouped_mlp as impl
+
+    return impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
+
+
 def warm_up(d_model: int, d_ff: int, activation: str, bias: bool, dtype: "torch.dtype", device: "torch.device",
-            rows: int = 256, experts: int = 2) -> None:
-    """Launch every kernel of the expert MLP, forward and backward, once for these shapes,
-    so that Triton's autotuner picks its configs now. Its benchmarks synchronise the whole
-    device: inside a training step that could wait on a kernel that waits on a peer (a
-    posted receive), so the strategy calls this at set-up, before any collective is in
-    flight. Configs are keyed by the weight shapes and dtypes, not by the row count."""
+            rows: "int | Sequence[int] | None" = None, experts: int = 2) -> list[int]:
+    """Launch every Triton kernel of the expert MLP, forward and backward, for these shapes
+    at each row-count bucket, so that Triton's autotuner picks its configs now. Its
+    benchmarks synchronise the whole device: inside a training step that could wait on a
+    kernel that waits on a peer (a posted receive), so the strategy calls this at set-up,
+    before any collective is in flight.
+
+    Configs are keyed by the weight shapes, the dtypes and a power-of-two bucket of the row
+    count (``configs.m_bucket``: 256 to 16384, larger counts share the top bucket). With
+    ``rows=None`` (the strategy's call) it runs once at every bucket (``configs.tuning_buckets``),
+    so no row count a run meets tunes inside a step; ``rows`` (one count or several) runs
+    those counts instead, one per bucket. On CUDA, a bucket whose problem would need more
+    than half the free memory is skipped: that bucket tunes when first met. Tunings are
+    also kept in Triton's disk cache, so a later run with the same shapes skips them.
+    Returns the row counts it ran.
+    """
     import torch
 
+    from .configs import m_bucket, tuning_buckets
     from .mlp import grouped_mlp as impl
 
+    device = torch.device(device)
+    if rows is None:
+        counts_to_run = tuning_buckets()
+    else:
+        by_bucket: dict[int, int] = {}
+        for r in ([rows] if isinstance(rows, int) else list(rows)):
+            by_bucket.setdefault(m_bucket(r), int(r))
+        counts_to_run = [by_bucket[b] for b in sorted(by_bucket)]
     h = 2 * d_ff if activation == "swiglu" else d_ff
+    elem = torch.empty(0, dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
         return (torch.randn(*shape, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
 
-    x, w_up, w_down = rand(rows, d_model), rand(experts, d_model, h), rand(experts, d_ff, d_model)
+    w_up, w_down = rand(experts, d_model, h), rand(experts, d_ff, d_model)
     b_up, b_down = (rand(experts, h), rand(experts, d_model)) if bias else (None, None)
-    counts = torch.tensor([rows // 2, rows - rows // 2] + [0] * (experts - 2), device=device)
-    gather_idx = torch.arange(rows, device=device)
-    impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation).float().sum().backward()
-    torch.cuda.synchronize(device)
+    ran = []
+    for n in counts_to_run:
+        if device.type == "cuda":
+            # x, y, dy, dx (+ fp32 rows of dx), h, dh, act(h), its gradient; weight gradients.
+            need = n * (4 * d_model * elem + 8 * d_model + 2 * h * elem + 2 * d_ff * elem) \
+                + 2 * experts * (d_model * h + d_ff * d_model) * elem
+            if need > torch.cuda.mem_get_info(device)[0] // 2:
+                continue
+        x = rand(n, d_model)
+        counts = torch.tensor([n // 2, n - n // 2] + [0] * (experts - 2), device=device)
+        gather_idx = torch.arange(n, device=device)
+        impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation).float().sum().backward()
+        ran.append(n)
+        del x
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return ran
 
 
 def __getattr__(name: str):

@@ -1,8 +1,15 @@
-"""Can the Triton kernels run on a device? Answered without importing triton's kernels.
+"""Can the expert backends run on a device? Answered without importing triton's kernels.
 
-On CUDA they need ``triton`` importable. On CPU they run only through Triton's
+Triton: on CUDA it needs ``triton`` importable. On CPU it runs only through Triton's
 interpreter, which is for tests, so only when ``TRITON_INTERPRET=1`` asks for it; the env
 var is read at each call (see ``triton_src`` for why import time would be too early).
+Triton emits tensor-core code (``mma``/``wgmma``) from compute capability 8.0 on; on
+Volta (sm70) and Turing (sm75) its ``tl.dot`` runs on the CUDA cores, so ``auto`` does
+not pick it there (see :func:`triton_uses_tensor_cores`).
+
+``torch._grouped_mm`` (the ``grouped_mm`` backend): on CPU when this torch implements it
+there (probed once), on CUDA wherever CUDA runs (a fast kernel for bf16 on sm90/sm100, a
+per-group loop that reads the offsets on the host elsewhere).
 """
 
 from __future__ import annotations
@@ -53,3 +60,63 @@ def unavailable_reason(device: torch.device | str) -> str:
 
 def triton_available(device: torch.device | str) -> bool:
     return unavailable_reason(device) == ""
+
+
+# The first generation whose tensor cores Triton's tl.dot targets (Ampere: mma.sync for
+# fp16/bf16/tf32; Hopper adds wgmma). Volta's and Turing's fp16 tensor cores are not used.
+TENSOR_CORE_CAPABILITY = (8, 0)
+
+
+def triton_uses_tensor_cores(device: torch.device | str) -> bool:
+    """Whether the Triton kernels' dots run on tensor cores on ``device`` (CUDA, sm80+)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return tuple(torch.cuda.get_device_capability(device)) >= TENSOR_CORE_CAPABILITY
+
+
+_GROUPED_MM_CPU_ERROR: list[str] = []  # memoised by hand, as _IMPORT_ERROR
+
+
+def _grouped_mm_cpu_error() -> str:
+    if not _GROUPED_MM_CPU_ERROR:
+        try:  # a 2-group product of 4x4 blocks: microseconds
+            a, b = torch.ones(4, 4), torch.ones(2, 4, 4)
+            torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32))
+        except Exception as exc:  # an older torch: CUDA-only kernel, or none
+            _GROUPED_MM_CPU_ERROR.append(f"torch {torch.__version__} has no CPU torch._grouped_mm "
+                                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        else:
+            _GROUPED_MM_CPU_ERROR.append("")
+    return _GROUPED_MM_CPU_ERROR[0]
+
+
+def grouped_mm_unavailable_reason(device: torch.device | str) -> str:
+    """Why the ``grouped_mm`` backend cannot run on ``device``; empty when it can."""
+    device = torch.device(device)
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm (added in torch 2.8)"
+    if device.type == "cpu":
+        return _grouped_mm_cpu_error()
+    if device.type == "cuda":
+        return "" if torch.cuda.is_available() else "CUDA is not available in this process"
+    return f"torch._grouped_mm runs on CPU and CUDA, not {device.type!r}"
+
+
+def grouped_mm_available(device: torch.device | str) -> bool:
+    return grouped_mm_unavailable_reason(device) == ""
+
+
+def tf32_enabled() -> bool:
+    """Whether torch's fp32 CUDA matmuls may use TF32 (what cuBLAS does under ``32-true``).
+
+    Read through the precision API of torch >= 2.9 (``torch.backends.cuda.matmul.fp32_precision``,
+    which resolves ``torch.backends.fp32_precision`` and ``set_float32_matmul_precision`` as
+    well); the legacy ``allow_tf32`` flag only where that API is missing, since reading the
+    legacy flag raises once a process has set precision through both APIs.
+    """
+    matmul = torch.backends.cuda.matmul
+    try:
+        return matmul.fp32_precision == "tf32"
+    except (AttributeError, RuntimeError):
+        return bool(matmul.allow_tf32)

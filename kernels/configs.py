@@ -1,14 +1,37 @@
 """Block shapes: autotuning candidates per GPU generation, fixed small blocks for the interpreter.
 
-Tuning is keyed on the GEMM's (N, K) - that is (d_model, hidden) for the expert MLP - and,
-automatically, on the dtypes of the tensor arguments. The row count M is deliberately not
-in the key: it changes at every step with the routing, and re-tuning per M would benchmark
-on the hot path for the whole run.
+Tuning is keyed on the GEMM's (N, K) - that is (d_model, hidden) for the expert MLP -, on
+a bucket of the row count M (:func:`m_bucket`) and, automatically, on the dtypes of the
+tensor arguments. M itself changes at every step with the routing, so re-tuning per M
+would benchmark on the hot path for the whole run; left out of the key altogether, the
+first batch (often a small one) would choose the tiles for every later size. The bucket
+is the power of two at or above M, clamped to [M_BUCKET_MIN, M_BUCKET_MAX]: a handful
+of tunings per shape, all of which ``warm_up`` runs at set-up (``tuning_buckets``).
 """
 
 from __future__ import annotations
 
 import triton
+
+# Below 256 rows every config is launch-bound; from 16K rows on, every candidate fills
+# the GPU for several waves and the ranking no longer moves with M.
+M_BUCKET_MIN = 256
+M_BUCKET_MAX = 16384
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning bucket of a GEMM over ``m`` rows: next power of two, clamped."""
+    b = 1 << max(int(m) - 1, 0).bit_length()
+    return min(max(b, M_BUCKET_MIN), M_BUCKET_MAX)
+
+
+def tuning_buckets() -> list[int]:
+    """Every bucket :func:`m_bucket` can return, smallest first."""
+    out, b = [], M_BUCKET_MIN
+    while b <= M_BUCKET_MAX:
+        out.append(b)
+        b *= 2
+    return out
 
 # Under TRITON_INTERPRET every program is numpy on the CPU: fewer, mid-sized tiles are
 # fastest, and 16 keeps test shapes that are not multiples of the block meaningful.

@@ -1,7 +1,8 @@
 """Python entry points for the kernels: pick the variant for the device, size the grid, launch.
 
 Nothing here reads ``counts`` on the host: grids use an upper bound on the number of row
-tiles, so a launch never waits for the GPU.
+tiles, so a launch never waits for the GPU. The autotuning key is the GEMM's shape and a
+bucket of its row count (``configs.m_bucket``), which the host knows from tensor shapes.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from . import configs, triton_src
+from .availability import TENSOR_CORE_CAPABILITY, tf32_enabled
 
-_GEMM_KEY = ["N", "K"]
-_WGRAD_KEY = ["K", "N"]
+_GEMM_KEY = ["N", "K", "M_BUCKET"]
+_WGRAD_KEY = ["K", "N", "M_BUCKET"]
 
 
 @functools.cache
@@ -29,7 +31,9 @@ def _interpreted(fn):
 def _tuned(fn, which: str, capability: tuple[int, int]):
     cands = configs.gemm_configs(capability) if which == "gemm" else configs.wgrad_configs(capability)
     key = _GEMM_KEY if which == "gemm" else _WGRAD_KEY
-    return triton.autotune(cands, key=key)(JITFunction(fn))
+    # cache_results: timings also go to Triton's on-disk cache, so a later run of the same
+    # shapes (and Triton/driver/GPU) skips the benchmarks at set-up.
+    return triton.autotune(cands, key=key, cache_results=True)(JITFunction(fn))
 
 
 def _kernel(fn, which: str, device: torch.device):
@@ -39,11 +43,20 @@ def _kernel(fn, which: str, device: torch.device):
     return _tuned(fn, which, torch.cuda.get_device_capability(device)), {}
 
 
-def _precision(dtype: torch.dtype, device: torch.device) -> str:
-    # fp32 inputs follow torch's own matmul setting so both backends round alike.
-    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+def input_precision(dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None, tf32: bool) -> str:
+    """``tl.dot``'s ``input_precision``: ``"tf32"`` for fp32 inputs on a CUDA device with TF32
+    tensor cores (sm80+) when torch allows TF32, else ``"ieee"`` (exact fp32 products). fp32
+    inputs follow torch's own matmul setting so that both backends round alike."""
+    if (dtype == torch.float32 and device_type == "cuda" and tf32 and capability is not None
+            and tuple(capability) >= TENSOR_CORE_CAPABILITY):
         return "tf32"
     return "ieee"
+
+
+def _precision(dtype: torch.dtype, device: torch.device) -> str:
+    if device.type != "cuda" or dtype != torch.float32:
+        return "ieee"
+    return input_precision(dtype, device.type, torch.cuda.get_device_capability(device), tf32_enabled())
 
 
 def _upcast(dtype: torch.dtype, device: torch.device) -> bool:
@@ -94,7 +107,7 @@ def grouped_gemm(
         bias if bias is not None else dummy, out,
         out_idx.contiguous() if out_idx is not None else dummy,
         scale.contiguous() if scale is not None else dummy,
-        N, K, E,
+        N, K, E, configs.m_bucket(M),
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
@@ -126,7 +139,7 @@ def grouped_wgrad(
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     fn[grid](
         x, gather_idx.contiguous() if gather_idx is not None else counts, dy, counts, _offsets(counts), dw,
-        K, N, E,
+        K, N, E, configs.m_bucket(dy.shape[0]),
         x.stride(0), x.stride(1),
         dy.stride(0), dy.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import activation as act
 from .launch import grouped_gemm, grouped_wgrad, segment_sum
+from .contract import fake_mlp, prepare
 
 _NS = "lightning_hetermoe"
 
@@ -35,11 +36,7 @@ def grouped_mlp_op(
     return y, (h.new_empty(0) if recompute else h)
 
 
-@grouped_mlp_op.register_fake
-def _(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute):
-    M = gather_idx.shape[0]
-    y = x.new_empty(M, w_down.shape[-1])
-    return y, (x.new_empty(0) if recompute else x.new_empty(M, w_up.shape[-1]))
+grouped_mlp_op.register_fake(fake_mlp)
 
 
 @torch.library.custom_op(f"{_NS}::grouped_mlp_backward", mutates_args=())
@@ -120,14 +117,6 @@ def grouped_mlp(
     recompute: bool = False,
 ) -> Tensor:
     """The expert backend contract of ``lightning_hetermoe.moe.experts`` on Triton kernels."""
-    if activation not in ("gelu", "swiglu"):
-        raise ValueError(f"activation={activation!r} is invalid: must be 'gelu' or 'swiglu'")
-    dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        # The op is opaque to autocast; cast here as autocast would cast a matmul.
-        dtype = torch.get_autocast_dtype(x.device.type)
-    tensors = [t.to(dtype) if t is not None and t.dtype != dtype else t
-               for t in (x, w_up, b_up, w_down, b_down)]
-    x, w_up, b_up, w_down, b_down = tensors
+    x, w_up, b_up, w_down, b_down = prepare(x, w_up, b_up, w_down, b_down, activation)
     y, _ = grouped_mlp_op(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
     return y

@@ -13,6 +13,9 @@ Only builtins are used.
 multiplies those bit patterns as integers. bf16 -> fp32 is exact and the GPU forms bf16
 products exactly in fp32 as well, so upcasting there changes no result.
 
+``M_BUCKET`` is never read: it is an argument only so that the autotuner can key on it
+(a power-of-two bucket of the row count, see ``configs.m_bucket``).
+
 Rows are grouped by expert exactly as in the backend contract (``counts[e]`` consecutive
 rows per expert, starting at ``offsets[e]``, the exclusive cumulative sum that the host
 computes on the device). No launch reads ``counts`` on the host.
@@ -23,7 +26,7 @@ import triton.language as tl
 
 def grouped_gemm_kernel(
     x_ptr, idx_ptr, counts_ptr, offsets_ptr, w_ptr, b_ptr, out_ptr, out_idx_ptr, scale_ptr,
-    N, K, E,
+    N, K, E, M_BUCKET,
     stride_xm, stride_xk,
     stride_we, stride_wk, stride_wn,
     stride_be, stride_bn,
@@ -104,7 +107,7 @@ def grouped_gemm_kernel(
 
 def grouped_wgrad_kernel(
     x_ptr, idx_ptr, dy_ptr, counts_ptr, offsets_ptr, dw_ptr,
-    K, N, E,
+    K, N, E, M_BUCKET,
     stride_xm, stride_xk,
     stride_dym, stride_dyn,
     stride_we, stride_wk, stride_wn,

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk")
 ACTIVATIONS = ("gelu", "swiglu")
-EXPERT_BACKENDS = ("auto", "triton", "torch")
+EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "torch")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 CORPORA = ("pydoc_topics",)
 
@@ -43,6 +43,10 @@ class MoEConfig:
     jitter_eps: float = 0.01
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    # auto: the backend measured fastest on this kind of device (kernels/measured.json), else
+    # Triton on CUDA sm80+ and the per-expert torch loop elsewhere (CPU, V100, T4);
+    # triton: the Triton kernels (no tensor cores before sm80); grouped_mm: torch._grouped_mm;
+    # torch: one matmul per expert. See lightning_hetermoe.moe.experts.
     expert_backend: str = "auto"
     # Recompute the expert hidden activation in backward instead of storing it.
     recompute_activation: bool = False

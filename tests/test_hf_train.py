@@ -57,7 +57,8 @@ def fit(rank: int, world: int) -> list[dict]:
             model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             for m in model.modules():
                 if isinstance(m, MoELayer):
-                    m.register_forward_pre_hook(lambda *a: calls.append(1))
+                    # training forwards only (set-up runs one warm-up forward in eval mode)
+                    m.register_forward_pre_hook(lambda mod, args: calls.append(1) if mod.training else None)
         held = HeldExperts()
         trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS, callbacks=[held]).fit(model,
                                                                                          datamodule=data(world))

@@ -230,16 +230,110 @@ def test_full_model_backends_agree_over_training_steps():
 
 
 def test_backend_resolution(monkeypatch):
-    cpu = torch.device("cpu")
-    assert resolve_backend("auto", cpu) is grouped_mlp_torch, "auto never picks the interpreter"
-    assert triton_available(cpu)
     from lightning_hetermoe import kernels
+    from lightning_hetermoe.moe import experts
 
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(experts, "_AUTO", {})
+    assert resolve_backend("auto", cpu) is not kernels.grouped_mlp, "auto never picks the interpreter"
+    assert triton_available(cpu)
     assert resolve_backend("triton", cpu) is kernels.grouped_mlp
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not triton_available(cpu)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         resolve_backend("triton", cpu)
+
+
+def test_row_buckets():
+    """Power of two at or above M, clamped: the first small batch keys its own configs."""
+    from lightning_hetermoe.kernels.configs import M_BUCKET_MAX, M_BUCKET_MIN, m_bucket, tuning_buckets
+
+    assert [m_bucket(m) for m in (0, 1, 256, 257, 1000, 1024, 1025)] == [256, 256, 256, 512, 1024, 1024, 2048]
+    assert m_bucket(10 ** 7) == M_BUCKET_MAX
+    buckets = tuning_buckets()
+    assert buckets[0] == M_BUCKET_MIN and buckets[-1] == M_BUCKET_MAX
+    assert all(b == 2 * a for a, b in zip(buckets, buckets[1:]))
+    assert {m_bucket(m) for m in range(0, 40000, 97)} == set(buckets)
+
+
+@pytest.mark.parametrize("which", ["gemm", "wgrad"])
+def test_autotune_key_has_row_bucket(which, monkeypatch):
+    """The autotuner is keyed on the row bucket, and each launch passes the bucket of its M."""
+    import inspect
+
+    from lightning_hetermoe.kernels import launch, triton_src
+
+    fn = triton_src.grouped_gemm_kernel if which == "gemm" else triton_src.grouped_wgrad_kernel
+    assert "M_BUCKET" in launch._tuned(fn, which, (9, 0)).keys
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(dict(zip(inspect.signature(fn).parameters, args)) | kwargs)
+
+    monkeypatch.setattr(launch, "_kernel", lambda fn, which, device: (Recorder(), {}))
+    counts = torch.tensor([600, 0, 400])
+    x, w = torch.randn(1000, 8), torch.randn(3, 8, 16)
+    if which == "gemm":
+        grouped_gemm(x, w, counts)
+        grouped_gemm(x[:300], w, torch.tensor([100, 100, 100]))
+    else:
+        grouped_wgrad(x, torch.randn(1000, 16), counts)
+        grouped_wgrad(x[:300], torch.randn(300, 16), torch.tensor([100, 100, 100]))
+    assert [c["M_BUCKET"] for c in calls] == [1024, 512]
+
+
+def test_fp32_dots_follow_torch_tf32_setting(monkeypatch):
+    """Under 32-true, tl.dot uses TF32 exactly when torch's fp32 CUDA matmuls do (new and
+    legacy APIs), and only on GPUs with TF32 tensor cores; other dtypes are unaffected."""
+    from lightning_hetermoe.kernels import launch
+
+    cuda, cap = torch.device("cuda", 0), {"v": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["v"])
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "ieee"
+        assert not launch.tf32_enabled() and launch._precision(torch.float32, cuda) == "ieee"
+        matmul.fp32_precision = "tf32"
+        assert launch.tf32_enabled() and launch._precision(torch.float32, cuda) == "tf32"
+        assert launch._precision(torch.bfloat16, cuda) == "ieee"
+        assert launch._precision(torch.float32, torch.device("cpu")) == "ieee"
+        cap["v"] = (7, 5)  # Turing: no TF32
+        assert launch._precision(torch.float32, cuda) == "ieee"
+        cap["v"] = (8, 0)
+        matmul.fp32_precision = before
+        torch.set_float32_matmul_precision("high")  # the legacy API
+        assert launch._precision(torch.float32, cuda) == "tf32"
+        torch.set_float32_matmul_precision("highest")
+        assert launch._precision(torch.float32, cuda) == "ieee"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        matmul.fp32_precision = before
+    assert launch.input_precision(torch.float32, "cuda", (8, 6), True) == "tf32"
+    assert launch.input_precision(torch.float32, "cuda", (7, 0), True) == "ieee"
+    assert launch.input_precision(torch.float16, "cuda", (9, 0), True) == "ieee"
+
+
+def test_warm_up_runs_every_bucket(monkeypatch):
+    """warm_up(rows=None), the strategy's call, runs the MLP forward and backward once per
+    row bucket; explicit rows run once per distinct bucket."""
+    from lightning_hetermoe import kernels
+    from lightning_hetermoe.kernels import mlp
+    from lightning_hetermoe.kernels.configs import tuning_buckets
+
+    seen = []
+
+    def fake(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=False):
+        seen.append((x.shape[0], int(counts.sum()), w_up.shape, b_up is not None))
+        return grouped_mlp_torch(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation)
+
+    monkeypatch.setattr(mlp, "grouped_mlp", fake)
+    ran = kernels.warm_up(8, 4, "swiglu", True, torch.float32, device=torch.device("cpu"))
+    assert ran == tuning_buckets() == [s[0] for s in seen] == [s[1] for s in seen]
+    assert all(s[2] == (2, 8, 8) and s[3] for s in seen)
+    seen.clear()
+    assert kernels.warm_up(8, 4, "gelu", False, torch.float32, torch.device("cpu"), rows=[100, 200, 3000]) == [100, 3000]
 
 
 def test_custom_op_traces_under_torch_compile():

@@ -27,7 +27,8 @@ def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
                     str(ROOT)], check=True, capture_output=True, text=True)
     (wheel,) = dist.glob("lightning_hetermoe-*.whl")
-    assert "lightning_hetermoe/conf/model/d1.yaml" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lightning_hetermoe/conf/model/d1.yaml" in names and "lightning_hetermoe/kernels/measured.json" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"

@@ -64,8 +64,9 @@ class ExpertLoadMonitor(L.Callback):
 
         def hook(l: int):
             def record(module, args, output):
-                if module.training and isinstance(output, tuple) and len(output) == 2:
-                    counts = output[1].tokens_per_expert.detach()
+                aux = module.aux_of(output)
+                if module.training and aux is not None:
+                    counts = aux.tokens_per_expert.detach()
                     if self._step_counts is None:
                         self._step_counts = counts.new_zeros(self._layers, counts.shape[0])
                     # stays on the device: one copy to the host per step, not one per layer

@@ -64,6 +64,10 @@ class HFMoEBlock(MoELayer):
         y, self.last_aux = super().forward(hidden_states)
         return y
 
+    def aux_of(self, output: Any) -> MoEAux | None:
+        """The aux of the forward that just ran: kept beside the hidden states it returned."""
+        return self.last_aux
+
 
 def moe_aux(model: nn.Module) -> list[MoEAux]:
     """The auxiliary losses of every :class:`HFMoEBlock` from the last forward, in model

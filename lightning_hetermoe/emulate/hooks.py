@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .clock import Emulator, EmulatedWorkload, emulated_workload, rank_emulator
+from .clock import EmulatedWorkload, Emulator, TaskStats, emulated_workload, rank_emulator
 from .meter import BusyMeter
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,17 @@ process, grouped by expert: the first ``counts[0]`` belong to expert 0, the next
 columns first, then up), ``w_down`` is ``[E, d_ff, d_model]``, biases are ``[E, H]`` and
 ``[E, d_model]`` or ``None``. Row ``m`` of the result is expert ``e(m)`` applied to
 ``x[gather_idx[m]]``.
+
+Backends (``MoEConfig.expert_backend``):
+
+- ``torch``: :func:`grouped_mlp_torch`, one matmul per expert from Python.
+- ``grouped_mm``: ``lightning_hetermoe.kernels.grouped_mlp_grouped_mm``, PyTorch's own
+  grouped GEMM (``torch._grouped_mm``), one call per GEMM for all experts; CPU and CUDA.
+- ``triton``: ``lightning_hetermoe.kernels.grouped_mlp``, gather-GEMM kernels with fused
+  epilogues. On CUDA from sm80 (Ampere) on they run on tensor cores; asked for explicitly
+  on a V100 (sm70) or T4 (sm75) they still run where Triton supports the GPU, but their
+  dots run on the CUDA cores, without tensor cores.
+- ``auto``: see :func:`resolve_backend`.
 """
 
 from __future__ import annotations
@@ -40,32 +51,41 @@ def grouped_mlp_torch(
     activation: str,
     recompute: bool = False,
 ) -> Tensor:
-    """Sort-by-expert then one matmul per non-empty segment: the CPU path."""
+    """Sort-by-expert then one matmul per non-empty segment: the per-expert loop."""
     xs = x.index_select(0, gather_idx)
+    # One view per expert, taken once: the backward of unbind stacks the per-expert weight
+    # gradients into one tensor, where indexing w[e] per expert would materialise a full
+    # [E, ...] zero gradient for each expert and sum them (quadratic in E).
+    w_ups, w_downs = w_up.unbind(0), w_down.unbind(0)
+    b_ups = b_up.unbind(0) if b_up is not None else None
+    b_downs = b_down.unbind(0) if b_down is not None else None
     outs = []
     for e, (start, n) in enumerate(_segments(counts)):
         if n == 0:
             continue
         seg = xs.narrow(0, start, n)
+        args = (seg, w_ups[e], b_ups[e] if b_ups is not None else None, w_downs[e],
+                b_downs[e] if b_downs is not None else None, activation)
         if recompute:
-            outs.append(torch.utils.checkpoint.checkpoint(_expert_fn, seg, e, w_up, b_up, w_down, b_down,
-                                                          activation, use_reentrant=False))
+            outs.append(torch.utils.checkpoint.checkpoint(_expert_fn, *args, use_reentrant=False))
         else:
-            outs.append(_expert_fn(seg, e, w_up, b_up, w_down, b_down, activation))
+            outs.append(_expert_fn(*args))
     if not outs:
-        # No rows: still return a tensor in the graph of the weights, so that callers
-        # can treat "no tokens" like any other batch (zero gradients, not None).
-        return xs.new_zeros(0, w_down.shape[-1]) + 0 * w_down.sum()
+        # No rows: still return a tensor in the graph of the input and of every weight, so
+        # that callers can treat "no tokens" like any other batch (zero gradients, not
+        # None), as the other backends do.
+        anchor = sum(t.sum() for t in (xs, w_up, b_up, w_down, b_down) if t is not None)
+        return xs.new_zeros(0, w_down.shape[-1]) + 0 * anchor
     return torch.cat(outs, 0)
 
 
-def _expert_fn(seg, e, w_up, b_up, w_down, b_down, activation):
-    h = seg @ w_up[e]
+def _expert_fn(seg, w_up, b_up, w_down, b_down, activation):
+    h = seg @ w_up
     if b_up is not None:
-        h = h + b_up[e]
-    y = activate(h, activation) @ w_down[e]
+        h = h + b_up
+    y = activate(h, activation) @ w_down
     if b_down is not None:
-        y = y + b_down[e]
+        y = y + b_down
     return y
 
 
@@ -77,12 +97,60 @@ def _segments(counts: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, sizes))
 
 
+@torch.compiler.disable  # reads a file and queries the device: once per device, never traced
+def auto_backend(device: torch.device | str) -> str:
+    """The backend ``expert_backend="auto"`` runs on ``device``, by name.
+
+    First what ``bench/kernels.py --write`` measured fastest on this kind of device (the
+    ``measured.json`` shipped in ``lightning_hetermoe.kernels``, keyed ``"cpu"``,
+    ``"cuda:sm90"``, ...) if that backend can run here; otherwise Triton where it emits
+    tensor-core code (CUDA, compute capability 8.0 and up) and the per-expert torch loop
+    elsewhere: CPU, and V100 (sm70) / T4 (sm75), whose tensor cores Triton does not use.
+    Never the Triton interpreter.
+    """
+    from .. import kernels
+    from ..kernels.measured import device_kind, measured_backend
+
+    device = torch.device(device)
+    best = measured_backend(device_kind(device))
+    if best == "torch":
+        return "torch"
+    if best == "grouped_mm" and kernels.grouped_mm_available(device):
+        return "grouped_mm"
+    if best == "triton" and device.type == "cuda" and kernels.triton_available(device):
+        return "triton"
+    if kernels.triton_uses_tensor_cores(device) and kernels.triton_available(device):
+        return "triton"
+    return "torch"
+
+
+# Resolved "auto" per device, memoised by hand (a module global: torch.compile traces
+# resolve_backend, see kernels.availability). Tests that change what auto sees clear it.
+_AUTO: dict[str, str] = {}
+
+
+def _backend_fn(name: str) -> GroupedMLP:
+    if name == "torch":
+        return grouped_mlp_torch
+    from .. import kernels
+
+    return kernels.grouped_mlp if name == "triton" else kernels.grouped_mlp_grouped_mm
+
+
 def resolve_backend(name: str, device: torch.device) -> GroupedMLP:
-    """``auto``: Triton on CUDA, torch elsewhere. Asking for Triton where it cannot run raises."""
+    """The function that runs ``expert_backend=name`` on ``device``.
+
+    ``auto``: :func:`auto_backend`. ``triton`` or ``grouped_mm`` where it cannot run raises.
+    """
     if name not in EXPERT_BACKENDS:
         raise ValueError(f"moe.expert_backend={name!r} is invalid: must be one of {EXPERT_BACKENDS}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch":
         return grouped_mlp_torch
+    if name == "auto":
+        key = f"{device.type}:{device.index}"
+        if key not in _AUTO:
+            _AUTO[key] = auto_backend(device)
+        return _backend_fn(_AUTO[key])
     from .. import kernels
 
     if name == "triton" and not kernels.triton_available(device):
@@ -90,9 +158,12 @@ def resolve_backend(name: str, device: torch.device) -> GroupedMLP:
             f"moe.expert_backend='triton' cannot run on device {device}: "
             f"{kernels.unavailable_reason(device)}; use expert_backend=torch or auto"
         )
-    if name == "auto" and not kernels.triton_available(device):
-        return grouped_mlp_torch
-    return kernels.grouped_mlp
+    if name == "grouped_mm" and not kernels.grouped_mm_available(device):
+        raise ValueError(
+            f"moe.expert_backend='grouped_mm' cannot run on device {device}: "
+            f"{kernels.grouped_mm_unavailable_reason(device)}; use expert_backend=torch or auto"
+        )
+    return _backend_fn(name)
 
 
 class Experts(nn.Module):
@@ -115,6 +186,10 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_up, std=1.0 / math.sqrt(d_model))
         nn.init.normal_(self.w_down, std=1.0 / math.sqrt(d_ff))
         self.register_buffer("expert_ids", torch.arange(num_experts), persistent=False)
+        if backend == "auto":
+            # Resolve for the CPU now, outside any torch.compile trace (CUDA resolves on first
+            # use: querying a GPU here would initialise CUDA at model construction).
+            resolve_backend(backend, torch.device("cpu"))
 
     @property
     def num_local_experts(self) -> int:

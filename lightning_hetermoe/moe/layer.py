@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,12 @@ class MoELayer(nn.Module):
         r = self.router(x)
         r.keep = apply_capacity(r.indices, r.keep, self.num_experts, self.cfg.capacity_factor)
         return r
+
+    def aux_of(self, output: Any) -> MoEAux | None:
+        """The :class:`MoEAux` of a forward that returned ``output`` (what hooks read)."""
+        if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], MoEAux):
+            return output[1]
+        return None
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
         shape = x.shape

@@ -56,10 +56,11 @@ from ..cluster.devices import DeviceSpec, precision_dtype_bytes
 
 
 def tf32_allowed() -> bool:
-    """Whether torch lets fp32 matmuls use TF32 tensor cores in this process."""
-    import torch
+    """Whether torch lets fp32 matmuls use TF32 tensor cores in this process (read the way
+    the kernels read it, so the plan prices what they run)."""
+    from ..kernels.availability import tf32_enabled
 
-    return torch.get_float32_matmul_precision() != "highest"
+    return tf32_enabled()
 
 
 @dataclass(frozen=True)

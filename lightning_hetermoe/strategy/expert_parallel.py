@@ -16,19 +16,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_hetermoe.comm as comm
 from ..comm import Group
 from ..contract import moe_layers
-from ..moe import LocalDispatcher
-from ..moe.balance import GlobalBalance, LocalBalance
+
+from ..moe.balance import GlobalBalance
 from ..placement import Placement
 from .backend import ParallelBackend, Simulated, StepFn, TailShape
 from .batch import batch_size, gather_global_batch, split_sizes, take
 from .ep_dispatch import AllToAllDispatcher
-from .expert_state import gather_experts, slice_experts, unslice_experts
+from .expert_state import gather_experts, restore_local, slice_experts
 
 
 @dataclass
@@ -188,12 +187,7 @@ class ExpertParallelBackend(ParallelBackend):
 
     def restore(self, module: nn.Module, succeeded: bool) -> None:
         if self._sharded and succeeded:
-            for l, layer in enumerate(self._layers):
-                full = {pname: self.gather_experts(l, p.detach())
-                        for pname, p in layer.experts.named_parameters(recurse=False)}
-                unslice_experts(layer, full)
-                layer.dispatcher = LocalDispatcher()
-                layer.balance = LocalBalance()
+            restore_local(self._layers, self.gather_experts)
             self._sharded = False
         if self._emulation is not None:
             self._emulation.remove()

@@ -41,6 +41,19 @@ def unslice_experts(layer, full: dict[str, Tensor]) -> None:
     ex.expert_ids = torch.arange(layer.num_experts, device=ex.expert_ids.device)
 
 
+def restore_local(layers: list, gather: Any) -> None:
+    """Every expert of every layer gathered back (``gather(l, local) -> full``), and the
+    layers dispatching locally again: the whole model on this rank."""
+    from ..moe import LocalDispatcher
+    from ..moe.balance import LocalBalance
+
+    for l, layer in enumerate(layers):
+        full = {pname: gather(l, p.detach()) for pname, p in layer.experts.named_parameters(recurse=False)}
+        unslice_experts(layer, full)
+        layer.dispatcher = LocalDispatcher()
+        layer.balance = LocalBalance()
+
+
 def gather_experts(local: Tensor, held: list[list[int]], group: Group) -> Tensor:
     """All-gather per-holder expert slices (uneven first dims) into the full ``[E, ...]``
     tensor; ``held[r]`` lists the ids group rank ``r`` holds, in its local order."""

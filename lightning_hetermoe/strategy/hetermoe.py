@@ -171,16 +171,16 @@ class HeterMoEStrategy(DDPStrategy):
         if self.root_device.type != "cuda":
             return
         from ..contract import moe_layers
-        from ..kernels import warm_up
-        from ..moe import grouped_mlp_torch, resolve_backend
+        from ..kernels import grouped_mlp, warm_up
+        from ..moe import resolve_backend
 
         plugin = self.precision_plugin
         dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(getattr(plugin, "precision", ""))
         tuned = set()
         for _, layer in moe_layers(self.lightning_module):
             ex = layer.experts
-            if resolve_backend(ex.backend, self.root_device) is grouped_mlp_torch:
-                continue
+            if resolve_backend(ex.backend, self.root_device) is not grouped_mlp:
+                continue  # only the Triton kernels autotune
             shape = (ex.d_model, ex.d_ff, ex.activation, ex.b_up is not None, dtype or ex.w_up.dtype)
             if shape not in tuned:
                 tuned.add(shape)

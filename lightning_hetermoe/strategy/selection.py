@@ -52,12 +52,14 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
             "mode='ep'") from None
 
 
-def warmup_routing(module: Any, trainer: Any, sequences: int) -> list[list[float]] | None:
-    """Each MoE layer's expert shares on one warm-up batch (``sequences`` samples of the
-    stage's dataset) through the model as initialised: what the routers will do at the
-    start, which the planner and the predictions take instead of even routing. Forward
-    only, in eval mode, with the RNG state preserved (training sees no difference);
-    ``None`` when the model cannot be run on the batch's first tensor alone."""
+def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int) -> list[list[float]] | None:
+    """Each MoE layer's expert shares on a warm-up batch (the first ``sequences`` samples of
+    the stage's dataset, run ``chunk`` at a time: the memory of one rank's share) through
+    the model as initialised: what the routers do at the start, which the planner and the
+    predictions take instead of even routing. A global batch, not one rank's share: few
+    tokens exaggerate the hottest expert. Forward only, in eval mode, with the RNG state
+    preserved (training sees no difference); ``None`` when the model cannot be run on the
+    batch's first tensor alone."""
     from ..contract import moe_layers
 
     loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
@@ -69,7 +71,7 @@ def warmup_routing(module: Any, trainer: Any, sequences: int) -> list[list[float
 
     def hook(l: int):
         def record(mod, args, output):
-            counts[l] = counts.get(l, 0) + output[1].tokens_per_expert.detach().double().cpu()
+            counts[l] = counts.get(l, 0) + mod.aux_of(output).tokens_per_expert.detach().double().cpu()
         return record
 
     handles = [layer.register_forward_hook(hook(l)) for l, layer in enumerate(layers)]
@@ -78,11 +80,12 @@ def warmup_routing(module: Any, trainer: Any, sequences: int) -> list[list[float
         loader = loop._data_source.dataloader()
         loader = loader[0] if isinstance(loader, (list, tuple)) else loader
         dataset = loader.dataset
-        samples = [dataset[i] for i in range(min(sequences, len(dataset)))]
-        first = tensors(loader.collate_fn(samples))[0].to(module.device)
+        total = min(sequences, len(dataset))
         module.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
-            module(first)
+            for start in range(0, total, max(chunk, 1)):
+                samples = [dataset[i] for i in range(start, min(start + chunk, total))]
+                module(tensors(loader.collate_fn(samples))[0].to(module.device))
     except Exception:
         return None  # a forward that needs more than the tokens: plan with even routing
     finally:
@@ -123,7 +126,7 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
         clock.devices = devices  # plain EP of a model the clock cannot read: no predictions
 
     if clock.bound and rank == 0:
-        clock.expert_load = warmup_routing(module, trainer, clock.per_rank)
+        clock.expert_load = warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world)
     if world == 1 and args.mode == "auto":
         choice, plan = "single", None
     else:

@@ -29,15 +29,15 @@ from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
 from ...contract import find_blocks
-from ...moe import LocalDispatcher
-from ...moe.balance import LocalBalance, balance_loss_from_counts, routed_counts
+
+from ...moe.balance import balance_loss_from_counts, routed_counts
 from ...placement import Placement
 from ...plan import Plan
 from ...schedule import build_schedule
 from ...simulate.schedules import apportion, split_microbatches
 from ..backend import ParallelBackend, Simulated, StepFn, TailShape, step_context, zero_missing_grads
 from ..batch import batch_size, gather_global_batch, split_sizes, take
-from ..expert_state import gather_experts, slice_experts, unslice_experts
+from ..expert_state import gather_experts, restore_local, slice_experts
 from .cuts import BlockCuts
 from .exchange import Exchange
 from .executor import StepInput, StepOutput, StepRun, ZebraContractError, loss_of
@@ -137,12 +137,7 @@ class ZebraBackend(ParallelBackend):
         """Every rank ends with the whole model again, local dispatch (after a fit)."""
         if not self.applied or not succeeded:
             return
-        for l, layer in enumerate(self.layers):
-            full = {pname: self.gather_experts(l, p.detach())
-                    for pname, p in layer.experts.named_parameters(recurse=False)}
-            unslice_experts(layer, full)
-            layer.dispatcher = LocalDispatcher()
-            layer.balance = LocalBalance()
+        restore_local(self.layers, self.gather_experts)
         params = dict(module.named_parameters())
         for name, (shape, dtype) in self._stripped.items():
             params[name].data = torch.empty(shape, dtype=dtype, device=self.device)

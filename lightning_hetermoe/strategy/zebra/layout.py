@@ -102,7 +102,7 @@ class ZebraGroups:
 
     @classmethod
     def build(cls, layout: Layout) -> "ZebraGroups":
-        plan, rank = layout.plan, layout.rank
+        plan = layout.plan
         mine: dict[str, Group | None] = {}
         for g, grp in enumerate(plan.zp_groups):
             # host sides: the round headers (dispatch), the answers' send times under emulation (combine)

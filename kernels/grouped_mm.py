@@ -1,0 +1,195 @@
+"""The expert MLP on PyTorch's own grouped GEMM, ``torch._grouped_mm`` (the ``grouped_mm`` backend).
+
+Each GEMM of the MLP, forward and backward, is one ``_grouped_mm`` call over all experts
+instead of one matmul per expert from Python. Pure torch: nothing here imports triton.
+
+What ``torch._grouped_mm(a, b, offs=...)`` accepts (checked on CPU with torch 2.13; the
+CUDA side from ``aten/native/cuda/GroupedBlas.cpp``):
+
+- dtypes float32, bfloat16, float16 (not float64); the result has ``a``'s dtype (no fp32
+  result from bf16 inputs). ``offs`` is int32, the *inclusive* cumulative sum of the group
+  sizes, on the operands' device. Bias is not supported (added here per row).
+- 2-D x 3-D (``[M, K] @ [E, K, N] -> [M, N]``, rows grouped by ``offs``) for the forward
+  GEMMs and the input gradient, 2-D x 2-D (``[K, M] @ [M, N] -> [E, K, N]``, the reduction
+  grouped) for the weight gradients. Empty groups and zero rows are fine (zero results).
+- layouts: each operand row- or column-major in its last two dims with the other stride a
+  multiple of 16 bytes; on CUDA also a 16-byte-aligned data pointer. Transposed views of
+  the weights qualify as they are; operands that do not (a width that is no multiple of
+  16 bytes) are copied here into a padded buffer, so odd shapes work, only slower.
+- CPU: a C++ loop of one ``mm`` per group, the same products as the per-expert loop
+  without its Python overhead. CUDA: a sync-free CUTLASS kernel for bf16 on sm90/sm100;
+  for every other dtype or GPU, the same loop after copying ``offs`` to the host (a device
+  sync per GEMM), so ``auto`` takes it on CUDA only where it was measured fastest.
+- autograd: torch has a derivative for it, but (2.13) it fails on a stride-0 incoming
+  gradient (``y.sum().backward()``), and its fake kernel for ``torch.compile`` admits bf16
+  only. So, as with the Triton kernels, forward and backward here are two
+  ``torch.library.custom_op`` with fake implementations, the backward written with more
+  ``_grouped_mm`` calls: it keeps only the pre-activation ``h`` (nothing with
+  ``recompute``) and gathers the input rows again rather than saving them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import activation as act
+from .contract import fake_mlp, prepare
+
+_NS = "lightning_hetermoe"
+
+
+def _acceptable(t: Tensor) -> bool:
+    """Whether ``_grouped_mm`` takes ``t`` as it is (its stride check, in its order)."""
+    align = 16 // t.element_size()
+    (rows, cols), (s_rows, s_cols) = t.shape[-2:], t.stride()[-2:]
+    if s_rows == 1 and s_cols >= max(1, rows):  # column-major (checked first by torch)
+        ok = s_cols % align == 0
+    elif s_cols == 1 and s_rows >= max(1, cols):  # row-major
+        ok = s_rows % align == 0
+    else:
+        ok = False
+    return ok and (t.device.type == "cpu" or t.data_ptr() % 16 == 0)
+
+
+def _operand(t: Tensor) -> Tensor:
+    """``t``, or a copy of it in a buffer whose rows are padded to 16 bytes (same shape)."""
+    if _acceptable(t):
+        return t
+    align = 16 // t.element_size()
+    n = t.shape[-1]
+    padded = t.new_empty(*t.shape[:-1], max(align, -(-n // align) * align))[..., :n]
+    return padded.copy_(t)
+
+
+def _gmm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    out = torch._grouped_mm(_operand(a), _operand(b), offs=offs)
+    # CUDA builds pad the result's row stride to 16 bytes; the rest of the MLP (and the
+    # fake kernels) work on contiguous tensors.
+    return out.contiguous()
+
+
+def _offsets(counts: Tensor, device: torch.device) -> Tensor:
+    return torch.cumsum(counts.to(device), 0, dtype=torch.int32)
+
+
+def _owner(counts: Tensor, rows: int, device: torch.device) -> Tensor:
+    """The expert of each grouped row; ``output_size`` spares reading ``counts`` on the host."""
+    counts = counts.to(device)
+    return torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts, output_size=rows)
+
+
+def _segment_sum(rows: Tensor, owner: Tensor, experts: int) -> Tensor:
+    """Per-expert column sums (a bias gradient), in fp32."""
+    return rows.new_zeros(experts, rows.shape[1], dtype=torch.float32).index_add_(0, owner, rows.float())
+
+
+def _hidden(xs: Tensor, offs: Tensor, w_up: Tensor, b_up: Tensor | None, owner: Tensor | None) -> Tensor:
+    h = _gmm(xs, w_up, offs)
+    if b_up is not None:
+        h += b_up.index_select(0, owner)
+    return h
+
+
+@torch.library.custom_op(f"{_NS}::grouped_mm_mlp", mutates_args=())
+def grouped_mm_mlp_op(
+    x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Optional[Tensor],
+    w_down: Tensor, b_down: Optional[Tensor], activation: str, recompute: bool,
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(y, h)``; ``h`` (the pre-activation, kept for backward) is empty under ``recompute``."""
+    M = gather_idx.shape[0]
+    offs = _offsets(counts, x.device)
+    owner = _owner(counts, M, x.device) if b_up is not None or b_down is not None else None
+    h = _hidden(x.index_select(0, gather_idx), offs, w_up, b_up, owner)
+    y = _gmm(act.forward(h, activation), w_down, offs)
+    if b_down is not None:
+        y += b_down.index_select(0, owner)
+    return y, (h.new_empty(0) if recompute else h)
+
+
+grouped_mm_mlp_op.register_fake(fake_mlp)
+
+
+@torch.library.custom_op(f"{_NS}::grouped_mm_mlp_backward", mutates_args=())
+def grouped_mm_mlp_backward_op(
+    dy: Tensor, x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Optional[Tensor],
+    w_down: Tensor, b_down: Optional[Tensor], h: Tensor, activation: str, recompute: bool, need_dx: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dw_up, db_up, dw_down, db_down)``; an absent bias, or dx when not needed, is empty."""
+    E, M = counts.shape[0], gather_idx.shape[0]
+    dy = dy.to(x.dtype).contiguous()  # the incoming gradient may be an expanded (stride-0) view
+    offs = _offsets(counts, x.device)
+    owner = _owner(counts, M, x.device) if b_up is not None or b_down is not None else None
+    xs = x.index_select(0, gather_idx)
+    if recompute:
+        h = _hidden(xs, offs, w_up, b_up, owner)
+    a = act.forward(h, activation)
+    # dW[e] = A[rows of e]^T @ dY[rows of e]: the 2-D x 2-D form groups the reduction.
+    dw_down = _gmm(a.t(), dy, offs).to(w_down.dtype)
+    del a
+    db_down = _segment_sum(dy, owner, E).to(b_down.dtype) if b_down is not None else dy.new_empty(0)
+    # dY @ w_down^T on a transposed view: no weight copy (column-major is accepted).
+    dh = act.backward(h, _gmm(dy, w_down.transpose(1, 2), offs), activation)
+    del h
+    dw_up = _gmm(xs.t(), dh, offs).to(w_up.dtype)
+    del xs
+    db_up = _segment_sum(dh, owner, E).to(b_up.dtype) if b_up is not None else dh.new_empty(0)
+    if need_dx:
+        # gather_idx may name a row of x more than once (top-k): per-row gradients are
+        # summed, in fp32 for low-precision inputs so that rounding happens once, after it.
+        d_rows = _gmm(dh, w_up.transpose(1, 2), offs)
+        acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        dx = torch.zeros(x.shape, device=x.device, dtype=acc).index_add_(0, gather_idx, d_rows.to(acc)).to(x.dtype)
+    else:
+        dx = x.new_empty(0)
+    return dx, dw_up, db_up, dw_down, db_down
+
+
+@grouped_mm_mlp_backward_op.register_fake
+def _(dy, x, gather_idx, counts, w_up, b_up, w_down, b_down, h, activation, recompute, need_dx):
+    return (
+        x.new_empty(x.shape) if need_dx else x.new_empty(0),
+        w_up.new_empty(w_up.shape),
+        b_up.new_empty(b_up.shape) if b_up is not None else x.new_empty(0),
+        w_down.new_empty(w_down.shape),
+        b_down.new_empty(b_down.shape) if b_down is not None else x.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute = inputs
+    _, h = output
+    ctx.save_for_backward(x, gather_idx, counts, w_up, b_up, w_down, b_down, h)
+    ctx.activation, ctx.recompute = activation, recompute
+    ctx.mark_non_differentiable(h)
+
+
+def _backward(ctx, dy, _dh):
+    x, gather_idx, counts, w_up, b_up, w_down, b_down, h = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
+    dx, dw_up, db_up, dw_down, db_down = grouped_mm_mlp_backward_op(
+        dy, x, gather_idx, counts, w_up, b_up, w_down, b_down, h, ctx.activation, ctx.recompute, need_dx)
+    return (dx if need_dx else None, None, None, dw_up, db_up if b_up is not None else None,
+            dw_down, db_down if b_down is not None else None, None, None)
+
+
+grouped_mm_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mlp(
+    x: Tensor,
+    gather_idx: Tensor,
+    counts: Tensor,
+    w_up: Tensor,
+    b_up: Tensor | None,
+    w_down: Tensor,
+    b_down: Tensor | None,
+    activation: str,
+    recompute: bool = False,
+) -> Tensor:
+    """The expert backend contract of ``lightning_hetermoe.moe.experts`` on ``torch._grouped_mm``."""
+    x, w_up, b_up, w_down, b_down = prepare(x, w_up, b_up, w_down, b_down, activation)
+    y, _ = grouped_mm_mlp_op(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
+    return y

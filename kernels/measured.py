@@ -1,0 +1,53 @@
+"""Which expert backend was fastest on each kind of device, as ``bench/kernels.py --write`` measured.
+
+The measurements ship in this package as ``measured.json``: an object keyed by device
+kind (:func:`device_kind`: ``"cpu"``, ``"cuda:sm80"``, ``"cuda:sm90"``, ...), each entry
+naming its fastest backend under ``"best"`` (``"torch"``, ``"grouped_mm"`` or
+``"triton"``) with the cases and times that chose it. ``expert_backend="auto"`` reads it
+through :func:`measured_backend`; a kind with no entry, or whose backend cannot run in
+this process, falls back to the rule in ``lightning_hetermoe.moe.experts.resolve_backend``.
+Read once per process with ``importlib.resources`` (so from a wheel as from the source
+tree), never at import: ``import lightning_hetermoe`` stays free of file reads.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+import torch
+
+FILE = "measured.json"
+BACKENDS = ("torch", "grouped_mm", "triton")
+
+# Memoised by hand in a module global (see availability._IMPORT_ERROR): torch.compile
+# traces resolve_backend, and reads a global where it would bypass a functools cache.
+_LOADED: list[dict[str, Any]] = []
+
+
+def device_kind(device: torch.device | str) -> str:
+    """``"cuda:sm<major><minor>"`` for a CUDA device, the device type otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:sm{major}{minor}"
+    return device.type
+
+
+def load() -> dict[str, Any]:
+    """The shipped measurements (empty when the file is missing or unreadable)."""
+    if not _LOADED:
+        try:
+            data = json.loads(resources.files(__package__).joinpath(FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError, ModuleNotFoundError, TypeError):
+            data = {}
+        _LOADED.append(data if isinstance(data, dict) else {})
+    return _LOADED[0]
+
+
+def measured_backend(kind: str) -> str | None:
+    """The backend measured fastest on ``kind`` of device, or ``None`` if none was."""
+    entry = load().get(kind)
+    best = entry.get("best") if isinstance(entry, dict) else None
+    return best if best in BACKENDS else None

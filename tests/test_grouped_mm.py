@@ -1,0 +1,330 @@
+"""The ``grouped_mm`` expert backend (``torch._grouped_mm``) against the per-expert loop,
+and how ``expert_backend="auto"`` picks a backend from what was measured.
+
+Tolerances, as max |a - b| / max |b| per tensor:
+
+- fp32, 1e-6: both backends run the same fp32 GEMMs (on CPU ``_grouped_mm`` is one ``mm``
+  per group), so outputs and weight gradients agree to the last bits or nearly; what
+  differs is summation order (bias gradients are an ``index_add`` over rows here, a
+  column sum there; padded copies for odd widths block the products differently; the
+  SwiGLU derivative is written out). That is a few fp32 ulps (2^-23 ~ 1.2e-7) of the
+  largest entry; 1e-6 leaves 8 ulps.
+- bf16, 2e-2 against fp32 on the same bf16-rounded inputs, the bound the loop itself is
+  held to (checked below): bf16 keeps 8 bits (relative rounding 2^-9 ~ 2e-3), and an
+  output is rounded at each of ~4 steps (up GEMM, bias, activation, down GEMM) and a
+  gradient at ~6, each error carried through a GEMM of ~40-100 terms; the result lands at
+  a few 1e-3 (measured: <= 8e-3 here, <= 1.1e-2 for the bf16 loop), so 2e-2 catches a wrong formula or a lost bias (errors
+  of order 1) without flaking on rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hetermoe import kernels
+from lightning_hetermoe.config import MoEConfig
+from lightning_hetermoe.kernels import grouped_mlp_grouped_mm, measured
+from lightning_hetermoe.moe import MoELayer, grouped_mlp_torch, resolve_backend
+from lightning_hetermoe.moe import experts as experts_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32_TOL = 1e-6
+BF16_TOL = 2e-2
+NAMES = ["y", "x", "w_up", "b_up", "w_down", "b_down"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    if b.numel() == 0:
+        return 0.0
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def make(counts, d_model=40, d_ff=24, activation="swiglu", bias=True, n_tokens=23, seed=0):
+    """Weights, tokens and rows grouped by expert; gather_idx repeats tokens (top-k)."""
+    g = torch.Generator().manual_seed(seed)
+    E, h = len(counts), (2 * d_ff if activation == "swiglu" else d_ff)
+    counts = torch.tensor(counts, dtype=torch.long)
+    ps = [torch.randn(E, d_model, h, generator=g) / d_model ** 0.5,
+          torch.randn(E, h, generator=g) if bias else None,
+          torch.randn(E, d_ff, d_model, generator=g) / d_ff ** 0.5,
+          torch.randn(E, d_model, generator=g) if bias else None]
+    x = torch.randn(n_tokens, d_model, generator=g)
+    idx = torch.randint(0, n_tokens, (int(counts.sum()),), generator=g)
+    upstream = torch.randn(int(counts.sum()), d_model, generator=g)
+    return x, idx, counts, ps, upstream
+
+
+def run(fn, x, idx, counts, ps, activation, upstream, recompute=False, dtype=None, x_grad=True):
+    """Output and gradients of x and of every parameter (None for an absent bias)."""
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    xi = cast(x).detach().requires_grad_(x_grad)
+    pi = [cast(p).detach().requires_grad_() if p is not None else None for p in ps]
+    y = fn(xi, idx, counts, *pi, activation, recompute=recompute)
+    if upstream is None:
+        y.sum().backward()  # an expanded, stride-0 incoming gradient
+    else:
+        y.backward(cast(upstream).to(y.dtype))
+    return [y.detach(), xi.grad] + [p.grad if p is not None else None for p in pi]
+
+
+def compare(got, want, tol, label, dtype=torch.float32):
+    for name, a, b in zip(NAMES, got, want):
+        if b is None:
+            assert a is None, f"{label} {name}: a gradient where the loop has none"
+            continue
+        assert a is not None, f"{label} {name}: missing"
+        assert a.dtype == dtype, f"{label} {name}: dtype {a.dtype}"
+        err = rel_err(a, b)
+        assert err <= tol, f"{label} {name}: relative error {err:.2e} > {tol}"
+
+
+CASES = {
+    "ragged+empty": [7, 0, 19, 11],
+    "one-expert": [29],
+    "leading-empty": [0, 0, 5],
+    "trailing-empty": [6, 13, 0],
+    "no-rows": [0, 0, 0],
+}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["store-h", "recompute"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_fp32_matches_loop(case, activation, bias, recompute):
+    x, idx, counts, ps, upstream = make(CASES[case], activation=activation, bias=bias)
+    got = run(grouped_mlp_grouped_mm, x, idx, counts, ps, activation, upstream, recompute)
+    want = run(grouped_mlp_torch, x, idx, counts, ps, activation, upstream)
+    compare(got, want, FP32_TOL, f"{case}/{activation}")
+    for e in (i for i, n in enumerate(CASES[case]) if n == 0):
+        assert got[2][e].abs().max() == 0 and got[4][e].abs().max() == 0, "an empty expert's gradient is exactly 0"
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_fp32_odd_widths_are_padded(activation):
+    """Widths whose rows are no multiple of 16 bytes (10 and 6 floats), which
+    ``_grouped_mm`` rejects as they are: the backend copies them into padded buffers."""
+    x, idx, counts, ps, upstream = make([5, 0, 9], d_model=10, d_ff=6, activation=activation)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch._grouped_mm(x[idx], ps[0], offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    compare(run(grouped_mlp_grouped_mm, x, idx, counts, ps, activation, upstream),
+            run(grouped_mlp_torch, x, idx, counts, ps, activation, upstream), FP32_TOL, "odd widths")
+
+
+def test_stride0_upstream_and_no_input_grad():
+    """``y.sum().backward()`` (torch's own _grouped_mm derivative fails on it) and an input
+    that needs no gradient (the dx GEMM is skipped)."""
+    x, idx, counts, ps, _ = make([4, 0, 8])
+    got = run(grouped_mlp_grouped_mm, x, idx, counts, ps, "swiglu", None)
+    compare(got, run(grouped_mlp_torch, x, idx, counts, ps, "swiglu", None), FP32_TOL, "sum()")
+    x, idx, counts, ps, _ = make([4, 0, 8], activation="gelu")
+    got = run(grouped_mlp_grouped_mm, x, idx, counts, ps, "gelu", None, x_grad=False)
+    want = run(grouped_mlp_torch, x, idx, counts, ps, "gelu", None, x_grad=False)
+    assert got[1] is None
+    compare(got, want, FP32_TOL, "no dx")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("case", ["ragged+empty", "one-expert", "no-rows"])
+def test_bf16_runs_on_cpu_within_rounding(case, activation):
+    """bf16 in, bf16 out and gradients; against fp32 on the same rounded values, held to
+    the same bound as the bf16 loop (which is checked here too)."""
+    x, idx, counts, ps, upstream = make(CASES[case], activation=activation, d_model=48, d_ff=32)
+    rounded = lambda t: t.to(torch.bfloat16).float() if t is not None else None  # noqa: E731
+    x, upstream, ps = rounded(x), rounded(upstream), [rounded(p) for p in ps]
+    want = run(grouped_mlp_torch, x, idx, counts, ps, activation, upstream)
+    got = run(grouped_mlp_grouped_mm, x, idx, counts, ps, activation, upstream, dtype=torch.bfloat16)
+    compare(got, want, BF16_TOL, "grouped_mm bf16", dtype=torch.bfloat16)
+    loop = run(grouped_mlp_torch, x, idx, counts, ps, activation, upstream, dtype=torch.bfloat16)
+    compare(loop, want, BF16_TOL, "loop bf16", dtype=torch.bfloat16)
+
+
+def test_autocast_casts_like_a_matmul():
+    x, idx, counts, ps, upstream = make([6, 0, 10])
+    outs = []
+    for fn in (grouped_mlp_grouped_mm, grouped_mlp_torch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = run(fn, x, idx, counts, ps, "swiglu", upstream)
+        outs.append(got)
+    # bf16 like a matmul (and the Triton backend); the loop's fp32 bias add promotes its y.
+    assert outs[0][0].dtype == torch.bfloat16
+    for name, a, b in zip(NAMES, *outs):
+        if name != "y":
+            assert a.dtype == b.dtype == torch.float32, name  # gradients in the parameters' dtype
+        assert rel_err(a, b) <= BF16_TOL, name
+
+
+def test_traces_under_torch_compile():
+    """One opaque op for dynamo: fp32 compiles fullgraph (torch's own fake kernel for
+    _grouped_mm admits bf16 only), and output and gradients match eager."""
+    x, idx, counts, ps, _ = make([5, 0, 8])
+
+    def f(x, *ps):
+        return grouped_mlp_grouped_mm(x, idx, counts, *ps, "swiglu")
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    outs = []
+    for fn in (f, compiled):
+        xi = x.clone().requires_grad_()
+        pi = [p.clone().requires_grad_() for p in ps]
+        y = fn(xi, *pi)
+        y.square().sum().backward()
+        outs.append([y, xi.grad] + [p.grad for p in pi])
+    for name, a, b in zip(NAMES, *outs):
+        assert rel_err(b, a) <= 1e-6, f"compiled {name}"
+
+
+def test_opcheck_registration():
+    from lightning_hetermoe.kernels.grouped_mm import grouped_mm_mlp_op
+
+    x, idx, counts, ps, _ = make([3, 0, 4], n_tokens=5, d_model=8, d_ff=8, activation="gelu")
+    ps = [p.requires_grad_() for p in ps]
+    torch.library.opcheck(grouped_mm_mlp_op, (x.requires_grad_(), idx, counts, *ps, "gelu", False),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("top_k,activation,bias,capacity_factor", [
+    (2, "swiglu", False, 0.0),
+    (1, "gelu", True, 0.5),  # capacity drops choices: some experts get few or no rows
+])
+def test_moe_layer_grouped_mm_backend(top_k, activation, bias, capacity_factor):
+    cfg = MoEConfig(num_experts=5, top_k=top_k, d_ff=20, activation=activation, bias=bias,
+                    capacity_factor=capacity_factor, jitter_eps=0.0, expert_backend="grouped_mm")
+    torch.manual_seed(0)
+    layer = MoELayer(24, cfg)
+    ref = MoELayer(24, MoEConfig(**{**cfg.__dict__, "expert_backend": "torch"}))
+    ref.load_state_dict(layer.state_dict())
+    x, upstream = torch.randn(19, 24), torch.randn(19, 24)
+    results = []
+    for mod in (layer, ref):
+        xi = x.clone().requires_grad_()
+        y, aux = mod(xi)
+        grads = torch.autograd.grad((y * upstream).sum() + aux.balance_loss + aux.z_loss, [xi] + list(mod.parameters()))
+        results.append([y] + list(grads))
+    names = ["y", "x"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, *results):
+        assert rel_err(a, b) <= FP32_TOL, name
+
+
+def test_moe_layer_compiles_with_grouped_mm_backend():
+    """torch.compile over the whole layer (graph breaks, if any, come from the routing):
+    output and gradients match eager."""
+    cfg = MoEConfig(num_experts=4, top_k=2, d_ff=16, jitter_eps=0.0, expert_backend="grouped_mm")
+    torch.manual_seed(0)
+    layer = MoELayer(16, cfg)
+    x = torch.randn(10, 16)
+    outs = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager")):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y, _ = fn(xi)
+        y.square().sum().backward()
+        outs.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*outs):
+        assert rel_err(b, a) <= 1e-6
+
+
+def test_config_and_explicit_resolution():
+    assert MoEConfig(expert_backend="grouped_mm").expert_backend == "grouped_mm"
+    assert resolve_backend("grouped_mm", torch.device("cpu")) is kernels.grouped_mlp_grouped_mm
+    assert kernels.grouped_mm_available("cpu")
+    with pytest.raises(ValueError, match="grouped_mm.*cannot run on device meta"):
+        resolve_backend("grouped_mm", torch.device("meta"))
+
+
+# -- auto: what was measured, else the tensor-core rule ---------------------------------------
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device of a chosen compute capability, as far as backend selection asks,
+    and a chosen measured.json; auto's memo starts empty."""
+    state = {"capability": (9, 0), "measured": {}}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["capability"])
+    monkeypatch.setattr(measured, "_LOADED", [state["measured"]])
+    monkeypatch.setattr(experts_mod, "_AUTO", {})
+    return state
+
+
+@pytest.mark.parametrize("capability,want", [((7, 0), "torch"), ((7, 5), "torch"), ((8, 0), "triton"),
+                                             ((8, 9), "triton"), ((9, 0), "triton")],
+                         ids=["V100", "T4", "A100", "L40S", "H100"])
+def test_auto_rule_without_measurements(fake_gpu, capability, want):
+    """Triton only where it emits tensor-core code (sm80+); explicit triton still resolves
+    on sm70/sm75 (without tensor cores)."""
+    fake_gpu["capability"] = capability
+    cuda = torch.device("cuda", 0)
+    assert experts_mod.auto_backend(cuda) == want
+    assert resolve_backend("auto", cuda) is (kernels.grouped_mlp if want == "triton" else grouped_mlp_torch)
+    assert resolve_backend("triton", cuda) is kernels.grouped_mlp
+    assert kernels.triton_uses_tensor_cores(cuda) == (capability >= (8, 0))
+
+
+def test_auto_follows_measurements(fake_gpu, monkeypatch):
+    fake_gpu["measured"].update({
+        "cuda:sm90": {"best": "grouped_mm"},
+        "cuda:sm75": {"best": "triton"},  # measured beats the rule
+        "cuda:sm80": {"best": "torch"},
+        "cpu": {"best": "triton"},        # never the interpreter: falls back to the rule
+    })
+    for cap, want in [((9, 0), "grouped_mm"), ((7, 5), "triton"), ((8, 0), "torch"), ((8, 6), "triton")]:
+        fake_gpu["capability"] = cap
+        assert experts_mod.auto_backend(torch.device("cuda", 0)) == want, cap
+    assert experts_mod.auto_backend(torch.device("cpu")) == "torch"
+    # A measured backend that cannot run here falls back to the rule.
+    fake_gpu["capability"] = (9, 0)
+    monkeypatch.setattr(kernels, "grouped_mm_available", lambda device: False)
+    assert experts_mod.auto_backend(torch.device("cuda", 0)) == "triton"
+    fake_gpu["measured"]["cpu"] = {"best": "grouped_mm"}
+    monkeypatch.setattr(kernels, "grouped_mm_available", lambda device: torch.device(device).type == "cpu")
+    assert resolve_backend("auto", torch.device("cpu")) is kernels.grouped_mlp_grouped_mm
+
+
+def test_shipped_measurements_drive_auto_on_cpu(monkeypatch):
+    """measured.json is package data read with importlib.resources; its CPU entry is what
+    auto runs on this machine."""
+    monkeypatch.setattr(measured, "_LOADED", [])
+    monkeypatch.setattr(experts_mod, "_AUTO", {})
+    data = measured.load()
+    assert "cpu" in data, "bench/kernels.py --write has not recorded this device kind"
+    entry = data["cpu"]
+    assert entry["best"] in measured.BACKENDS and entry["cases"]
+    assert entry["best"] == max(entry["speedup_vs_torch"], key=entry["speedup_vs_torch"].get)
+    assert measured.device_kind("cpu") == "cpu"
+    want = {"torch": grouped_mlp_torch, "grouped_mm": kernels.grouped_mlp_grouped_mm}[entry["best"]]
+    assert resolve_backend("auto", torch.device("cpu")) is want
+
+
+def test_bench_records_winner_per_device_kind(tmp_path, monkeypatch):
+    """bench/kernels.py --write on a tiny grid: every backend timed, the winner recorded
+    under this device kind, other kinds kept."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "QUICK_SHAPES", [(16, 32, 4, 24), (16, 32, 8, 40)])
+    out = tmp_path / "measured.json"
+    out.write_text(json.dumps({"cuda:sm90": {"best": "triton"}}))
+    summary = bench.main(["--quick", "--reps", "1", "--write", str(out)])
+    data = json.loads(out.read_text())
+    assert data["cuda:sm90"] == {"best": "triton"}
+    assert data["cpu"]["best"] == summary["best"] in ("torch", "grouped_mm")
+    assert set(data["cpu"]["cases"][0]["ms"]) == {"torch", "grouped_mm"}
+    assert all("loop/grouped_mm" in r for r in summary["results"])
+
+
+def test_import_stays_light():
+    """``import lightning_hetermoe`` loads neither kernel implementation nor the measurements."""
+    probe = ("import sys, lightning_hetermoe; "
+             "print(sorted(m for m in sys.modules if m.startswith('lightning_hetermoe.kernels')))")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    loaded = set(eval(out))  # noqa: S307 - our own repr of a list of str
+    assert not loaded & {"lightning_hetermoe.kernels.launch", "lightning_hetermoe.kernels.mlp",
+                         "lightning_hetermoe.kernels.grouped_mm", "lightning_hetermoe.kernels.measured"}, loaded
