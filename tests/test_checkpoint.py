@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -40,18 +41,46 @@ def resume(rank: int, world: int, ckpt: str, mode: str = "ep", plan=None):
     return m.state_dict() if rank == 0 else None
 
 
-def test_step_checkpoints_change_nothing_and_resume_mid_epoch_on_another_world(tmp_path):
-    m = model()
-    initial = copy.deepcopy(m.state_dict())
-    expected = reference_fit(m, STEPS, windows=WINDOWS)
+def save_both(rank: int, world: int, ep_dir: str, zebra_dir: str, plan) -> list | None:
+    """Step checkpoints under ep and under zebra, in one start of the ranks."""
+    out = [fit_with_step_checkpoints(rank, world, ep_dir), fit_with_step_checkpoints(rank, world, zebra_dir, "zebra",
+                                                                                    plan)]
+    return out if rank == 0 else None
 
+
+def resume_each(rank: int, world: int, cases: list[tuple[str, str, object]]):
+    """Several resumes (checkpoint, mode, plan) in one start of the ranks."""
+    out = [resume(rank, world, ckpt, mode, plan) for ckpt, mode, plan in cases]
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Checkpoints saved by ep and by zebra (1 attention + 1 expert rank, R=2) on 2 ranks, and
+    their mid-epoch step-4 checkpoints resumed on 4 ranks: ep's under ep; zebra's under ep
+    and under zebra on 2 attention + 2 expert ranks with Asym-EA. Two starts of the ranks."""
+    from test_zebra import make_test_plan
+
+    ep_dir, zebra_dir = str(tmp_path_factory.mktemp("ep")), str(tmp_path_factory.mktemp("zebra"))
+    plan2 = make_test_plan(2, [0], R=2, num_experts=NUM_EXPERTS)
+    saved = run_ranks(2, save_both, 2, ep_dir, zebra_dir, plan2)[0]
+    plan4 = make_test_plan(4, [0, 1], R=3, num_experts=NUM_EXPERTS, placement=[[2, 2, 3, 0], [2, 3, 3, 1]])
+    cases = [(f"{ep_dir}/step=4.ckpt", "ep", None), (f"{zebra_dir}/step=4.ckpt", "ep", None),
+             (f"{zebra_dir}/step=4.ckpt", "zebra", plan4)]
+    resumed = run_ranks(4, resume_each, 4, cases)[0]
+    m = model()
+    return {"ep_dir": Path(ep_dir), "saved": saved, "resumed": resumed, "initial": copy.deepcopy(m.state_dict()),
+            "expected": reference_fit(m, STEPS, windows=WINDOWS)}
+
+
+def test_step_checkpoints_change_nothing_and_resume_mid_epoch_on_another_world(runs):
+    expected, initial, ckpt_dir = runs["expected"], runs["initial"], runs["ep_dir"]
     # Saving every 2 steps across 3 epochs: training goes on and ends as without checkpoints.
-    saved = run_ranks(2, fit_with_step_checkpoints, 2, str(tmp_path))[0]
-    assert_same_params(saved, expected, initial)
-    names = sorted(p.name for p in Path(tmp_path).glob("*.ckpt"))
+    assert_same_params(runs["saved"][0], expected, initial)
+    names = sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
     assert names == [f"step={s}.ckpt" for s in (2, 4, 6, 8)], names
 
-    ckpt = torch.load(tmp_path / "step=4.ckpt", weights_only=False)
+    ckpt = torch.load(ckpt_dir / "step=4.ckpt", weights_only=False)
     w_up = ckpt["state_dict"]["model.blocks.0.moe.experts.w_up"]
     assert w_up.shape[0] == NUM_EXPERTS, "a checkpoint must hold every expert, not one rank's shard"
     keys = list(ckpt["state_dict"].keys())
@@ -59,29 +88,11 @@ def test_step_checkpoints_change_nothing_and_resume_mid_epoch_on_another_world(t
     assert adam["exp_avg"].shape == w_up.shape and adam["exp_avg_sq"].shape == w_up.shape
     assert ckpt["epoch"] == 1, "step 4 lies inside epoch 1 (3 steps per epoch): the resume must be mid-epoch"
 
-    # Resume the mid-epoch checkpoint on 4 ranks (same global batch): the uninterrupted result.
-    resumed = run_ranks(4, resume, 4, str(tmp_path / "step=4.ckpt"))[0]
-    assert_same_params(resumed, expected, initial)
+    # Resumed mid-epoch on 4 ranks (same global batch): the uninterrupted result.
+    assert_same_params(runs["resumed"][0], expected, initial)
 
 
-def resume_each(rank: int, world: int, ckpt: str, cases: list[tuple[str, object]]):
-    """Several resumes of one checkpoint in one start of the ranks."""
-    out = [resume(rank, world, ckpt, mode, plan) for mode, plan in cases]
-    return out if rank == 0 else None
-
-
-def test_zebra_checkpoint_resumes_under_ep_and_under_another_zebra_mix(tmp_path):
-    from test_zebra import make_test_plan
-
-    m = model()
-    initial = copy.deepcopy(m.state_dict())
-    expected = reference_fit(m, STEPS, windows=WINDOWS)
-    # Saved by zebra on 1 attention + 1 expert rank, R=2 ...
-    plan2 = make_test_plan(2, [0], R=2, num_experts=NUM_EXPERTS)
-    saved = run_ranks(2, fit_with_step_checkpoints, 2, str(tmp_path), "zebra", plan2)[0]
-    assert_same_params(saved, expected, initial)
-    ckpt = str(tmp_path / "step=4.ckpt")
-    # ... resumed mid-epoch by EP on 4 ranks, and by zebra on 2 attention + 2 expert ranks with Asym-EA.
-    plan4 = make_test_plan(4, [0, 1], R=3, num_experts=NUM_EXPERTS, placement=[[2, 2, 3, 0], [2, 3, 3, 1]])
-    for resumed in run_ranks(4, resume_each, 4, ckpt, [("ep", None), ("zebra", plan4)])[0]:
-        assert_same_params(resumed, expected, initial)
+def test_zebra_checkpoint_resumes_under_ep_and_under_another_zebra_mix(runs):
+    assert_same_params(runs["saved"][1], runs["expected"], runs["initial"])
+    for resumed in runs["resumed"][1:]:
+        assert_same_params(resumed, runs["expected"], runs["initial"])

@@ -208,15 +208,15 @@ def test_bad_rank_is_rejected():
 
 def test_emulated_two_process_ep_run_tracks_the_simulator(tmp_path):
     """The real strategy in EP mode on 2 gloo processes playing an A40 and a V100 on the D1
-    16K clock: measured step time against the simulator's for the same run."""
+    4K clock: measured step time against the simulator's for the same run."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=emu_a40_v100_d1", "strategy.mode=ep",
-         "trainer.max_steps=4", "trainer.limit_val_batches=1", "+trainer.num_sanity_val_steps=0",
+        [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=emu_a40_v100_d1_4k", "strategy.mode=ep",
+         "trainer.max_steps=3", "trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0", "final_validation=false",
          f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["cluster"] == "emu_a40_v100_d1" and summary["world_size"] == 2
-    assert summary["predicted_schedule"] == "ep" and summary["predicted_step_time_s"] > 1.0
-    # even routing in the simulator, real routing in the run: loose
+    assert summary["cluster"] == "emu_a40_v100_d1_4k" and summary["world_size"] == 2
+    assert summary["predicted_schedule"] == "ep" and summary["predicted_step_time_s"] > 0.3
+    # the simulator at the routing of a warm-up batch, the run at its own: loose
     assert abs(summary["step_time_rel_error"]) < 0.25, summary

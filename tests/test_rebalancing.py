@@ -68,9 +68,14 @@ CASES = [
 ]
 
 
-def test_moves_and_copies_in_the_middle_of_training_change_no_number():
-    results = run_ranks(2, fit_moving, 2, CASES)[0]
-    for case, got in zip(CASES, results):
+@pytest.fixture(scope="module")
+def moved():
+    """Both cases, one start of the ranks (the monitor test reads the first case too)."""
+    return run_ranks(2, fit_moving, 2, CASES)[0]
+
+
+def test_moves_and_copies_in_the_middle_of_training_change_no_number(moved):
+    for case, got in zip(CASES, moved):
         model = make_model(4, seed=0, optim=OptimConfig(**case.get("optim", {})))
         initial = copy.deepcopy(model.state_dict())
         expected = reference_fit(model, STEPS)
@@ -98,8 +103,8 @@ def test_zebra_moves_between_expert_ranks_and_onto_the_attention_rank():
         assert_same_params(got["state"], expected, initial)
 
 
-def test_monitor_counts_equal_the_routers_counts_summed_by_hand():
-    got = run_ranks(2, fit_moving, 2, CASES[:1])[0][0]
+def test_monitor_counts_equal_the_routers_counts_summed_by_hand(moved):
+    got = moved[0]
     # the last step's global batch, routed by the model as it was before the last update
     model = make_model(4, seed=0, optim=OptimConfig())
     before_last = reference_fit(model, STEPS - 1)

@@ -43,6 +43,7 @@ def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
     emulated GPU mix: mode=auto picks what each can run), and each child re-runs its own
     job, not the whole sweep (Lightning's default)."""
     proc = run_recipe("-m", "cluster=cpu1,cpu2,emu_a40_v100_d1_4k", "trainer.max_steps=3", "trainer.limit_val_batches=1",
+                      "logger=[csv,tensorboard]", "trainer.log_every_n_steps=2", "callbacks.load_monitor.log_every_n_steps=2",
                       f"hydra.sweep.dir={tmp_path}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = sorted(tmp_path.rglob("summary.json"))
@@ -62,6 +63,16 @@ def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
     assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 5  # header, rule, three rows
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+    # every job's metrics reach both loggers (job 1: two ranks, expert parallel)
+    metrics = next((tmp_path / "1").glob("logs/version_*/metrics.csv"))
+    logged = list(csv.DictReader(open(metrics)))
+    columns = set(logged[0])
+    for name in ("train_loss", "perf/tokens_per_s", "perf/step_time_s", "moe_load/max_over_mean",
+                 "moe_load/layer0_max_over_mean"):
+        assert name in columns, sorted(columns)
+    assert any(r["train_loss"] for r in logged) and any(r["perf/tokens_per_s"] for r in logged)
+    events = list((tmp_path / "1").glob("tensorboard/version_*/events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 500, "TensorBoard event file with the metrics"
 
 
 def compose(*overrides: str):
@@ -127,22 +138,3 @@ def test_torchrun_launches_the_ranks_and_the_pack_spawns_none(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 3
     # two ranks, each started by torchrun: exactly two "Initializing distributed" lines, no third process
     assert (proc.stdout + proc.stderr).count("Initializing distributed:") == 2
-
-
-def test_metrics_reach_the_csv_and_tensorboard_loggers(tmp_path):
-    proc = run_recipe("cluster=cpu2", "strategy.mode=ep", "logger=[csv,tensorboard]", "trainer.max_steps=10",
-                      "trainer.log_every_n_steps=5",
-                      "callbacks.load_monitor.log_every_n_steps=5", "trainer.limit_val_batches=1",
-                      f"hydra.run.dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import csv
-
-    metrics = next(tmp_path.glob("logs/version_*/metrics.csv"))
-    rows = list(csv.DictReader(open(metrics)))
-    columns = set(rows[0])
-    for name in ("train_loss", "perf/tokens_per_s", "perf/step_time_s", "moe_load/max_over_mean",
-                 "moe_load/layer0_max_over_mean"):
-        assert name in columns, sorted(columns)
-    assert any(r["train_loss"] for r in rows) and any(r["perf/tokens_per_s"] for r in rows)
-    events = list(tmp_path.glob("tensorboard/version_*/events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 500, "TensorBoard event file with the metrics"
