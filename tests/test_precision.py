@@ -4,7 +4,6 @@ refused where the hardware has none."""
 
 from __future__ import annotations
 
-import copy
 
 import lightning as L
 import pytest
