@@ -1,6 +1,9 @@
-"""A converted tiny random Hugging Face MoE model trains under the strategy (expert
-parallelism on 2 real gloo processes) exactly as one process trains it on the global batch,
-at the default settings (balance and z-loss on, the default optimizer)."""
+"""Converted tiny random Hugging Face MoE models train under the strategy, in every mode
+(expert parallelism, zebra on 1+1 and 2+2, DistEP), on real gloo processes exactly as one
+process trains them on the global batch, at the default settings (balance and z-loss on,
+the default optimizer). The balance and z losses leave a Hugging Face block beside its
+output (``last_aux``), never through it: zebra's block-by-block backward gets them through
+the cut the strategy makes at the MoE layer."""
 
 from __future__ import annotations
 
@@ -13,32 +16,35 @@ import torch
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELayer
 from reference import SEQ, assert_same_params, data, reference_fit, trainer
+from test_zebra import make_test_plan
 
 pytest.importorskip("transformers")
 
 STEPS = 4
-WORLD = 2
+EXPERTS = 4
 
 
 def build(arch: str, seed: int) -> HFMoELanguageModel:
     """Seeded per rank: the strategy must start every rank from rank 0's weights."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    import transformers as tf
 
     common = dict(hidden_size=16, intermediate_size=12, num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
                   num_hidden_layers=2, max_position_embeddings=SEQ, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None, num_experts_per_tok=2)
     torch.manual_seed(seed)
     if arch == "mixtral":
-        hf = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4))
-    else:  # a dense shared expert beside the routed ones, un-normalised top-k
-        hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=8,
-                                                shared_expert_intermediate_size=10, norm_topk_prob=False))
+        hf = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=EXPERTS))
+    elif arch == "qwen2_moe":  # a gated dense shared expert beside the routed ones, un-normalised top-k
+        hf = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=EXPERTS, moe_intermediate_size=8,
+                                                      shared_expert_intermediate_size=10, norm_topk_prob=False))
+    elif arch == "qwen3_moe":  # a dense decoder layer between the two MoE layers
+        hf = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=EXPERTS,
+                                                      moe_intermediate_size=8, mlp_only_layers=[1]))
+    elif arch == "olmoe":
+        hf = tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, num_experts=EXPERTS, norm_topk_prob=False))
+    else:
+        raise ValueError(arch)
     return HFMoELanguageModel(hf.float())
-
-
-# (architecture, gradient checkpointing): Hugging Face's own checkpointing recomputes each
-# decoder layer, all-to-all included, inside the backward
-ARCHS = [("mixtral", False), ("qwen2_moe", False), ("mixtral", True)]
 
 
 class HeldExperts(L.Callback):
@@ -48,9 +54,27 @@ class HeldExperts(L.Callback):
         self.held = [m.experts.num_local_experts for m in pl_module.modules() if isinstance(m, MoELayer)]
 
 
-def fit(rank: int, world: int) -> list[dict]:
+def plan_for(world: int, attention: list[int], R: int):
+    return make_test_plan(world, attention, R, num_experts=EXPERTS)
+
+
+# (architecture, mode, zebra attention ranks, micro-batches, Hugging Face gradient
+# checkpointing: each decoder layer recomputed inside its backward, dispatch included)
+CASES = {
+    2: [("mixtral", "ep", None, 0, False), ("qwen2_moe", "ep", None, 0, False), ("mixtral", "ep", None, 0, True),
+        ("mixtral", "zebra", [0], 2, False), ("qwen2_moe", "zebra", [0], 2, False),
+        ("qwen3_moe", "zebra", [0], 2, False), ("olmoe", "zebra", [0], 3, False),
+        ("mixtral", "zebra", [0], 2, True),
+        ("mixtral", "distep", [0], 1, False), ("qwen2_moe", "distep", [0], 1, False),
+        ("qwen3_moe", "distep", [0], 1, False), ("olmoe", "distep", [0], 1, False)],
+    4: [("mixtral", "zebra", [0, 1], 2, False), ("qwen2_moe", "zebra", [0, 1], 2, False),
+        ("qwen3_moe", "zebra", [0, 1], 2, False), ("olmoe", "zebra", [0, 1], 2, False)],
+}
+
+
+def fit(rank: int, world: int) -> list:
     out = []
-    for arch, checkpointed in ARCHS:
+    for arch, mode, attention, R, checkpointed in CASES[world]:
         model = build(arch, seed=rank)
         calls = []
         if checkpointed:
@@ -59,33 +83,43 @@ def fit(rank: int, world: int) -> list[dict]:
                 if isinstance(m, MoELayer):
                     # training forwards only (set-up runs one warm-up forward in eval mode)
                     m.register_forward_pre_hook(lambda mod, args: calls.append(1) if mod.training else None)
+        plan = plan_for(world, attention, R) if attention is not None else None
         held = HeldExperts()
-        trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS, callbacks=[held]).fit(model,
-                                                                                         datamodule=data(world))
-        out.append(({k: v.clone() for k, v in model.state_dict().items()}, held.held, len(calls)))
-    return out if rank == 0 else None
+        trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_steps=STEPS, callbacks=[held]).fit(
+            model, datamodule=data(world))
+        out.append(({k: v.clone() for k, v in model.state_dict().items()}, getattr(held, "held", None), len(calls)))
+    return out
 
 
-def test_converted_hf_model_trains_like_one_process():
-    results = run_ranks(WORLD, fit, WORLD)[0]
-    for (arch, checkpointed), (actual, held, calls) in zip(ARCHS, results):
-        if checkpointed:  # every MoE layer ran twice per step: forward, then recomputed in backward
-            assert calls == 2 * 2 * STEPS, calls
-        assert held == [2, 2], f"{arch}: 4 experts per layer should be split 2+2 over 2 ranks, rank 0 held {held}"
+_expected: dict[str, tuple[dict, dict]] = {}
+
+
+def expected(arch: str) -> tuple[dict, dict]:
+    """(initial, trained) state of the one-process loop, once per architecture."""
+    if arch not in _expected:
         model = build(arch, seed=0)
         layers = [m for m in model.modules() if isinstance(m, MoELayer)]
         assert len(layers) == 2 and layers[0].cfg.aux_loss_coef > 0 and layers[0].cfg.z_loss_coef > 0
-        initial = copy.deepcopy(model.state_dict())
-        expected = reference_fit(model, STEPS)
-        assert_same_params(actual, expected, initial)
+        _expected[arch] = copy.deepcopy(model.state_dict()), reference_fit(model, STEPS)
+    return _expected[arch]
 
 
-def test_zebra_is_refused_with_a_reason():
-    from types import SimpleNamespace
-
-    model = build("mixtral", seed=0)
-    model._trainer = SimpleNamespace(strategy=SimpleNamespace(mode="zebra"))
-    with pytest.raises(ValueError, match="mode='ep'"):
-        model.setup("fit")
-    model._trainer = SimpleNamespace(strategy=SimpleNamespace(mode="ep"))
-    model.setup("fit")
+@pytest.mark.parametrize("world", [2, 4])
+def test_converted_hf_models_train_like_one_process_in_every_mode(world):
+    results = run_ranks(world, fit, world)
+    for c, (arch, mode, attention, R, checkpointed) in enumerate(CASES[world]):
+        actual, held, calls = results[0][c]
+        what = f"{arch} under {mode} on {world} ranks"
+        if checkpointed:
+            # EP: forward, then recomputed in backward. Zebra recomputes twice: once for the
+            # gradient of the experts' answer (sent before the block's backward can go on),
+            # once for the block's backward (the recomputed activations live for one backward)
+            runs = 2 if mode == "ep" else 3
+            assert calls == runs * 2 * STEPS * max(R, 1), (what, calls)
+        if mode == "ep":
+            assert held == [2, 2], f"{what}: 4 experts per layer should be split 2+2 over 2 ranks, rank 0 held {held}"
+        else:  # the attention rank holds no expert; the expert ranks hold them all between them
+            assert held == [0, 0], (what, held)
+            assert sum(results[r][c][1][0] for r in range(world) if r not in attention) == EXPERTS, what
+        initial, want = expected(arch)
+        assert_same_params(actual, want, initial)

@@ -23,6 +23,8 @@ Weight layouts (``F.linear`` weights are ``[out, in]``; ours are ``[in, out]``):
 from __future__ import annotations
 
 import re
+import threading
+import weakref
 from dataclasses import fields
 from typing import Any
 
@@ -45,7 +47,10 @@ class HFMoEBlock(MoELayer):
     child of the decoder layer, where the strategy looks for it.
 
     The decoder layer takes back the hidden states alone, so each call leaves its
-    :class:`MoEAux` in ``last_aux`` for the loss to collect (:func:`moe_aux`).
+    :class:`MoEAux` in ``last_aux`` for the loss to collect (:func:`moe_aux`). ``last_aux``
+    is kept per thread: a forward's aux is collected by the thread that ran it, so forwards
+    of several micro-batches may interleave (each on its own thread, as the zebra executor
+    runs them) without taking each other's losses.
     ``hf_class`` and ``hf_config`` rebuild the original block for :func:`to_hf`.
     """
 
@@ -54,7 +59,17 @@ class HFMoEBlock(MoELayer):
         super().__init__(d_model, cfg)
         self.hf_class, self.hf_config = hf_class, hf_config
         self.input_jitter = input_jitter
-        self.last_aux: MoEAux | None = None
+
+    @property
+    def last_aux(self) -> MoEAux | None:
+        return _thread_aux().get(self)
+
+    @last_aux.setter
+    def last_aux(self, aux: MoEAux | None) -> None:
+        if aux is None:
+            _thread_aux().pop(self, None)
+        else:
+            _thread_aux()[self] = aux
 
     def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
         if self.training and self.input_jitter > 0:
@@ -67,6 +82,17 @@ class HFMoEBlock(MoELayer):
     def aux_of(self, output: Any) -> MoEAux | None:
         """The aux of the forward that just ran: kept beside the hidden states it returned."""
         return self.last_aux
+
+
+_local = threading.local()
+
+
+def _thread_aux() -> "weakref.WeakKeyDictionary[HFMoEBlock, MoEAux]":
+    # module-level, not on the block: a block stays deep-copyable and picklable
+    table = getattr(_local, "aux", None)
+    if table is None:
+        table = _local.aux = weakref.WeakKeyDictionary()
+    return table
 
 
 def moe_aux(model: nn.Module) -> list[MoEAux]:

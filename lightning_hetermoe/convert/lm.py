@@ -35,17 +35,6 @@ class HFMoELanguageModel(L.LightningModule):
             hf_model = to_hetermoe(hf_model)
         self.model = hf_model
 
-    # mode="auto" does not weigh zebra or distep for this model (see setup)
-    disaggregates = False
-
-    def setup(self, stage: str) -> None:
-        mode = getattr(self.trainer.strategy, "mode", "ep")
-        if mode in ("zebra", "distep"):
-            raise ValueError(
-                f"HFMoELanguageModel trains with the hetermoe strategy's mode='ep', not {mode!r}: a Hugging Face "
-                f"decoder layer returns the hidden states alone, so the MoE losses leave each block beside its "
-                f"output, where the {mode} executor's block-by-block backward cannot follow them")
-
     def forward(self, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return self.model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits
 

@@ -92,11 +92,13 @@ class MoELayer(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         r = self.route(x)
+        # before the dispatch: under zebra the shared expert runs while the routed rows are away
+        shared = self.shared_expert(x) if self.shared_expert is not None else None
         slots = self.dispatcher(x, r.indices, r.keep, self.experts)
         weights = (r.weights * r.keep).to(slots.dtype)
         y = (slots.view(x.shape[0], self.top_k, slots.shape[-1]) * weights.unsqueeze(-1)).sum(1)
-        if self.shared_expert is not None:
-            y = y + self.shared_expert(x)
+        if shared is not None:
+            y = y + shared
         kept = r.indices[r.keep]
         aux = MoEAux(
             balance_loss=self.balance(r.probs, r.indices),

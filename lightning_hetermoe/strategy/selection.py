@@ -192,8 +192,6 @@ def _can_disaggregate(strategy: Any, module: Any) -> bool:
     """Zebra and distep can run this model here (auto weighs them only then)."""
     if strategy.world_size < 2 or not getattr(module, "automatic_optimization", False):
         return False
-    if not getattr(module, "disaggregates", True):  # the module says its blocks cannot be cut
-        return False
     try:
         describe_model(module)
     except ModelContractError:

@@ -129,7 +129,7 @@ class ZebraBackend(ParallelBackend):
             for l, layer in enumerate(self.layers):
                 layer.dispatcher = ZebraDispatcher(l, self)
                 layer.balance = ZebraBalance(l, self)
-            self._cuts = BlockCuts([b for _, b, _ in blocks])
+            self._cuts = BlockCuts([b for _, b, _ in blocks], self.layers)
         self.experts = ExpertTasks(self.layout, self.layers, self.device)
         self.applied = True
 

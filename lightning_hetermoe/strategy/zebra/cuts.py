@@ -7,6 +7,10 @@ graph: from the input leaves to the original outputs, with the dispatched rows a
 experts' answer (another leaf) as the cut in the middle. The executor drives
 ``torch.autograd.backward`` over those graphs itself, block by block.
 
+A hook on each MoE layer cuts its balance and z losses the same way (kept in the record's
+``aux``), so their gradient enters the block's backward whichever way the model carries
+them to its loss.
+
 The hooks also tell the step's work log when a block's forward begins and when its
 backward reaches the block's input. They act only inside a zebra fiber; anywhere else
 (a plain forward, or a block recomputed by activation checkpointing inside its own
@@ -25,9 +29,14 @@ from . import fibers
 from .records import Cut
 
 
-def _cutter(pairs: list[Cut], on_grad: Callable[[], None] | None = None) -> Callable[[Tensor], Tensor]:
+def _cutter(pairs: list[Cut], on_grad: Callable[[], None] | None = None, already: list[Cut] | None = None
+            ) -> Callable[[Tensor], Tensor]:
+    """``already``: cuts made inside the block (its MoE layer's losses); one of those leaving
+    through the block stays as it is, its gradient lands where the executor looks for it."""
+    made = {id(leaf) for _, leaf in already or []}
+
     def cut(t: Tensor) -> Tensor:
-        if not t.requires_grad:
+        if not t.requires_grad or id(t) in made:
             return t
         leaf = t.detach().requires_grad_()
         if on_grad is not None:
@@ -39,11 +48,12 @@ def _cutter(pairs: list[Cut], on_grad: Callable[[], None] | None = None) -> Call
 
 
 class BlockCuts:
-    def __init__(self, blocks: list[nn.Module]) -> None:
+    def __init__(self, blocks: list[nn.Module], layers: list[nn.Module]) -> None:
         self.handles = []
-        for layer, block in enumerate(blocks):
+        for layer, (block, moe) in enumerate(zip(blocks, layers)):
             self.handles.append(block.register_forward_pre_hook(self._pre(layer), with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._post(layer), with_kwargs=True))
+            self.handles.append(moe.register_forward_hook(self._aux(layer)))
 
     @staticmethod
     def _pre(layer: int):
@@ -73,7 +83,23 @@ class BlockCuts:
                 return None
             rec = fiber.owner.record(layer, fiber.mb)
             rec.outputs = []
-            return map_tensors(output, _cutter(rec.outputs))
+            return map_tensors(output, _cutter(rec.outputs, already=rec.aux))
+
+        return hook
+
+    @staticmethod
+    def _aux(layer: int):
+        def hook(module, args, output):
+            fiber = fibers.current()
+            aux = module.aux_of(output)
+            if fiber is None or aux is None or not torch.is_grad_enabled():
+                return None
+            rec = fiber.owner.record(layer, fiber.mb)
+            cut = _cutter(rec.aux)
+            # the layer's own result object: whoever collects it (the block's return value, or
+            # a Hugging Face block's last_aux) gets the cut losses
+            aux.balance_loss, aux.z_loss = cut(aux.balance_loss), cut(aux.z_loss)
+            return None
 
         return hook
 

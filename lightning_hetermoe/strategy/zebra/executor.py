@@ -316,7 +316,7 @@ class StepRun:
         if rec is None:  # an empty micro-batch
             self._emit_empty(Round("bwd", l, j), with_counts=False)
             return
-        rec.answer_grads = [(o, leaf.grad) for o, leaf in rec.outputs if leaf.grad is not None]
+        rec.answer_grads = [(o, leaf.grad) for o, leaf in rec.outputs + rec.aux if leaf.grad is not None]
         answer, grad = rec.answer, None
         if answer.shape[0] and rec.answer_grads:
             self.replaying = (l, j, rec)

@@ -18,6 +18,10 @@ class BlockRecord:
     dispatched: bool = False  # the block's MoE layer handed its rows over
     inputs: list[Cut] | None = None  # cut at the block's entry (grad mode only)
     outputs: list[Cut] = field(default_factory=list)  # cut at the block's exit
+    # the MoE layer's balance and z losses, cut where the layer made them: the model may
+    # carry them to its loss by any path (returned, or kept beside the block as Hugging Face
+    # blocks do), and their gradient still enters the block's own backward
+    aux: list[Cut] = field(default_factory=list)
     sent: Tensor | None = None  # the dispatched rows, in the block's graph
     answer: Tensor | None = None  # leaf holding the experts' answer, as the block used it
     arrived: Tensor | None = None  # the answer as it arrived, before the block resumed
@@ -26,7 +30,7 @@ class BlockRecord:
     def tensors(self) -> list[Tensor]:
         """Every tensor the record holds (for accounting what a step keeps alive)."""
         out: list[Tensor] = []
-        for pairs in (self.inputs or [], self.outputs, self.answer_grads):
+        for pairs in (self.inputs or [], self.outputs, self.aux, self.answer_grads):
             for a, b in pairs:
                 out += [a, b]
         out += [t for t in (self.sent, self.answer, self.arrived) if t is not None]
