@@ -29,7 +29,7 @@ from dataclasses import replace
 from torch import nn
 
 from .config import ModelConfig
-from .moe import MoELayer
+from .moe import MoELayer, ModuleExperts
 
 HEAD_ATTRIBUTES = ("n_heads", "num_heads", "num_attention_heads")
 
@@ -94,4 +94,15 @@ def describe_model(module: nn.Module) -> ModelConfig:
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=2)
     return ModelConfig(name=type(module).__name__.lower(), vocab_size=max(vocab, 2), d_model=d_model,
-                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20, moe=replace(moe.cfg))
+                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20, moe=_planned_moe(moe))
+
+
+def _planned_moe(layer: MoELayer):
+    """The layer's config as planning sees it. User experts are priced as the GELU MLP with
+    as many parameters (two matmuls of ``d_model x d_ff``): what their FLOPs and bytes are
+    closest to, without running them."""
+    if not isinstance(layer.experts, ModuleExperts):
+        return replace(layer.cfg)
+    d_model = layer.router.weight.shape[1]
+    d_ff = max(1, round(layer.experts.params_per_expert / (2 * d_model)))
+    return replace(layer.cfg, d_ff=d_ff, activation="gelu", bias=False)

@@ -108,12 +108,21 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
     sched = conf["lr_scheduler"]["scheduler"] if isinstance(conf, dict) else None
     batches = global_batches(global_batch, windows, shuffle, seed)
     autocast = torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None)
+    # aux-loss-free balancing: each router's bias moves once per step, by the step's load
+    biased = [m.router for m in model.modules() if isinstance(m, MoELayer)
+              if getattr(m.router, "expert_bias", None) is not None]
     for _ in range(steps):
         opt.zero_grad()
+        load = 0
         for _ in range(accumulate):
             batch = next(batches)
             with autocast:
-                loss = model.losses(batch)["loss"] if pieces is None else pieces_loss(model, batch, pieces, stats)
+                if pieces is None:
+                    out = model.losses(batch)
+                    loss, load = out["loss"], load + out["tokens_per_expert"].detach()
+                else:
+                    assert not biased, "the pieces reference does not count the load"
+                    loss = pieces_loss(model, batch, pieces, stats)
             loss = loss / accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if stats is not None:  # the CE a rank logs: over its own rows (default: all)
@@ -131,6 +140,9 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
             opt.step()
         if sched is not None:
             sched.step()
+        for l, router in enumerate(biased):
+            with torch.no_grad():  # written out here, not the router's own update
+                router.expert_bias += router.bias_update_rate * torch.sign(load[l].float().mean() - load[l].float())
     if stats is not None:
         stats["model"] = model
     return model.state_dict()

@@ -8,6 +8,8 @@
   communication and idle (:meth:`HeterMoEStrategy.rank_busy`: the zebra executor's trace,
   the emulated clock, or under EP on real devices each task's measured span, CUDA events
   on a GPU).
+* **Balancing bias.** For routers with ``expert_bias`` (aux-loss-free balancing), each
+  layer's bias spread (max - min).
 * **Imbalance.** Per layer the busiest expert against the mean (1.0 is perfect), and the
   slowest rank with its margin over the mean busy time.
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 import lightning_hetermoe.comm as comm
 from ..contract import moe_layers
+from ..moe.expert_bias import is_first_training_forward
 
 BUSY_KINDS = ("attention", "experts", "comm", "idle")
 
@@ -65,7 +68,7 @@ class ExpertLoadMonitor(L.Callback):
         def hook(l: int):
             def record(module, args, output):
                 aux = module.aux_of(output)
-                if module.training and aux is not None:
+                if aux is not None and is_first_training_forward(module):
                     counts = aux.tokens_per_expert.detach()
                     if self._step_counts is None:
                         self._step_counts = counts.new_zeros(self._layers, counts.shape[0])
@@ -116,6 +119,7 @@ class ExpertLoadMonitor(L.Callback):
         if trainer.global_rank != 0:
             return
         metrics = self.figures(counts, everyone)
+        metrics.update(self.bias_figures(trainer.lightning_module))
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         self.last_metrics = metrics
@@ -142,6 +146,17 @@ class ExpertLoadMonitor(L.Callback):
             worst, rank = max(totals)
             out["rank_busy/slowest_rank"] = float(rank)
             out["rank_busy/slowest_margin"] = worst / mean - 1 if mean > 0 else 0.0
+        return out
+
+    @staticmethod
+    def bias_figures(module: Any) -> dict[str, float]:
+        """Per layer, the spread of the routers' aux-loss-free balancing bias (max - min):
+        how far routing had to be pushed to even the load."""
+        out = {}
+        for l, (_, layer) in enumerate(moe_layers(module)):
+            bias = getattr(layer.router, "expert_bias", None)
+            if bias is not None:
+                out[f"moe_load/layer{l}_bias_spread"] = float(bias.max() - bias.min())
         return out
 
     def load_share(self) -> list[list[float]] | None:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..config import OptimConfig, from_cfg
 from ..model.lm import MoELanguageModel
+from ..moe import gate_losses
 from .hf import HFMoEBlock, moe_aux, to_hetermoe
 
 
@@ -47,7 +48,7 @@ class HFMoELanguageModel(L.LightningModule):
         balance = torch.stack([a.balance_loss for a in auxes]).sum()
         z = torch.stack([a.z_loss for a in auxes]).sum()
         loss = ce + sum(l.cfg.aux_loss_coef * a.balance_loss + l.cfg.z_loss_coef * a.z_loss
-                        for l, a in zip(layers, auxes))
+                        for l, a in zip(layers, auxes)) + gate_losses(auxes)
         dropped = torch.stack([a.dropped for a in auxes]).sum()
         return {"loss": loss, "ce": ce, "balance_loss": balance, "z_loss": z, "dropped": dropped,
                 "tokens_per_expert": torch.stack([a.tokens_per_expert for a in auxes])}

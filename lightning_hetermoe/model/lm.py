@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import ModelConfig, OptimConfig, from_cfg
+from ..moe import gate_losses
 from .transformer import MoETransformer
 
 
@@ -31,7 +32,7 @@ class MoELanguageModel(L.LightningModule):
         moe = self.model_cfg.moe
         balance = torch.stack([a.balance_loss for a in auxes]).sum()
         z = torch.stack([a.z_loss for a in auxes]).sum()
-        loss = ce + moe.aux_loss_coef * balance + moe.z_loss_coef * z
+        loss = ce + moe.aux_loss_coef * balance + moe.z_loss_coef * z + gate_losses(auxes)
         dropped = torch.stack([a.dropped for a in auxes]).sum()
         return {"loss": loss, "ce": ce, "balance_loss": balance, "z_loss": z, "dropped": dropped,
                 "tokens_per_expert": torch.stack([a.tokens_per_expert for a in auxes])}

@@ -3,7 +3,8 @@
 from .capacity import apply_capacity, expert_capacity
 from .dispatch import LocalDispatcher
 from .experts import Experts, grouped_mlp_torch, resolve_backend
-from .layer import MoEAux, MoELayer
+from .layer import MoEAux, MoELayer, gate_losses
+from .module_experts import ExpertContractError, ModuleExperts
 from .routers import (
     GShardRouter,
     NoisyTopKRouter,
@@ -17,11 +18,13 @@ from .routers import (
 )
 
 __all__ = [
+    "ExpertContractError",
     "Experts",
     "GShardRouter",
     "LocalDispatcher",
     "MoEAux",
     "MoELayer",
+    "ModuleExperts",
     "NoisyTopKRouter",
     "Router",
     "RouterOutput",
@@ -30,6 +33,7 @@ __all__ = [
     "apply_capacity",
     "build_router",
     "expert_capacity",
+    "gate_losses",
     "grouped_mlp_torch",
     "load_balancing_loss",
     "resolve_backend",

@@ -22,7 +22,8 @@ from .capacity import apply_capacity
 from .dispatch import LocalDispatcher
 from .experts import Experts
 from .balance import LocalBalance
-from .routers import RouterOutput, build_router, router_z_loss
+from .module_experts import ModuleExperts
+from .routers import Router, RouterOutput, build_router, router_z_loss
 
 
 @dataclass
@@ -33,6 +34,12 @@ class MoEAux:
     z_loss: Tensor
     tokens_per_expert: Tensor  # [E] kept choices per expert in this call (global ids)
     dropped: Tensor  # scalar: number of routing choices dropped by capacity or the router
+    gate_loss: Tensor | None = None  # a custom gate's own loss (RouterOutput.gate_loss), weighted by the gate
+
+
+def gate_losses(auxes: list[MoEAux]) -> Tensor | float:
+    """The sum of custom gates' own losses (0 where every layer uses a pack router)."""
+    return sum((a.gate_loss for a in auxes if a.gate_loss is not None), 0.0)
 
 
 class SharedExpert(nn.Module):
@@ -64,14 +71,28 @@ class SharedExpert(nn.Module):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+    """``experts``: the user's expert module class (or factory, called once per expert) or
+    the list of ``num_experts`` expert modules (:class:`~.module_experts.ModuleExperts`);
+    default: the pack's MLP experts from ``cfg`` on the grouped kernels. ``router``: the
+    user's gate, a :class:`~.routers.Router` (it returns top-k indices and weights, and
+    the probabilities and logits the balance and z losses read; a gate that has a loss of
+    its own returns it as ``RouterOutput.gate_loss``); default: ``cfg.router``."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, *, experts: Any = None, router: Router | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.router = build_router(cfg, d_model)
-        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff, cfg.activation, cfg.bias,
-                               backend=cfg.expert_backend, recompute=cfg.recompute_activation)
+        if router is not None and not isinstance(router, Router):
+            raise TypeError(f"router must be a lightning_hetermoe Router (subclass it for a custom gate); got "
+                            f"{type(router).__name__}")
+        if router is not None and (router.num_experts, router.top_k) != (cfg.num_experts, cfg.top_k):
+            raise ValueError(f"the router has {router.num_experts} experts, top-{router.top_k}; moe has "
+                             f"{cfg.num_experts}, top-{cfg.top_k}")
+        self.router = router if router is not None else build_router(cfg, d_model)
+        self.experts = (ModuleExperts(experts, cfg.num_experts, d_model) if experts is not None else
+                        Experts(cfg.num_experts, d_model, cfg.d_ff, cfg.activation, cfg.bias,
+                                backend=cfg.expert_backend, recompute=cfg.recompute_activation))
         self.shared_expert = (SharedExpert(d_model, cfg.shared_expert_d_ff, cfg.activation, cfg.bias)
                               if cfg.shared_expert_d_ff > 0 else None)
         self.dispatcher = LocalDispatcher()
@@ -105,5 +126,6 @@ class MoELayer(nn.Module):
             z_loss=router_z_loss(r.logits),
             tokens_per_expert=torch.bincount(kept, minlength=self.num_experts),
             dropped=(~r.keep).sum(),
+            gate_loss=r.gate_loss,
         )
         return y.view(shape), aux

@@ -25,6 +25,7 @@ class RouterOutput:
     keep: Tensor  # [T, k] bool; False where the router itself declined a choice (GShard)
     probs: Tensor  # [T, E] fp32 softmax over all experts (for the balancing loss)
     logits: Tensor  # [T, E] fp32 (for the z-loss)
+    gate_loss: Tensor | None = None  # a custom gate's own auxiliary loss, already weighted (scalar)
 
 
 def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Tensor:

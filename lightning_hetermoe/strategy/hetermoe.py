@@ -28,6 +28,8 @@ from typing_extensions import override
 
 import lightning_hetermoe.comm as comm
 from ..cluster import ClusterConfig
+from ..contract import moe_layers
+from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from . import heartbeat
 from .arguments import MODES, StrategyArguments
@@ -75,6 +77,7 @@ class HeterMoEStrategy(DDPStrategy):
                                       allow_emulated_bf16=allow_emulated_bf16)
         self.clock = RunClock(self.args.cluster, self.args.profile, rank=0)
         self.backend: ParallelBackend | None = None
+        self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
 
@@ -153,6 +156,8 @@ class HeterMoEStrategy(DDPStrategy):
 
             self.backend = select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting)
+        if fitting:
+            self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])
         agree_on_overflow(self.precision_plugin)
         self._tune_kernels()
         if fitting:
@@ -245,7 +250,17 @@ class HeterMoEStrategy(DDPStrategy):
             return result
 
         out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self._expert_bias is not None:
+            self._expert_bias.update(self._sum_over_ranks)
         self.clock.step_ended(tail_started[0] if tail_started else None, self.backend.tail_shape())
+        return out
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        # every rank that routes tokens holds part of the global batch; the others add zeros
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return t
+        out = t.clone()
+        comm.all_reduce(comm.world(), out, what="expert_bias.load")
         return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
@@ -373,6 +388,9 @@ class HeterMoEStrategy(DDPStrategy):
         succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if self.backend is not None:
             self.backend.restore(module, succeeded)
+        if self._expert_bias is not None:
+            self._expert_bias.remove()
+            self._expert_bias = None
         watch_launcher(armed=False)
         super().teardown()
 

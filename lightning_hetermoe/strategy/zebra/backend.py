@@ -113,7 +113,7 @@ class ZebraBackend(ParallelBackend):
             raise ZebraContractError(f"the plan is for {self.layout.num_layers} MoE layers, the model has "
                                      f"{len(self.layers)}")
         self.d_model = self.layers[0].router.weight.shape[1]
-        self.dtype = self.layers[0].experts.w_up.dtype
+        self.dtype = next(self.layers[0].experts.parameters()).dtype
         for t in list(module.parameters()) + list(module.buffers()):
             # rank 0's weights everywhere, before anyone slices (on the device: set-up moved the model)
             comm.broadcast(comm.world(), t.data, 0, what="zebra.weights")

@@ -7,7 +7,7 @@ graph: from the input leaves to the original outputs, with the dispatched rows a
 experts' answer (another leaf) as the cut in the middle. The executor drives
 ``torch.autograd.backward`` over those graphs itself, block by block.
 
-A hook on each MoE layer cuts its balance and z losses the same way (kept in the record's
+A hook on each MoE layer cuts its balance, z (and custom gate) losses the same way (kept in the record's
 ``aux``), so their gradient enters the block's backward whichever way the model carries
 them to its loss.
 
@@ -99,6 +99,8 @@ class BlockCuts:
             # the layer's own result object: whoever collects it (the block's return value, or
             # a Hugging Face block's last_aux) gets the cut losses
             aux.balance_loss, aux.z_loss = cut(aux.balance_loss), cut(aux.z_loss)
+            if aux.gate_loss is not None:
+                aux.gate_loss = cut(aux.gate_loss)
             return None
 
         return hook
