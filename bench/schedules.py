@@ -15,12 +15,17 @@ routing, as planned) and its relative error, the simulator's s/step at the routi
 really had (the load monitor's counts) and that error, the share of emulated tasks that
 overran their modelled time, and zebra/ep measured beside zebra/ep predicted.
 
+A converted Hugging Face Mixtral of the same shape (``model.architecture=hf_mixtral``)
+runs ep and zebra on A40+V100 1+1 at 16K beside the pack's model: its zebra/ep speed-up
+should be within 5% of the pack model's (the clock is the workload's; what differs is
+the model's code path: Hugging Face decoder layers, their losses beside the blocks).
+
 Then the planner check: on A40+V100 at 16K, zebra with the planner's R against R-1 and
 R+1, and Asym-EA on against off; the planner's choice must measure within 5% of the best.
 
 The last line is one JSON object with ``max_rel_error``, ``max_rel_error_at_measured_load``,
-``zebra_over_ep_a40_v100_16k`` (measured, 1+1), ``zebra_over_distep_a40_v100_16k`` and the
-planner check.
+``zebra_over_ep_a40_v100_16k`` (measured, 1+1), ``zebra_over_distep_a40_v100_16k``,
+``hf_mixtral_zebra_over_ep`` beside it, and the planner check.
 """
 
 from __future__ import annotations
@@ -127,6 +132,14 @@ def main(argv: list[str] | None = None) -> dict:
                 if d:
                     line += f"; zebra/distep measured {d['measured_s'] / z['measured_s']:.2f}x"
                 print(line, flush=True)
+    hf = {s: measure("a40+v100 1+1", "16K", s, ["model.architecture=hf_mixtral"]) for s in ("ep", "zebra")}
+    for s, r in hf.items():
+        print_row({**r, "mix": "hf mixtral 1+1"})
+    hf_ratio = hf["ep"]["measured_s"] / hf["zebra"]["measured_s"]
+    pack_ratio = ratios[("a40+v100 1+1", "16K")][0]
+    print(f"  converted HF Mixtral, a40+v100 1+1 16K: zebra/ep measured {hf_ratio:.2f}x beside the pack model's "
+          f"{pack_ratio:.2f}x ({hf_ratio / pack_ratio - 1:+.1%}: "
+          f"{'within' if abs(hf_ratio / pack_ratio - 1) <= 0.05 else 'NOT within'} 5%)", flush=True)
     check = None if args.quick else planner_check()
     headline = by[("a40+v100 1+1", "16K", "zebra")], by[("a40+v100 1+1", "16K", "ep")]
     distep = by.get(("a40+v100 1+1", "16K", "distep"))
@@ -137,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         "zebra_over_ep_a40_v100_16k": headline[1]["measured_s"] / headline[0]["measured_s"],
         "zebra_over_ep_a40_v100_16k_predicted": headline[1]["predicted_s"] / headline[0]["predicted_s"],
         "zebra_over_distep_a40_v100_16k": distep["measured_s"] / headline[0]["measured_s"] if distep else None,
+        "hf_mixtral_zebra_over_ep": hf_ratio,
+        "hf_mixtral_over_pack_ratio": hf_ratio / pack_ratio,
         "max_overrun_fraction": max(r["overrun_fraction"] for r in rows),
         "planner_check": check,
         "cells": len(rows),

@@ -10,7 +10,7 @@ from .config import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
 from .convert import HFMoELanguageModel, from_hf, to_hetermoe, to_hf
 from .emulate import apply_emulation
 from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer
-from .moe import MoELayer
+from .moe import MoEAux, MoELayer, ModuleExperts, Router, RouterOutput, gate_losses
 from .plan import Plan, make_plan
 from .profile import CostModel, Profile
 from .profiler import profile_cluster
@@ -33,15 +33,20 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "MoELanguageModel",
+    "MoEAux",
     "MoELayer",
     "MoETransformer",
+    "ModuleExperts",
     "OptimConfig",
     "Plan",
     "Profile",
+    "Router",
+    "RouterOutput",
     "RunSummary",
     "apply_emulation",
     "from_cfg",
     "from_hf",
+    "gate_losses",
     "get_device",
     "make_plan",
     "profile_cluster",

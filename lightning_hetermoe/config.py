@@ -14,6 +14,7 @@ ROUTERS = ("topk", "switch", "gshard", "noisy_topk")
 ACTIVATIONS = ("gelu", "swiglu")
 EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "torch")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+ARCHITECTURES = ("pack", "hf_mixtral")
 CORPORA = ("pydoc_topics",)
 
 
@@ -116,11 +117,16 @@ class ModelConfig:
     # Recompute each decoder block's forward in its backward instead of storing its
     # activations (what long sequences need); every parallel mode supports it.
     activation_checkpointing: bool = False
+    # pack: this pack's MoETransformer; hf_mixtral: a transformers MixtralForCausalLM of this
+    # shape, converted (to_hetermoe) and trained as HFMoELanguageModel (the `hf` extra)
+    architecture: str = "pack"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        _require(self.architecture in ARCHITECTURES, "model.architecture", self.architecture,
+                 f"must be one of {ARCHITECTURES}")
         _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
         _require(self.n_layers >= 1, "model.n_layers", self.n_layers, "must be >= 1")
         _require(self.n_heads >= 1, "model.n_heads", self.n_heads, "must be >= 1")

@@ -5,7 +5,9 @@ The model contract (also in the README):
 * The model holds one or more :class:`~lightning_hetermoe.moe.MoELayer` modules. Each sits
   directly inside a *block* module (a decoder layer) that the model calls once per forward,
   in order; the block's first positional argument is the hidden state (the residual
-  stream), and what a block returns feeds only later blocks and the loss.
+  stream), and what a block returns feeds only later blocks and the loss. The MoE layer's
+  losses may leave through the block's return value or beside it (zebra cuts them where
+  the layer makes them); dense layers may sit between blocks.
 * Planning and emulation read the shape of the model from it: ``d_model``, the experts
   (count, ``top_k``, ``d_ff``, activation) from the MoE layers, the number of layers from
   how many there are, the vocabulary from the largest ``nn.Embedding``, and the attention

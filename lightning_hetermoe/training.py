@@ -75,6 +75,29 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     return instantiate_group(cfg, "callbacks", "the callback's class path")
 
 
+def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningModule:
+    """The LightningModule ``model.architecture`` names, at ``model_cfg``'s shape."""
+    if model_cfg.architecture == "pack":
+        return MoELanguageModel(model_cfg, optim_cfg)
+    try:
+        from transformers import MixtralConfig, MixtralForCausalLM
+    except ImportError:
+        raise ConfigError("model.architecture=hf_mixtral needs transformers: pip install -e '.[hf]'") from None
+    from .convert import HFMoELanguageModel, to_hetermoe
+    from .convert.mixtral import mixtral_config_kwargs
+
+    try:
+        hf = MixtralForCausalLM(MixtralConfig(**mixtral_config_kwargs(model_cfg))).float()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    moe = model_cfg.moe
+    if model_cfg.activation_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    options = dict(capacity_factor=moe.capacity_factor, z_loss_coef=moe.z_loss_coef, expert_backend=moe.expert_backend,
+                   recompute_activation=moe.recompute_activation, jitter_eps=moe.jitter_eps)
+    return HFMoELanguageModel(to_hetermoe(hf, **options), optim_cfg)
+
+
 def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = "popen") -> HeterMoEStrategy:
     scfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     unknown = sorted(set(scfg) - set(STRATEGY_FIELDS))
@@ -163,7 +186,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     loggers = build_loggers(cfg, output_dir)
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=loggers or False,
                         default_root_dir=str(output_dir), **trainer_kwargs)
-    model = MoELanguageModel(model_cfg, optim_cfg)
+    model = build_model(model_cfg, optim_cfg)
     data = ByteCorpusDataModule(data_cfg)
     started = time.perf_counter()
     trainer.fit(model, datamodule=data)

@@ -299,3 +299,23 @@ def test_bad_model_options(kw, match):
 def test_bad_moe_options(kw, match):
     with pytest.raises(ConfigError, match=match):
         MoEConfig(**kw)
+
+
+def test_recipe_builds_a_converted_mixtral_of_the_configured_shape():
+    from lightning_hetermoe import HFMoELanguageModel, ModelConfig, MoEConfig, OptimConfig
+    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.training import build_model
+
+    cfg = ModelConfig(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, architecture="hf_mixtral",
+                      moe=MoEConfig(num_experts=6, top_k=2, d_ff=20, aux_loss_coef=0.02, z_loss_coef=0.003))
+    model = build_model(cfg, OptimConfig())
+    assert isinstance(model, HFMoELanguageModel)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 3 and layers[0].num_experts == 6 and layers[0].experts.d_ff == 20
+    # the balance coefficient maps back through Hugging Face's pooling factor to the configured one
+    assert abs(layers[0].cfg.aux_loss_coef - 0.02) < 1e-12 and layers[0].cfg.z_loss_coef == 0.003
+    assert model.model.config.num_key_value_heads == 2
+    with pytest.raises(ConfigError, match="router=topk"):
+        build_model(ModelConfig(architecture="hf_mixtral", moe=MoEConfig(router="switch", top_k=1)), OptimConfig())
+    with pytest.raises(ValueError, match="model.architecture"):
+        ModelConfig(architecture="llama")

@@ -52,6 +52,24 @@ def model_config_from_mixtral(config: Any, **moe_options: Any) -> ModelConfig:
                        rope_theta=float(theta), norm_eps=float(config.rms_norm_eps), moe=moe)
 
 
+def mixtral_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """``MixtralConfig`` arguments for the Mixtral with ``cfg``'s shape: the inverse of
+    :func:`model_config_from_mixtral` (what a recipe builds when ``model.architecture`` is
+    ``hf_mixtral``). The balance coefficient maps back through the same pooling factor."""
+    moe = cfg.moe
+    if moe.activation != "swiglu" or moe.router != "topk" or moe.bias or moe.shared_expert_d_ff:
+        raise ValueError(f"model.architecture=hf_mixtral needs moe.activation=swiglu, router=topk, bias=false and no "
+                         f"shared expert; got activation={moe.activation}, router={moe.router}, bias={moe.bias}, "
+                         f"shared_expert_d_ff={moe.shared_expert_d_ff}")
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=moe.d_ff,
+                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, max_position_embeddings=cfg.max_seq_len,
+                rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, num_local_experts=moe.num_experts,
+                num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef * cfg.n_layers / moe.top_k,
+                router_jitter_noise=0.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None)
+
+
 def mixtral_tensors(sd: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
     """A ``MixtralForCausalLM`` state dict (or its gradients, same names) as an
     :class:`MoETransformer`'s."""
