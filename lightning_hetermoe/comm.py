@@ -298,6 +298,21 @@ def all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str) -> Non
     dist.all_gather(outs, t, group=pg)
 
 
+def all_gather_into(group: Group, out: Tensor, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:
+    """Every member's equal-sized ``t`` into ``out`` (``size * t.numel()``), in rank order."""
+    pg = _check(group, DEVICE, what, out, t)
+    _note(group, DEVICE, "all_gather_into", what, t)
+    work = dist.all_gather_single(out, t, group=pg, async_op=async_op)
+    return Pending(work, (out, t), what) if async_op else None
+
+
+def reduce_scatter(group: Group, out: Tensor, t: Tensor, *, what: str) -> None:
+    """Sum of ``t`` (``size * out.numel()``) over the group; member ``i`` keeps chunk ``i``."""
+    pg = _check(group, DEVICE, what, out, t)
+    _note(group, DEVICE, "reduce_scatter", what, t)
+    dist.reduce_scatter_single(out, t, group=pg)
+
+
 def broadcast(group: Group, t: Tensor, src: int, *, what: str) -> None:
     """``src`` is a global rank."""
     pg = _check(group, DEVICE, what, t)

@@ -116,9 +116,20 @@ class ParallelBackend(ABC):
     def holder_devices(self) -> list[str]:
         return []
 
-    def gather_experts(self, layer: int, local: Tensor) -> Tensor:
-        """The full ``[E, ...]`` tensor of MoE layer ``layer`` from every holder's slice."""
+    def gather_experts(self, layer: int, local: Tensor, name: str = "") -> Tensor:
+        """The full ``[E, ...]`` tensor of MoE layer ``layer``'s expert parameter ``name``
+        (or a per-parameter optimizer tensor of its shape) from every holder's part."""
         return local
+
+    def local_part(self, layer: int, name: str, full: Tensor, local: Tensor) -> Tensor | None:
+        """This rank's part of ``full`` (a checkpoint's ``[E, ...]`` tensor for the expert
+        parameter ``name``, held here as ``local``), or ``None`` if ``full`` is not such a
+        tensor. Default: the rows of the experts this rank holds in :meth:`placement`."""
+        num_experts = len({e for held in self.placement().held[layer] for e in held})
+        if full.dim() != local.dim() or full.shape[1:] != local.shape[1:] or full.shape[0] != num_experts:
+            return None
+        mine = torch.tensor(self.placement().experts_of(self.holder_index(), layer), dtype=torch.long)
+        return full[mine.to(full.device)]
 
     def adopt_placement(self, placement: Placement) -> None:
         """The expert tensors were moved to ``placement``: route by it from now on."""

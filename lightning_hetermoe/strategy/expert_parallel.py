@@ -251,7 +251,7 @@ class ExpertParallelBackend(ParallelBackend):
         names = [d.name for d in self.clock.devices] or ["cpu"] * self.world_size
         return names[: self.ep_size]
 
-    def gather_experts(self, layer: int, local: Tensor) -> Tensor:
+    def gather_experts(self, layer: int, local: Tensor, name: str = "") -> Tensor:
         return gather_experts(local, self._layers[layer].dispatcher.placement, self.groups.ep_group)
 
     def adopt_placement(self, placement: Placement) -> None:

@@ -42,13 +42,13 @@ def unslice_experts(layer, full: dict[str, Tensor]) -> None:
 
 
 def restore_local(layers: list, gather: Any) -> None:
-    """Every expert of every layer gathered back (``gather(l, local) -> full``), and the
+    """Every expert of every layer gathered back (``gather(l, local, name) -> full``), and the
     layers dispatching locally again: the whole model on this rank."""
     from ..moe import LocalDispatcher
     from ..moe.balance import LocalBalance
 
     for l, layer in enumerate(layers):
-        full = {pname: gather(l, p.detach()) for pname, p in layer.experts.named_parameters(recurse=False)}
+        full = {pname: gather(l, p.detach(), pname) for pname, p in layer.experts.named_parameters(recurse=False)}
         unslice_experts(layer, full)
         layer.dispatcher = LocalDispatcher()
         layer.balance = LocalBalance()
@@ -89,7 +89,7 @@ class ExpertState:
         state = self.module.state_dict()
         for l, name, layer in self._layers():
             for pname, p in layer.experts.named_parameters(recurse=False):
-                state[f"{name}.experts.{pname}"] = self.backend.gather_experts(l, p.detach())
+                state[f"{name}.experts.{pname}"] = self.backend.gather_experts(l, p.detach(), pname)
         return state
 
     def gathered_optimizer_state(self, state: dict[str, Any], optimizer) -> dict[str, Any]:
@@ -98,39 +98,37 @@ class ExpertState:
         # ``Optimizer.state_dict()`` hands out the optimizer's own per-parameter dicts: copy
         # them before writing gathered tensors, or the live optimizer would step on them.
         state = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
-        for l, layer, p, slot in self._slots(state, optimizer):
+        for l, pname, p, slot in self._slots(state, optimizer):
             for key, value in list(slot.items()):
                 if torch.is_tensor(value) and value.shape == p.shape and value.dim() > 0:
-                    slot[key] = self.backend.gather_experts(l, value)
+                    slot[key] = self.backend.gather_experts(l, value, pname)
         return state
 
     def slice_optimizer_state(self, opt_state: dict[str, Any], optimizer) -> None:
         """A full checkpoint's optimizer state, cut down to what this rank holds (in place)."""
         if not self._layers():
             return
-        placement = self.backend.placement()
-        me = self.backend.holder_index()
-        for l, layer, p, slot in self._slots(opt_state, optimizer):
-            mine = torch.tensor(placement.experts_of(me, l), dtype=torch.long, device="cpu")
+        for l, pname, p, slot in self._slots(opt_state, optimizer):
             for key, value in list(slot.items()):
-                if torch.is_tensor(value) and value.dim() == p.dim() and value.shape[1:] == p.shape[1:] \
-                        and value.shape[0] == layer.num_experts:
-                    slot[key] = value[mine.to(value.device)]
+                part = self.backend.local_part(l, pname, value, p) if torch.is_tensor(value) else None
+                if part is not None:
+                    slot[key] = part
         if not self.backend.holds_dense:
             # A rank without dense weights keeps no dense optimizer state either.
             for i, p in enumerate(_params(optimizer)):
                 if p.numel() == 0:
                     opt_state["state"].pop(i, None)
 
-    def _slots(self, opt_state: dict[str, Any], optimizer) -> Iterator[tuple[int, Any, nn.Parameter, dict]]:
-        """(layer index, layer, expert parameter, its per-parameter optimizer state) for every
-        expert parameter that has state; optimizer state is keyed by parameter position."""
+    def _slots(self, opt_state: dict[str, Any], optimizer) -> Iterator[tuple[int, str, nn.Parameter, dict]]:
+        """(layer index, parameter name, expert parameter, its per-parameter optimizer
+        state) for every expert parameter that has state; optimizer state is keyed by
+        parameter position."""
         index = {id(p): i for i, p in enumerate(_params(optimizer))}
         for l, _, layer in self._layers():
-            for p in layer.experts.parameters(recurse=False):
+            for pname, p in layer.experts.named_parameters(recurse=False):
                 slot = opt_state["state"].get(index.get(id(p)))
                 if slot:
-                    yield l, layer, p, slot
+                    yield l, pname, p, slot
 
     # -- migration ----------------------------------------------------------------------
     def move(self, new: Placement, optimizers: list) -> int:
@@ -142,14 +140,14 @@ class ExpertState:
             if new.held[l] == current.held[l]:
                 continue
             idx = torch.tensor(new.experts_of(me, l), dtype=torch.long, device="cpu")
-            for p in layer.experts.parameters(recurse=False):
-                full = self.backend.gather_experts(l, p.data)  # gathered with the old placement in force
+            for pname, p in layer.experts.named_parameters(recurse=False):
+                full = self.backend.gather_experts(l, p.data, pname)  # gathered with the old placement in force
                 states = []
                 for opt in optimizers:
                     st = opt.state.get(p)
                     for key, value in (st or {}).items():
                         if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape:
-                            states.append((st, key, self.backend.gather_experts(l, value)))
+                            states.append((st, key, self.backend.gather_experts(l, value, pname)))
                 p.data = full[idx.to(full.device)].clone()
                 p.grad = None
                 for st, key, value in states:

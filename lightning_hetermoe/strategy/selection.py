@@ -149,6 +149,8 @@ def _decide(strategy: Any, trainer: Any, module: Any) -> tuple[str, Any]:
     args, clock = strategy.args, strategy.clock
     if args.mode == "ep":
         return ("ep_balanced" if args.batch_split == "speed" else "ep"), None
+    if args.mode == "datacentric":
+        return "datacentric", None
     if args.mode in DISAGGREGATED:
         return args.mode, _plan(strategy, module, required=True, schedule=args.mode)
     if args.plan is not None:  # auto with a given plan runs what the plan was made for
@@ -239,6 +241,10 @@ def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBacken
 
         return ExpertParallelBackend(args.expert_parallel_size, choice == "ep_balanced", clock, rank, world, device,
                                      measure_busy=strategy.measure_busy)
+    if choice == "datacentric":
+        from .datacentric import DataCentricBackend
+
+        return DataCentricBackend(clock, rank, world, device)
     from .zebra.backend import ZebraBackend
 
     if not module.automatic_optimization:

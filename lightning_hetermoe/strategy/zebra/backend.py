@@ -329,7 +329,7 @@ class ZebraBackend(ParallelBackend):
     def holder_devices(self) -> list[str]:
         return [self.plan.devices[r] for r in self.layout.members]
 
-    def gather_experts(self, layer: int, local: Tensor) -> Tensor:
+    def gather_experts(self, layer: int, local: Tensor, name: str = "") -> Tensor:
         return gather_experts(local, self.layout.by_group_rank(layer), self.groups.zp)
 
     def adopt_placement(self, placement: Placement) -> None:

@@ -1,0 +1,91 @@
+"""Data-centric expert training (HEXA-MoE, ``mode="datacentric"``) on real gloo processes:
+experts sharded over every rank in proportion to memory and gathered per layer, tokens
+never leaving their rank, batch shares by device speed. It equals one process training
+on the global batch, keeps at most two layers' full experts alive, and its checkpoints
+resume under other modes (and theirs under it)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from harness import run_ranks
+from lightning_hetermoe import HeterMoEStrategy, OptimConfig
+from reference import assert_same_params, data, make_model, reference_fit, trainer
+from test_zebra import make_test_plan
+
+STEPS, SAVED = 5, 3
+# a fast device and slow ones (at these tiny shapes launches dominate, so the slow device
+# launches slowly): unequal batch shares; the A40's larger memory: a larger range of experts
+SLOW = {"slow": {"base": "v100", "launch_overhead_s": 1e-4}}
+
+
+def cluster(world: int) -> dict:
+    return dict(name="mix", devices=["a40"] + ["slow"] * (world - 1), custom_devices=SLOW)
+
+
+def model(seed: int, layers: int = 2):
+    return make_model(4, n_layers=layers, seed=seed, optim=OptimConfig())
+
+
+def fit_deep(rank: int, world: int) -> dict | None:
+    m = model(rank, layers=4)
+    s = HeterMoEStrategy(mode="datacentric", cluster=cluster(world))
+    trainer(s, world, max_steps=STEPS).fit(m, datamodule=data(world, 12, windows=72))
+    b = s.backend
+    sizes = [sh.sizes for layer in b.shards for sh in layer.values()]
+    return {"state": m.state_dict(), "shares": b.shares, "peak": b.peak_alive_bytes, "layer_bytes": b.layer_bytes,
+            "sizes": sizes} if rank == 0 else None
+
+
+def test_three_ranks_unequal_shares_equal_one_process_with_two_layers_of_experts_alive_at_most():
+    got = run_ranks(3, fit_deep, 3)[0]
+    m = model(0, layers=4)
+    initial = copy.deepcopy(m.state_dict())
+    expected = reference_fit(m, STEPS, global_batch=12, windows=72)
+    assert got["shares"][0] > got["shares"][1] == got["shares"][2], got["shares"]
+    assert all(s[0] > s[1] for s in got["sizes"]), f"the A40's range must be the larger: {got['sizes']}"
+    one = max(got["layer_bytes"])
+    assert one <= got["peak"] <= 2 * one, f"peak {got['peak']} bytes of full experts, one layer is {one}"
+    assert_same_params(got["state"], expected, initial)
+
+
+def fits_and_resumes(rank: int, world: int, ckpt_dir: str) -> dict | None:
+    out = {}
+    m = model(rank)
+    save = ModelCheckpoint(dirpath=f"{ckpt_dir}/dc", filename="{step}", every_n_train_steps=SAVED, save_top_k=-1)
+    trainer(HeterMoEStrategy(mode="datacentric", cluster=cluster(world)), world, max_steps=STEPS,
+            callbacks=[save], enable_checkpointing=True).fit(m, datamodule=data(world))
+    out["datacentric"] = m.state_dict()
+
+    m = model(100 + rank)  # the checkpoint decides
+    trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS).fit(
+        m, datamodule=data(world), ckpt_path=f"{ckpt_dir}/dc/step={SAVED}.ckpt")
+    out["datacentric -> ep"] = m.state_dict()
+
+    m = model(rank)
+    save = ModelCheckpoint(dirpath=f"{ckpt_dir}/zebra", filename="{step}", every_n_train_steps=SAVED, save_top_k=-1)
+    trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2)), world, max_steps=STEPS,
+            callbacks=[save], enable_checkpointing=True).fit(m, datamodule=data(world))
+
+    m = model(100 + rank)
+    trainer(HeterMoEStrategy(mode="datacentric", cluster=cluster(world)), world, max_steps=STEPS).fit(
+        m, datamodule=data(world), ckpt_path=f"{ckpt_dir}/zebra/step={SAVED}.ckpt")
+    out["zebra -> datacentric"] = m.state_dict()
+    return out if rank == 0 else None
+
+
+def test_two_ranks_equal_one_process_and_checkpoints_resume_across_modes(tmp_path):
+    got = run_ranks(2, fits_and_resumes, 2, str(tmp_path))[0]
+    m = model(0)
+    initial = copy.deepcopy(m.state_dict())
+    expected = reference_fit(m, STEPS)
+    ckpt = torch.load(tmp_path / "dc" / f"step={SAVED}.ckpt", weights_only=False)
+    w_up = ckpt["state_dict"]["model.blocks.0.moe.experts.w_up"]
+    assert w_up.shape == (4, 16, 24), "a data-centric checkpoint holds every expert, whole"
+    moments = [s for s in ckpt["optimizer_states"][0]["state"].values() if s["exp_avg"].shape == (4, 16, 24)]
+    assert moments, "the experts' optimizer state is saved whole too"
+    for run, state in got.items():
+        assert_same_params(state, expected, initial)
