@@ -89,3 +89,32 @@ def test_two_ranks_equal_one_process_and_checkpoints_resume_across_modes(tmp_pat
     assert moments, "the experts' optimizer state is saved whole too"
     for run, state in got.items():
         assert_same_params(state, expected, initial)
+
+
+def test_the_simulator_prices_where_each_side_wins_and_what_does_not_fit():
+    """HEXA-MoE's trade in the model: sending the experts to the tokens wins when a step's
+    tokens outweigh the expert weights (long sequences, few experts), expert parallelism
+    otherwise; a rank that cannot hold its shard plus two gathered layers is refused."""
+    import pytest
+
+    from lightning_hetermoe import LinkConfig, ModelConfig, MoEConfig, get_device
+    from lightning_hetermoe.profile import make_timer
+    from lightning_hetermoe.simulate import ep_setup, simulate_step
+    from lightning_hetermoe.simulate.datacentric import datacentric_step_time
+
+    devs, link = [get_device("a40"), get_device("v100")], LinkConfig(bandwidth_gbps=100)
+
+    def both(seq: int, experts: int, d_ff: int = 2048) -> tuple[float, float]:
+        m = ModelConfig(d_model=1024, n_layers=8, n_heads=16, max_seq_len=seq,
+                        moe=MoEConfig(num_experts=experts, top_k=2, d_ff=d_ff))
+        t = make_timer(m, seq)
+        dc = datacentric_step_time(devs, m, seq_len=seq, total_seqs=16, link=link, timer=t)
+        setup = ep_setup(devs, m, seq_len=seq, total_seqs=16, link=link, timer=t, balanced=True, num_microbatches=1)
+        return dc, simulate_step(setup, t, "ep").step_time
+
+    dc, ep = both(16384, 4)
+    assert dc < ep, (dc, ep)
+    dc, ep = both(1024, 64)
+    assert ep < 0.5 * dc, (dc, ep)
+    with pytest.raises(ValueError, match="cannot hold its expert shard"):
+        both(1024, 256, d_ff=16384)

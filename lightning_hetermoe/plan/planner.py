@@ -32,6 +32,7 @@ from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel
 from ..profile.profile import Profile
 from ..profile.timer import make_timer
+from ..simulate.datacentric import datacentric_step_time
 from ..simulate.schedules import SCHEDULES, apportion, ep_speed, simulate_plan
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .plan import Plan, ZPGroup
@@ -421,8 +422,13 @@ def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequ
     """Step time and tokens/s of ``plan`` under each schedule (NaN where it does not fit)."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
-    for s in schedules:
+    for s in list(schedules) + ["datacentric"]:
         try:
+            if s == "datacentric":  # priced in closed form, on the plan's global batch
+                step = datacentric_step_time(view.devices, model, seq_len=plan.seq_len, total_seqs=plan.total_seqs,
+                                             link=view.link, timer=timer, expert_load=expert_load)
+                out[s] = {"step_time_s": step, "tokens_per_s": plan.total_seqs * plan.seq_len / step}
+                continue
             res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=s, keep_timeline=False,
                                 expert_load=expert_load)
             out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}

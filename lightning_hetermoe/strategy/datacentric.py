@@ -330,8 +330,7 @@ class DataCentricBackend(ParallelBackend):
                          replicas=1, attention_dp=self.world_size)
 
     def simulated(self, placement=None) -> Simulated:
-        # not modelled yet: the simulator prices it as speed-balanced expert parallelism
-        return Simulated("ep_balanced", ep_size=self.world_size)
+        return Simulated("datacentric", ep_size=self.world_size)
 
     def describe_rank(self, rank: int) -> str:
         names = [d.name for d in self.clock.devices]

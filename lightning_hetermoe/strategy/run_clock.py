@@ -101,9 +101,14 @@ class RunClock:
         """The simulator's device seconds per step for ``sim``, at ``expert_load`` (default:
         the routing measured at set-up, or even routing)."""
         from ..simulate import ep_setup, simulate_plan, simulate_step
+        from ..simulate.datacentric import datacentric_step_time
 
         expert_load = expert_load if expert_load is not None else self.expert_load
         link = self.cluster.link if self.cluster is not None else ClusterConfig().link
+        if sim.schedule == "datacentric":
+            return datacentric_step_time(self.devices, self.model, seq_len=self.seq_len,
+                                         total_seqs=self.per_rank * self.world_size, link=link, timer=self.timer,
+                                         expert_load=expert_load)
         if sim.plan is not None:
             plan = sim.plan
             if sim.placement is not None:

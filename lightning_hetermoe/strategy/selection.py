@@ -2,9 +2,10 @@
 
 ``mode="auto"`` (the default) predicts every schedule that can run here with the run's own
 clock (the cost model, a profile, or an emulated workload) and takes the fastest by
-predicted throughput: ``zebra`` and ``distep`` on the planner's plan, ``ep``, and
+predicted throughput: ``zebra`` and ``distep`` on the planner's plan, ``ep``,
 ``ep_balanced`` (expert parallelism with speed-proportional shares, where the devices
-differ). One device trains as a plain single device. The choice and the runner-up are
+differ) and ``datacentric`` (HEXA-MoE's experts-to-the-tokens, except on emulated
+clusters, whose clock does not pad its gathers yet). One device trains as a plain single device. The choice and the runner-up are
 printed; a plan, when one runs, is printed as a table and written to ``plan.json``.
 
 Routing is never even: before planning, a warm-up batch goes through the freshly
@@ -30,7 +31,7 @@ from .backend import ParallelBackend, Simulated
 from .batch import tensors
 from .precision import check_bf16, precision_name
 
-AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced")
+AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced", "datacentric")
 
 
 def loader_batch_shape(trainer) -> tuple[int, int]:
@@ -165,6 +166,8 @@ def _decide(strategy: Any, trainer: Any, module: Any) -> tuple[str, Any]:
         else:
             if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
                 continue  # identical devices: the speed split is the equal split
+            if name == "datacentric" and args.emulated:
+                continue  # the emulated clock does not pad its gathers yet
             sim, tokens = Simulated(name, ep_size=strategy.world_size), clock.tokens_per_step
         try:
             throughput[name] = tokens / clock.step_time(sim)
