@@ -114,7 +114,7 @@ def test_plan_roles_groups_and_placement(plan_43):
     assert all(p.devices[r] == "v100" for r in p.expert_ranks) or not p.expert_ranks
     check_placement(p, 2, 12)
     assert p.total_seqs * p.seq_len <= 32 * 16384 and p.num_microbatches >= 1
-    assert set(p.predicted) == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal"}
+    assert set(p.predicted) == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal", "datacentric"}
     assert p.predicted["zebra"]["tokens_per_s"] > p.predicted["distep"]["tokens_per_s"]
 
 

@@ -33,7 +33,7 @@ def test_plan_recipe_writes_plan_summary_and_gantt(tmp_path):
     plan = Plan.from_json(str(tmp_path / "plan.json"))
     assert plan.seq_len == 8192 and plan.world_size == 9 and plan.model == "d2"
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["schedules"]) == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal"}
+    assert set(summary["schedules"]) == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal", "datacentric"}
     zebra = summary["schedules"]["zebra"]
     assert (
         zebra["tokens_per_s"] > 0
@@ -60,7 +60,7 @@ def test_paper_recipe_writes_table(tmp_path):
     with open(tmp_path / "paper_table.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and list(rows[0]) == ["cluster", "model", "seq_len", "schedule", "tokens_per_s"]
-    assert {r["schedule"] for r in rows} == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal"}
+    assert {r["schedule"] for r in rows} == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal", "datacentric"}
     assert {r["cluster"] for r in rows} == {"o3", "a40x2_v100x2", "a40x4"}
     assert {r["model"] for r in rows} == {"d2", "d1_8e"}
     tps = {(r["cluster"], r["seq_len"], r["schedule"]): float(r["tokens_per_s"]) for r in rows}
@@ -74,6 +74,6 @@ def test_plan_sweep_over_mixes_and_sequence_lengths_writes_one_table(tmp_path):
          f"hydra.sweep.dir={tmp_path}"])
     rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
     assert {r["job"] for r in rows} == {"0", "1"}
-    assert {r["schedule"] for r in rows} == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal"}
+    assert {r["schedule"] for r in rows} == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal", "datacentric"}
     assert all(float(r["predicted_tokens_per_s"]) > 0 for r in rows if r["status"] == "ok")
     assert (tmp_path / "sweep.png").stat().st_size > 1000 and (tmp_path / "sweep_summary.md").is_file()

@@ -128,7 +128,7 @@ class ParallelBackend(ABC):
         num_experts = len({e for held in self.placement().held[layer] for e in held})
         if full.dim() != local.dim() or full.shape[1:] != local.shape[1:] or full.shape[0] != num_experts:
             return None
-        mine = torch.tensor(self.placement().experts_of(self.holder_index(), layer), dtype=torch.long)
+        mine = torch.tensor(self.placement().experts_of(self.holder_index(), layer), dtype=torch.long, device="cpu")
         return full[mine.to(full.device)]
 
     def adopt_placement(self, placement: Placement) -> None:
