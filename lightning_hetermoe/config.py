@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar
 
-ROUTERS = ("topk", "switch", "gshard", "noisy_topk")
+ROUTERS = ("topk", "switch", "gshard", "noisy_topk", "sigmoid_group")
 ACTIVATIONS = ("gelu", "swiglu")
 EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "torch")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -57,6 +57,19 @@ class MoEConfig:
     # Width of a dense expert every token passes through, scaled by a sigmoid gate
     # (Qwen2-MoE); 0 = none. It runs where the layer runs, never through the dispatcher.
     shared_expert_d_ff: int = 0
+    # The shared expert's per-token sigmoid gate (Qwen2-MoE); false: ungated (DeepSeek-V3).
+    shared_expert_gate: bool = True
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the scores experts are
+    # chosen by (never on the combine weights), moved once per optimizer step by
+    # bias_update_rate toward even global load. Works with every router.
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    # sigmoid_group router (DeepSeek-V3): experts in n_group groups, choices limited to the
+    # topk_group best groups (a group scores the sum of its two best experts), combine
+    # weights times routed_scaling_factor.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.num_experts >= 1, "model.moe.num_experts", self.num_experts, "must be >= 1")
@@ -92,9 +105,21 @@ class MoEConfig:
         )
         _require(isinstance(self.normalize_topk, bool), "model.moe.normalize_topk", self.normalize_topk,
                  "must be true or false")
+        _require(isinstance(self.bias_update_rate, (int, float)) and not isinstance(self.bias_update_rate, bool)
+                 and self.bias_update_rate >= 0, "model.moe.bias_update_rate", self.bias_update_rate,
+                 "must be a number >= 0")
+        _require(isinstance(self.n_group, int) and self.n_group >= 1 and self.num_experts % self.n_group == 0,
+                 "model.moe.n_group", self.n_group, f"must be an integer >= 1 dividing num_experts={self.num_experts}")
+        _require(isinstance(self.topk_group, int) and 1 <= self.topk_group <= self.n_group, "model.moe.topk_group",
+                 self.topk_group, f"must be an integer in [1, n_group={self.n_group}]")
+        _require(self.router != "sigmoid_group" or self.top_k <= self.topk_group * self.num_experts // self.n_group,
+                 "model.moe.top_k", self.top_k, f"must be <= topk_group * num_experts / n_group = "
+                 f"{self.topk_group * self.num_experts // self.n_group} (the experts of the chosen groups)")
+        _require(self.routed_scaling_factor > 0, "model.moe.routed_scaling_factor", self.routed_scaling_factor,
+                 "must be > 0")
         if not self.normalize_topk:
-            _require(self.router == "topk", "model.moe.normalize_topk", self.normalize_topk,
-                     f"only the topk router has an un-normalised variant (router={self.router!r} fixes its weights)")
+            _require(self.router in ("topk", "sigmoid_group"), "model.moe.normalize_topk", self.normalize_topk,
+                     f"only the topk and sigmoid_group routers have an un-normalised variant (router={self.router!r} fixes its weights)")
         _require(isinstance(self.shared_expert_d_ff, int) and not isinstance(self.shared_expert_d_ff, bool)
                  and self.shared_expert_d_ff >= 0, "model.moe.shared_expert_d_ff", self.shared_expert_d_ff,
                  "must be an integer >= 0 (0 = no shared expert)")

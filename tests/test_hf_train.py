@@ -42,6 +42,12 @@ def build(arch: str, seed: int) -> HFMoELanguageModel:
                                                       moe_intermediate_size=8, mlp_only_layers=[1]))
     elif arch == "olmoe":
         hf = tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, num_experts=EXPERTS, norm_topk_prob=False))
+    elif arch == "deepseek_v3":  # a dense first layer, an ungated shared expert, group-limited sigmoid routing
+        # with its correction bias, moved each step by the global load (aux-loss-free balancing)
+        hf = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 2}, moe_intermediate_size=8, first_k_dense_replace=1,
+            n_routed_experts=EXPERTS, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=8,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, rope_scaling=None, routed_scaling_factor=1.5))
     else:
         raise ValueError(arch)
     return HFMoELanguageModel(hf.float())
@@ -66,9 +72,12 @@ CASES = {
         ("qwen3_moe", "zebra", [0], 2, False), ("olmoe", "zebra", [0], 3, False),
         ("mixtral", "zebra", [0], 2, True),
         ("mixtral", "distep", [0], 1, False), ("qwen2_moe", "distep", [0], 1, False),
-        ("qwen3_moe", "distep", [0], 1, False), ("olmoe", "distep", [0], 1, False)],
+        ("qwen3_moe", "distep", [0], 1, False), ("olmoe", "distep", [0], 1, False),
+        ("deepseek_v3", "ep", None, 0, False), ("deepseek_v3", "zebra", [0], 2, False),
+        ("deepseek_v3", "distep", [0], 1, False)],
     4: [("mixtral", "zebra", [0, 1], 2, False), ("qwen2_moe", "zebra", [0, 1], 2, False),
-        ("qwen3_moe", "zebra", [0, 1], 2, False), ("olmoe", "zebra", [0, 1], 2, False)],
+        ("qwen3_moe", "zebra", [0, 1], 2, False), ("olmoe", "zebra", [0, 1], 2, False),
+        ("deepseek_v3", "zebra", [0, 1], 2, False)],
 }
 
 
@@ -123,3 +132,6 @@ def test_converted_hf_models_train_like_one_process_in_every_mode(world):
             assert sum(results[r][c][1][0] for r in range(world) if r not in attention) == EXPERTS, what
         initial, want = expected(arch)
         assert_same_params(actual, want, initial)
+        if arch == "deepseek_v3":  # the bias moved by the global load, as one process moves it
+            for name in (n for n in want if n.endswith("expert_bias")):
+                assert torch.equal(actual[name], want[name]) and (want[name] != initial[name]).any(), (what, name)

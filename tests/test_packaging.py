@@ -46,3 +46,22 @@ def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):
     where, shape = out.stdout.split()[0], out.stdout.split()[1:]
     assert where.startswith(str(site)), f"imported {where}, not the wheel in {site}"
     assert shape == ["1024", "8", "24"], shape  # D1 of the HeterMoE paper: 8 layers, d=1024, 24 experts
+
+
+def test_every_model_yaml_names_exactly_the_config_fields():
+    """Typed configs map one-to-one onto the YAML: no key the code ignores; the main job's
+    model (tiny) names every field, the paper's workload models their shapes."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from lightning_hetermoe import ModelConfig, MoEConfig
+
+    want = {f.name for f in fields(ModelConfig)}
+    want_moe = {f.name for f in fields(MoEConfig)}
+    for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml")):
+        cfg = OmegaConf.to_container(OmegaConf.load(path))
+        assert set(cfg) <= want and set(cfg["moe"]) <= want_moe, (path.name, set(cfg) - want, set(cfg["moe"]) - want_moe)
+        if path.stem == "tiny":
+            assert set(cfg) == want and set(cfg["moe"]) == want_moe, (set(cfg) ^ want, set(cfg["moe"]) ^ want_moe)

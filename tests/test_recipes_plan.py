@@ -60,7 +60,7 @@ def test_paper_recipe_writes_table(tmp_path):
     with open(tmp_path / "paper_table.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and list(rows[0]) == ["cluster", "model", "seq_len", "schedule", "tokens_per_s"]
-    assert {r["schedule"] for r in rows} == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal", "datacentric"}
+    assert {r["schedule"] for r in rows} == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal"}
     assert {r["cluster"] for r in rows} == {"o3", "a40x2_v100x2", "a40x4"}
     assert {r["model"] for r in rows} == {"d2", "d1_8e"}
     tps = {(r["cluster"], r["seq_len"], r["schedule"]): float(r["tokens_per_s"]) for r in rows}

@@ -18,6 +18,8 @@ Weight layouts (``F.linear`` weights are ``[out, in]``; ours are ``[in, out]``):
     shared_expert.gate_proj/up_proj.weight     shared_expert.w_up   [d, 2fs]
     shared_expert.down_proj.weight             shared_expert.w_down [fs, d]
     shared_expert_gate.weight    [1, d]        shared_expert.gate   [1, d]
+    DeepSeek-V3: gate.e_score_correction_bias [E]  router.expert_bias [E]
+                 shared_experts.gate_proj/up_proj/down_proj (ungated)  shared_expert.w_up/w_down
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ from torch import Tensor, nn
 from ..config import MoEConfig
 from ..moe import MoEAux, MoELayer
 
-SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
+                 "DeepseekV3MoE")
+# DeepSeek-V3 balances by its correction bias plus a small sequence-wise loss (its paper's
+# alpha = 1e-4); the config carries no coefficient, so this is the converted default.
+DEEPSEEK_AUX_LOSS_COEF = 1e-4
 
 # Fixed by the Hugging Face block itself; the rest of MoEConfig the caller may choose.
 DERIVED_FIELDS = ("num_experts", "top_k", "d_ff", "router", "activation", "bias", "normalize_topk",
-                  "shared_expert_d_ff")
+                  "shared_expert_d_ff", "shared_expert_gate", "n_group", "topk_group", "routed_scaling_factor")
 PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))  # (gate, up, down)
 
 
@@ -117,6 +123,8 @@ def moe_tensors_from_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     weight silently lost."""
     sd = dict(sd)
     out = {"router.weight": sd.pop("gate.weight")}
+    if "gate.e_score_correction_bias" in sd:
+        out["router.expert_bias"] = sd.pop("gate.e_score_correction_bias")
     if "experts.gate_up_proj" in sd:
         out["experts.w_up"] = sd.pop("experts.gate_up_proj").transpose(1, 2)
         out["experts.w_down"] = sd.pop("experts.down_proj").transpose(1, 2)
@@ -129,11 +137,13 @@ def moe_tensors_from_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
             ups.append(torch.cat([g.t(), u.t()], dim=1))
             downs.append(sd.pop(f"experts.{e}.{down}.weight").t())
         out["experts.w_up"], out["experts.w_down"] = torch.stack(ups), torch.stack(downs)
-    if "shared_expert.gate_proj.weight" in sd:
-        g, u = sd.pop("shared_expert.gate_proj.weight"), sd.pop("shared_expert.up_proj.weight")
-        out["shared_expert.w_up"] = torch.cat([g.t(), u.t()], dim=1)
-        out["shared_expert.w_down"] = sd.pop("shared_expert.down_proj.weight").t()
-        out["shared_expert.gate"] = sd.pop("shared_expert_gate.weight")
+    for hf in ("shared_expert", "shared_experts"):  # Qwen2-MoE's (gated), DeepSeek-V3's (not)
+        if f"{hf}.gate_proj.weight" in sd:
+            g, u = sd.pop(f"{hf}.gate_proj.weight"), sd.pop(f"{hf}.up_proj.weight")
+            out["shared_expert.w_up"] = torch.cat([g.t(), u.t()], dim=1)
+            out["shared_expert.w_down"] = sd.pop(f"{hf}.down_proj.weight").t()
+            if "shared_expert_gate.weight" in sd:
+                out["shared_expert.gate"] = sd.pop("shared_expert_gate.weight")
     if sd:
         raise ValueError(f"Hugging Face MoE block tensors this converter does not know: {sorted(sd)}")
     return out
@@ -145,6 +155,8 @@ def moe_tensors_to_hf(ours: dict[str, Tensor], hf_names: list[str]) -> dict[str,
     w_up, w_down = ours["experts.w_up"], ours["experts.w_down"]
     f = w_down.shape[1]
     out = {"gate.weight": ours["router.weight"]}
+    if "router.expert_bias" in ours:
+        out["gate.e_score_correction_bias"] = ours["router.expert_bias"]
     if "experts.gate_up_proj" in hf_names:
         out["experts.gate_up_proj"] = w_up.transpose(1, 2)
         out["experts.down_proj"] = w_down.transpose(1, 2)
@@ -156,10 +168,12 @@ def moe_tensors_to_hf(ours: dict[str, Tensor], hf_names: list[str]) -> dict[str,
             out[f"experts.{e}.{down}.weight"] = w_down[e].t()
     if "shared_expert.w_up" in ours:
         fs = ours["shared_expert.w_down"].shape[0]
-        out["shared_expert.gate_proj.weight"] = ours["shared_expert.w_up"][:, :fs].t()
-        out["shared_expert.up_proj.weight"] = ours["shared_expert.w_up"][:, fs:].t()
-        out["shared_expert.down_proj.weight"] = ours["shared_expert.w_down"].t()
-        out["shared_expert_gate.weight"] = ours["shared_expert.gate"]
+        hf = "shared_experts" if "shared_experts.gate_proj.weight" in hf_names else "shared_expert"
+        out[f"{hf}.gate_proj.weight"] = ours["shared_expert.w_up"][:, :fs].t()
+        out[f"{hf}.up_proj.weight"] = ours["shared_expert.w_up"][:, fs:].t()
+        out[f"{hf}.down_proj.weight"] = ours["shared_expert.w_down"].t()
+        if "shared_expert.gate" in ours:
+            out["shared_expert_gate.weight"] = ours["shared_expert.gate"]
     if set(out) != set(hf_names):
         raise ValueError(f"cannot lay out the MoE layer as this Hugging Face block: it has {sorted(hf_names)}, "
                          f"the layer gives {sorted(out)}")
@@ -210,14 +224,20 @@ def moe_config_for(block: nn.Module, config: Any, **options: Any) -> MoEConfig:
     router = getattr(block, "gate", None)
     # The block's own flag: newer transformers keep it on the router, older on the block.
     normalize = getattr(router, "norm_topk_prob", getattr(block, "norm_topk_prob", True))
+    routing: dict[str, Any] = dict(router="topk")
+    if "router.expert_bias" in ours:  # DeepSeek-V3: sigmoid scores, group-limited, its correction bias
+        options.pop("expert_bias", None)
+        options.setdefault("aux_loss_coef", DEEPSEEK_AUX_LOSS_COEF)
+        routing = dict(router="sigmoid_group", expert_bias=True, n_group=config.n_group, topk_group=config.topk_group,
+                       routed_scaling_factor=float(config.routed_scaling_factor))
     return MoEConfig(num_experts=ours["router.weight"].shape[0], top_k=config.num_experts_per_tok,
-                     d_ff=ours["experts.w_down"].shape[1], router="topk", activation="swiglu", bias=False,
+                     d_ff=ours["experts.w_down"].shape[1], activation="swiglu", bias=False,
                      normalize_topk=bool(normalize), shared_expert_d_ff=0 if shared is None else shared.shape[0],
-                     **options)
+                     shared_expert_gate="shared_expert.gate" in ours, **routing, **options)
 
 
 def to_hetermoe(model: nn.Module, **options: Any) -> nn.Module:
-    """Replace every Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE sparse MoE block of ``model`` by an
+    """Replace every Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE/DeepSeek-V3 sparse MoE block of ``model`` by an
     :class:`HFMoEBlock` holding the same weights, in place; returns ``model``.
 
     ``options`` are further :class:`MoEConfig` fields (``capacity_factor``,
@@ -234,7 +254,7 @@ def to_hetermoe(model: nn.Module, **options: Any) -> nn.Module:
     if "aux_loss_coef" not in options and getattr(config, "router_aux_loss_coef", None) is not None:
         options["aux_loss_coef"] = config.router_aux_loss_coef * config.num_experts_per_tok / len(found)
     for parent, name, block in found:
-        cfg = moe_config_for(block, config, **options)
+        cfg = moe_config_for(block, config, **dict(options))
         weight = block.gate.weight
         with torch.device("meta"):  # the weights come from the block: no init, no RNG draws
             layer = HFMoEBlock(weight.shape[1], cfg, type(block), config,

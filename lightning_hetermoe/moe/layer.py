@@ -44,10 +44,11 @@ def gate_losses(auxes: list[MoEAux]) -> Tensor | float:
 
 class SharedExpert(nn.Module):
     """A dense MLP every token passes through, scaled per token by ``sigmoid(gate . x)``
-    (Qwen2-MoE's shared expert). Its weights are dense parameters like attention's: a
-    strategy leaves them in place and averages their gradients with the rest."""
+    (Qwen2-MoE's shared expert; ``gated=False``: unscaled, DeepSeek-V3's). Its weights are
+    dense parameters like attention's: a strategy leaves them in place and averages their
+    gradients with the rest."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool) -> None:
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, gated: bool = True) -> None:
         super().__init__()
         self.activation = activation
         h = 2 * d_ff if activation == "swiglu" else d_ff
@@ -55,10 +56,11 @@ class SharedExpert(nn.Module):
         self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
         self.b_up = nn.Parameter(torch.zeros(h)) if bias else None
         self.b_down = nn.Parameter(torch.zeros(d_model)) if bias else None
-        self.gate = nn.Parameter(torch.empty(1, d_model))
+        self.gate = nn.Parameter(torch.empty(1, d_model)) if gated else None
         nn.init.normal_(self.w_up, std=1.0 / math.sqrt(d_model))
         nn.init.normal_(self.w_down, std=1.0 / math.sqrt(d_ff))
-        nn.init.normal_(self.gate, std=1.0 / math.sqrt(d_model))
+        if self.gate is not None:
+            nn.init.normal_(self.gate, std=1.0 / math.sqrt(d_model))
 
     def forward(self, x: Tensor) -> Tensor:
         h = x @ self.w_up
@@ -67,7 +69,7 @@ class SharedExpert(nn.Module):
         y = activate(h, self.activation) @ self.w_down
         if self.b_down is not None:
             y = y + self.b_down
-        return torch.sigmoid(F.linear(x, self.gate)) * y
+        return y if self.gate is None else torch.sigmoid(F.linear(x, self.gate)) * y
 
 
 class MoELayer(nn.Module):
@@ -93,7 +95,8 @@ class MoELayer(nn.Module):
         self.experts = (ModuleExperts(experts, cfg.num_experts, d_model) if experts is not None else
                         Experts(cfg.num_experts, d_model, cfg.d_ff, cfg.activation, cfg.bias,
                                 backend=cfg.expert_backend, recompute=cfg.recompute_activation))
-        self.shared_expert = (SharedExpert(d_model, cfg.shared_expert_d_ff, cfg.activation, cfg.bias)
+        self.shared_expert = (SharedExpert(d_model, cfg.shared_expert_d_ff, cfg.activation, cfg.bias,
+                                           gated=cfg.shared_expert_gate)
                               if cfg.shared_expert_d_ff > 0 else None)
         self.dispatcher = LocalDispatcher()
         self.balance = LocalBalance()

@@ -92,7 +92,7 @@ def reference_shared_expert(layer: MoELayer, xt: Tensor) -> Tensor:
     y = a @ sh.w_down
     if sh.b_down is not None:
         y = y + sh.b_down
-    return torch.sigmoid(sh.gate[0] @ xt) * y
+    return y if sh.gate is None else torch.sigmoid(sh.gate[0] @ xt) * y
 
 
 def reference_moe(layer: MoELayer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

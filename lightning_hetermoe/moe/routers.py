@@ -45,17 +45,49 @@ def router_z_loss(logits: Tensor) -> Tensor:
 
 
 class Router(nn.Module):
-    """Linear gate ``d_model -> num_experts``; subclasses choose experts from its logits."""
+    """Linear gate ``d_model -> num_experts``; subclasses choose experts from its logits.
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
+    ``bias_update_rate`` set (not ``None``): aux-loss-free balancing. The router keeps a
+    per-expert ``expert_bias`` buffer (saved in checkpoints) that subclasses add to the
+    scores they *choose* by (:meth:`for_choice`), never to the combine weights; the
+    strategy moves it once per optimizer step (:meth:`update_expert_bias`)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_model))
+        self.bias_update_rate = bias_update_rate
+        self.expert_bias: Tensor | None
+        if bias_update_rate is not None:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
     def logits(self, x: Tensor) -> Tensor:
         return F.linear(x.float(), self.weight.float())
+
+    def for_choice(self, scores: Tensor) -> Tensor:
+        """The scores experts are chosen by: ``scores`` plus the balancing bias, if any."""
+        return scores if self.expert_bias is None else scores + self.expert_bias
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: Tensor) -> None:
+        """One step of aux-loss-free balancing: ``load`` is the global routed count per
+        expert (the same on every rank), each bias moves ``bias_update_rate`` toward even."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_expert_bias on a router without expert_bias (set moe.expert_bias=true)")
+        load = load.to(self.expert_bias.device, torch.float32)
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+    def _chosen(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """``(scores, indices)`` of the k experts chosen by the biased scores: the unbiased
+        scores of those experts (what the combine weights are made of)."""
+        if self.expert_bias is None:
+            return scores.topk(k, dim=-1)
+        idx = self.for_choice(scores).topk(k, dim=-1).indices
+        return scores.gather(-1, idx), idx
 
     def forward(self, x: Tensor) -> RouterOutput:
         raise NotImplementedError
@@ -65,14 +97,15 @@ class TopKRouter(Router):
     """Softmax over all experts, keep the top k, renormalise the kept weights to sum to 1
     (``normalize=False``: keep the softmax probabilities as they are)."""
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True) -> None:
-        super().__init__(d_model, num_experts, top_k)
+    def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True,
+                 bias_update_rate: float | None = None) -> None:
+        super().__init__(d_model, num_experts, top_k, bias_update_rate)
         self.normalize = normalize
 
     def forward(self, x: Tensor) -> RouterOutput:
         logits = self.logits(x)
         probs = logits.softmax(-1)
-        top_p, top_i = probs.topk(self.top_k, dim=-1)
+        top_p, top_i = self._chosen(probs, self.top_k)
         weights = top_p / top_p.sum(-1, keepdim=True) if self.normalize else top_p
         keep = torch.ones_like(top_i, dtype=torch.bool)
         return RouterOutput(top_i, weights, keep, probs, logits)
@@ -84,8 +117,9 @@ class SwitchRouter(Router):
     While training, the router input is multiplied by uniform noise in [1-eps, 1+eps].
     """
 
-    def __init__(self, d_model: int, num_experts: int, jitter_eps: float) -> None:
-        super().__init__(d_model, num_experts, top_k=1)
+    def __init__(self, d_model: int, num_experts: int, jitter_eps: float, bias_update_rate: float | None = None
+                 ) -> None:
+        super().__init__(d_model, num_experts, top_k=1, bias_update_rate=bias_update_rate)
         self.jitter_eps = jitter_eps
 
     def forward(self, x: Tensor) -> RouterOutput:
@@ -95,7 +129,7 @@ class SwitchRouter(Router):
             x = x * noise
         logits = self.logits(x)
         probs = logits.softmax(-1)
-        top_p, top_i = probs.max(-1, keepdim=True)
+        top_p, top_i = self._chosen(probs, 1)
         keep = torch.ones_like(top_i, dtype=torch.bool)
         return RouterOutput(top_i, top_p, keep, probs, logits)
 
@@ -105,13 +139,13 @@ class GShardRouter(Router):
     expert is kept only with probability min(1, 2 * g2) (g2 its renormalised weight).
     Capacity limits are applied by the layer (see :mod:`.capacity`)."""
 
-    def __init__(self, d_model: int, num_experts: int) -> None:
-        super().__init__(d_model, num_experts, top_k=2)
+    def __init__(self, d_model: int, num_experts: int, bias_update_rate: float | None = None) -> None:
+        super().__init__(d_model, num_experts, top_k=2, bias_update_rate=bias_update_rate)
 
     def forward(self, x: Tensor) -> RouterOutput:
         logits = self.logits(x)
         probs = logits.softmax(-1)
-        top_p, top_i = probs.topk(2, dim=-1)
+        top_p, top_i = self._chosen(probs, 2)
         weights = top_p / top_p.sum(-1, keepdim=True)
         keep = torch.ones_like(top_i, dtype=torch.bool)
         if self.training:
@@ -125,8 +159,8 @@ class NoisyTopKRouter(Router):
     """Shazeer et al. 2017: logits + N(0,1) * softplus(x W_noise) while training; softmax
     over the k largest noisy logits."""
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
-        super().__init__(d_model, num_experts, top_k)
+    def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None) -> None:
+        super().__init__(d_model, num_experts, top_k, bias_update_rate)
         self.noise_weight = nn.Parameter(torch.zeros(num_experts, d_model))
 
     def forward(self, x: Tensor) -> RouterOutput:
@@ -135,19 +169,55 @@ class NoisyTopKRouter(Router):
         if self.training:
             std = F.softplus(F.linear(x.float(), self.noise_weight.float()))
             logits = clean + torch.randn_like(clean) * std
-        top_l, top_i = logits.topk(self.top_k, dim=-1)
+        top_l, top_i = self._chosen(logits, self.top_k)
         weights = top_l.softmax(-1)
         keep = torch.ones_like(top_i, dtype=torch.bool)
         return RouterOutput(top_i, weights, keep, logits.softmax(-1), clean)
 
 
+class SigmoidGroupRouter(Router):
+    """DeepSeek-V3: sigmoid scores; experts in ``n_group`` groups, a group scored by the sum
+    of its two best (biased) scores; the top k experts are chosen within the
+    ``topk_group`` best groups; combine weights are the unbiased scores of the chosen
+    experts, renormalised (``normalize``) and times ``scaling``. The balance loss reads
+    the scores normalised per token."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, n_group: int, topk_group: int,
+                 scaling: float, normalize: bool = True, bias_update_rate: float | None = None) -> None:
+        super().__init__(d_model, num_experts, top_k, bias_update_rate)
+        self.n_group, self.topk_group, self.scaling, self.normalize = n_group, topk_group, scaling, normalize
+
+    def forward(self, x: Tensor) -> RouterOutput:
+        logits = self.logits(x)
+        scores = logits.sigmoid()
+        choice = self.for_choice(scores)
+        T, E, G = choice.shape[0], self.num_experts, self.n_group
+        per_group = choice.view(T, G, E // G)
+        group_score = per_group.topk(min(2, E // G), dim=-1).values.sum(-1)
+        groups = group_score.topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
+        allowed = allowed.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+        top_i = choice.masked_fill(~allowed, float("-inf")).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, top_i)
+        if self.normalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        keep = torch.ones_like(top_i, dtype=torch.bool)
+        probs = scores / scores.sum(-1, keepdim=True)
+        return RouterOutput(top_i, weights * self.scaling, keep, probs, logits)
+
+
 def build_router(cfg: MoEConfig, d_model: int) -> Router:
+    rate = cfg.bias_update_rate if cfg.expert_bias else None
     if cfg.router == "topk":
-        return TopKRouter(d_model, cfg.num_experts, cfg.top_k, normalize=cfg.normalize_topk)
+        return TopKRouter(d_model, cfg.num_experts, cfg.top_k, normalize=cfg.normalize_topk, bias_update_rate=rate)
     if cfg.router == "switch":
-        return SwitchRouter(d_model, cfg.num_experts, cfg.jitter_eps)
+        return SwitchRouter(d_model, cfg.num_experts, cfg.jitter_eps, bias_update_rate=rate)
     if cfg.router == "gshard":
-        return GShardRouter(d_model, cfg.num_experts)
+        return GShardRouter(d_model, cfg.num_experts, bias_update_rate=rate)
     if cfg.router == "noisy_topk":
-        return NoisyTopKRouter(d_model, cfg.num_experts, cfg.top_k)
+        return NoisyTopKRouter(d_model, cfg.num_experts, cfg.top_k, bias_update_rate=rate)
+    if cfg.router == "sigmoid_group":
+        return SigmoidGroupRouter(d_model, cfg.num_experts, cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                  scaling=cfg.routed_scaling_factor, normalize=cfg.normalize_topk,
+                                  bias_update_rate=rate)
     raise ValueError(f"moe.router={cfg.router!r} is invalid: must be one of {ROUTERS}")
