@@ -24,6 +24,13 @@ import torch
 import torch.multiprocessing as mp
 
 
+# A fork server that has imported torch, Lightning and the pack once starts each rank in a
+# fraction of a second, where spawn re-imports them in every rank of every test (seconds
+# each). The server forks before any test touches a process group or a thread pool.
+START_METHOD = "forkserver"
+mp.set_forkserver_preload(["torch", "lightning", "lightning_hetermoe", "harness", "reference"])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +61,7 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 240.0) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="ranks_") as outdir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world, join=False,
-                                 start_method="spawn")
+                                 start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1.0):
