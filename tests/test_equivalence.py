@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from lightning_hetermoe import ClusterConfig, HeterMoEStrategy, OptimConfig
+from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
 
 STEPS = 5

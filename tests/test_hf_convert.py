@@ -140,12 +140,10 @@ def test_balance_loss_is_top_k_times_ours_for_one_layer():
 
 # -- whole models ---------------------------------------------------------------------------
 
-def test_converted_mixtral_matches_transformers():
-    hf = hf_model("mixtral").train()
-    conv = to_hetermoe(copy.deepcopy(hf))
-    assert [type(b).__name__ for _, b, _ in find_blocks(conv)] == ["MixtralDecoderLayer"] * 2
-    tokens = torch.randint(0, 64, (3, 12))
-    upstream = torch.randn(3, 12, 64)
+def assert_same_model(hf: nn.Module, conv: nn.Module, vocab: int = 64) -> None:
+    """Logits and every parameter gradient of the converted model equal transformers'."""
+    tokens = torch.randint(0, vocab, (3, 12))
+    upstream = torch.randn(3, 12, vocab)
     logits_hf = hf(input_ids=tokens).logits
     g_hf = torch.autograd.grad((logits_hf * upstream).sum(), list(hf.parameters()))
     logits = conv(input_ids=tokens).logits
@@ -156,6 +154,13 @@ def test_converted_mixtral_matches_transformers():
     assert ours.keys() == expected.keys()
     for name in expected:
         assert_close(ours[name], expected[name], f"gradient of {name}")
+
+
+def test_converted_mixtral_matches_transformers():
+    hf = hf_model("mixtral").train()
+    conv = to_hetermoe(copy.deepcopy(hf))
+    assert [type(b).__name__ for _, b, _ in find_blocks(conv)] == ["MixtralDecoderLayer"] * 2
+    assert_same_model(hf, conv)
     assert len(moe_aux(conv)) == 2
 
 

@@ -3,7 +3,6 @@
 Training equivalence lives in test_equivalence.py (EP) and test_zebra.py (zebra, distep)."""
 
 import importlib
-import warnings
 
 import lightning as L
 import pytest
@@ -13,7 +12,7 @@ from torch import nn
 import lightning_hetermoe
 from lightning_hetermoe import HeterMoEStrategy, ModelConfig, MoEConfig, MoELayer
 from lightning_hetermoe.config import ConfigError
-from reference import data, make_model
+from reference import data
 
 
 def test_string_resolves_to_strategy_and_reimport_is_safe():

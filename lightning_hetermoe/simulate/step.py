@@ -228,7 +228,7 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
 def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
     sched = setup.schedule
     m = setup.model
-    L, R, E, k = m.n_layers, setup.num_microbatches, m.moe.num_experts, m.moe.top_k
+    L, R, E = m.n_layers, setup.num_microbatches, m.moe.num_experts
     if sched.num_layers != L or sched.num_microbatches != R:
         raise ValueError(f"schedule is for {sched.num_layers} layers x {sched.num_microbatches} micro-batches, "
                          f"the setup has {L} x {R}")
@@ -313,7 +313,7 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
 def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
     """EP: every rank attends and hosts experts; micro-batches one after another."""
     m = setup.model
-    L, R, E, k = m.n_layers, setup.num_microbatches, m.moe.num_experts, m.moe.top_k
+    L, R = m.n_layers, setup.num_microbatches
     S = setup.seq_len
     lanes = setup.lanes
     tasks: list[Task] = []

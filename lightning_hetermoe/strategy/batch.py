@@ -97,3 +97,12 @@ def split_sizes(batch_len: int, sizes: list[int]) -> list[tuple[int, int]]:
         out.append((start, n))
         start += n
     return out
+
+
+def weighted_share(full: Any, sizes: list[int], rank: int) -> tuple[Any, float]:
+    """Rank ``rank``'s consecutive share of the global batch ``full`` (``sizes`` per rank),
+    and the weight of its mean loss: DDP averages over ranks, so with unequal shares each
+    rank's mean must count by its size (``count * world / total``)."""
+    total = batch_size(full)
+    start, count = split_sizes(total, sizes)[rank]
+    return take(full, start, count), count * len(sizes) / total

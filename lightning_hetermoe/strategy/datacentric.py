@@ -46,9 +46,9 @@ from ..moe.balance import GlobalBalance
 from ..moe.dispatch import scatter_to_slots, sort_choices
 from ..simulate.schedules import apportion
 from .backend import ParallelBackend, Simulated, StepFn, TailShape
-from .batch import batch_size, gather_global_batch, split_sizes, take
+from .batch import batch_size, gather_global_batch, weighted_share
 from .expert_parallel import global_balance_counts
-from .expert_state import restore_local
+from .expert_state import expert_tensor_names, restore_local
 
 
 @dataclass(frozen=True)
@@ -190,12 +190,7 @@ class DataCentricBackend(ParallelBackend):
         return True
 
     def ddp_ignored(self, module: nn.Module) -> list[str]:
-        names = []
-        for prefix, layer in moe_layers(module):
-            at = f"{prefix}.experts" if prefix else "experts"
-            names += [f"{at}.{pname}" for pname, _ in layer.experts.named_parameters(recurse=False)]
-            names.append(f"{at}.expert_ids")
-        return names
+        return expert_tensor_names(module)
 
     def restore(self, module: nn.Module, succeeded: bool) -> None:
         if self._sharded and succeeded:
@@ -284,10 +279,9 @@ class DataCentricBackend(ParallelBackend):
         total = batch_size(full)
         if self._shares is None or sum(self._shares) != total:
             self._shares = self.clock.speed_shares(total) if len(self.clock.devices) == self.world_size \
-                else split_sizes_even(total, self.world_size)
-        start, count = split_sizes(total, self._shares)[self.rank]
-        self._loss_weight = count * self.world_size / total
-        return take(full, start, count)
+                else apportion(total, [1.0] * self.world_size)
+        mine, self._loss_weight = weighted_share(full, self._shares, self.rank)
+        return mine
 
     @property
     def shares(self) -> list[int] | None:
@@ -335,7 +329,3 @@ class DataCentricBackend(ParallelBackend):
     def describe_rank(self, rank: int) -> str:
         names = [d.name for d in self.clock.devices]
         return f"datacentric rank, device {names[rank] if rank < len(names) else '?'}"
-
-
-def split_sizes_even(total: int, world: int) -> list[int]:
-    return apportion(total, [1.0] * world)

@@ -25,9 +25,9 @@ from ..contract import moe_layers
 from ..moe.balance import GlobalBalance
 from ..placement import Placement
 from .backend import ParallelBackend, Simulated, StepFn, TailShape
-from .batch import batch_size, gather_global_batch, split_sizes, take
+from .batch import batch_size, gather_global_batch, weighted_share
 from .ep_dispatch import AllToAllDispatcher
-from .expert_state import gather_experts, restore_local, slice_experts
+from .expert_state import expert_tensor_names, gather_experts, restore_local, slice_experts
 
 
 @dataclass
@@ -178,12 +178,7 @@ class ExpertParallelBackend(ParallelBackend):
         return True
 
     def ddp_ignored(self, module: nn.Module) -> list[str]:
-        names = []
-        for prefix, layer in moe_layers(module):
-            at = f"{prefix}.experts" if prefix else "experts"
-            names += [f"{at}.{pname}" for pname, _ in layer.experts.named_parameters(recurse=False)]
-            names.append(f"{at}.expert_ids")
-        return names
+        return expert_tensor_names(module)
 
     def restore(self, module: nn.Module, succeeded: bool) -> None:
         if self._sharded and succeeded:
@@ -206,9 +201,8 @@ class ExpertParallelBackend(ParallelBackend):
         total = batch_size(full)
         if self._shares is None or sum(self._shares) != total:
             self._shares = self.clock.speed_shares(total)
-        start, count = split_sizes(total, self._shares)[self.rank]
-        self._loss_weight = count * self.world_size / total
-        return take(full, start, count)
+        mine, self._loss_weight = weighted_share(full, self._shares, self.rank)
+        return mine
 
     @property
     def shares(self) -> list[int] | None:

@@ -54,6 +54,17 @@ def restore_local(layers: list, gather: Any) -> None:
         layer.balance = LocalBalance()
 
 
+def expert_tensor_names(module: nn.Module) -> list[str]:
+    """Names of every MoE layer's expert tensors in ``module`` (what DDP must leave alone:
+    a backend that spreads experts syncs them itself)."""
+    names = []
+    for prefix, layer in moe_layers(module):
+        at = f"{prefix}.experts" if prefix else "experts"
+        names += [f"{at}.{pname}" for pname, _ in layer.experts.named_parameters(recurse=False)]
+        names.append(f"{at}.expert_ids")
+    return names
+
+
 def gather_experts(local: Tensor, held: list[list[int]], group: Group) -> Tensor:
     """All-gather per-holder expert slices (uneven first dims) into the full ``[E, ...]``
     tensor; ``held[r]`` lists the ids group rank ``r`` holds, in its local order."""
