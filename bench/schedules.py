@@ -2,10 +2,11 @@
 
     python bench/schedules.py            # the grid below, about 15 minutes on 2 cores
     python bench/schedules.py --quick    # one cell: A40+V100 1+1 at the D1 16K clock, ep and zebra
+    python bench/schedules.py --mixes "a40+v100 1+1,a40x2" --clocks 16K   # a subset of the grid
 
-For each mix (A40+V100 as 1+1, 2+2, 1+2; L40S+T4 as 1+3) and workload clock (D1 at 4K and
-16K tokens per sequence) it runs ``ep``, ``ep`` with speed-proportional batches, ``distep``
-and ``zebra`` through ``recipes/train.py``: real processes, real gloo collectives, the real
+For each mix (A40+V100 as 1+1, 2+2, 1+2; L40S+T4 as 1+3; two A40s) and workload clock (D1
+at 4K and 16K tokens per sequence) it runs ``ep``, ``ep`` with speed-proportional batches,
+``distep``, ``zebra`` and ``datacentric`` (HEXA-MoE) through ``recipes/train.py``: real processes, real gloo collectives, the real
 strategy and executor; only the clock is modelled (``lightning_hetermoe/emulate``). The
 tiny model runs with D1's 24 experts, top-2, on 4 layers (the clock is D1's widths on that
 depth), 12 sequences per step, 3 steps per run of which the first is warm-up.
@@ -13,7 +14,9 @@ depth), 12 sequences per step, 3 steps per run of which the first is warm-up.
 Per cell it prints the measured s/step, the simulator's s/step for the same plan (even
 routing, as planned) and its relative error, the simulator's s/step at the routing the run
 really had (the load monitor's counts) and that error, the share of emulated tasks that
-overran their modelled time, and zebra/ep measured beside zebra/ep predicted.
+overran their modelled time, and zebra/ep measured beside zebra/ep predicted; then, per
+mix and clock, the fastest schedule measured beside the one ``mode=auto`` would choose (the
+fastest predicted).
 
 A converted Hugging Face Mixtral of the same shape (``model.architecture=hf_mixtral``)
 runs ep and zebra on A40+V100 1+1 at 16K beside the pack's model: its zebra/ep speed-up
@@ -41,13 +44,15 @@ MIXES = {
     "a40+v100 2+2": ["a40", "a40", "v100", "v100"],
     "a40+v100 1+2": ["a40", "v100", "v100"],
     "l40s+t4 1+3": ["l40s", "t4", "t4", "t4"],
+    "a40x2": ["a40", "a40"],  # one homogeneous mix: what is left of zebra's edge
 }
 CLOCKS = {"4K": 4096, "16K": 16384}
 # The tiny model's CPU tasks must stay under their modelled times: shorter at 4K, and four
 # processes share two cores.
 TIME_SCALE = {("4K", 2): 3.0, ("4K", 3): 4.0, ("4K", 4): 5.0, ("16K", 2): 1.5, ("16K", 3): 2.0, ("16K", 4): 2.5}
 SCHEDULES = {"ep": ["strategy.mode=ep"], "ep_speed": ["strategy.mode=ep", "strategy.batch_split=speed"],
-             "distep": ["strategy.mode=distep"], "zebra": ["strategy.mode=zebra"]}
+             "distep": ["strategy.mode=distep"], "zebra": ["strategy.mode=zebra"],
+             "datacentric": ["strategy.mode=datacentric"]}
 GLOBAL_BATCH = 12
 MODEL = ["model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2", "trainer.max_steps=3"]
 
@@ -109,10 +114,17 @@ def planner_check() -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one cell: A40+V100 1+1 at the 16K clock, ep and zebra")
+    ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated, of: {', '.join(MIXES)}")
+    ap.add_argument("--clocks", default=",".join(CLOCKS), help=f"comma-separated, of: {', '.join(CLOCKS)}")
     args = ap.parse_args(argv)
+    mixes, clocks = args.mixes.split(","), args.clocks.split(",")
+    unknown = [m for m in mixes if m not in MIXES] + [c for c in clocks if c not in CLOCKS]
+    if unknown:
+        ap.error(f"unknown mix or clock {unknown}: mixes are {list(MIXES)}, clocks {list(CLOCKS)}")
+    subset = args.mixes != ",".join(MIXES) or args.clocks != ",".join(CLOCKS)
     started = time.perf_counter()
     grid = [("a40+v100 1+1", "16K", s) for s in ("ep", "zebra")] if args.quick else \
-        [(m, c, s) for c in CLOCKS for m in MIXES for s in SCHEDULES]
+        [(m, c, s) for c in clocks for m in mixes for s in SCHEDULES]
     print(f"{'mix':13} {'clock':>4} {'schedule':9} {'meas s':>8} {'sim s':>8} {'error':>6}  "
           f"{'sim@load':>7} {'error':>6}  {'overrun':>6}", flush=True)
     rows = []
@@ -132,6 +144,22 @@ def main(argv: list[str] | None = None) -> dict:
                 if d:
                     line += f"; zebra/distep measured {d['measured_s'] / z['measured_s']:.2f}x"
                 print(line, flush=True)
+    print("\nfastest measured beside what mode=auto would choose (the fastest predicted):")
+    winners = {}
+    for mix in MIXES:
+        for clock in CLOCKS:
+            cells = {s: by[(mix, clock, s)] for s in SCHEDULES if (mix, clock, s) in by}
+            if len(cells) < 2:
+                continue
+            best = min(cells, key=lambda s: cells[s]["measured_s"])
+            chosen = min(cells, key=lambda s: cells[s]["predicted_s"])
+            winners[(mix, clock)] = (best, chosen, cells[chosen]["measured_s"] / cells[best]["measured_s"])
+            print(f"  {mix:13} {clock:>4}: fastest {best} ({cells[best]['measured_s']:.3f} s); auto would choose "
+                  f"{chosen} ({winners[(mix, clock)][2] - 1:+.1%} from the fastest)", flush=True)
+    if subset:
+        print(json.dumps({"cells": len(rows), "winners": {f"{m} {c}": w for (m, c), w in winners.items()},
+                          "wall_s": time.perf_counter() - started}), flush=True)
+        return {"cells": len(rows), "winners": winners}
     hf = {s: measure("a40+v100 1+1", "16K", s, ["model.architecture=hf_mixtral"]) for s in ("ep", "zebra")}
     for s, r in hf.items():
         print_row({**r, "mix": "hf mixtral 1+1"})

@@ -11,7 +11,10 @@ import copy
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import lightning as L
+
 from harness import run_ranks
+from lightning_hetermoe.emulate.hooks import installed
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
 from test_zebra import make_test_plan
@@ -20,6 +23,10 @@ STEPS, SAVED = 5, 3
 # a fast device and slow ones (at these tiny shapes launches dominate, so the slow device
 # launches slowly): unequal batch shares; the A40's larger memory: a larger range of experts
 SLOW = {"slow": {"base": "v100", "launch_overhead_s": 1e-4}}
+
+
+EMULATED = dict(name="emu", devices=["a40", "v100"], emulate=True, time_scale=1.5,
+                emulate_workload={"model": "d1", "seq_len": 4096})
 
 
 def cluster(world: int) -> dict:
@@ -74,11 +81,34 @@ def fits_and_resumes(rank: int, world: int, ckpt_dir: str) -> dict | None:
     trainer(HeterMoEStrategy(mode="datacentric", cluster=cluster(world)), world, max_steps=STEPS).fit(
         m, datamodule=data(world), ckpt_path=f"{ckpt_dir}/zebra/step={SAVED}.ckpt")
     out["zebra -> datacentric"] = m.state_dict()
-    return out if rank == 0 else None
+
+    # on an emulated A40+V100 (the D1 4K clock): the gathers and reduce-scatters are padded
+    # like any transfer, and the step takes what the simulator predicts
+    m = model(rank)
+    s = HeterMoEStrategy(mode="datacentric", cluster=EMULATED)
+    steps = StepTimes()
+    trainer(s, world, max_steps=4, callbacks=[steps]).fit(m, datamodule=data(world))
+    emulated = {"measured": sorted(steps.seconds[1:])[1], "predicted": s.clock.prediction["step_time_s"],
+                "transfers": steps.transfers}
+    return (out, emulated) if rank == 0 else None
+
+
+class StepTimes(L.Callback):
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.transfers = 0
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.seconds.append(trainer.strategy.clock.last_step_s)
+        self.transfers = installed(pl_module).stats["transfer"].count
 
 
 def test_two_ranks_equal_one_process_and_checkpoints_resume_across_modes(tmp_path):
-    got = run_ranks(2, fits_and_resumes, 2, str(tmp_path))[0]
+    got, emulated = run_ranks(2, fits_and_resumes, 2, str(tmp_path))[0]
+    # 4 steps x 2 layers x (forward gather, backward gather, reduce-scatter of 2 tensors)
+    assert emulated["transfers"] == 4 * 2 * 4, emulated
+    print(f"emulated datacentric: {emulated}")
+    assert abs(emulated["measured"] / emulated["predicted"] - 1) < 0.25, emulated
     m = model(0)
     initial = copy.deepcopy(m.state_dict())
     expected = reference_fit(m, STEPS)

@@ -137,8 +137,9 @@ class EmulationHandle:
         for h in self._hooks:
             h.remove()
         for disp in self._exchanges:
-            if "exchange" in vars(disp):
-                del disp.exchange
+            for name in ("exchange", "weights", "reduce_scatter"):
+                if name in vars(disp):
+                    delattr(disp, name)
         self._hooks.clear()
         self._exchanges.clear()
         if _INSTALLED.get(self.model) is self:
@@ -205,6 +206,12 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
             rec = state.pop("rec")
             modelled = em.experts(rec["counts"])
             em.pad("experts", (layer_idx, "fwd"), rec["t0"], modelled)
+            if torch._C._current_graph_task_id() != -1 and "forward" in state:
+                # recomputed inside the backward (data-centric experts): real, padded work of
+                # its own; the experts' backward starts after it
+                state["forward"]["bwd_t0"] = em.now()
+                return output
+            state["forward"] = rec
 
             def bwd_out(rec=rec):  # gradient reached the experts' output
                 if rec["call"] is not None:
@@ -219,6 +226,8 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
         disp = moe.dispatcher
         if hasattr(disp, "exchange"):
             _wrap_exchange(handle, moe, disp, layer_idx, current)
+        elif hasattr(disp, "weights") and isinstance(em, Emulator):
+            _wrap_gathers(handle, disp, layer_idx, current)
     _INSTALLED[model] = handle
     return handle
 
@@ -226,6 +235,42 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
 def installed(model: nn.Module) -> EmulationHandle | None:
     """The emulation handle active on ``model``, if any."""
     return _INSTALLED.get(model)
+
+
+def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_BlockCall]) -> None:
+    """Data-centric experts: the layer's weight gathers and gradient reduce-scatters are
+    transfers of the workload's layer of experts (as the simulator prices them). A forward
+    gather was issued ahead (during the previous layer): it arrives at its issue time
+    plus its modelled time; the backward gathers again and reduce-scatters, each in full."""
+    from ..simulate.datacentric import weight_move_seconds
+
+    em = handle.emulator
+    seconds = em.time_scale * weight_move_seconds(em.timer.model, em.timer, em.link, disp.move_fraction)
+    weights, reduce_scatter = disp.weights, disp.reduce_scatter
+    parts = {"n": 0}
+
+    def gathered(names, tensors):
+        parts["n"] = len(names)
+        in_backward = torch._C._current_graph_task_id() != -1
+        call = current[-1] if current and not in_backward else None
+        if call is not None:
+            call.enter_expert_path()
+        started, issued = em.now(), disp.issued_at
+        out = weights(names, tensors)
+        if in_backward or issued is None:
+            em.transfer_done((layer_idx, "gather", "bwd" if in_backward else "fwd"), started, seconds)
+        else:
+            em.arrive("transfer", (layer_idx, "gather", "fwd"), issued + seconds, seconds)
+        return out
+
+    def scattered(shard, grad):
+        started = em.now()
+        out = reduce_scatter(shard, grad)
+        em.transfer_done((layer_idx, "reduce_scatter"), started, seconds / max(parts["n"], 1))
+        return out
+
+    disp.weights, disp.reduce_scatter = gathered, scattered
+    handle._exchanges.append(disp)
 
 
 def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: list[_BlockCall]) -> None:

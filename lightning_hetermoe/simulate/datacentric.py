@@ -26,6 +26,13 @@ def layer_weight_bytes(model: ModelConfig, timer) -> float:
     return model.moe.num_experts * MemoryModel(model).expert_params() * timer.cost.dtype_bytes
 
 
+def weight_move_seconds(model: ModelConfig, timer, link: LinkConfig, move_fraction: float) -> float:
+    """One gather (or reduce-scatter) of a layer's experts: each rank moves
+    ``move_fraction`` of the layer (``(W - 1)`` padded chunks of the largest range, over
+    the whole layer) through its link."""
+    return timer.comm(layer_weight_bytes(model, timer) * move_fraction, link) if move_fraction > 0 else 0.0
+
+
 def datacentric_shares(devs: Sequence[DeviceSpec], model: ModelConfig, seq_len: int, total_seqs: int,
                        timer) -> list[int]:
     return ep_balanced_shares(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
@@ -49,9 +56,8 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
         if held > d.memory_gb * 1e9:
             raise ValueError(f"data-centric: {d.name} cannot hold its expert shard, the dense model and two layers "
                              f"of full experts ({held / 1e9:.1f} GB > {d.memory_gb} GB)")
-    # ring collectives: each rank sends and receives (W - 1) / W of the layer, padded to the largest shard
-    largest = max(d.memory_gb for d in devs) / total_memory
-    move = timer.comm(weights * largest * (W - 1), link) if W > 1 else 0.0
+    # ring collectives: each rank moves W - 1 chunks, padded to the largest range
+    move = weight_move_seconds(model, timer, link, max(d.memory_gb for d in devs) / total_memory * (W - 1))
     seqs = datacentric_shares(devs, model, seq_len, total_seqs, timer)
     slowest = 0.0
     for d, n in zip(devs, seqs):

@@ -122,10 +122,6 @@ class StrategyArguments:
             raise ConfigError(f"strategy expert_parallel_size={ep} is invalid: must divide the world size {world_size}")
         if self.batch_split == "speed" and cluster is None:
             raise ConfigError("strategy batch_split='speed' needs a cluster config naming each rank's device")
-        if self.mode == "datacentric" and self.emulated:
-            raise ConfigError(f"strategy mode='datacentric' on emulated cluster '{cluster.name}': the emulated clock "
-                              f"does not model the data-centric gathers yet; run it on real devices (cluster without "
-                              f"emulate) or choose mode=ep/zebra/distep/auto")
         if self.mode in DISAGGREGATED and world_size < 2 and plan is None:
             # (a given one-rank plan is a loop-back: its attention rank holds every expert)
             raise ConfigError(f"strategy mode={self.mode!r} needs at least 2 ranks (attention and experts), the "

@@ -30,6 +30,7 @@ NCCL and on gloo), on a process group of their own, in the same order on every r
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import lightning_hetermoe.comm as comm
 from ..comm import Group, Pending
@@ -100,36 +101,59 @@ class _Gathered(torch.autograd.Function):
     gradient reduce-scattered onto this rank's range, averaged over the world."""
 
     @staticmethod
-    def forward(ctx, part: Tensor, full: Tensor, shard: Shard, backend: "DataCentricBackend") -> Tensor:
-        ctx.shard, ctx.backend = shard, backend
+    def forward(ctx, part: Tensor, full: Tensor, shard: Shard, disp: "DataCentricDispatcher") -> Tensor:
+        ctx.shard, ctx.disp = shard, disp
         return full
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return ctx.backend.reduce_scatter(ctx.shard, grad), None, None, None
+        return ctx.disp.reduce_scatter(ctx.shard, grad), None, None, None
 
 
 class DataCentricDispatcher:
-    """The layer's experts, run here on full weights gathered for the call; no tokens move."""
+    """The layer's experts, run here on full weights gathered for the call; no tokens move.
+
+    ``weights`` and ``reduce_scatter`` are the layer's two collectives, as methods so
+    that the emulated clock can wrap them (as it wraps an all-to-all dispatcher's
+    ``exchange``); ``issued_at`` says when the layer's forward gather was issued."""
 
     def __init__(self, layer: int, backend: "DataCentricBackend") -> None:
         self.layer, self.backend = layer, backend
+
+    @property
+    def issued_at(self) -> float | None:
+        return self.backend.issued_at.get(self.layer)
+
+    @property
+    def move_fraction(self) -> float:
+        """What each rank moves per gather, as a fraction of the layer: ``W - 1`` chunks
+        padded to the largest range."""
+        shards = self.backend.shards[self.layer].values()
+        total = sum(math.prod(s.shape) for s in shards)
+        return sum((len(s.sizes) - 1) * s.chunk for s in shards) / total if total else 0.0
+
+    def weights(self, names: list[str], parts: tuple[Tensor, ...]) -> list[Tensor]:
+        return self.backend.full_weights(self.layer, names, parts, self)
+
+    def reduce_scatter(self, shard: Shard, grad: Tensor) -> Tensor:
+        return self.backend.reduce_scatter(shard, grad)
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
         E = self.backend.num_experts[self.layer]
         sc = sort_choices(indices, keep, torch.arange(E, device=x.device))  # every expert runs here
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         parts = [p for _, p in experts.named_parameters(recurse=False)]
-        backend, layer = self.backend, self.layer
 
         def run(x: Tensor, *parts: Tensor) -> Tensor:
-            fulls = backend.full_weights(layer, names, parts)
+            fulls = self.weights(names, parts)
             return functional_call(experts, dict(zip(names, fulls)), (x, sc.token, sc.counts))
 
-        backend.prefetch(layer)  # no-op when the previous layer already issued it
+        self.backend.prefetch(self.layer)  # no-op when the previous layer already issued it
         if torch.is_grad_enabled():
-            # checkpointed: autograd keeps x and the ranges, and the backward gathers again
-            out = checkpoint(run, x, *parts, use_reentrant=False)
+            # checkpointed: autograd keeps x and the ranges, and the backward gathers again;
+            # recomputed to the end (no early stop), so the experts' recompute is one whole task
+            with set_checkpoint_early_stop(False):
+                out = checkpoint(run, x, *parts, use_reentrant=False)
         else:
             out = run(x, *parts)
         return scatter_to_slots(out, sc.slot, indices.numel())
@@ -146,6 +170,7 @@ class DataCentricBackend(ParallelBackend):
         self.num_experts: list[int] = []
         self._sharded = False
         self._prefetched: dict[int, list[tuple[Pending, Shard]]] = {}
+        self.issued_at: dict[int, float] = {}  # when each layer's last gather was issued
         self._shares: list[int] | None = None
         self._loss_weight = 1.0
         self._emulation: Any = None
@@ -202,6 +227,7 @@ class DataCentricBackend(ParallelBackend):
 
     # -- gathers ------------------------------------------------------------------------
     def _issue(self, layer: int, names: list[str], parts: list[Tensor]) -> list[tuple[Pending, Shard]]:
+        self.issued_at[layer] = time.perf_counter()
         issued = []
         for name, part in zip(names, parts):
             shard = self.shards[layer][name]
@@ -223,7 +249,8 @@ class DataCentricBackend(ParallelBackend):
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         self._prefetched[layer] = self._issue(layer, names, [p for _, p in experts.named_parameters(recurse=False)])
 
-    def full_weights(self, layer: int, names: list[str], parts: tuple[Tensor, ...]) -> list[Tensor]:
+    def full_weights(self, layer: int, names: list[str], parts: tuple[Tensor, ...], disp: DataCentricDispatcher
+                     ) -> list[Tensor]:
         """Layer ``layer``'s full expert tensors, each differentiable into its range."""
         issued = self._prefetched.pop(layer, None)
         if issued is None or torch._C._current_graph_task_id() != -1:
@@ -231,14 +258,14 @@ class DataCentricBackend(ParallelBackend):
                 for pending, _ in issued:
                     pending.wait()
             issued = self._issue(layer, names, list(parts))
-        fulls = [self._unpad(issued, part) for part in parts]  # each padded buffer dropped once unpadded
+        fulls = [self._unpad(issued, part, disp) for part in parts]  # each padded buffer dropped once unpadded
         if torch._C._current_graph_task_id() == -1:
             self.prefetch(layer + 1)  # overlaps this layer's compute
         return fulls
 
-    def _unpad(self, issued: list[tuple[Pending, Shard]], part: Tensor) -> Tensor:
+    def _unpad(self, issued: list[tuple[Pending, Shard]], part: Tensor, disp: DataCentricDispatcher) -> Tensor:
         pending, shard = issued.pop(0)
-        full = _Gathered.apply(part, shard.unpad(pending.wait()), shard, self)
+        full = _Gathered.apply(part, shard.unpad(pending.wait()), shard, disp)
         n = full.numel() * full.element_size()
         self._grow(n)  # the full tensor, alive until the computation lets go of it
         weakref.finalize(full, self._freed, n)

@@ -166,8 +166,6 @@ def _decide(strategy: Any, trainer: Any, module: Any) -> tuple[str, Any]:
         else:
             if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
                 continue  # identical devices: the speed split is the equal split
-            if name == "datacentric" and args.emulated:
-                continue  # the emulated clock does not pad its gathers yet
             sim, tokens = Simulated(name, ep_size=strategy.world_size), clock.tokens_per_step
         try:
             throughput[name] = tokens / clock.step_time(sim)
