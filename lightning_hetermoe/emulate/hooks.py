@@ -17,6 +17,10 @@ Tasks, per MoE layer, forward and backward:
   backward): after the real collective returns (its wall time is synchronisation with
   the other ranks plus a gloo copy), the modelled transfer time of the rows this rank
   moves off-rank (``max(sent, received)``) is slept.
+* **transfer**, data-centric (each layer's weight gathers and gradient reduce-scatters,
+  wrapped on the dispatcher's ``weights`` and ``reduce_scatter``): the workload's layer of
+  experts moved as the simulator prices it; a gather issued ahead (the prefetch) arrives at
+  its issue time plus its modelled time.
 * **head** (after the last MoE block: final norm, LM head, loss, and their backward):
   padded when the gradient reaches the last block's output.
 

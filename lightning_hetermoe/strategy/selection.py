@@ -4,8 +4,7 @@
 clock (the cost model, a profile, or an emulated workload) and takes the fastest by
 predicted throughput: ``zebra`` and ``distep`` on the planner's plan, ``ep``,
 ``ep_balanced`` (expert parallelism with speed-proportional shares, where the devices
-differ) and ``datacentric`` (HEXA-MoE's experts-to-the-tokens, except on emulated
-clusters, whose clock does not pad its gathers yet). One device trains as a plain single device. The choice and the runner-up are
+differ) and ``datacentric`` (HEXA-MoE's experts-to-the-tokens). One device trains as a plain single device. The choice and the runner-up are
 printed; a plan, when one runs, is printed as a table and written to ``plan.json``.
 
 Routing is never even: before planning, a warm-up batch goes through the freshly
