@@ -2,13 +2,18 @@
 
 :class:`~.hetermoe.HeterMoEStrategy` holds Lightning's hooks; it chooses a backend once,
 at set-up (:mod:`.selection`), and every hook that differs between parallelisms delegates
-to it. Three backends exist:
+to it. Four backends exist:
 
 * :class:`~.single.SingleDeviceBackend`: one process, the model as written;
 * :class:`~.expert_parallel.ExpertParallelBackend`: DDP for the dense part, experts sliced
   over an expert-parallel group (``ep``; ``ep_balanced`` with speed-proportional shares);
 * :class:`~.zebra.backend.ZebraBackend`: attention and expert ranks from a plan, the
-  zebra or DistEP schedule run by its own executor.
+  zebra or DistEP schedule run by its own executor;
+* :class:`~.datacentric.DataCentricBackend`: HEXA-MoE, experts sharded over every rank and
+  gathered to the tokens.
+
+Expert parallelism and data-centric share :class:`DenseDDPBackend` (dense weights under
+Lightning's DDP, experts synced by the backend, batch shares weighted).
 
 A backend owns: laying the model out on this rank and restoring it, the step and the
 hand-over of gradients to Lightning, gradient sync and the clipping norm, gathering and
@@ -26,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..placement import Placement
+from .expert_state import expert_tensor_names, restore_local
 
 StepFn = Callable[..., Any]
 Context = Callable[[], ContextManager]
@@ -160,6 +166,41 @@ class ParallelBackend(ABC):
     @property
     def num_microbatches(self) -> int | None:
         return None
+
+
+class DenseDDPBackend(ParallelBackend):
+    """A backend whose dense weights Lightning's DDP syncs and whose experts it spreads and
+    syncs itself (expert parallelism, data-centric). A rank may train on an unequal share
+    of the global batch: its mean loss counts by its size (``_loss_weight``), since DDP
+    averages over ranks."""
+
+    _layers: list
+    _sharded: bool = False
+    _emulation: Any = None
+    _loss_weight: float = 1.0
+
+    @property
+    def wraps_ddp(self) -> bool:
+        return True
+
+    def ddp_ignored(self, module: nn.Module) -> list[str]:
+        return expert_tensor_names(module)
+
+    def restore(self, module: nn.Module, succeeded: bool) -> None:
+        if self._sharded and succeeded:
+            restore_local(self._layers, self.gather_experts)
+            self._sharded = False
+        if self._emulation is not None:
+            self._emulation.remove()
+            self._emulation = None
+
+    def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
+                 module: nn.Module) -> Tensor:
+        return default(closure_loss * self._loss_weight)
+
+    @property
+    def spread(self) -> bool:
+        return self._sharded
 
 
 def zero_missing_grads(params: list[nn.Parameter]) -> None:

@@ -33,7 +33,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -46,10 +46,9 @@ from ..contract import moe_layers
 from ..moe.balance import GlobalBalance
 from ..moe.dispatch import scatter_to_slots, sort_choices
 from ..simulate.schedules import apportion
-from .backend import ParallelBackend, Simulated, StepFn, TailShape
+from .backend import DenseDDPBackend, Simulated, StepFn, TailShape
 from .batch import batch_size, gather_global_batch, weighted_share
 from .expert_parallel import global_balance_counts
-from .expert_state import expert_tensor_names, restore_local
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ class DataCentricDispatcher:
         return scatter_to_slots(out, sc.slot, indices.numel())
 
 
-class DataCentricBackend(ParallelBackend):
+class DataCentricBackend(DenseDDPBackend):
     schedule = "datacentric"
 
     def __init__(self, clock: Any, rank: int, world_size: int, device: torch.device) -> None:
@@ -209,21 +208,6 @@ class DataCentricBackend(ParallelBackend):
         self._sharded = bool(self._layers)
         self._emulation = self.clock.install(module, self.device, False)
         self._shares = None
-
-    @property
-    def wraps_ddp(self) -> bool:
-        return True
-
-    def ddp_ignored(self, module: nn.Module) -> list[str]:
-        return expert_tensor_names(module)
-
-    def restore(self, module: nn.Module, succeeded: bool) -> None:
-        if self._sharded and succeeded:
-            restore_local(self._layers, self.gather_experts)
-            self._sharded = False
-        if self._emulation is not None:
-            self._emulation.remove()
-            self._emulation = None
 
     # -- gathers ------------------------------------------------------------------------
     def _issue(self, layer: int, names: list[str], parts: list[Tensor]) -> list[tuple[Pending, Shard]]:
@@ -314,11 +298,6 @@ class DataCentricBackend(ParallelBackend):
     def shares(self) -> list[int] | None:
         return None if self._shares is None else list(self._shares)
 
-    def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
-                 module: nn.Module) -> Tensor:
-        # DDP averages over ranks; with unequal shares each rank's mean must count by its size
-        return default(closure_loss * self._loss_weight)
-
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
         expert_ids = {id(p) for layer in self._layers for p in layer.experts.parameters()}
         dense = sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids),
@@ -330,10 +309,6 @@ class DataCentricBackend(ParallelBackend):
         return dense + experts
 
     # -- experts ------------------------------------------------------------------------
-    @property
-    def spread(self) -> bool:
-        return self._sharded
-
     def gather_experts(self, layer: int, local: Tensor, name: str = "") -> Tensor:
         shard = self.shards[layer][name]
         out = local.new_empty(self.world_size * shard.chunk)

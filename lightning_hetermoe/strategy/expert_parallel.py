@@ -11,7 +11,7 @@ placement-independent state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,10 @@ from ..contract import moe_layers
 
 from ..moe.balance import GlobalBalance
 from ..placement import Placement
-from .backend import ParallelBackend, Simulated, StepFn, TailShape
+from .backend import DenseDDPBackend, Simulated, StepFn, TailShape
 from .batch import batch_size, gather_global_batch, weighted_share
 from .ep_dispatch import AllToAllDispatcher
-from .expert_state import expert_tensor_names, gather_experts, restore_local, slice_experts
+from .expert_state import gather_experts, slice_experts
 
 
 @dataclass
@@ -120,7 +120,7 @@ def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups, device:
     return local
 
 
-class ExpertParallelBackend(ParallelBackend):
+class ExpertParallelBackend(DenseDDPBackend):
     """``ep_size`` ranks per EP group; ``balanced``: each rank's share of the global batch
     in proportion to its device's speed (the clock's cost model)."""
 
@@ -173,21 +173,6 @@ class ExpertParallelBackend(ParallelBackend):
         rank_zero_info(f"hetermoe[{self.schedule}]: {held.num_layers} MoE layers, experts per EP rank {sizes}{uneven}, "
                        f"{self.world_size // self.ep_size} replica(s)")
 
-    @property
-    def wraps_ddp(self) -> bool:
-        return True
-
-    def ddp_ignored(self, module: nn.Module) -> list[str]:
-        return expert_tensor_names(module)
-
-    def restore(self, module: nn.Module, succeeded: bool) -> None:
-        if self._sharded and succeeded:
-            restore_local(self._layers, self.gather_experts)
-            self._sharded = False
-        if self._emulation is not None:
-            self._emulation.remove()
-            self._emulation = None
-
     # -- the step -----------------------------------------------------------------------
     def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
              kwargs: dict) -> Any:
@@ -209,13 +194,6 @@ class ExpertParallelBackend(ParallelBackend):
         """Sequences per rank of the last step (``ep_balanced``)."""
         return None if self._shares is None else list(self._shares)
 
-    def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
-                 module: nn.Module) -> Tensor:
-        if self.balanced:
-            # DDP averages over ranks; with unequal shares each rank's mean must count by its size.
-            closure_loss = closure_loss * self._loss_weight
-        return default(closure_loss)
-
     def sync_grads(self, module: nn.Module) -> None:
         if self._sharded:
             reduce_expert_grads(module, self.groups)
@@ -229,10 +207,6 @@ class ExpertParallelBackend(ParallelBackend):
         return dense_sq + expert_grad_sq_norm(module, self.groups, self.device)
 
     # -- experts ------------------------------------------------------------------------
-    @property
-    def spread(self) -> bool:
-        return self._sharded
-
     def placement(self) -> Placement | None:
         if not self._sharded:
             return None
