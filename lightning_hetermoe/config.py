@@ -115,8 +115,17 @@ class MoEConfig:
         _require(self.router != "sigmoid_group" or self.top_k <= self.topk_group * self.num_experts // self.n_group,
                  "model.moe.top_k", self.top_k, f"must be <= topk_group * num_experts / n_group = "
                  f"{self.topk_group * self.num_experts // self.n_group} (the experts of the chosen groups)")
-        _require(self.routed_scaling_factor > 0, "model.moe.routed_scaling_factor", self.routed_scaling_factor,
-                 "must be > 0")
+        scaling = self.routed_scaling_factor
+        _require(isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling > 0,
+                 "model.moe.routed_scaling_factor", scaling, "must be a number > 0")
+        if self.router != "sigmoid_group":  # other routers would ignore them without a word
+            for name, default in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0)):
+                _require(getattr(self, name) == default, f"model.moe.{name}", getattr(self, name),
+                         f"only the sigmoid_group router reads it: set router=sigmoid_group or {name}={default}")
+        _require(isinstance(self.expert_bias, bool), "model.moe.expert_bias", self.expert_bias,
+                 "must be true or false")
+        _require(isinstance(self.shared_expert_gate, bool), "model.moe.shared_expert_gate", self.shared_expert_gate,
+                 "must be true or false")
         if not self.normalize_topk:
             _require(self.router in ("topk", "sigmoid_group"), "model.moe.normalize_topk", self.normalize_topk,
                      f"only the topk and sigmoid_group routers have an un-normalised variant (router={self.router!r} fixes its weights)")

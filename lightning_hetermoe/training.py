@@ -94,7 +94,8 @@ def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningMo
     if model_cfg.activation_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     options = dict(capacity_factor=moe.capacity_factor, z_loss_coef=moe.z_loss_coef, expert_backend=moe.expert_backend,
-                   recompute_activation=moe.recompute_activation, jitter_eps=moe.jitter_eps)
+                   recompute_activation=moe.recompute_activation, jitter_eps=moe.jitter_eps,
+                   expert_bias=moe.expert_bias, bias_update_rate=moe.bias_update_rate)
     return HFMoELanguageModel(to_hetermoe(hf, **options), optim_cfg)
 
 

@@ -1,6 +1,6 @@
-"""Bring your own model: Hugging Face MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
-trained with the strategy. ``transformers`` is needed only to build the models; nothing
-here imports it."""
+"""Bring your own model: Hugging Face MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+DeepSeek-V3) trained with the strategy. ``transformers`` is needed only to build the
+models; nothing here imports it."""
 
 from .hf import HFMoEBlock, moe_aux, moe_config_for, moe_tensors_from_hf, moe_tensors_to_hf, to_hetermoe, to_hf
 from .lm import HFMoELanguageModel

@@ -1,11 +1,12 @@
 """Hugging Face sparse MoE blocks <-> this project's :class:`~lightning_hetermoe.moe.MoELayer`.
 
 :func:`to_hetermoe` puts an :class:`HFMoEBlock` (an ``MoELayer``) where each Mixtral,
-Qwen2-MoE, Qwen3-MoE or OLMoE sparse MoE block stood, with the same weights, so that the
-strategy places and routes its experts; :func:`to_hf` puts Hugging Face blocks back with
-the trained weights, for export. Only tensors are converted: nothing here imports
-``transformers``, so the package works without it and with any version whose block
-layout :func:`moe_tensors_from_hf` recognises.
+Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3 sparse MoE block stood, with the same weights,
+so that the strategy places and routes its experts (DeepSeek-V3's first
+``first_k_dense_replace`` layers are dense MLPs and stay as they are); :func:`to_hf` puts
+Hugging Face blocks back with the trained weights, for export. Only tensors are
+converted: nothing here imports ``transformers``, so the package works without it and
+with any version whose block layout :func:`moe_tensors_from_hf` recognises.
 
 Weight layouts (``F.linear`` weights are ``[out, in]``; ours are ``[in, out]``)::
 
@@ -140,10 +141,13 @@ def moe_tensors_from_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     for hf in ("shared_expert", "shared_experts"):  # Qwen2-MoE's (gated), DeepSeek-V3's (not)
         if f"{hf}.gate_proj.weight" in sd:
             g, u = sd.pop(f"{hf}.gate_proj.weight"), sd.pop(f"{hf}.up_proj.weight")
+            down, gate_w = sd.pop(f"{hf}.down_proj.weight"), sd.pop("shared_expert_gate.weight", None)
+            if g.shape[0] == 0:  # DeepSeek-V3 with n_shared_experts=0: a zero-width MLP that adds nothing
+                continue
             out["shared_expert.w_up"] = torch.cat([g.t(), u.t()], dim=1)
-            out["shared_expert.w_down"] = sd.pop(f"{hf}.down_proj.weight").t()
-            if "shared_expert_gate.weight" in sd:
-                out["shared_expert.gate"] = sd.pop("shared_expert_gate.weight")
+            out["shared_expert.w_down"] = down.t()
+            if gate_w is not None:
+                out["shared_expert.gate"] = gate_w
     if sd:
         raise ValueError(f"Hugging Face MoE block tensors this converter does not know: {sorted(sd)}")
     return out
@@ -156,6 +160,10 @@ def moe_tensors_to_hf(ours: dict[str, Tensor], hf_names: list[str]) -> dict[str,
     f = w_down.shape[1]
     out = {"gate.weight": ours["router.weight"]}
     if "router.expert_bias" in ours:
+        if "gate.e_score_correction_bias" not in hf_names:
+            raise ValueError("the layer chooses its experts with an expert_bias (moe.expert_bias=true) that this "
+                             "Hugging Face block has no place for: exported without it, the model would route "
+                             "differently")
         out["gate.e_score_correction_bias"] = ours["router.expert_bias"]
     if "experts.gate_up_proj" in hf_names:
         out["experts.gate_up_proj"] = w_up.transpose(1, 2)
@@ -174,6 +182,10 @@ def moe_tensors_to_hf(ours: dict[str, Tensor], hf_names: list[str]) -> dict[str,
         out[f"{hf}.down_proj.weight"] = ours["shared_expert.w_down"].t()
         if "shared_expert.gate" in ours:
             out["shared_expert_gate.weight"] = ours["shared_expert.gate"]
+    elif "shared_experts.gate_proj.weight" in hf_names:  # the zero-width one moe_tensors_from_hf dropped
+        d = w_up.shape[1]
+        for name, shape in (("gate_proj", (0, d)), ("up_proj", (0, d)), ("down_proj", (d, 0))):
+            out[f"shared_experts.{name}.weight"] = w_up.new_empty(shape)
     if set(out) != set(hf_names):
         raise ValueError(f"cannot lay out the MoE layer as this Hugging Face block: it has {sorted(hf_names)}, "
                          f"the layer gives {sorted(out)}")
@@ -226,7 +238,9 @@ def moe_config_for(block: nn.Module, config: Any, **options: Any) -> MoEConfig:
     normalize = getattr(router, "norm_topk_prob", getattr(block, "norm_topk_prob", True))
     routing: dict[str, Any] = dict(router="topk")
     if "router.expert_bias" in ours:  # DeepSeek-V3: sigmoid scores, group-limited, its correction bias
-        options.pop("expert_bias", None)
+        if options.pop("expert_bias", True) is not True:
+            raise ValueError("expert_bias=False: DeepSeek-V3 chooses its experts with its e_score_correction_bias, "
+                             "which the converted layer keeps; set bias_update_rate=0 to hold it fixed instead")
         options.setdefault("aux_loss_coef", DEEPSEEK_AUX_LOSS_COEF)
         routing = dict(router="sigmoid_group", expert_bias=True, n_group=config.n_group, topk_group=config.topk_group,
                        routed_scaling_factor=float(config.routed_scaling_factor))
@@ -260,6 +274,10 @@ def to_hetermoe(model: nn.Module, **options: Any) -> nn.Module:
             layer = HFMoEBlock(weight.shape[1], cfg, type(block), config,
                                input_jitter=float(getattr(block, "jitter_noise", 0.0) or 0.0))
         tensors = {k: fresh_copy(v) for k, v in moe_tensors_from_hf(block.state_dict()).items()}
+        if "router.expert_bias" in tensors:  # fp32 whatever the model's dtype, as Router keeps it
+            tensors["router.expert_bias"] = tensors["router.expert_bias"].float()
+        elif cfg.expert_bias:  # balancing by a bias asked of a family without one: it starts even
+            tensors["router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32, device=weight.device)
         layer.load_state_dict(tensors, strict=True, assign=True)
         layer.experts.expert_ids = torch.arange(cfg.num_experts, device=weight.device)
         check_filled(layer, "the converted MoE layer")

@@ -65,6 +65,17 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
+    def _apply(self, fn, recurse=True):
+        # A cast of the whole model (Lightning's "bf16-true"/"16-true" convert_module is
+        # model.to(dtype)) would cast the bias too; steps of 1e-3 vanish in bf16 once the bias
+        # is ~0.5, so it follows the module's device but stays fp32.
+        bias = self._buffers.get("expert_bias")
+        out = super()._apply(fn, recurse)
+        moved = self._buffers.get("expert_bias")
+        if bias is not None and moved is not None and moved.dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=torch.float32)
+        return out
+
     def logits(self, x: Tensor) -> Tensor:
         return F.linear(x.float(), self.weight.float())
 
