@@ -33,10 +33,6 @@ class ExpertBiasUpdater:
         self._counts: list[Tensor | None] = [None] * len(self.layers)
         self._hooks = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
 
-    @property
-    def active(self) -> bool:
-        return bool(self.layers)
-
     def _hook(self, i: int):
         def count(module, args, output):
             aux = module.aux_of(output)
