@@ -1,5 +1,7 @@
-"""Checkpoints: saving never touches live state, and a checkpoint taken mid-epoch on one
-world size resumes on another exactly where the uninterrupted run would be."""
+"""Saved state: saving never touches live state; a checkpoint taken mid-epoch on one world
+size and mode resumes on another exactly where the uninterrupted run would be. Sharded
+checkpoints (the default) are written by every rank, each its own part; full ones (one
+file) stay available; the offline tool turns a sharded one into the full file."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
+from lightning_hetermoe.ckpt.consolidate import consolidate
 from reference import assert_same_params, data, make_model, reference_fit, trainer
+
+pytestmark = pytest.mark.slow
 
 WINDOWS = 24  # 3 global batches of 8 per epoch
 EPOCHS = 3
@@ -25,74 +30,113 @@ def model(seed: int = 0):
     return make_model(NUM_EXPERTS, seed=seed, optim=OptimConfig())
 
 
-def fit_with_step_checkpoints(rank: int, world: int, ckpt_dir: str, mode: str = "ep", plan=None):
+def fit_with_step_checkpoints(rank: int, world: int, ckpt_dir: str, mode: str, plan=None, fmt: str = "sharded"):
     m = model(seed=rank)
     every = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS, callbacks=[every],
-                enable_checkpointing=True)
+    t = trainer(HeterMoEStrategy(mode=mode, plan=plan, checkpoint_format=fmt), world, max_epochs=EPOCHS,
+                callbacks=[every], enable_checkpointing=True)
     t.fit(m, datamodule=data(world, windows=WINDOWS))
     return m.state_dict() if rank == 0 else None
 
 
-def resume(rank: int, world: int, ckpt: str, mode: str = "ep", plan=None):
-    m = model(seed=100 + rank)  # anything: the checkpoint decides
-    t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS)
-    t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
-    return m.state_dict() if rank == 0 else None
-
-
 def save_both(rank: int, world: int, ep_dir: str, zebra_dir: str, plan) -> list | None:
-    """Step checkpoints under ep and under zebra, in one start of the ranks."""
-    out = [fit_with_step_checkpoints(rank, world, ep_dir), fit_with_step_checkpoints(rank, world, zebra_dir, "zebra",
-                                                                                    plan)]
+    """Step checkpoints under ep (full files) and under zebra (sharded), in one start of the ranks."""
+    out = [fit_with_step_checkpoints(rank, world, ep_dir, "ep", fmt="full"),
+           fit_with_step_checkpoints(rank, world, zebra_dir, "zebra", plan)]
     return out if rank == 0 else None
 
 
 def resume_each(rank: int, world: int, cases: list[tuple[str, str, object]]):
-    """Several resumes (checkpoint, mode, plan) in one start of the ranks."""
-    out = [resume(rank, world, ckpt, mode, plan) for ckpt, mode, plan in cases]
+    """Several resumes (checkpoint, mode, plan) in one start of the ranks, each on a model
+    built on the meta device (anything: the checkpoint decides)."""
+    out = []
+    for ckpt, mode, plan in cases:
+        t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS)
+        with t.init_module(empty_init=True):
+            m = model(seed=100 + rank)
+        t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
+        out.append(_whole_state(t))
     return out if rank == 0 else None
+
+
+def _whole_state(t) -> dict:
+    """The trained model's state dict, every expert gathered (a collective)."""
+    from lightning_hetermoe.strategy.expert_state import ExpertState
+
+    return ExpertState(t.strategy.backend, t.lightning_module).module_state()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Checkpoints saved by ep and by zebra (1 attention + 1 expert rank, R=2) on 2 ranks, and
-    their mid-epoch step-4 checkpoints resumed on 4 ranks: ep's under ep; zebra's under ep
-    and under zebra on 2 attention + 2 expert ranks with Asym-EA. Two starts of the ranks."""
+    """Step checkpoints saved by ep (full) and zebra (1 attention + 1 expert rank, R=2, sharded)
+    on 2 ranks; the zebra step-4 checkpoint consolidated offline; then resumed on 4 ranks under
+    ep, datacentric and zebra (2 attention + 2 expert ranks, Asym-EA), and the full and the
+    consolidated files under ep. Two starts of the ranks."""
     from test_zebra import make_test_plan
 
     ep_dir, zebra_dir = str(tmp_path_factory.mktemp("ep")), str(tmp_path_factory.mktemp("zebra"))
     plan2 = make_test_plan(2, [0], R=2, num_experts=NUM_EXPERTS)
     saved = run_ranks(2, save_both, 2, ep_dir, zebra_dir, plan2)[0]
+    consolidated = Path(tmp_path_factory.mktemp("whole")) / "step=4.ckpt"
+    consolidate(f"{zebra_dir}/step=4.ckpt", consolidated)
     plan4 = make_test_plan(4, [0, 1], R=3, num_experts=NUM_EXPERTS, placement=[[2, 2, 3, 0], [2, 3, 3, 1]])
-    cases = [(f"{ep_dir}/step=4.ckpt", "ep", None), (f"{zebra_dir}/step=4.ckpt", "ep", None),
-             (f"{zebra_dir}/step=4.ckpt", "zebra", plan4)]
+    cases = [(f"{zebra_dir}/step=4.ckpt", "ep", None), (f"{zebra_dir}/step=4.ckpt", "datacentric", None),
+             (f"{zebra_dir}/step=4.ckpt", "zebra", plan4), (f"{ep_dir}/step=4.ckpt", "ep", None),
+             (str(consolidated), "ep", None)]
     resumed = run_ranks(4, resume_each, 4, cases)[0]
     m = model()
-    return {"ep_dir": Path(ep_dir), "saved": saved, "resumed": resumed, "initial": copy.deepcopy(m.state_dict()),
+    return {"ep_dir": Path(ep_dir), "zebra_dir": Path(zebra_dir), "consolidated": consolidated, "saved": saved,
+            "resumed": resumed, "initial": copy.deepcopy(m.state_dict()),
             "expected": reference_fit(m, STEPS, windows=WINDOWS)}
 
 
-def test_step_checkpoints_change_nothing_and_resume_mid_epoch_on_another_world(runs):
-    expected, initial, ckpt_dir = runs["expected"], runs["initial"], runs["ep_dir"]
+def test_saving_changes_nothing_in_either_format(runs):
     # Saving every 2 steps across 3 epochs: training goes on and ends as without checkpoints.
-    assert_same_params(runs["saved"][0], expected, initial)
-    names = sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
-    assert names == [f"step={s}.ckpt" for s in (2, 4, 6, 8)], names
-
-    ckpt = torch.load(ckpt_dir / "step=4.ckpt", weights_only=False)
-    w_up = ckpt["state_dict"]["model.blocks.0.moe.experts.w_up"]
-    assert w_up.shape[0] == NUM_EXPERTS, "a checkpoint must hold every expert, not one rank's shard"
-    keys = list(ckpt["state_dict"].keys())
-    adam = ckpt["optimizer_states"][0]["state"][keys.index("model.blocks.0.moe.experts.w_up")]
-    assert adam["exp_avg"].shape == w_up.shape and adam["exp_avg_sq"].shape == w_up.shape
-    assert ckpt["epoch"] == 1, "step 4 lies inside epoch 1 (3 steps per epoch): the resume must be mid-epoch"
-
-    # Resumed mid-epoch on 4 ranks (same global batch): the uninterrupted result.
-    assert_same_params(runs["resumed"][0], expected, initial)
+    for saved in runs["saved"]:
+        assert_same_params(saved, runs["expected"], runs["initial"])
+    for d in (runs["ep_dir"], runs["zebra_dir"]):
+        names = sorted(p.name for p in d.glob("*.ckpt"))
+        assert names == [f"step={s}.ckpt" for s in (2, 4, 6, 8)], names
+    assert (runs["ep_dir"] / "step=4.ckpt").is_file() and (runs["zebra_dir"] / "step=4.ckpt").is_dir()
 
 
-def test_zebra_checkpoint_resumes_under_ep_and_under_another_zebra_mix(runs):
-    assert_same_params(runs["saved"][1], runs["expected"], runs["initial"])
-    for resumed in runs["resumed"][1:]:
-        assert_same_params(resumed, runs["expected"], runs["initial"])
+def test_a_sharded_checkpoint_is_written_by_every_rank_each_its_part(runs):
+    from lightning_hetermoe.ckpt import read_metadata
+
+    ckpt = runs["zebra_dir"] / "step=4.ckpt"
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # rank 0 is the attention rank (the dense part), rank 1 holds every expert (the plan):
+    # each wrote what it holds, weights and optimizer state; nothing was gathered anywhere
+    md = read_metadata(ckpt)
+    files = {}
+    for index, info in md.storage_data.items():
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    assert files, "the checkpoint lists no tensors"
+    for key, where in files.items():
+        expected = "__1_0.distcp" if ".experts." in key else "__0_0.distcp"
+        assert where == {expected}, (key, where)
+    assert any(".experts." in k and k.startswith("optimizer_states.") for k in files)
+
+
+def test_the_consolidated_checkpoint_is_the_full_format(runs):
+    full = torch.load(runs["ep_dir"] / "step=4.ckpt", weights_only=False)
+    whole = torch.load(runs["consolidated"], weights_only=False)
+    assert full["state_dict"].keys() == whole["state_dict"].keys()
+    for name, t in full["state_dict"].items():
+        torch.testing.assert_close(whole["state_dict"][name], t, rtol=1e-5, atol=1e-5, msg=name)
+    w_up = whole["state_dict"]["model.blocks.0.moe.experts.w_up"]
+    assert w_up.shape[0] == NUM_EXPERTS, "a consolidated checkpoint holds every expert"
+    a, b = full["optimizer_states"][0], whole["optimizer_states"][0]
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for key, t in a["state"][i].items():
+            torch.testing.assert_close(b["state"][i][key], t, rtol=1e-5, atol=1e-6, msg=f"{i}.{key}")
+    assert whole["epoch"] == full["epoch"] == 1 and whole["global_step"] == full["global_step"] == 4
+
+
+@pytest.mark.parametrize("case", ["zebra->ep", "zebra->datacentric", "zebra->zebra 2+2", "full ep->ep",
+                                  "consolidated->ep"])
+def test_resumes_mid_epoch_on_another_world_and_mode_as_if_uninterrupted(runs, case):
+    i = ["zebra->ep", "zebra->datacentric", "zebra->zebra 2+2", "full ep->ep", "consolidated->ep"].index(case)
+    assert_same_params(runs["resumed"][i], runs["expected"], runs["initial"])

@@ -12,7 +12,7 @@ def test_every_package_folder_is_listed_in_pyproject():
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "lightning_hetermoe").rglob("__init__.py")}
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
     assert conf["package-dir"]["lightning_hetermoe.kernels"] == "kernels" and "lightning_hetermoe.kernels" in listed
-    assert "lightning_hetermoe.emulate" in listed and "lightning_hetermoe.strategy.zebra" in listed
+    assert "lightning_hetermoe.emulate" in listed and "lightning_hetermoe.strategy.backends.zebra" in listed
 
 
 def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):

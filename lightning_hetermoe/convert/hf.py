@@ -267,23 +267,29 @@ def to_hetermoe(model: nn.Module, **options: Any) -> nn.Module:
         raise ValueError(f"{type(model).__name__} holds no sparse MoE block of a supported class {SPARSE_BLOCKS}")
     if "aux_loss_coef" not in options and getattr(config, "router_aux_loss_coef", None) is not None:
         options["aux_loss_coef"] = config.router_aux_loss_coef * config.num_experts_per_tok / len(found)
-    for parent, name, block in found:
-        cfg = moe_config_for(block, config, **dict(options))
-        weight = block.gate.weight
-        with torch.device("meta"):  # the weights come from the block: no init, no RNG draws
-            layer = HFMoEBlock(weight.shape[1], cfg, type(block), config,
-                               input_jitter=float(getattr(block, "jitter_noise", 0.0) or 0.0))
-        tensors = {k: fresh_copy(v) for k, v in moe_tensors_from_hf(block.state_dict()).items()}
-        if "router.expert_bias" in tensors:  # fp32 whatever the model's dtype, as Router keeps it
-            tensors["router.expert_bias"] = tensors["router.expert_bias"].float()
-        elif cfg.expert_bias:  # balancing by a bias asked of a family without one: it starts even
-            tensors["router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32, device=weight.device)
-        layer.load_state_dict(tensors, strict=True, assign=True)
-        layer.experts.expert_ids = torch.arange(cfg.num_experts, device=weight.device)
-        check_filled(layer, "the converted MoE layer")
-        layer.train(block.training)
-        setattr(parent, name, layer)
+    with torch.random.fork_rng(devices=[]):  # the layers' init seeds: drawn here, the caller's RNG untouched
+        for parent, name, block in found:
+            _convert_block(parent, name, block, config, options)
     return model
+
+
+def _convert_block(parent: nn.Module, name: str, block: nn.Module, config: Any, options: dict[str, Any]) -> None:
+    cfg = moe_config_for(block, config, **dict(options))
+    weight = block.gate.weight
+    with torch.device("meta"):  # the weights come from the block: no init, no RNG draws
+        layer = HFMoEBlock(weight.shape[1], cfg, type(block), config,
+                           input_jitter=float(getattr(block, "jitter_noise", 0.0) or 0.0))
+    tensors = {k: fresh_copy(v) for k, v in moe_tensors_from_hf(block.state_dict()).items()}
+    if "router.expert_bias" in tensors:  # fp32 whatever the model's dtype, as Router keeps it
+        tensors["router.expert_bias"] = tensors["router.expert_bias"].float()
+    elif cfg.expert_bias:  # balancing by a bias asked of a family without one: it starts even
+        tensors["router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32, device=weight.device)
+    layer.load_state_dict(tensors, strict=True, assign=True)
+    layer.experts.expert_ids = torch.arange(cfg.num_experts, device=weight.device)
+    if not weight.is_meta:  # a block built on the meta device converts to a layer on it (filled at set-up)
+        check_filled(layer, "the converted MoE layer")
+    layer.train(block.training)
+    setattr(parent, name, layer)
 
 
 def to_hf(model: nn.Module) -> nn.Module:

@@ -11,13 +11,18 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..moe import MoEAux, MoELayer
+from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise, seed_scope
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
+        self.init_seed = draw_seed()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        fill_(self.weight, 1.0)
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
@@ -41,12 +46,19 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.init_seed = draw_seed()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self.n_layers = cfg.n_layers
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        nn.init.normal_(self.qkv.weight, std=1.0 / math.sqrt(cfg.d_model))
-        nn.init.normal_(self.proj.weight, std=1.0 / math.sqrt(cfg.d_model * 2 * cfg.n_layers))
+        initialise(self)
+
+    def reset_parameters(self) -> None:
+        d_model = self.proj.weight.shape[0]
+        gen = generator(self.init_seed)
+        fill_normal_(self.qkv.weight, 1.0 / math.sqrt(d_model), gen)
+        fill_normal_(self.proj.weight, 1.0 / math.sqrt(d_model * 2 * self.n_layers), gen)
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, d = x.shape
@@ -80,15 +92,26 @@ class DecoderBlock(nn.Module):
 
 
 class MoETransformer(nn.Module):
+    """Built on the meta device (``Trainer.init_module(empty_init=True)``), it holds no
+    storage and a strategy materialises each process's share; the values equal an eager
+    build with the same seed (see :mod:`lightning_hetermoe.seeded_init`)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        nn.init.normal_(self.head.weight, std=1.0 / math.sqrt(cfg.d_model))
+        self.init_seed = draw_seed()  # one draw from the caller's generator, meta or not
+        with seed_scope(self.init_seed):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        initialise(self)
+
+    def reset_parameters(self) -> None:
+        """The embedding and the head; every block initialises its own."""
+        gen = generator(self.init_seed)
+        fill_normal_(self.embed.weight, 0.02, gen)
+        fill_normal_(self.head.weight, 1.0 / math.sqrt(self.cfg.d_model), gen)
 
     def forward(self, tokens: Tensor) -> tuple[Tensor, list[MoEAux]]:
         if tokens.shape[1] > self.cfg.max_seq_len:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ..config import EXPERT_BACKENDS
 from ..kernels.activation import forward as activate
+from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 
 GroupedMLP = Callable[..., Tensor]
 
@@ -176,6 +177,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, d_ff: int, activation: str, bias: bool,
                  backend: str = "auto", recompute: bool = False) -> None:
         super().__init__()
+        self.init_seed = draw_seed()
         self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
         self.backend, self.recompute = backend, recompute
         h = 2 * d_ff if activation == "swiglu" else d_ff
@@ -183,9 +185,8 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.b_up = nn.Parameter(torch.zeros(num_experts, h)) if bias else None
         self.b_down = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
-        nn.init.normal_(self.w_up, std=1.0 / math.sqrt(d_model))
-        nn.init.normal_(self.w_down, std=1.0 / math.sqrt(d_ff))
         self.register_buffer("expert_ids", torch.arange(num_experts), persistent=False)
+        initialise(self)
         if backend == "auto":
             # Resolve for the CPU now, outside any torch.compile trace (CUDA resolves on first
             # use: querying a GPU here would initialise CUDA at model construction).
@@ -194,6 +195,20 @@ class Experts(nn.Module):
     @property
     def num_local_experts(self) -> int:
         return self.w_up.shape[0]
+
+    def reset_parameters(self) -> None:
+        self.reset_experts(self.expert_ids.tolist())
+
+    def reset_experts(self, rows: list[int]) -> None:
+        """Local row ``i`` initialised as global expert ``rows[i]``, each expert from its own
+        generator (up ~ N(0, 1/d_model), down ~ N(0, 1/d_ff), biases 0): the same values
+        whichever experts this module holds."""
+        for i, e in enumerate(rows):
+            gen = generator(self.init_seed, e)
+            fill_normal_(self.w_up[i], 1.0 / math.sqrt(self.d_model), gen)
+            fill_normal_(self.w_down[i], 1.0 / math.sqrt(self.d_ff), gen)
+        for b in (self.b_up, self.b_down):
+            fill_(b, 0.0)
 
     def forward(self, x: Tensor, gather_idx: Tensor, counts: Tensor) -> Tensor:
         """``counts`` may be on the host (the torch path reads it there without a sync; the

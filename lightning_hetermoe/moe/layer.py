@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..config import MoEConfig
 from ..kernels.activation import forward as activate
+from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 from .capacity import apply_capacity
 from .dispatch import LocalDispatcher
 from .experts import Experts
@@ -50,6 +51,7 @@ class SharedExpert(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool, gated: bool = True) -> None:
         super().__init__()
+        self.init_seed = draw_seed()
         self.activation = activation
         h = 2 * d_ff if activation == "swiglu" else d_ff
         self.w_up = nn.Parameter(torch.empty(d_model, h))
@@ -57,10 +59,17 @@ class SharedExpert(nn.Module):
         self.b_up = nn.Parameter(torch.zeros(h)) if bias else None
         self.b_down = nn.Parameter(torch.zeros(d_model)) if bias else None
         self.gate = nn.Parameter(torch.empty(1, d_model)) if gated else None
-        nn.init.normal_(self.w_up, std=1.0 / math.sqrt(d_model))
-        nn.init.normal_(self.w_down, std=1.0 / math.sqrt(d_ff))
+        initialise(self)
+
+    def reset_parameters(self) -> None:
+        d_model, d_ff = self.w_up.shape[0], self.w_down.shape[0]
+        gen = generator(self.init_seed)
+        fill_normal_(self.w_up, 1.0 / math.sqrt(d_model), gen)
+        fill_normal_(self.w_down, 1.0 / math.sqrt(d_ff), gen)
         if self.gate is not None:
-            nn.init.normal_(self.gate, std=1.0 / math.sqrt(d_model))
+            fill_normal_(self.gate, 1.0 / math.sqrt(d_model), gen)
+        fill_(self.b_up, 0.0)
+        fill_(self.b_down, 0.0)
 
     def forward(self, x: Tensor) -> Tensor:
         h = x @ self.w_up

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+
+from ..seeded_init import derive, draw_seed, seeded_default_generator
 
 SEPARATOR = "__"  # a stacked parameter's name is the expert's parameter name with "." -> "__"
 
@@ -27,16 +30,18 @@ class ExpertContractError(ValueError):
     """The expert module cannot be stacked (see :class:`ModuleExperts`)."""
 
 
-def build_expert_modules(experts: Callable[[], nn.Module] | Sequence[nn.Module], num_experts: int
-                         ) -> list[nn.Module]:
+def build_expert_modules(experts: Callable[[], nn.Module] | Sequence[nn.Module], num_experts: int,
+                         seed: int | None = None) -> list[nn.Module]:
     """``experts``: a class or factory called with no argument once per expert, or the list
-    of ``num_experts`` modules itself."""
+    of ``num_experts`` modules itself. A factory builds expert ``e`` with torch's default
+    generator seeded from ``seed`` and ``e``, on the CPU (or on the meta device under a
+    meta-device context): expert ``e`` gets the same values however many are built."""
     if isinstance(experts, (list, tuple, nn.ModuleList)):
         modules = list(experts)
         if len(modules) != num_experts:
             raise ExpertContractError(f"experts is a list of {len(modules)} modules; moe.num_experts is {num_experts}")
     elif callable(experts):
-        modules = [experts() for _ in range(num_experts)]
+        modules = [build_expert(experts, seed, e) for e in range(num_experts)]
     else:
         raise ExpertContractError(f"experts must be an nn.Module class or factory, or a list of modules; got "
                                   f"{type(experts).__name__}")
@@ -44,6 +49,19 @@ def build_expert_modules(experts: Callable[[], nn.Module] | Sequence[nn.Module],
         if not isinstance(m, nn.Module):
             raise ExpertContractError(f"expert {i} is a {type(m).__name__}, not an nn.Module")
     return modules
+
+
+def build_expert(factory: Callable[[], nn.Module], seed: int | None, e: int, on_meta: bool | None = None
+                 ) -> nn.Module:
+    """Expert ``e`` from ``factory``, its random draws from a generator of its own."""
+    if on_meta is None:
+        on_meta = torch.empty(0).is_meta  # the current default device
+    device = torch.device("meta" if on_meta else "cpu")
+    if seed is None:
+        with device:
+            return factory()
+    with seeded_default_generator(derive(seed, e)), device:
+        return factory()
 
 
 class ModuleExperts(nn.Module):
@@ -59,7 +77,10 @@ class ModuleExperts(nn.Module):
     def __init__(self, experts: Callable[[], nn.Module] | Sequence[nn.Module], num_experts: int, d_model: int
                  ) -> None:
         super().__init__()
-        modules = build_expert_modules(experts, num_experts)
+        self.init_seed = draw_seed()
+        # kept to re-create any expert's initial values (a rank materialises only its own)
+        self._factory = experts if callable(experts) and not isinstance(experts, (list, tuple, nn.Module)) else None
+        modules = build_expert_modules(experts, num_experts, self.init_seed)
         first = modules[0]
         names = [n for n, _ in first.named_parameters()]
         if not names:
@@ -76,9 +97,10 @@ class ModuleExperts(nn.Module):
                                           f"have the same parameter names and shapes")
         self.d_model = d_model
         self.names = names
+        device = torch.empty(0).device  # the factory built on the CPU: the stack goes where the caller builds
         for n in names:
             stacked = torch.stack([dict(m.named_parameters())[n].detach() for m in modules])
-            self.register_parameter(n.replace(".", SEPARATOR), nn.Parameter(stacked.clone()))
+            self.register_parameter(n.replace(".", SEPARATOR), nn.Parameter(stacked.to(device).clone()))
         # the module's code, without storage: each call runs it on one expert's rows
         template = copy.deepcopy(first).to("meta")
         object.__setattr__(self, "_template", template)  # not a submodule: its (meta) parameters are not the model's
@@ -87,6 +109,31 @@ class ModuleExperts(nn.Module):
     @property
     def num_local_experts(self) -> int:
         return getattr(self, self.names[0].replace(".", SEPARATOR)).shape[0]
+
+    def __getstate__(self) -> dict:
+        # a factory that cannot be pickled (a lambda) stays behind: the values travel anyway
+        state = dict(self.__dict__)
+        try:
+            pickle.dumps(state.get("_factory"))
+        except Exception:
+            state["_factory"] = None
+        return state
+
+    def reset_parameters(self) -> None:
+        self.reset_experts(self.expert_ids.tolist())
+
+    @torch.no_grad()
+    def reset_experts(self, rows: list[int]) -> None:
+        """Local row ``i`` re-created as global expert ``rows[i]`` by the user's factory, with
+        the generator the constructor gave that expert: equal to the eager build."""
+        if self._factory is None:
+            raise ExpertContractError("these experts were given as a list of modules: their values are the list's, "
+                                      "and an expert built on the meta device cannot be re-created; pass the expert "
+                                      "class or a factory, or load the weights from a checkpoint")
+        for i, e in enumerate(rows):
+            params = dict(build_expert(self._factory, self.init_seed, e, on_meta=False).named_parameters())
+            for n in self.names:
+                getattr(self, n.replace(".", SEPARATOR))[i].copy_(params[n])
 
     @property
     def params_per_expert(self) -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ROUTERS, MoEConfig
+from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 from .balance import LocalBalance
 
 
@@ -54,16 +55,22 @@ class Router(nn.Module):
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None) -> None:
         super().__init__()
+        self.init_seed = draw_seed()
         self.num_experts = num_experts
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_model))
         self.bias_update_rate = bias_update_rate
         self.expert_bias: Tensor | None
         if bias_update_rate is not None:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
+        initialise(self)
+
+    def reset_parameters(self) -> None:
+        """The gate ~ N(0, 1/d_model), the balancing bias at zero (see :mod:`~lightning_hetermoe.seeded_init`)."""
+        fill_normal_(self.weight, 1.0 / math.sqrt(self.weight.shape[1]), generator(self.init_seed))
+        fill_(self.expert_bias, 0.0)
 
     def _apply(self, fn, recurse=True):
         # A cast of the whole model (Lightning's "bf16-true"/"16-true" convert_module is
@@ -173,6 +180,10 @@ class NoisyTopKRouter(Router):
     def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None) -> None:
         super().__init__(d_model, num_experts, top_k, bias_update_rate)
         self.noise_weight = nn.Parameter(torch.zeros(num_experts, d_model))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        fill_(getattr(self, "noise_weight", None), 0.0)  # absent while the base constructor runs
 
     def forward(self, x: Tensor) -> RouterOutput:
         clean = self.logits(x)

@@ -1,6 +1,6 @@
 """The data-centric step (HEXA-MoE), priced in closed form.
 
-What :class:`~lightning_hetermoe.strategy.datacentric.DataCentricBackend` runs: every rank
+What :class:`~lightning_hetermoe.strategy.backends.datacentric.DataCentricBackend` runs: every rank
 takes a speed-proportional share of the batch and runs *every* expert on its own tokens;
 per layer, the layer's full experts are all-gathered in the forward (overlapping the
 previous layer's compute), all-gathered again in the backward (the expert computation is

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -18,6 +19,7 @@ from .precision import check_bf16
 MODES = ("auto", "ep", "zebra", "distep", "datacentric")
 DISAGGREGATED = ("zebra", "distep")
 BATCH_SPLITS = ("equal", "speed")
+CHECKPOINT_FORMATS = ("sharded", "full")
 
 
 def load_plan(plan: Any):
@@ -72,6 +74,7 @@ class StrategyArguments:
     profile: Any = None
     heartbeat_timeout_s: float | None = 30.0
     allow_emulated_bf16: bool = False
+    checkpoint_format: str = "sharded"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -100,6 +103,10 @@ class StrategyArguments:
         self.asym_ea = bool(self.asym_ea)
         self.require_expert_ranks = bool(self.require_expert_ranks)
         self.allow_emulated_bf16 = bool(self.allow_emulated_bf16)
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ConfigError(f"strategy checkpoint_format={self.checkpoint_format!r} is invalid: must be one of "
+                              f"{CHECKPOINT_FORMATS} ('sharded': a directory every rank writes its part of; 'full': "
+                              f"one file with every tensor gathered into the first rank, for small models)")
         t = self.heartbeat_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ConfigError(f"strategy heartbeat_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
@@ -136,6 +143,8 @@ class StrategyArguments:
         """Everything about the model that can be checked before processes start."""
         try:
             layers = moe_layers(model)
+            if not layers and _builds_in_configure_model(model):
+                return  # its layers come at set-up, on the meta device
             if not layers:
                 if self.mode in DISAGGREGATED:
                     describe_model(model)  # raises the contract's sentence
@@ -153,6 +162,12 @@ class StrategyArguments:
             if layer.experts.backend == "triton" and not triton_available(device):
                 raise ConfigError(f"model.moe.expert_backend='triton' is invalid on {device}: "
                                   f"{unavailable_reason(device)}; use expert_backend=auto or torch ({name})")
+
+
+def _builds_in_configure_model(model: Any) -> bool:
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return isinstance(model, L.LightningModule) and is_overridden("configure_model", model)
 
 
 def check_plan(plan: Any, model_cfg: Any, world_size: int) -> None:

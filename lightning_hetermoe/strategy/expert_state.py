@@ -103,6 +103,25 @@ class ExpertState:
                 state[f"{name}.experts.{pname}"] = self.backend.gather_experts(l, p.detach(), pname)
         return state
 
+    def load_module_state(self, full: dict[str, Tensor], strict: bool) -> None:
+        """A full checkpoint's state dict into the laid-out module: each rank keeps its part
+        of every expert tensor; a dense tensor this rank keeps empty stays empty."""
+        local = self.module.state_dict(keep_vars=True)
+        mine = dict(full)
+        for l, name, layer in self._layers():
+            for pname, p in layer.experts.named_parameters(recurse=False):
+                key = f"{name}.experts.{pname}"
+                if key in mine:
+                    part = self.backend.local_part(l, pname, mine[key], p)
+                    if part is None:
+                        raise ValueError(f"{key}: the checkpoint's tensor of shape {list(mine[key].shape)} does not "
+                                         f"match the model's experts")
+                    mine[key] = part
+        for key, t in local.items():
+            if t.numel() == 0 and key in mine and mine[key].numel() != 0:
+                mine[key] = t.detach()  # not held here (a zebra expert rank's dense part)
+        self.module.load_state_dict(mine, strict=strict)
+
     def gathered_optimizer_state(self, state: dict[str, Any], optimizer) -> dict[str, Any]:
         if not self._layers():
             return state

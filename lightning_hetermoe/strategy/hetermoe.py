@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 import torch
 import torch.distributed as dist
@@ -23,18 +25,24 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_hetermoe.comm as comm
 from ..cluster import ClusterConfig
+from ..config import ConfigError
+from ..ckpt import is_sharded_checkpoint
+from ..ckpt import save as save_pieces
 from ..contract import moe_layers
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from . import heartbeat
 from .arguments import MODES, StrategyArguments
-from .backend import ParallelBackend
+from .backends.base import ParallelBackend
 from .expert_state import ExpertState
+from .materialize import Materializer, built_on_meta
+from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
 from .precision import agree_on_overflow, precision_name
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
 from .run_clock import RunClock
@@ -56,6 +64,7 @@ class HeterMoEStrategy(DDPStrategy):
         profile: Any = None,
         heartbeat_timeout_s: float | None = 30.0,
         allow_emulated_bf16: bool = False,
+        checkpoint_format: str = "sharded",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -74,9 +83,12 @@ class HeterMoEStrategy(DDPStrategy):
                                       batch_split=batch_split, num_microbatches=num_microbatches, asym_ea=asym_ea,
                                       require_expert_ranks=require_expert_ranks, profile=profile,
                                       heartbeat_timeout_s=heartbeat_timeout_s,
-                                      allow_emulated_bf16=allow_emulated_bf16)
+                                      allow_emulated_bf16=allow_emulated_bf16,
+                                      checkpoint_format=checkpoint_format)
         self.clock = RunClock(self.args.cluster, self.args.profile, rank=0)
         self.backend: ParallelBackend | None = None
+        self._built_whole = True  # the user built the model whole (not on the meta device)
+        self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
@@ -142,6 +154,26 @@ class HeterMoEStrategy(DDPStrategy):
                          on_silent=end_job_for_silent_peer)
 
     # -- set-up -------------------------------------------------------------------------
+    # -- construction ---------------------------------------------------------------------
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)`` builds on the meta device: no process
+        allocates the model; each materialises its share at set-up."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` runs on the meta device (Lightning calls it inside this)."""
+        with torch.device("meta"):
+            yield
+
     @override
     def setup(self, trainer) -> None:
         # Lightning's DDP order, with the backend laying the model out on its device before
@@ -150,12 +182,18 @@ class HeterMoEStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        on_meta = built_on_meta(self.model)
+        if not on_meta:
+            self.model_to_device()
         if self.backend is None:
+            self._built_whole = not on_meta
+            if self._built_whole:
+                self._warn_built_whole()
             from .selection import select_backend
 
             self.backend = select_backend(self, trainer)
-        self.backend.setup(self.lightning_module, fitting)
+        self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
+        self.model_to_device()  # whatever the model built outside the meta device
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])
         agree_on_overflow(self.precision_plugin)
@@ -170,12 +208,36 @@ class HeterMoEStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _materializer(self) -> Materializer:
+        """Every rank materialises with rank 0's seeds: the pack's per-module seeds and the
+        run's seed for the rest (no value moves between ranks, only these integers)."""
+        seeds = [m.init_seed for m in self.lightning_module.modules() if isinstance(getattr(m, "init_seed", None), int)]
+        run_seed = torch.initial_seed() & ((1 << 63) - 1)
+        seeds, run_seed = self.broadcast((seeds, run_seed), src=0)
+        mine = [m for m in self.lightning_module.modules() if isinstance(getattr(m, "init_seed", None), int)]
+        if len(mine) != len(seeds):
+            raise ConfigError(f"rank {self.global_rank} built a different model than rank 0 ({len(mine)} seeded "
+                              f"modules against {len(seeds)}): every process must build the same model")
+        for m, seed in zip(mine, seeds):
+            m.init_seed = seed
+        return Materializer(self.root_device, run_seed)
+
+    def _warn_built_whole(self) -> None:
+        if self.world_size < 2:
+            return
+        params = sum(p.numel() for p in self.model.parameters())
+        state_gb = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 1e9
+        rank_zero_warn(
+            f"HeterMoEStrategy: the model was built whole in every process ({params / 1e6:,.1f}M parameters, "
+            f"{state_gb:.2f} GB of weights each, before gradients and optimizer state); each rank then keeps only "
+            f"its share. Build it in the LightningModule's configure_model() or under "
+            f"`with trainer.init_module(empty_init=True):` and each process allocates only what it holds.")
+
     def _tune_kernels(self) -> None:
         """Autotune the Triton expert kernels now, outside any overlapped region (see
         :func:`lightning_hetermoe.kernels.warm_up`); on CPU there is nothing to tune."""
         if self.root_device.type != "cuda":
             return
-        from ..contract import moe_layers
         from ..kernels import grouped_mlp, warm_up
         from ..moe import resolve_backend
 
@@ -326,16 +388,56 @@ class HeterMoEStrategy(DDPStrategy):
                 "overrun_fraction": overruns / tasks if tasks else 0.0}
 
     # -- placement-independent state ------------------------------------------------------
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Checkpoints are directories every rank writes its part of (``checkpoint_format``)."""
+        return self.args.checkpoint_format == "sharded" and self.backend is not None
+
+    def _sharded_state(self) -> ShardedState:
+        return ShardedState(self.lightning_module, self.backend.expert_pieces, self.backend.holds_dense,
+                            self.backend.stripped_shapes())
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.backend is None:
             return self.lightning_module.state_dict()
+        if self.sharded_checkpoints:
+            return self._sharded_state().module_state()
         return ExpertState(self.backend, self.lightning_module).module_state()
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self.sharded_checkpoints:
+            return self._sharded_state().optimizer_state(optimizer)
         state = super().optimizer_state(optimizer)
         return ExpertState(self.backend, self.lightning_module).gathered_optimizer_state(state, optimizer)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # the layout (which rank holds what) decides what each rank reads
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._loaded_sharded  # a sharded load filled the optimizers already
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path), src=0)
+        self._loaded_sharded = is_sharded_checkpoint(path)
+        if not self._loaded_sharded:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return self._sharded_state().load(path, self.optimizers if fitting else [], comm.world().host,
+                                          strict=self.lightning_module.strict_loading, with_optimizers=fitting)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if self._loaded_sharded:
+            return  # loaded in place by load_checkpoint
+        ExpertState(self.backend, self.lightning_module).load_module_state(checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -346,13 +448,30 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.backend is not None and self.backend.writes_checkpoints(self.global_rank):
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.backend is not None and self.backend.writes_checkpoints(self.global_rank):
-            self.checkpoint_io.remove_checkpoint(filepath)
+        if self.backend is None:
+            return
+        if not self.sharded_checkpoints:
+            if self.backend.writes_checkpoints(self.global_rank):
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        path = Path(self.broadcast(str(filepath), src=0))
+        writer = self.backend.writes_checkpoints(self.global_rank)
+        if writer:
+            if path.is_file():
+                path.unlink()  # a full checkpoint of the same name from an earlier run
+            path.mkdir(parents=True, exist_ok=True)
+        comm.host_barrier(comm.world(), what="strategy.checkpoint.mkdir")
+        sharded = self._sharded_state()
+        tensors = {f"state_dict.{n}": v for n, v in checkpoint.pop("state_dict").items()}
+        optimizers = []
+        for i, opt in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors.update({f"optimizer_states.{i}.{n}": v for n, v in opt["tensors"].items()})
+            optimizers.append(opt["meta"])
+        save_pieces(tensors, path, process_group=comm.world().host)
+        if writer:
+            checkpoint["hetermoe"] = {"version": FORMAT_VERSION, "shapes": sharded.shapes_meta(),
+                                      "optimizers": optimizers}
+            torch.save(checkpoint, path / META_FILE)
 
     # -- the end ------------------------------------------------------------------------
     @override
@@ -381,13 +500,15 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        # After a successful run every rank holds the whole model again, so the user's
+        # After a successful run every rank holds a model built whole again, so the user's
         # module (and the spawn launcher's returned weights) are complete and usable anywhere.
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if self.backend is not None:
-            self.backend.restore(module, succeeded)
+            # a model built whole is whole again after a successful run; one built on the meta
+            # device stays laid out (it may not fit anywhere whole): checkpoints save it sharded
+            self.backend.restore(module, gather=succeeded and self._built_whole)
         if self._expert_bias is not None:
             self._expert_bias.remove()
             self._expert_bias = None

@@ -22,7 +22,7 @@ import torch
 
 from ..cluster import ClusterConfig, DeviceSpec
 from ..config import ModelConfig
-from .backend import Simulated, TailShape
+from .backends.base import Simulated, TailShape
 
 
 class RunClock:

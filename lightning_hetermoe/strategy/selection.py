@@ -26,8 +26,9 @@ from ..cluster import ClusterConfig, DeviceSpec
 from ..config import ConfigError
 from ..contract import ModelContractError, describe_model
 from .arguments import DISAGGREGATED, check_plan
-from .backend import ParallelBackend, Simulated
+from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
+from .materialize import built_on_meta
 from .precision import check_bf16, precision_name
 
 AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced", "datacentric")
@@ -125,7 +126,8 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
             raise ConfigError(str(err)) from None
         clock.devices = devices  # plain EP of a model the clock cannot read: no predictions
 
-    if clock.bound and rank == 0:
+    if clock.bound and rank == 0 and not built_on_meta(module):
+        # a model on the meta device cannot run yet: it plans with even routing
         clock.expert_load = warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world)
     if world == 1 and args.mode == "auto":
         choice, plan = "single", None
@@ -233,19 +235,19 @@ def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBacken
     args, clock = strategy.args, strategy.clock
     device, rank, world = strategy.root_device, strategy.global_rank, strategy.world_size
     if choice == "single":
-        from .single import SingleDeviceBackend
+        from .backends.single import SingleDeviceBackend
 
         return SingleDeviceBackend(clock, device, measure_busy=strategy.measure_busy)
     if choice in ("ep", "ep_balanced"):
-        from .expert_parallel import ExpertParallelBackend
+        from .backends.ep import ExpertParallelBackend
 
         return ExpertParallelBackend(args.expert_parallel_size, choice == "ep_balanced", clock, rank, world, device,
                                      measure_busy=strategy.measure_busy)
     if choice == "datacentric":
-        from .datacentric import DataCentricBackend
+        from .backends.datacentric import DataCentricBackend
 
         return DataCentricBackend(clock, rank, world, device)
-    from .zebra.backend import ZebraBackend
+    from .backends.zebra import ZebraBackend
 
     if not module.automatic_optimization:
         raise ConfigError(f"mode={choice!r} runs the backward itself: it needs automatic optimization")

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
-from ...moe.dispatch import scatter_to_slots
+from ....moe.dispatch import scatter_to_slots
 from .layout import Layout
 from .records import Dispatched, ExpertRecord
 

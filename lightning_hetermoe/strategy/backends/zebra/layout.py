@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import lightning_hetermoe.comm as comm
-from ...comm import Group
-from ...plan import Plan
+from ....comm import Group
+from ....plan import Plan
 
 
 @dataclass

@@ -28,16 +28,18 @@ import torch
 from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
-from ...contract import find_blocks
+from ....contract import find_blocks
 
-from ...moe.balance import balance_loss_from_counts, routed_counts
-from ...placement import Placement
-from ...plan import Plan
-from ...schedule import build_schedule
-from ...simulate.schedules import apportion, split_microbatches
-from ..backend import ParallelBackend, Simulated, StepFn, TailShape, step_context, zero_missing_grads
-from ..batch import batch_size, gather_global_batch, split_sizes, take
-from ..expert_state import gather_experts, restore_local, slice_experts
+from ....moe.balance import balance_loss_from_counts, routed_counts
+from ....placement import Placement
+from ....plan import Plan
+from ....schedule import build_schedule
+from ....simulate.schedules import apportion, split_microbatches
+from ...materialize import Holding, Materializer
+from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
+                    zero_missing_grads)
+from ...batch import batch_size, gather_global_batch, split_sizes, take
+from ...expert_state import gather_experts, restore_local, slice_experts
 from .cuts import BlockCuts
 from .exchange import Exchange
 from .executor import StepInput, StepOutput, StepRun, ZebraContractError, loss_of
@@ -104,7 +106,7 @@ class ZebraBackend(ParallelBackend):
         return self._R
 
     # -- set-up and restore -------------------------------------------------------------
-    def setup(self, module: nn.Module, fitting: bool) -> None:
+    def setup(self, module: nn.Module, fitting: bool, materialize: Materializer | None = None) -> None:
         if self.applied:
             return
         blocks = find_blocks(module)
@@ -114,18 +116,22 @@ class ZebraBackend(ParallelBackend):
                                      f"{len(self.layers)}")
         self.d_model = self.layers[0].router.weight.shape[1]
         self.dtype = next(self.layers[0].experts.parameters()).dtype
-        for t in list(module.parameters()) + list(module.buffers()):
-            # rank 0's weights everywhere, before anyone slices (on the device: set-up moved the model)
-            comm.broadcast(comm.world(), t.data, 0, what="zebra.weights")
-        for l, layer in enumerate(self.layers):
-            slice_experts(layer, self.layout.mine(l))
-        if not self.layout.is_attention:
-            expert_ids = self._expert_param_ids()
-            for name, p in module.named_parameters():
-                if id(p) not in expert_ids:
-                    self._stripped[name] = (p.shape, p.dtype)
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        mine = [self.layout.mine(l) for l in range(len(self.layers))]
+        if materialize is not None:
+            # expert ranks never allocate the dense part at all
+            self._stripped = materialize(module, Holding(dense=self.layout.is_attention, rows=mine)).stripped
         else:
+            # rank 0's weights everywhere, before anyone slices (on the device: set-up moved the model)
+            broadcast_whole(module, "zebra.weights")
+            for layer, ids in zip(self.layers, mine):
+                slice_experts(layer, ids)
+            if not self.layout.is_attention:
+                expert_ids = self._expert_param_ids()
+                for name, p in module.named_parameters():
+                    if id(p) not in expert_ids:
+                        self._stripped[name] = (p.shape, p.dtype)
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if self.layout.is_attention:
             for l, layer in enumerate(self.layers):
                 layer.dispatcher = ZebraDispatcher(l, self)
                 layer.balance = ZebraBalance(l, self)
@@ -133,9 +139,9 @@ class ZebraBackend(ParallelBackend):
         self.experts = ExpertTasks(self.layout, self.layers, self.device)
         self.applied = True
 
-    def restore(self, module: nn.Module, succeeded: bool) -> None:
-        """Every rank ends with the whole model again, local dispatch (after a fit)."""
-        if not self.applied or not succeeded:
+    def restore(self, module: nn.Module, gather: bool) -> None:
+        """``gather``: every rank ends with the whole model again, local dispatch."""
+        if not self.applied or not gather:
             return
         restore_local(self.layers, self.gather_experts)
         params = dict(module.named_parameters())
@@ -343,6 +349,9 @@ class ZebraBackend(ParallelBackend):
     @property
     def holds_dense(self) -> bool:
         return self.layout.is_attention
+
+    def stripped_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(shape) for name, (shape, _) in self._stripped.items()}
 
     def writes_checkpoints(self, rank: int) -> bool:
         # Dense weights live on attention ranks: the first of them writes (its state is complete).

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from ..batch import map_tensors
+from ...batch import map_tensors
 from . import fibers
 from .records import Cut
 

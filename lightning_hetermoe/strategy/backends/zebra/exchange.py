@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
-from ...comm import Pending
-from ...schedule import Round, Schedule
+from ....comm import Pending
+from ....schedule import Round, Schedule
 from .layout import Layout, ZebraGroups
 from .records import Dispatched
 

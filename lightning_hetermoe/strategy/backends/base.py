@@ -30,8 +30,13 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import Tensor, nn
 
-from ..placement import Placement
-from .expert_state import expert_tensor_names, restore_local
+import lightning_hetermoe.comm as comm
+from ...simulate.schedules import apportion
+from ...ckpt.pieces import Pieces
+from ...placement import Placement
+from ..batch import batch_size, gather_global_batch, weighted_share
+from ..expert_state import expert_tensor_names, restore_local
+from ..materialize import Materializer
 
 StepFn = Callable[..., Any]
 Context = Callable[[], ContextManager]
@@ -69,12 +74,17 @@ class ParallelBackend(ABC):
 
     # -- set-up and restore -------------------------------------------------------------
     @abstractmethod
-    def setup(self, module: nn.Module, fitting: bool) -> None:
-        """Lay ``module`` out on this rank (on its device, before optimizers are built)."""
+    def setup(self, module: nn.Module, fitting: bool, materialize: Materializer | None = None) -> None:
+        """Lay ``module`` out on this rank (on its device, before optimizers are built), once:
+        a later stage (validate after fit) finds it laid out. ``materialize``: the model was
+        built on the meta device and this rank allocates and fills only what it holds;
+        ``None``: the model was built whole in every process, and rank 0's values go
+        everywhere before each rank keeps its part."""
 
-    def restore(self, module: nn.Module, succeeded: bool) -> None:
-        """At teardown: remove what was installed; after a successful run every rank holds
-        the whole model again (after a failure the layout stays: nothing can be gathered)."""
+    def restore(self, module: nn.Module, gather: bool) -> None:
+        """At teardown: remove what the stage installed; ``gather``: every rank holds the
+        whole model again, as the user built it (a model built whole, after a successful
+        run). Otherwise the layout stays, for the next stage and for sharded checkpoints."""
 
     @property
     def wraps_ddp(self) -> bool:
@@ -137,6 +147,24 @@ class ParallelBackend(ABC):
         mine = torch.tensor(self.placement().experts_of(self.holder_index(), layer), dtype=torch.long, device="cpu")
         return full[mine.to(full.device)]
 
+    def expert_pieces(self, layer: int, name: str, local: Tensor) -> Pieces:
+        """How this rank holds expert tensor ``name`` of MoE layer ``layer`` (or a
+        per-element optimizer tensor of its shape), as flat pieces of the whole ``[E, ...]``
+        tensor. Default: the rows of the experts this rank holds in :meth:`placement`, one
+        piece per run of consecutive experts (per expert where a layer keeps copies, so that
+        equal pieces on several ranks are written once)."""
+        if not self.spread:
+            return Pieces.whole(local)
+        held = self.placement().held[layer]
+        ids = [e for experts in held for e in experts]
+        copies = len(ids) != len(set(ids))
+        return Pieces.of_rows(local, self.placement().experts_of(self.holder_index(), layer),
+                              (len(set(ids)),) + tuple(local.shape[1:]), merge=not copies)
+
+    def stripped_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Whole shapes of the module's tensors this rank keeps empty (a zebra expert rank's dense part)."""
+        return {}
+
     def adopt_placement(self, placement: Placement) -> None:
         """The expert tensors were moved to ``placement``: route by it from now on."""
         raise NotImplementedError(f"{type(self).__name__} does not move experts")
@@ -178,6 +206,11 @@ class DenseDDPBackend(ParallelBackend):
     _sharded: bool = False
     _emulation: Any = None
     _loss_weight: float = 1.0
+    _shares: list[int] | None = None
+    clock: Any
+    rank: int
+    world_size: int
+    device: torch.device
 
     @property
     def wraps_ddp(self) -> bool:
@@ -186,8 +219,8 @@ class DenseDDPBackend(ParallelBackend):
     def ddp_ignored(self, module: nn.Module) -> list[str]:
         return expert_tensor_names(module)
 
-    def restore(self, module: nn.Module, succeeded: bool) -> None:
-        if self._sharded and succeeded:
+    def restore(self, module: nn.Module, gather: bool) -> None:
+        if self._sharded and gather:
             restore_local(self._layers, self.gather_experts)
             self._sharded = False
         if self._emulation is not None:
@@ -201,6 +234,50 @@ class DenseDDPBackend(ParallelBackend):
     @property
     def spread(self) -> bool:
         return self._sharded
+
+    # -- the batch ------------------------------------------------------------------------
+    def speed_share(self, batch: Any) -> Any:
+        """This rank's share of the global batch in proportion to its device's speed (the
+        clock's cost model; equal shares where the clock knows no devices), its loss
+        weighted by its size."""
+        full = gather_global_batch(batch)
+        total = batch_size(full)
+        if self._shares is None or sum(self._shares) != total:
+            self._shares = self.clock.speed_shares(total) if len(self.clock.devices) == self.world_size \
+                else apportion(total, [1.0] * self.world_size)
+        mine, self._loss_weight = weighted_share(full, self._shares, self.rank)
+        return mine
+
+    @property
+    def shares(self) -> list[int] | None:
+        """Sequences per rank of the last step, where ranks take speed shares."""
+        return None if self._shares is None else list(self._shares)
+
+    # -- gradients --------------------------------------------------------------------------
+    def dense_grad_sq_norm(self, params: list[nn.Parameter]) -> Tensor:
+        """The dense half of the global norm: DDP left every rank the same dense gradients."""
+        expert_ids = {id(p) for layer in self._layers for p in layer.experts.parameters()}
+        return sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids),
+                   torch.zeros((), dtype=torch.float64, device=self.device))
+
+    def describe_rank(self, rank: int) -> str:
+        names = [d.name for d in self.clock.devices]
+        return f"{self.schedule} rank, device {names[rank] if rank < len(names) else '?'}"
+
+
+def global_balance_counts(counts: Tensor) -> Tensor:
+    """Routing counts summed over every data-parallel rank: the global ``f`` of the balance
+    loss (see :mod:`lightning_hetermoe.moe.balance`); on the device, where the loss uses them."""
+    counts = counts.clone()
+    comm.all_reduce(comm.world(), counts, what="ep.balance")
+    return counts
+
+
+def broadcast_whole(module: nn.Module, what: str) -> None:
+    """Rank 0's values of every tensor everywhere (a model built whole in each process:
+    differently seeded processes start equal)."""
+    for t in list(module.parameters()) + list(module.buffers()):
+        comm.broadcast(comm.world(), t.data, 0, what=what)
 
 
 def zero_missing_grads(params: list[nn.Parameter]) -> None:

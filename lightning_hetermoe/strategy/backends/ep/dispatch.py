@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
-from ..comm import Group
-from ..moe.dispatch import scatter_to_slots, sort_by_position, sort_choices, split_over_copies
+from ....comm import Group
+from ....moe.dispatch import scatter_to_slots, sort_by_position, sort_choices, split_over_copies
 
 
 class _AllToAll(torch.autograd.Function):

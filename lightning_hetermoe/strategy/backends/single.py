@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .backend import ParallelBackend, Simulated
+from ...contract import moe_layers
+from ..materialize import Holding, Materializer
+from .base import ParallelBackend, Simulated
 
 
 class SingleDeviceBackend(ParallelBackend):
@@ -20,11 +22,14 @@ class SingleDeviceBackend(ParallelBackend):
         self.clock, self.device, self.measure_busy = clock, device, measure_busy
         self._emulation: Any = None
 
-    def setup(self, module: nn.Module, fitting: bool) -> None:
+    def setup(self, module: nn.Module, fitting: bool, materialize: Materializer | None = None) -> None:
+        if materialize is not None:
+            materialize(module, Holding(dense=True, rows=[list(range(layer.num_experts))
+                                                          for _, layer in moe_layers(module)]))
         if fitting and self._emulation is None:
             self._emulation = self.clock.install(module, self.device, self.measure_busy)
 
-    def restore(self, module: nn.Module, succeeded: bool) -> None:
+    def restore(self, module: nn.Module, gather: bool) -> None:
         if self._emulation is not None:
             self._emulation.remove()
             self._emulation = None

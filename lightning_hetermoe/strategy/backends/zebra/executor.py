@@ -43,11 +43,11 @@ import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
-from ...emulate.meter import Stopwatch
-from ...moe.balance import routed_counts
-from ...moe.dispatch import scatter_to_slots, sort_choices
-from ...schedule import Round, Schedule, Task
-from ..batch import batch_size, sequence_length
+from ....emulate.meter import Stopwatch
+from ....moe.balance import routed_counts
+from ....moe.dispatch import scatter_to_slots, sort_choices
+from ....schedule import Round, Schedule, Task
+from ...batch import batch_size, sequence_length
 from . import fibers
 from .exchange import Exchange
 from .expert_tasks import ExpertTasks

@@ -32,130 +32,21 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import lightning_hetermoe.comm as comm
-from ..comm import Group, Pending
-from ..contract import moe_layers
-from ..moe.balance import GlobalBalance
-from ..moe.dispatch import scatter_to_slots, sort_choices
-from ..simulate.schedules import apportion
-from .backend import DenseDDPBackend, Simulated, StepFn, TailShape
-from .batch import batch_size, gather_global_batch, weighted_share
-from .expert_parallel import global_balance_counts
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Where one expert parameter's elements live: rank ``r`` holds the flat range
-    ``[starts[r], starts[r] + sizes[r])``; collectives move padded chunks of ``chunk``."""
-
-    shape: tuple[int, ...]
-    starts: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def chunk(self) -> int:
-        return max(max(self.sizes), 1)
-
-    def padded(self, part: Tensor, rank: int) -> Tensor:
-        out = part.new_zeros(self.chunk)
-        out[: self.sizes[rank]] = part
-        return out
-
-    def unpad(self, gathered: Tensor) -> Tensor:
-        """The full tensor from ``world`` padded chunks laid end to end."""
-        pieces = [gathered[r * self.chunk: r * self.chunk + n] for r, n in enumerate(self.sizes)]
-        return torch.cat(pieces).view(self.shape)
-
-    def spread(self, full: Tensor) -> Tensor:
-        """``full`` laid out as ``world`` padded chunks (what a reduce-scatter takes)."""
-        flat = full.reshape(-1)
-        out = flat.new_zeros(len(self.sizes) * self.chunk)
-        for r, (s, n) in enumerate(zip(self.starts, self.sizes)):
-            out[r * self.chunk: r * self.chunk + n] = flat[s: s + n]
-        return out
-
-    def part(self, full: Tensor, rank: int) -> Tensor:
-        return full.reshape(-1)[self.starts[rank]: self.starts[rank] + self.sizes[rank]].clone()
-
-
-def shard_ranges(shape: tuple[int, ...], weights: list[float]) -> Shard:
-    """Contiguous ranges of a flattened tensor of ``shape``, in proportion to ``weights``."""
-    sizes = apportion(math.prod(shape), weights)
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
-    return Shard(tuple(shape), tuple(starts), tuple(sizes))
-
-
-class _Gathered(torch.autograd.Function):
-    """Forward: the full tensor (already gathered, or gathered now). Backward: the full
-    gradient reduce-scattered onto this rank's range, averaged over the world."""
-
-    @staticmethod
-    def forward(ctx, part: Tensor, full: Tensor, shard: Shard, disp: "DataCentricDispatcher") -> Tensor:
-        ctx.shard, ctx.disp = shard, disp
-        return full
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.disp.reduce_scatter(ctx.shard, grad), None, None, None
-
-
-class DataCentricDispatcher:
-    """The layer's experts, run here on full weights gathered for the call; no tokens move.
-
-    ``weights`` and ``reduce_scatter`` are the layer's two collectives, as methods so
-    that the emulated clock can wrap them (as it wraps an all-to-all dispatcher's
-    ``exchange``); ``issued_at`` says when the layer's forward gather was issued."""
-
-    def __init__(self, layer: int, backend: "DataCentricBackend") -> None:
-        self.layer, self.backend = layer, backend
-
-    @property
-    def issued_at(self) -> float | None:
-        return self.backend.issued_at.get(self.layer)
-
-    @property
-    def move_fraction(self) -> float:
-        """What each rank moves per gather, as a fraction of the layer: ``W - 1`` chunks
-        padded to the largest range."""
-        shards = self.backend.shards[self.layer].values()
-        total = sum(math.prod(s.shape) for s in shards)
-        return sum((len(s.sizes) - 1) * s.chunk for s in shards) / total if total else 0.0
-
-    def weights(self, names: list[str], parts: tuple[Tensor, ...]) -> list[Tensor]:
-        return self.backend.full_weights(self.layer, names, parts, self)
-
-    def reduce_scatter(self, shard: Shard, grad: Tensor) -> Tensor:
-        return self.backend.reduce_scatter(shard, grad)
-
-    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
-        E = self.backend.num_experts[self.layer]
-        sc = sort_choices(indices, keep, torch.arange(E, device=x.device))  # every expert runs here
-        names = [n for n, _ in experts.named_parameters(recurse=False)]
-        parts = [p for _, p in experts.named_parameters(recurse=False)]
-
-        def run(x: Tensor, *parts: Tensor) -> Tensor:
-            fulls = self.weights(names, parts)
-            return functional_call(experts, dict(zip(names, fulls)), (x, sc.token, sc.counts))
-
-        self.backend.prefetch(self.layer)  # no-op when the previous layer already issued it
-        if torch.is_grad_enabled():
-            # checkpointed: autograd keeps x and the ranges, and the backward gathers again;
-            # recomputed to the end (no early stop), so the experts' recompute is one whole task
-            with set_checkpoint_early_stop(False):
-                out = checkpoint(run, x, *parts, use_reentrant=False)
-        else:
-            out = run(x, *parts)
-        return scatter_to_slots(out, sc.slot, indices.numel())
+from ....comm import Group, Pending
+from ....contract import moe_layers
+from ....moe.balance import GlobalBalance
+from ....ckpt.pieces import Pieces
+from ...materialize import Holding, Materializer
+from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, global_balance_counts
+from .dispatcher import DataCentricDispatcher
+from .gather import Gathered
+from .shards import Shard, covering_rows, shard_ranges
 
 
 class DataCentricBackend(DenseDDPBackend):
@@ -179,35 +70,43 @@ class DataCentricBackend(DenseDDPBackend):
         self.layer_bytes: list[int] = []
 
     # -- set-up and restore -------------------------------------------------------------
-    def setup(self, module: nn.Module, fitting: bool) -> None:
+    def setup(self, module: nn.Module, fitting: bool, materialize: Materializer | None = None) -> None:
         if self.group is None:
             self.group = comm.new_group("datacentric", range(self.world_size))
-        if not fitting:
-            for t in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(comm.world(), t.data, 0, what="datacentric.weights")
-            return
+        if not self._sharded:
+            self._lay_out(module, materialize)
+        if fitting and self._emulation is None:
+            self._emulation = self.clock.install(module, self.device, False)
+        self._shares = None
+
+    def _lay_out(self, module: nn.Module, materialize: Materializer | None) -> None:
         self._layers = [layer for _, layer in moe_layers(module)]
         weights = [d.memory_gb for d in self.clock.devices] if len(self.clock.devices) == self.world_size \
             else [1.0] * self.world_size
-        self.shards, self.num_experts, self.layer_bytes = [], [], []
-        for l, layer in enumerate(self._layers):
-            shards = {}
+        self.shards = [{name: shard_ranges(tuple(p.shape), weights)
+                        for name, p in layer.experts.named_parameters(recurse=False)} for layer in self._layers]
+        if materialize is not None:
+            # the expert rows this rank's ranges touch (whole rows: each expert has its own
+            # generator), cut down to the ranges below
+            spans = [covering_rows(shards.values(), self.rank) for shards in self.shards]
+            materialize(module, Holding(dense=True, rows=[list(range(a, b)) for a, b in spans]))
+        else:
+            broadcast_whole(module, "datacentric.weights")
+            spans = [(0, layer.num_experts) for layer in self._layers]
+        self.num_experts, self.layer_bytes = [], []
+        for layer, shards, (first, _) in zip(self._layers, self.shards, spans):
             nbytes = 0
             for name, p in list(layer.experts.named_parameters(recurse=False)):
-                comm.broadcast(comm.world(), p.data, 0, what="datacentric.weights")
-                shard = shard_ranges(tuple(p.shape), weights)
-                shards[name] = shard
-                nbytes += p.numel() * p.element_size()
-                setattr(layer.experts, name, nn.Parameter(shard.part(p.data, self.rank),
+                shard = shards[name]
+                nbytes += math.prod(shard.shape) * p.element_size()
+                setattr(layer.experts, name, nn.Parameter(shard.part(p.data, self.rank, first_row=first),
                                                           requires_grad=p.requires_grad))
-            self.shards.append(shards)
+            layer.experts.expert_ids = torch.arange(layer.num_experts, device=layer.experts.expert_ids.device)
             self.num_experts.append(layer.num_experts)
             self.layer_bytes.append(nbytes)
-            layer.dispatcher = DataCentricDispatcher(l, self)
+            layer.dispatcher = DataCentricDispatcher(len(self.num_experts) - 1, self)
             layer.balance = GlobalBalance(global_balance_counts)
         self._sharded = bool(self._layers)
-        self._emulation = self.clock.install(module, self.device, False)
-        self._shares = None
 
     # -- gathers ------------------------------------------------------------------------
     def _issue(self, layer: int, names: list[str], parts: list[Tensor]) -> list[tuple[Pending, Shard]]:
@@ -249,7 +148,7 @@ class DataCentricBackend(DenseDDPBackend):
 
     def _unpad(self, issued: list[tuple[Pending, Shard]], part: Tensor, disp: DataCentricDispatcher) -> Tensor:
         pending, shard = issued.pop(0)
-        full = _Gathered.apply(part, shard.unpad(pending.wait()), shard, disp)
+        full = Gathered.apply(part, shard.unpad(pending.wait()), shard, disp)
         n = full.numel() * full.element_size()
         self._grow(n)  # the full tensor, alive until the computation lets go of it
         weakref.finalize(full, self._freed, n)
@@ -272,7 +171,7 @@ class DataCentricBackend(DenseDDPBackend):
     def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
              kwargs: dict) -> Any:
         if hook == "training_step" and args:
-            args = (self._share(args[0]),) + tuple(args[1:])
+            args = (self.speed_share(args[0]),) + tuple(args[1:])
         try:
             return default(*args, **kwargs)
         finally:
@@ -284,24 +183,8 @@ class DataCentricBackend(DenseDDPBackend):
                 pending.wait()
         self._prefetched.clear()
 
-    def _share(self, batch: Any) -> Any:
-        """This rank's speed-proportional share of the global batch."""
-        full = gather_global_batch(batch)
-        total = batch_size(full)
-        if self._shares is None or sum(self._shares) != total:
-            self._shares = self.clock.speed_shares(total) if len(self.clock.devices) == self.world_size \
-                else apportion(total, [1.0] * self.world_size)
-        mine, self._loss_weight = weighted_share(full, self._shares, self.rank)
-        return mine
-
-    @property
-    def shares(self) -> list[int] | None:
-        return None if self._shares is None else list(self._shares)
-
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
-        expert_ids = {id(p) for layer in self._layers for p in layer.experts.parameters()}
-        dense = sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids),
-                    torch.zeros((), dtype=torch.float64, device=self.device))
+        dense = self.dense_grad_sq_norm(params)
         experts = sum((p.grad.detach().double().square().sum() for layer in self._layers
                        for p in layer.experts.parameters() if p.grad is not None),
                       torch.zeros((), dtype=torch.float64, device=self.device))
@@ -316,6 +199,12 @@ class DataCentricBackend(DenseDDPBackend):
                              what="datacentric.checkpoint")
         return shard.unpad(out)
 
+    def expert_pieces(self, layer: int, name: str, local: Tensor) -> Pieces:
+        if not self._sharded:
+            return Pieces.whole(local)
+        shard = self.shards[layer][name]
+        return Pieces.of_range(local, shard.starts[self.rank], shard.shape)
+
     def local_part(self, layer: int, name: str, full: Tensor, local: Tensor) -> Tensor | None:
         shard = self.shards[layer][name]
         return shard.part(full, self.rank) if tuple(full.shape) == shard.shape else None
@@ -327,7 +216,3 @@ class DataCentricBackend(DenseDDPBackend):
 
     def simulated(self, placement=None) -> Simulated:
         return Simulated("datacentric", ep_size=self.world_size)
-
-    def describe_rank(self, rank: int) -> str:
-        names = [d.name for d in self.clock.devices]
-        return f"datacentric rank, device {names[rank] if rank < len(names) else '?'}"

@@ -1,0 +1,126 @@
+"""Offline: a sharded checkpoint as whole tensors, one batch at a time.
+
+:func:`iter_tensors` reads a sharded checkpoint directory (written by ``HeterMoEStrategy``
+with ``checkpoint_format="sharded"``) in one process, without a process group, and yields
+every tensor whole, in its real shape, holding at most ``batch_bytes`` of them at once.
+:func:`consolidate` writes Lightning's single-file checkpoint from it (what
+``checkpoint_format="full"`` would have written: the state dict, each optimizer's
+``state_dict()`` in Lightning's positional form, and the loop state), which needs the whole
+model in this one process; :mod:`.export` streams it into a Hugging Face directory instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from . import dcp
+
+META_FILE = "meta.pt"
+DEFAULT_BATCH_BYTES = 1 << 30
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not dcp.is_sharded_checkpoint(path) or not (path / META_FILE).is_file():
+        raise dcp.CheckpointFormatError(f"{path} is not a sharded checkpoint directory (expected .metadata and "
+                                        f"{META_FILE} in it)")
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    if "hetermoe" not in meta:
+        raise dcp.CheckpointFormatError(f"{path}: {META_FILE} has no 'hetermoe' entry; it was not written by "
+                                        f"lightning-hetermoe")
+    return meta
+
+
+def iter_tensors(path: str | os.PathLike, prefix: str = "", batch_bytes: int = DEFAULT_BATCH_BYTES
+                 ) -> Iterator[tuple[str, Tensor]]:
+    """``(key, whole tensor)`` for every saved tensor whose key starts with ``prefix``, flat
+    tensors in their saved flat form (the caller knows the shapes: ``meta.pt``)."""
+    saved = dcp.read_metadata(path).state_dict_metadata
+    keys = [k for k, md in saved.items() if k.startswith(prefix) and hasattr(md, "size")]
+    batch: dict[str, Tensor] = {}
+    held = 0
+    for key in keys:
+        md = saved[key]
+        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        batch[key] = t
+        held += t.numel() * t.element_size()
+        if held >= batch_bytes:
+            yield from _read(batch, path)
+            batch, held = {}, 0
+    if batch:
+        yield from _read(batch, path)
+
+
+def _read(batch: dict[str, Tensor], path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(batch, path)
+    yield from batch.items()
+
+
+def whole(flat: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A saved tensor in its real shape (module and per-element optimizer tensors are stored flat)."""
+    if tuple(flat.shape) == tuple(shape):
+        return flat
+    if flat.numel() != math.prod(shape):
+        raise dcp.CheckpointFormatError(f"a saved tensor of {flat.numel()} elements cannot have shape {list(shape)}")
+    return flat.view(shape)
+
+
+def state_dict_of(path: str | os.PathLike, meta: dict[str, Any] | None = None,
+                  batch_bytes: int = DEFAULT_BATCH_BYTES) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` of the LightningModule's state dict, whole."""
+    meta = meta or read_meta(path)
+    shapes = meta["hetermoe"]["shapes"]
+    for key, flat in iter_tensors(path, "state_dict.", batch_bytes):
+        name = key[len("state_dict."):]
+        yield name, whole(flat, shapes[name])
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES
+                ) -> dict[str, Any]:
+    """Write the sharded checkpoint ``path`` as one Lightning checkpoint file ``out``; returns it."""
+    meta = read_meta(path)
+    info = meta["hetermoe"]
+    shapes = info["shapes"]
+    checkpoint = {k: v for k, v in meta.items() if k != "hetermoe"}
+    checkpoint["state_dict"] = dict(state_dict_of(path, meta, batch_bytes))
+    if info.get("optimizers"):
+        tensors = dict(iter_tensors(path, "optimizer_states.", batch_bytes))
+        checkpoint["optimizer_states"] = [_optimizer_state(i, opt, tensors, shapes)
+                                          for i, opt in enumerate(info["optimizers"])]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out)
+    return checkpoint
+
+
+def _optimizer_state(i: int, opt: dict[str, Any], tensors: dict[str, Tensor], shapes: dict[str, Any]
+                     ) -> dict[str, Any]:
+    """``torch.optim.Optimizer.state_dict()`` of optimizer ``i``: slots numbered by parameter
+    position across groups, as Lightning's full checkpoints hold them."""
+    prefix = f"optimizer_states.{i}."
+    by_param: dict[str, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        if key.startswith(prefix):
+            name, field = key[len(prefix):].rsplit(".", 1)  # state keys hold no dot
+            by_param.setdefault(name, {})[field] = t if t.dim() == 0 else whole(t, shapes[name])
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group in opt["param_groups"]:
+        positions = []
+        for name in group["params"]:
+            slot = {**by_param.get(name, {}), **opt["scalars"].get(name, {})} if name is not None else {}
+            if slot:
+                state[index] = slot
+            positions.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": positions})
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,67 @@
+"""The data-centric dispatcher: a layer's experts run here, on full weights gathered for the
+call, on this rank's own tokens; no token moves."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from ....moe.dispatch import scatter_to_slots, sort_choices
+from .shards import Shard
+
+if TYPE_CHECKING:
+    from .backend import DataCentricBackend
+
+
+class DataCentricDispatcher:
+    """The layer's experts, run here on full weights gathered for the call; no tokens move.
+
+    ``weights`` and ``reduce_scatter`` are the layer's two collectives, as methods so
+    that the emulated clock can wrap them (as it wraps an all-to-all dispatcher's
+    ``exchange``); ``issued_at`` says when the layer's forward gather was issued."""
+
+    def __init__(self, layer: int, backend: "DataCentricBackend") -> None:
+        self.layer, self.backend = layer, backend
+
+    @property
+    def issued_at(self) -> float | None:
+        return self.backend.issued_at.get(self.layer)
+
+    @property
+    def move_fraction(self) -> float:
+        """What each rank moves per gather, as a fraction of the layer: ``W - 1`` chunks
+        padded to the largest range."""
+        shards = self.backend.shards[self.layer].values()
+        total = sum(math.prod(s.shape) for s in shards)
+        return sum((len(s.sizes) - 1) * s.chunk for s in shards) / total if total else 0.0
+
+    def weights(self, names: list[str], parts: tuple[Tensor, ...]) -> list[Tensor]:
+        return self.backend.full_weights(self.layer, names, parts, self)
+
+    def reduce_scatter(self, shard: Shard, grad: Tensor) -> Tensor:
+        return self.backend.reduce_scatter(shard, grad)
+
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+        E = self.backend.num_experts[self.layer]
+        sc = sort_choices(indices, keep, torch.arange(E, device=x.device))  # every expert runs here
+        names = [n for n, _ in experts.named_parameters(recurse=False)]
+        parts = [p for _, p in experts.named_parameters(recurse=False)]
+
+        def run(x: Tensor, *parts: Tensor) -> Tensor:
+            fulls = self.weights(names, parts)
+            return functional_call(experts, dict(zip(names, fulls)), (x, sc.token, sc.counts))
+
+        self.backend.prefetch(self.layer)  # no-op when the previous layer already issued it
+        if torch.is_grad_enabled():
+            # checkpointed: autograd keeps x and the ranges, and the backward gathers again;
+            # recomputed to the end (no early stop), so the experts' recompute is one whole task
+            with set_checkpoint_early_stop(False):
+                out = checkpoint(run, x, *parts, use_reentrant=False)
+        else:
+            out = run(x, *parts)
+        return scatter_to_slots(out, sc.slot, indices.numel())

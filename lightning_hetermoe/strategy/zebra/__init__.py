@@ -1,1 +1,0 @@
-"""The zebra executor: plan to processes, micro-batch fibers, the bipartite exchange."""
