@@ -1,7 +1,7 @@
 """Initial values that do not depend on which process builds them, or on what else it holds.
 
 A model of real size is built on the meta device and each process materialises only its
-share (:mod:`lightning_hetermoe.strategy.materialize`). For that share to hold exactly the
+share (:mod:`lightning_hetermoe.materialize`). For that share to hold exactly the
 values one process would have built whole, the pack's modules initialise from generators of
 their own instead of torch's global one:
 

@@ -160,6 +160,18 @@ def validation_loss(model: MoELanguageModel, world_batch: int = 8) -> float:
     return sum(losses) / len(losses)
 
 
+def whole_checkpoint(path) -> dict:
+    """A checkpoint as one dict of whole tensors: a full file as saved, a sharded directory
+    consolidated (what ``python -m lightning_hetermoe.ckpt consolidate`` writes)."""
+    from lightning_hetermoe.ckpt import is_sharded_checkpoint
+    from lightning_hetermoe.ckpt.consolidate import consolidate
+
+    if not is_sharded_checkpoint(path):
+        return torch.load(path, weights_only=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        return consolidate(path, os.path.join(tmp, "whole.ckpt"))
+
+
 def trainer(strategy, devices: int, **kwargs: Any) -> L.Trainer:
     # the run directory (plan.json, checkpoints) goes to a temporary place, not the checkout
     defaults = dict(default_root_dir=os.path.join(tempfile.gettempdir(), "lightning-hetermoe-tests"),

@@ -16,7 +16,7 @@ import lightning as L
 from harness import run_ranks
 from lightning_hetermoe.emulate.hooks import installed
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
-from reference import assert_same_params, data, make_model, reference_fit, trainer
+from reference import assert_same_params, data, make_model, reference_fit, trainer, whole_checkpoint
 from test_zebra import make_test_plan
 
 STEPS, SAVED = 5, 3
@@ -112,7 +112,7 @@ def test_two_ranks_equal_one_process_and_checkpoints_resume_across_modes(tmp_pat
     m = model(0)
     initial = copy.deepcopy(m.state_dict())
     expected = reference_fit(m, STEPS)
-    ckpt = torch.load(tmp_path / "dc" / f"step={SAVED}.ckpt", weights_only=False)
+    ckpt = whole_checkpoint(tmp_path / "dc" / f"step={SAVED}.ckpt")
     w_up = ckpt["state_dict"]["model.blocks.0.moe.experts.w_up"]
     assert w_up.shape == (4, 16, 24), "a data-centric checkpoint holds every expert, whole"
     moments = [s for s in ckpt["optimizer_states"][0]["state"].values() if s["exp_avg"].shape == (4, 16, 24)]

@@ -20,7 +20,7 @@ from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoEConfig, MoELayer, OptimConfig
 from lightning_hetermoe.model.lm import MoELanguageModel
 from lightning_hetermoe.moe import ExpertContractError, ModuleExperts, Router, RouterOutput, gate_losses
-from reference import assert_same_params, data, reference_fit, trainer
+from reference import assert_same_params, data, reference_fit, trainer, whole_checkpoint
 from test_rebalancing import MoveAt
 from test_zebra import make_test_plan
 
@@ -129,7 +129,7 @@ def test_user_experts_and_gate_train_like_one_process_move_and_resume(tmp_path):
     model = UserModel(seed=0)
     initial = copy.deepcopy(model.state_dict())
     expected = reference_fit(model, STEPS)
-    ckpt = torch.load(tmp_path / f"step={SAVED}.ckpt", weights_only=False)
+    ckpt = whole_checkpoint(tmp_path / f"step={SAVED}.ckpt")
     # placement-independent: every expert's rows, whatever rank held them
     assert ckpt["state_dict"]["blocks.0.moe.experts.up__weight"].shape == (E, 24, D)
     assert got["ep"][1] > 0, "the move moved nothing"

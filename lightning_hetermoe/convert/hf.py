@@ -314,6 +314,16 @@ def to_hf(model: nn.Module) -> nn.Module:
     return model
 
 
+def export_info(module: nn.Module) -> dict[str, Any] | None:
+    """Where a converted Hugging Face model sits in ``module`` (its name prefix) and its
+    config: what an offline export back to Hugging Face needs (``None``: no such model)."""
+    for name, m in module.named_modules():
+        config = getattr(m, "config", None)
+        if hasattr(config, "to_dict") and any(isinstance(c, HFMoEBlock) for c in m.modules()):
+            return {"prefix": f"{name}." if name else "", "config": config.to_dict()}
+    return None
+
+
 def check_filled(module: nn.Module, what: str) -> None:
     """Built on the meta device and filled from a state dict: no tensor may be left empty."""
     left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]

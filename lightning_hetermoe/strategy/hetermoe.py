@@ -35,13 +35,14 @@ from ..config import ConfigError
 from ..ckpt import is_sharded_checkpoint
 from ..ckpt import save as save_pieces
 from ..contract import moe_layers
+from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from . import heartbeat
 from .arguments import MODES, StrategyArguments
 from .backends.base import ParallelBackend
 from .expert_state import ExpertState
-from .materialize import Materializer, built_on_meta
+from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
 from .precision import agree_on_overflow, precision_name
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
@@ -450,9 +451,12 @@ class HeterMoEStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.backend is None:
             return
+        # what an offline export to Hugging Face needs (python -m lightning_hetermoe.ckpt to-hf)
+        info = {"version": FORMAT_VERSION, "hf": export_info(self.lightning_module)}
         if not self.sharded_checkpoints:
             if self.backend.writes_checkpoints(self.global_rank):
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+                self.checkpoint_io.save_checkpoint({**checkpoint, "hetermoe": info}, filepath,
+                                                   storage_options=storage_options)
             return
         path = Path(self.broadcast(str(filepath), src=0))
         writer = self.backend.writes_checkpoints(self.global_rank)
@@ -469,8 +473,7 @@ class HeterMoEStrategy(DDPStrategy):
             optimizers.append(opt["meta"])
         save_pieces(tensors, path, process_group=comm.world().host)
         if writer:
-            checkpoint["hetermoe"] = {"version": FORMAT_VERSION, "shapes": sharded.shapes_meta(),
-                                      "optimizers": optimizers}
+            checkpoint["hetermoe"] = {**info, "shapes": sharded.shapes_meta(), "optimizers": optimizers}
             torch.save(checkpoint, path / META_FILE)
 
     # -- the end ------------------------------------------------------------------------

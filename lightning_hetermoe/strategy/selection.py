@@ -28,7 +28,7 @@ from ..contract import ModelContractError, describe_model
 from .arguments import DISAGGREGATED, check_plan
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
-from .materialize import built_on_meta
+from ..materialize import built_on_meta
 from .precision import check_bf16, precision_name
 
 AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced", "datacentric")

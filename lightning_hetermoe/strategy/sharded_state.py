@@ -165,7 +165,7 @@ class ShardedState:
                 slot = key[len(at):]
                 dtype = md.properties.dtype
                 if len(md.size) == 0:
-                    slots[slot] = want[key] = torch.zeros((), dtype=dtype)
+                    slots[slot] = want[key] = torch.zeros((), dtype=dtype, device="cpu")  # read on the host
                 else:
                     local = torch.zeros(p.shape, dtype=dtype, device=p.device)
                     pieces = self.pieces_of(name, local)

@@ -36,7 +36,7 @@ from ...ckpt.pieces import Pieces
 from ...placement import Placement
 from ..batch import batch_size, gather_global_batch, weighted_share
 from ..expert_state import expert_tensor_names, restore_local
-from ..materialize import Materializer
+from ...materialize import Materializer
 
 StepFn = Callable[..., Any]
 Context = Callable[[], ContextManager]

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ...contract import moe_layers
-from ..materialize import Holding, Materializer
+from ...materialize import Holding, Materializer
 from .base import ParallelBackend, Simulated
 
 

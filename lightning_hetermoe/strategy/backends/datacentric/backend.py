@@ -42,7 +42,7 @@ from ....comm import Group, Pending
 from ....contract import moe_layers
 from ....moe.balance import GlobalBalance
 from ....ckpt.pieces import Pieces
-from ...materialize import Holding, Materializer
+from ....materialize import Holding, Materializer
 from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, global_balance_counts
 from .dispatcher import DataCentricDispatcher
 from .gather import Gathered

@@ -20,7 +20,7 @@ from ....contract import moe_layers
 from ....moe.balance import GlobalBalance
 from ....placement import Placement
 from ...expert_state import gather_experts, slice_experts
-from ...materialize import Holding, Materializer
+from ....materialize import Holding, Materializer
 from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, global_balance_counts
 from .dispatch import AllToAllDispatcher
 from .grads import expert_grad_sq_norm, reduce_expert_grads

@@ -35,7 +35,7 @@ from ....placement import Placement
 from ....plan import Plan
 from ....schedule import build_schedule
 from ....simulate.schedules import apportion, split_microbatches
-from ...materialize import Holding, Materializer
+from ....materialize import Holding, Materializer
 from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
                     zero_missing_grads)
 from ...batch import batch_size, gather_global_batch, split_sizes, take
