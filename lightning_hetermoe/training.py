@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "plan", "num_microbatches", "asym_ea",
                    "require_expert_ranks", "profile", "heartbeat_timeout_s", "allow_emulated_bf16",
-                   "checkpoint_format")
+                   "checkpoint_format", "shard_optimizer_state")
 
 
 # Trainer arguments that must be whole numbers (None and -1 keep Lightning's meaning).

@@ -75,6 +75,7 @@ class StrategyArguments:
     heartbeat_timeout_s: float | None = 30.0
     allow_emulated_bf16: bool = False
     checkpoint_format: str = "sharded"
+    shard_optimizer_state: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,6 +104,7 @@ class StrategyArguments:
         self.asym_ea = bool(self.asym_ea)
         self.require_expert_ranks = bool(self.require_expert_ranks)
         self.allow_emulated_bf16 = bool(self.allow_emulated_bf16)
+        self.shard_optimizer_state = bool(self.shard_optimizer_state)
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ConfigError(f"strategy checkpoint_format={self.checkpoint_format!r} is invalid: must be one of "
                               f"{CHECKPOINT_FORMATS} ('sharded': a directory every rank writes its part of; 'full': "

@@ -44,6 +44,7 @@ from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
+from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
 from .run_clock import RunClock
@@ -66,6 +67,7 @@ class HeterMoEStrategy(DDPStrategy):
         heartbeat_timeout_s: float | None = 30.0,
         allow_emulated_bf16: bool = False,
         checkpoint_format: str = "sharded",
+        shard_optimizer_state: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -85,11 +87,13 @@ class HeterMoEStrategy(DDPStrategy):
                                       require_expert_ranks=require_expert_ranks, profile=profile,
                                       heartbeat_timeout_s=heartbeat_timeout_s,
                                       allow_emulated_bf16=allow_emulated_bf16,
-                                      checkpoint_format=checkpoint_format)
+                                      checkpoint_format=checkpoint_format,
+                                      shard_optimizer_state=shard_optimizer_state)
         self.clock = RunClock(self.args.cluster, self.args.profile, rank=0)
         self.backend: ParallelBackend | None = None
         self._built_whole = True  # the user built the model whole (not on the meta device)
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
+        self._sharding: OptimizerSharding | None = None  # dense optimizer state sharded over replicas
         self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
@@ -203,11 +207,31 @@ class HeterMoEStrategy(DDPStrategy):
             if self.backend.wraps_ddp:
                 self.configure_ddp()
             self.setup_optimizers(trainer)
+            self._sharding = self._shard_optimizer_state()
             # Dense and expert gradients live in different groups: the global norm needs both.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_optimizer_state(self) -> OptimizerSharding | None:
+        """ZeRO-1 over the ranks that hold the dense weights alike (see :mod:`.zero`)."""
+        group = self.backend.dense_replicas()
+        if not self.args.shard_optimizer_state or not self.sharded_checkpoints or group is None or group.size < 2:
+            return None
+        unfit = [type(getattr(o, "_optimizer", o)).__name__ for o in self.optimizers if not shardable(o)]
+        if unfit:
+            rank_zero_warn(f"HeterMoEStrategy: optimizer state stays whole on every replica: {unfit} may read more "
+                           f"than an element's own state (sharded: {list(ELEMENTWISE)})")
+            return None
+        experts = {id(p) for _, layer in moe_layers(self.lightning_module) for p in layer.experts.parameters()}
+        in_optimizers = {id(p) for o in self.optimizers for g in getattr(o, "_optimizer", o).param_groups
+                         for p in g["params"]}
+        params = [(n, p) for n, p in self.lightning_module.named_parameters()
+                  if id(p) not in experts and id(p) in in_optimizers and p.numel() > 0]
+        devices = self.clock.devices
+        weights = [devices[r].memory_gb for r in group.ranks] if len(devices) == self.world_size else None
+        return OptimizerSharding(self.optimizers, params, group, weights)
 
     def _materializer(self) -> Materializer:
         """Every rank materialises with rank 0's seeds: the pack's per-module seeds and the
@@ -310,9 +334,13 @@ class HeterMoEStrategy(DDPStrategy):
             result = closure()
             tail_started.append(time.perf_counter())
             self.backend.sync_grads(self.lightning_module)
+            if self._sharding is not None:
+                self._sharding.prepare_grads()
             return result
 
         out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self._sharding is not None:
+            self._sharding.share_updates()
         if self._expert_bias is not None:
             self._expert_bias.update(self._sum_over_ranks)
         self.clock.step_ended(tail_started[0] if tail_started else None, self.backend.tail_shape())
@@ -328,7 +356,12 @@ class HeterMoEStrategy(DDPStrategy):
 
     def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        total = self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
+        if self._sharding is not None:
+            own = [p for p in params if not self._sharding.is_shard(p)]
+            total = self.backend.grad_sq_norm(self.lightning_module, own,
+                                              self._sharding.grad_sq_norm(self.root_device)).sqrt()
+        else:
+            total = self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
         coef = (clip_val / (total + 1e-6)).clamp(max=1.0)
         for p in params:
             p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
@@ -396,7 +429,7 @@ class HeterMoEStrategy(DDPStrategy):
 
     def _sharded_state(self) -> ShardedState:
         return ShardedState(self.lightning_module, self.backend.expert_pieces, self.backend.holds_dense,
-                            self.backend.stripped_shapes())
+                            self.backend.stripped_shapes(), self._sharding)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -443,9 +476,12 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
         experts = ExpertState(self.backend, self.lightning_module)
-        for opt_state, optimizer in zip(checkpoint["optimizer_states"], self.optimizers):
-            experts.slice_optimizer_state(opt_state, optimizer)
-        super().load_optimizer_state_dict(checkpoint)
+        states = list(checkpoint["optimizer_states"])
+        for i, optimizer in enumerate(self.optimizers):
+            if self._sharding is not None:  # a full file into optimizer state sharded over replicas
+                states[i] = self._sharding.shard_full_state(states[i], optimizer)
+            experts.slice_optimizer_state(states[i], optimizer)
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

@@ -37,8 +37,11 @@ class ShardedState:
     ``name`` of MoE layer ``layer`` (rows, a range, or all of it)."""
 
     def __init__(self, module: nn.Module, expert_pieces: Callable[[int, str, Tensor], Pieces],
-                 dense_held: bool, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+                 dense_held: bool, shapes: dict[str, tuple[int, ...]] | None = None, sharding: Any = None) -> None:
         self.module = module
+        # optimizer state sharded over replicas (:mod:`.zero`): the optimizers step range views
+        self.sharding = sharding
+        self.ranges = sharding.shard_names() if sharding is not None else {}
         self.expert_pieces = expert_pieces
         self.dense_held = dense_held
         self.experts: dict[str, tuple[int, str]] = {}  # state_dict name -> (layer, parameter name)
@@ -74,6 +77,24 @@ class ShardedState:
         pieces = self.pieces_of(name, local)
         return tuple(pieces.shape) if pieces is not None else tuple(local.shape)
 
+    def slot(self, p: Tensor, names: dict[int, str]) -> tuple[str, Callable[[Tensor], Pieces | None]] | None:
+        """The name an optimizer parameter's state is saved under, and how a per-element
+        tensor of it is cut into pieces (``None``: not a parameter this rank holds)."""
+        if id(p) in self.ranges:
+            name, lo, shape = self.ranges[id(p)]
+            return name, lambda value: Pieces.of_range(value, lo, shape)
+        if id(p) not in names or p.numel() == 0:
+            return None
+        name = names[id(p)]
+        return name, lambda value: self.pieces_of(name, value)
+
+    def group_names(self, opt) -> list[list[str | None]]:
+        """Parameter names per group as the optimizer was built (before any sharding)."""
+        names = self.param_names()
+        groups = self.sharding.original_groups(opt) if self.sharding is not None else None
+        groups = groups or [g["params"] for g in opt.param_groups]
+        return [[names.get(id(p)) for p in g] for g in groups]
+
     # -- saving ---------------------------------------------------------------------------
     def module_state(self) -> dict[str, Pieces]:
         out: dict[str, Pieces] = {}
@@ -90,9 +111,10 @@ class ShardedState:
         tensors: dict[str, Any] = {}
         scalars: dict[str, dict[str, Any]] = {}
         for p in _params(opt):
-            if id(p) not in names or p.numel() == 0:
+            slot = self.slot(p, names)
+            if slot is None:
                 continue
-            name = names[id(p)]
+            name, cut = slot
             for key, value in opt.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
                     if value.shape != p.shape:
@@ -100,15 +122,15 @@ class ShardedState:
                             f"optimizer state {key!r} of {name} has shape {list(value.shape)}, its parameter "
                             f"{list(p.shape)}: a sharded checkpoint stores per-element state and scalars only "
                             f"(save with checkpoint_format='full')")
-                    pieces = self.pieces_of(name, value.detach())
+                    pieces = cut(value.detach())
                     if pieces is not None:
                         tensors[f"{name}.{key}"] = pieces
                 elif torch.is_tensor(value):
                     tensors[f"{name}.{key}"] = value.detach()
                 else:
                     scalars.setdefault(name, {})[key] = value
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [names.get(id(p)) for p in g["params"]]} for g in opt.param_groups]
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": params}
+                  for g, params in zip(opt.param_groups, self.group_names(opt))]
         return {"tensors": tensors, "meta": {"param_groups": groups, "scalars": scalars}}
 
     def shapes_meta(self) -> dict[str, tuple[int, ...]]:
@@ -154,9 +176,10 @@ class ShardedState:
         want: dict[str, Any] = {}
         per_param: list[tuple[nn.Parameter, str, dict[str, Any]]] = []
         for p in _params(opt):
-            if id(p) not in names or p.numel() == 0:
+            slot = self.slot(p, names)
+            if slot is None:
                 continue
-            name = names[id(p)]
+            name, cut = slot
             slots: dict[str, Any] = {}
             at = f"{prefix}{name}."
             for key, md in saved.items():
@@ -168,7 +191,7 @@ class ShardedState:
                     slots[slot] = want[key] = torch.zeros((), dtype=dtype, device="cpu")  # read on the host
                 else:
                     local = torch.zeros(p.shape, dtype=dtype, device=p.device)
-                    pieces = self.pieces_of(name, local)
+                    pieces = cut(local)
                     if pieces is not None:
                         want[key] = pieces
                         slots[slot] = local

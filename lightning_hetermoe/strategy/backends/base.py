@@ -110,8 +110,16 @@ class ParallelBackend(ABC):
         """After the closure, before clipping and the optimizer: gradients of the global batch."""
 
     @abstractmethod
-    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
-        """Squared global gradient norm, every parameter counted once over all ranks."""
+    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
+        """Squared global gradient norm, every parameter counted once over all ranks, over
+        ``params`` (the optimizers'). ``dense_sq``: where the dense parameters' optimizer
+        state is sharded (:mod:`..zero`), ``params`` holds none of them and this is their
+        part, the same on every rank that holds them."""
+
+    def dense_replicas(self) -> Any:
+        """The :class:`~lightning_hetermoe.comm.Group` of the ranks holding this rank's
+        dense weights alike (``None``: this rank holds none, or holds them alone)."""
+        return None
 
     def metrics_group(self, group: Any) -> Any:
         """The group ``self.log(sync_dist=True)`` reduces over (``False``: nothing to reduce here)."""
@@ -254,11 +262,18 @@ class DenseDDPBackend(ParallelBackend):
         return None if self._shares is None else list(self._shares)
 
     # -- gradients --------------------------------------------------------------------------
-    def dense_grad_sq_norm(self, params: list[nn.Parameter]) -> Tensor:
-        """The dense half of the global norm: DDP left every rank the same dense gradients."""
+    def dense_grad_sq_norm(self, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
+        """The dense half of the global norm: DDP left every rank the same dense gradients
+        (``dense_sq``: already summed over the ranges of sharded optimizer state)."""
         expert_ids = {id(p) for layer in self._layers for p in layer.experts.parameters()}
-        return sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids),
-                   torch.zeros((), dtype=torch.float64, device=self.device))
+        own = sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids
+                   and p.grad is not None), torch.zeros((), dtype=torch.float64, device=self.device))
+        return own if dense_sq is None else own + dense_sq
+
+    def dense_replicas(self) -> Any:
+        import lightning_hetermoe.comm as comm
+
+        return comm.world() if self.world_size > 1 else None
 
     def describe_rank(self, rank: int) -> str:
         names = [d.name for d in self.clock.devices]

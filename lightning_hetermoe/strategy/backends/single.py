@@ -34,7 +34,7 @@ class SingleDeviceBackend(ParallelBackend):
             self._emulation.remove()
             self._emulation = None
 
-    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
+    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
         return sum((p.grad.detach().double().square().sum() for p in params),
                    torch.zeros((), dtype=torch.float64, device=self.device))
 

@@ -183,8 +183,8 @@ class DataCentricBackend(DenseDDPBackend):
                 pending.wait()
         self._prefetched.clear()
 
-    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
-        dense = self.dense_grad_sq_norm(params)
+    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
+        dense = self.dense_grad_sq_norm(params, dense_sq)
         experts = sum((p.grad.detach().double().square().sum() for layer in self._layers
                        for p in layer.experts.parameters() if p.grad is not None),
                       torch.zeros((), dtype=torch.float64, device=self.device))

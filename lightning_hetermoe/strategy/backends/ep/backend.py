@@ -91,8 +91,8 @@ class ExpertParallelBackend(DenseDDPBackend):
         if self._sharded:
             reduce_expert_grads(module, self.groups)
 
-    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
-        dense_sq = self.dense_grad_sq_norm(params)
+    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
+        dense_sq = self.dense_grad_sq_norm(params, dense_sq)
         if not self._sharded:
             return dense_sq
         return dense_sq + expert_grad_sq_norm(module, self.groups, self.device)

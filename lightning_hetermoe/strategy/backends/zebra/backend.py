@@ -300,18 +300,21 @@ class ZebraBackend(ParallelBackend):
                 p.grad.copy_(flat[at:at + n].view_as(p.grad))
                 at += n
 
-    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter]) -> Tensor:
+    def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
         """Every expert once, the dense part once (from the group's first attention rank),
         summed within the ZP group (groups are identical)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_ids = self._expert_param_ids()
         for layer in self.layers:
             for p in layer.experts.parameters(recurse=False):
                 if p.grad is not None:
                     sq = sq + p.grad.detach().double().square().sum()
         if self.layout.rank == self.layout.attention_members[0]:
-            for p in self._dense_params(module):
-                if p.grad is not None:
+            for p in params:
+                if id(p) not in expert_ids and p.grad is not None:
                     sq = sq + p.grad.detach().double().square().sum()
+            if dense_sq is not None:
+                sq = sq + dense_sq
         comm.all_reduce(self.groups.zp, sq, what="zebra.clip")
         return sq
 
@@ -349,6 +352,9 @@ class ZebraBackend(ParallelBackend):
     @property
     def holds_dense(self) -> bool:
         return self.layout.is_attention
+
+    def dense_replicas(self) -> Any:
+        return self.groups.dense if self.layout.is_attention and len(self.plan.attention_ranks) > 1 else None
 
     def stripped_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(shape) for name, (shape, _) in self._stripped.items()}
