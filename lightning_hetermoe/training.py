@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,27 @@ def build_loggers(cfg: DictConfig, output_dir: str | os.PathLike) -> list[Any]:
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     return instantiate_group(cfg, "callbacks", "the callback's class path")
+
+
+# Above this much training state (weights, gradients, AdamW: 16 bytes per parameter), the
+# recipe builds the model on the meta device by default: each process then allocates only
+# its share at set-up. Below it, the model is built whole: small, and the planner gets the
+# routing of a warm-up batch through it (a model on the meta device plans with even routing).
+META_INIT_BYTES = 2e9
+
+
+def builds_on_meta(cfg: DictConfig, model_cfg: ModelConfig) -> bool:
+    """``init_on_meta``: true, false or auto (by the model's training state)."""
+    choice = cfg.get("init_on_meta", "auto")
+    if choice in (True, False):
+        return choice
+    if choice != "auto":
+        raise ConfigError(f"init_on_meta={choice!r} is invalid: must be true, false or auto")
+    from .profile.memory import MemoryModel
+
+    mem = MemoryModel(model_cfg)
+    params = mem.attention_stack_params() + model_cfg.n_layers * model_cfg.moe.num_experts * mem.expert_params()
+    return params * 16 > META_INIT_BYTES
 
 
 def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningModule:
@@ -157,6 +179,17 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
     return out
 
 
+def _save_checkpoint(cfg: DictConfig, trainer: L.Trainer, output_dir: str | os.PathLike) -> str | None:
+    """``save_checkpoint``: a path (relative to the run directory) the trained state is
+    saved to after fitting, in the strategy's checkpoint format; null: none."""
+    where = cfg.get("save_checkpoint")
+    if where in (None, False):
+        return None
+    path = Path(output_dir) / ("last.ckpt" if where is True else str(where))
+    trainer.save_checkpoint(str(path))
+    return str(path)
+
+
 def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "popen") -> dict[str, Any] | None:
     """Validate every config group, train, validate, and (rank 0) write ``summary.json``.
 
@@ -188,13 +221,22 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     loggers = build_loggers(cfg, output_dir)
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=loggers or False,
                         default_root_dir=str(output_dir), **trainer_kwargs)
-    model = build_model(model_cfg, optim_cfg)
+    on_meta = builds_on_meta(cfg, model_cfg)
+    with trainer.init_module(empty_init=True) if on_meta else nullcontext():
+        model = build_model(model_cfg, optim_cfg)
     data = ByteCorpusDataModule(data_cfg)
     started = time.perf_counter()
-    trainer.fit(model, datamodule=data)
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None:
+        from hydra.utils import to_absolute_path
+
+        ckpt_path = to_absolute_path(str(ckpt_path)) if HydraConfig.initialized() else str(ckpt_path)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    saved = _save_checkpoint(cfg, trainer, output_dir)
     emulation = strategy.emulation_report()  # a collective: before the ranks part ways
     if cfg.get("final_validation", True):
         trainer.validate(model, datamodule=data, verbose=False)
+    memory = strategy.memory_report()  # a collective too
     if not trainer.is_global_zero:
         strategy.shutdown()
         return None
@@ -206,7 +248,14 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         "devices": cluster.devices,
         "model": model_cfg.name,
         "wall_s": time.perf_counter() - started,
+        "init_on_meta": on_meta,
     })
+    if saved is not None:
+        summary["checkpoint"] = saved
+    if ckpt_path is not None:
+        summary["resumed_from"] = ckpt_path
+    if memory is not None:
+        summary["memory"] = {"ranks": memory, "peak_gb_max": max(r["peak_gb"] for r in memory)}
     monitor = next((c for c in trainer.callbacks if isinstance(c, ExpertLoadMonitor)), None)
     summary["timing_warmup_steps"] = summary_cb.warmup_steps
     summary.update(timing_summary(summary, strategy, cluster, emulation, monitor))

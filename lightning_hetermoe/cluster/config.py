@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import ConfigError, from_cfg, workload_model
@@ -43,6 +43,9 @@ class ClusterConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
     custom_devices: dict[str, Any] = field(default_factory=dict)
     emulate_workload: dict[str, Any] | None = None
+    # Every device's memory times this (planning, data-centric shares and each rank's
+    # budget): an emulated GPU gets a memory as small as its clock is slow; null: as built.
+    memory_scale: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.link, dict):
@@ -52,6 +55,10 @@ class ClusterConfig:
             raise ConfigError("cluster.devices is empty: name one device per rank, e.g. [a40, a40, v100]")
         if self.time_scale <= 0:
             raise ConfigError(f"cluster.time_scale={self.time_scale!r} is invalid: must be > 0")
+        m = self.memory_scale
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0):
+            raise ConfigError(f"cluster.memory_scale={m!r} is invalid: must be a number > 0 (or null: each device's "
+                              f"own memory)")
         self.specs()  # every name must resolve, emulated or not
         if self.emulate_workload is not None:
             self._check_workload()
@@ -84,9 +91,13 @@ class ClusterConfig:
         specs = []
         for i, name in enumerate(self.devices):
             try:
-                specs.append(get_device(name, self.custom_devices))
+                spec = get_device(name, self.custom_devices)
             except ValueError as err:
                 raise ConfigError(f"cluster.devices[{i}]={name!r} is invalid: {err}") from None
+            if self.memory_scale is not None:
+                spec = replace(spec, memory_gb=spec.memory_gb * self.memory_scale,
+                               reserved_gb=spec.reserved_gb * self.memory_scale)
+            specs.append(spec)
         return specs
 
     @property
@@ -98,4 +109,4 @@ def resolve_cluster(cluster_cfg: Any) -> list[DeviceSpec]:
     """One :class:`DeviceSpec` per rank, in rank order, from a ClusterConfig (or its dict)."""
     if not isinstance(cluster_cfg, ClusterConfig):
         cluster_cfg = from_cfg(ClusterConfig, cluster_cfg)
-    return [get_device(n, cluster_cfg.custom_devices) for n in cluster_cfg.devices]
+    return cluster_cfg.specs()

@@ -44,6 +44,7 @@ from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
+from .memory_watch import MemoryWatch, return_freed_memory
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
@@ -94,6 +95,7 @@ class HeterMoEStrategy(DDPStrategy):
         self._built_whole = True  # the user built the model whole (not on the meta device)
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         self._sharding: OptimizerSharding | None = None  # dense optimizer state sharded over replicas
+        self.memory: MemoryWatch | None = None  # this rank's memory: what it holds, its peak, its budget
         self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
@@ -154,6 +156,10 @@ class HeterMoEStrategy(DDPStrategy):
         self.args.check_world(self.world_size, precision_name(self.precision_plugin))
         super().setup_environment()
         self.clock.rank = self.global_rank
+        if self.memory is None:
+            if self.root_device.type == "cpu":
+                return_freed_memory()
+            self.memory = self._memory_watch()
         comm.configure(self.root_device)
         heartbeat.ensure(self.global_rank, self.world_size, self.args.heartbeat_timeout_s, self.describe_rank,
                          on_silent=end_job_for_silent_peer)
@@ -232,6 +238,29 @@ class HeterMoEStrategy(DDPStrategy):
         devices = self.clock.devices
         weights = [devices[r].memory_gb for r in group.ranks] if len(devices) == self.world_size else None
         return OptimizerSharding(self.optimizers, params, group, weights)
+
+    def _memory_watch(self) -> MemoryWatch:
+        budget, scale = None, None
+        cluster = self.args.cluster
+        if cluster is not None and cluster.memory_scale is not None:
+            spec = cluster.specs()[self.global_rank]
+            budget, scale = spec.memory_gb * 1e9, cluster.memory_scale
+        return MemoryWatch(self.global_rank, self.root_device, budget,
+                           lambda: self.describe_rank(self.global_rank), scale)
+
+    def check_memory(self, at: str) -> None:
+        """This rank's peak against its budget (a :class:`MemoryBudgetError` past it)."""
+        if self.memory is not None and self.lightning_module is not None:
+            self.memory.check(self.lightning_module, self.optimizers, at)
+
+    def memory_report(self) -> list[dict[str, Any]] | None:
+        """Every rank's memory (peak, budget, what it held at most), gathered: a collective."""
+        if self.memory is None:
+            return None
+        mine = self.memory.report()
+        if not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        return comm.gather_objects(comm.world(), mine, what="strategy.memory_report")
 
     def _materializer(self) -> Materializer:
         """Every rank materialises with rank 0's seeds: the pack's per-module seeds and the
@@ -344,6 +373,7 @@ class HeterMoEStrategy(DDPStrategy):
         if self._expert_bias is not None:
             self._expert_bias.update(self._sum_over_ranks)
         self.clock.step_ended(tail_started[0] if tail_started else None, self.backend.tail_shape())
+        self.check_memory(f"in training step {self.lightning_module.trainer.global_step}")
         return out
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
@@ -464,8 +494,10 @@ class HeterMoEStrategy(DDPStrategy):
         if not self._loaded_sharded:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return self._sharded_state().load(path, self.optimizers if fitting else [], comm.world().host,
-                                          strict=self.lightning_module.strict_loading, with_optimizers=fitting)
+        loaded = self._sharded_state().load(path, self.optimizers if fitting else [], comm.world().host,
+                                            strict=self.lightning_module.strict_loading, with_optimizers=fitting)
+        self.check_memory(f"loading checkpoint {path}")
+        return loaded
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -511,6 +543,7 @@ class HeterMoEStrategy(DDPStrategy):
         if writer:
             checkpoint["hetermoe"] = {**info, "shapes": sharded.shapes_meta(), "optimizers": optimizers}
             torch.save(checkpoint, path / META_FILE)
+        self.check_memory(f"saving checkpoint {path}")
 
     # -- the end ------------------------------------------------------------------------
     @override

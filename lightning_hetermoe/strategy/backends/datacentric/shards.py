@@ -31,14 +31,24 @@ class Shard:
         out[: self.sizes[rank]] = part
         return out
 
+    @property
+    def unpadded(self) -> bool:
+        """Every range fills its chunk: the chunks laid end to end *are* the tensor (equal
+        shares of a tensor they divide), and gathers and reduce-scatters need no copy."""
+        return all(n == self.chunk for n in self.sizes)
+
     def unpad(self, gathered: Tensor) -> Tensor:
         """The full tensor from ``world`` padded chunks laid end to end."""
+        if self.unpadded:
+            return gathered.view(self.shape)
         pieces = [gathered[r * self.chunk: r * self.chunk + n] for r, n in enumerate(self.sizes)]
         return torch.cat(pieces).view(self.shape)
 
     def spread(self, full: Tensor) -> Tensor:
         """``full`` laid out as ``world`` padded chunks (what a reduce-scatter takes)."""
         flat = full.reshape(-1)
+        if self.unpadded:
+            return flat
         out = flat.new_zeros(len(self.sizes) * self.chunk)
         for r, (s, n) in enumerate(zip(self.starts, self.sizes)):
             out[r * self.chunk: r * self.chunk + n] = flat[s: s + n]

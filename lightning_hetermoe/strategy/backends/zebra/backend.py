@@ -212,7 +212,11 @@ class ZebraBackend(ParallelBackend):
         # step's gradients are collected apart and handed over in ``backward()`` (whatever
         # accumulated before stays where it was).
         params = [p for p in module.parameters() if p.requires_grad] if train else []
-        before = [p.grad for p in params]
+        # Lightning zeroes gradients right after the first step of an accumulation window:
+        # the last window's are dropped now, not kept alive beside this step's
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        fresh = train and isinstance(batch_idx, int) and batch_idx % accumulate == 0
+        before = [None if fresh else p.grad for p in params]
         for p in params:
             p.grad = None
         with MicrobatchLogs(module) as logs:
