@@ -20,10 +20,12 @@ from test_zebra import GLOBAL, WINDOWS, make_test_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_TRAFFIC = ("zebra.header", "zebra.answer_header", "zebra.balance", "ep.counts", "monitor.counts", "monitor.busy",
-                "strategy.emulation_report", "strategy.shutdown", "strategy.checkpoint.mkdir")
+                "strategy.emulation_report", "strategy.shutdown", "strategy.checkpoint.mkdir",
+                "strategy.memory_report")
 DEVICE_TRAFFIC = ("zebra.rows", "zebra.answers", "zebra.loss", "zebra.clip", "zebra.grads.dense",
                   "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "ep.weights",
-                  "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather", "strategy.decision")
+                  "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather", "strategy.decision",
+                  "zero.params", "zero.clip")
 
 
 def recorded(rank: int, world: int, cases: list[dict], ckpt_dir: str) -> list[list[dict]]:

@@ -64,7 +64,9 @@ class Holdings(L.Callback):
         dense = [p for p in pl_module.parameters() if id(p) not in experts]
         opt = trainer.optimizers[0]
         self.dense_numel = sum(p.numel() for p in dense)
-        self.dense_state = sum(1 for p in dense if opt.state.get(p))
+        # optimizer state of dense parameters (or of the ranges of them this rank owns, where
+        # the state is sharded over the attention ranks)
+        self.dense_state = sum(1 for p, s in opt.state.items() if id(p) not in experts and s)
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 

@@ -10,7 +10,7 @@ in flight at once; in EP/DistEP (gradient accumulation) only one micro-batch is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..cluster.devices import DeviceSpec
 from ..config import ModelConfig
@@ -29,10 +29,15 @@ class MemoryModel:
 
     # ---- parameter counts ----------------------------------------------------------------
     def attention_stack_params(self) -> float:
-        """Everything but the experts: embeddings, LM head, attention, router, norms."""
+        """Everything but the routed experts: embeddings, LM head, attention (keys and values
+        over the key/value heads), router, norms, a shared expert."""
         m = self.model
         d = m.d_model
-        per_layer = 4 * d * d + d * m.moe.num_experts + 2 * d
+        kv = 2 * d * (m.kv_heads * m.head_dim)
+        per_layer = 2 * d * d + kv + d * m.moe.num_experts + 2 * d
+        if m.moe.shared_expert_d_ff:
+            mats = 3 if m.moe.activation == "swiglu" else 2
+            per_layer += mats * d * m.moe.shared_expert_d_ff + (d if m.moe.shared_expert_gate else 0)
         return m.n_layers * per_layer + 2 * m.vocab_size * d + d
 
     def expert_params(self) -> float:
@@ -85,3 +90,98 @@ class MemoryModel:
         if free < 0:
             return -1
         return int(free // self.expert_bytes(tokens_in_flight_per_expert=tokens_in_flight_per_expert))
+
+
+def format_bytes(n: float) -> str:
+    """``1.23 GB``, ``45.6 MB`` or ``789 kB``: readable at any model size."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1e3:.0f} kB"
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank needs: its training state (weights, their gradients, optimizer state)
+    and its working set (activations of the tokens in flight; the transients of its mode:
+    a layer's expert gradients being formed, gathered layers in data-centric mode, DDP's
+    gradient buckets). The process itself (interpreter, libraries) is not counted."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    working: float
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.working
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "state": self.state, "total": self.total}
+
+    @classmethod
+    def of(cls, *, dense_params: float, expert_params: float, dense_shards: int = 1, param_bytes: float = 4.0,
+           optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0) -> "RankMemory":
+        """From parameter counts: fp32 weights and gradients, the optimizer's
+        ``optimizer_bytes`` per parameter (AdamW: 8), the dense part's split over
+        ``dense_shards`` replicas (sharded optimizer state)."""
+        held = dense_params + expert_params
+        return cls(weights=held * param_bytes, gradients=held * param_bytes,
+                   optimizer=(dense_params / max(dense_shards, 1) + expert_params) * optimizer_bytes,
+                   activations=activations, working=working)
+
+
+def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float
+                  ) -> float:
+    """A mode's transients beside the state (bytes of fp32 expert tensors of one layer,
+    whole and as held here): data-centric keeps two layers' full experts alive (one in use,
+    the next prefetched) and forms one layer's full gradient; the other modes form a layer's
+    held expert gradients (per expert, then stacked). DDP (ep, data-centric) keeps its
+    gradient buckets, the dense gradients' size."""
+    if mode == "datacentric":
+        return 3 * layer_expert_bytes + dense_bytes
+    buckets = dense_bytes if mode in ("ep", "ep_balanced") else 0.0
+    return 2 * local_layer_expert_bytes + buckets
+
+
+def activation_bytes(model: ModelConfig, *, tokens_in_flight: float, mb_tokens: float, act_bytes: int) -> float:
+    """Saved activations of the tokens in flight and the working set of one task (see
+    :meth:`MemoryModel.attention_bytes`)."""
+    mem = MemoryModel(model, act_bytes=act_bytes)
+    return mem.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens) \
+        - mem.attention_stack_params() * mem.bytes_per_param
+
+
+def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, shard_optimizer_state: bool = True,
+                  param_bytes: float = 4.0, optimizer_bytes: float = 8.0) -> list[RankMemory]:
+    """Each rank's state and mode transients under ``ep`` (experts split evenly, contiguous)
+    or ``datacentric`` (every expert tensor split in proportion to device memory), the dense
+    part on every rank (its optimizer state split over them when sharded); activations are
+    not counted (they depend on the batch)."""
+    mem = MemoryModel(model)
+    W = len(devices)
+    L, E = model.n_layers, model.moe.num_experts
+    dense = mem.attention_stack_params()
+    per_expert = mem.expert_params()
+    layer_bytes = E * per_expert * param_bytes
+    shards = W if shard_optimizer_state else 1
+    if mode == "datacentric":
+        total = sum(d.memory_gb for d in devices)
+        held = [L * E * per_expert * d.memory_gb / total for d in devices]
+        local = [h / L * param_bytes for h in held]
+    elif mode in ("ep", "ep_balanced"):
+        counts = [E // W + (1 if r < E % W else 0) for r in range(W)]
+        held = [L * c * per_expert for c in counts]
+        local = [c * per_expert * param_bytes for c in counts]
+    else:
+        raise ValueError(f"spread_memory prices ep and datacentric; {mode!r} takes its layout from a plan")
+    return [RankMemory.of(dense_params=dense, expert_params=h, dense_shards=shards, param_bytes=param_bytes,
+                          optimizer_bytes=optimizer_bytes,
+                          working=working_bytes(mode, layer_expert_bytes=layer_bytes, local_layer_expert_bytes=lo,
+                                                dense_bytes=dense * param_bytes))
+            for h, lo in zip(held, local)]

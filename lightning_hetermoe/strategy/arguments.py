@@ -3,6 +3,7 @@ known (before any process starts): every error names the field and what would be
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,41 @@ class StrategyArguments:
             if layer.experts.backend == "triton" and not triton_available(device):
                 raise ConfigError(f"model.moe.expert_backend='triton' is invalid on {device}: "
                                   f"{unavailable_reason(device)}; use expert_backend=auto or torch ({name})")
+
+
+    def check_memory(self, model: Any, world_size: int) -> None:
+        """``ep`` and ``datacentric`` on a cluster config: a rank that cannot hold its share
+        of the training state is refused before any process starts, with what would fit.
+        (Zebra's planner does the same at set-up, before anything is allocated.)"""
+        if self.cluster is None or self.mode not in ("ep", "datacentric") or self.cluster.world_size != world_size:
+            return
+        try:
+            cfg = describe_model(model)
+        except ModelContractError:
+            return
+        from ..profile.memory import format_bytes, spread_memory
+
+        devices = self.cluster.specs()
+        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=self.shard_optimizer_state)
+                for m in ("ep", "datacentric")}
+        mine = need[self.mode]
+        over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
+        if not over:
+            return
+        r, m, d = max(over, key=lambda x: x[1].total / x[2].usable_bytes)
+        other = "datacentric" if self.mode == "ep" else "ep"
+        fits_other = all(o.total <= dv.usable_bytes for o, dv in zip(need[other], devices))
+        state = sum(x.state for x in mine)
+        more = math.ceil(state / min(dv.usable_bytes for dv in devices))
+        raise ConfigError(
+            f"strategy mode={self.mode!r} does not fit: rank {r} ({d.name}, {format_bytes(d.usable_bytes)} usable"
+            f"{', memory_scale ' + format(self.cluster.memory_scale, 'g') if self.cluster.memory_scale else ''}) "
+            f"would hold {format_bytes(m.state)} of weights, gradients and optimizer state and "
+            f"{format_bytes(m.working)} of transients before any activation. What would fit: "
+            + (f"mode={other!r}; " if fits_other else "")
+            + ("shard_optimizer_state=true; " if not self.shard_optimizer_state else "")
+            + f"mode='zebra' or 'auto' (the planner places experts by memory); at least {more} such devices; "
+              f"a smaller model")
 
 
 def _builds_in_configure_model(model: Any) -> bool:

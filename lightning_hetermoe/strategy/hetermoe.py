@@ -34,7 +34,7 @@ from ..cluster import ClusterConfig
 from ..config import ConfigError
 from ..ckpt import is_sharded_checkpoint
 from ..ckpt import save as save_pieces
-from ..contract import moe_layers
+from ..contract import describe_model, moe_layers
 from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
@@ -44,7 +44,7 @@ from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
-from .memory_watch import MemoryWatch, return_freed_memory
+from .memory_watch import MemoryWatch, optimizer_bytes_per_param, predict_rank, return_freed_memory
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
@@ -140,6 +140,7 @@ class HeterMoEStrategy(DDPStrategy):
     def check_model(self, model: Any) -> None:
         """Everything about the model that can be checked before processes start."""
         self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"))
+        self.args.check_memory(model, self.num_processes * self.num_nodes)
 
     def describe_rank(self, rank: int) -> str:
         if self.backend is not None:
@@ -214,6 +215,8 @@ class HeterMoEStrategy(DDPStrategy):
                 self.configure_ddp()
             self.setup_optimizers(trainer)
             self._sharding = self._shard_optimizer_state()
+            if self.memory is not None:
+                self.memory.predicted = self._predict_memory()
             # Dense and expert gradients live in different groups: the global norm needs both.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.setup_precision_plugin()
@@ -233,8 +236,9 @@ class HeterMoEStrategy(DDPStrategy):
         experts = {id(p) for _, layer in moe_layers(self.lightning_module) for p in layer.experts.parameters()}
         in_optimizers = {id(p) for o in self.optimizers for g in getattr(o, "_optimizer", o).param_groups
                          for p in g["params"]}
+        # (a 0-d parameter stays whole: its state is a few bytes, and 0-d state reads as a scalar)
         params = [(n, p) for n, p in self.lightning_module.named_parameters()
-                  if id(p) not in experts and id(p) in in_optimizers and p.numel() > 0]
+                  if id(p) not in experts and id(p) in in_optimizers and p.dim() > 0 and p.numel() > 0]
         devices = self.clock.devices
         weights = [devices[r].memory_gb for r in group.ranks] if len(devices) == self.world_size else None
         return OptimizerSharding(self.optimizers, params, group, weights)
@@ -247,6 +251,25 @@ class HeterMoEStrategy(DDPStrategy):
             budget, scale = spec.memory_gb * 1e9, cluster.memory_scale
         return MemoryWatch(self.global_rank, self.root_device, budget,
                            lambda: self.describe_rank(self.global_rank), scale)
+
+    def _predict_memory(self) -> Any:
+        """What this rank should need, from what it holds and the batch it runs."""
+        from ..profile.memory import activation_bytes
+
+        clock, act = self.clock, 0.0
+        if clock.bound and self.backend.holds_dense:  # the run's own model and sequences (not an emulated workload's)
+            bytes_ = 4 if precision_name(self.precision_plugin) == "32-true" else 2
+            tokens = clock.per_rank * clock.run_seq_len
+            plan = self.plan if self.backend.schedule in ("zebra", "distep") else None
+            if plan is not None:  # an attention rank runs its share of the global batch, R micro-batches in flight
+                tokens = plan.seqs_per_rank[self.global_rank] * clock.run_seq_len
+            R = self.backend.num_microbatches or 1
+            act = activation_bytes(describe_model(self.lightning_module), tokens_in_flight=tokens, mb_tokens=tokens / R,
+                                   act_bytes=bytes_)
+        shards = self._sharding.group.size if self._sharding is not None else 1
+        return predict_rank(self.lightning_module, self.backend.expert_pieces, mode=self.backend.schedule,
+                            dense_shards=shards, optimizer_bytes=optimizer_bytes_per_param(self.optimizers),
+                            activations=act)
 
     def check_memory(self, at: str) -> None:
         """This rank's peak against its budget (a :class:`MemoryBudgetError` past it)."""

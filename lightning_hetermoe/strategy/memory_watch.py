@@ -75,8 +75,10 @@ class Held:
         return self.weights + self.gradients + self.optimizer + self.buffers
 
     def describe(self) -> str:
-        return (f"weights {self.weights / GB:.2f} GB, gradients {self.gradients / GB:.2f} GB, optimizer state "
-                f"{self.optimizer / GB:.2f} GB, buffers {self.buffers / GB:.2f} GB")
+        from ..profile.memory import format_bytes as f
+
+        return (f"weights {f(self.weights)}, gradients {f(self.gradients)}, optimizer state {f(self.optimizer)}, "
+                f"buffers {f(self.buffers)}")
 
 
 def held_state(module: nn.Module, optimizers: list) -> Held:
@@ -99,6 +101,47 @@ def held_state(module: nn.Module, optimizers: list) -> Held:
     return out
 
 
+def optimizer_bytes_per_param(optimizers: list) -> float:
+    """Bytes of state an optimizer keeps per parameter (fp32): Adam-like 8, SGD with
+    momentum 4, plain SGD 0; unknown ones priced as Adam."""
+    most = 0.0
+    for opt in optimizers:
+        inner = getattr(opt, "_optimizer", opt)
+        name = type(inner).__name__
+        if name == "SGD":
+            most = max(most, 4.0 if any(g.get("momentum", 0) for g in inner.param_groups) else 0.0)
+        elif name in ("Adagrad", "RMSprop"):
+            most = max(most, 4.0)
+        else:
+            most = max(most, 8.0)
+    return most
+
+
+def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense_shards: int,
+                 optimizer_bytes: float, activations: float) -> Any:
+    """This rank's :class:`~lightning_hetermoe.profile.memory.RankMemory` from what it holds."""
+    from ..contract import moe_layers
+    from ..profile.memory import RankMemory, working_bytes
+
+    layers = [layer for _, layer in moe_layers(module)]
+    expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
+    params = {id(p): p for p in module.parameters()}.values()
+    dense = sum(p.numel() for p in params if id(p) not in expert_ids)
+    dense_bytes = sum(p.numel() * p.element_size() for p in params if id(p) not in expert_ids)
+    experts = sum(p.numel() for layer in layers for p in layer.experts.parameters())
+    full_layer, local_layer = 0, 0
+    for l, layer in enumerate(layers):
+        named = list(layer.experts.named_parameters(recurse=False))
+        full_layer = max(full_layer, sum(expert_pieces(l, n, p).numel * p.element_size() for n, p in named))
+        local_layer = max(local_layer, sum(p.numel() * p.element_size() for _, p in named))
+    param_bytes = next(iter(params)).element_size() if dense or experts else 4
+    working = working_bytes(mode, layer_expert_bytes=full_layer, local_layer_expert_bytes=local_layer,
+                            dense_bytes=dense_bytes)
+    return RankMemory.of(dense_params=dense, expert_params=experts, dense_shards=dense_shards,
+                         param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, activations=activations,
+                         working=working)
+
+
 class MemoryWatch:
     """One rank's memory, checked at step boundaries and around checkpoints.
 
@@ -110,7 +153,7 @@ class MemoryWatch:
         self.rank, self.device, self.budget, self.where, self.scale = rank, torch.device(device), budget, where, scale
         self.baseline = rss_bytes("VmRSS") if self.device.type == "cpu" else 0
         self.peak_state: Held = Held()
-        self.events: list[str] = []
+        self.predicted: Any = None  # a RankMemory, set at set-up
 
     def peak(self) -> int:
         """Peak bytes this run used on its device (see the module's docstring)."""
@@ -127,17 +170,23 @@ class MemoryWatch:
         peak = self.peak()
         if peak > self.budget:
             scaled = f" (memory_scale {self.scale:g})" if self.scale else ""
+            from ..profile.memory import format_bytes as f
+
             raise MemoryBudgetError(
-                f"rank {self.rank} ({self.where()}) used {peak / GB:.3f} GB {at}, over its budget of "
-                f"{self.budget / GB:.3f} GB{scaled}; it held {held.describe()}, and the rest "
-                f"({max(peak - held.total, 0) / GB:.3f} GB) was activations, communication buffers and transients. "
+                f"rank {self.rank} ({self.where()}) used {f(peak)} {at}, over its budget of {f(self.budget)}{scaled}; "
+                f"it held {held.describe()}, and the rest ({f(max(peak - held.total, 0))}) was activations, "
+                f"communication buffers and transients. "
                 f"What would fit: fewer micro-batches in flight (strategy.num_microbatches), "
                 f"model.activation_checkpointing=true, another mode (strategy.mode=ep, zebra or datacentric spread "
                 f"the experts differently), sharded optimizer state (strategy.shard_optimizer_state=true), or more "
                 f"devices")
 
     def report(self) -> dict[str, Any]:
-        return {"rank": self.rank, "where": self.where(), "peak_gb": self.peak() / GB,
-                "budget_gb": None if self.budget is None else self.budget / GB,
-                "held_gb": self.peak_state.total / GB,
-                "held": {k: v / GB for k, v in asdict(self.peak_state).items()}}
+        out = {"rank": self.rank, "where": self.where(), "peak_gb": self.peak() / GB,
+               "baseline_gb": self.baseline / GB, "budget_gb": None if self.budget is None else self.budget / GB,
+               "held_gb": self.peak_state.total / GB,
+               "held": {k: v / GB for k, v in asdict(self.peak_state).items()}}
+        if self.predicted is not None:
+            out["predicted_gb"] = self.predicted.total / GB
+            out["predicted"] = {k: v / GB for k, v in self.predicted.to_dict().items()}
+        return out
