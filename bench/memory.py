@@ -6,7 +6,8 @@
 
 Part 1 runs the main job (``recipes/train.py``, 4 CPU processes) on a model of 206M
 parameters (``d_model=512, n_layers=4, num_experts=32, d_ff=1024``: 3.3 GB of training
-state) and on one 4x larger (128 experts: 13 GB), built on the meta device, under ep,
+state) and on one 4x larger (128 experts: 13 GB), built on the meta device and trained with
+activation checkpointing, under ep,
 zebra (2xA40 + 2xV100, not emulated: the planner assigns roles) and datacentric: 3 steps,
 a sharded checkpoint at the end, then a resume of that checkpoint onto another mode and
 mix for 2 more steps (ep -> zebra, zebra -> datacentric, datacentric -> ep). Each rank
@@ -49,7 +50,9 @@ MODELS = {"206M": ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "
                    "model.moe.d_ff=1024"]}
 CLUSTER = {"ep": "cpu4", "datacentric": "cpu4", "zebra": "a40x2_v100x2"}
 RESUME_ONTO = {"ep": "zebra", "zebra": "datacentric", "datacentric": "ep"}
-RUN = ["init_on_meta=true", "logger=none"]
+# Built on the meta device, with activation checkpointing (as runs of real size train, and
+# as the paper did): each rank's activations are its layers' inputs, not their working sets.
+RUN = ["init_on_meta=true", "model.activation_checkpointing=true", "logger=none"]
 
 REAL = ["olmoe_1b_7b", "qwen15_moe_a27b", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b"]
 MIXES = ["o1", "o2", "o3", "c1", "c2", "a40x2_v100x2", "a40x4"]

@@ -151,10 +151,15 @@ def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_by
 
 def activation_bytes(model: ModelConfig, *, tokens_in_flight: float, mb_tokens: float, act_bytes: int) -> float:
     """Saved activations of the tokens in flight and the working set of one task (see
-    :meth:`MemoryModel.attention_bytes`)."""
+    :meth:`MemoryModel.attention_bytes`). Without activation checkpointing every layer keeps
+    its whole working set (``attention_working_tensors`` of ``[tokens, d_model]``) for every
+    token in flight, not only its input."""
     mem = MemoryModel(model, act_bytes=act_bytes)
-    return mem.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens) \
+    out = mem.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens) \
         - mem.attention_stack_params() * mem.bytes_per_param
+    if not model.activation_checkpointing:
+        out += tokens_in_flight * model.n_layers * model.d_model * act_bytes * (mem.attention_working_tensors - 2)
+    return out
 
 
 def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, shard_optimizer_state: bool = True,
