@@ -97,7 +97,7 @@ class Materializer:
         if len(holding.rows) != len(layers):
             raise MaterializeError(f"the holding names experts of {len(holding.rows)} MoE layers, the model has "
                                    f"{len(layers)}")
-        experts = {id(layer.experts): rows for layer, rows in zip(layers, holding.rows)}
+        experts = {id(layer.experts): rows for layer, rows in zip(layers, holding.rows, strict=True)}
         out = Materialized()
         targets = self._allocate(module, experts, holding.dense, out)
         filled = self._from_sources(module, targets)

@@ -11,6 +11,9 @@ from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
 from test_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 class Recomputes:

@@ -36,6 +36,7 @@ def fit_busy(rank: int, world: int, cluster):
     return {"steps": record.steps, "logged": monitor.busy_history}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("emulate", [False, True], ids=["measured", "emulated"])
 def test_busy_time_is_one_steps_work_split_by_kind(emulate):
     cluster = ({"name": "a40_v100", "devices": ["a40", "v100"], "emulate": True, "time_scale": 1.0}

@@ -58,6 +58,7 @@ def recordings(tmp_path_factory):
             for i, case in enumerate(cases)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ep", "zebra", "distep"])
 def test_every_member_of_every_group_issues_the_same_sequence(recordings, mode):
     per_rank = recordings[mode]
@@ -73,6 +74,7 @@ def test_every_member_of_every_group_issues_the_same_sequence(recordings, mode):
     assert any(sum(c.in_splits) for calls in per_rank for c in calls if c.op == "all_to_all")
 
 
+@pytest.mark.slow
 def test_host_metadata_and_device_tensors_use_their_own_groups(recordings):
     for mode, per_rank in recordings.items():
         for rank, calls in enumerate(per_rank):
@@ -88,6 +90,7 @@ def test_host_metadata_and_device_tensors_use_their_own_groups(recordings):
                     assert c.dtype in ("torch.int64", "torch.float64"), (mode, rank, c)
 
 
+@pytest.mark.slow
 def test_the_sequence_check_catches_a_seeded_mismatch(recordings):
     per_rank = [list(calls) for calls in recordings["zebra"]]
     rows = [i for i, c in enumerate(per_rank[1]) if c.what == "zebra.rows"]
@@ -126,6 +129,7 @@ def _reject_host_tensor_on_device_side(rank: int) -> str:
     return message
 
 
+@pytest.mark.slow
 def test_a_host_tensor_given_to_a_device_collective_is_rejected_naming_the_site():
     (message,) = run_ranks(1, _reject_host_tensor_on_device_side)
     assert "test.rows" in message and "compute device is meta" in message, message

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -47,6 +48,7 @@ def fit_deep(rank: int, world: int) -> dict | None:
             "sizes": sizes} if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_three_ranks_unequal_shares_equal_one_process_with_two_layers_of_experts_alive_at_most():
     got = run_ranks(3, fit_deep, 3)[0]
     m = model(0, layers=4)
@@ -103,6 +105,7 @@ class StepTimes(L.Callback):
         self.transfers = installed(pl_module).stats["transfer"].count
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_and_checkpoints_resume_across_modes(tmp_path):
     got, emulated = run_ranks(2, fits_and_resumes, 2, str(tmp_path))[0]
     # 4 steps x 2 layers x (forward gather, backward gather, reduce-scatter of 2 tensors)

@@ -206,6 +206,7 @@ def test_bad_rank_is_rejected():
         apply_emulation(tiny_model(), ClusterConfig(name="x", devices=["a40"], emulate=True), 3, seq_len=64)
 
 
+@pytest.mark.slow
 def test_emulated_two_process_ep_run_tracks_the_simulator(tmp_path):
     """The real strategy in EP mode on 2 gloo processes playing an A40 and a V100 on the D1
     4K clock: measured step time against the simulator's for the same run."""

@@ -14,6 +14,8 @@ from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS = 5
 
 CASES = {

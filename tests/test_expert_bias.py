@@ -14,6 +14,9 @@ from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer, whole_checkpoint
 from test_zebra import make_test_plan
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 5
 SAVED = 3

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -320,6 +320,7 @@ def test_bench_records_winner_per_device_kind(tmp_path, monkeypatch):
     assert all("loop/grouped_mm" in r for r in summary["results"])
 
 
+@pytest.mark.slow
 def test_import_stays_light():
     """``import lightning_hetermoe`` loads neither kernel implementation nor the measurements."""
     probe = ("import sys, lightning_hetermoe; "

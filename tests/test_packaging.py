@@ -3,6 +3,8 @@
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,6 +17,7 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert "lightning_hetermoe.emulate" in listed and "lightning_hetermoe.strategy.backends.zebra" in listed
 
 
+@pytest.mark.slow
 def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):
     """Built as a wheel and installed into a fresh virtual environment (its dependencies
     borrowed from this one, without this checkout's editable finder), the package resolves

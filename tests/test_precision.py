@@ -16,6 +16,8 @@ from lightning_hetermoe.config import ConfigError
 from reference import data, make_model, reference_fit, trainer
 from test_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 # Far above what fp16 gradients survive: the first steps overflow (skipped, scale halved)
 # before training goes on at a scale that fits.
 INIT_SCALE = 2.0 ** 17

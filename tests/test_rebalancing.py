@@ -18,6 +18,8 @@ from lightning_hetermoe.contract import moe_layers
 from reference import assert_same_params, data, global_batches, make_model, reference_fit, trainer, whole_checkpoint
 from test_zebra import make_test_plan
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS = 6
 SGD = dict(name="sgd", lr=0.1, momentum=0.9, warmup_steps=0)
 

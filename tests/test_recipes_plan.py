@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 from lightning_hetermoe.plan import Plan
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

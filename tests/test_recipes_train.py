@@ -19,6 +19,7 @@ def run_recipe(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_path):
     proc = run_recipe("trainer.max_steps=12", "trainer.limit_val_batches=2", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,6 +39,7 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     assert abs(summary["step_time_rel_error"]) < 0.25, summary
 
 
+@pytest.mark.slow
 def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
     """The defaults work on every kind of cluster the pack ships (one CPU, two CPUs, an
     emulated GPU mix: mode=auto picks what each can run), and each child re-runs its own
@@ -113,6 +115,7 @@ def test_bad_config_is_rejected_naming_the_field(tmp_path, overrides, message):
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tmp_path):
     proc = run_recipe("cluster.devices=[cpu,foo]", f"hydra.run.dir={tmp_path}", timeout=120)
     assert proc.returncode != 0
@@ -123,6 +126,7 @@ def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tm
     assert "Initializing distributed" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_launches_the_ranks_and_the_pack_spawns_none(tmp_path):
     """``torchrun --nproc_per_node=2 recipes/train.py``: Lightning's TorchElastic environment
     sees processes that already exist; the strategy's launcher must not start more."""

@@ -10,6 +10,9 @@ import torch
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 3
 

@@ -27,6 +27,7 @@ def cpu_run(tmp_path_factory):
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
+@pytest.mark.slow
 def test_the_cpu_run_passes_and_reports_every_check(cpu_run):
     proc, report = cpu_run
     assert proc.returncode == 0, proc.stdout + proc.stderr

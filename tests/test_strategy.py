@@ -42,12 +42,14 @@ def test_bad_arguments_are_rejected_with_the_field():
                   logger=False)
 
 
+@pytest.mark.slow
 def test_expert_parallel_size_must_divide_world_before_launch():
     with pytest.raises(ConfigError, match="expert_parallel_size=3"):
         L.Trainer(strategy=HeterMoEStrategy(mode="ep", expert_parallel_size=3), accelerator="cpu", devices=2,
                   logger=False)
 
 
+@pytest.mark.slow
 def test_cluster_size_must_match_devices_before_launch():
     cluster = {"name": "three", "devices": ["cpu", "cpu", "cpu"]}
     with pytest.raises(ConfigError, match="cluster 'three' names 3 devices"):
@@ -88,6 +90,7 @@ def spawn_trainer(strategy):
                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
 
+@pytest.mark.slow
 def test_emulation_needs_head_count_and_says_so_before_launch():
     emulated = {"name": "emu", "devices": ["a40", "v100"], "emulate": True, "time_scale": 1000.0}
     strategy = HeterMoEStrategy(cluster=emulated, start_method="spawn")

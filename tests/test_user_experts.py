@@ -124,6 +124,7 @@ def fits(rank: int, world: int, ckpt_dir: str) -> dict | None:
     return out if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_user_experts_and_gate_train_like_one_process_move_and_resume(tmp_path):
     got = run_ranks(2, fits, 2, str(tmp_path))[0]
     model = UserModel(seed=0)

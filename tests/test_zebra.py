@@ -117,6 +117,7 @@ def check(world: int, cases: list[dict]) -> None:
             assert abs(actual["train_metrics"]["train_loss"] - stats["last_ce"]) < 1e-4, stats["last_ce"]
 
 
+@pytest.mark.slow
 def test_one_attention_one_expert_rank_zebra_distep_and_ep_agree():
     check(2, [
         dict(plan=make_test_plan(2, [0], R=2), validate=True, trainer=dict(limit_val_batches=1.0)),
@@ -127,6 +128,7 @@ def test_one_attention_one_expert_rank_zebra_distep_and_ep_agree():
     ])
 
 
+@pytest.mark.slow
 def test_three_ranks_two_attention_and_asym_ea_experts_on_the_attention_rank():
     # 1+2 with Asym-EA: layer 0 puts expert 3 on the attention rank, layer 1 experts 2 and 3.
     asym = [[1, 1, 2, 0], [1, 2, 0, 0]]
@@ -144,10 +146,12 @@ def test_three_ranks_two_attention_and_asym_ea_experts_on_the_attention_rank():
     ])
 
 
+@pytest.mark.slow
 def test_two_plus_three_ranks_neither_count_divides_the_other():
     check(5, [dict(plan=make_test_plan(5, [0, 1], R=2, num_experts=6), num_experts=6)])
 
 
+@pytest.mark.slow
 def test_two_zp_groups_sum_expert_gradients_over_replicas():
     groups = [([0], [2]), ([1], [3])]
     check(4, [dict(plan=make_test_plan(4, [0, 1], R=2, groups=groups))])
@@ -181,6 +185,7 @@ def recorded_orders(rank: int, world: int, plan: Plan, swap: tuple[str, str]) ->
     return out
 
 
+@pytest.mark.slow
 def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists():
     from lightning_hetermoe.cluster import LinkConfig, get_device
     from lightning_hetermoe.schedule import Task, check_theorem1

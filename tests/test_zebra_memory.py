@@ -8,6 +8,9 @@ from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy
 from reference import data, make_model, trainer
 from test_zebra import GLOBAL, WINDOWS, make_test_plan
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def held_after_each_task(rank: int, world: int, depths: list[int]) -> dict[int, list[int]]:

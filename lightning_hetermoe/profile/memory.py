@@ -45,6 +45,11 @@ class MemoryModel:
         mats = 3 if m.moe.activation == "swiglu" else 2
         return mats * m.d_model * m.moe.d_ff
 
+    def largest_expert_tensor(self) -> float:
+        """Elements of one expert's largest weight (the up projection: 2 d_ff columns under SwiGLU)."""
+        m = self.model
+        return m.d_model * m.moe.d_ff * (2 if m.moe.activation == "swiglu" else 1)
+
     def total_params(self) -> float:
         m = self.model
         return self.attention_stack_params() + m.n_layers * m.moe.num_experts * self.expert_params()
@@ -136,15 +141,17 @@ class RankMemory:
                    activations=activations, working=working)
 
 
-def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float
-                  ) -> float:
+def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float,
+                  largest_expert_tensor_bytes: float | None = None) -> float:
     """A mode's transients beside the state (bytes of fp32 expert tensors of one layer,
-    whole and as held here): data-centric keeps two layers' full experts alive (one in use,
-    the next prefetched) and forms one layer's full gradient; the other modes form a layer's
-    held expert gradients (per expert, then stacked). DDP (ep, data-centric) keeps its
-    gradient buckets, the dense gradients' size."""
+    whole and as held here): data-centric keeps two layers' full experts alive in the
+    forward (one in use, the next prefetched), and in the backward one layer gathered again
+    while the gradient of its largest tensor is formed (per expert, then stacked: twice
+    that tensor); the other modes form a layer's held expert gradients (per expert, then
+    stacked). DDP (ep, data-centric) keeps its gradient buckets, the dense gradients' size."""
     if mode == "datacentric":
-        return 3 * layer_expert_bytes + dense_bytes
+        largest = layer_expert_bytes if largest_expert_tensor_bytes is None else largest_expert_tensor_bytes
+        return max(2 * layer_expert_bytes, layer_expert_bytes + 2 * largest) + dense_bytes
     buckets = dense_bytes if mode in ("ep", "ep_balanced") else 0.0
     return 2 * local_layer_expert_bytes + buckets
 
@@ -174,6 +181,7 @@ def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, s
     dense = mem.attention_stack_params()
     per_expert = mem.expert_params()
     layer_bytes = E * per_expert * param_bytes
+    largest = E * mem.largest_expert_tensor() * param_bytes
     shards = W if shard_optimizer_state else 1
     if mode == "datacentric":
         total = sum(d.memory_gb for d in devices)
@@ -188,5 +196,5 @@ def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, s
     return [RankMemory.of(dense_params=dense, expert_params=h, dense_shards=shards, param_bytes=param_bytes,
                           optimizer_bytes=optimizer_bytes,
                           working=working_bytes(mode, layer_expert_bytes=layer_bytes, local_layer_expert_bytes=lo,
-                                                dense_bytes=dense * param_bytes))
+                                                dense_bytes=dense * param_bytes, largest_expert_tensor_bytes=largest))
             for h, lo in zip(held, local)]

@@ -568,6 +568,11 @@ class HeterMoEStrategy(DDPStrategy):
             torch.save(checkpoint, path / META_FILE)
         self.check_memory(f"saving checkpoint {path}")
 
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.backend is not None and self.backend.writes_checkpoints(self.global_rank):
+            self.checkpoint_io.remove_checkpoint(filepath)  # a file or a sharded directory
+
     # -- the end ------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:

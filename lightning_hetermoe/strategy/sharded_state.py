@@ -130,7 +130,7 @@ class ShardedState:
                 else:
                     scalars.setdefault(name, {})[key] = value
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": params}
-                  for g, params in zip(opt.param_groups, self.group_names(opt))]
+                  for g, params in zip(opt.param_groups, self.group_names(opt), strict=True)]
         return {"tensors": tensors, "meta": {"param_groups": groups, "scalars": scalars}}
 
     def shapes_meta(self) -> dict[str, tuple[int, ...]]:
@@ -154,7 +154,7 @@ class ShardedState:
             if len(info.get("optimizers", [])) != len(optimizers):
                 raise dcp.CheckpointFormatError(f"the checkpoint has {len(info.get('optimizers', []))} optimizer(s), "
                                                 f"the run {len(optimizers)}")
-            for i, (opt, opt_meta) in enumerate(zip(optimizers, info["optimizers"])):
+            for i, (opt, opt_meta) in enumerate(zip(optimizers, info["optimizers"], strict=True)):
                 state, install = self._optimizer_targets(i, opt, opt_meta, saved)
                 want.update(state)
                 installs.append(install)
@@ -206,7 +206,7 @@ class ShardedState:
                         # torch keeps Adam's step on the CPU unless the optimizer is capturable/fused
                         state["step"] = state["step"].to(p.device if _step_on_device(opt) else "cpu")
                     opt.state[p] = state
-            for group, saved_group in zip(opt.param_groups, groups):
+            for group, saved_group in zip(opt.param_groups, groups, strict=True):
                 for k, v in saved_group.items():
                     if k != "params":
                         group[k] = v

@@ -70,7 +70,7 @@ class OptimizerSharding:
             at += n
         self.views: list[RangeView] = []
         start = 0
-        for (name, p), n in zip(params, sizes):
+        for (name, p), n in zip(params, sizes, strict=True):
             for owner, (a, b) in enumerate(bounds):
                 lo, hi = max(a, start) - start, min(b, start + n) - start
                 if hi > lo:
@@ -144,7 +144,7 @@ class OptimizerSharding:
                     k: (x.reshape(-1)[v.lo:v.hi].clone() if torch.is_tensor(x) and x.shape == p.shape and x.dim()
                         else x) for k, x in slot.items()}
         groups = [{**saved, "params": [position[id(p)] for p in g["params"]]}
-                  for saved, g in zip(state["param_groups"], inner.param_groups)]
+                  for saved, g in zip(state["param_groups"], inner.param_groups, strict=True)]
         return {"state": out, "param_groups": groups}
 
     def original_groups(self, optimizer: Any) -> list[list[nn.Parameter]] | None:

@@ -94,7 +94,7 @@ class DataCentricBackend(DenseDDPBackend):
             broadcast_whole(module, "datacentric.weights")
             spans = [(0, layer.num_experts) for layer in self._layers]
         self.num_experts, self.layer_bytes = [], []
-        for layer, shards, (first, _) in zip(self._layers, self.shards, spans):
+        for layer, shards, (first, _) in zip(self._layers, self.shards, spans, strict=True):
             nbytes = 0
             for name, p in list(layer.experts.named_parameters(recurse=False)):
                 shard = shards[name]
