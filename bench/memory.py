@@ -77,7 +77,8 @@ def rows_of(summary: dict, model: str, phase: str, mode: str, bare: float) -> li
     for r in summary["memory"]["ranks"]:
         held, peak, pred = r["held_gb"], r["peak_gb"], r.get("predicted_gb")
         total = r["baseline_gb"] + peak  # the process's whole high-water mark
-        gathered = r["predicted"]["working"] / 3 if mode == "datacentric" and r.get("predicted") else 0.0
+        # data-centric must gather a layer's full experts to compute it: its irreducible working set
+        gathered = r["predicted"]["layer"] if mode == "datacentric" and r.get("predicted") else 0.0
         ideal = bare + held + gathered
         out.append({"model": model, "phase": phase, "mode": mode, "rank": r["rank"], "where": r["where"],
                     "held_gb": held, "predicted_gb": pred, "peak_gb": peak, "total_gb": total, "ideal_gb": ideal,

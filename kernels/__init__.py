@@ -8,9 +8,13 @@ kernel modules load on first use. Modules, one job each:
 - ``configs``: autotuning candidates per GPU generation, row-count buckets, interpreter blocks.
 - ``launch``: Python launchers (variant per device, sync-free grids, TF32 per torch's setting).
 - ``activation``: GELU/SwiGLU and their derivatives.
-- ``mlp``: the expert MLP as custom ops with autograd (the ``triton`` backend, ``grouped_mlp``).
-- ``grouped_mm``: the same on ``torch._grouped_mm`` (the ``grouped_mm`` backend,
+- ``algorithm``: the expert MLP, forward and backward, written once over a small set of
+  grouped GEMMs (``Gemms``); each backend below is one such set.
+- ``mlp``: on the Triton kernels, as custom ops with autograd (the ``triton`` backend,
+  ``grouped_mlp``).
+- ``grouped_mm``: on ``torch._grouped_mm`` (the ``grouped_mm`` backend,
   ``grouped_mlp_grouped_mm``), pure torch.
+- ``loop``: one ``torch.mm`` per expert (the ``torch`` backend), pure torch.
 - ``measured``: the fastest backend per device kind, as ``bench/kernels.py --write``
   recorded it in ``measured.json`` (package data), which ``expert_backend=auto`` follows.
 """

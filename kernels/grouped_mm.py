@@ -24,8 +24,9 @@ CUDA side from ``aten/native/cuda/GroupedBlas.cpp``):
   gradient (``y.sum().backward()``), and its fake kernel for ``torch.compile`` admits bf16
   only. So, as with the Triton kernels, forward and backward here are two
   ``torch.library.custom_op`` with fake implementations, the backward written with more
-  ``_grouped_mm`` calls: it keeps only the pre-activation ``h`` (nothing with
-  ``recompute``) and gathers the input rows again rather than saving them.
+  ``_grouped_mm`` calls (the algorithm of :mod:`.algorithm`): it keeps only the
+  pre-activation ``h`` (nothing with ``recompute``) and gathers the input rows again rather
+  than saving them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import activation as act
+from . import algorithm
 from .contract import fake_mlp, prepare
 
 _NS = "lightning_hetermoe"
@@ -86,11 +87,41 @@ def _segment_sum(rows: Tensor, owner: Tensor, experts: int) -> Tensor:
     return rows.new_zeros(experts, rows.shape[1], dtype=torch.float32).index_add_(0, owner, rows.float())
 
 
-def _hidden(xs: Tensor, offs: Tensor, w_up: Tensor, b_up: Tensor | None, owner: Tensor | None) -> Tensor:
-    h = _gmm(xs, w_up, offs)
-    if b_up is not None:
-        h += b_up.index_select(0, owner)
-    return h
+class GroupedMMGemms:
+    """:class:`~.algorithm.Gemms` on ``torch._grouped_mm``: rows gathered and biases added
+    by torch ops around it."""
+
+    def __init__(self, counts: Tensor, rows: int, device: torch.device, bias: bool) -> None:
+        self.experts = counts.shape[0]
+        self.offs = _offsets(counts, device)
+        self.owner = _owner(counts, rows, device) if bias else None
+
+    def up(self, x, gather_idx, w_up, b_up):
+        h = _gmm(x.index_select(0, gather_idx), w_up, self.offs)
+        if b_up is not None:
+            h += b_up.index_select(0, self.owner)
+        return h
+
+    def down(self, a, w_down, b_down):
+        y = _gmm(a, w_down, self.offs)
+        if b_down is not None:
+            y += b_down.index_select(0, self.owner)
+        return y
+
+    def grad_rows(self, g, w_t, out_dtype):
+        return _gmm(g, w_t, self.offs).to(out_dtype)  # in g's dtype: _grouped_mm has no fp32 result
+
+    def grad_weight(self, a, g, gather_idx, out_dtype):
+        rows = a.index_select(0, gather_idx) if gather_idx is not None else a
+        # the 2-D x 2-D form groups the reduction: dW[e] = rows[of e]^T @ g[of e]
+        return _gmm(rows.t(), g, self.offs).to(out_dtype)
+
+    def grad_bias(self, g):  # asked only of a layer with biases: ``owner`` is there
+        return _segment_sum(g, self.owner, self.experts)
+
+
+def _gemms(counts: Tensor, gather_idx: Tensor, x: Tensor, b_up: Tensor | None, b_down: Tensor | None) -> GroupedMMGemms:
+    return GroupedMMGemms(counts, gather_idx.shape[0], x.device, b_up is not None or b_down is not None)
 
 
 @torch.library.custom_op(f"{_NS}::grouped_mm_mlp", mutates_args=())
@@ -99,14 +130,8 @@ def grouped_mm_mlp_op(
     w_down: Tensor, b_down: Optional[Tensor], activation: str, recompute: bool,
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(y, h)``; ``h`` (the pre-activation, kept for backward) is empty under ``recompute``."""
-    M = gather_idx.shape[0]
-    offs = _offsets(counts, x.device)
-    owner = _owner(counts, M, x.device) if b_up is not None or b_down is not None else None
-    h = _hidden(x.index_select(0, gather_idx), offs, w_up, b_up, owner)
-    y = _gmm(act.forward(h, activation), w_down, offs)
-    if b_down is not None:
-        y += b_down.index_select(0, owner)
-    return y, (h.new_empty(0) if recompute else h)
+    return algorithm.forward(_gemms(counts, gather_idx, x, b_up, b_down), x, gather_idx, w_up, b_up, w_down,
+                             b_down, activation, recompute)
 
 
 grouped_mm_mlp_op.register_fake(fake_mlp)
@@ -118,64 +143,12 @@ def grouped_mm_mlp_backward_op(
     w_down: Tensor, b_down: Optional[Tensor], h: Tensor, activation: str, recompute: bool, need_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dw_up, db_up, dw_down, db_down)``; an absent bias, or dx when not needed, is empty."""
-    E, M = counts.shape[0], gather_idx.shape[0]
-    dy = dy.to(x.dtype).contiguous()  # the incoming gradient may be an expanded (stride-0) view
-    offs = _offsets(counts, x.device)
-    owner = _owner(counts, M, x.device) if b_up is not None or b_down is not None else None
-    xs = x.index_select(0, gather_idx)
-    if recompute:
-        h = _hidden(xs, offs, w_up, b_up, owner)
-    a = act.forward(h, activation)
-    # dW[e] = A[rows of e]^T @ dY[rows of e]: the 2-D x 2-D form groups the reduction.
-    dw_down = _gmm(a.t(), dy, offs).to(w_down.dtype)
-    del a
-    db_down = _segment_sum(dy, owner, E).to(b_down.dtype) if b_down is not None else dy.new_empty(0)
-    # dY @ w_down^T on a transposed view: no weight copy (column-major is accepted).
-    dh = act.backward(h, _gmm(dy, w_down.transpose(1, 2), offs), activation)
-    del h
-    dw_up = _gmm(xs.t(), dh, offs).to(w_up.dtype)
-    del xs
-    db_up = _segment_sum(dh, owner, E).to(b_up.dtype) if b_up is not None else dh.new_empty(0)
-    if need_dx:
-        # gather_idx may name a row of x more than once (top-k): per-row gradients are
-        # summed, in fp32 for low-precision inputs so that rounding happens once, after it.
-        d_rows = _gmm(dh, w_up.transpose(1, 2), offs)
-        acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-        dx = torch.zeros(x.shape, device=x.device, dtype=acc).index_add_(0, gather_idx, d_rows.to(acc)).to(x.dtype)
-    else:
-        dx = x.new_empty(0)
-    return dx, dw_up, db_up, dw_down, db_down
+    return algorithm.backward(_gemms(counts, gather_idx, x, b_up, b_down), dy, x, gather_idx, w_up, b_up, w_down,
+                              b_down, h, activation, recompute, need_dx)
 
 
-@grouped_mm_mlp_backward_op.register_fake
-def _(dy, x, gather_idx, counts, w_up, b_up, w_down, b_down, h, activation, recompute, need_dx):
-    return (
-        x.new_empty(x.shape) if need_dx else x.new_empty(0),
-        w_up.new_empty(w_up.shape),
-        b_up.new_empty(b_up.shape) if b_up is not None else x.new_empty(0),
-        w_down.new_empty(w_down.shape),
-        b_down.new_empty(b_down.shape) if b_down is not None else x.new_empty(0),
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute = inputs
-    _, h = output
-    ctx.save_for_backward(x, gather_idx, counts, w_up, b_up, w_down, b_down, h)
-    ctx.activation, ctx.recompute = activation, recompute
-    ctx.mark_non_differentiable(h)
-
-
-def _backward(ctx, dy, _dh):
-    x, gather_idx, counts, w_up, b_up, w_down, b_down, h = ctx.saved_tensors
-    need_dx = ctx.needs_input_grad[0]
-    dx, dw_up, db_up, dw_down, db_down = grouped_mm_mlp_backward_op(
-        dy, x, gather_idx, counts, w_up, b_up, w_down, b_down, h, ctx.activation, ctx.recompute, need_dx)
-    return (dx if need_dx else None, None, None, dw_up, db_up if b_up is not None else None,
-            dw_down, db_down if b_down is not None else None, None, None)
-
-
-grouped_mm_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+grouped_mm_mlp_backward_op.register_fake(algorithm.fake_backward)
+algorithm.register_autograd(grouped_mm_mlp_op, grouped_mm_mlp_backward_op)
 
 
 def grouped_mlp(

@@ -35,7 +35,6 @@ import torch
 from torch import Tensor, nn
 
 from ..config import EXPERT_BACKENDS
-from ..kernels.activation import forward as activate
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 
 GroupedMLP = Callable[..., Tensor]
@@ -52,50 +51,11 @@ def grouped_mlp_torch(
     activation: str,
     recompute: bool = False,
 ) -> Tensor:
-    """Sort-by-expert then one matmul per non-empty segment: the per-expert loop."""
-    xs = x.index_select(0, gather_idx)
-    # One view per expert, taken once: the backward of unbind stacks the per-expert weight
-    # gradients into one tensor, where indexing w[e] per expert would materialise a full
-    # [E, ...] zero gradient for each expert and sum them (quadratic in E).
-    w_ups, w_downs = w_up.unbind(0), w_down.unbind(0)
-    b_ups = b_up.unbind(0) if b_up is not None else None
-    b_downs = b_down.unbind(0) if b_down is not None else None
-    outs = []
-    for e, (start, n) in enumerate(_segments(counts)):
-        if n == 0:
-            continue
-        seg = xs.narrow(0, start, n)
-        args = (seg, w_ups[e], b_ups[e] if b_ups is not None else None, w_downs[e],
-                b_downs[e] if b_downs is not None else None, activation)
-        if recompute:
-            outs.append(torch.utils.checkpoint.checkpoint(_expert_fn, *args, use_reentrant=False))
-        else:
-            outs.append(_expert_fn(*args))
-    if not outs:
-        # No rows: still return a tensor in the graph of the input and of every weight, so
-        # that callers can treat "no tokens" like any other batch (zero gradients, not
-        # None), as the other backends do.
-        anchor = sum(t.sum() for t in (xs, w_up, b_up, w_down, b_down) if t is not None)
-        return xs.new_zeros(0, w_down.shape[-1]) + 0 * anchor
-    return torch.cat(outs, 0)
+    """One matmul per expert (``lightning_hetermoe.kernels.loop``): the algorithm every
+    backend runs, on the simplest GEMMs."""
+    from ..kernels.loop import grouped_mlp
 
-
-def _expert_fn(seg, w_up, b_up, w_down, b_down, activation):
-    h = seg @ w_up
-    if b_up is not None:
-        h = h + b_up
-    y = activate(h, activation) @ w_down
-    if b_down is not None:
-        y = y + b_down
-    return y
-
-
-def _segments(counts: Tensor) -> list[tuple[int, int]]:
-    sizes = counts.tolist()
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
-    return list(zip(starts, sizes))
+    return grouped_mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
 
 
 @torch.compiler.disable  # reads a file and queries the device: once per device, never traced

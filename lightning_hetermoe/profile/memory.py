@@ -45,11 +45,6 @@ class MemoryModel:
         mats = 3 if m.moe.activation == "swiglu" else 2
         return mats * m.d_model * m.moe.d_ff
 
-    def largest_expert_tensor(self) -> float:
-        """Elements of one expert's largest weight (the up projection: 2 d_ff columns under SwiGLU)."""
-        m = self.model
-        return m.d_model * m.moe.d_ff * (2 if m.moe.activation == "swiglu" else 1)
-
     def total_params(self) -> float:
         m = self.model
         return self.attention_stack_params() + m.n_layers * m.moe.num_experts * self.expert_params()
@@ -117,6 +112,8 @@ class RankMemory:
     optimizer: float
     activations: float
     working: float
+    layer: float = 0.0  # one MoE layer's experts, whole (what data-centric gathers to compute); not added
+
 
     @property
     def state(self) -> float:
@@ -131,29 +128,29 @@ class RankMemory:
 
     @classmethod
     def of(cls, *, dense_params: float, expert_params: float, dense_shards: int = 1, param_bytes: float = 4.0,
-           optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0) -> "RankMemory":
+           optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0, layer: float = 0.0
+           ) -> "RankMemory":
         """From parameter counts: fp32 weights and gradients, the optimizer's
         ``optimizer_bytes`` per parameter (AdamW: 8), the dense part's split over
         ``dense_shards`` replicas (sharded optimizer state)."""
         held = dense_params + expert_params
         return cls(weights=held * param_bytes, gradients=held * param_bytes,
                    optimizer=(dense_params / max(dense_shards, 1) + expert_params) * optimizer_bytes,
-                   activations=activations, working=working)
+                   activations=activations, working=working, layer=layer)
 
 
-def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float,
-                  largest_expert_tensor_bytes: float | None = None) -> float:
-    """A mode's transients beside the state (bytes of fp32 expert tensors of one layer,
-    whole and as held here): data-centric keeps two layers' full experts alive in the
-    forward (one in use, the next prefetched), and in the backward one layer gathered again
-    while the gradient of its largest tensor is formed (per expert, then stacked: twice
-    that tensor); the other modes form a layer's held expert gradients (per expert, then
-    stacked). DDP (ep, data-centric) keeps its gradient buckets, the dense gradients' size."""
+def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float
+                  ) -> float:
+    """A mode's transients beside the state (bytes of the expert tensors of one layer, whole
+    and as held here). Every backend forms a layer's expert gradients once, ``[E, ...]``,
+    beside the gradient they accumulate into. Data-centric keeps two layers' full experts
+    alive in the forward (one in use, the next prefetched) and, in the backward, one layer
+    gathered again beside its full gradient. DDP (ep, data-centric) keeps its gradient
+    buckets, the dense gradients' size."""
     if mode == "datacentric":
-        largest = layer_expert_bytes if largest_expert_tensor_bytes is None else largest_expert_tensor_bytes
-        return max(2 * layer_expert_bytes, layer_expert_bytes + 2 * largest) + dense_bytes
+        return 2 * layer_expert_bytes + dense_bytes
     buckets = dense_bytes if mode in ("ep", "ep_balanced") else 0.0
-    return 2 * local_layer_expert_bytes + buckets
+    return local_layer_expert_bytes + buckets
 
 
 def activation_bytes(model: ModelConfig, *, tokens_in_flight: float, mb_tokens: float, act_bytes: int) -> float:
@@ -181,7 +178,6 @@ def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, s
     dense = mem.attention_stack_params()
     per_expert = mem.expert_params()
     layer_bytes = E * per_expert * param_bytes
-    largest = E * mem.largest_expert_tensor() * param_bytes
     shards = W if shard_optimizer_state else 1
     if mode == "datacentric":
         total = sum(d.memory_gb for d in devices)
@@ -194,7 +190,7 @@ def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, s
     else:
         raise ValueError(f"spread_memory prices ep and datacentric; {mode!r} takes its layout from a plan")
     return [RankMemory.of(dense_params=dense, expert_params=h, dense_shards=shards, param_bytes=param_bytes,
-                          optimizer_bytes=optimizer_bytes,
+                          optimizer_bytes=optimizer_bytes, layer=layer_bytes,
                           working=working_bytes(mode, layer_expert_bytes=layer_bytes, local_layer_expert_bytes=lo,
-                                                dense_bytes=dense * param_bytes, largest_expert_tensor_bytes=largest))
+                                                dense_bytes=dense * param_bytes))
             for h, lo in zip(held, local)]

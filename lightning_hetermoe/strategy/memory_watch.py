@@ -129,19 +129,17 @@ def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense
     dense = sum(p.numel() for p in params if id(p) not in expert_ids)
     dense_bytes = sum(p.numel() * p.element_size() for p in params if id(p) not in expert_ids)
     experts = sum(p.numel() for layer in layers for p in layer.experts.parameters())
-    full_layer, local_layer, largest = 0, 0, 0
+    full_layer, local_layer = 0, 0
     for l, layer in enumerate(layers):
         named = list(layer.experts.named_parameters(recurse=False))
-        whole = [expert_pieces(l, n, p).numel * p.element_size() for n, p in named]
-        full_layer = max(full_layer, sum(whole))
-        largest = max([largest, *whole])
+        full_layer = max(full_layer, sum(expert_pieces(l, n, p).numel * p.element_size() for n, p in named))
         local_layer = max(local_layer, sum(p.numel() * p.element_size() for _, p in named))
     param_bytes = next(iter(params)).element_size() if dense or experts else 4
     working = working_bytes(mode, layer_expert_bytes=full_layer, local_layer_expert_bytes=local_layer,
-                            dense_bytes=dense_bytes, largest_expert_tensor_bytes=largest)
+                            dense_bytes=dense_bytes)
     return RankMemory.of(dense_params=dense, expert_params=experts, dense_shards=dense_shards,
                          param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, activations=activations,
-                         working=working)
+                         working=working, layer=full_layer)
 
 
 class MemoryWatch:
