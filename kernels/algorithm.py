@@ -86,10 +86,10 @@ def fake_backward(dy, x, gather_idx, counts, w_up, b_up, w_down, b_down, h, acti
     )
 
 
-def register_autograd(op, backward_op) -> tuple:
-    """Autograd for an MLP op ``op(x, gather_idx, counts, w_up, b_up, w_down, b_down,
-    activation, recompute) -> (y, h)`` whose backward is ``backward_op``: registered on the
-    op, and returned as ``(setup_context, backward)`` for an ``autograd.Function`` too."""
+def autograd(backward_op) -> tuple:
+    """``(setup_context, backward)`` for an MLP op ``op(x, gather_idx, counts, w_up, b_up,
+    w_down, b_down, activation, recompute) -> (y, h)`` whose backward is ``backward_op``:
+    what ``op.register_autograd`` takes, and an ``autograd.Function``'s two methods."""
 
     def setup_context(ctx, inputs, output):
         x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute = inputs
@@ -106,5 +106,11 @@ def register_autograd(op, backward_op) -> tuple:
         return (dx if need_dx else None, None, None, dw_up, db_up if b_up is not None else None,
                 dw_down, db_down if b_down is not None else None, None, None)
 
+    return setup_context, grads
+
+
+def register_autograd(op, backward_op) -> tuple:
+    """:func:`autograd`, registered on the custom op ``op``; returns the pair too."""
+    setup_context, grads = autograd(backward_op)
     op.register_autograd(grads, setup_context=setup_context)
     return setup_context, grads

@@ -66,6 +66,15 @@ class LoopGemms:
         return out
 
 
+def _backward(dy, x, gather_idx, counts, w_up, b_up, w_down, b_down, h, activation, recompute, need_dx):
+    with torch.autocast(x.device.type, enabled=False):
+        return algorithm.backward(LoopGemms(counts), dy, x, gather_idx, w_up, b_up, w_down, b_down, h, activation,
+                                  recompute, need_dx)
+
+
+_setup_context, _grads = algorithm.autograd(_backward)
+
+
 class LoopMLP(torch.autograd.Function):
     """``(y, h)`` of the algorithm on :class:`LoopGemms`, and its backward."""
 
@@ -77,24 +86,8 @@ class LoopMLP(torch.autograd.Function):
             return algorithm.forward(LoopGemms(counts), x, gather_idx, w_up, b_up, w_down, b_down, activation,
                                      recompute)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute = inputs
-        _, h = output
-        ctx.save_for_backward(x, gather_idx, counts, w_up, b_up, w_down, b_down, h)
-        ctx.activation, ctx.recompute = activation, recompute
-        ctx.mark_non_differentiable(h)
-
-    @staticmethod
-    def backward(ctx, dy, _dh):
-        x, gather_idx, counts, w_up, b_up, w_down, b_down, h = ctx.saved_tensors
-        need_dx = ctx.needs_input_grad[0]
-        with torch.autocast(x.device.type, enabled=False):
-            dx, dw_up, db_up, dw_down, db_down = algorithm.backward(
-                LoopGemms(counts), dy, x, gather_idx, w_up, b_up, w_down, b_down, h, ctx.activation, ctx.recompute,
-                need_dx)
-        return (dx if need_dx else None, None, None, dw_up, db_up if b_up is not None else None,
-                dw_down, db_down if b_down is not None else None, None, None)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_grads)
 
 
 def grouped_mlp(x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
