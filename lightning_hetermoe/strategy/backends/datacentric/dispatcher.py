@@ -4,7 +4,7 @@ call, on this rank's own tokens; no token moves."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -14,9 +14,6 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from ....moe.dispatch import scatter_to_slots, sort_choices
 from .shards import Shard
 
-if TYPE_CHECKING:
-    from .backend import DataCentricBackend
-
 
 class DataCentricDispatcher:
     """The layer's experts, run here on full weights gathered for the call; no tokens move.
@@ -25,7 +22,8 @@ class DataCentricDispatcher:
     that the emulated clock can wrap them (as it wraps an all-to-all dispatcher's
     ``exchange``); ``issued_at`` says when the layer's forward gather was issued."""
 
-    def __init__(self, layer: int, backend: "DataCentricBackend") -> None:
+    def __init__(self, layer: int, backend: Any) -> None:
+        # backend: the DataCentricBackend whose gathers and ranges serve this layer (no import: it imports us)
         self.layer, self.backend = layer, backend
 
     @property

@@ -3,15 +3,12 @@ backward reduce-scatters its gradient onto this rank's range."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .shards import Shard
-
-if TYPE_CHECKING:
-    from .dispatcher import DataCentricDispatcher
 
 
 class Gathered(torch.autograd.Function):
@@ -19,7 +16,8 @@ class Gathered(torch.autograd.Function):
     gradient reduce-scattered onto this rank's range, averaged over the world."""
 
     @staticmethod
-    def forward(ctx, part: Tensor, full: Tensor, shard: Shard, disp: "DataCentricDispatcher") -> Tensor:
+    def forward(ctx, part: Tensor, full: Tensor, shard: Shard, disp: Any) -> Tensor:
+        # disp: the layer's DataCentricDispatcher, which reduce-scatters for its backend
         ctx.shard, ctx.disp = shard, disp
         return full
 
