@@ -163,3 +163,15 @@ def test_pretrained_weights_per_rank_train_like_one_process_and_export_back(tmp_
         trained.load_state_dict(state)
         tokens = torch.randint(0, 256, (2, SEQ))
         torch.testing.assert_close(logits(back, tokens), logits(trained.model.eval(), tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_the_offline_command_exports_and_says_what_it_wrote_or_why_not(tmp_path, capsys):
+    from lightning_hetermoe.ckpt.__main__ import main
+
+    pack = make_model(EXPERTS)
+    ckpt = tmp_path / "pack.ckpt"
+    torch.save({"state_dict": pack.state_dict(), "hyper_parameters": dict(pack.hparams)}, ckpt)
+    assert main(["to-hf", str(ckpt), str(tmp_path / "out")]) == 0
+    assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "config.json").is_file()
+    assert main(["consolidate", str(tmp_path), str(tmp_path / "whole.ckpt")]) == 2
+    assert "is not a sharded checkpoint directory" in capsys.readouterr().err
