@@ -260,7 +260,7 @@ def profile_cluster(
         emulator = None
         if emulate:
             timer = make_timer(cfg, seq_len, cost=cost_model or emulation_cost_model())
-            emulator = Emulator(spec, timer, link=cl.link, time_scale=cl.time_scale)
+            emulator = Emulator(spec, timer, link=cl.bottleneck_link, time_scale=cl.time_scale)
         dev = device if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if (torch.cuda.is_available() and not emulate) else "cpu")
         log.info(f"profile: measuring {k}{' (emulated)' if emulate else ''} on {dev}")

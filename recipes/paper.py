@@ -71,7 +71,7 @@ def run_job(job: tuple) -> dict:
     out["R"] = plan.num_microbatches
     out["offloaded"] = sum(plan.offloaded())
     if util:
-        res = simulate_plan(plan, view.devices, model, view.link,
+        res = simulate_plan(plan, view.devices, model, view.topology,
                             make_timer(model, seq_len, cost=CostModel(precision=PRECISION)), keep_timeline=False)
         out["utilization"] = res.summary()["utilization_by_device"]
     return out

@@ -62,7 +62,7 @@ def main(cfg: DictConfig) -> dict:
     drawn = {}
     for sched in plan.predicted:
         try:
-            res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=sched)
+            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=sched)
         except ValueError as err:
             summary["schedules"][sched] = {"error": str(err)}
             continue

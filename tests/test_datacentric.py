@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning as L

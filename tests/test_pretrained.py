@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, MoELayer
+from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELayer
 from lightning_hetermoe.ckpt.export import export_hf
 from lightning_hetermoe.convert.hf import export_info
 from lightning_hetermoe.convert.pretrained import HFWeights, PretrainedError, from_pretrained, materialize_whole

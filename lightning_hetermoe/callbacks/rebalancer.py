@@ -162,7 +162,7 @@ class ExpertRebalancer(L.Callback):
         if t_new >= t_now * (1 - 1e-9):
             new, t_new = current, t_now
         moves = Placement(new).moved_copies(Placement(current))
-        migration = clock.timer.comm(clock.expert_bytes() * moves, strategy.cluster.link) if moves else 0.0
+        migration = clock.timer.comm(clock.expert_bytes() * moves, strategy.cluster.bottleneck_link) if moves else 0.0
         gain = t_now - t_new
         horizon = self.amortize_steps or self.every_n_steps
         apply = moves > 0 and gain > 0 and gain >= self.min_gain * t_now and gain * horizon > migration

@@ -216,5 +216,5 @@ def rank_emulator(cluster: Any, rank: int, workload: EmulatedWorkload, warmup_ca
     if not 0 <= rank < cluster.world_size:
         raise ValueError(f"global_rank={rank} is outside cluster '{cluster.name}' of {cluster.world_size} ranks")
     device = get_device(cluster.devices[rank], cluster.custom_devices)
-    return Emulator(device, workload.timer, link=cluster.link, time_scale=cluster.time_scale,
+    return Emulator(device, workload.timer, link=cluster.bottleneck_link, time_scale=cluster.time_scale,
                     token_scale=workload.token_scale, warmup_calls=warmup_calls)

@@ -53,6 +53,8 @@ class Plan(JsonDataclass):
     requested_tokens: int = 0
     # what the predictions price: Lightning's precision and what it runs on
     precision: str = "16-mixed (fp16 tensor cores)"
+    # the node of each rank (empty: one node)
+    nodes: list[int] = field(default_factory=list)
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -189,25 +191,40 @@ class Plan(JsonDataclass):
                          f"moved onto attention ranks by Asym-EA: {self.offloaded()}")
             lines.append(f"  memory: n_min = {self.n_min} experts per group had to leave the expert ranks (they do "
                          f"not fit there); the attention ranks can hold n_max = {self.n_max}")
-        lines += ["", f"  {'rank':>4}  {'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer"]
+        multi = len(set(self.nodes)) > 1
+        node_head = f"{'node':>4}  " if multi else ""
+        lines += ["", f"  {'rank':>4}  {node_head}{'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer"]
         for r in range(self.world_size):
             g = self.group_of(r)
             per_layer = [len(self.experts_on(r, l)) for l in range(self.num_layers)]
+            node = f"{self.nodes[r]:>4}  " if multi else ""
             lines.append(
-                f"  {r:>4}  {self.devices[r]:<8} {self.roles[r]:<9} {g:>2}  {self.seqs_per_rank[r]:>4}  "
+                f"  {r:>4}  {node}{self.devices[r]:<8} {self.roles[r]:<9} {g:>2}  {self.seqs_per_rank[r]:>4}  "
                 + " ".join(f"{c:>2}" for c in per_layer)
             )
+        if multi:
+            spans = [sorted({self.nodes[r] for r in grp.members}) for grp in self.zp_groups]
+            lines.append("  ZP groups' nodes: " + "; ".join(f"group {g}: {', '.join(map(str, s))}"
+                                                      for g, s in enumerate(spans)))
         if self.predicted:
             base = self.predicted.get(self.schedule, {}).get("tokens_per_s")
-            lines += ["", f"  {'schedule':<12} {'step time':>10} {'tokens/s':>12}  {'throughput vs ' + self.schedule}"]
+            net = f"  {'over the network':>16}" if multi else ""
+            rel_head = f"{'throughput vs ' + self.schedule:<20}" if multi else f"throughput vs {self.schedule}"
+            lines += ["", f"  {'schedule':<12} {'step time':>10} {'tokens/s':>12}  {rel_head}{net}"]
             for name, p in self.predicted.items():
                 tps, step = p.get("tokens_per_s"), p.get("step_time_s")
                 if not tps or not step:
                     lines.append(f"  {name:<12} {'does not fit in memory':>24}")
                     continue
                 rel = f"{tps / base:.2f}x" if base else "n/a"
-                lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel}")
+                gb = p.get("network_gb")
+                cross = f"  {f'{gb:.2f} GB/step' if gb is not None else 'n/a':>16}" if multi else ""
+                lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel:<20}{cross}" if multi
+                             else f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel}")
             lines.append(f"  (throughput vs {self.schedule}: below 1x is slower than {self.schedule})")
+            if multi:
+                lines.append("  (over the network: the experts' exchange between nodes, every group, per step; "
+                             "gradient rings that cross nodes are priced at the network's speed too)")
         return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from ..cluster.config import ClusterConfig, LinkConfig, resolve_cluster
 from ..cluster.devices import DeviceSpec, get_device
+from ..cluster.topology import Topology, cluster_topology
 from ..config import ModelConfig, from_cfg
 from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel
@@ -44,7 +45,8 @@ R_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 class ClusterView:
     name: str
     devices: list[DeviceSpec]
-    link: LinkConfig
+    # what transfers cross: a flat cluster is one node
+    topology: Topology
 
 
 def as_cluster(cluster: Any) -> ClusterView:
@@ -55,10 +57,10 @@ def as_cluster(cluster: Any) -> ClusterView:
         if not cluster:
             raise ValueError("empty cluster: name at least one device")
         devs = [get_device(d) for d in cluster]
-        return ClusterView("custom", devs, LinkConfig())
+        return ClusterView("custom", devs, Topology.flat(LinkConfig(), len(devs)))
     if not isinstance(cluster, ClusterConfig):
         cluster = from_cfg(ClusterConfig, cluster)
-    return ClusterView(cluster.name, resolve_cluster(cluster), cluster.link)
+    return ClusterView(cluster.name, resolve_cluster(cluster), cluster_topology(cluster))
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,7 +107,12 @@ class _Search:
         rest = [r for r in range(len(self.devs)) if r not in key]
         return sorted(key, key=key.get) + rest
 
-    def groups(self, attn: list[int], expert: list[int], G: int) -> list[ZPGroup] | None:
+    def groups(self, attn: list[int], expert: list[int], G: int, by_node: bool = False) -> list[ZPGroup] | None:
+        """Each device kind dealt over the G groups: in turn, or (``by_node``) in runs of
+        consecutive nodes, so that a group's ranks share nodes and its exchange stays off the
+        network where the kinds allow."""
+        node_of = self.view.topology.node_of
+
         def split(ranks: list[int]) -> list[list[int]] | None:
             by_kind: dict[str, list[int]] = {}
             for r in ranks:
@@ -114,9 +121,11 @@ class _Search:
                 return None
             out: list[list[int]] = [[] for _ in range(G)]
             for kind in sorted(by_kind):
-                for i, r in enumerate(sorted(by_kind[kind])):
-                    out[i % G].append(r)
-            return out
+                mine = sorted(by_kind[kind], key=lambda r: (node_of[r], r) if by_node else r)
+                per = len(mine) // G
+                for i, r in enumerate(mine):
+                    out[i // per if by_node else i % G].append(r)
+            return [sorted(x) for x in out] if by_node else out
 
         a, e = split(attn), split(expert)
         if a is None or e is None:
@@ -124,10 +133,19 @@ class _Search:
         return [ZPGroup(attention_ranks=a[g], expert_ranks=e[g]) for g in range(G)]
 
     def candidate(self, order: list[int], M: int, G: int, R: int) -> Plan | None:
-        """A full plan for (M attention ranks, G groups, R micro-batches), or None if it does not fit."""
+        """A full plan for (M attention ranks, G groups, R micro-batches), or None if it does
+        not fit. On several nodes the groups are dealt both ways (by turns and by nodes) and
+        the faster one, as the simulator prices the links, is kept."""
+        ways = [False, True] if G > 1 and self.view.topology.num_nodes > 1 else [False]
+        plans = [p for p in (self._candidate(order, M, G, R, by_node) for by_node in ways) if p is not None]
+        if len(plans) < 2:
+            return plans[0] if plans else None
+        return min(plans, key=self._sim)
+
+    def _candidate(self, order: list[int], M: int, G: int, R: int, by_node: bool) -> Plan | None:
         m, S, devs = self.model, self.S, self.devs
         attn, expert = sorted(order[:M]), sorted(order[M:])
-        groups = self.groups(attn, expert, G)
+        groups = self.groups(attn, expert, G, by_node)
         if groups is None:
             return None
         group_seqs = self.total // G
@@ -206,6 +224,7 @@ class _Search:
             n_max=res.n_max,
             base_counts=res.base_counts,
             distep_microbatches=self.distep_R(g0, member_seqs, res.base_counts, group_seqs),
+            nodes=list(self.view.topology.node_of) if self.view.topology.num_nodes > 1 else [],
         )
         return plan
 
@@ -249,7 +268,7 @@ class _Search:
 
     def _sim(self, plan: Plan) -> float:
         return simulate_plan(
-            plan, self.devs, self.model, self.view.link, self.timer, schedule="zebra", keep_timeline=False,
+            plan, self.devs, self.model, self.view.topology, self.timer, schedule="zebra", keep_timeline=False,
             expert_load=self.expert_load,
         ).step_time
 
@@ -426,12 +445,14 @@ def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequ
         try:
             if s == "datacentric":  # priced in closed form, on the plan's global batch
                 step = datacentric_step_time(view.devices, model, seq_len=plan.seq_len, total_seqs=plan.total_seqs,
-                                             link=view.link, timer=timer, expert_load=expert_load)
+                                             link=view.topology, timer=timer, expert_load=expert_load)
                 out[s] = {"step_time_s": step, "tokens_per_s": plan.total_seqs * plan.seq_len / step}
                 continue
-            res = simulate_plan(plan, view.devices, model, view.link, timer, schedule=s, keep_timeline=False,
+            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=s, keep_timeline=False,
                                 expert_load=expert_load)
             out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
+            if view.topology.num_nodes > 1:
+                out[s]["network_gb"] = res.network_bytes / 1e9
         except ValueError as err:
             # None, not NaN: the plan stays valid JSON and compares equal to its round trip
             out[s] = {"step_time_s": None, "tokens_per_s": None, "error": str(err)}

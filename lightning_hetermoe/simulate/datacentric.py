@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..cluster.config import LinkConfig
+from ..cluster.topology import Topology, as_topology
 from ..cluster.devices import DeviceSpec
 from ..config import ModelConfig
 from ..profile.memory import MemoryModel
@@ -39,7 +40,7 @@ def datacentric_shares(devs: Sequence[DeviceSpec], model: ModelConfig, seq_len: 
 
 
 def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq_len: int, total_seqs: int,
-                          link: LinkConfig, timer, expert_load: list[list[float]] | None = None) -> float:
+                          link: LinkConfig | Topology, timer, expert_load: list[list[float]] | None = None) -> float:
     """Device seconds of one step; raises ``ValueError`` where a rank's memory cannot hold
     its shard of the experts (with their optimizer state), the dense model and two layers
     of full experts."""
@@ -49,6 +50,7 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
     mem = MemoryModel(model)
     L, E, k = model.n_layers, model.moe.num_experts, model.moe.top_k
     weights = layer_weight_bytes(model, timer)
+    link = as_topology(link, W).ring_link(range(W))  # every collective is a ring over all ranks
     total_memory = sum(d.memory_gb for d in devs)
     for d in devs:
         held = (L * E * mem.expert_params() * mem.bytes_per_param * d.memory_gb / total_memory

@@ -18,6 +18,7 @@ import math
 from typing import Any, Sequence
 
 from ..cluster.config import LinkConfig
+from ..cluster.topology import Topology
 from ..cluster.devices import DeviceSpec
 from ..config import ModelConfig
 from ..profile.memory import MemoryModel
@@ -110,7 +111,7 @@ def ep_setup(
     *,
     seq_len: int,
     total_seqs: int,
-    link: LinkConfig,
+    link: LinkConfig | Topology,
     timer,
     balanced: bool = False,
     ranks: Sequence[int] | None = None,
@@ -192,12 +193,13 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepR
         bubbles=bubbles,
         lanes=lanes,
         num_microbatches=max(s.num_microbatches for s in subs),
+        network_bytes=sum(s.network_bytes for s in subs),
     )
 
 
 # ---- plans -----------------------------------------------------------------------------
 def plan_setup(
-    plan, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig, *, schedule: str = "zebra",
+    plan, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig | Topology, *, schedule: str = "zebra",
     expert_load: list[list[float]] | None = None,
 ) -> StepSetup:
     """The first ZP group of ``plan`` (all groups are identical) as a StepSetup;
@@ -230,6 +232,8 @@ def plan_setup(
         replicas=len(plan.zp_groups),
         attention_dp=len(plan.attention_ranks),
         expert_load=expert_load,
+        replica_ranks={rank: [g.members[p] for g in plan.zp_groups] for p, rank in enumerate(group.members)},
+        dense_ranks=list(plan.attention_ranks),
     )
 
 

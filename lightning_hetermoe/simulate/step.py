@@ -14,7 +14,12 @@ Per layer ``l`` and micro-batch ``j`` the graph is (forward, then backward)::
 Dispatch-direction transfers (D_f, D_b) share one channel and combine-direction ones
 (C_f, C_b) another: the paper gives each direction its own process group so both flow at
 once. A collective takes ``latency + max over ranks of max(bytes sent, bytes received) /
-bandwidth``; tokens routed to an expert on the same rank never touch the network.
+bandwidth``; tokens routed to an expert on the same rank never touch the network. On a
+cluster of nodes (:class:`~lightning_hetermoe.cluster.topology.Topology`) a leg takes the
+slowest of its links: inside each node the busiest rank's rows to and from the node's
+other ranks over the node's link, and across nodes each node's rows in or out (every ZP
+group's ranks on that node together) over the network port they share. Gradient
+all-reduces run over the slowest hop of their ring.
 
 Disaggregated schedules (zebra, DistEP, forward-only) take every rank's task order and
 the channels' round order from a :class:`~lightning_hetermoe.schedule.Schedule`, the same
@@ -33,6 +38,7 @@ from typing import Any
 
 from ..cluster.config import LinkConfig
 from ..cluster.devices import DeviceSpec
+from ..cluster.topology import Topology, as_topology, slowest
 from ..config import ModelConfig
 from ..schedule import Round, Schedule, Task as ScheduleTask
 from .engine import Task, Timeline, run_dag
@@ -77,7 +83,8 @@ class StepSetup:
     model: ModelConfig
     seq_len: int
     num_microbatches: int
-    link: LinkConfig
+    # a flat cluster's one link, or the cluster's topology (which link each transfer crosses)
+    link: LinkConfig | Topology
     # identical groups (DP replicas) this one stands for
     replicas: int = 1
     # ranks holding a replica of the attention stack, cluster-wide (gradient all-reduce)
@@ -86,6 +93,28 @@ class StepSetup:
     schedule: Schedule | None = None
     # measured routing: per layer, each expert's share of the routed choices (None: even)
     expert_load: list[list[float]] | None = None
+    # every lane rank's counterpart in each group, itself first (None: one group); where the
+    # other groups' ranks sit decides what shares a node's network port
+    replica_ranks: dict[int, list[int]] | None = None
+    # the attention-stack replicas' ranks, cluster-wide (None: the lanes' ranks)
+    dense_ranks: list[int] | None = None
+    topology: Topology = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ranks = [r for lane in self.lanes for r in lane.ranks]
+        ranks += [r for reps in (self.replica_ranks or {}).values() for r in reps] + list(self.dense_ranks or [])
+        self.topology = as_topology(self.link, max(ranks, default=0) + 1)
+
+    def replicas_of(self, rank: int) -> list[int]:
+        return self.replica_ranks.get(rank, [rank]) if self.replica_ranks else [rank]
+
+    def dense_link(self) -> LinkConfig:
+        """The slowest hop of the attention replicas' gradient ring."""
+        return self.topology.ring_link(self.dense_ranks or [r for lane in self.lanes for r in lane.ranks])
+
+    def replica_link(self, lane: "Lane") -> LinkConfig:
+        """The slowest hop of the rings that sum the lane's experts' gradients over groups."""
+        return slowest(self.topology.ring_link(self.replicas_of(r)) for r in lane.ranks)
 
     def copies(self, layer: int) -> list[int]:
         """How many ranks hold each expert of ``layer`` (copies split their expert's tokens)."""
@@ -123,6 +152,8 @@ class StepResult:
     lanes: list[str]
     num_microbatches: int
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
+    # the experts' exchange that crosses the network between nodes, per step
+    network_bytes: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -147,6 +178,7 @@ class StepResult:
             "busy_s": {str(r): b for r, b in sorted(self.busy.items())},
             "idle_s": {str(r): b for r, b in sorted(self.idle.items())},
             "bubble_s": {lane: sum(e - s for s, e in gaps) for lane, gaps in self.bubbles.items()},
+            "network_bytes": self.network_bytes,
         }
 
 
@@ -193,9 +225,10 @@ def lane_resource(i: int, lane: Lane) -> str:
 
 
 def step_tail(timer, model: ModelConfig, device: DeviceSpec, link: LinkConfig, *, experts_held: int,
-              has_attention: bool, replicas: int, attention_dp: int) -> float:
+              has_attention: bool, replicas: int, attention_dp: int, dense_link: LinkConfig | None = None) -> float:
     """After the last backward: gradient all-reduce among replicas (not overlapped, to be
-    conservative) and the optimizer step over the parameters a rank holds."""
+    conservative) and the optimizer step over the parameters a rank holds. ``link`` carries
+    the experts' ring, ``dense_link`` (default: ``link``) the attention stack's."""
     from ..profile.memory import MemoryModel
 
     mem = MemoryModel(model)
@@ -203,26 +236,67 @@ def step_tail(timer, model: ModelConfig, device: DeviceSpec, link: LinkConfig, *
     t = timer.allreduce(experts_held * mem.expert_params() * 2, replicas, link)
     if has_attention:
         params += mem.attention_stack_params()
-        t += timer.allreduce(mem.attention_stack_params() * 2, attention_dp, link)
+        t += timer.allreduce(mem.attention_stack_params() * 2, attention_dp, dense_link or link)
     return t + timer.optimizer(device, params)
 
 
 def lane_tail(timer, setup: StepSetup, lane: Lane) -> float:
-    return step_tail(timer, setup.model, lane.device, setup.link, experts_held=sum(lane.experts),
+    return step_tail(timer, setup.model, lane.device, setup.replica_link(lane), experts_held=sum(lane.experts),
                      has_attention=lane.has_attention or lane.role == "attention", replicas=setup.replicas,
-                     attention_dp=setup.attention_dp)
+                     attention_dp=setup.attention_dp, dense_link=setup.dense_link())
+
+
+def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[list[tuple[float, LinkConfig]], float]:
+    """The rows of one leg of an exchange on each link it uses, and the rows that cross the
+    network (every group's). ``tokens[i]`` is lane ``i``'s tokens in the round.
+
+    A rank sends each other rank of its group ``tokens * top_k * that rank's share`` of the
+    choices and receives in the same way, so a node's sums of tokens and shares split each
+    rank's traffic into the part that stays on its node and the part that leaves it."""
+    k = setup.model.moe.top_k
+    topo = setup.topology
+    members = [(t, setup.own_share(lane, layer), r) for lane, t in zip(setup.lanes, tokens) for r in lane.ranks]
+    group = sum(t for t, _, _ in members)
+    if topo.num_nodes == 1:
+        worst = max((max(t * k * (1 - s), (group - t) * k * s) for t, s, _ in members), default=0.0)
+        return [(worst, topo.links[0])], 0.0
+    n_groups = len(setup.replicas_of(members[0][2]))
+    intra = [0.0] * topo.num_nodes
+    out, inn = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
+    for g in range(n_groups):
+        node = [topo.node_of[setup.replicas_of(r)[g]] for _, _, r in members]
+        node_t, node_s = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
+        for (t, s, _), n in zip(members, node):
+            node_t[n] += t
+            node_s[n] += s
+        for (t, s, _), n in zip(members, node):
+            intra[n] = max(intra[n], t * k * (node_s[n] - s), s * k * (node_t[n] - t))
+            out[n] += t * k * (1 - node_s[n])
+            inn[n] += s * k * (group - node_t[n])
+    legs = [(rows, topo.links[n]) for n, rows in enumerate(intra) if rows > 0]
+    legs += [(max(o, i), topo.network) for o, i in zip(out, inn) if max(o, i) > 0]
+    return legs, sum(out)
 
 
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
-    """One leg of a round: latency + the busiest rank's max(bytes sent, received) over the link.
-    ``tokens[i]`` is lane ``i``'s tokens in the round; experts are assumed evenly routed."""
-    k = setup.model.moe.top_k
-    group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
-    worst = 0.0
-    for lane, t in zip(setup.lanes, tokens):
-        share = setup.own_share(lane, layer)
-        worst = max(worst, t * k * (1 - share), (group - t) * k * share)
-    return timer.transfer(worst, setup.link)
+    """One leg of a round: the slowest of its links (see :func:`exchange_legs`), each
+    latency + its busiest rows over its bandwidth."""
+    legs, _ = exchange_legs(setup, layer, tokens)
+    return max((timer.transfer(rows, link) for rows, link in legs), default=0.0)
+
+
+def network_rows(setup: StepSetup) -> float:
+    """Token rows that cross the network between nodes in one step, every group's, every
+    leg (dispatch and combine, forward and backward: zebra's rounds on both channels, or
+    EP's four legs per layer and micro-batch)."""
+    if setup.topology.num_nodes == 1:
+        return 0.0
+    S, R = setup.seq_len, setup.num_microbatches
+    tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in setup.lanes]
+    if setup.schedule is not None:
+        return sum(2 * exchange_legs(setup, r.layer, [t[r.mb] for t in tok])[1] for r in setup.schedule.rounds)
+    return sum(4 * exchange_legs(setup, l, [t[j] for t in tok])[1]
+               for l in range(setup.model.n_layers) for j in range(R))
 
 
 def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
@@ -273,8 +347,9 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
                 "dispatch" if chan == "a2e" else "combine", r.layer, r.mb)
     policies["dense"] = "order"
     count_bytes = E * 8
+    dense_link = setup.dense_link()
     for pos, (l, g) in enumerate(sched.count_rounds()):
-        add(("count", l, g), f"N{l}.{g}", "dense", timer.allreduce(count_bytes, setup.attention_dp, setup.link),
+        add(("count", l, g), f"N{l}.{g}", "dense", timer.allreduce(count_bytes, setup.attention_dp, dense_link),
             (pos,), "count", l, -1)
 
     def dep(key, on) -> None:
@@ -526,4 +601,6 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
         lanes=[lane.name for lane in lanes],
         num_microbatches=setup.num_microbatches,
         timeline=tl if keep_timeline else None,
+        network_bytes=(network_rows(setup) * setup.model.d_model * timer.cost.dtype_bytes
+                       if setup.topology.num_nodes > 1 else 0.0),
     )

@@ -142,6 +142,20 @@ class StrategyArguments:
             raise ConfigError(f"the plan is for devices {plan.devices}, cluster '{cluster.name}' names "
                               f"{cluster.devices}")
 
+    def check_nodes(self, num_nodes: int, per_node: int) -> None:
+        """A cluster of nodes runs as Lightning's nodes: as many, each with its devices
+        (Lightning starts the same number of processes on every node)."""
+        cluster = self.cluster
+        if cluster is None or not cluster.nodes:
+            return
+        counts = [len(n.devices) for n in cluster.nodes]
+        if num_nodes != cluster.num_nodes or any(c != per_node for c in counts):
+            raise ConfigError(f"cluster '{cluster.name}' has {cluster.num_nodes} nodes of {counts} devices but the "
+                              f"trainer runs num_nodes={num_nodes} x devices={per_node}: set trainer "
+                              f"num_nodes={cluster.num_nodes}" + (f" and devices={counts[0]}" if len(set(counts)) == 1
+                                                                  else "; Lightning runs as many processes on every "
+                                                                       "node, so give every node as many devices"))
+
     def check_model(self, model: Any, device: torch.device) -> None:
         """Everything about the model that can be checked before processes start."""
         try:

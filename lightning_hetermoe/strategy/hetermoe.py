@@ -131,6 +131,7 @@ class HeterMoEStrategy(DDPStrategy):
         # The connector calls this once the device count is known and before any process
         # starts: the right moment to reject a world that cannot work.
         self.args.check_world(self.num_processes * self.num_nodes, precision_name(self.precision_plugin))
+        self.args.check_nodes(self.num_nodes, self.num_processes)
         if self._start_method == "popen":
             self._launcher = HydraAwareScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
                                                       pre_launch=self.check_model, describe_rank=self.describe_rank)

@@ -38,6 +38,9 @@ class RunClock:
         self.emulator: Any = None  # this rank's emulated clock
         self.meter: Any = None  # BusyMeter on real devices, when a monitor asked for busy time
         self.devices: list[DeviceSpec] = []
+        # which link each transfer crosses: the cluster config's, or detected from the
+        # ranks' hostnames on GPUs without one (None: one node on the default link)
+        self.topology: Any = None
         # the routing the predictions assume: per layer, each expert's share, measured at
         # set-up on a warm-up batch through the freshly initialised routers (None: even)
         self.expert_load: list[list[float]] | None = None
@@ -97,6 +100,14 @@ class RunClock:
         return self.cluster.time_scale if self.cluster is not None and self.cluster.emulate else 1.0
 
     # -- predictions --------------------------------------------------------------------
+    def links(self) -> Any:
+        """The topology the predictions price transfers with."""
+        from ..cluster.topology import Topology, cluster_topology
+
+        if self.cluster is not None:
+            return cluster_topology(self.cluster)
+        return self.topology or Topology.flat(ClusterConfig().link, max(self.world_size, len(self.devices), 1))
+
     def step_time(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> float:
         """The simulator's device seconds per step for ``sim``, at ``expert_load`` (default:
         the routing measured at set-up, or even routing)."""
@@ -104,7 +115,7 @@ class RunClock:
         from ..simulate.datacentric import datacentric_step_time
 
         expert_load = expert_load if expert_load is not None else self.expert_load
-        link = self.cluster.link if self.cluster is not None else ClusterConfig().link
+        link = self.links()
         if sim.schedule == "datacentric":
             return datacentric_step_time(self.devices, self.model, seq_len=self.seq_len,
                                          total_seqs=self.per_rank * self.world_size, link=link, timer=self.timer,

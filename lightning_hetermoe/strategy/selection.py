@@ -110,11 +110,24 @@ def run_devices(cluster: ClusterConfig | None, device: torch.device, world_size:
     return [get_device("cpu")] * world_size
 
 
+def run_topology(cluster: ClusterConfig | None, device: torch.device) -> Any:
+    """What the run's transfers cross: the cluster config's nodes, or on GPUs without one
+    the nodes found from every rank's hostname (a collective); ``None``: one node."""
+    from ..cluster.topology import cluster_topology, detect_topology
+
+    if cluster is not None:
+        return cluster_topology(cluster)
+    if device.type == "cuda":
+        return detect_topology()
+    return None
+
+
 def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     """Bind the run's clock, choose the schedule, build its backend (every rank)."""
     args, clock = strategy.args, strategy.clock
     module, world, rank = strategy.lightning_module, strategy.world_size, strategy.global_rank
     devices = run_devices(args.cluster, strategy.root_device, world)
+    clock.topology = run_topology(args.cluster, strategy.root_device)
     precision = precision_name(strategy.precision_plugin)
     check_bf16(precision, devices, args.allow_emulated_bf16)  # detected devices too
     needs_clock = args.mode in ("auto", *DISAGGREGATED) and world > 1 or args.emulated or args.batch_split == "speed"
@@ -207,6 +220,7 @@ def _plan(strategy: Any, module: Any, required: bool, schedule: str = "zebra") -
     """The plan the run gives, or a new one from the planner for ``schedule`` (``None`` if
     none fits and none is ``required``)."""
     from ..plan import make_plan
+    from ..plan.planner import ClusterView
 
     args, clock, world = strategy.args, strategy.clock, strategy.world_size
     model_cfg = describe_model(module)
@@ -216,7 +230,7 @@ def _plan(strategy: Any, module: Any, required: bool, schedule: str = "zebra") -
             raise ConfigError(f"the plan is for {args.plan.total_seqs} sequences per step, the loaders give "
                               f"{clock.per_rank} x {world} ranks = {clock.per_rank * world}")
         return args.plan
-    cluster = args.cluster if args.cluster is not None else clock.devices
+    cluster = args.cluster if args.cluster is not None else ClusterView("detected", clock.devices, clock.links())
     try:
         plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
                          profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,

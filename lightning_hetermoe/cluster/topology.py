@@ -1,0 +1,149 @@
+"""Which link each transfer crosses: the nodes of a cluster, each node's own interconnect
+and the network between nodes.
+
+A flat cluster (one ``link`` for every pair) is one node. In a cluster of nodes, two
+ranks of one node talk over that node's link (NVLink, PCIe: per GPU, each way), two
+ranks of different nodes over the network, whose bandwidth is the node's port (all its
+NICs together) and is shared by every GPU of the node that sends off the node at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .config import ClusterConfig, LinkConfig
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Per rank its node; per node its link; the network between nodes (None: one node)."""
+
+    node_of: tuple[int, ...]
+    links: tuple[LinkConfig, ...]
+    network: LinkConfig | None = None
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.node_of:
+            raise ValueError("a topology needs at least one rank")
+        if sorted(set(self.node_of)) != list(range(len(self.links))):
+            raise ValueError(f"every node needs at least one rank: ranks sit on nodes {sorted(set(self.node_of))}, "
+                             f"there are {len(self.links)} nodes")
+        if len(self.links) > 1 and self.network is None:
+            raise ValueError("a topology of several nodes needs the network between them")
+
+    @classmethod
+    def flat(cls, link: LinkConfig, world_size: int) -> "Topology":
+        return cls(node_of=(0,) * world_size, links=(link,))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.links)
+
+    def node_ranks(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def nodes_of(self, ranks: Iterable[int]) -> set[int]:
+        return {self.node_of[r] for r in ranks}
+
+    def ring_link(self, ranks: Sequence[int]) -> LinkConfig:
+        """The slowest hop of a ring over ``ranks`` laid out node by node: inside one node
+        that node's link; across nodes the slower of the network (each node's port carries
+        one hop each way) and the nodes' own links."""
+        nodes = sorted(self.nodes_of(ranks)) or [0]
+        hops = [self.links[n] for n in nodes]
+        if len(nodes) > 1:
+            hops.append(self.network)
+        return slowest(hops)
+
+    def describe(self) -> str:
+        """One line per node for plan tables."""
+        out = []
+        for n, link in enumerate(self.links):
+            ranks = self.node_ranks(n)
+            name = self.names[n] if n < len(self.names) and self.names[n] else f"node {n}"
+            out.append(f"{name}: ranks {_span(ranks)} over {link.describe()}")
+        if self.network is not None and self.num_nodes > 1:
+            out.append(f"network between nodes: {self.network.describe()} per node")
+        return "\n".join(out)
+
+
+def slowest(links: Iterable[LinkConfig]) -> LinkConfig:
+    """The least bandwidth and the most latency of ``links`` (one of them where it has both)."""
+    links = list(links)
+    bw, lat = min(x.bandwidth_gbps for x in links), max(x.latency_us for x in links)
+    both = [x for x in links if x.bandwidth_gbps == bw and x.latency_us == lat]
+    return both[0] if both else LinkConfig(bandwidth_gbps=bw, latency_us=lat)
+
+
+def cluster_topology(cluster: ClusterConfig) -> Topology:
+    """The topology a cluster config describes (a flat device list: one node)."""
+    if not cluster.nodes:
+        return Topology.flat(cluster.link, cluster.world_size)
+    node_of = tuple(n for n, node in enumerate(cluster.nodes) for _ in node.devices)
+    return Topology(node_of=node_of, links=tuple(node.link for node in cluster.nodes), network=cluster.network,
+                    names=tuple(node.name or "" for node in cluster.nodes))
+
+
+def as_topology(link_or_topology: LinkConfig | Topology | None, world_size: int) -> Topology:
+    """What the simulator prices transfers with: a bare link is one node of ``world_size``."""
+    if isinstance(link_or_topology, Topology):
+        if link_or_topology.world_size < world_size:
+            raise ValueError(f"the topology has {link_or_topology.world_size} ranks, the step needs {world_size}")
+        return link_or_topology
+    return Topology.flat(link_or_topology if link_or_topology is not None else LinkConfig(), world_size)
+
+
+def _span(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
+    return ",".join(map(str, ranks))
+
+
+def intra_link_kind(device_name: str, compute_capability: tuple[int, int]) -> str:
+    """A node's link guessed from its GPUs' marketing name: SXM boards talk over their
+    generation's NVLink, PCIe cards over their generation's PCIe."""
+    name = device_name.upper()
+    major = compute_capability[0]
+    if "SXM" in name or "DGX" in name or "HGX" in name:
+        return "nvlink4" if major >= 9 else "nvlink3" if major >= 8 else "nvlink2"
+    return "pcie5" if major >= 9 else "pcie4" if major >= 8 else "pcie3"
+
+
+def topology_from_hosts(hosts: Sequence[str], device_names: Sequence[str],
+                        capabilities: Sequence[tuple[int, int]], network: LinkConfig | None = None) -> Topology:
+    """Nodes from each rank's hostname (ranks of one host are one node, in the order hosts
+    first appear), each node's link from its first GPU; the network is unknowable from
+    inside a process: 100 Gbit/s Ethernet unless given (name the cluster in a config with
+    ``nodes`` and ``network`` to plan for the real one)."""
+    if not (len(hosts) == len(device_names) == len(capabilities)) or not hosts:
+        raise ValueError("topology_from_hosts: one hostname, device name and capability per rank")
+    order = list(dict.fromkeys(hosts))
+    node_of = tuple(order.index(h) for h in hosts)
+    first = [node_of.index(n) for n in range(len(order))]
+    links = tuple(LinkConfig(kind=intra_link_kind(device_names[r], tuple(capabilities[r]))) for r in first)
+    return Topology(node_of=node_of, links=links,
+                    network=(network or LinkConfig(kind="ethernet100")) if len(order) > 1 else None,
+                    names=tuple(order))
+
+
+def detect_topology() -> Topology:
+    """Every rank's hostname and GPU (marketing name, compute capability) gathered (a
+    collective: every rank calls it, with CUDA), then :func:`topology_from_hosts`."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    mine = (socket.gethostname(), p.name, (int(p.major), int(p.minor)))
+    rows = [mine]
+    if dist.is_available() and dist.is_initialized():
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, mine)
+    return topology_from_hosts([r[0] for r in rows], [r[1] for r in rows], [tuple(r[2]) for r in rows])

@@ -1,0 +1,219 @@
+"""Clusters as nodes: configs, links, what the simulator charges each link, node-aware plans."""
+
+import copy
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import lightning as L
+
+from lightning_hetermoe import HeterMoEStrategy
+from lightning_hetermoe.cluster import ClusterConfig
+from lightning_hetermoe.cluster.config import KNOWN_LINKS, LinkConfig
+from lightning_hetermoe.cluster.topology import Topology, cluster_topology, intra_link_kind, topology_from_hosts
+from lightning_hetermoe.config import ConfigError, from_cfg, workload_model
+from lightning_hetermoe.plan import make_plan
+from lightning_hetermoe.plan.planner import as_cluster
+from lightning_hetermoe.profile import make_timer
+from lightning_hetermoe.simulate import simulate_plan
+from lightning_hetermoe.simulate.schedules import plan_setup
+from lightning_hetermoe.simulate.step import exchange_legs
+from lightning_hetermoe.training import build_trainer_kwargs
+
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def shipped(name):
+    return from_cfg(ClusterConfig, OmegaConf.load(CONF / "cluster" / f"{name}.yaml"), "cluster")
+
+
+def two_servers(network="ethernet25", link="pcie3"):
+    node = {"devices": ["a40", "a40", "v100", "v100"], "link": link}
+    return ClusterConfig(name="two", nodes=[dict(node, name="s0"), dict(node, name="s1")], network=network)
+
+
+# ---- configs ---------------------------------------------------------------------------------
+def test_shipped_node_configs_load_with_their_links_and_flat_configs_stay_one_node():
+    c = shipped("n2_a40_v100")
+    assert c.devices == ["a40"] * 4 + ["v100"] * 4 and c.num_nodes == 2 and c.world_size == 8
+    assert [n.link.bandwidth_gbps for n in c.nodes] == [KNOWN_LINKS["pcie4"][0], KNOWN_LINKS["nvlink2"][0]]
+    assert c.network.kind == "ib_edr" and c.network.bandwidth_gbps == 100.0
+    topo = cluster_topology(c)
+    assert topo.node_of == (0, 0, 0, 0, 1, 1, 1, 1) and topo.names == ("a40-server", "v100-server")
+    flat = shipped("a40x2_v100x2")
+    assert flat.num_nodes == 1 and cluster_topology(flat).links == (flat.link,)
+    assert (flat.link.bandwidth_gbps, flat.link.latency_us) == (100.0, 10.0)
+    # a kind with an override: the override wins, the rest comes from the kind
+    link = LinkConfig.build({"kind": "nvlink3", "latency_us": 1.0}, "x")
+    assert (link.bandwidth_gbps, link.latency_us) == (KNOWN_LINKS["nvlink3"][0], 1.0)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"nodes": [{"devices": [], "link": "pcie4"}]}, r"cluster.nodes\[0\].devices is empty"),
+    ({"nodes": [{"devices": ["a40"]}]}, r"cluster.nodes\[0\].link is missing"),
+    ({"nodes": [{"devices": ["a40"], "link": "pcie9"}]}, r"cluster.nodes\[0\].link.kind='pcie9' is invalid: must be one of"),
+    ({"nodes": [{"devices": ["a40"], "link": {"bandwidth_gbps": 0}}]},
+     r"cluster.nodes\[0\].link.bandwidth_gbps=0 is invalid"),
+    ({"nodes": [{"devices": ["a40"], "link": "pcie4"}, {"devices": ["v100"], "link": "nvlink2"}]},
+     r"cluster.network is missing: 2 nodes"),
+    ({"nodes": [{"devices": ["a40"], "link": "pcie4", "gpus": 2}]}, r"cluster.nodes\[0\]: unknown field\(s\) \['gpus'\]"),
+    ({"nodes": [{"devices": ["a40"], "link": "pcie4"}], "link": {"bandwidth_gbps": 10}}, r"cluster.link is the link of a flat"),
+    ({"nodes": [{"devices": ["a40"], "link": "pcie4"}], "devices": ["v100"]}, r"disagrees with its nodes' devices"),
+    ({"devices": ["a40"], "network": "ib_hdr"}, r"cluster.network is set but cluster.nodes is not"),
+    ({"nodes": [{"devices": ["a40"], "link": "pcie4"}, {"devices": ["v100"], "link": "nvlink2"}],
+      "network": "ib_hdr", "emulate": True}, r"cluster.emulate is true on 2 nodes"),
+    ({"nodes": [{"devices": ["a4O"], "link": "pcie4"}]}, r"cluster.devices\[0\]='a4O' is invalid"),
+    ({"devices": ["a40"], "link": {"kind": "ib_hdr", "bandwidth": 5}}, r"cluster.link: unknown field\(s\) \['bandwidth'\]"),
+])
+def test_bad_node_configs_name_the_field_and_what_would_be_valid(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        from_cfg(ClusterConfig, cfg, "cluster")
+
+
+def test_the_trainer_runs_a_cluster_of_nodes_as_lightnings_nodes():
+    c = shipped("n2_a40_v100")
+    kwargs = build_trainer_kwargs(OmegaConf.create({"trainer": {"accelerator": "cpu"}}), c)
+    assert (kwargs["num_nodes"], kwargs["devices"]) == (2, 4)
+    strategy = HeterMoEStrategy(mode="ep", cluster=c)
+    with pytest.raises(ConfigError, match=r"has 2 nodes of \[4, 4\] devices but the trainer runs num_nodes=1 x "
+                                          r"devices=8: set trainer num_nodes=2 and devices=4"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=8, num_nodes=1, logger=False)
+    strategy.args.check_nodes(2, 4)  # as Lightning would run it: accepted
+
+
+def test_nodes_found_from_hostnames_with_each_nodes_link_from_its_gpus():
+    topo = topology_from_hosts(["h1", "h1", "h0", "h0"], ["Tesla V100-SXM2-32GB"] * 2 + ["NVIDIA A40"] * 2,
+                               [(7, 0)] * 2 + [(8, 6)] * 2)
+    assert topo.node_of == (0, 0, 1, 1) and topo.names == ("h1", "h0")
+    assert [x.kind for x in topo.links] == ["nvlink2", "pcie4"] and topo.network.kind == "ethernet100"
+    one = topology_from_hosts(["h"] * 3, ["NVIDIA H100 80GB HBM3"] * 3, [(9, 0)] * 3)
+    assert one.num_nodes == 1 and one.network is None and one.links[0].kind == "pcie5"
+    assert intra_link_kind("NVIDIA H100 SXM5 80GB", (9, 0)) == "nvlink4"
+    assert intra_link_kind("NVIDIA A100-SXM4-40GB", (8, 0)) == "nvlink3"
+    assert intra_link_kind("Tesla T4", (7, 5)) == "pcie3"
+
+
+# ---- pricing ---------------------------------------------------------------------------------
+def test_a_ring_takes_its_slowest_hop():
+    fast, slow = LinkConfig(kind="nvlink2"), LinkConfig(kind="pcie3")
+    net = LinkConfig(bandwidth_gbps=25.0, latency_us=30.0)
+    topo = Topology(node_of=(0, 0, 1, 1), links=(fast, slow), network=net)
+    assert topo.ring_link([0, 1]) == fast and topo.ring_link([2, 3]) == slow
+    across = topo.ring_link([0, 2])
+    assert (across.bandwidth_gbps, across.latency_us) == (25.0, 30.0)
+    with pytest.raises(ValueError, match="needs the network"):
+        Topology(node_of=(0, 1), links=(fast, slow))
+
+
+def naive_legs(setup, layer, tokens):
+    """Every pair's rows, group by group, summed onto ranks and node ports by brute force."""
+    k, topo = setup.model.moe.top_k, setup.topology
+    members = [(t, setup.own_share(lane, layer), r) for lane, t in zip(setup.lanes, tokens) for r in lane.ranks]
+    n_groups = len(setup.replicas_of(members[0][2]))
+    intra = {}
+    out, inn = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
+    for g in range(n_groups):
+        at = [setup.replicas_of(r)[g] for _, _, r in members]
+        sent_in = {a: 0.0 for a in at}
+        recv_in = {a: 0.0 for a in at}
+        for (tp, _, _), p in zip(members, at):
+            for (_, sq, _), q in zip(members, at):
+                if p == q:
+                    continue
+                rows = tp * k * sq
+                if topo.node_of[p] == topo.node_of[q]:
+                    sent_in[p] += rows
+                    recv_in[q] += rows
+                else:
+                    out[topo.node_of[p]] += rows
+                    inn[topo.node_of[q]] += rows
+        for a in at:
+            n = topo.node_of[a]
+            intra[n] = max(intra.get(n, 0.0), sent_in[a], recv_in[a])
+    legs = [(rows, topo.links[n]) for n, rows in sorted(intra.items()) if rows > 0]
+    legs += [(max(o, i), topo.network) for o, i in zip(out, inn) if max(o, i) > 0]
+    return legs, sum(out)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_each_links_rows_equal_a_pair_by_pair_count(groups):
+    m = workload_model("d1")
+    c = ClusterConfig(name="three", nodes=[{"devices": ["a40", "v100", "v100"], "link": "pcie4"},
+                                           {"devices": ["a40", "v100", "v100"], "link": "nvlink2"}], network="ib_hdr")
+    rng = random.Random(0)
+    load = []
+    for _ in range(m.n_layers):
+        w = [rng.random() + 0.2 for _ in range(m.moe.num_experts)]
+        load.append([x / sum(w) for x in w])
+    plan = make_plan(c, m, seq_len=4096, global_batch_tokens=4096 * 24, num_zp_groups=groups, num_attention_ranks=2,
+                     expert_load=load)
+    view = as_cluster(c)
+    setup = plan_setup(plan, view.devices, m, view.topology, expert_load=load)
+    for layer, scale in itertools.product(range(m.n_layers), (1.0, 0.5)):
+        tokens = [scale * 4096 * (sum(lane.seqs) if lane.seqs else 0) for lane in setup.lanes]
+        got, crossed = exchange_legs(setup, layer, tokens)
+        want, want_crossed = naive_legs(setup, layer, tokens)
+        assert crossed == pytest.approx(want_crossed, rel=1e-9) and crossed > 0
+        assert sorted((round(r, 6), x.bandwidth_gbps) for r, x in got) == \
+            sorted((round(r, 6), x.bandwidth_gbps) for r, x in want)
+
+
+def test_one_node_prices_like_the_flat_cluster_of_its_link():
+    m = workload_model("d1")
+    flat = ClusterConfig(name="f", devices=["a40", "a40", "v100", "v100"], link={"kind": "pcie4"})
+    node = ClusterConfig(name="f", nodes=[{"devices": ["a40", "a40", "v100", "v100"], "link": "pcie4"}])
+    a = make_plan(flat, m, seq_len=8192, global_batch_tokens=8192 * 16)
+    b = make_plan(node, m, seq_len=8192, global_batch_tokens=8192 * 16)
+    assert a.predicted == b.predicted and a.zp_groups == b.zp_groups and b.nodes == []
+
+
+def test_a_slower_network_costs_only_what_crosses_it():
+    m = workload_model("d1")
+    kw = dict(seq_len=8192, global_batch_tokens=8192 * 16, num_zp_groups=2, num_attention_ranks=4)
+    fast = make_plan(two_servers("ib_ndr"), m, **kw)
+    slow_cluster = two_servers(LinkConfig(bandwidth_gbps=1.0, latency_us=50.0))
+    slow = make_plan(slow_cluster, m, **kw)
+    timer = make_timer(m, 8192)
+
+    def transfers(cluster):
+        view = as_cluster(cluster)
+        res = simulate_plan(slow, view.devices, m, view.topology, timer)
+        return [t.duration for t in res.timeline.tasks if t.kind in ("dispatch", "combine")], res
+
+    # the node-aware plan keeps each ZP group on one server: its exchange never leaves it and
+    # costs the same over any network...
+    (on_fast, fast_res), (on_slow, slow_res) = transfers(two_servers("ib_ndr")), transfers(slow_cluster)
+    assert slow.predicted["zebra"]["network_gb"] == 0.0 and on_fast == on_slow and len(on_fast) > 0
+    # ...but the gradient rings over both servers' attention ranks cross the network
+    assert slow_res.step_time > fast_res.step_time
+    # EP over all eight ranks sends rows between the servers and slows with the network
+    assert slow.predicted["ep"]["network_gb"] > 0
+    assert slow.predicted["ep"]["step_time_s"] > 1.5 * fast.predicted["ep"]["step_time_s"]
+
+
+def test_the_planner_keeps_zp_groups_inside_nodes_where_that_is_faster_and_the_table_says_so():
+    m = workload_model("d1")
+    c = two_servers()
+    plan = make_plan(c, m, seq_len=8192, global_batch_tokens=8192 * 16, num_zp_groups=2, num_attention_ranks=4)
+    topo = cluster_topology(c)
+    for g in plan.zp_groups:
+        assert len(topo.nodes_of(g.members)) == 1
+    assert plan.nodes == [0, 0, 0, 0, 1, 1, 1, 1]
+    # the groups dealt by turns instead (each spans both servers) is slower, as priced
+    blind = copy.deepcopy(plan)
+    blind.zp_groups = [type(g)(attention_ranks=[g.attention_ranks[0], h.attention_ranks[1]],
+                               expert_ranks=[g.expert_ranks[0], h.expert_ranks[1]])
+                       for g, h in zip(plan.zp_groups, plan.zp_groups[::-1])]
+    devs = as_cluster(c).devices
+    timer = make_timer(m, 8192)
+    aware = simulate_plan(plan, devs, m, topo, timer, keep_timeline=False)
+    spread = simulate_plan(blind, devs, m, topo, timer, keep_timeline=False)
+    assert spread.network_bytes > 0 == aware.network_bytes
+    assert spread.step_time > aware.step_time
+    text = str(plan)
+    assert "node" in text.splitlines()[5] and "ZP groups' nodes: group 0: 0; group 1: 1" in text
+    assert "over the network" in text and "0.00 GB/step" in text
