@@ -217,3 +217,47 @@ def test_the_planner_keeps_zp_groups_inside_nodes_where_that_is_faster_and_the_t
     text = str(plan)
     assert "node" in text.splitlines()[5] and "ZP groups' nodes: group 0: 0; group 1: 1" in text
     assert "over the network" in text and "0.00 GB/step" in text
+
+
+# ---- the bound, and planning at scale ----------------------------------------------------------
+def test_the_throughput_bound_matches_a_brute_force_split_and_no_schedule_beats_it():
+    from lightning_hetermoe.cluster.devices import get_device
+    from lightning_hetermoe.simulate.bound import per_token_seconds, throughput_bound
+
+    m, S = workload_model("d1"), 8192
+    timer = make_timer(m, S)
+    a40, v100 = get_device("a40"), get_device("v100")
+    # one kind: every device does both kinds of work for its tokens
+    a, e = per_token_seconds(a40, timer, m, S)
+    assert throughput_bound([a40] * 3, timer, m, S) == pytest.approx(3 / (a + e))
+    # two kinds: a grid over the fraction of each kind's time spent on attention
+    devs = [a40] * 2 + [v100] * 5
+    (aa, ea), (av, ev) = per_token_seconds(a40, timer, m, S), per_token_seconds(v100, timer, m, S)
+    grid = [i / 400 for i in range(401)]
+    naive = max(min(2 * x / aa + 5 * y / av, 2 * (1 - x) / ea + 5 * (1 - y) / ev) for x in grid for y in grid)
+    bound = throughput_bound(devs, timer, m, S)
+    assert naive <= bound * (1 + 1e-9) and bound == pytest.approx(naive, rel=2e-3)
+    for name in ("a40x2_v100x2", "o1", "n2_mixed", "n2_a40_v100"):
+        c = shipped(name)
+        plan = make_plan(c, m, seq_len=S, global_batch_tokens=S * 32)
+        limit = throughput_bound(as_cluster(c).devices, timer, m, S)
+        assert all(p["tokens_per_s"] <= limit for p in plan.predicted.values() if p.get("tokens_per_s"))
+
+
+def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():
+    from lightning_hetermoe.plan import planner
+
+    m = workload_model("d1")
+    devices = ["h100"] * 8 + ["a40"] * 24 + ["v100"] * 32  # 64 ranks: more role splits than MAX_SPLITS
+    c = ClusterConfig(name="mix64", devices=devices)
+    kw = dict(seq_len=8192, global_batch_tokens=8192 * 4 * 64)
+    pruned = make_plan(c, m, **kw)
+    saved = planner.MAX_SPLITS
+    planner.MAX_SPLITS = 10_000  # every split, one by one, as the search ran before pruning
+    try:
+        full_wide = planner.role_splits(list(range(1, 64)), devices) == list(range(1, 64))
+        full = make_plan(c, m, **kw)
+    finally:
+        planner.MAX_SPLITS = saved
+    assert full_wide
+    assert pruned.predicted["zebra"]["step_time_s"] <= full.predicted["zebra"]["step_time_s"] * 1.02

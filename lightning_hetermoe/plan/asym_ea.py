@@ -41,6 +41,8 @@ there either, the model does not fit the group.
 
 from __future__ import annotations
 
+import heapq
+
 from dataclasses import dataclass, field
 
 
@@ -163,18 +165,22 @@ def assign_experts(inp: AsymEAInput, *, asym: bool = True) -> AsymEAResult:
                 continue
             gather = [M + i for i in range(N) if col[M + i] > 0 and loads[i] >= top * (1 - 1e-9)]
             # squeeze: each gathered expert to the attention member whose time grows least
+            # (a heap of the members with room: only the receiver's cost changes per move)
             trial_used = used[:]
             ok = True
+            room = [(inp.attn[i] + (col[i] + 1) * inp.attn_exp[i], i) for i in range(M) if trial_used[i] < cap[i]]
+            heapq.heapify(room)
             for src in gather:
-                cand = [(inp.attn[i] + (col[i] + 1) * inp.attn_exp[i], i) for i in range(M) if trial_used[i] < cap[i]]
-                if not cand:
+                if not room:
                     ok = False
                     break
-                dst = min(cand)[1]
+                dst = heapq.heappop(room)[1]
                 col[src] -= 1
                 col[dst] += 1
                 trial_used[src] -= 1
                 trial_used[dst] += 1
+                if trial_used[dst] < cap[dst]:
+                    heapq.heappush(room, (inp.attn[dst] + (col[dst] + 1) * inp.attn_exp[dst], dst))
             if not ok:
                 continue
             ta_l = max(inp.attn[i] + col[i] * inp.attn_exp[i] for i in range(M))

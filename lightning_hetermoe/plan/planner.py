@@ -87,6 +87,7 @@ class _Search:
         self.profile: Profile | None = getattr(timer, "profile", None)
         self.last_error = ""
         self.errors: list[str] = []
+        self._speeds: dict[str, float] = {}
 
     # ---- building blocks -----------------------------------------------------------------
     def role_order(self) -> list[int]:
@@ -153,7 +154,7 @@ class _Search:
             self.last_error = f"{self.total} sequences cannot feed {G} ZP groups"
             return None
         g0 = groups[0]
-        speeds = [ep_speed(devs[r], self.timer, m, S) for r in g0.attention_ranks]
+        speeds = [self.speed(devs[r]) for r in g0.attention_ranks]
         member_seqs = apportion(group_seqs, speeds)
         if R > max(member_seqs):
             return None
@@ -228,6 +229,11 @@ class _Search:
         )
         return plan
 
+    def speed(self, dev: DeviceSpec) -> float:
+        if dev.name not in self._speeds:
+            self._speeds[dev.name] = ep_speed(dev, self.timer, self.model, self.S)
+        return self._speeds[dev.name]
+
     def profile_cap(self, dev: DeviceSpec, modelled: int, role: str) -> int:
         """A measured capacity (profile) bounds the modelled one: the smaller wins."""
         if self.profile is None or dev.name not in self.profile.devices:
@@ -290,6 +296,48 @@ class _Search:
 
     def r_values(self) -> list[int]:
         return [r for r in R_CANDIDATES if r <= self.max_R] or [1]
+
+
+# Role splits tried one by one up to this many; beyond, a grid through every boundary between
+# device kinds, then a local search around the best (the step time varies smoothly with the
+# split between boundaries).
+MAX_SPLITS = 48
+
+
+def role_splits(Ms: list[int], kinds_in_order: list[str]) -> list[int]:
+    """The attention-rank counts pass 1 tries: all of them on small clusters; on large ones
+    every boundary between device kinds in role order (and its neighbours) and an even grid."""
+    if len(Ms) <= MAX_SPLITS:
+        return list(Ms)
+    lo, hi = Ms[0], Ms[-1]
+    picks = {lo, hi}
+    for M in range(1, len(kinds_in_order)):
+        if kinds_in_order[M] != kinds_in_order[M - 1]:
+            picks.update({M - 1, M, M + 1})
+    picks.update(range(lo, hi + 1, grid_step(Ms)))
+    return sorted(M for M in picks if lo <= M <= hi)
+
+
+def grid_step(Ms: list[int]) -> int:
+    return max((Ms[-1] - Ms[0]) // 24, 1)
+
+
+def refine_splits(Ms: list[int], tried: dict[int, float | None], evaluate) -> None:
+    """Around the two best splits, steps that halve down to one rank."""
+    valid = set(Ms)
+    best = sorted((t, M) for M, t in tried.items() if t is not None)[:2]
+    for _, start in best:
+        here, t_here = start, tried[start]
+        step = grid_step(Ms)
+        while step >= 1:
+            moved = False
+            for M in (here - step, here + step):
+                if M in valid:
+                    t = evaluate(M)
+                    if t is not None and t < t_here * (1 - 1e-9):
+                        here, t_here, moved = M, t, True
+            if not moved:
+                step //= 2
 
 
 def make_plan(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_batch_tokens: int,
@@ -412,12 +460,30 @@ def plan_for_batch(
         return _divisors(math.gcd(M, W - M) if W - M else M)
 
     # pass 1: each role split with one group and a mid-size R
-    first = []
     probe = [r for r in Rs if r <= 2][-1:] or Rs[:1]
-    for M in Ms:
-        got = best_for(M, [num_zp_groups or 1], probe) or best_for(M, [num_zp_groups or 1], Rs)
-        if got is not None:
-            first.append((got[0], M))
+    tried: dict[int, float | None] = {}
+
+    # On many ranks or several nodes one ZP group over the whole cluster is the worst case
+    # for the exchange (every token to every rank, across the network), which would rank the
+    # role splits by that alone: such clusters also probe each split with its most groups.
+    wide = view.topology.num_nodes > 1 or len(Ms) > MAX_SPLITS
+
+    def most_groups(M: int) -> int:
+        attn, expert = sorted(order[:M]), sorted(order[M:])
+        return next((G for G in reversed(g_values(M)) if search.groups(attn, expert, G) is not None), 1)
+
+    def split_time(M: int) -> float | None:
+        if M not in tried:
+            Gs = [num_zp_groups] if num_zp_groups else sorted({1, most_groups(M)} if wide else {1})
+            got = best_for(M, Gs, probe) or best_for(M, Gs, Rs)
+            tried[M] = None if got is None else got[0]
+        return tried[M]
+
+    for M in role_splits(Ms, [view.devices[r].name for r in order]):
+        split_time(M)
+    if len(Ms) > MAX_SPLITS:
+        refine_splits(Ms, tried, split_time)
+    first = sorted((t, M) for M, t in tried.items() if t is not None)
     if not first:
         seen = list(dict.fromkeys(search.errors))[:3]
         raise ValueError(f"no feasible plan for {model.name} on {view.name}: " + ("; ".join(seen) or "nothing fits"))

@@ -217,11 +217,19 @@ def plan_setup(
     placement = plan.placement_for(schedule)
     steps = build_schedule(schedule, L, R, balance=model.moe.aux_loss_coef > 0)
     members = []
+    held: list[dict[int, list[int]]] = []
+    for l in range(L):
+        per: dict[int, list[int]] = {}
+        for e, q in enumerate(placement[l]):
+            per.setdefault(q, []).append(e)
+        held.append(per)
     for p, rank in enumerate(group.members):
         role = plan.roles[rank]
         seqs = split_microbatches(plan.seqs_per_rank[rank], R) if role == "attention" else []
-        ids = [[e for e, q in enumerate(placement[l]) if q == p] for l in range(L)]
-        members.append((rank, devs[rank], role, seqs, [len(x) for x in ids], ids))
+        ids = [held[l].get(p, []) for l in range(L)]
+        # which experts matters only under measured routing: without it, ranks alike in
+        # counts are one lane (the planner's search at thousands of ranks depends on it)
+        members.append((rank, devs[rank], role, seqs, [len(x) for x in ids], *([ids] if expert_load else [])))
     return StepSetup(
         lanes=make_lanes(members),
         model=model,

@@ -99,11 +99,31 @@ class StepSetup:
     # the attention-stack replicas' ranks, cluster-wide (None: the lanes' ranks)
     dense_ranks: list[int] | None = None
     topology: Topology = field(init=False, repr=False, compare=False)
+    _lane_nodes: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
         ranks += [r for reps in (self.replica_ranks or {}).values() for r in reps] + list(self.dense_ranks or [])
         self.topology = as_topology(self.link, max(ranks, default=0) + 1)
+
+    def lane_nodes(self) -> list[list[dict[int, int]]]:
+        """Per group, per lane: how many of the lane's ranks (their counterparts in that
+        group) sit on each node."""
+        if self._lane_nodes is None:
+            node_of = self.topology.node_of
+            n_groups = len(self.replicas_of(self.lanes[0].ranks[0]))
+            out = []
+            for g in range(n_groups):
+                per_lane = []
+                for lane in self.lanes:
+                    where: dict[int, int] = {}
+                    for r in lane.ranks:
+                        n = node_of[self.replicas_of(r)[g]]
+                        where[n] = where.get(n, 0) + 1
+                    per_lane.append(where)
+                out.append(per_lane)
+            self._lane_nodes = out
+        return self._lane_nodes
 
     def replicas_of(self, rank: int) -> list[int]:
         return self.replica_ranks.get(rank, [rank]) if self.replica_ranks else [rank]
@@ -252,27 +272,29 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
 
     A rank sends each other rank of its group ``tokens * top_k * that rank's share`` of the
     choices and receives in the same way, so a node's sums of tokens and shares split each
-    rank's traffic into the part that stays on its node and the part that leaves it."""
+    rank's traffic into the part that stays on its node and the part that leaves it. Ranks
+    of a lane on one node behave alike: the sums run over (lane, node) pairs."""
     k = setup.model.moe.top_k
     topo = setup.topology
-    members = [(t, setup.own_share(lane, layer), r) for lane, t in zip(setup.lanes, tokens) for r in lane.ranks]
-    group = sum(t for t, _, _ in members)
+    shares = [setup.own_share(lane, layer) for lane in setup.lanes]
+    group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
     if topo.num_nodes == 1:
-        worst = max((max(t * k * (1 - s), (group - t) * k * s) for t, s, _ in members), default=0.0)
+        worst = max((max(t * k * (1 - s), (group - t) * k * s) for t, s in zip(tokens, shares)), default=0.0)
         return [(worst, topo.links[0])], 0.0
-    n_groups = len(setup.replicas_of(members[0][2]))
     intra = [0.0] * topo.num_nodes
     out, inn = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
-    for g in range(n_groups):
-        node = [topo.node_of[setup.replicas_of(r)[g]] for _, _, r in members]
+    for placed in setup.lane_nodes():  # one group: per lane, {node: ranks of the lane there}
         node_t, node_s = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
-        for (t, s, _), n in zip(members, node):
-            node_t[n] += t
-            node_s[n] += s
-        for (t, s, _), n in zip(members, node):
-            intra[n] = max(intra[n], t * k * (node_s[n] - s), s * k * (node_t[n] - t))
-            out[n] += t * k * (1 - node_s[n])
-            inn[n] += s * k * (group - node_t[n])
+        for i, where in enumerate(placed):
+            for n, c in where.items():
+                node_t[n] += c * tokens[i]
+                node_s[n] += c * shares[i]
+        for i, where in enumerate(placed):
+            t, s = tokens[i], shares[i]
+            for n, c in where.items():
+                intra[n] = max(intra[n], t * k * (node_s[n] - s), s * k * (node_t[n] - t))
+                out[n] += c * t * k * (1 - node_s[n])
+                inn[n] += c * s * k * (group - node_t[n])
     legs = [(rows, topo.links[n]) for n, rows in enumerate(intra) if rows > 0]
     legs += [(max(o, i), topo.network) for o, i in zip(out, inn) if max(o, i) > 0]
     return legs, sum(out)
@@ -319,30 +341,48 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         ids[key] = len(tasks) - 1
         return ids[key]
 
+    memo: dict[tuple, float] = {}
+
+    def expert(dev: DeviceSpec, n: float, backward: bool) -> float:
+        key = (dev.name, n, backward)
+        if key not in memo:
+            memo[key] = timer.expert(dev, n, backward=backward)
+        return memo[key]
+
     def task_duration(i: int, t: ScheduleTask) -> float:
         dev, n = lanes[i].device, tok[i][t.mb]
-        if t.kind == "attn_fwd":
-            return timer.attention(dev, n)
-        if t.kind == "attn_bwd":
-            return timer.attention(dev, n, backward=True)
-        if t.kind == "head":
-            return timer.head(dev, n, forward_only=sched.kind == "forward")
-        return sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
+        if t.kind in ("attn_fwd", "attn_bwd", "head"):
+            key = (dev.name, n, t.kind)
+            if key not in memo:
+                memo[key] = (timer.head(dev, n, forward_only=sched.kind == "forward") if t.kind == "head"
+                             else timer.attention(dev, n, backward=t.kind == "attn_bwd"))
+            return memo[key]
+        return sum(expert(dev, n, t.kind == "expert_bwd")
                    for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
 
     kind_of = {"attn_fwd": "attn_fwd", "attn_bwd": "attn_bwd", "head": "head", "expert_fwd": "expert_fwd",
                "expert_bwd": "expert_bwd"}
     policies: dict[str, str] = {}
+    orders = [sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]) for lane in lanes]
     for i, lane in enumerate(lanes):
         res = lane_resource(i, lane)
         policies[res] = "order"
-        order = sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts])
-        for pos, t in enumerate(order):
+        for pos, t in enumerate(orders[i]):
             add((i, t), str(t), res, task_duration(i, t), (pos,), kind_of[t.kind], t.layer, t.mb)
+    legs: dict[tuple, float] = {}
+
+    def leg(layer: int, mb: int) -> float:
+        # even routing: layers whose lanes hold as many experts share their legs
+        held = (layer,) if setup.expert_load is not None else tuple(lane.experts[layer] for lane in lanes)
+        key = (held, tuple(tok[i][mb] for i in range(len(lanes))))
+        if key not in legs:
+            legs[key] = round_transfer_time(setup, timer, layer, list(key[1]))
+        return legs[key]
+
     for chan, label in (("a2e", "D"), ("e2a", "C")):
         policies[chan] = "order"
         for pos, r in enumerate(sched.rounds):
-            dur = round_transfer_time(setup, timer, r.layer, [tok[i][r.mb] for i in range(len(lanes))])
+            dur = leg(r.layer, r.mb)
             add((chan, r), f"{label}{r.phase[0]}{r.layer}.{r.mb}", chan, dur, (pos,),
                 "dispatch" if chan == "a2e" else "combine", r.layer, r.mb)
     policies["dense"] = "order"
@@ -359,7 +399,7 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
     from ..schedule import awaited_round, emitted_round
 
     for i, lane in enumerate(lanes):
-        for t in sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]):
+        for t in orders[i]:
             if t.kind in ("expert_fwd", "expert_bwd"):
                 dep((i, t), ("a2e", Round("fwd" if t.kind == "expert_fwd" else "bwd", t.layer, t.mb)))
                 continue
@@ -369,11 +409,13 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
             g = sched.balance_group(t.mb)
             if g is not None and t.kind in ("attn_fwd", "head") and (t.kind == "head" or t.layer > 0):
                 dep((i, t), ("count", L - 1 if t.kind == "head" else t.layer - 1, g))
+    emitters: dict[Round, list[ScheduleTask]] = {}
+    for t in sched.attention:
+        emitters.setdefault(emitted_round(t, L), []).append(t)
     for r in sched.rounds:
         for i in att:
-            for t in sched.attention:
-                if emitted_round(t, L) == r:
-                    dep(("a2e", r), (i, t))
+            for t in emitters.get(r, ()):
+                dep(("a2e", r), (i, t))
         for i, lane in enumerate(lanes):
             if lane.experts[r.layer]:
                 dep(("e2a", r), (i, r.expert_task))
