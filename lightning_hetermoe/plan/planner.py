@@ -297,6 +297,73 @@ class _Search:
     def r_values(self) -> list[int]:
         return [r for r in R_CANDIDATES if r <= self.max_R] or [1]
 
+    # ---- the search --------------------------------------------------------------------------
+    def best_for(self, order: list[int], M: int, Gs: list[int], R_list: list[int]) -> tuple[float, Plan] | None:
+        """The fastest plan with M attention ranks over the group counts ``Gs``; R ascending,
+        stopping once two larger R in a row do not help."""
+        best = None
+        for G in Gs:
+            local, worse = None, 0
+            for R in R_list:
+                plan = self.candidate(order, M, G, R)
+                if plan is None:
+                    if self.last_error:
+                        self.errors.append(self.last_error)
+                        self.last_error = ""
+                    continue
+                t = self.score(plan)
+                if local is None or t < local * (1 - 1e-9):
+                    local, worse = t, 0
+                else:
+                    worse += 1
+                    if worse >= 2:
+                        break
+                if best is None or t < best[0] * (1 - 1e-9):
+                    best = (t, plan)
+        return best
+
+    def group_counts(self, M: int, pinned: int | None) -> list[int]:
+        W = len(self.devs)
+        return [pinned] if pinned is not None else _divisors(math.gcd(M, W - M) if W - M else M)
+
+    def most_groups(self, order: list[int], M: int) -> int:
+        attn, expert = sorted(order[:M]), sorted(order[M:])
+        return next((G for G in reversed(self.group_counts(M, None)) if self.groups(attn, expert, G) is not None), 1)
+
+    def best(self, order: list[int], Ms: list[int], Rs: list[int], pinned: int | None) -> Plan:
+        """Pass 1 ranks the role splits (each with one ZP group and a small R); pass 2 searches
+        every group count and R on the two best."""
+        probe = [r for r in Rs if r <= 2][-1:] or Rs[:1]
+        tried: dict[int, float | None] = {}
+        # On many ranks or several nodes one ZP group over the whole cluster is the worst case
+        # for the exchange (every token to every rank, across the network), which would rank
+        # the role splits by that alone: such clusters also probe each split with its most groups.
+        wide = self.view.topology.num_nodes > 1 or len(Ms) > MAX_SPLITS
+
+        def split_time(M: int) -> float | None:
+            if M not in tried:
+                Gs = [pinned] if pinned else sorted({1, self.most_groups(order, M)} if wide else {1})
+                got = self.best_for(order, M, Gs, probe) or self.best_for(order, M, Gs, Rs)
+                tried[M] = None if got is None else got[0]
+            return tried[M]
+
+        for M in role_splits(Ms, [self.devs[r].name for r in order]):
+            split_time(M)
+        if len(Ms) > MAX_SPLITS:
+            refine_splits(Ms, tried, split_time)
+        first = sorted((t, M) for M, t in tried.items() if t is not None)
+        if not first:
+            seen = list(dict.fromkeys(self.errors))[:3]
+            raise ValueError(f"no feasible plan for {self.model.name} on {self.view.name}: "
+                             + ("; ".join(seen) or "nothing fits"))
+        best = None
+        for _, M in first[:2]:
+            got = self.best_for(order, M, self.group_counts(M, pinned), Rs)
+            if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
+                best = got
+        assert best is not None
+        return best[1]
+
 
 # Role splits tried one by one up to this many; beyond, a grid through every boundary between
 # device kinds, then a local search around the best (the step time varies smoothly with the
@@ -408,15 +475,7 @@ def plan_for_batch(
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load)
     W = len(view.devices)
     mem = search.mem
-    need_experts = model.n_layers * model.moe.num_experts * mem.expert_params() * mem.bytes_per_param
-    need = need_experts + mem.attention_stack_params() * mem.bytes_per_param
-    have = sum(d.usable_bytes for d in view.devices)
-    if need > have:
-        raise ValueError(
-            f"experts exceed total memory: model state needs {need / 1e9:.1f} GB "
-            f"({model.n_layers}x{model.moe.num_experts} experts = {need_experts / 1e9:.1f} GB), "
-            f"the cluster has {have / 1e9:.1f} GB usable"
-        )
+    _check_total_memory(mem, model, view)
     order = search.role_order()
     n_holdable = sum(
         1 for r in order if mem.attention_fits(view.devices[r], tokens_in_flight=seq_len, mb_tokens=seq_len)
@@ -432,74 +491,24 @@ def plan_for_batch(
         Ms = list(range(1, top + 1)) if W > 1 else [1]
     Rs = [num_microbatches] if num_microbatches else search.r_values()
 
-    def best_for(M: int, Gs: list[int], R_list: list[int]) -> tuple[float, Plan] | None:
-        best = None
-        for G in Gs:
-            local, worse = None, 0
-            for R in R_list:  # ascending; stop once two larger R in a row do not help
-                plan = search.candidate(order, M, G, R)
-                if plan is None:
-                    if search.last_error:
-                        search.errors.append(search.last_error)
-                        search.last_error = ""
-                    continue
-                t = search.score(plan)
-                if local is None or t < local * (1 - 1e-9):
-                    local, worse = t, 0
-                else:
-                    worse += 1
-                    if worse >= 2:
-                        break
-                if best is None or t < best[0] * (1 - 1e-9):
-                    best = (t, plan)
-        return best
-
-    def g_values(M: int) -> list[int]:
-        if num_zp_groups is not None:
-            return [num_zp_groups]
-        return _divisors(math.gcd(M, W - M) if W - M else M)
-
-    # pass 1: each role split with one group and a mid-size R
-    probe = [r for r in Rs if r <= 2][-1:] or Rs[:1]
-    tried: dict[int, float | None] = {}
-
-    # On many ranks or several nodes one ZP group over the whole cluster is the worst case
-    # for the exchange (every token to every rank, across the network), which would rank the
-    # role splits by that alone: such clusters also probe each split with its most groups.
-    wide = view.topology.num_nodes > 1 or len(Ms) > MAX_SPLITS
-
-    def most_groups(M: int) -> int:
-        attn, expert = sorted(order[:M]), sorted(order[M:])
-        return next((G for G in reversed(g_values(M)) if search.groups(attn, expert, G) is not None), 1)
-
-    def split_time(M: int) -> float | None:
-        if M not in tried:
-            Gs = [num_zp_groups] if num_zp_groups else sorted({1, most_groups(M)} if wide else {1})
-            got = best_for(M, Gs, probe) or best_for(M, Gs, Rs)
-            tried[M] = None if got is None else got[0]
-        return tried[M]
-
-    for M in role_splits(Ms, [view.devices[r].name for r in order]):
-        split_time(M)
-    if len(Ms) > MAX_SPLITS:
-        refine_splits(Ms, tried, split_time)
-    first = sorted((t, M) for M, t in tried.items() if t is not None)
-    if not first:
-        seen = list(dict.fromkeys(search.errors))[:3]
-        raise ValueError(f"no feasible plan for {model.name} on {view.name}: " + ("; ".join(seen) or "nothing fits"))
-    first.sort()
-    best = None
-    for _, M in first[:2]:
-        got = best_for(M, g_values(M), Rs)
-        if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
-            best = got
-    assert best is not None
-    plan = best[1]
+    plan = search.best(order, Ms, Rs, num_zp_groups)
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load)
     cost = getattr(timer, "cost", None)
     if cost is not None:
         plan.precision = cost.describe()
     return plan
+
+
+def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView) -> None:
+    need_experts = model.n_layers * model.moe.num_experts * mem.expert_params() * mem.bytes_per_param
+    need = need_experts + mem.attention_stack_params() * mem.bytes_per_param
+    have = sum(d.usable_bytes for d in view.devices)
+    if need > have:
+        raise ValueError(
+            f"experts exceed total memory: model state needs {need / 1e9:.1f} GB "
+            f"({model.n_layers}x{model.moe.num_experts} experts = {need_experts / 1e9:.1f} GB), "
+            f"the cluster has {have / 1e9:.1f} GB usable"
+        )
 
 
 def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,

@@ -360,15 +360,13 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         return sum(expert(dev, n, t.kind == "expert_bwd")
                    for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
 
-    kind_of = {"attn_fwd": "attn_fwd", "attn_bwd": "attn_bwd", "head": "head", "expert_fwd": "expert_fwd",
-               "expert_bwd": "expert_bwd"}
     policies: dict[str, str] = {}
     orders = [sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]) for lane in lanes]
     for i, lane in enumerate(lanes):
         res = lane_resource(i, lane)
         policies[res] = "order"
         for pos, t in enumerate(orders[i]):
-            add((i, t), str(t), res, task_duration(i, t), (pos,), kind_of[t.kind], t.layer, t.mb)
+            add((i, t), str(t), res, task_duration(i, t), (pos,), t.kind, t.layer, t.mb)
     legs: dict[tuple, float] = {}
 
     def leg(layer: int, mb: int) -> float:
