@@ -80,6 +80,14 @@ class LinkConfig:
         return f"{name}{self.bandwidth_gbps:g} Gbit/s, {self.latency_us:g} us"
 
 
+def slowest(links: Any) -> LinkConfig:
+    """The least bandwidth and the most latency of ``links`` (one of them where it has both)."""
+    links = list(links)
+    bw, lat = min(x.bandwidth_gbps for x in links), max(x.latency_us for x in links)
+    both = [x for x in links if x.bandwidth_gbps == bw and x.latency_us == lat]
+    return both[0] if both else LinkConfig(bandwidth_gbps=bw, latency_us=lat)
+
+
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -198,8 +206,6 @@ class ClusterConfig:
         slower of the network and the nodes' own links (for prices that ignore placement)."""
         if not self.nodes:
             return self.link
-        from .topology import slowest
-
         return slowest([n.link for n in self.nodes] + ([self.network] if self.network is not None else []))
 
     def _check_workload(self) -> None:

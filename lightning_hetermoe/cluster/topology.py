@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .config import ClusterConfig, LinkConfig
+from .config import ClusterConfig, LinkConfig, slowest
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,6 @@ class Topology:
         if self.network is not None and self.num_nodes > 1:
             out.append(f"network between nodes: {self.network.describe()} per node")
         return "\n".join(out)
-
-
-def slowest(links: Iterable[LinkConfig]) -> LinkConfig:
-    """The least bandwidth and the most latency of ``links`` (one of them where it has both)."""
-    links = list(links)
-    bw, lat = min(x.bandwidth_gbps for x in links), max(x.latency_us for x in links)
-    both = [x for x in links if x.bandwidth_gbps == bw and x.latency_us == lat]
-    return both[0] if both else LinkConfig(bandwidth_gbps=bw, latency_us=lat)
 
 
 def cluster_topology(cluster: ClusterConfig) -> Topology:

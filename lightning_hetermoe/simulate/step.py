@@ -36,9 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster.config import LinkConfig
+from ..cluster.config import LinkConfig, slowest
 from ..cluster.devices import DeviceSpec
-from ..cluster.topology import Topology, as_topology, slowest
+from ..cluster.topology import Topology, as_topology
 from ..config import ModelConfig
 from ..schedule import Round, Schedule, Task as ScheduleTask
 from .engine import Task, Timeline, run_dag
