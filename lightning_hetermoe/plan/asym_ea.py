@@ -127,23 +127,39 @@ def assign_experts(inp: AsymEAInput, *, asym: bool = True) -> AsymEAResult:
         )
     # Base placement: expert e of every layer in turn (so forced moves spread over layers)
     # to the expert member whose layer time grows least and that still has room.
+    # Per layer, a heap of each side's members by the time they would reach with one more
+    # expert; a member whose room ran out is dropped when it surfaces (room only shrinks here).
+    def cost(p: int, l: int) -> float:
+        return (counts[p][l] + 1) * inp.exp[p - M] if p >= M else inp.attn[p] + (counts[p][l] + 1) * inp.attn_exp[p]
+
+    def heaps(members: range) -> list[list[tuple[float, int]]]:
+        out = []
+        for l in range(L):
+            h = [(cost(p, l), p) for p in members]
+            heapq.heapify(h)
+            out.append(h)
+        return out
+
+    def pop_with_room(h: list[tuple[float, int]]) -> int | None:
+        while h and used[h[0][1]] >= cap[h[0][1]]:
+            heapq.heappop(h)
+        return heapq.heappop(h)[1] if h else None
+
     n_min = 0
+    on_experts, on_attention = heaps(range(M, M + N)), None
     for e in range(E):
         for l in range(L):
-            best = None
-            for i in range(N):
-                p = M + i
-                if used[p] < cap[p]:
-                    key = ((counts[p][l] + 1) * inp.exp[i], i)
-                    best = key if best is None or key < best else best
-            if best is not None:
-                p = M + best[1]
-            else:  # expert ranks are full: this expert must move (counts toward n_min)
+            p = pop_with_room(on_experts[l])
+            if p is None:  # expert ranks are full: this expert must move (counts toward n_min)
                 n_min += 1
-                cand = [((inp.attn[i] + (counts[i][l] + 1) * inp.attn_exp[i]), i) for i in range(M) if used[i] < cap[i]]
-                p = min(cand)[1]
+                on_attention = on_attention or heaps(range(M))
+                p = pop_with_room(on_attention[l])
+                if p is None:
+                    raise ValueError(f"experts exceed total memory: no member of the ZP group has room for expert "
+                                     f"{e} of layer {l}; add ranks or use more memory-rich GPUs")
             counts[p][l] += 1
             used[p] += 1
+            heapq.heappush(on_experts[l] if p >= M else on_attention[l], (cost(p, l), p))
     base = [row[:] for row in counts]
     R = max(1, inp.num_microbatches)
     base_time = forward_makespan(*_side_times(inp, counts), R)

@@ -32,7 +32,7 @@ from ..config import ModelConfig, from_cfg
 from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel
 from ..profile.profile import Profile
-from ..profile.timer import make_timer
+from ..profile.timer import CachedTimer, make_timer
 from ..simulate.datacentric import datacentric_step_time
 from ..simulate.schedules import SCHEDULES, apportion, ep_speed, simulate_plan
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
@@ -471,7 +471,7 @@ def plan_for_batch(
     total = global_batch_tokens // seq_len
     if total < 1:
         raise ValueError(f"global_batch_tokens={global_batch_tokens} is smaller than one sequence of {seq_len} tokens")
-    timer = timer if timer is not None else make_timer(model, seq_len, profile, cost_model)
+    timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load)
     W = len(view.devices)
     mem = search.mem

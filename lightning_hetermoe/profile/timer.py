@@ -92,3 +92,31 @@ def make_timer(model: ModelConfig, seq_len: int, profile: Profile | None = None,
     if profile is not None:
         return ProfileTimer(model=model, seq_len=seq_len, cost=cost, profile=profile)
     return CostModelTimer(model=model, seq_len=seq_len, cost=cost)
+
+
+class CachedTimer:
+    """A timer that remembers each task's duration: a search asks the same few questions
+    (one device kind, one token count) thousands of times. Everything else is the wrapped
+    timer's."""
+
+    def __init__(self, timer) -> None:
+        self.inner = timer
+        self._memo: dict[tuple, float] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def _ask(self, key: tuple, compute) -> float:
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        return self._ask(("a", dev.name, tokens, backward), lambda: self.inner.attention(dev, tokens, backward))
+
+    def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        return self._ask(("x", dev.name, tokens, backward), lambda: self.inner.expert(dev, tokens, backward))
+
+    def head(self, dev: DeviceSpec, tokens: float, forward_only: bool = False) -> float:
+        return self._ask(("h", dev.name, tokens, forward_only),
+                         lambda: self.inner.head(dev, tokens, forward_only=forward_only))
