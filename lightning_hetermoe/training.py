@@ -47,7 +47,7 @@ def build_trainer_kwargs(cfg: DictConfig, cluster: ClusterConfig) -> dict[str, A
     for key in ("accumulate_grad_batches", "log_every_n_steps"):
         if kwargs.get(key) is not None and kwargs[key] < 1:
             raise ConfigError(f"trainer.{key}={kwargs[key]!r} is invalid: must be >= 1")
-    if cluster.nodes and kwargs.get("num_nodes") is None:
+    if cluster.nodes and not cluster.emulate and kwargs.get("num_nodes") is None:
         kwargs["num_nodes"] = cluster.num_nodes  # a cluster of nodes runs one Lightning node per node
     if kwargs.get("devices") is None:
         kwargs["devices"] = cluster.world_size // int(kwargs.get("num_nodes") or 1)

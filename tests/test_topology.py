@@ -64,8 +64,6 @@ def test_shipped_node_configs_load_with_their_links_and_flat_configs_stay_one_no
     ({"nodes": [{"devices": ["a40"], "link": "pcie4"}], "link": {"bandwidth_gbps": 10}}, r"cluster.link is the link of a flat"),
     ({"nodes": [{"devices": ["a40"], "link": "pcie4"}], "devices": ["v100"]}, r"disagrees with its nodes' devices"),
     ({"devices": ["a40"], "network": "ib_hdr"}, r"cluster.network is set but cluster.nodes is not"),
-    ({"nodes": [{"devices": ["a40"], "link": "pcie4"}, {"devices": ["v100"], "link": "nvlink2"}],
-      "network": "ib_hdr", "emulate": True}, r"cluster.emulate is true on 2 nodes"),
     ({"nodes": [{"devices": ["a4O"], "link": "pcie4"}]}, r"cluster.devices\[0\]='a4O' is invalid"),
     ({"devices": ["a40"], "link": {"kind": "ib_hdr", "bandwidth": 5}}, r"cluster.link: unknown field\(s\) \['bandwidth'\]"),
 ])
@@ -261,3 +259,58 @@ def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():
         planner.MAX_SPLITS = saved
     assert full_wide
     assert pruned.predicted["zebra"]["step_time_s"] <= full.predicted["zebra"]["step_time_s"] * 1.02
+
+
+# ---- the emulated clock on several nodes -------------------------------------------------------
+def test_an_exchange_matrix_is_priced_link_by_link_and_each_rank_sees_its_own_part():
+    from lightning_hetermoe.emulate.clock import Emulator
+
+    pcie, nv, net = LinkConfig(kind="pcie4"), LinkConfig(kind="nvlink2"), LinkConfig(kind="ethernet25")
+    topo = Topology(node_of=(0, 0, 1, 1), links=(pcie, nv), network=net)
+    rows = [[0, 3, 5, 7], [2, 0, 4, 6], [1, 8, 0, 9], [10, 11, 12, 0]]
+    legs = topo.matrix_legs(rows, [[0, 1, 2, 3]])
+    # node 0: rank 0 sends 3, gets 2; rank 1 sends 2, gets 3 -> 3 over PCIe; node 1: 9 / 12 -> 12 over NVLink
+    # out of node 0: 5+7+4+6 = 22, into it: 1+8+10+11 = 30 -> 30 over the network; node 1: out 30, in 22
+    assert sorted((r, x.kind) for r, x in legs) == [(3, "pcie4"), (12, "nvlink2"), (30, "ethernet25"),
+                                                   (30, "ethernet25")]
+    flat = Topology.flat(pcie, 4).matrix_legs(rows, [[0, 1, 2, 3]])
+    off_sent = max(sum(r) - r[i] for i, r in enumerate(rows))
+    off_recv = max(sum(rows[s][d] for s in range(4)) - rows[d][d] for d in range(4))
+    assert flat == [(max(off_sent, off_recv), pcie)]
+    # a second group on the same nodes doubles what the ports carry, not what a node's link does
+    two = Topology(node_of=(0, 0, 0, 0, 1, 1, 1, 1), links=(pcie, nv), network=net)
+    doubled = two.matrix_legs(rows, [[0, 1, 4, 5], [2, 3, 6, 7]])
+    assert sorted(r for r, x in doubled if x is net) == [60, 60] and max(r for r, x in doubled if x is pcie) == 3
+    # a rank of a symmetric exchange: its node link part, and the port its node's ranks load alike
+    even = [[0 if s == d else 4 for d in range(4)] for s in range(4)]
+    em = Emulator(get_device_spec("a40"), make_timer(workload_model("d1"), 8192), link=net, topology=topo, rank=1)
+    mine = em.own_legs([0, 1, 2, 3], even[1], [even[s][1] for s in range(4)])
+    whole = {(r, x.kind) for r, x in topo.matrix_legs(even, [[0, 1, 2, 3]]) if x is not nv}
+    assert sorted((r, x.kind) for r, x in mine) == sorted(whole) == [(4, "pcie4"), (16, "ethernet25")]
+
+
+def get_device_spec(name):
+    from lightning_hetermoe.cluster.devices import get_device
+
+    return get_device(name)
+
+
+@pytest.mark.slow
+def test_an_emulated_run_on_two_nodes_tracks_the_simulator_with_the_network_in_its_clock(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "recipes" / "train.py"), "cluster=emu_n2_a40_v100", "strategy.mode=zebra",
+         "trainer.max_steps=3", "trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0",
+         "final_validation=false", "logger=none", f"hydra.run.dir={tmp_path}"],
+        cwd=root, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert summary["world_size"] == 4 and plan["nodes"] == [0, 0, 1, 1]
+    assert "over the network" in proc.stdout
+    assert abs(summary["step_time_rel_error"]) < 0.25, summary

@@ -192,9 +192,6 @@ class ClusterConfig:
                               f"e.g. ib_hdr, or {{bandwidth_gbps: ..., latency_us: ...}})")
         if self.network is not None:
             self.network = LinkConfig.build(self.network, "cluster.network")
-        if self.emulate and len(nodes) > 1:
-            raise ConfigError(f"cluster.emulate is true on {len(nodes)} nodes: emulated runs play one node; plan a "
-                              f"cluster of nodes (recipes/plan.py), or train it on its machines")
 
     @property
     def num_nodes(self) -> int:

@@ -61,6 +61,30 @@ class Topology:
             hops.append(self.network)
         return slowest(hops)
 
+    def matrix_legs(self, rows: Sequence[Sequence[float]],
+                    groups: Sequence[Sequence[int]]) -> list[tuple[float, LinkConfig]]:
+        """The busiest rows on each link of one exchange leg: ``rows[s][d]`` are the rows
+        member ``s`` of a group sends member ``d``; ``groups`` lists each group's global ranks
+        in the same member order (every group is taken to move what this one moves). Inside
+        a node, the busiest member's rows to and from the node's other members over the
+        node's link; across nodes, each node's rows out or in, every group's together, over
+        its network port."""
+        n = len(rows)
+        nodes = self.num_nodes
+        intra = [0.0] * nodes
+        out, inn = [0.0] * nodes, [0.0] * nodes
+        for ranks in groups:
+            at = [self.node_of[r] for r in ranks]
+            for s in range(n):
+                sent = sum(rows[s][d] for d in range(n) if d != s and at[d] == at[s])
+                got = sum(rows[d][s] for d in range(n) if d != s and at[d] == at[s])
+                intra[at[s]] = max(intra[at[s]], sent, got)
+                out[at[s]] += sum(rows[s][d] for d in range(n) if at[d] != at[s])
+                inn[at[s]] += sum(rows[d][s] for d in range(n) if at[d] != at[s])
+        legs = [(x, self.links[k]) for k, x in enumerate(intra) if x > 0]
+        legs += [(max(o, i), self.network) for o, i in zip(out, inn) if max(o, i) > 0]
+        return legs
+
     def describe(self) -> str:
         """One line per node for plan tables."""
         out = []

@@ -99,10 +99,13 @@ class Emulator:
     thread-pool start-up), only counted."""
 
     def __init__(self, device, timer, *, link, time_scale: float = 1.0, token_scale: float = 1.0,
-                 warmup_calls: int = 1, sleep: Callable[[float], None] = time.sleep) -> None:
+                 warmup_calls: int = 1, sleep: Callable[[float], None] = time.sleep, topology: Any = None,
+                 rank: int = 0) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale={time_scale!r} is invalid: must be > 0")
         self.device, self.timer, self.link = device, timer, link
+        # which link each transfer crosses (None: every transfer on ``link``), and this rank
+        self.topology, self.rank = topology, rank
         self.time_scale, self.token_scale = float(time_scale), float(token_scale)
         self.warmup_calls = warmup_calls
         self._sleep = sleep
@@ -128,13 +131,44 @@ class Emulator:
         """One leg of an exchange whose busiest link moves ``rows`` token rows."""
         return self.time_scale * self.timer.transfer(rows * self.token_scale, self.link)
 
-    def tail(self, *, experts_held: int, has_attention: bool, replicas: int, attention_dp: int) -> float:
-        """Gradient all-reduce and optimizer step of what this rank holds (as the simulator)."""
+    def transfer_legs(self, legs) -> float:
+        """One leg of an exchange that moves ``rows`` on each ``(rows, link)``: the slowest."""
+        return self.time_scale * max((self.timer.transfer(rows * self.token_scale, link) for rows, link in legs),
+                                     default=0.0)
+
+    def own_legs(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float]) -> list:
+        """This rank's rows of an exchange over ``ranks`` on each link: to and from its own
+        node's ranks over the node's link, the rest through the node's network port, which
+        every rank of the node loads alike (what the simulator's node sums give under even
+        routing)."""
+        topo = self.topology
+        node = topo.node_of[self.rank]
+        mine = list(ranks).index(self.rank)
+        near = [topo.node_of[r] == node and i != mine for i, r in enumerate(ranks)]
+        far = [topo.node_of[r] != node for r in ranks]
+        intra = max(sum(x for x, k in zip(send, near) if k), sum(x for x, k in zip(recv, near) if k))
+        inter = max(sum(x for x, k in zip(send, far) if k), sum(x for x, k in zip(recv, far) if k))
+        legs = [(intra, topo.links[node])] if intra else []
+        return legs + ([(inter * len(topo.node_ranks(node)), topo.network)] if inter else [])
+
+    @property
+    def nodes(self) -> int:
+        return self.topology.num_nodes if self.topology is not None else 1
+
+    def ring(self, ranks) -> Any:
+        """The link a ring over ``ranks`` runs at (the emulated link without a topology)."""
+        return self.topology.ring_link(list(ranks)) if self.topology is not None and ranks else self.link
+
+    def tail(self, *, experts_held: int, has_attention: bool, replicas: int, attention_dp: int,
+             replica_ranks=(), dense_ranks=()) -> float:
+        """Gradient all-reduce and optimizer step of what this rank holds (as the simulator):
+        each ring at its slowest hop when the ranks it runs over are given."""
         from ..simulate.step import step_tail
 
-        return self.time_scale * step_tail(self.timer, self.timer.model, self.device, self.link,
+        return self.time_scale * step_tail(self.timer, self.timer.model, self.device, self.ring(replica_ranks),
                                            experts_held=experts_held, has_attention=has_attention,
-                                           replicas=replicas, attention_dp=attention_dp)
+                                           replicas=replicas, attention_dp=attention_dp,
+                                           dense_link=self.ring(dense_ranks))
 
     # -- padding ---------------------------------------------------------------------------
     def now(self) -> float:
@@ -215,6 +249,9 @@ def rank_emulator(cluster: Any, rank: int, workload: EmulatedWorkload, warmup_ca
 
     if not 0 <= rank < cluster.world_size:
         raise ValueError(f"global_rank={rank} is outside cluster '{cluster.name}' of {cluster.world_size} ranks")
+    from ..cluster.topology import cluster_topology
+
     device = get_device(cluster.devices[rank], cluster.custom_devices)
     return Emulator(device, workload.timer, link=cluster.bottleneck_link, time_scale=cluster.time_scale,
-                    token_scale=workload.token_scale, warmup_calls=warmup_calls)
+                    token_scale=workload.token_scale, warmup_calls=warmup_calls,
+                    topology=cluster_topology(cluster), rank=rank)

@@ -286,8 +286,10 @@ def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: 
         if call is not None:
             call.enter_expert_path()
         me = getattr(disp, "rank", 0)
-        remote_rows = max(sum(send_splits) - send_splits[me], sum(recv_splits) - recv_splits[me])
-        seconds = em.transfer(remote_rows)
+        if em.nodes > 1:
+            seconds = em.transfer_legs(em.own_legs(disp.group.ranks, send_splits, recv_splits))
+        else:
+            seconds = em.transfer(max(sum(send_splits) - send_splits[me], sum(recv_splits) - recv_splits[me]))
 
         bwd = {}
 

@@ -68,6 +68,9 @@ class BusyMeter:
     def transfer(self, rows: float) -> float:
         return 0.0
 
+    # real links: no topology to price by
+    nodes = 1
+
     def pad(self, task: str, key: Any, started: Any, modelled: float, *,
             earlier: Sequence[tuple[Any, Any]] = ()) -> float:
         """Record the task's span (``started`` until now) and its ``earlier`` segments."""

@@ -146,8 +146,8 @@ class StrategyArguments:
         """A cluster of nodes runs as Lightning's nodes: as many, each with its devices
         (Lightning starts the same number of processes on every node)."""
         cluster = self.cluster
-        if cluster is None or not cluster.nodes:
-            return
+        if cluster is None or not cluster.nodes or (cluster.emulate and num_nodes == 1):
+            return  # an emulated cluster of nodes is played by the processes of one machine
         counts = [len(n.devices) for n in cluster.nodes]
         if num_nodes != cluster.num_nodes or any(c != per_node for c in counts):
             raise ConfigError(f"cluster '{cluster.name}' has {cluster.num_nodes} nodes of {counts} devices but the "

@@ -178,7 +178,8 @@ class RunClock:
         """After the optimizer: pad the tail (emulation), record the step's time and busy split."""
         if tail_started is not None and self.emulator is not None:
             modelled = self.emulator.tail(experts_held=tail.experts_held, has_attention=tail.has_attention,
-                                          replicas=tail.replicas, attention_dp=tail.attention_dp)
+                                          replicas=tail.replicas, attention_dp=tail.attention_dp,
+                                          replica_ranks=tail.replica_ranks, dense_ranks=tail.dense_ranks)
             self.emulator.pad("tail", "tail", tail_started, modelled)
         if self._step_started is None:
             return

@@ -57,6 +57,9 @@ class TailShape:
     has_attention: bool
     replicas: int
     attention_dp: int
+    # the global ranks of the rings: this rank's experts' replicas, the dense replicas
+    replica_ranks: tuple[int, ...] = ()
+    dense_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class DataCentricBackend(DenseDDPBackend):
     # -- timing -------------------------------------------------------------------------
     def tail_shape(self) -> TailShape:
         return TailShape(experts_held=sum(self.num_experts) // max(self.world_size, 1), has_attention=True,
-                         replicas=1, attention_dp=self.world_size)
+                         replicas=1, attention_dp=self.world_size, dense_ranks=tuple(range(self.world_size)))
 
     def simulated(self, placement=None) -> Simulated:
         return Simulated("datacentric", ep_size=self.world_size)

@@ -121,8 +121,10 @@ class ExpertParallelBackend(DenseDDPBackend):
     # -- timing -------------------------------------------------------------------------
     def tail_shape(self) -> TailShape:
         held = sum(layer.experts.num_local_experts for layer in self._layers)
+        me = self.rank % self.ep_size
         return TailShape(experts_held=held, has_attention=True, replicas=self.world_size // self.ep_size,
-                         attention_dp=self.world_size)
+                         attention_dp=self.world_size, dense_ranks=tuple(range(self.world_size)),
+                         replica_ranks=tuple(r for r in range(self.world_size) if r % self.ep_size == me))
 
     def simulated(self, placement: Placement | None = None) -> Simulated:
         return Simulated(self.schedule, ep_size=self.ep_size, placement=placement)

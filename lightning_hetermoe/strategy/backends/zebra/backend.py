@@ -382,7 +382,9 @@ class ZebraBackend(ParallelBackend):
         lay = self.layout
         return TailShape(experts_held=sum(len(lay.mine(l)) for l in range(lay.num_layers)),
                          has_attention=lay.is_attention, replicas=len(self.plan.zp_groups),
-                         attention_dp=len(self.plan.attention_ranks))
+                         attention_dp=len(self.plan.attention_ranks),
+                         replica_ranks=tuple(ranks[lay.my_group_rank] for ranks in lay.every_group_ranks()),
+                         dense_ranks=tuple(self.plan.attention_ranks))
 
     def simulated(self, placement: Placement | None = None) -> Simulated:
         return Simulated(self.schedule, plan=self.plan, placement=placement)

@@ -50,6 +50,12 @@ class Layout:
     def num_experts(self) -> int:
         return len(self.placement[0])
 
+    def every_group_ranks(self) -> list[list[int]]:
+        """Each ZP group's global ranks in this group's group-rank order (a member of every
+        group at the plan position of this group's member)."""
+        at = [self.members.index(r) for r in self.group_ranks]
+        return [[g.members[p] for p in at] for g in self.plan.zp_groups]
+
     def group_rank(self, global_rank: int) -> int:
         return self.group_ranks.index(global_rank)
 
