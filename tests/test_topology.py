@@ -283,10 +283,18 @@ def test_an_exchange_matrix_is_priced_link_by_link_and_each_rank_sees_its_own_pa
     assert sorted(r for r, x in doubled if x is net) == [60, 60] and max(r for r, x in doubled if x is pcie) == 3
     # a rank of a symmetric exchange: its node link part, and the port its node's ranks load alike
     even = [[0 if s == d else 4 for d in range(4)] for s in range(4)]
-    em = Emulator(get_device_spec("a40"), make_timer(workload_model("d1"), 8192), link=net, topology=topo, rank=1)
-    mine = em.own_legs([0, 1, 2, 3], even[1], [even[s][1] for s in range(4)])
+    timer = make_timer(workload_model("d1"), 8192)
+    em = Emulator(get_device_spec("a40"), timer, link=net, topology=topo, rank=1)
     whole = {(r, x.kind) for r, x in topo.matrix_legs(even, [[0, 1, 2, 3]]) if x is not nv}
-    assert sorted((r, x.kind) for r, x in mine) == sorted(whole) == [(4, "pcie4"), (16, "ethernet25")]
+    assert sorted(whole) == [(4, "pcie4"), (16, "ethernet25")]
+    mine = em.exchange_seconds([0, 1, 2, 3], even[1], [even[s][1] for s in range(4)])
+    assert mine == max(timer.transfer(4, pcie), timer.transfer(16, net)) > 0
+    # without a topology every transfer is on the one link, as before nodes existed
+    flat_em = Emulator(get_device_spec("a40"), timer, link=pcie, rank=1)
+    send, recv = rows[1], [rows[s][1] for s in range(4)]
+    assert flat_em.exchange_seconds([0, 1, 2, 3], send, recv) == flat_em.transfer(
+        max(sum(send) - send[1], sum(recv) - recv[1]))
+    assert flat_em.round_seconds(rows, [[0, 1, 2, 3]]) == flat_em.transfer(max(off_sent, off_recv))
 
 
 def get_device_spec(name):

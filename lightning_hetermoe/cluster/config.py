@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
 
 from ..config import ConfigError, from_cfg, workload_model
@@ -36,8 +36,10 @@ class LinkConfig:
     bandwidth_gbps: float | None = None
     latency_us: float | None = None
     kind: str | None = None
+    # the field errors name (not a field of the YAML)
+    where: InitVar[str] = "cluster.link"
 
-    def __post_init__(self, where: str = "cluster.link") -> None:
+    def __post_init__(self, where: str) -> None:
         if self.kind is not None:
             key = str(self.kind).lower()
             if key not in KNOWN_LINKS:
@@ -69,11 +71,7 @@ class LinkConfig:
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {unknown}; valid fields are ['bandwidth_gbps', 'kind', "
                               f"'latency_us']")
-        link = cls.__new__(cls)
-        link.bandwidth_gbps, link.latency_us, link.kind = (value.get("bandwidth_gbps"), value.get("latency_us"),
-                                                           value.get("kind"))
-        link.__post_init__(where)
-        return link
+        return cls(**value, where=where)
 
     def describe(self) -> str:
         name = f"{self.kind}, " if self.kind else ""

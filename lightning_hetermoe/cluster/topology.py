@@ -85,17 +85,6 @@ class Topology:
         legs += [(max(o, i), self.network) for o, i in zip(out, inn) if max(o, i) > 0]
         return legs
 
-    def describe(self) -> str:
-        """One line per node for plan tables."""
-        out = []
-        for n, link in enumerate(self.links):
-            ranks = self.node_ranks(n)
-            name = self.names[n] if n < len(self.names) and self.names[n] else f"node {n}"
-            out.append(f"{name}: ranks {_span(ranks)} over {link.describe()}")
-        if self.network is not None and self.num_nodes > 1:
-            out.append(f"network between nodes: {self.network.describe()} per node")
-        return "\n".join(out)
-
 
 def cluster_topology(cluster: ClusterConfig) -> Topology:
     """The topology a cluster config describes (a flat device list: one node)."""
@@ -113,12 +102,6 @@ def as_topology(link_or_topology: LinkConfig | Topology | None, world_size: int)
             raise ValueError(f"the topology has {link_or_topology.world_size} ranks, the step needs {world_size}")
         return link_or_topology
     return Topology.flat(link_or_topology if link_or_topology is not None else LinkConfig(), world_size)
-
-
-def _span(ranks: list[int]) -> str:
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
-    return ",".join(map(str, ranks))
 
 
 def intra_link_kind(device_name: str, compute_capability: tuple[int, int]) -> str:
@@ -146,20 +129,3 @@ def topology_from_hosts(hosts: Sequence[str], device_names: Sequence[str],
     return Topology(node_of=node_of, links=links,
                     network=(network or LinkConfig(kind="ethernet100")) if len(order) > 1 else None,
                     names=tuple(order))
-
-
-def detect_topology() -> Topology:
-    """Every rank's hostname and GPU (marketing name, compute capability) gathered (a
-    collective: every rank calls it, with CUDA), then :func:`topology_from_hosts`."""
-    import socket
-
-    import torch
-    import torch.distributed as dist
-
-    p = torch.cuda.get_device_properties(torch.cuda.current_device())
-    mine = (socket.gethostname(), p.name, (int(p.major), int(p.minor)))
-    rows = [mine]
-    if dist.is_available() and dist.is_initialized():
-        rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, mine)
-    return topology_from_hosts([r[0] for r in rows], [r[1] for r in rows], [tuple(r[2]) for r in rows])

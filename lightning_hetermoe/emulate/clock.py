@@ -131,17 +131,27 @@ class Emulator:
         """One leg of an exchange whose busiest link moves ``rows`` token rows."""
         return self.time_scale * self.timer.transfer(rows * self.token_scale, self.link)
 
-    def transfer_legs(self, legs) -> float:
-        """One leg of an exchange that moves ``rows`` on each ``(rows, link)``: the slowest."""
+    def _legs_seconds(self, legs) -> float:
+        """An exchange leg that moves ``rows`` on each ``(rows, link)``: its slowest link."""
         return self.time_scale * max((self.timer.transfer(rows * self.token_scale, link) for rows, link in legs),
                                      default=0.0)
 
-    def own_legs(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float]) -> list:
-        """This rank's rows of an exchange over ``ranks`` on each link: to and from its own
-        node's ranks over the node's link, the rest through the node's network port, which
-        every rank of the node loads alike (what the simulator's node sums give under even
+    def _topology(self, ranks: Sequence[int]):
+        from ..cluster.topology import Topology
+
+        return self.topology or Topology.flat(self.link, max(ranks) + 1)
+
+    def round_seconds(self, rows: Sequence[Sequence[float]], groups: Sequence[Sequence[int]]) -> float:
+        """A round of a group's exchange from its whole matrix (``rows[s][d]``, members in
+        the order of each of ``groups``' ranks), every group taken to move the same."""
+        return self._legs_seconds(self._topology([r for g in groups for r in g]).matrix_legs(rows, groups))
+
+    def exchange_seconds(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float]) -> float:
+        """An exchange over ``ranks`` from this rank's own rows: those to and from its node's
+        ranks over the node's link, the rest through the node's network port, which every
+        rank of the node loads alike (what the simulator's node sums give under even
         routing)."""
-        topo = self.topology
+        topo = self._topology(ranks)
         node = topo.node_of[self.rank]
         mine = list(ranks).index(self.rank)
         near = [topo.node_of[r] == node and i != mine for i, r in enumerate(ranks)]
@@ -149,15 +159,11 @@ class Emulator:
         intra = max(sum(x for x, k in zip(send, near) if k), sum(x for x, k in zip(recv, near) if k))
         inter = max(sum(x for x, k in zip(send, far) if k), sum(x for x, k in zip(recv, far) if k))
         legs = [(intra, topo.links[node])] if intra else []
-        return legs + ([(inter * len(topo.node_ranks(node)), topo.network)] if inter else [])
-
-    @property
-    def nodes(self) -> int:
-        return self.topology.num_nodes if self.topology is not None else 1
+        return self._legs_seconds(legs + ([(inter * len(topo.node_ranks(node)), topo.network)] if inter else []))
 
     def ring(self, ranks) -> Any:
         """The link a ring over ``ranks`` runs at (the emulated link without a topology)."""
-        return self.topology.ring_link(list(ranks)) if self.topology is not None and ranks else self.link
+        return self._topology(ranks).ring_link(list(ranks)) if ranks else self.link
 
     def tail(self, *, experts_held: int, has_attention: bool, replicas: int, attention_dp: int,
              replica_ranks=(), dense_ranks=()) -> float:

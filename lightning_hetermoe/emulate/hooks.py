@@ -285,11 +285,7 @@ def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: 
         call = current[-1] if current else None
         if call is not None:
             call.enter_expert_path()
-        me = getattr(disp, "rank", 0)
-        if em.nodes > 1:
-            seconds = em.transfer_legs(em.own_legs(disp.group.ranks, send_splits, recv_splits))
-        else:
-            seconds = em.transfer(max(sum(send_splits) - send_splits[me], sum(recv_splits) - recv_splits[me]))
+        seconds = em.exchange_seconds(disp.group.ranks, send_splits, recv_splits)
 
         bwd = {}
 

@@ -65,11 +65,8 @@ class BusyMeter:
     def experts(self, counts, backward: bool = False) -> float:
         return 0.0
 
-    def transfer(self, rows: float) -> float:
+    def exchange_seconds(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float]) -> float:
         return 0.0
-
-    # real links: no topology to price by
-    nodes = 1
 
     def pad(self, task: str, key: Any, started: Any, modelled: float, *,
             earlier: Sequence[tuple[Any, Any]] = ()) -> float:

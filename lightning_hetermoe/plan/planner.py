@@ -87,7 +87,6 @@ class _Search:
         self.profile: Profile | None = getattr(timer, "profile", None)
         self.last_error = ""
         self.errors: list[str] = []
-        self._speeds: dict[str, float] = {}
 
     # ---- building blocks -----------------------------------------------------------------
     def role_order(self) -> list[int]:
@@ -154,7 +153,7 @@ class _Search:
             self.last_error = f"{self.total} sequences cannot feed {G} ZP groups"
             return None
         g0 = groups[0]
-        speeds = [self.speed(devs[r]) for r in g0.attention_ranks]
+        speeds = [ep_speed(devs[r], self.timer, m, S) for r in g0.attention_ranks]
         member_seqs = apportion(group_seqs, speeds)
         if R > max(member_seqs):
             return None
@@ -228,11 +227,6 @@ class _Search:
             nodes=list(self.view.topology.node_of) if self.view.topology.num_nodes > 1 else [],
         )
         return plan
-
-    def speed(self, dev: DeviceSpec) -> float:
-        if dev.name not in self._speeds:
-            self._speeds[dev.name] = ep_speed(dev, self.timer, self.model, self.S)
-        return self._speeds[dev.name]
 
     def profile_cap(self, dev: DeviceSpec, modelled: int, role: str) -> int:
         """A measured capacity (profile) bounds the modelled one: the smaller wins."""

@@ -100,6 +100,7 @@ class StepSetup:
     dense_ranks: list[int] | None = None
     topology: Topology = field(init=False, repr=False, compare=False)
     _lane_nodes: list | None = field(default=None, init=False, repr=False, compare=False)
+    _legs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
@@ -124,6 +125,15 @@ class StepSetup:
                 out.append(per_lane)
             self._lane_nodes = out
         return self._lane_nodes
+
+    def exchange(self, layer: int, tokens: list[float]) -> tuple[list[tuple[float, LinkConfig]], float]:
+        """:func:`exchange_legs`, once per distinct leg: under even routing, layers whose
+        lanes hold as many experts move the same rows for the same tokens."""
+        held = (layer,) if self.expert_load is not None else tuple(lane.experts[layer] for lane in self.lanes)
+        key = (held, tuple(tokens))
+        if key not in self._legs:
+            self._legs[key] = exchange_legs(self, layer, list(tokens))
+        return self._legs[key]
 
     def replicas_of(self, rank: int) -> list[int]:
         return self.replica_ranks.get(rank, [rank]) if self.replica_ranks else [rank]
@@ -303,7 +313,7 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
     """One leg of a round: the slowest of its links (see :func:`exchange_legs`), each
     latency + its busiest rows over its bandwidth."""
-    legs, _ = exchange_legs(setup, layer, tokens)
+    legs, _ = setup.exchange(layer, tokens)
     return max((timer.transfer(rows, link) for rows, link in legs), default=0.0)
 
 
@@ -316,9 +326,8 @@ def network_rows(setup: StepSetup) -> float:
     S, R = setup.seq_len, setup.num_microbatches
     tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in setup.lanes]
     if setup.schedule is not None:
-        return sum(2 * exchange_legs(setup, r.layer, [t[r.mb] for t in tok])[1] for r in setup.schedule.rounds)
-    return sum(4 * exchange_legs(setup, l, [t[j] for t in tok])[1]
-               for l in range(setup.model.n_layers) for j in range(R))
+        return sum(2 * setup.exchange(r.layer, [t[r.mb] for t in tok])[1] for r in setup.schedule.rounds)
+    return sum(4 * setup.exchange(l, [t[j] for t in tok])[1] for l in range(setup.model.n_layers) for j in range(R))
 
 
 def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
@@ -341,23 +350,15 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         ids[key] = len(tasks) - 1
         return ids[key]
 
-    memo: dict[tuple, float] = {}
-
-    def expert(dev: DeviceSpec, n: float, backward: bool) -> float:
-        key = (dev.name, n, backward)
-        if key not in memo:
-            memo[key] = timer.expert(dev, n, backward=backward)
-        return memo[key]
-
     def task_duration(i: int, t: ScheduleTask) -> float:
         dev, n = lanes[i].device, tok[i][t.mb]
-        if t.kind in ("attn_fwd", "attn_bwd", "head"):
-            key = (dev.name, n, t.kind)
-            if key not in memo:
-                memo[key] = (timer.head(dev, n, forward_only=sched.kind == "forward") if t.kind == "head"
-                             else timer.attention(dev, n, backward=t.kind == "attn_bwd"))
-            return memo[key]
-        return sum(expert(dev, n, t.kind == "expert_bwd")
+        if t.kind == "attn_fwd":
+            return timer.attention(dev, n)
+        if t.kind == "attn_bwd":
+            return timer.attention(dev, n, backward=True)
+        if t.kind == "head":
+            return timer.head(dev, n, forward_only=sched.kind == "forward")
+        return sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
                    for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
 
     policies: dict[str, str] = {}
@@ -367,20 +368,10 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         policies[res] = "order"
         for pos, t in enumerate(orders[i]):
             add((i, t), str(t), res, task_duration(i, t), (pos,), t.kind, t.layer, t.mb)
-    legs: dict[tuple, float] = {}
-
-    def leg(layer: int, mb: int) -> float:
-        # even routing: layers whose lanes hold as many experts share their legs
-        held = (layer,) if setup.expert_load is not None else tuple(lane.experts[layer] for lane in lanes)
-        key = (held, tuple(tok[i][mb] for i in range(len(lanes))))
-        if key not in legs:
-            legs[key] = round_transfer_time(setup, timer, layer, list(key[1]))
-        return legs[key]
-
     for chan, label in (("a2e", "D"), ("e2a", "C")):
         policies[chan] = "order"
         for pos, r in enumerate(sched.rounds):
-            dur = leg(r.layer, r.mb)
+            dur = round_transfer_time(setup, timer, r.layer, [tok[i][r.mb] for i in range(len(lanes))])
             add((chan, r), f"{label}{r.phase[0]}{r.layer}.{r.mb}", chan, dur, (pos,),
                 "dispatch" if chan == "a2e" else "combine", r.layer, r.mb)
     policies["dense"] = "order"

@@ -113,13 +113,19 @@ def run_devices(cluster: ClusterConfig | None, device: torch.device, world_size:
 def run_topology(cluster: ClusterConfig | None, device: torch.device) -> Any:
     """What the run's transfers cross: the cluster config's nodes, or on GPUs without one
     the nodes found from every rank's hostname (a collective); ``None``: one node."""
-    from ..cluster.topology import cluster_topology, detect_topology
+    import socket
+
+    from .. import comm
+    from ..cluster.topology import cluster_topology, topology_from_hosts
 
     if cluster is not None:
         return cluster_topology(cluster)
-    if device.type == "cuda":
-        return detect_topology()
-    return None
+    if device.type != "cuda":
+        return None
+    p = torch.cuda.get_device_properties(device)
+    rows = comm.gather_objects(comm.world(), (socket.gethostname(), p.name, (int(p.major), int(p.minor))),
+                               what="strategy.hosts")
+    return topology_from_hosts([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
 def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:

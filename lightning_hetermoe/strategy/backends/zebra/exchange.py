@@ -259,14 +259,7 @@ class Exchange:
         key = (r.layer, r.mb)
         if key not in self._seconds:
             _, rows = self._round_sizes(r)
-            G = self.G
-            if self.emulator.nodes > 1:
-                self._seconds[key] = self.emulator.transfer_legs(
-                    self.emulator.topology.matrix_legs(rows, self.lay.every_group_ranks()))
-            else:
-                off_sent = max(sum(rows[s]) - rows[s][s] for s in range(G))
-                off_recv = max(sum(rows[s][d] for s in range(G)) - rows[d][d] for d in range(G))
-                self._seconds[key] = self.emulator.transfer(max(off_sent, off_recv))
+            self._seconds[key] = self.emulator.round_seconds(rows, self.lay.every_group_ranks())
         return self._seconds[key]
 
     def _arrive(self, channel: str, r: Round, sent_at: float | None) -> None:
