@@ -15,6 +15,13 @@ same order). On CUDA the device side is NCCL and the host side gloo; on CPU both
 still two process groups, so which traffic went where stays checkable on a machine
 without a GPU.
 
+**Two vendors in one job** (NVIDIA and AMD, as HETHUB trains): their device libraries
+(NCCL, RCCL) cannot form one communicator. :func:`configure` takes each rank's vendor; a
+group whose members are all of one vendor keeps its device side, a group that spans
+vendors gets a *staged* device side instead: a gloo group, each tensor copied to host
+memory, sent, and copied back. Every recorded call names its path (``device``,
+``staged`` or ``host``), so a test can check that no device communicator spans vendors.
+
 :func:`record` turns on a per-process recorder of every call (group, traffic, operation,
 sizes); :func:`check_sequences` compares the recordings of all ranks: on every group,
 every member must issue the same sequence of collectives with matching sizes (NCCL's
@@ -39,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 HOST, DEVICE = "host", "device"
+STAGED = "staged"  # a device tensor through host memory on gloo (a group spanning vendors)
 
 
 class CommError(RuntimeError):
@@ -55,6 +63,7 @@ class Group:
     device: Any = None
     host: Any = None
     member: bool = False
+    staged: bool = False  # the members span vendors: device traffic goes through host memory
 
     @property
     def size(self) -> int:
@@ -81,12 +90,15 @@ class Call:
     out_splits: tuple[int, ...] | None = None  # all_to_all: rows this rank receives from each member
     in_splits: tuple[int, ...] | None = None  # all_to_all: rows this rank sends to each member
     device: str = ""
+    path: str = ""  # device | staged | host: which communicator carried it
 
 
 @dataclass
 class _State:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     world: Group | None = None
+    default: Any = None  # the default process group the world was built in
+    vendors: tuple[str, ...] = ()  # per global rank, where they differ (else empty)
     recording: list[Call] | None = None
     stream: Any = None  # the communication stream (CUDA)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -96,18 +108,38 @@ _state = _State()
 
 
 # -- set-up ---------------------------------------------------------------------------
-def configure(device: torch.device) -> None:
-    """At process-group set-up, on every rank: the compute device, and the world's host
-    group (built once per process group; a collective)."""
+def configure(device: torch.device, vendors: Sequence[str] | None = None) -> None:
+    """At process-group set-up, on every rank: the compute device, each rank's vendor where
+    the job mixes them (see the module's doc), and the world's groups (built once per
+    process group; a collective)."""
     _state.device = torch.device(device)
     if _state.device.type == "cuda" and _state.stream is None:
         _state.stream = torch.cuda.Stream(device=_state.device)
-    if _state.world is not None and _state.world.device is dist.group.WORLD:
-        return
     world = tuple(range(dist.get_world_size()))
+    if vendors is not None and len(vendors) != len(world):
+        raise CommError(f"comm.configure: {len(vendors)} vendors for a world of {len(world)} ranks")
+    mixed = tuple(vendors) if vendors is not None and len(set(vendors)) > 1 else ()
+    if _state.world is not None and _state.default is dist.group.WORLD and (vendors is None or mixed == _state.vendors):
+        return
+    _state.default, _state.vendors = dist.group.WORLD, mixed
     # even where the default group is gloo, host traffic gets its own group
-    _state.world = Group("world", world, device=dist.group.WORLD, host=dist.new_group(list(world), backend="gloo"),
-                         member=True)
+    host = dist.new_group(list(world), backend="gloo")
+    if _state.vendors:
+        # the default group of a mixed-vendor job is gloo (the strategy asks for it): its own
+        # gloo group carries the world's staged device traffic
+        _state.world = Group("world", world, device=dist.new_group(list(world), backend="gloo"), host=host,
+                             member=True, staged=True)
+    else:
+        _state.world = Group("world", world, device=dist.group.WORLD, host=host, member=True)
+
+
+def vendors() -> tuple[str, ...]:
+    """Each rank's vendor where the job mixes them; empty where it does not."""
+    return _state.vendors
+
+
+def spans_vendors(ranks: Sequence[int]) -> bool:
+    return bool(_state.vendors) and len({_state.vendors[r] for r in ranks}) > 1
 
 
 def compute_device() -> torch.device:
@@ -117,7 +149,7 @@ def compute_device() -> torch.device:
 def world() -> Group:
     """Every rank. Configured by the strategy when its process group starts; under another
     strategy, on first use (a collective: every rank reaches it at the same point)."""
-    if _state.world is None or _state.world.device is not dist.group.WORLD:
+    if _state.world is None or _state.default is not dist.group.WORLD:
         if not (dist.is_available() and dist.is_initialized()):
             raise CommError("lightning_hetermoe.comm: no process group is running")
         nccl = dist.get_backend() == "nccl"
@@ -127,17 +159,27 @@ def world() -> Group:
 
 def forget() -> None:
     """The process group ended: its groups are gone."""
-    _state.world = None
+    _state.world = _state.default = None
+    _state.vendors = ()
 
 
 def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: bool = False) -> Group:
-    """Build ``name`` over ``ranks`` (a collective over the world: call on every rank)."""
+    """Build ``name`` over ``ranks`` (a collective over the world: call on every rank). A
+    group spanning vendors gets a staged device side (gloo); one vendor's group the
+    device backend (NCCL on CUDA, whatever the default group is)."""
     ranks = tuple(sorted(ranks))
     me = dist.get_rank()
-    dev = dist.new_group(list(ranks)) if device else None
+    staged = device and spans_vendors(ranks)
+    if not device:
+        dev = None
+    elif staged:
+        dev = dist.new_group(list(ranks), backend="gloo")
+    else:
+        dev = dist.new_group(list(ranks), backend="nccl" if _state.device.type == "cuda" else None)
     hst = dist.new_group(list(ranks), backend="gloo") if host else None
     member = me in ranks
-    return Group(name, ranks, device=dev if member else None, host=hst if member else None, member=member)
+    return Group(name, ranks, device=dev if member else None, host=hst if member else None, member=member,
+                 staged=staged)
 
 
 # -- recording ------------------------------------------------------------------------
@@ -155,11 +197,12 @@ def record() -> Iterator[list[Call]]:
 def _note(group: Group, traffic: str, op: str, what: str, t: Tensor | None, out_splits=None, in_splits=None) -> None:
     if _state.recording is None:
         return
+    path = HOST if traffic == HOST else STAGED if group.staged else DEVICE
     _state.recording.append(Call(group.name, group.ranks, traffic, op, what, group.rank,
                                  str(t.dtype) if t is not None else "", tuple(t.shape) if t is not None else (),
                                  tuple(out_splits) if out_splits is not None else None,
                                  tuple(in_splits) if in_splits is not None else None,
-                                 str(t.device) if t is not None else ""))
+                                 str(t.device) if t is not None else "", path))
 
 
 def check_sequences(per_rank: Sequence[Sequence[Call]]) -> list[str]:
@@ -274,27 +317,85 @@ def issuing(after: Sequence[Tensor] = ()) -> Iterator[None]:
 
 
 # -- device traffic -------------------------------------------------------------------
+# A staged group (its members span vendors) carries device tensors through host memory:
+# copy out, the gloo collective, copy back. Synchronous by nature (the host waits for the
+# copies); an asynchronous caller gets a Pending that orders its stream after the copy back.
+def _host(t: Tensor) -> Tensor:
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def _host_like(t: Tensor) -> Tensor:
+    """Where a staged collective writes what ``t`` will hold."""
+    return t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+
+def _back(t: Tensor, host: Tensor) -> None:
+    if host is not t:
+        t.copy_(host)
+
+
+class _CopiedBack:
+    """The staged collective's result is in place: on CUDA the waiting stream is ordered
+    after the copy back (queued on the stream current at issue)."""
+
+    def __init__(self) -> None:
+        self.event = None
+        if _state.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream(_state.device).wait_event(self.event)
+
+    def is_completed(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def _done(group: Group, work: Any, keep: tuple, what: str, async_op: bool) -> Pending | None:
+    if not async_op:
+        return None
+    return Pending(_CopiedBack() if group.staged else work, keep, what)
+
+
 def all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], *,
                what: str, async_op: bool = False) -> Pending | None:
     """Uneven all-to-all of rows: ``out_splits[j]`` rows arrive from member ``j``,
     ``in_splits[j]`` rows of ``inp`` go to member ``j``."""
     pg = _check(group, DEVICE, what, out, inp)
     _note(group, DEVICE, "all_to_all", what, inp, out_splits, in_splits)
+    if group.staged:
+        host = _host_like(out)
+        dist.all_to_all_single(host, _host(inp), list(out_splits), list(in_splits), group=pg)
+        _back(out, host)
+        return _done(group, None, (out, inp), what, async_op)
     work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=pg, async_op=async_op)
-    return Pending(work, (out, inp), what) if async_op else None
+    return _done(group, work, (out, inp), what, async_op)
 
 
 def all_reduce(group: Group, t: Tensor, *, what: str, op: Any = None, async_op: bool = False) -> Pending | None:
     """Sum (or ``op``) of ``t`` over the group, in place."""
     pg = _check(group, DEVICE, what, t)
     _note(group, DEVICE, "all_reduce", what, t)
-    work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=pg, async_op=async_op)
-    return Pending(work, (t,), what) if async_op else None
+    op = op if op is not None else dist.ReduceOp.SUM
+    if group.staged:
+        host = _host(t)
+        dist.all_reduce(host, op=op, group=pg)
+        _back(t, host)
+        return _done(group, None, (t,), what, async_op)
+    work = dist.all_reduce(t, op=op, group=pg, async_op=async_op)
+    return _done(group, work, (t,), what, async_op)
 
 
 def all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str) -> None:
     pg = _check(group, DEVICE, what, t, *outs)
     _note(group, DEVICE, "all_gather", what, t)
+    if group.staged:
+        hosts = [_host_like(o) for o in outs]
+        dist.all_gather(hosts, _host(t), group=pg)
+        for o, h in zip(outs, hosts):
+            _back(o, h)
+        return
     dist.all_gather(outs, t, group=pg)
 
 
@@ -302,14 +403,24 @@ def all_gather_into(group: Group, out: Tensor, t: Tensor, *, what: str, async_op
     """Every member's equal-sized ``t`` into ``out`` (``size * t.numel()``), in rank order."""
     pg = _check(group, DEVICE, what, out, t)
     _note(group, DEVICE, "all_gather_into", what, t)
+    if group.staged:
+        host = _host_like(out)
+        dist.all_gather_single(host, _host(t), group=pg)
+        _back(out, host)
+        return _done(group, None, (out, t), what, async_op)
     work = dist.all_gather_single(out, t, group=pg, async_op=async_op)
-    return Pending(work, (out, t), what) if async_op else None
+    return _done(group, work, (out, t), what, async_op)
 
 
 def reduce_scatter(group: Group, out: Tensor, t: Tensor, *, what: str) -> None:
     """Sum of ``t`` (``size * out.numel()``) over the group; member ``i`` keeps chunk ``i``."""
     pg = _check(group, DEVICE, what, out, t)
     _note(group, DEVICE, "reduce_scatter", what, t)
+    if group.staged:
+        host = _host_like(out)
+        dist.reduce_scatter_single(host, _host(t), group=pg)
+        _back(out, host)
+        return
     dist.reduce_scatter_single(out, t, group=pg)
 
 
@@ -317,7 +428,21 @@ def broadcast(group: Group, t: Tensor, src: int, *, what: str) -> None:
     """``src`` is a global rank."""
     pg = _check(group, DEVICE, what, t)
     _note(group, DEVICE, "broadcast", what, t)
-    dist.broadcast(t, src=src, group=pg)
+    host = _host(t) if group.staged else t
+    dist.broadcast(host, src=src, group=pg)
+    _back(t, host)
+
+
+def ddp_allreduce_hook(group: Group, bucket):  # DDP rejects annotations it cannot resolve
+    """A DDP comm hook: each gradient bucket's mean over ``group`` through this module (so
+    staged where the replicas span vendors, and recorded), as DDP's own all-reduce does it
+    (divided first, then summed)."""
+    t = bucket.buffer()
+    t.div_(group.size)
+    all_reduce(group, t, what="ddp.grads")
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(t)
+    return done
 
 
 # -- host traffic ---------------------------------------------------------------------

@@ -24,6 +24,9 @@ KNOWN_LINKS: dict[str, tuple[float, float]] = {
     "ib_edr": (100.0, 5.0),
     "ib_hdr": (200.0, 5.0),
     "ib_ndr": (400.0, 5.0),
+    # between GPUs of two vendors: a copy to host memory, gloo, a copy back (two PCIe 4
+    # crossings and a TCP transport in series; gloo's start-up is tens of microseconds)
+    "host_staged": (100.0, 50.0),
 }
 
 

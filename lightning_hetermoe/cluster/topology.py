@@ -87,12 +87,28 @@ class Topology:
 
 
 def cluster_topology(cluster: ClusterConfig) -> Topology:
-    """The topology a cluster config describes (a flat device list: one node)."""
-    if not cluster.nodes:
-        return Topology.flat(cluster.link, cluster.world_size)
-    node_of = tuple(n for n, node in enumerate(cluster.nodes) for _ in node.devices)
-    return Topology(node_of=node_of, links=tuple(node.link for node in cluster.nodes), network=cluster.network,
-                    names=tuple(node.name or "" for node in cluster.nodes))
+    """The topology a cluster config describes (a flat device list: one node).
+
+    Where the cluster mixes vendors, the device path ends at a vendor's GPUs: each node is
+    split into one island per vendor, and every transfer between islands (another vendor
+    on the node, or another node) is priced at the slower of the network and the
+    host-staged path (``host_staged``: what comm does between vendors). Pessimistic for
+    two nodes of one vendor, which NCCL would join at the network's own speed."""
+    nodes = cluster.nodes or [None]
+    links = [node.link if node is not None else cluster.link for node in nodes]
+    names = [(node.name or "") if node is not None else "" for node in nodes]
+    node_of = [n for n, node in enumerate(nodes) for _ in (node.devices if node is not None else cluster.devices)]
+    vendors = [spec.vendor for spec in cluster.specs()]
+    if len(set(vendors)) == 1:
+        if len(links) == 1:
+            return Topology.flat(links[0], cluster.world_size)
+        return Topology(node_of=tuple(node_of), links=tuple(links), network=cluster.network, names=tuple(names))
+    islands = list(dict.fromkeys(zip(node_of, vendors)))
+    staged = LinkConfig(kind="host_staged")
+    return Topology(node_of=tuple(islands.index(key) for key in zip(node_of, vendors)),
+                    links=tuple(links[n] for n, _ in islands),
+                    network=slowest([cluster.network, staged]) if cluster.network is not None else staged,
+                    names=tuple(f"{names[n] or f'node{n}'}/{v}" for n, v in islands))
 
 
 def as_topology(link_or_topology: LinkConfig | Topology | None, world_size: int) -> Topology:

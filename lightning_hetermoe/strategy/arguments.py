@@ -119,6 +119,26 @@ class StrategyArguments:
     def emulated(self) -> bool:
         return self.cluster is not None and self.cluster.emulate
 
+    @property
+    def vendors(self) -> list[str] | None:
+        """Each rank's vendor, from the cluster config or else the plan's devices (``None``:
+        neither names them; one vendor). Known before any process starts, as it must be:
+        a job mixing vendors needs a gloo default group (see :mod:`lightning_hetermoe.comm`)."""
+        if self.cluster is not None:
+            return [spec.vendor for spec in self.cluster.specs()]
+        if self.plan is not None:
+            from ..cluster.devices import get_device
+
+            try:
+                return [get_device(name).vendor for name in self.plan.devices]
+            except ValueError:
+                return None  # a plan made for custom devices: the cluster config names their vendors
+        return None
+
+    @property
+    def mixes_vendors(self) -> bool:
+        return len(set(self.vendors or ())) > 1
+
     # -- once the world is known --------------------------------------------------------
     def check_world(self, world_size: int, precision: str = "32-true") -> None:
         cluster, plan = self.cluster, self.plan

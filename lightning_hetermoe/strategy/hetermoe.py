@@ -162,7 +162,7 @@ class HeterMoEStrategy(DDPStrategy):
             if self.root_device.type == "cpu":
                 return_freed_memory()
             self.memory = self._memory_watch()
-        comm.configure(self.root_device)
+        comm.configure(self.root_device, self.args.vendors)
         heartbeat.ensure(self.global_rank, self.world_size, self.args.heartbeat_timeout_s, self.describe_rank,
                          on_silent=end_job_for_silent_peer)
 
@@ -332,8 +332,22 @@ class HeterMoEStrategy(DDPStrategy):
                 warm_up(*shape, device=self.root_device)
 
     @override
+    def _get_process_group_backend(self) -> str:
+        # NCCL and RCCL cannot form one communicator: a job mixing vendors starts on gloo
+        # and comm builds each vendor's device groups on its own backend
+        if self.args.mixes_vendors and self._process_group_backend is None:
+            return "gloo"
+        return super()._get_process_group_backend()
+
+    @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.backend.ddp_ignored(model))
+        if comm.world().staged:
+            # DDP's buckets through comm: staged where the replicas span vendors, and recorded
+            self._ddp_kwargs.setdefault("process_group", comm.world().device)
+            ddp = super()._setup_model(model)
+            ddp.register_comm_hook(comm.world(), comm.ddp_allreduce_hook)
+            return ddp
         return super()._setup_model(model)
 
     # -- the step -----------------------------------------------------------------------
