@@ -74,6 +74,7 @@ class StrategyArguments:
     require_expert_ranks: bool = True
     profile: Any = None
     heartbeat_timeout_s: float | None = 30.0
+    progress_timeout_s: float | None = 300.0
     allow_emulated_bf16: bool = False
     checkpoint_format: str = "sharded"
     shard_optimizer_state: bool = True
@@ -114,6 +115,10 @@ class StrategyArguments:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ConfigError(f"strategy heartbeat_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
                               f"null: no silent-rank detection)")
+        t = self.progress_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ConfigError(f"strategy progress_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
+                              f"null: no stuck-step detection)")
 
     @property
     def emulated(self) -> bool:

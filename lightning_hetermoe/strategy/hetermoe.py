@@ -47,6 +47,7 @@ from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
 from .memory_watch import MemoryWatch, optimizer_bytes_per_param, predict_rank, return_freed_memory
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
+from .progress import StepProgress
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
 from .run_clock import RunClock
 
@@ -66,6 +67,7 @@ class HeterMoEStrategy(DDPStrategy):
         require_expert_ranks: bool = True,
         profile: Any = None,
         heartbeat_timeout_s: float | None = 30.0,
+        progress_timeout_s: float | None = 300.0,
         allow_emulated_bf16: bool = False,
         checkpoint_format: str = "sharded",
         shard_optimizer_state: bool = True,
@@ -87,6 +89,7 @@ class HeterMoEStrategy(DDPStrategy):
                                       batch_split=batch_split, num_microbatches=num_microbatches, asym_ea=asym_ea,
                                       require_expert_ranks=require_expert_ranks, profile=profile,
                                       heartbeat_timeout_s=heartbeat_timeout_s,
+                                      progress_timeout_s=progress_timeout_s,
                                       allow_emulated_bf16=allow_emulated_bf16,
                                       checkpoint_format=checkpoint_format,
                                       shard_optimizer_state=shard_optimizer_state)
@@ -96,6 +99,7 @@ class HeterMoEStrategy(DDPStrategy):
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         self._sharding: OptimizerSharding | None = None  # dense optimizer state sharded over replicas
         self.memory: MemoryWatch | None = None  # this rank's memory: what it holds, its peak, its budget
+        self.progress: StepProgress | None = None  # this rank's steps, for the stuck-rank watchdog
         self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
@@ -163,8 +167,10 @@ class HeterMoEStrategy(DDPStrategy):
                 return_freed_memory()
             self.memory = self._memory_watch()
         comm.configure(self.root_device, self.args.vendors)
+        if self.progress is None and self.args.progress_timeout_s is not None:
+            self.progress = StepProgress(self.args.progress_timeout_s)
         heartbeat.ensure(self.global_rank, self.world_size, self.args.heartbeat_timeout_s, self.describe_rank,
-                         on_silent=end_job_for_silent_peer)
+                         on_silent=end_job_for_silent_peer, progress=self.progress)
 
     # -- set-up -------------------------------------------------------------------------
     # -- construction ---------------------------------------------------------------------
@@ -354,21 +360,26 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.clock.step_started()
+        if self.progress is not None:
+            self.progress.started(self.lightning_module.trainer.global_step)
         return self.backend.step(self.lightning_module, "training_step", super().training_step,
                                  self.precision_plugin, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._pause_progress()
         return self.backend.step(self.lightning_module, "validation_step", super().validation_step,
                                  self.precision_plugin, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._pause_progress()
         return self.backend.step(self.lightning_module, "test_step", super().test_step,
                                  self.precision_plugin, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._pause_progress()
         return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
                                  self.precision_plugin, args, kwargs)
 
@@ -412,7 +423,13 @@ class HeterMoEStrategy(DDPStrategy):
             self._expert_bias.update(self._sum_over_ranks)
         self.clock.step_ended(tail_started[0] if tail_started else None, self.backend.tail_shape())
         self.check_memory(f"in training step {self.lightning_module.trainer.global_step}")
+        if self.progress is not None:
+            self.progress.finished()
         return out
+
+    def _pause_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.pause()
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         # every rank that routes tokens holds part of the global batch; the others add zeros
@@ -555,6 +572,7 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._pause_progress()
         if self.backend is None:
             return
         # what an offline export to Hugging Face needs (python -m lightning_hetermoe.ckpt to-hf)
