@@ -521,6 +521,19 @@ def host_barrier(group: Group, *, what: str) -> None:
     dist.barrier(group=pg)
 
 
+# -- what travels ---------------------------------------------------------------------
+def wire_dtype(t: Tensor) -> torch.dtype:
+    """The dtype ``t``'s values travel in: the autocast dtype where autocast is on for its
+    device and ``t`` is a wider float (the receiver computes in it anyway: the same values,
+    half the bytes), else its own. Gradients of fp32 weights are synced in fp32."""
+    kind = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        if dtype.itemsize < t.dtype.itemsize:
+            return dtype
+    return t.dtype
+
+
 # -- host to device -------------------------------------------------------------------
 def to_device(t: Tensor, device: torch.device | None = None) -> Tensor:
     """A host tensor on the compute device without a host sync: from pinned memory,
