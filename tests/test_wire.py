@@ -13,7 +13,6 @@ from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig, comm
 from lightning_hetermoe.contract import describe_model
 from lightning_hetermoe.profile import CostModel
-from lightning_hetermoe.profile.memory import MemoryModel
 from reference import data, make_model, trainer
 from test_zebra import GLOBAL, WINDOWS, make_test_plan
 

@@ -183,6 +183,13 @@ class StrategyArguments:
 
     def check_model(self, model: Any, device: torch.device) -> None:
         """Everything about the model that can be checked before processes start."""
+        if getattr(model, "_compiler_ctx", None):  # Lightning's mark on a module it took from torch.compile
+            raise ConfigError(
+                "HeterMoEStrategy does not train a torch.compile'd LightningModule: the strategy swaps each MoE "
+                "layer's dispatcher after compile has traced it, and zebra runs each (layer, micro-batch) as its own "
+                "autograd task on several threads, which one compiled graph cannot follow. Pass the module itself; "
+                "compile parts inside it that hold no MoE layer (an attention block: block.attn = "
+                "torch.compile(block.attn)); the experts already run fused kernels")
         try:
             layers = moe_layers(model)
             if not layers and _builds_in_configure_model(model):

@@ -48,6 +48,7 @@ from .memory_watch import MemoryWatch, optimizer_bytes_per_param, predict_rank, 
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
 from .progress import StepProgress
+from .shared_metrics import SharedCallbackMetrics
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
 from .run_clock import RunClock
 
@@ -212,6 +213,7 @@ class HeterMoEStrategy(DDPStrategy):
 
             self.backend = select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
+        self._share_callback_metrics(trainer)
         self.model_to_device()  # whatever the model built outside the meta device
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])
@@ -229,6 +231,15 @@ class HeterMoEStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _share_callback_metrics(self, trainer) -> None:
+        """Where only some ranks log, every rank's callbacks read the same metrics (first)."""
+        source = self.backend.metrics_source()
+        mine = [c for c in trainer.callbacks if isinstance(c, SharedCallbackMetrics)]
+        for c in mine:
+            trainer.callbacks.remove(c)
+        if source is not None:
+            trainer.callbacks.insert(0, SharedCallbackMetrics(source))
 
     def _shard_optimizer_state(self) -> OptimizerSharding | None:
         """ZeRO-1 over the ranks that hold the dense weights alike (see :mod:`.zero`)."""

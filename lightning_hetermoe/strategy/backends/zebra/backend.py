@@ -328,6 +328,9 @@ class ZebraBackend(ParallelBackend):
             return group
         return self.groups.dense.device if self.groups.dense is not None else False
 
+    def metrics_source(self) -> int | None:
+        return self.plan.attention_ranks[0]
+
     # -- experts ------------------------------------------------------------------------
     @property
     def spread(self) -> bool:
