@@ -242,6 +242,11 @@ def test_the_throughput_bound_matches_a_brute_force_split_and_no_schedule_beats_
         plan = make_plan(c, m, seq_len=S, global_batch_tokens=S * 32)
         limit = throughput_bound(as_cluster(c).devices, timer, m, S)
         assert all(p["tokens_per_s"] <= limit for p in plan.predicted.values() if p.get("tokens_per_s"))
+        # every plan carries it, and its table gives each schedule's fraction of it
+        assert plan.bound_tokens_per_s == pytest.approx(limit)
+        text = str(plan)
+        zebra = plan.predicted["zebra"]["tokens_per_s"]
+        assert "of bound" in text and f"{zebra / limit:.1%}" in text and f"{limit:,.0f}" in text
 
 
 def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():
