@@ -70,16 +70,44 @@ def sequence_length(batch: Any) -> int:
     return int(first[0].shape[1])
 
 
-def gather_global_batch(batch: Any) -> Any:
-    """All ranks' batches as one, in global sample order (rank ``r``'s ``i``-th sample is
-    global sample ``i * W + r``). The batch is on the device (Lightning moved it there)."""
+def rank_counts(batch: Any) -> list[int]:
+    """Rows each rank loaded this step, in rank order (host metadata: read from the batch's
+    shape, no device sync). They differ in a short last batch that Lightning's predict
+    sampler deals without padding."""
     world = comm.world()
+    mine = torch.tensor([batch_size(batch)], dtype=torch.int64, device="cpu")
+    parts = [torch.empty_like(mine) for _ in range(world.size)]
+    comm.host_all_gather(world, parts, mine, what="batch.counts")
+    return [int(p) for p in parts]
+
+
+def global_order(counts: list[int]) -> list[tuple[int, int]]:
+    """``(rank, i)`` of each sample of the global batch, in global order, where rank ``r``
+    loaded ``counts[r]`` rows: rank ``r``'s ``i``-th sample is global sample ``i * W + r``
+    when every rank loaded as many; in a short last batch the ranks holding an ``i``-th
+    sample close up, in rank order (as a sampler that deals ``r, r + W, ...`` left them)."""
+    return [(r, i) for i in range(max(counts, default=0)) for r, n in enumerate(counts) if i < n]
+
+
+def gather_global_batch(batch: Any, counts: list[int] | None = None) -> Any:
+    """All ranks' batches as one, in global sample order (see :func:`global_order`). The
+    batch is on the device (Lightning moved it there). ``counts``: rows per rank where they
+    may differ (:func:`rank_counts`); ``None``: every rank loaded as many."""
+    world = comm.world()
+    uneven = counts is not None and len(set(counts)) > 1
+    most = max(counts) if uneven else 0
+    # where each sample of the global order sits among the padded rows ([most, W] row-major)
+    keep = comm.to_device(torch.tensor([i * world.size + r for r, i in global_order(counts)], dtype=torch.long,
+                                       device="cpu")) if uneven else None
 
     def gather(t: Tensor) -> Tensor:
+        if uneven:  # all_gather needs one shape: pad to the longest rank's rows, drop them after
+            t = torch.cat([t, t.new_zeros((most - t.shape[0],) + tuple(t.shape[1:]))])
         parts = [torch.empty_like(t) for _ in range(world.size)]
         comm.all_gather(world, parts, t.contiguous(), what="batch.gather")
         stacked = torch.stack(parts, 1)  # [b, W, ...]
-        return stacked.reshape((-1,) + tuple(t.shape[1:]))
+        flat = stacked.reshape((-1,) + tuple(t.shape[1:]))
+        return flat.index_select(0, keep) if uneven else flat
 
     return map_batch(batch, gather)
 

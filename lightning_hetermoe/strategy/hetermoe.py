@@ -394,6 +394,47 @@ class HeterMoEStrategy(DDPStrategy):
         return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
                                  self.precision_plugin, args, kwargs)
 
+    # -- evaluation loops -----------------------------------------------------------------
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer
+        self._check_equal_batches(trainer.num_sanity_val_batches if trainer.sanity_checking
+                                  else trainer.num_val_batches, "validate")
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._check_equal_batches(self.lightning_module.trainer.num_test_batches, "test")
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._check_equal_batches(self.lightning_module.trainer.num_predict_batches, "predict")
+
+    def _check_equal_batches(self, max_batches: list, stage: str) -> None:
+        """Every step here is a collective over all ranks (zebra's rounds and outputs, ep's
+        all-to-all, data-centric gathers): a rank with a batch more than its peers would wait
+        on them for ever. Lightning's predict sampler deals rows without padding, so its
+        loaders can differ by a batch; this says so before the first step."""
+        if self.world_size == 1 or not max_batches:
+            return
+        mine = torch.tensor([int(b) if b != float("inf") else -1 for b in max_batches], dtype=torch.int64,
+                            device="cpu")
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        comm.host_all_gather(comm.world(), parts, mine, what="strategy.batches")
+        per_rank = [p.tolist() for p in parts]
+        if any(-1 in p for p in per_rank) or all(p == per_rank[0] for p in per_rank):
+            return  # a loader without a length cannot be checked ahead
+        raise ConfigError(
+            f"trainer.{stage}: the ranks' loaders give different numbers of batches (per rank, per loader: "
+            f"{per_rank}); under mode={self.schedule or self.mode!r} every step is a collective over all ranks, so every rank must "
+            f"run as many. Lightning's {stage} sampler deals the rows without padding: choose the number of rows N "
+            f"and the batch size b so that every rank gets as many batches (with W ranks, ceil(ceil(N/W)/b) == "
+            f"ceil(floor(N/W)/b)), or give the loader a sampler that pads, e.g. "
+            f"lightning_hetermoe.model.sampling.GlobalOrderSampler(dataset, num_replicas=W, rank=r, shuffle=False, "
+            f"drop_last=False) (its padding rows are computed twice)")
+
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         def default(loss: torch.Tensor) -> torch.Tensor:
