@@ -32,7 +32,9 @@ class SharedCallbackMetrics(L.Callback):
         theirs = comm.gather_objects(comm.world(), numbers, what="strategy.callback_metrics")[self.source]
         if not mine:
             # the connector's own store: its callback_metrics property adds this rank's (none) on top
-            trainer._logger_connector._callback_metrics.update({k: torch.tensor(v) for k, v in theirs.items()})
+            device = trainer.strategy.root_device  # where the attention ranks' metrics live
+            trainer._logger_connector._callback_metrics.update({k: torch.tensor(v, device=device)
+                                                                for k, v in theirs.items()})
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         self._share(trainer)
