@@ -72,13 +72,15 @@ def warm_up(d_model: int, d_ff: int, activation: str, bias: bool, dtype: "torch.
     ``rows=None`` (the strategy's call) it runs once at every bucket (``configs.tuning_buckets``),
     so no row count a run meets tunes inside a step; ``rows`` (one count or several) runs
     those counts instead, one per bucket. On CUDA, a bucket whose problem would need more
-    than half the free memory is skipped: that bucket tunes when first met. Tunings are
+    than half the free memory is skipped, and so are the larger ones: from then on their row
+    counts take the largest tuned bucket's tiles (``configs.tuned_up_to``), so nothing
+    tunes inside a step. Tunings are
     also kept in Triton's disk cache, so a later run with the same shapes skips them.
     Returns the row counts it ran.
     """
     import torch
 
-    from .configs import m_bucket, tuning_buckets
+    from .configs import m_bucket, tuned_up_to, tuning_buckets
     from .mlp import grouped_mlp as impl
 
     device = torch.device(device)
@@ -105,7 +107,9 @@ def warm_up(d_model: int, d_ff: int, activation: str, bias: bool, dtype: "torch.
             need = n * (4 * d_model * elem + 8 * d_model + 2 * h * elem + 2 * d_ff * elem) \
                 + 2 * experts * (d_model * h + d_ff * d_model) * elem
             if need > torch.cuda.mem_get_info(device)[0] // 2:
-                continue
+                if rows is None and ran:
+                    tuned_up_to(m_bucket(ran[-1]))  # larger counts take the top tuned bucket's tiles
+                break
         x = rand(n, d_model)
         counts = torch.tensor([n // 2, n - n // 2] + [0] * (experts - 2), device=device)
         gather_idx = torch.arange(n, device=device)

@@ -19,10 +19,24 @@ M_BUCKET_MIN = 256
 M_BUCKET_MAX = 16384
 
 
+# The largest bucket every warmed-up shape was tuned at. Warm-up skips a bucket whose
+# problem does not fit in half the free memory; a GEMM in it would then autotune inside a
+# step, whose benchmarks synchronise the device in the middle of the overlap. Larger row
+# counts take this bucket's tiles instead (every config is valid at any M; past the top
+# tuned bucket the ranking barely moves).
+_tuned_top = [M_BUCKET_MAX]
+
+
 def m_bucket(m: int) -> int:
-    """The autotuning bucket of a GEMM over ``m`` rows: next power of two, clamped."""
+    """The autotuning bucket of a GEMM over ``m`` rows: next power of two, clamped (to the
+    largest bucket warm-up tuned, see :func:`tuned_up_to`)."""
     b = 1 << max(int(m) - 1, 0).bit_length()
-    return min(max(b, M_BUCKET_MIN), M_BUCKET_MAX)
+    return min(max(b, M_BUCKET_MIN), _tuned_top[0])
+
+
+def tuned_up_to(bucket: int | None) -> None:
+    """Warm-up tuned every bucket up to ``bucket`` (``None``: forget every limit)."""
+    _tuned_top[0] = M_BUCKET_MAX if bucket is None else max(M_BUCKET_MIN, min(_tuned_top[0], int(bucket)))
 
 
 def tuning_buckets() -> list[int]:

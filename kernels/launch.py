@@ -64,6 +64,12 @@ def _upcast(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type != "cuda" and dtype == torch.bfloat16
 
 
+def gemm_grid(M: int, N: int, E: int, block_m: int, block_n: int) -> tuple[int]:
+    """The grouped GEMM's launch grid: every (row tile, column tile) on axis 0, with an upper
+    bound of ``cdiv(M, block_m) + E`` row tiles (surplus ones exit; see the kernel)."""
+    return ((triton.cdiv(M, block_m) + E) * triton.cdiv(N, block_n),)
+
+
 def _offsets(counts: Tensor) -> Tensor:
     """Exclusive cumulative sum of ``counts``: where each expert's rows start (stays on device)."""
     return torch.cumsum(counts, 0) - counts
@@ -101,7 +107,7 @@ def grouped_gemm(
     fn, blocks = _kernel(triton_src.grouped_gemm_kernel, "gemm", x.device)
     counts = counts.contiguous()
     dummy = counts  # never read: the matching HAS_* flag is off
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]) + E)  # noqa: E731
+    grid = lambda meta: gemm_grid(M, N, E, meta["BLOCK_M"], meta["BLOCK_N"])  # noqa: E731
     fn[grid](
         x, gather_idx.contiguous() if gather_idx is not None else dummy, counts, _offsets(counts), w,
         bias if bias is not None else dummy, out,

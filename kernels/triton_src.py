@@ -37,19 +37,22 @@ def grouped_gemm_kernel(
 ):
     """out[o(m)] = s(m) * (x[idx[m]] @ w[e(m)] + b[e(m)]) for the BLOCK_M rows of one tile.
 
-    Axis 1 enumerates row tiles of all experts back to back (expert e owns
+    One grid axis: program ``pid`` is column tile ``pid % cdiv(N, BLOCK_N)`` of row tile
+    ``pid // cdiv(N, BLOCK_N)``. Row tiles run over all experts back to back (expert e owns
     cdiv(counts[e], BLOCK_M) of them); the host launches an upper bound of
-    cdiv(M, BLOCK_M) + E tiles so it never has to read ``counts``; surplus tiles exit.
-    Axis 0 is the output column tile, so the programs that share one gathered row tile
-    are launched next to each other and find it in L2.
+    cdiv(M, BLOCK_M) + E row tiles so it never has to read ``counts``; surplus tiles exit.
+    The column tiles of one row tile are neighbours, so the programs that share one
+    gathered row tile run together and find it in L2. Axis 0 takes 2^31 - 1 programs (axes
+    1 and 2 only 65535: row tiles there would stop launching near 4.2M rows).
     """
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    pid_n = tl.program_id(0) % n_tiles
+    tile = tl.program_id(0) // n_tiles
 
     # The expert of this tile is the number of experts whose tiles all come before it;
     # tile counts depend on BLOCK_M, which autotuning picks, so they are derived here.
     # E scalar loads per program: negligible next to the K loop.
-    e = tl.program_id(1) * 0  # int32 scalars: loop-carried values need a fixed type
+    e = tl.program_id(0) * 0  # int32 scalars: loop-carried values need a fixed type
     first_tile = e
     tiles_seen = e
     for i in range(0, E):

@@ -381,3 +381,27 @@ def test_opcheck_registration():
     ps = [p.detach().requires_grad_() for p in params(layer)]
     torch.library.opcheck(grouped_mlp_op, (x.requires_grad_(), idx, counts, *ps, "gelu", False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_row_tiles_launch_on_the_grid_axis_without_the_65535_limit():
+    """4.5M rows in tiles of 16 are 281K row tiles: on grid axis 1 or 2 (65535 at most) the
+    launch would fail; every (row tile, column tile) goes on axis 0 (2^31 - 1)."""
+    from lightning_hetermoe.kernels.launch import gemm_grid
+
+    M, N, E, bm, bn = 4_500_000, 1024, 8, 16, 64
+    grid = gemm_grid(M, N, E, bm, bn)
+    assert len(grid) == 1 and grid[0] == (-(-M // bm) + E) * (N // bn) < 2 ** 31 - 1
+    assert -(-M // bm) > 65535  # the old axis-1 layout could not have launched this
+
+
+def test_row_counts_past_the_largest_tuned_bucket_take_its_tiles():
+    from lightning_hetermoe.kernels import configs
+
+    try:
+        assert configs.m_bucket(100_000) == configs.M_BUCKET_MAX
+        configs.tuned_up_to(2048)  # warm-up found no memory for 4096 rows and up
+        assert configs.m_bucket(100_000) == 2048 and configs.m_bucket(3000) == 2048
+        assert configs.m_bucket(1000) == 1024  # buckets it did tune stay as they were
+    finally:
+        configs.tuned_up_to(None)
+    assert configs.m_bucket(100_000) == configs.M_BUCKET_MAX
