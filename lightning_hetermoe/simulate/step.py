@@ -350,6 +350,8 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         ids[key] = len(tasks) - 1
         return ids[key]
 
+    expert_work: dict[tuple, float] = {}  # micro-batches of one size cost their experts alike
+
     def task_duration(i: int, t: ScheduleTask) -> float:
         dev, n = lanes[i].device, tok[i][t.mb]
         if t.kind == "attn_fwd":
@@ -358,8 +360,11 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
             return timer.attention(dev, n, backward=True)
         if t.kind == "head":
             return timer.head(dev, n, forward_only=sched.kind == "forward")
-        return sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
-                   for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
+        key = (i, t.kind, t.layer, group_tok[t.mb])
+        if key not in expert_work:
+            expert_work[key] = sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
+                                   for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
+        return expert_work[key]
 
     policies: dict[str, str] = {}
     orders = [sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]) for lane in lanes]
