@@ -100,6 +100,8 @@ class _State:
     world: Group | None = None
     default: Any = None  # the default process group the world was built in
     vendors: tuple[str, ...] = ()  # per global rank, where they differ (else empty)
+    # device process groups by members (and path), for groups that may share a communicator
+    communicators: dict[tuple, Any] = field(default_factory=dict)
     recording: list[Call] | None = None
     issued: int = 0  # collectives this process issued (the progress watchdog reads it)
     waiting: str | None = None  # the collective this process is blocked in, if any
@@ -125,6 +127,7 @@ def configure(device: torch.device, vendors: Sequence[str] | None = None) -> Non
     if _state.world is not None and _state.default is dist.group.WORLD and (vendors is None or mixed == _state.vendors):
         return
     _state.default, _state.vendors = dist.group.WORLD, mixed
+    _state.communicators = {}
     # even where the default group is gloo, host traffic gets its own group
     host = dist.new_group(list(world), backend="gloo")
     if _state.vendors:
@@ -134,6 +137,7 @@ def configure(device: torch.device, vendors: Sequence[str] | None = None) -> Non
                              member=True, staged=True)
     else:
         _state.world = Group("world", world, device=dist.group.WORLD, host=host, member=True)
+    _state.communicators[(world, _state.world.staged)] = _state.world.device
 
 
 def vendors() -> tuple[str, ...]:
@@ -164,21 +168,34 @@ def forget() -> None:
     """The process group ended: its groups are gone."""
     _state.world = _state.default = None
     _state.vendors = ()
+    _state.communicators = {}
 
 
-def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: bool = False) -> Group:
+def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: bool = False,
+              reuse: bool = False) -> Group:
     """Build ``name`` over ``ranks`` (a collective over the world: call on every rank). A
     group spanning vendors gets a staged device side (gloo); one vendor's group the
-    device backend (NCCL on CUDA, whatever the default group is)."""
+    device backend (NCCL on CUDA, whatever the default group is).
+
+    ``reuse``: take the device communicator of a group built earlier with the same members,
+    if any (every rank decides alike: the same calls in the same order). Each NCCL
+    communicator costs hundreds of MB of device memory; reuse only where the two groups'
+    traffic never runs at once (NCCL orders one communicator's operations on one stream,
+    and concurrent issue from two threads could interleave differently on two ranks)."""
     ranks = tuple(sorted(ranks))
     me = dist.get_rank()
     staged = device and spans_vendors(ranks)
+    key = (ranks, staged)
     if not device:
         dev = None
+    elif reuse and key in _state.communicators:
+        dev = _state.communicators[key]
     elif staged:
         dev = dist.new_group(list(ranks), backend="gloo")
     else:
         dev = dist.new_group(list(ranks), backend="nccl" if _state.device.type == "cuda" else None)
+    if dev is not None:
+        _state.communicators.setdefault(key, dev)
     hst = dist.new_group(list(ranks), backend="gloo") if host else None
     member = me in ranks
     return Group(name, ranks, device=dev if member else None, host=hst if member else None, member=member,

@@ -135,6 +135,34 @@ def test_a_host_tensor_given_to_a_device_collective_is_rejected_naming_the_site(
     assert "test.rows" in message and "compute device is meta" in message, message
 
 
+def _zebra_communicators(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_hetermoe.strategy.backends.zebra.layout import Layout, ZebraGroups
+
+    dist.init_process_group("gloo")
+    comm.configure(torch.device("cpu"))
+    plan = make_test_plan(world, [0, 1], R=2, groups=[([0], [2]), ([1], [3])])  # two ZP groups, not the world
+    groups = ZebraGroups.build(Layout.from_plan(plan, rank))
+    out = {"zp_is_dispatch": groups.zp.device is groups.dispatch.device,
+           "combine_is_dispatch": groups.combine.device is groups.dispatch.device}
+    t = torch.ones(3) * (rank + 1)
+    comm.all_reduce(groups.zp, t, what="test.sum")  # the shared communicator works for both names
+    out["sum"] = t.tolist()
+    comm.forget()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+def test_zebra_opens_no_second_communicator_for_the_same_members_where_traffic_never_overlaps():
+    """NCCL communicators cost device memory: the ZP group's checkpoint gathers and clip norm
+    ride on the dispatch communicator; dispatch and combine, which run at once, keep theirs."""
+    for rank, got in enumerate(run_ranks(4, _zebra_communicators, 4)):
+        total = 4.0 if rank in (0, 2) else 6.0  # rank + 1 summed over its ZP group
+        assert got == {"zp_is_dispatch": True, "combine_is_dispatch": False, "sum": [total] * 3}, got
+
+
 FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "randn", "rand", "randint", "eye",
              "linspace"}
 

@@ -113,7 +113,10 @@ class ZebraGroups:
         for g, grp in enumerate(plan.zp_groups):
             # host sides: the round headers (dispatch), the answers' send times under emulation (combine)
             for name, host in (("dispatch", True), ("combine", True), ("zp", False)):
-                made = comm.new_group(f"zp{g}.{name}" if name != "zp" else f"zp{g}", grp.members, host=host)
+                # zp's gathers and clip norm run outside the rounds: dispatch's communicator
+                # serves them; dispatch and combine run at once and keep their own
+                made = comm.new_group(f"zp{g}.{name}" if name != "zp" else f"zp{g}", grp.members, host=host,
+                                      reuse=name == "zp")
                 if made.member:
                     mine[name] = made
         dense = comm.new_group("dense", plan.attention_ranks, host=True)
