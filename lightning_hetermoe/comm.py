@@ -30,8 +30,9 @@ rule). Tests run it on real gloo processes.
 Asynchronous calls return a :class:`Pending`; its tensors stay referenced until
 :meth:`Pending.wait`, which on CUDA orders the current stream after the communication
 without blocking the host. :func:`issuing` runs an issue on the communication stream (on
-CUDA), ordered after the tensors it sends were produced and nothing else, so a receive
-posted early never holds back compute.
+CUDA), ordered after the compute queued so far (what it sends, and the receive buffer's
+block), so a receive posted early never holds back compute and never writes a block a
+queued kernel still reads.
 """
 
 from __future__ import annotations
@@ -348,14 +349,17 @@ class Pending:
 
 @contextlib.contextmanager
 def issuing(after: Sequence[Tensor] = ()) -> Iterator[None]:
-    """Issue collectives on the communication stream (CUDA), ordered after the compute that
-    produced ``after`` and nothing else; a no-op on CPU."""
+    """Issue collectives on the communication stream (CUDA), ordered after everything queued
+    on the compute stream so far: the tensors sent (``after``) were made there, and so were
+    the receive buffers, which the caching allocator may have carved from a block whose
+    previous user's kernels are still queued (the stream's order makes that safe for the
+    compute stream only). Every collective queued before stays ahead, so no cycle forms. A
+    no-op on CPU."""
     stream = _state.stream
     if stream is None:
         yield
         return
-    if after:
-        stream.wait_stream(torch.cuda.current_stream(_state.device))
+    stream.wait_stream(torch.cuda.current_stream(_state.device))
     with torch.cuda.stream(stream):
         yield
 
