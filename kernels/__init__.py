@@ -17,6 +17,8 @@ kernel modules load on first use. Modules, one job each:
 - ``loop``: one ``torch.mm`` per expert (the ``torch`` backend), pure torch.
 - ``measured``: the fastest backend per device kind, as ``bench/kernels.py --write``
   recorded it in ``measured.json`` (package data), which ``expert_backend=auto`` follows.
+- ``chooser``: the one place ``expert_backend`` becomes a function (``resolve_backend``),
+  and the one sentence for a backend that cannot run (``why_not``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ from .availability import (
     unavailable_reason,
 )
 
+from .chooser import BACKENDS, auto_backend, resolve_backend, why_not
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import torch
     from torch import Tensor
 
-__all__ = ["grouped_gemm", "grouped_mlp", "grouped_mlp_grouped_mm", "grouped_mm_available",
+__all__ = ["BACKENDS", "auto_backend", "grouped_gemm", "grouped_mlp", "grouped_mlp_grouped_mm",
+           "grouped_mlp_torch", "resolve_backend", "why_not", "grouped_mm_available",
            "grouped_mm_unavailable_reason", "grouped_wgrad", "GroupedMLPFunction", "triton_available",
            "triton_uses_tensor_cores", "unavailable_reason", "warm_up"]
 
@@ -46,6 +51,15 @@ def grouped_mlp(x: "Tensor", gather_idx: "Tensor", counts: "Tensor", w_up: "Tens
                 w_down: "Tensor", b_down: "Tensor | None", activation: str, recompute: bool = False) -> "Tensor":
     """Expert backend (contract in ``lightning_hetermoe.moe.experts``) on the Triton kernels."""
     from .mlp import grouped_mlp as impl
+
+    return impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
+
+
+def grouped_mlp_torch(x: "Tensor", gather_idx: "Tensor", counts: "Tensor", w_up: "Tensor", b_up: "Tensor | None",
+                      w_down: "Tensor", b_down: "Tensor | None", activation: str, recompute: bool = False) -> "Tensor":
+    """Expert backend (contract in ``lightning_hetermoe.moe.experts``): one matmul per expert
+    (``loop``), the algorithm every backend runs, on the simplest GEMMs."""
+    from .loop import grouped_mlp as impl
 
     return impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
 

@@ -205,13 +205,12 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     cluster = from_cfg(ClusterConfig, cfg.cluster, "cluster")
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
-    if model_cfg.moe.expert_backend == "triton":
-        from .kernels import triton_available, unavailable_reason
+    from .kernels import why_not
 
-        device = torch.device("cuda" if cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") else "cpu")
-        if not triton_available(device):
-            raise ConfigError(f"model.moe.expert_backend='triton' is invalid here: {unavailable_reason(device)}; "
-                              f"use expert_backend=auto (Triton on CUDA, torch elsewhere) or torch")
+    device = torch.device("cuda" if cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") else "cpu")
+    problem = why_not(model_cfg.moe.expert_backend, device)
+    if problem:
+        raise ConfigError(problem)
     strategy = build_strategy(cfg, cluster, start_method)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 

@@ -32,7 +32,7 @@ from lightning_hetermoe import kernels
 from lightning_hetermoe.config import MoEConfig
 from lightning_hetermoe.kernels import grouped_mlp_grouped_mm, measured
 from lightning_hetermoe.moe import MoELayer, grouped_mlp_torch, resolve_backend
-from lightning_hetermoe.moe import experts as experts_mod
+from lightning_hetermoe.kernels import chooser
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_TOL = 1e-6
@@ -236,7 +236,7 @@ def test_config_and_explicit_resolution():
     assert MoEConfig(expert_backend="grouped_mm").expert_backend == "grouped_mm"
     assert resolve_backend("grouped_mm", torch.device("cpu")) is kernels.grouped_mlp_grouped_mm
     assert kernels.grouped_mm_available("cpu")
-    with pytest.raises(ValueError, match="grouped_mm.*cannot run on device meta"):
+    with pytest.raises(ValueError, match="grouped_mm.*cannot run on meta"):
         resolve_backend("grouped_mm", torch.device("meta"))
 
 
@@ -250,7 +250,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["capability"])
     monkeypatch.setattr(measured, "_LOADED", [state["measured"]])
-    monkeypatch.setattr(experts_mod, "_AUTO", {})
+    monkeypatch.setattr(chooser, "_AUTO", {})
+    monkeypatch.setattr(chooser, "_WARNED", set())
     return state
 
 
@@ -262,9 +263,13 @@ def test_auto_rule_without_measurements(fake_gpu, capability, want):
     on sm70/sm75 (without tensor cores)."""
     fake_gpu["capability"] = capability
     cuda = torch.device("cuda", 0)
-    assert experts_mod.auto_backend(cuda) == want
+    assert chooser.auto_backend(cuda) == want
     assert resolve_backend("auto", cuda) is (kernels.grouped_mlp if want == "triton" else grouped_mlp_torch)
-    assert resolve_backend("triton", cuda) is kernels.grouped_mlp
+    if capability >= (8, 0):
+        assert resolve_backend("triton", cuda) is kernels.grouped_mlp
+    else:  # asked for explicitly it runs, with a warning that it misses the tensor cores
+        with pytest.warns(UserWarning, match="runs Triton's dots on the CUDA cores"):
+            assert resolve_backend("triton", cuda) is kernels.grouped_mlp
     assert kernels.triton_uses_tensor_cores(cuda) == (capability >= (8, 0))
 
 
@@ -277,14 +282,14 @@ def test_auto_follows_measurements(fake_gpu, monkeypatch):
     })
     for cap, want in [((9, 0), "grouped_mm"), ((7, 5), "triton"), ((8, 0), "torch"), ((8, 6), "triton")]:
         fake_gpu["capability"] = cap
-        assert experts_mod.auto_backend(torch.device("cuda", 0)) == want, cap
-    assert experts_mod.auto_backend(torch.device("cpu")) == "torch"
+        assert chooser.auto_backend(torch.device("cuda", 0)) == want, cap
+    assert chooser.auto_backend(torch.device("cpu")) == "torch"
     # A measured backend that cannot run here falls back to the rule.
     fake_gpu["capability"] = (9, 0)
-    monkeypatch.setattr(kernels, "grouped_mm_available", lambda device: False)
-    assert experts_mod.auto_backend(torch.device("cuda", 0)) == "triton"
+    monkeypatch.setattr(chooser, "grouped_mm_available", lambda device: False)
+    assert chooser.auto_backend(torch.device("cuda", 0)) == "triton"
     fake_gpu["measured"]["cpu"] = {"best": "grouped_mm"}
-    monkeypatch.setattr(kernels, "grouped_mm_available", lambda device: torch.device(device).type == "cpu")
+    monkeypatch.setattr(chooser, "grouped_mm_available", lambda device: torch.device(device).type == "cpu")
     assert resolve_backend("auto", torch.device("cpu")) is kernels.grouped_mlp_grouped_mm
 
 
@@ -292,7 +297,8 @@ def test_shipped_measurements_drive_auto_on_cpu(monkeypatch):
     """measured.json is package data read with importlib.resources; its CPU entry is what
     auto runs on this machine."""
     monkeypatch.setattr(measured, "_LOADED", [])
-    monkeypatch.setattr(experts_mod, "_AUTO", {})
+    monkeypatch.setattr(chooser, "_AUTO", {})
+    monkeypatch.setattr(chooser, "_WARNED", set())
     data = measured.load()
     assert "cpu" in data, "bench/kernels.py --write has not recorded this device kind"
     entry = data["cpu"]

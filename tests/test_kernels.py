@@ -231,16 +231,17 @@ def test_full_model_backends_agree_over_training_steps():
 
 def test_backend_resolution(monkeypatch):
     from lightning_hetermoe import kernels
-    from lightning_hetermoe.moe import experts
+    from lightning_hetermoe.kernels import chooser
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(experts, "_AUTO", {})
+    monkeypatch.setattr(chooser, "_AUTO", {})
     assert resolve_backend("auto", cpu) is not kernels.grouped_mlp, "auto never picks the interpreter"
     assert triton_available(cpu)
     assert resolve_backend("triton", cpu) is kernels.grouped_mlp
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not triton_available(cpu)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+    with pytest.raises(ValueError, match="expert_backend='triton' cannot run on cpu: .*TRITON_INTERPRET.*use "
+                                         "expert_backend=auto"):
         resolve_backend("triton", cpu)
 
 

@@ -98,7 +98,7 @@ def compose(*overrides: str):
      "cluster.custom_devices.mygpu: missing field(s) ['fp16_tflops', 'mem_bw_gbps', 'flash_attention']"),
     (["cluster.devices=[mygpu,cpu]", "+cluster.custom_devices={mygpu:{base:a40,memory_gbs:24}}"],
      "cluster.custom_devices.mygpu: unknown field(s) ['memory_gbs']"),
-    (["model.moe.expert_backend=triton"], "model.moe.expert_backend='triton' is invalid"),
+    (["model.moe.expert_backend=triton"], "model.moe.expert_backend='triton' cannot run on cpu"),
     (["data.corpus=wikipedia"], "data.corpus='wikipedia' is invalid: must be one of ('pydoc_topics',)"),
     (["data.num_workers=-1"], "data.num_workers=-1 is invalid: must be an integer >= 0"),
     (["trainer.max_steps=1.5"], "trainer.max_steps=1.5 is invalid: must be an integer"),

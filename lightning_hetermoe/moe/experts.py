@@ -23,7 +23,7 @@ Backends (``MoEConfig.expert_backend``):
   epilogues. On CUDA from sm80 (Ampere) on they run on tensor cores; asked for explicitly
   on a V100 (sm70) or T4 (sm75) they still run where Triton supports the GPU, but their
   dots run on the CUDA cores, without tensor cores.
-- ``auto``: see :func:`resolve_backend`.
+- ``auto``: see ``lightning_hetermoe.kernels.chooser``.
 """
 
 from __future__ import annotations
@@ -34,97 +34,14 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from ..config import EXPERT_BACKENDS
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 
 GroupedMLP = Callable[..., Tensor]
 
 
-def grouped_mlp_torch(
-    x: Tensor,
-    gather_idx: Tensor,
-    counts: Tensor,
-    w_up: Tensor,
-    b_up: Tensor | None,
-    w_down: Tensor,
-    b_down: Tensor | None,
-    activation: str,
-    recompute: bool = False,
-) -> Tensor:
-    """One matmul per expert (``lightning_hetermoe.kernels.loop``): the algorithm every
-    backend runs, on the simplest GEMMs."""
-    from ..kernels.loop import grouped_mlp
-
-    return grouped_mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
-
-
-@torch.compiler.disable  # reads a file and queries the device: once per device, never traced
-def auto_backend(device: torch.device | str) -> str:
-    """The backend ``expert_backend="auto"`` runs on ``device``, by name.
-
-    First what ``bench/kernels.py --write`` measured fastest on this kind of device (the
-    ``measured.json`` shipped in ``lightning_hetermoe.kernels``, keyed ``"cpu"``,
-    ``"cuda:sm90"``, ...) if that backend can run here; otherwise Triton where it emits
-    tensor-core code (CUDA, compute capability 8.0 and up) and the per-expert torch loop
-    elsewhere: CPU, and V100 (sm70) / T4 (sm75), whose tensor cores Triton does not use.
-    Never the Triton interpreter.
-    """
-    from .. import kernels
-    from ..kernels.measured import device_kind, measured_backend
-
-    device = torch.device(device)
-    best = measured_backend(device_kind(device))
-    if best == "torch":
-        return "torch"
-    if best == "grouped_mm" and kernels.grouped_mm_available(device):
-        return "grouped_mm"
-    if best == "triton" and device.type == "cuda" and kernels.triton_available(device):
-        return "triton"
-    if kernels.triton_uses_tensor_cores(device) and kernels.triton_available(device):
-        return "triton"
-    return "torch"
-
-
-# Resolved "auto" per device, memoised by hand (a module global: torch.compile traces
-# resolve_backend, see kernels.availability). Tests that change what auto sees clear it.
-_AUTO: dict[str, str] = {}
-
-
-def _backend_fn(name: str) -> GroupedMLP:
-    if name == "torch":
-        return grouped_mlp_torch
-    from .. import kernels
-
-    return kernels.grouped_mlp if name == "triton" else kernels.grouped_mlp_grouped_mm
-
-
-def resolve_backend(name: str, device: torch.device) -> GroupedMLP:
-    """The function that runs ``expert_backend=name`` on ``device``.
-
-    ``auto``: :func:`auto_backend`. ``triton`` or ``grouped_mm`` where it cannot run raises.
-    """
-    if name not in EXPERT_BACKENDS:
-        raise ValueError(f"moe.expert_backend={name!r} is invalid: must be one of {EXPERT_BACKENDS}")
-    if name == "torch":
-        return grouped_mlp_torch
-    if name == "auto":
-        key = f"{device.type}:{device.index}"
-        if key not in _AUTO:
-            _AUTO[key] = auto_backend(device)
-        return _backend_fn(_AUTO[key])
-    from .. import kernels
-
-    if name == "triton" and not kernels.triton_available(device):
-        raise ValueError(
-            f"moe.expert_backend='triton' cannot run on device {device}: "
-            f"{kernels.unavailable_reason(device)}; use expert_backend=torch or auto"
-        )
-    if name == "grouped_mm" and not kernels.grouped_mm_available(device):
-        raise ValueError(
-            f"moe.expert_backend='grouped_mm' cannot run on device {device}: "
-            f"{kernels.grouped_mm_unavailable_reason(device)}; use expert_backend=torch or auto"
-        )
-    return _backend_fn(name)
+# Backends and their choice live with the kernels (one chooser, one message); re-exported
+# here, where the experts that run them are.
+from ..kernels import grouped_mlp_torch, resolve_backend  # noqa: E402
 
 
 class Experts(nn.Module):

@@ -205,12 +205,12 @@ class StrategyArguments:
                 describe_model(model)
         except ModelContractError as err:
             raise ConfigError(str(err)) from None
-        from ..kernels import triton_available, unavailable_reason
+        from ..kernels import why_not
 
         for name, layer in layers:
-            if layer.experts.backend == "triton" and not triton_available(device):
-                raise ConfigError(f"model.moe.expert_backend='triton' is invalid on {device}: "
-                                  f"{unavailable_reason(device)}; use expert_backend=auto or torch ({name})")
+            problem = why_not(layer.experts.backend, device)
+            if problem:
+                raise ConfigError(f"{problem} (layer {name})")
 
 
     def check_memory(self, model: Any, world_size: int) -> None:

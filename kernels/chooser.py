@@ -1,0 +1,94 @@
+"""Which expert backend runs, chosen in one place: ``expert_backend`` (auto, torch,
+grouped_mm, triton) on a device, to the function that runs it, or one message saying why
+it cannot run there.
+
+``auto``: first what ``bench/kernels.py --write`` measured fastest on this kind of device
+(``measured.json``, keyed ``"cpu"``, ``"cuda:sm90"``, ...) if that backend can run here;
+otherwise Triton where it emits tensor-core code (CUDA, compute capability 8.0 and up)
+and the per-expert torch loop elsewhere: CPU, and V100 (sm70) / T4 (sm75), whose tensor
+cores Triton does not use. Never the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .availability import (
+    grouped_mm_available,
+    grouped_mm_unavailable_reason,
+    triton_available,
+    triton_uses_tensor_cores,
+    unavailable_reason,
+)
+
+GroupedMLP = Callable[..., Tensor]
+BACKENDS = ("auto", "torch", "grouped_mm", "triton")
+
+# Resolved "auto" per device, memoised by hand (a module global: torch.compile traces
+# resolve_backend, see availability). Tests that change what auto sees clear it.
+_AUTO: dict[str, str] = {}
+_WARNED: set[str] = set()
+
+
+def auto_backend(device: torch.device | str) -> str:
+    """The backend ``expert_backend="auto"`` runs on ``device``, by name (see the module)."""
+    from .measured import device_kind, measured_backend
+
+    device = torch.device(device)
+    best = measured_backend(device_kind(device))
+    if best == "torch":
+        return "torch"
+    if best == "grouped_mm" and grouped_mm_available(device):
+        return "grouped_mm"
+    if best == "triton" and device.type == "cuda" and triton_available(device):
+        return "triton"
+    if triton_uses_tensor_cores(device) and triton_available(device):
+        return "triton"
+    return "torch"
+
+
+def why_not(name: str, device: torch.device | str) -> str:
+    """Why ``expert_backend=name`` cannot run on ``device`` (empty: it can), as one sentence
+    naming the field and what would be valid; every check of the backend says this."""
+    device = torch.device(device)
+    if name not in BACKENDS:
+        return f"model.moe.expert_backend={name!r} is invalid: must be one of {BACKENDS}"
+    reason = (unavailable_reason(device) if name == "triton" and not triton_available(device) else
+              grouped_mm_unavailable_reason(device) if name == "grouped_mm" and not grouped_mm_available(device)
+              else "")
+    if not reason:
+        return ""
+    return (f"model.moe.expert_backend={name!r} cannot run on {device}: {reason}; use expert_backend=auto "
+            f"(the fastest that runs there) or torch")
+
+
+def _function(name: str) -> GroupedMLP:
+    from . import grouped_mlp, grouped_mlp_grouped_mm, grouped_mlp_torch
+
+    return {"torch": grouped_mlp_torch, "triton": grouped_mlp, "grouped_mm": grouped_mlp_grouped_mm}[name]
+
+
+def resolve_backend(name: str, device: torch.device) -> GroupedMLP:
+    """The function that runs ``expert_backend=name`` on ``device``; ``ValueError`` with
+    :func:`why_not`'s sentence where it cannot run."""
+    if name == "auto":
+        key = f"{device.type}:{device.index}"
+        if key not in _AUTO:
+            _AUTO[key] = auto_backend(device)
+        return _function(_AUTO[key])
+    problem = why_not(name, device)
+    if problem:
+        raise ValueError(problem)
+    if name == "triton" and device.type == "cuda" and not triton_uses_tensor_cores(device):
+        key = f"{device.type}:{device.index}"
+        if key not in _WARNED:  # asked for explicitly: it runs, slower than the plan's price
+            _WARNED.add(key)
+            major, minor = torch.cuda.get_device_capability(device)
+            warnings.warn(f"model.moe.expert_backend='triton' on {device} (compute capability {major}.{minor}, below "
+                          f"8.0) runs Triton's dots on the CUDA cores, not the tensor cores the cost model prices; "
+                          f"expert_backend=auto runs the torch loop (cuBLAS, tensor cores) here", stacklevel=2)
+    return _function(name)
