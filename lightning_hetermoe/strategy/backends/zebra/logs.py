@@ -44,7 +44,9 @@ class MicrobatchLogs:
             value = value.detach()
         self.calls.append((name, value, args, kwargs, fiber.mb))
 
-    def replay(self, sizes: list[int]) -> None:
+    def replay(self, sizes: list[int], tokens: list[int] | None = None) -> None:
+        """``sizes``: sequences per micro-batch; ``tokens``: its real tokens, where ragged
+        batches were padded (a micro-batch's mean is over its real tokens: means weigh by them)."""
         by_name: dict[str, list[tuple[Any, tuple, dict, int]]] = {}
         for name, value, args, kwargs, mb in self.calls:
             by_name.setdefault(name, []).append((value, args, kwargs, mb))
@@ -53,7 +55,8 @@ class MicrobatchLogs:
             _, args, kwargs, _ = calls[-1]
             kind = _reduce_name(kwargs.get("reduce_fx", "mean"))
             values = [v for v, _, _, _ in calls]
-            weights = [max(sizes[mb], 0) for _, _, _, mb in calls]
+            counts = [max(sizes[mb], 0) for _, _, _, mb in calls]
+            weights = counts if tokens is None else [tokens[mb] for _, _, _, mb in calls]
             if not all(isinstance(v, (torch.Tensor, int, float)) for v in values):
                 value = values[-1]  # a torchmetrics Metric and the like: it aggregates itself
             else:
@@ -75,5 +78,5 @@ class MicrobatchLogs:
                 value = value.to(first.dtype if isinstance(first, torch.Tensor) else torch.float32)
             given = [kw.get("batch_size") for _, _, kw, _ in calls]
             kwargs = dict(kwargs)
-            kwargs["batch_size"] = sum(b for b in given if b) if all(given) else sum(weights) or None
+            kwargs["batch_size"] = sum(b for b in given if b) if all(given) else sum(counts) or None
             self.original(name, value, *args, **kwargs)
