@@ -37,6 +37,7 @@ posted early never holds back compute.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -100,6 +101,8 @@ class _State:
     default: Any = None  # the default process group the world was built in
     vendors: tuple[str, ...] = ()  # per global rank, where they differ (else empty)
     recording: list[Call] | None = None
+    issued: int = 0  # collectives this process issued (the progress watchdog reads it)
+    waiting: str | None = None  # the collective this process is blocked in, if any
     stream: Any = None  # the communication stream (CUDA)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -180,6 +183,26 @@ def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: boo
     member = me in ranks
     return Group(name, ranks, device=dev if member else None, host=hst if member else None, member=member,
                  staged=staged)
+
+
+# -- progress -------------------------------------------------------------------------
+def activity() -> tuple[int, str | None]:
+    """How many collectives this process issued, and the one it is blocked in (read by the
+    progress watchdog's thread: a rank alive but stuck is told apart from one that waits)."""
+    return _state.issued, _state.waiting
+
+
+def _watched(fn):
+    """Count the call and say, while it blocks, which collective this process waits in."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _state.issued += 1
+        before, _state.waiting = _state.waiting, kwargs.get("what", fn.__name__)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _state.waiting = before
+    return call
 
 
 # -- recording ------------------------------------------------------------------------
@@ -291,7 +314,11 @@ class Pending:
         and return the received tensor (the first kept one)."""
         if not self._done:
             if self.work is not None:
-                self.work.wait()
+                before, _state.waiting = _state.waiting, self.what
+                try:
+                    self.work.wait()
+                finally:
+                    _state.waiting = before
             self._done = True
         out = self.keep[0] if self.keep else None
         self.keep = (out,) if out is not None else ()
@@ -358,6 +385,7 @@ def _done(group: Group, work: Any, keep: tuple, what: str, async_op: bool) -> Pe
     return Pending(_CopiedBack() if group.staged else work, keep, what)
 
 
+@_watched
 def all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], *,
                what: str, async_op: bool = False) -> Pending | None:
     """Uneven all-to-all of rows: ``out_splits[j]`` rows arrive from member ``j``,
@@ -373,6 +401,7 @@ def all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int]
     return _done(group, work, (out, inp), what, async_op)
 
 
+@_watched
 def all_reduce(group: Group, t: Tensor, *, what: str, op: Any = None, async_op: bool = False) -> Pending | None:
     """Sum (or ``op``) of ``t`` over the group, in place."""
     pg = _check(group, DEVICE, what, t)
@@ -387,6 +416,7 @@ def all_reduce(group: Group, t: Tensor, *, what: str, op: Any = None, async_op: 
     return _done(group, work, (t,), what, async_op)
 
 
+@_watched
 def all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str) -> None:
     pg = _check(group, DEVICE, what, t, *outs)
     _note(group, DEVICE, "all_gather", what, t)
@@ -399,6 +429,7 @@ def all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str) -> Non
     dist.all_gather(outs, t, group=pg)
 
 
+@_watched
 def all_gather_into(group: Group, out: Tensor, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:
     """Every member's equal-sized ``t`` into ``out`` (``size * t.numel()``), in rank order."""
     pg = _check(group, DEVICE, what, out, t)
@@ -412,6 +443,7 @@ def all_gather_into(group: Group, out: Tensor, t: Tensor, *, what: str, async_op
     return _done(group, work, (out, t), what, async_op)
 
 
+@_watched
 def reduce_scatter(group: Group, out: Tensor, t: Tensor, *, what: str) -> None:
     """Sum of ``t`` (``size * out.numel()``) over the group; member ``i`` keeps chunk ``i``."""
     pg = _check(group, DEVICE, what, out, t)
@@ -424,6 +456,7 @@ def reduce_scatter(group: Group, out: Tensor, t: Tensor, *, what: str) -> None:
     dist.reduce_scatter_single(out, t, group=pg)
 
 
+@_watched
 def broadcast(group: Group, t: Tensor, src: int, *, what: str) -> None:
     """``src`` is a global rank."""
     pg = _check(group, DEVICE, what, t)
@@ -446,6 +479,7 @@ def ddp_allreduce_hook(group: Group, bucket):  # DDP rejects annotations it cann
 
 
 # -- host traffic ---------------------------------------------------------------------
+@_watched
 def host_all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str, async_op: bool = False
                     ) -> Pending | None:
     pg = _check(group, HOST, what, t, *outs)
@@ -454,6 +488,7 @@ def host_all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str, a
     return Pending(work, (outs, t), what) if async_op else None
 
 
+@_watched
 def host_all_reduce(group: Group, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:
     pg = _check(group, HOST, what, t)
     _note(group, HOST, "all_reduce", what, t)
@@ -461,6 +496,7 @@ def host_all_reduce(group: Group, t: Tensor, *, what: str, async_op: bool = Fals
     return Pending(work, (t,), what) if async_op else None
 
 
+@_watched
 def host_all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], *,
                     what: str) -> None:
     pg = _check(group, HOST, what, out, inp)
@@ -468,6 +504,7 @@ def host_all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence
     dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=pg)
 
 
+@_watched
 def gather_objects(group: Group, obj: Any, *, what: str) -> list[Any]:
     """Every member's ``obj`` (picklable), in group-rank order."""
     pg = _check(group, HOST, what)
@@ -477,10 +514,24 @@ def gather_objects(group: Group, obj: Any, *, what: str) -> list[Any]:
     return out
 
 
+@_watched
 def host_barrier(group: Group, *, what: str) -> None:
     pg = _check(group, HOST, what)
     _note(group, HOST, "barrier", what, None)
     dist.barrier(group=pg)
+
+
+# -- what travels ---------------------------------------------------------------------
+def wire_dtype(t: Tensor) -> torch.dtype:
+    """The dtype ``t``'s values travel in: the autocast dtype where autocast is on for its
+    device and ``t`` is a wider float (the receiver computes in it anyway: the same values,
+    half the bytes), else its own. Gradients of fp32 weights are synced in fp32."""
+    kind = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        if dtype.itemsize < t.dtype.itemsize:
+            return dtype
+    return t.dtype
 
 
 # -- host to device -------------------------------------------------------------------

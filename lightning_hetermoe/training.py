@@ -26,7 +26,8 @@ from .strategy import HeterMoEStrategy
 log = logging.getLogger(__name__)
 
 STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "plan", "num_microbatches", "asym_ea",
-                   "require_expert_ranks", "profile", "heartbeat_timeout_s", "allow_emulated_bf16",
+                   "require_expert_ranks", "profile", "heartbeat_timeout_s", "progress_timeout_s",
+                   "allow_emulated_bf16",
                    "checkpoint_format", "shard_optimizer_state")
 
 
@@ -148,6 +149,8 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         out["predicted_step_time_s"] = pred["step_time_s"]
         # the routing the prediction assumed: measured on a warm-up batch at set-up
         out["predicted_expert_load_max_over_mean"] = pred["expert_load_max_over_mean"]
+        out["bound_tokens_per_s"] = pred["bound_tokens_per_s"]
+        out["predicted_fraction_of_bound"] = pred["fraction_of_bound"]
         if measured:
             out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
         load = monitor.mean_share(skip=summary.get("timing_warmup_steps", 1)) if monitor is not None else None

@@ -28,16 +28,21 @@ class RaiseAt(KillRankAt):
 class KillInExperts(KillRankAt):
     """Rank ``rank`` kills itself inside an expert computation of step ``step`` (mid-schedule)."""
 
+    where = "experts"  # the MoE layer's part whose forward the fault strikes in
+
+    def act(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def setup(self, trainer, pl_module, stage):
         from lightning_hetermoe import MoELayer
 
         def hook(module, args):
             if trainer.global_rank == self.rank and trainer.global_step >= self.step:
-                os.kill(os.getpid(), signal.SIGKILL)
+                self.act()
 
         for m in pl_module.modules():
             if isinstance(m, MoELayer):
-                m.experts.register_forward_pre_hook(hook)
+                getattr(m, self.where).register_forward_pre_hook(hook)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         pass
@@ -46,29 +51,25 @@ class KillInExperts(KillRankAt):
 class RaiseInRouter(KillInExperts):
     """Rank ``rank`` raises inside a router forward of step ``step`` (inside a zebra fiber)."""
 
-    def setup(self, trainer, pl_module, stage):
-        from lightning_hetermoe import MoELayer
+    where = "router"
 
-        def hook(module, args):
-            if trainer.global_rank == self.rank and trainer.global_step >= self.step:
-                raise RuntimeError(f"injected failure in a router on rank {self.rank}")
-
-        for m in pl_module.modules():
-            if isinstance(m, MoELayer):
-                m.router.register_forward_pre_hook(hook)
+    def act(self) -> None:
+        raise RuntimeError(f"injected failure in a router on rank {self.rank}")
 
 
 class StopInExperts(KillInExperts):
     """Rank ``rank`` stops itself (SIGSTOP) inside an expert computation of step ``step``: a
     frozen host. No process dies and no socket closes; only a heartbeat can tell."""
 
-    def setup(self, trainer, pl_module, stage):
-        from lightning_hetermoe import MoELayer
+    def act(self) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
-        def hook(module, args):
-            if trainer.global_rank == self.rank and trainer.global_step >= self.step:
-                os.kill(os.getpid(), signal.SIGSTOP)
 
-        for m in pl_module.modules():
-            if isinstance(m, MoELayer):
-                m.experts.register_forward_pre_hook(hook)
+class SleepInExperts(KillInExperts):
+    """Rank ``rank`` sleeps inside an expert computation of step ``step``: alive (its
+    heartbeat beats on) but stuck, as behind a hung GPU or a deadlock in user code."""
+
+    def act(self) -> None:
+        import time
+
+        time.sleep(600)

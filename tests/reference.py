@@ -98,7 +98,7 @@ def pieces_loss(model: MoELanguageModel, batch, pieces: list[int], stats: dict |
 def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8, windows: int = 64,
                   accumulate: int = 1, clip: float | None = None, shuffle: bool = True,
                   seed: int = 7, pieces: list[int] | None = None, stats: dict | None = None,
-                  scaler: torch.amp.GradScaler | None = None) -> dict[str, torch.Tensor]:
+                  scaler: torch.amp.GradScaler | None = None, clip_algorithm: str = "norm") -> dict[str, torch.Tensor]:
     """``scaler``: fp16 autocast with loss scaling, in the order Lightning's 16-mixed runs
     it (scale, backward, unscale, clip, step unless inf/nan, update; the LR scheduler steps
     either way)."""
@@ -131,7 +131,9 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
                     stats["last_ce"] = float(model.losses(tuple(t[:rows] for t in batch))["ce"])
         if scaler is not None:
             scaler.unscale_(opt)
-        if clip is not None:
+        if clip is not None and clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip)
+        elif clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if scaler is not None:
             scaler.step(opt)

@@ -219,5 +219,7 @@ def test_emulated_two_process_ep_run_tracks_the_simulator(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["cluster"] == "emu_a40_v100_d1_4k" and summary["world_size"] == 2
     assert summary["predicted_schedule"] == "ep" and summary["predicted_step_time_s"] > 0.3
+    # the bound no schedule beats on these devices, and the run's predicted share of it
+    assert summary["bound_tokens_per_s"] > 0 and 0 < summary["predicted_fraction_of_bound"] <= 1, summary
     # the simulator at the routing of a warm-up batch, the run at its own: loose
     assert abs(summary["step_time_rel_error"]) < 0.25, summary

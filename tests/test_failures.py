@@ -86,3 +86,19 @@ def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
     # nothing of the job is left: the stopped rank was killed too
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.parametrize("mode,who", [("ep", "ep rank"), ("zebra", "expert rank"), ("distep", "expert rank"),
+                                      ("datacentric", "datacentric rank")])
+def test_a_rank_alive_but_stuck_in_a_step_is_named_and_the_job_ends(tmp_path, mode, who):
+    """Rank 1 sleeps inside its experts at step 3: its process and heartbeat live on, its
+    peer waits in a collective. The watchdog's bound is max(3 s, 10x the slowest step), so
+    the job ends within seconds of it, naming rank 1, where NCCL would wait 30 minutes."""
+    proc, wall = run_main_job(tmp_path, f"strategy.mode={mode}", "strategy.progress_timeout_s=3",
+                              "+callbacks.fault._target_=faults.SleepInExperts", "+callbacks.fault.rank=1",
+                              "+callbacks.fault.step=3")
+    assert proc.returncode != 0
+    assert f"[hetermoe] rank 1 ({who}, device cpu) is stuck: in step 3 for" in proc.stderr, proc.stderr[-3000:]
+    assert "not inside a collective while its peers wait" in proc.stderr
+    assert "rank 0 (" in proc.stderr and "waiting in " in proc.stderr  # the report says what the peer does
+    assert wall < 60, f"the job took {wall:.0f} s to end after rank 1 got stuck"

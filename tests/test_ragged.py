@@ -257,6 +257,19 @@ def _gather_or_refuse(rank: int) -> dict:
         out["calls"]["hf"] = [(c.traffic, c.what) for c in calls]
         got = gather_global_batch((torch.full((2, n), 5), torch.full((2, n), 7)))
         out["pair"] = got.batch
+        # evaluation: a short last batch (rank 1 holds a row fewer) that is ragged too; the
+        # same rows in training are refused
+        rows = _on(rank, 2, 3)
+        uneven = (torch.arange(rows)[:, None] * 10 + rank + torch.zeros(rows, n, dtype=torch.long),
+                  torch.full((rows, n), 7))
+        with comm.record() as calls:
+            got = gather_global_batch(uneven, uneven_rows=True)
+        out["uneven"] = (got.batch, got.lengths, got.counts, got.rank_lengths, got.mask(0, 5, torch.device("cpu")))
+        out["calls"]["uneven"] = [(c.traffic, c.what) for c in calls]
+        try:
+            gather_global_batch(uneven)
+        except ConfigError as err:
+            out["refused"]["uneven rows in training"] = str(err)
     finally:
         comm.forget()
     return out
@@ -292,6 +305,137 @@ def test_batches_that_cannot_be_padded_are_refused_before_any_device_collective(
                                           (comm.DEVICE, "batch.gather"), (comm.DEVICE, "batch.gather")]
     tokens, targets = per_rank[1]["pair"]
     assert (targets[1, 26:] == -100).all() and (tokens[1, 26:] == 0).all() and (tokens[1, :26] == 5).all()
+
+    # uneven rows and lengths at once: padded along the sequence, then gathered by counts
+    # (rank 0's rows 0, 1, 2 and rank 1's rows 0, 1 in the global order: 0.0, 1.0, 0.1, 1.1, 0.2)
+    for r in range(2):
+        (tokens, targets), lengths, counts, rank_lengths, mask = per_rank[r]["uneven"]
+        assert counts == [3, 2] and rank_lengths == (30, 26) and lengths == [30, 26, 30, 26, 30], r
+        assert tokens[:, 0].tolist() == [0, 1, 10, 11, 20] and tokens.shape == (5, 30), tokens[:, 0]
+        assert (targets[1::2, 26:] == -100).all() and (targets[0::2] == 7).all() and (targets[1::2, :26] == 7).all()
+        assert (tokens[1::2, 26:] == 0).all()
+        assert mask.tolist() == [[i < n for i in range(30)] for n in lengths]
+        # the shapes carry the row counts: one host gather, no other
+        assert per_rank[r]["calls"]["uneven"] == [(comm.HOST, "batch.shapes")] + [(comm.DEVICE, "batch.gather")] * 2
+        refused = per_rank[r]["refused"]["uneven rows in training"]
+        assert "batch size" in refused and "rank 1: [2, 26], [2, 26]" in refused, refused
+
+
+def test_plan_padding_lets_row_counts_differ_only_where_asked():
+    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.strategy.batch import plan_padding
+
+    long = 5  # torch.int64's code among the shapes' dtypes
+    batch = (torch.zeros(3, 30, dtype=torch.long), torch.zeros(3, 30, dtype=torch.long))
+    rows_only = [[((3, 30), long), ((3, 30), long)], [((2, 30), long), ((2, 30), long)]]
+    assert plan_padding(batch, rows_only, uneven_rows=True) is None  # gathered by counts, nothing to pad
+    with pytest.raises(ConfigError, match="batch sizes"):
+        plan_padding(batch, rows_only)  # training: every rank's rows in global order
+    both = [[((3, 30), long), ((3, 30), long)], [((2, 26), long), ((2, 26), long)]]
+    padding = plan_padding(batch, both, uneven_rows=True)
+    assert padding is not None and padding.values == (0, -100) and padding.lengths == (30, 26)
+    split = [[((3, 30), long), ((2, 30), long)], [((2, 26), long), ((2, 26), long)]]
+    with pytest.raises(ConfigError, match="rank 0's batch disagree on the batch size"):
+        plan_padding(batch, split, uneven_rows=True)
+
+
+# -- evaluation: ragged batches in predict and test (zebra, distep) ----------------------------
+def predict_and_test_ragged(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """``trainer.predict`` (an uneven last batch) and ``trainer.test`` with every rank's batches
+    cut to their own lengths."""
+    import dataclasses
+
+    from test_predict import BATCH, PREDICT_ROWS, TEST_ROWS, StepOutputs, Written, predictor, rows, to_cpu
+
+    out = []
+    for case in cases:
+        model = predictor(seed=rank)
+        writer, test_outputs = Written(), StepOutputs()
+        t = trainer(HeterMoEStrategy(mode=case["mode"], plan=case["plan"]), world, callbacks=[writer, test_outputs])
+        with comm.record() as calls:
+            returned = t.predict(model, DataLoader(rows(PREDICT_ROWS[world]), batch_size=BATCH[world],
+                                                   collate_fn=truncate), return_predictions=True)
+            tested = t.test(model, DataLoader(rows(TEST_ROWS[world]), batch_size=BATCH[world], collate_fn=truncate),
+                            verbose=False)
+        out.append({"written": writer.batches, "returned": [to_cpu(p) for p in returned], "test": tested[0],
+                    "test_outputs": test_outputs.matched, "calls": [dataclasses.asdict(c) for c in calls]})
+    return out
+
+
+def _rank_batches(rows, n: int, world: int, rank: int, batch: int) -> list[tuple[list[int], int]]:
+    """Rank ``rank``'s batches of a data set of ``n`` rows dealt ``r, r + W, ...``: their row
+    indices and the length the collate cuts them to."""
+    mine = list(range(rank, n, world))
+    out = []
+    for k in range(0, len(mine), batch):
+        indices = mine[k:k + batch]
+        out.append((indices, ragged_length(torch.stack([rows[i][0] for i in indices]))))
+    return out
+
+
+def check_ragged_evaluation(world: int, cases: list[dict]) -> None:
+    from test_predict import BATCH, PREDICT_ROWS, TEST_ROWS, predictor, rows
+
+    from test_collectives import DEVICE_TRAFFIC, HOST_TRAFFIC
+
+    per_rank = run_ranks(world, predict_and_test_ragged, world, cases)
+    model = predictor(seed=0).eval()
+    predict_set, test_set = rows(PREDICT_ROWS[world]), rows(TEST_ROWS[world])
+    batches = [_rank_batches(predict_set, PREDICT_ROWS[world], world, r, BATCH[world]) for r in range(world)]
+    # not vacuous: the last batch's rows differ between ranks, and so do the lengths within a step
+    assert len({len(b[-1][0]) for b in batches}) > 1, batches
+    assert any(len({b[k][1] for b in batches}) > 1 for k in range(len(batches[0]))), batches
+    # the test loss one process computes: each step's cross-entropy over every real token of its
+    # global batch, the steps weighed by their rows (Lightning's epoch mean)
+    steps = list(zip(*(_rank_batches(test_set, TEST_ROWS[world], world, r, BATCH[world]) for r in range(world))))
+    assert any(len({length for _, length in step}) > 1 for step in steps), steps
+    values, weights = [], []
+    with torch.no_grad():
+        for step in steps:
+            pieces = [tuple(torch.stack([test_set[i][j][:length] for i in indices]) for j in range(2))
+                      for indices, length in step]
+            total = sum(p[0].numel() for p in pieces)
+            values.append(sum(float(model.losses(p)["ce"]) * p[0].numel() / total for p in pieces))
+            weights.append(sum(len(indices) for indices, _ in step))
+    want_loss = sum(v * w for v, w in zip(values, weights)) / sum(weights)
+    for c, case in enumerate(cases):
+        mode = case["mode"]
+        for r in range(world):
+            got, where = per_rank[r][c], f"{mode}, rank {r}"
+            assert [indices for indices, _ in got["written"]] == [indices for indices, _ in batches[r]], where
+            for (indices, pred), back, (_, length) in zip(got["written"], got["returned"], batches[r]):
+                tokens, same = pred["ids"]
+                # per-token outputs at the rank's own length, as it alone computes them
+                assert pred["logits"].shape[:2] == (len(indices), length), (where, pred["logits"].shape, length)
+                assert tokens.shape == (len(indices), length) and same.shape == (len(indices),), where
+                for k, i in enumerate(indices):
+                    row = predict_set[i][0][:length]
+                    assert torch.equal(tokens[k], row), f"{where}: row {i} carries other tokens"
+                    with torch.no_grad():
+                        want = model(row[None])[0]
+                    torch.testing.assert_close(pred["logits"][k], want, rtol=1e-5, atol=1e-5,
+                                               msg=lambda m: f"{where}, row {i}: {m}")
+                torch.testing.assert_close(back["logits"], pred["logits"], rtol=0, atol=0)
+            loss = got["test"].get("test_loss")
+            assert loss is not None and abs(loss - want_loss) < 1e-5, f"{where}: test_loss {loss}, one process {want_loss}"
+            assert got["test_outputs"] and all(got["test_outputs"]), f"{where}: {got['test_outputs']}"
+        calls = [[comm.Call(**d) for d in per_rank[r][c]["calls"]] for r in range(world)]
+        assert comm.check_sequences(calls) == [], mode
+        for call in (call for per in calls for call in per):
+            assert call.what in (HOST_TRAFFIC if call.traffic == comm.HOST else DEVICE_TRAFFIC), (mode, call)
+            assert call.what != "batch.counts", (mode, call)  # the shapes carry the row counts
+
+
+@pytest.mark.slow
+def test_zebra_and_distep_predict_and_test_ragged_batches_as_one_process():
+    # R=3: micro-batches of 3+3+2 rows whose real tokens are not in proportion to their rows
+    check_ragged_evaluation(2, [dict(mode="zebra", plan=make_test_plan(2, [0], R=3)),
+                                dict(mode="distep", plan=make_test_plan(2, [0], R=2))])
+
+
+@pytest.mark.slow
+def test_ragged_evaluation_across_two_attention_ranks():
+    check_ragged_evaluation(3, [dict(mode="zebra", plan=make_test_plan(3, [0, 1], R=2))])
 
 
 # -- the MoE layer: padding leaves its losses, counts and capacity alone -----------------------

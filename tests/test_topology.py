@@ -171,7 +171,9 @@ def test_one_node_prices_like_the_flat_cluster_of_its_link():
 
 def test_a_slower_network_costs_only_what_crosses_it():
     m = workload_model("d1")
-    kw = dict(seq_len=8192, global_batch_tokens=8192 * 16, num_zp_groups=2, num_attention_ranks=4)
+    # a batch whose exchange outweighs the experts' gradient sync (fp32, over the network in a
+    # plan that keeps each group on one server: its replicas sit on the other server)
+    kw = dict(seq_len=8192, global_batch_tokens=8192 * 64, num_zp_groups=2, num_attention_ranks=4)
     fast = make_plan(two_servers("ib_ndr"), m, **kw)
     slow_cluster = two_servers(LinkConfig(bandwidth_gbps=1.0, latency_us=50.0))
     slow = make_plan(slow_cluster, m, **kw)
@@ -196,7 +198,7 @@ def test_a_slower_network_costs_only_what_crosses_it():
 def test_the_planner_keeps_zp_groups_inside_nodes_where_that_is_faster_and_the_table_says_so():
     m = workload_model("d1")
     c = two_servers()
-    plan = make_plan(c, m, seq_len=8192, global_batch_tokens=8192 * 16, num_zp_groups=2, num_attention_ranks=4)
+    plan = make_plan(c, m, seq_len=8192, global_batch_tokens=8192 * 64, num_zp_groups=2, num_attention_ranks=4)
     topo = cluster_topology(c)
     for g in plan.zp_groups:
         assert len(topo.nodes_of(g.members)) == 1
@@ -240,6 +242,11 @@ def test_the_throughput_bound_matches_a_brute_force_split_and_no_schedule_beats_
         plan = make_plan(c, m, seq_len=S, global_batch_tokens=S * 32)
         limit = throughput_bound(as_cluster(c).devices, timer, m, S)
         assert all(p["tokens_per_s"] <= limit for p in plan.predicted.values() if p.get("tokens_per_s"))
+        # every plan carries it, and its table gives each schedule's fraction of it
+        assert plan.bound_tokens_per_s == pytest.approx(limit)
+        text = str(plan)
+        zebra = plan.predicted["zebra"]["tokens_per_s"]
+        assert "of bound" in text and f"{zebra / limit:.1%}" in text and f"{limit:,.0f}" in text
 
 
 def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():

@@ -101,7 +101,8 @@ def check(world: int, cases: list[dict]) -> None:
         tk = case.get("trainer", {})
         expected = reference_fit(model, STEPS, global_batch=GLOBAL[world], windows=WINDOWS[world], pieces=cut,
                                  stats=stats,
-                                 accumulate=tk.get("accumulate_grad_batches", 1), clip=tk.get("gradient_clip_val"))
+                                 accumulate=tk.get("accumulate_grad_batches", 1), clip=tk.get("gradient_clip_val"),
+                                 clip_algorithm=tk.get("gradient_clip_algorithm", "norm"))
         for key in case.get("exercises", ()):
             assert stats.get(key, 0) > 0, f"the case never exercised {key}: {stats}"
         assert_same_params(actual["state"], expected, initial)

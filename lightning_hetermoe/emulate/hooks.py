@@ -250,6 +250,8 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
 
     em = handle.emulator
     seconds = em.time_scale * weight_move_seconds(em.timer.model, em.timer, em.link, disp.move_fraction)
+    scatter_seconds = em.time_scale * weight_move_seconds(em.timer.model, em.timer, em.link, disp.move_fraction,
+                                                          grads=True)
     weights, reduce_scatter = disp.weights, disp.reduce_scatter
     parts = {"n": 0}
 
@@ -270,7 +272,7 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
     def scattered(shard, grad):
         started = em.now()
         out = reduce_scatter(shard, grad)
-        em.transfer_done((layer_idx, "reduce_scatter"), started, seconds / max(parts["n"], 1))
+        em.transfer_done((layer_idx, "reduce_scatter"), started, scatter_seconds / max(parts["n"], 1))
         return out
 
     disp.weights, disp.reduce_scatter = gathered, scattered

@@ -41,11 +41,11 @@ class ByteWindows(Dataset):
 
 
 class ByteCorpusDataModule(L.LightningDataModule):
-    def __init__(self, cfg: DataConfig | dict) -> None:
+    def __init__(self, cfg: DataConfig | dict | None = None) -> None:
         super().__init__()
         from ..config import from_cfg
 
-        self.cfg = from_cfg(DataConfig, cfg)
+        self.cfg = from_cfg(DataConfig, cfg or {})
 
     def setup(self, stage: str | None = None) -> None:
         cfg = self.cfg

@@ -15,9 +15,9 @@ from .transformer import MoETransformer
 
 
 class MoELanguageModel(L.LightningModule):
-    def __init__(self, model: ModelConfig | dict, optim: OptimConfig | dict | None = None) -> None:
+    def __init__(self, model: ModelConfig | dict | None = None, optim: OptimConfig | dict | None = None) -> None:
         super().__init__()
-        self.model_cfg = from_cfg(ModelConfig, model)
+        self.model_cfg = from_cfg(ModelConfig, model or {})
         self.optim_cfg = from_cfg(OptimConfig, optim or {})
         self.save_hyperparameters({"model": asdict(self.model_cfg), "optim": asdict(self.optim_cfg)})
         self.model = MoETransformer(self.model_cfg)

@@ -55,6 +55,9 @@ class Plan(JsonDataclass):
     precision: str = "16-mixed (fp16 tensor cores)"
     # the node of each rank (empty: one node)
     nodes: list[int] = field(default_factory=list)
+    # tokens/s no schedule can beat here: every device busy on the work it is fastest at, no
+    # communication (simulate/bound.py); 0: not computed
+    bound_tokens_per_s: float = 0.0
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -209,18 +212,23 @@ class Plan(JsonDataclass):
         if self.predicted:
             base = self.predicted.get(self.schedule, {}).get("tokens_per_s")
             net = f"  {'over the network':>16}" if multi else ""
-            rel_head = f"{'throughput vs ' + self.schedule:<20}" if multi else f"throughput vs {self.schedule}"
-            lines += ["", f"  {'schedule':<12} {'step time':>10} {'tokens/s':>12}  {rel_head}{net}"]
+            bound = self.bound_tokens_per_s
+            of_bound = f"  {'of bound':>8}" if bound else ""
+            rel_head = f"{'throughput vs ' + self.schedule:<20}"
+            lines += ["", f"  {'schedule':<12} {'step time':>10} {'tokens/s':>12}  {rel_head}{of_bound}{net}".rstrip()]
             for name, p in self.predicted.items():
                 tps, step = p.get("tokens_per_s"), p.get("step_time_s")
                 if not tps or not step:
                     lines.append(f"  {name:<12} {'does not fit in memory':>24}")
                     continue
                 rel = f"{tps / base:.2f}x" if base else "n/a"
+                frac = f"  {tps / bound:>8.1%}" if bound else ""
                 gb = p.get("network_gb")
                 cross = f"  {f'{gb:.2f} GB/step' if gb is not None else 'n/a':>16}" if multi else ""
-                lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel:<20}{cross}" if multi
-                             else f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel}")
+                lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel:<20}{frac}{cross}".rstrip())
+            if bound:
+                lines.append(f"  {'bound':<12} {'':>10} {bound:>12,.0f}  (every device busy on the work it is "
+                             f"fastest at, no communication: no schedule beats it)")
             lines.append(f"  (throughput vs {self.schedule}: below 1x is slower than {self.schedule})")
             if multi:
                 lines.append("  (over the network: the experts' exchange between nodes, every group, per step; "

@@ -33,6 +33,7 @@ from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel
 from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
+from ..simulate.bound import throughput_bound
 from ..simulate.datacentric import datacentric_step_time
 from ..simulate.schedules import SCHEDULES, apportion, ep_speed, simulate_plan
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
@@ -487,6 +488,7 @@ def plan_for_batch(
 
     plan = search.best(order, Ms, Rs, num_zp_groups)
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load)
+    plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len)
     cost = getattr(timer, "cost", None)
     if cost is not None:
         plan.precision = cost.describe()

@@ -83,7 +83,15 @@ class CostModel:
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes per value computed, and per value sent where activations and weights travel
+        (token rows, gathered expert weights: in the autocast dtype under mixed precision)."""
         return precision_dtype_bytes(self.precision)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per value of a gradient sync (all-reduces, reduce-scatters): the weights are
+        fp32 masters at every precision here, and their gradients are summed in fp32."""
+        return 4
 
     def _peak(self, dev: DeviceSpec) -> float:
         """FLOP/s of the dense peak this precision runs at (before efficiency)."""

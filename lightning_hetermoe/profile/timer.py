@@ -58,6 +58,11 @@ class CostModelTimer:
     def allreduce(self, nbytes: float, n_ranks: int, link: LinkConfig) -> float:
         return self.cost.allreduce_time(nbytes, n_ranks, link)
 
+    def grad_sync(self, n_params: float, n_ranks: int, link: LinkConfig) -> float:
+        """The gradients of ``n_params`` weights summed over ``n_ranks`` (at the gradient
+        sync's width, see :attr:`CostModel.grad_bytes`)."""
+        return self.allreduce(n_params * self.cost.grad_bytes, n_ranks, link)
+
 
 @dataclass(frozen=True)
 class ProfileTimer(CostModelTimer):

@@ -22,16 +22,21 @@ from ..profile.memory import MemoryModel
 from .schedules import ep_balanced_shares, ep_speed
 
 
-def layer_weight_bytes(model: ModelConfig, timer) -> float:
-    """One MoE layer's expert weights at the run's compute width."""
-    return model.moe.num_experts * MemoryModel(model).expert_params() * timer.cost.dtype_bytes
+def layer_weight_bytes(model: ModelConfig, timer, grads: bool = False) -> float:
+    """One MoE layer's expert weights as they travel: gathered at the run's compute width,
+    their gradients reduce-scattered at the gradient sync's (``grads``)."""
+    per = timer.cost.grad_bytes if grads else timer.cost.dtype_bytes
+    return model.moe.num_experts * MemoryModel(model).expert_params() * per
 
 
-def weight_move_seconds(model: ModelConfig, timer, link: LinkConfig, move_fraction: float) -> float:
-    """One gather (or reduce-scatter) of a layer's experts: each rank moves
+def weight_move_seconds(model: ModelConfig, timer, link: LinkConfig, move_fraction: float,
+                        grads: bool = False) -> float:
+    """One gather (or, ``grads``, reduce-scatter) of a layer's experts: each rank moves
     ``move_fraction`` of the layer (``(W - 1)`` padded chunks of the largest range, over
     the whole layer) through its link."""
-    return timer.comm(layer_weight_bytes(model, timer) * move_fraction, link) if move_fraction > 0 else 0.0
+    if move_fraction <= 0:
+        return 0.0
+    return timer.comm(layer_weight_bytes(model, timer, grads) * move_fraction, link)
 
 
 def datacentric_shares(devs: Sequence[DeviceSpec], model: ModelConfig, seq_len: int, total_seqs: int,
@@ -59,7 +64,9 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
             raise ValueError(f"data-centric: {d.name} cannot hold its expert shard, the dense model and two layers "
                              f"of full experts ({held / 1e9:.1f} GB > {d.memory_gb} GB)")
     # ring collectives: each rank moves W - 1 chunks, padded to the largest range
-    move = weight_move_seconds(model, timer, link, max(d.memory_gb for d in devs) / total_memory * (W - 1))
+    fraction = max(d.memory_gb for d in devs) / total_memory * (W - 1)
+    move = weight_move_seconds(model, timer, link, fraction)
+    scatter = weight_move_seconds(model, timer, link, fraction, grads=True)
     seqs = datacentric_shares(devs, model, seq_len, total_seqs, timer)
     slowest = 0.0
     for d, n in zip(devs, seqs):
@@ -71,9 +78,9 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
             bwd_experts = sum(timer.expert(d, tokens * k * s, backward=True) for s in share if s > 0)
             attention = timer.attention(d, tokens), timer.attention(d, tokens, backward=True)
             t += attention[0] + max(fwd_experts, move)  # the next layer's gather hides behind this layer
-            t += move + fwd_experts + bwd_experts + attention[1] + move  # re-gather, recompute, reduce-scatter
+            t += move + fwd_experts + bwd_experts + attention[1] + scatter  # re-gather, recompute, reduce-scatter
         slowest = max(slowest, t)
-    tail = timer.allreduce(mem.attention_stack_params() * 2, W, link) + max(
+    tail = timer.grad_sync(mem.attention_stack_params(), W, link) + max(
         timer.optimizer(d, mem.attention_stack_params() + L * E * mem.expert_params() * d.memory_gb / total_memory)
         for d in devs)
     return slowest + tail

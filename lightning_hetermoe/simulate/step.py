@@ -263,10 +263,10 @@ def step_tail(timer, model: ModelConfig, device: DeviceSpec, link: LinkConfig, *
 
     mem = MemoryModel(model)
     params = experts_held * mem.expert_params()
-    t = timer.allreduce(experts_held * mem.expert_params() * 2, replicas, link)
+    t = timer.grad_sync(experts_held * mem.expert_params(), replicas, link)
     if has_attention:
         params += mem.attention_stack_params()
-        t += timer.allreduce(mem.attention_stack_params() * 2, attention_dp, dense_link or link)
+        t += timer.grad_sync(mem.attention_stack_params(), attention_dp, dense_link or link)
     return t + timer.optimizer(device, params)
 
 

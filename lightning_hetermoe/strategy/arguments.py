@@ -74,6 +74,7 @@ class StrategyArguments:
     require_expert_ranks: bool = True
     profile: Any = None
     heartbeat_timeout_s: float | None = 30.0
+    progress_timeout_s: float | None = 300.0
     allow_emulated_bf16: bool = False
     checkpoint_format: str = "sharded"
     shard_optimizer_state: bool = True
@@ -114,6 +115,10 @@ class StrategyArguments:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ConfigError(f"strategy heartbeat_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
                               f"null: no silent-rank detection)")
+        t = self.progress_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ConfigError(f"strategy progress_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
+                              f"null: no stuck-step detection)")
 
     @property
     def emulated(self) -> bool:
@@ -178,6 +183,13 @@ class StrategyArguments:
 
     def check_model(self, model: Any, device: torch.device) -> None:
         """Everything about the model that can be checked before processes start."""
+        if getattr(model, "_compiler_ctx", None):  # Lightning's mark on a module it took from torch.compile
+            raise ConfigError(
+                "HeterMoEStrategy does not train a torch.compile'd LightningModule: the strategy swaps each MoE "
+                "layer's dispatcher after compile has traced it, and zebra runs each (layer, micro-batch) as its own "
+                "autograd task on several threads, which one compiled graph cannot follow. Pass the module itself; "
+                "compile parts inside it that hold no MoE layer (an attention block: block.attn = "
+                "torch.compile(block.attn)); the experts already run fused kernels")
         try:
             layers = moe_layers(model)
             if not layers and _builds_in_configure_model(model):

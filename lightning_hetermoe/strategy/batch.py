@@ -26,11 +26,18 @@ piece's mean loss counts by its real tokens (:meth:`GlobalBatch.fraction`), so t
 equals one process on the unpadded rows. Where no global batch is gathered (``ep`` with
 equal shares) nothing is padded: each rank's mean loss counts by its own tokens, summed
 over the ranks in one host all-reduce (:func:`local_tokens`).
+
+**Uneven rows.** In evaluation a short last batch may hold different numbers of rows on
+different ranks (Lightning's predict sampler deals rows without padding). The same shapes
+tell every rank each one's row count (:attr:`GlobalBatch.counts`): the sequence dimension
+is padded first, as above, then each rank's rows to the most any rank holds for the
+all-gather, and those padding rows are dropped after it (:func:`global_order`). Training
+refuses differing row counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -192,10 +199,12 @@ class Padding:
         return max(self.lengths)
 
 
-def plan_padding(batch: Any, shapes: list[Shapes | None], ignore_index: int = IGNORE_INDEX) -> Padding | None:
-    """``None`` where every rank's batch has one shape; else how to pad them, or a
-    :class:`ConfigError`. Every rank decides from the same ``shapes`` (and batches of one
-    structure), so every rank pads, or refuses, alike."""
+def plan_padding(batch: Any, shapes: list[Shapes | None], ignore_index: int = IGNORE_INDEX, *,
+                 uneven_rows: bool = False) -> Padding | None:
+    """``None`` where every rank's batch has one shape (but for its row count, where
+    ``uneven_rows`` lets that differ); else how to pad them, or a :class:`ConfigError`. Every
+    rank decides from the same ``shapes`` (and batches of one structure), so every rank pads,
+    or refuses, alike."""
     if any(s is None for s in shapes):
         _refuse(shapes, f"a batch of more than {MAX_TENSORS} tensors, or with tensors of more than {MAX_DIMS} "
                         "dimensions, is more than the ranks describe to each other", "Give the batch fewer tensors.")
@@ -204,11 +213,17 @@ def plan_padding(batch: Any, shapes: list[Shapes | None], ignore_index: int = IG
     if len({tuple((len(t), d) for t, d in s) for s in shapes}) != 1:
         _refuse(shapes, "the ranks' batches hold different tensors (their number, dimensions or dtypes differ)")
     sizes = [{t[0] for t, _ in s} for s in shapes]
-    if any(len(b) != 1 for b in sizes) or len({min(b) for b in sizes}) != 1:
+    split = [r for r, b in enumerate(sizes) if len(b) != 1]
+    if split:
+        _refuse(shapes, f"the tensors of rank {split[0]}'s batch disagree on the batch size (dimension 0)",
+                "Give every tensor of a batch its rows as its first dimension (the model contract).")
+    if not uneven_rows and len({min(b) for b in sizes}) != 1:
         _refuse(shapes, "the batch sizes (dimension 0) differ: the global batch is gathered in global sample order, "
                         "which needs as many sequences from every rank",
                 "Give every rank the same batch size (drop_last=True, or the pack's GlobalOrderSampler, which cuts "
                 "an epoch to whole rounds of ranks), or use mode='ep' with batch_split='equal'.")
+    if uneven_rows and all(_per_row(s) == _per_row(shapes[0]) for s in shapes):
+        return None  # only the row counts differ: gathered by counts, nothing to pad
     names = tensor_names(batch)
     padded = _padded_tensors(shapes, names)
     lengths = tuple(s[0][0][1] for s in shapes)
@@ -234,6 +249,11 @@ def plan_padding(batch: Any, shapes: list[Shapes | None], ignore_index: int = IG
     return Padding(values, lengths)
 
 
+def _per_row(shapes: Shapes) -> list[tuple[tuple[int, ...], int]]:
+    """A rank's shapes without the batch dimension."""
+    return [(t[1:], d) for t, d in shapes]
+
+
 def _holds(code: int, value: int) -> bool:
     """A tensor of dtype ``_DTYPES[code]`` is integer class ids and can hold ``value``."""
     if code >= len(_DTYPES) or _DTYPES[code].is_floating_point or _DTYPES[code] == torch.bool:
@@ -243,7 +263,8 @@ def _holds(code: int, value: int) -> bool:
 
 
 def _padded_tensors(shapes: list[Shapes], names: list[str] | None) -> list[int]:
-    """The tensors whose sequence dimension differs between ranks; refuses any other difference."""
+    """The tensors whose sequence dimension differs between ranks; refuses any other difference
+    (beyond the batch dimension, which :func:`plan_padding` checked)."""
     first = [s[0][0] for s in shapes]
     if len(first[0]) < 2:
         _refuse(shapes, "the batch's first tensor has no sequence dimension ([batch, seq_len, ...]) to pad along")
@@ -252,7 +273,7 @@ def _padded_tensors(shapes: list[Shapes], names: list[str] | None) -> list[int]:
         per_rank = [s[k][0] for s in shapes]
         label = f"tensor {k}" + (f" ({names[k]!r})" if names is not None else "")
         for d in range(len(per_rank[0])):
-            if d != 1 and len({p[d] for p in per_rank}) > 1:
+            if d > 1 and len({p[d] for p in per_rank}) > 1:
                 _refuse(shapes, f"{label} differs in dimension {d} "
                                 f"({', '.join(f'rank {r}: {p[d]}' for r, p in enumerate(per_rank))}); only "
                                 "dimension 1, the sequence, may differ between ranks")
@@ -287,11 +308,15 @@ def apply_padding(batch: Any, padding: Padding) -> Any:
 # -- the global batch ---------------------------------------------------------------------------
 @dataclass
 class GlobalBatch:
-    """All ranks' rows in global order. ``lengths``: each row's own sequence length where the
-    rows were padded to one (``None``: no padding, every token real)."""
+    """All ranks' rows in global order (:func:`global_order`). ``lengths``: each row's own
+    sequence length where the rows were padded to one (``None``: no padding, every token
+    real); ``counts``: the rows each rank loaded, in rank order; ``rank_lengths``: each
+    rank's own sequence length, where padded."""
 
     batch: Any
     lengths: list[int] | None = None
+    counts: list[int] = field(default_factory=list)
+    rank_lengths: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -320,30 +345,52 @@ class GlobalBatch:
         if self.lengths is None:
             return None
         lengths = torch.tensor(self.lengths[start: start + count], dtype=torch.long, device="cpu")
-        positions = torch.arange(max(self.lengths), dtype=torch.long, device="cpu")
+        positions = torch.arange(sequence_length(self.batch), dtype=torch.long, device="cpu")
         return comm.to_device(positions.unsqueeze(0) < lengths.unsqueeze(1), device)
 
 
-def gather_global_batch(batch: Any, ignore_index: int = IGNORE_INDEX) -> GlobalBatch:
-    """All ranks' batches as one, in global sample order (rank ``r``'s ``i``-th sample is
-    global sample ``i * W + r``), padded to one sequence length where the ranks' differ.
-    The batch is on the device (Lightning moved it there)."""
+def global_order(counts: list[int]) -> list[tuple[int, int]]:
+    """``(rank, i)`` of each sample of the global batch, in global order, where rank ``r``
+    loaded ``counts[r]`` rows: rank ``r``'s ``i``-th sample is global sample ``i * W + r``
+    when every rank loaded as many; in a short last batch the ranks holding an ``i``-th
+    sample close up, in rank order (as a sampler that deals ``r, r + W, ...`` left them)."""
+    return [(r, i) for i in range(max(counts, default=0)) for r, n in enumerate(counts) if i < n]
+
+
+def gather_global_batch(batch: Any, ignore_index: int = IGNORE_INDEX, *, uneven_rows: bool = False) -> GlobalBatch:
+    """All ranks' batches as one, in global sample order (see :func:`global_order`), padded to
+    one sequence length where the ranks' differ. The batch is on the device (Lightning moved
+    it there). ``uneven_rows``: the ranks may hold different numbers of rows (evaluation: a
+    short last batch that Lightning's predict sampler deals without padding); refused
+    otherwise (training). One host gather of the shapes tells every rank both the sequence
+    lengths and the row counts (:attr:`GlobalBatch.counts`)."""
     world = comm.world()
-    padding = plan_padding(batch, gather_shapes(batch), ignore_index)
+    shapes = gather_shapes(batch)
+    padding = plan_padding(batch, shapes, ignore_index, uneven_rows=uneven_rows)
+    counts = [s[0][0][0] if s else 0 for s in shapes]  # every rank described (plan_padding refuses otherwise)
     if padding is not None:
         batch = apply_padding(batch, padding)
+    uneven = len(set(counts)) > 1
+    most = max(counts)
+    order = global_order(counts)
+    # where each sample of the global order sits among the padded rows ([most, W] row-major)
+    keep = comm.to_device(torch.tensor([i * world.size + r for r, i in order], dtype=torch.long,
+                                       device="cpu")) if uneven else None
 
     def gather(t: Tensor) -> Tensor:
+        if uneven:  # all_gather needs one shape: pad to the longest rank's rows, drop them after
+            t = torch.cat([t, t.new_zeros((most - t.shape[0],) + tuple(t.shape[1:]))])
         parts = [torch.empty_like(t) for _ in range(world.size)]
         comm.all_gather(world, parts, t.contiguous(), what="batch.gather")
         stacked = torch.stack(parts, 1)  # [b, W, ...]
-        return stacked.reshape((-1,) + tuple(t.shape[1:]))
+        flat = stacked.reshape((-1,) + tuple(t.shape[1:]))
+        return flat.index_select(0, keep) if uneven else flat
 
     full = map_batch(batch, gather)
     if padding is None:
-        return GlobalBatch(full)
-    b = batch_size(batch)
-    return GlobalBatch(full, [padding.lengths[r] for _ in range(b) for r in range(world.size)])
+        return GlobalBatch(full, counts=counts)
+    # each row's real length, in the global order (a rank's rows all have its length)
+    return GlobalBatch(full, [padding.lengths[r] for r, _ in order], counts, padding.lengths)
 
 
 def ignore_index_of(module: Any) -> int:

@@ -12,9 +12,11 @@ agent tears the job down). If the store itself stops answering, its host (rank 0
 Lightning's launcher) is the silent one.
 
 A counter only says the process is alive (a stopped process, or one whose interpreter
-never lets the thread run, is silent); a collective deadlock among live ranks is left to
-the process-group timeout. A rank that finished marks itself done first, so a job whose
-ranks end at different times is not mistaken for a failure.
+never lets the thread run, is silent). A rank alive but stuck inside a step is the
+progress watchdog's (:mod:`.progress`): its state travels beside the beat, and a step far
+longer than any before ends the job the same way, naming the rank. A rank that finished
+marks itself done first, so a job whose ranks end at different times is not mistaken for
+a failure.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
+
+from .progress import Seen, StepProgress, stuck_report
 
 SILENT_PEER_EXIT = 75  # a rank that ends the job because a peer went silent exits with this code
 _DONE = -1
@@ -45,12 +49,14 @@ class Heartbeat:
                                     wait_for_workers=False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="hetermoe-heartbeat")
+        self.progress: StepProgress | None = None  # this rank's steps, once the strategy marks them
 
     def _key(self, rank: int) -> str:
         return f"hetermoe/heartbeat/{rank}"
 
     def start(self) -> "Heartbeat":
         self._store.set(self._key(self.rank) + "/process", f"{socket.gethostname()}:{os.getpid()}")
+        self._store.set(self._key(self.rank) + "/progress", "")
         self._store.set(self._key(self.rank), "0")
         self._thread.start()
         return self
@@ -88,16 +94,46 @@ class Heartbeat:
                 elif now - before[1] > self.timeout_s:
                     self._report(r, f"no heartbeat for {now - before[1]:.0f} s")
                     return
+            if self._check_progress(others, seen):
+                return
 
-    def _report(self, rank: int, why: str) -> None:
+    def _check_progress(self, others: list[int], beats: list[int]) -> bool:
+        """Publish this rank's progress, read everyone's; True when a stuck rank ended the job."""
+        progress = self.progress
+        if progress is None:
+            return False
+        try:
+            self._store.set(self._key(self.rank) + "/progress", progress.snapshot())
+            keys = [self._key(r) + "/progress" for r in range(self.world_size)]
+            if not self._store.check(keys):
+                return False  # a peer has not started its heartbeat yet (a get would wait for it)
+            texts = self._store.multi_get(keys)
+        except Exception:
+            return False  # the store's silence is the beat's to report
+        bound = progress.bound_s()
+        if bound is None:
+            return False
+        done = {r for r, count in zip(others, beats) if count == _DONE}
+        seen = [x for r, t in enumerate(texts) if r not in done
+                for x in [Seen.parse(r, t.decode() if isinstance(t, bytes) else str(t))] if x is not None]
+        found = stuck_report(seen, bound, self.describe, complete=len(seen) == self.world_size - len(done))
+        if found is None:
+            return False
+        rank, report = found
+        self._report(rank, report, kind="stuck")
+        return True
+
+    def _report(self, rank: int, why: str, kind: str = "silent") -> None:
         if self._stop.is_set():
             return
         try:
             who = self.describe(rank)
         except Exception:
             who = "?"
-        sys.stderr.write(f"[hetermoe] rank {rank} ({who}) is silent: {why} (heartbeat_timeout_s="
-                         f"{self.timeout_s:g}); rank {self.rank} ends the job\n")
+        setting = (f"heartbeat_timeout_s={self.timeout_s:g}" if kind == "silent" else
+                   f"progress_timeout_s={self.progress.floor_s:g}, or {self.progress.factor:g}x the slowest step")
+        sys.stderr.write(f"[hetermoe] rank {rank} ({who}) is {kind}: {why}\n({setting}); rank {self.rank} ends "
+                         f"the job\n")
         sys.stderr.flush()
         self._kill_if_local(rank)
         self.on_silent()
@@ -122,19 +158,20 @@ _current: Heartbeat | None = None
 
 
 def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callable[[int], str],
-           on_silent: Callable[[], None] | None = None) -> Heartbeat | None:
+           on_silent: Callable[[], None] | None = None, progress: StepProgress | None = None) -> Heartbeat | None:
     """Start this process's heartbeat for the running job (once; a new job replaces it).
-    ``on_silent`` ends the job (default: this process exits; a launcher also kills what it started)."""
+    ``on_silent`` ends the job (default: this process exits; a launcher also kills what it started);
+    ``progress``: this rank's steps, for the progress watchdog (None: no watchdog)."""
     global _current
     if not timeout_s or world_size < 2:
         return None
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if host is None or port is None:
         return None  # no store to beat into (a process group made some other way)
-    if _current is not None and (_current.host, _current.port) == (host, int(port)):
-        return _current
-    stop()
-    _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port), on_silent).start()
+    if _current is None or (_current.host, _current.port) != (host, int(port)):
+        stop()
+        _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port), on_silent).start()
+    _current.progress = progress
     return _current
 
 

@@ -47,6 +47,8 @@ from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
 from .memory_watch import MemoryWatch, optimizer_bytes_per_param, predict_rank, return_freed_memory
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
+from .progress import StepProgress
+from .shared_metrics import SharedCallbackMetrics
 from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
 from .run_clock import RunClock
 
@@ -66,6 +68,7 @@ class HeterMoEStrategy(DDPStrategy):
         require_expert_ranks: bool = True,
         profile: Any = None,
         heartbeat_timeout_s: float | None = 30.0,
+        progress_timeout_s: float | None = 300.0,
         allow_emulated_bf16: bool = False,
         checkpoint_format: str = "sharded",
         shard_optimizer_state: bool = True,
@@ -87,6 +90,7 @@ class HeterMoEStrategy(DDPStrategy):
                                       batch_split=batch_split, num_microbatches=num_microbatches, asym_ea=asym_ea,
                                       require_expert_ranks=require_expert_ranks, profile=profile,
                                       heartbeat_timeout_s=heartbeat_timeout_s,
+                                      progress_timeout_s=progress_timeout_s,
                                       allow_emulated_bf16=allow_emulated_bf16,
                                       checkpoint_format=checkpoint_format,
                                       shard_optimizer_state=shard_optimizer_state)
@@ -96,6 +100,7 @@ class HeterMoEStrategy(DDPStrategy):
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         self._sharding: OptimizerSharding | None = None  # dense optimizer state sharded over replicas
         self.memory: MemoryWatch | None = None  # this rank's memory: what it holds, its peak, its budget
+        self.progress: StepProgress | None = None  # this rank's steps, for the stuck-rank watchdog
         self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
@@ -163,8 +168,10 @@ class HeterMoEStrategy(DDPStrategy):
                 return_freed_memory()
             self.memory = self._memory_watch()
         comm.configure(self.root_device, self.args.vendors)
+        if self.progress is None and self.args.progress_timeout_s is not None:
+            self.progress = StepProgress(self.args.progress_timeout_s)
         heartbeat.ensure(self.global_rank, self.world_size, self.args.heartbeat_timeout_s, self.describe_rank,
-                         on_silent=end_job_for_silent_peer)
+                         on_silent=end_job_for_silent_peer, progress=self.progress)
 
     # -- set-up -------------------------------------------------------------------------
     # -- construction ---------------------------------------------------------------------
@@ -206,6 +213,7 @@ class HeterMoEStrategy(DDPStrategy):
 
             self.backend = select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
+        self._share_callback_metrics(trainer)
         self.model_to_device()  # whatever the model built outside the meta device
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])
@@ -223,6 +231,15 @@ class HeterMoEStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _share_callback_metrics(self, trainer) -> None:
+        """Where only some ranks log, every rank's callbacks read the same metrics (first)."""
+        source = self.backend.metrics_source()
+        mine = [c for c in trainer.callbacks if isinstance(c, SharedCallbackMetrics)]
+        for c in mine:
+            trainer.callbacks.remove(c)
+        if source is not None:
+            trainer.callbacks.insert(0, SharedCallbackMetrics(source))
 
     def _shard_optimizer_state(self) -> OptimizerSharding | None:
         """ZeRO-1 over the ranks that hold the dense weights alike (see :mod:`.zero`)."""
@@ -354,23 +371,69 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.clock.step_started()
+        if self.progress is not None:
+            self.progress.started(self.lightning_module.trainer.global_step)
         return self.backend.step(self.lightning_module, "training_step", super().training_step,
                                  self.precision_plugin, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._pause_progress()
         return self.backend.step(self.lightning_module, "validation_step", super().validation_step,
                                  self.precision_plugin, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._pause_progress()
         return self.backend.step(self.lightning_module, "test_step", super().test_step,
                                  self.precision_plugin, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._pause_progress()
         return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
                                  self.precision_plugin, args, kwargs)
+
+    # -- evaluation loops -----------------------------------------------------------------
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer
+        self._check_equal_batches(trainer.num_sanity_val_batches if trainer.sanity_checking
+                                  else trainer.num_val_batches, "validate")
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._check_equal_batches(self.lightning_module.trainer.num_test_batches, "test")
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._check_equal_batches(self.lightning_module.trainer.num_predict_batches, "predict")
+
+    def _check_equal_batches(self, max_batches: list, stage: str) -> None:
+        """Every step here is a collective over all ranks (zebra's rounds and outputs, ep's
+        all-to-all, data-centric gathers): a rank with a batch more than its peers would wait
+        on them for ever. Lightning's predict sampler deals rows without padding, so its
+        loaders can differ by a batch; this says so before the first step."""
+        if self.world_size == 1 or not max_batches:
+            return
+        mine = torch.tensor([int(b) if b != float("inf") else -1 for b in max_batches], dtype=torch.int64,
+                            device="cpu")
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        comm.host_all_gather(comm.world(), parts, mine, what="strategy.batches")
+        per_rank = [p.tolist() for p in parts]
+        if any(-1 in p for p in per_rank) or all(p == per_rank[0] for p in per_rank):
+            return  # a loader without a length cannot be checked ahead
+        raise ConfigError(
+            f"trainer.{stage}: the ranks' loaders give different numbers of batches (per rank, per loader: "
+            f"{per_rank}); under mode={self.schedule or self.mode!r} every step is a collective over all ranks, so every rank must "
+            f"run as many. Lightning's {stage} sampler deals the rows without padding: choose the number of rows N "
+            f"and the batch size b so that every rank gets as many batches (with W ranks, ceil(ceil(N/W)/b) == "
+            f"ceil(floor(N/W)/b)), or give the loader a sampler that pads, e.g. "
+            f"lightning_hetermoe.model.sampling.GlobalOrderSampler(dataset, num_replicas=W, rank=r, shuffle=False, "
+            f"drop_last=False) (its padding rows are computed twice)")
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -412,7 +475,13 @@ class HeterMoEStrategy(DDPStrategy):
             self._expert_bias.update(self._sum_over_ranks)
         self.clock.step_ended(tail_started[0] if tail_started else None, self.backend.tail_shape())
         self.check_memory(f"in training step {self.lightning_module.trainer.global_step}")
+        if self.progress is not None:
+            self.progress.finished()
         return out
+
+    def _pause_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.pause()
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         # every rank that routes tokens holds part of the global batch; the others add zeros
@@ -555,6 +624,7 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._pause_progress()
         if self.backend is None:
             return
         # what an offline export to Hugging Face needs (python -m lightning_hetermoe.ckpt to-hf)

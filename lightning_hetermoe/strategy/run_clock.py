@@ -141,10 +141,16 @@ class RunClock:
         clock); ``None`` without a cluster config (no device names to predict for)."""
         if self.cluster is None or not self.bound:
             return None
+        from ..simulate.bound import throughput_bound
+
         step = self.step_time(sim, expert_load)
         load = expert_load if expert_load is not None else self.expert_load
+        bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len)
         return {"schedule": sim.schedule, "step_time_s": step * self.time_scale, "device_step_time_s": step,
                 "workload_tokens_per_step": self.tokens_per_step,
+                # what no schedule beats on these devices, and this run's predicted share of it
+                "bound_tokens_per_s": bound,
+                "fraction_of_bound": self.tokens_per_step / step / bound if step > 0 and bound > 0 else None,
                 "expert_load_max_over_mean": max(max(row) * len(row) for row in load) if load else 1.0}
 
     def expert_seconds(self, device: DeviceSpec, tokens: float) -> float:

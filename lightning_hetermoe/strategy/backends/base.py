@@ -128,6 +128,11 @@ class ParallelBackend(ABC):
         """The group ``self.log(sync_dist=True)`` reduces over (``False``: nothing to reduce here)."""
         return group
 
+    def metrics_source(self) -> int | None:
+        """The rank whose logged metrics every rank's callbacks should read, where some ranks
+        log nothing (``None``: every rank logs its own, as under DDP)."""
+        return None
+
     # -- experts ------------------------------------------------------------------------
     @property
     def spread(self) -> bool:

@@ -115,12 +115,14 @@ class DataCentricBackend(DenseDDPBackend):
         issued = []
         for name, part in zip(names, parts):
             shard = self.shards[layer][name]
+            # in the dtype the experts compute in; the gradients come back in fp32 (Gathered)
+            part = part.detach().to(comm.wire_dtype(part))
             out = part.new_empty(self.world_size * shard.chunk)
             # a layer's full weights count from the moment they are in flight (the padding not)
             # until they are unpadded (the communication library may hold its buffer a moment longer)
             self._grow(math.prod(shard.shape) * out.element_size())
             with comm.issuing(after=[part]):
-                pending = comm.all_gather_into(self.group, out, shard.padded(part.detach(), self.rank),
+                pending = comm.all_gather_into(self.group, out, shard.padded(part, self.rank),
                                                what=f"datacentric.gather.{layer}", async_op=True)
             issued.append((pending, shard))
         return issued

@@ -12,15 +12,17 @@ from .shards import Shard
 
 
 class Gathered(torch.autograd.Function):
-    """Forward: the full tensor (already gathered, or gathered now). Backward: the full
-    gradient reduce-scattered onto this rank's range, averaged over the world."""
+    """Forward: the full tensor (already gathered, or gathered now; in the autocast dtype
+    under mixed precision). Backward: the full gradient reduce-scattered onto this rank's
+    range, averaged over the world, in the range's own dtype (fp32 for fp32 weights: the
+    sum over ranks keeps its precision, as DDP's does)."""
 
     @staticmethod
     def forward(ctx, part: Tensor, full: Tensor, shard: Shard, disp: Any) -> Tensor:
         # disp: the layer's DataCentricDispatcher, which reduce-scatters for its backend
-        ctx.shard, ctx.disp = shard, disp
+        ctx.shard, ctx.disp, ctx.dtype = shard, disp, part.dtype
         return full
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return ctx.disp.reduce_scatter(ctx.shard, grad), None, None, None
+        return ctx.disp.reduce_scatter(ctx.shard, grad.to(ctx.dtype)), None, None, None

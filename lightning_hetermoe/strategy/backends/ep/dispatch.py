@@ -95,7 +95,9 @@ class AllToAllDispatcher:
         send_splits = [int(c.sum()) for c in counts.split(self.experts_per_rank)]
         recv_splits = recv_counts.sum(1).tolist()
 
-        received = self.exchange(x.index_select(0, sc.token), send_splits, recv_splits)
+        rows = x.index_select(0, sc.token)
+        # in the dtype the experts compute in (under autocast the MoE input is still fp32)
+        received = self.exchange(rows.to(comm.wire_dtype(rows)), send_splits, recv_splits)
         # Received rows are ordered (source rank, local expert); the experts want them by expert.
         row_expert = torch.repeat_interleave(torch.arange(mine, device="cpu").repeat(self.size), recv_counts.reshape(-1))
         by_expert = comm.to_device(torch.argsort(row_expert, stable=True), x.device)

@@ -16,6 +16,13 @@
   the same expert in the other ZP groups. The executor's backward runs inside the step;
   Lightning zeroes gradients between the step and ``backward()``, so the step's gradients
   are kept apart and handed over in ``backward()``.
+* **Evaluation.** Validation, test and predict run the forward-only schedule on the same
+  shares (a short last batch may differ between ranks: the shapes every step gathers tell
+  each rank's row count too). The outputs of each row go back to the rank that loaded it,
+  in its order (:mod:`.outputs`; cut back to the rank's own sequence length where ragged
+  batches were padded), and logged values are the global batch's on every rank
+  (:mod:`.logs`; means over real tokens where padded), so prediction writers,
+  ``return_predictions`` and ``trainer.test``'s metrics are DDP's.
 * **State.** Checkpoints take dense weights from the first attention rank and every expert
   gathered within a ZP group: they do not depend on the placement.
 """
@@ -41,6 +48,7 @@ from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_who
                     zero_missing_grads)
 from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, split_sizes, take
 from ...expert_state import gather_experts, restore_local, slice_experts
+from . import outputs
 from .cuts import BlockCuts
 from .exchange import Exchange
 from .executor import StepInput, StepOutput, StepRun, ZebraContractError, loss_of
@@ -212,7 +220,9 @@ class ZebraBackend(ParallelBackend):
         scaler = getattr(precision, "scaler", None) if train else None
         batch = args[0] if args else kwargs.pop("batch")
         rest, kw = tuple(args[1:]), dict(kwargs)
-        full = gather_global_batch(batch, ignore_index_of(module))
+        # evaluation loaders may deal a short last batch unevenly (Lightning's predict
+        # sampler does not pad); training batches hold as many rows on every rank
+        full = gather_global_batch(batch, ignore_index_of(module), uneven_rows=not train)
         fn = getattr(module, hook)
         accumulate = module.trainer.accumulate_grad_batches if train else 1
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -239,15 +249,15 @@ class ZebraBackend(ParallelBackend):
             if scaler is not None:  # 16-mixed: each micro-batch's loss scaled, as Lightning's backward would
                 step.scale = scaler.scale
             out = self._run(step, task_context=context)
+            if not train:
+                self.last_eval = out
+                return self._evaluated(hook, out, step, logs, full)
             logs.replay(step.sizes, step.tokens)
-        if train:
-            self._step_grads = [(p, p.grad) for p in params if p.grad is not None]
-            for p, g in zip(params, before):
-                p.grad = g
-            self.last_step = out
-        else:
-            self.last_eval = out
-        return self._result(out, step, train)
+        self._step_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, g in zip(params, before):
+            p.grad = g
+        self.last_step = out
+        return self._result(out, step)
 
     def _run(self, step: StepInput, task_context: Callable[[], Any] | None = None) -> StepOutput:
         schedule = self.train_schedule if step.train else self.forward_schedule
@@ -270,21 +280,49 @@ class ZebraBackend(ParallelBackend):
                 return torch.get_autocast_dtype(self.device.type)
         return self.dtype
 
-    def _result(self, out: StepOutput, step: StepInput, train: bool) -> Any:
-        """The step's value on every rank: the global mean loss (training), this rank's
-        outputs in micro-batch order (evaluation; ``None`` on expert ranks)."""
-        if not train:
-            outs = [out.results[j] for j in sorted(out.results)]
-            if not outs:
-                return None
-            if all(isinstance(o, torch.Tensor) for o in outs) and all(o.dim() > 0 for o in outs):
-                return torch.cat(outs)
-            return outs[0] if len(outs) == 1 else outs
+    def _result(self, out: StepOutput, step: StepInput) -> Tensor:
+        """A training step's value on every rank: the global mean loss."""
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, result in out.results.items():
             loss = loss + loss_of(result, j).detach().double() * step.fractions[j]
         comm.all_reduce(comm.world(), loss, what="zebra.loss")
         return loss.float()
+
+    def _evaluated(self, hook: str, out: StepOutput, step: StepInput, logs: MicrobatchLogs, full: GlobalBatch) -> Any:
+        """An evaluation step's value on every rank, as under DDP: the outputs of the rows
+        this rank loaded (see :mod:`.outputs`), its logged values those of the global batch
+        (see :mod:`.logs`). One host gather tells every rank what the others returned and
+        logged, so all take the same collectives."""
+        results = [(step.sizes[j], out.results[j]) for j in sorted(out.results)]
+        logged = logs.reduced(step.sizes, step.tokens)
+        spec = outputs.describe(hook, results)
+        everyone = comm.gather_objects(comm.world(), (spec, [item.portable() for item in logged]),
+                                       what="zebra.eval")
+        logs.replay_global(logged, [described for _, described in everyone], self.device)
+        agreed = outputs.agree(hook, [s for s, _ in everyone])
+        if agreed is None:
+            return None
+        if isinstance(agreed, str):
+            if hook == "predict_step":  # a prediction writer would pair the wrong rows with the indices
+                raise ZebraContractError(agreed)
+            # validation/test outputs only reach on_*_batch_end hooks: what this rank computed
+            return self._computed(out)
+        spans = dict(zip(self.plan.attention_ranks, self.shares(full.size)))
+        route = outputs.routes(full.counts, spans, self.layout.rank)
+        mine = outputs.give_back(agreed, outputs.join(results), route, self.device)
+        if full.rank_lengths is None:
+            return mine
+        return outputs.unpad(mine, full.rank_lengths[self.layout.rank], max(full.rank_lengths))
+
+    @staticmethod
+    def _computed(out: StepOutput) -> Any:
+        """This rank's outputs in micro-batch order (``None`` on expert ranks)."""
+        outs = [out.results[j] for j in sorted(out.results)]
+        if not outs:
+            return None
+        if all(isinstance(o, torch.Tensor) for o in outs) and all(o.dim() > 0 for o in outs):
+            return torch.cat(outs)
+        return outs[0] if len(outs) == 1 else outs
 
     def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
                  module: nn.Module) -> Tensor:
@@ -342,6 +380,9 @@ class ZebraBackend(ParallelBackend):
         if group is not None:
             return group
         return self.groups.dense.device if self.groups.dense is not None else False
+
+    def metrics_source(self) -> int | None:
+        return self.plan.attention_ranks[0]
 
     # -- experts ------------------------------------------------------------------------
     @property

@@ -1,0 +1,24 @@
+"""Train with Lightning's own command line (LightningCLI), beside the Hydra recipes:
+
+    python recipes/cli.py fit --trainer.strategy=hetermoe --trainer.accelerator=cpu \
+        --trainer.devices=2 --trainer.max_steps=20 --model.model.d_model=64
+    python recipes/cli.py fit --print_config          # every option, as YAML (--config takes it back)
+
+The model and data are the main job's (``MoELanguageModel``, ``ByteCorpusDataModule``),
+their fields those of ``ModelConfig``, ``OptimConfig`` and ``DataConfig``; the strategy's
+arguments go after ``--trainer.strategy=lightning_hetermoe.HeterMoEStrategy`` as
+``--trainer.strategy.mode=zebra`` and so on (the string ``hetermoe`` takes the defaults).
+"""
+
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_hetermoe  # noqa: F401  (registers strategy="hetermoe")
+from lightning_hetermoe import ByteCorpusDataModule, MoELanguageModel
+
+
+def main(args=None) -> LightningCLI:
+    return LightningCLI(MoELanguageModel, ByteCorpusDataModule, args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The callbacks and Trainer features people add, under every mode, on real gloo processes:
+each behaves as under DDP, on every rank alike (a decision taken on one rank and not the
+others would hang the next collective)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from harness import run_ranks
+from lightning_hetermoe import HeterMoEStrategy, OptimConfig
+from reference import data, make_model, trainer
+from test_zebra import GLOBAL, WINDOWS, make_test_plan
+
+MODES = ("ep", "zebra", "distep", "datacentric")
+
+
+def _strategy(mode: str, world: int) -> HeterMoEStrategy:
+    if mode in ("zebra", "distep"):
+        return HeterMoEStrategy(mode=mode, plan=make_test_plan(world, [0], R=2))
+    return HeterMoEStrategy(mode=mode)
+
+
+def watched_fit(rank: int, world: int, root: str) -> dict:
+    """Checkpoint the best two by val_loss, stop early, monitor the LR, validate twice an
+    epoch on a limited number of batches, in every mode (zebra's attention blocks compiled,
+    the way the strategy allows torch.compile)."""
+    out = {}
+    for mode in MODES:
+        model = make_model(4, seed=rank, optim=OptimConfig())
+        if mode == "zebra":
+            for block in model.model.blocks:
+                block.attn = torch.compile(block.attn, backend="aot_eager")
+        where = os.path.join(root, mode)
+        ckpt = ModelCheckpoint(dirpath=where, monitor="val_loss", mode="min", save_top_k=2, filename="{step}")
+        # never improves by 1e9: stops at its second check, with wait_count 1
+        stop = EarlyStopping(monitor="val_loss", mode="min", patience=1, min_delta=1e9)
+        lr = LearningRateMonitor(logging_interval="step")
+        t = trainer(_strategy(mode, world), world, max_steps=40, callbacks=[ckpt, stop, lr],
+                    enable_checkpointing=True, logger=CSVLogger(where, name="log"), log_every_n_steps=1,
+                    limit_val_batches=2, val_check_interval=4, limit_train_batches=12)
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[mode] = {"step": t.global_step, "best": ckpt.best_model_path, "top": sorted(ckpt.best_k_models),
+                     "score": float(ckpt.best_model_score), "wait": stop.wait_count,
+                     "metrics": sorted(t.callback_metrics), "lrs": {k: len(v) for k, v in lr.lrs.items()}}
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_top_k_early_stopping_and_lr_monitor_behave_as_under_ddp_in_every_mode(tmp_path):
+    per_rank = run_ranks(2, watched_fit, 2, str(tmp_path))
+    for mode in MODES:
+        got = per_rank[0][mode]
+        # every rank saw the same metrics and took the same decisions (expert ranks log nothing)
+        assert per_rank[1][mode] == got, mode
+        assert got["step"] == 8 and got["wait"] == 1, got  # stopped at the second validation (steps 4, 8)
+        assert "val_loss" in got["metrics"] and "train_loss" in got["metrics"], got
+        assert len(got["top"]) == 2 and all(os.path.exists(p) for p in got["top"]), got
+        assert got["lrs"] and all(n == 8 for n in got["lrs"].values()), got  # one LR per step
+        # every mode trains the same model: the best val_loss agrees with ep's
+        assert got["score"] == pytest.approx(per_rank[0]["ep"]["score"], rel=1e-4), (mode, got["score"])
+    logged = (tmp_path / "zebra" / "log" / "version_0" / "metrics.csv").read_text()
+    assert "lr-AdamW" in logged.splitlines()[0] and "val_loss" in logged.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_gradient_clipping_by_value_equals_one_process_in_every_mode():
+    from test_zebra import check
+
+    clip = dict(gradient_clip_val=0.002, gradient_clip_algorithm="value")
+    check(2, [dict(plan=make_test_plan(2, [0], R=2), trainer=clip),
+              dict(plan=make_test_plan(2, [0], R=2), mode="distep", trainer=clip),
+              dict(mode="ep", trainer=clip), dict(mode="datacentric", trainer=clip)])
+
+
+def test_a_compiled_module_is_refused_before_any_process_starts_with_the_reason():
+    from lightning_hetermoe.config import ConfigError
+
+    model = torch.compile(make_model(4, optim=OptimConfig()), backend="eager")
+    t = trainer(HeterMoEStrategy(mode="ep"), 2, max_steps=1)
+    with pytest.raises(ConfigError, match="does not train a torch.compile'd LightningModule.*compile parts"):
+        t.fit(model, datamodule=data(2, 8))
+
+
+@pytest.mark.slow
+def test_lightning_cli_trains_the_main_model_under_the_strategy(tmp_path):
+    """``recipes/cli.py``: LightningCLI with --trainer.strategy=hetermoe, and with the
+    strategy's own arguments, beside the Hydra recipes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    common = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=3",
+              "--trainer.enable_progress_bar=false", "--model.model.d_model=32", "--data.cfg.batch_size=4"]
+    for strategy in (["--trainer.strategy=hetermoe"],
+                     ["--trainer.strategy=lightning_hetermoe.HeterMoEStrategy", "--trainer.strategy.mode=zebra"]):
+        proc = subprocess.run([sys.executable, str(root / "recipes" / "cli.py"), "fit", *strategy, *common],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stderr + proc.stdout
+    assert "schedule zebra" in proc.stdout + proc.stderr  # the strategy's argument reached it
+    assert (tmp_path / "lightning_logs" / "version_1" / "config.yaml").exists()
