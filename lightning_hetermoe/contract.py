@@ -17,7 +17,8 @@ The model contract (also in the README):
 * The zebra and distep modes drive the LightningModule's ``training_step`` (and
   ``validation_step``/``test_step``/``predict_step``) once per micro-batch, with automatic
   optimization; a batch is a tensor or a tuple/list/dict of tensors whose first dimension
-  is the batch, the same shape on every rank.
+  is the batch. Ranks' batches may differ in sequence length (dimension 1) where the
+  strategy can tell labels from inputs to pad them (:mod:`.strategy.batch`).
 
 :func:`describe_model` turns a module into a :class:`ModelConfig`; :func:`find_blocks`
 returns the blocks; both raise :class:`ModelContractError` with a sentence that says what is

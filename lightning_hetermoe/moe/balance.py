@@ -28,24 +28,39 @@ import torch
 from torch import Tensor
 
 
-def routed_counts(indices: Tensor, num_experts: int) -> Tensor:
-    """Routing choices per expert as the router asked (before capacity drops), long ``[E]``."""
-    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+def routed_counts(indices: Tensor, num_experts: int, real: Tensor | None = None) -> Tensor:
+    """Routing choices per expert as the router asked (before capacity drops), long ``[E]``.
+
+    ``real`` (bool ``[T]``): which tokens count; padding a strategy added does not."""
+    if real is None:
+        return torch.bincount(indices.reshape(-1), minlength=num_experts)
+    # scatter_add over the known number of experts: no host sync (CUDA bincount has one)
+    ones = real.unsqueeze(-1).expand_as(indices).reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.long, device=indices.device).scatter_add_(0, indices.reshape(-1), ones)
 
 
-def balance_loss_from_counts(probs: Tensor, counts: Tensor) -> Tensor:
-    """``E * sum_e f_e * P_e`` with ``f`` from ``counts`` (any batch) and ``P`` from ``probs``."""
+def mean_over_real(values: Tensor, real: Tensor | None) -> Tensor:
+    """The mean of ``values`` (``[T, ...]``) over the tokens ``real`` marks (all: ``None``)."""
+    if real is None:
+        return values.mean(0)
+    w = real.to(values.dtype).view((-1,) + (1,) * (values.dim() - 1))
+    return (values * w).sum(0) / w.sum().clamp(min=1)
+
+
+def balance_loss_from_counts(probs: Tensor, counts: Tensor, real: Tensor | None = None) -> Tensor:
+    """``E * sum_e f_e * P_e`` with ``f`` from ``counts`` (any batch) and ``P`` from ``probs``
+    (over the ``real`` tokens only, where some are padding)."""
     num_experts = probs.shape[-1]
     frac = counts.to(probs.dtype) / counts.sum().clamp(min=1).to(probs.dtype)
-    mean_probs = probs.mean(0) if probs.shape[0] else probs.new_zeros(num_experts)
+    mean_probs = mean_over_real(probs, real) if probs.shape[0] else probs.new_zeros(num_experts)
     return num_experts * (frac * mean_probs).sum()
 
 
 class LocalBalance:
     """The loss over the tokens of this call (one process, the whole batch)."""
 
-    def __call__(self, probs: Tensor, indices: Tensor) -> Tensor:
-        return balance_loss_from_counts(probs, routed_counts(indices, probs.shape[-1]))
+    def __call__(self, probs: Tensor, indices: Tensor, real: Tensor | None = None) -> Tensor:
+        return balance_loss_from_counts(probs, routed_counts(indices, probs.shape[-1], real), real)
 
 
 class GlobalBalance:
@@ -57,6 +72,6 @@ class GlobalBalance:
     def __init__(self, global_counts: Callable[[Tensor], Tensor]) -> None:
         self.global_counts = global_counts
 
-    def __call__(self, probs: Tensor, indices: Tensor) -> Tensor:
-        local = routed_counts(indices, probs.shape[-1])
-        return balance_loss_from_counts(probs, self.global_counts(local))
+    def __call__(self, probs: Tensor, indices: Tensor, real: Tensor | None = None) -> Tensor:
+        local = routed_counts(indices, probs.shape[-1], real)
+        return balance_loss_from_counts(probs, self.global_counts(local), real)

@@ -20,12 +20,23 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def apply_capacity(indices: Tensor, keep: Tensor, num_experts: int, capacity_factor: float) -> Tensor:
-    """Return ``keep`` with over-capacity choices cleared. ``capacity_factor == 0``: dropless."""
+def apply_capacity(indices: Tensor, keep: Tensor, num_experts: int, capacity_factor: float,
+                   num_tokens: Tensor | None = None) -> Tensor:
+    """Return ``keep`` with over-capacity choices cleared. ``capacity_factor == 0``: dropless.
+
+    ``num_tokens``: the tokens the capacity is for, where some rows are padding (their
+    choices already cleared from ``keep``); a device scalar, so the capacity is computed
+    where the tokens are, without a host sync."""
     if capacity_factor <= 0:
         return keep
-    num_tokens, top_k = indices.shape
-    cap = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    top_k = indices.shape[1]
+    if num_tokens is None:
+        cap: int | Tensor = expert_capacity(indices.shape[0], top_k, num_experts, capacity_factor)
+    else:
+        # in float64 and in expert_capacity's order of operations: the same capacity as the
+        # unpadded tokens would get
+        cap = (num_tokens.to(torch.float64) * capacity_factor * top_k / num_experts).ceil()
+    num_tokens = indices.shape[0]
     # Priority order is choice-major: transpose so that all first choices come first.
     idx = indices.t().reshape(-1)
     kept = keep.t().reshape(-1)

@@ -4,6 +4,9 @@ It knows nothing of process groups: ``self.dispatcher`` defaults to a local one 
 ``self.balance`` to the loss over the tokens in hand; a parallel strategy swaps both (and
 slices ``self.experts``) from outside. The auxiliary losses are computed after the
 dispatcher returns, so a strategy may gather the whole batch's routing counts meanwhile.
+``self.real_tokens`` says which tokens of a call are padding a strategy added (ragged
+batches padded to one shape): padding routes nowhere, takes no expert capacity, and counts
+in none of the layer's losses and counts.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ class MoEAux:
     tokens_per_expert: Tensor  # [E] kept choices per expert in this call (global ids)
     dropped: Tensor  # scalar: number of routing choices dropped by capacity or the router
     gate_loss: Tensor | None = None  # a custom gate's own loss (RouterOutput.gate_loss), weighted by the gate
+
+
+def every_token_real(num_tokens: int) -> Tensor | None:
+    """The default ``MoELayer.real_tokens``: no strategy padded this call (``None``), else
+    a bool ``[num_tokens]`` on the tokens' device, ``True`` where a token is real."""
+    return None
 
 
 def gate_losses(auxes: list[MoEAux]) -> Tensor | float:
@@ -109,10 +118,14 @@ class MoELayer(nn.Module):
                               if cfg.shared_expert_d_ff > 0 else None)
         self.dispatcher = LocalDispatcher()
         self.balance = LocalBalance()
+        self.real_tokens = every_token_real
 
-    def route(self, x: Tensor) -> RouterOutput:
+    def route(self, x: Tensor, real: Tensor | None = None) -> RouterOutput:
         r = self.router(x)
-        r.keep = apply_capacity(r.indices, r.keep, self.num_experts, self.cfg.capacity_factor)
+        if real is not None:  # padding: no expert computes it, no capacity holds a place for it
+            r.keep = r.keep & real.unsqueeze(-1)
+        live = None if real is None else real.sum()
+        r.keep = apply_capacity(r.indices, r.keep, self.num_experts, self.cfg.capacity_factor, live)
         return r
 
     def aux_of(self, output: Any) -> MoEAux | None:
@@ -124,7 +137,8 @@ class MoELayer(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        r = self.route(x)
+        real = self.real_tokens(x.shape[0])
+        r = self.route(x, real)
         # before the dispatch: under zebra the shared expert runs while the routed rows are away
         shared = self.shared_expert(x) if self.shared_expert is not None else None
         slots = self.dispatcher(x, r.indices, r.keep, self.experts)
@@ -133,11 +147,13 @@ class MoELayer(nn.Module):
         if shared is not None:
             y = y + shared
         kept = r.indices[r.keep]
+        # a balance object of the user's own may not know of padding: asked with it only where there is some
+        balance = self.balance(r.probs, r.indices) if real is None else self.balance(r.probs, r.indices, real)
         aux = MoEAux(
-            balance_loss=self.balance(r.probs, r.indices),
-            z_loss=router_z_loss(r.logits),
+            balance_loss=balance,
+            z_loss=router_z_loss(r.logits, real),
             tokens_per_expert=torch.bincount(kept, minlength=self.num_experts),
-            dropped=(~r.keep).sum(),
+            dropped=(~r.keep).sum() if real is None else (~r.keep & real.unsqueeze(-1)).sum(),
             gate_loss=r.gate_loss,
         )
         return y.view(shape), aux

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..config import ROUTERS, MoEConfig
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
-from .balance import LocalBalance
+from .balance import LocalBalance, mean_over_real
 
 
 @dataclass
@@ -40,9 +40,10 @@ def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
     return LocalBalance()(probs, indices)
 
 
-def router_z_loss(logits: Tensor) -> Tensor:
-    """ST-MoE z-loss: mean squared log-partition, keeps router logits small."""
-    return torch.logsumexp(logits, dim=-1).square().mean()
+def router_z_loss(logits: Tensor, real: Tensor | None = None) -> Tensor:
+    """ST-MoE z-loss: mean squared log-partition, keeps router logits small (the mean over
+    the ``real`` tokens only, where some are padding)."""
+    return mean_over_real(torch.logsumexp(logits, dim=-1).square(), real)
 
 
 class Router(nn.Module):

@@ -46,12 +46,14 @@ def restore_local(layers: list, gather: Any) -> None:
     layers dispatching locally again: the whole model on this rank."""
     from ..moe import LocalDispatcher
     from ..moe.balance import LocalBalance
+    from ..moe.layer import every_token_real
 
     for l, layer in enumerate(layers):
         full = {pname: gather(l, p.detach(), pname) for pname, p in layer.experts.named_parameters(recurse=False)}
         unslice_experts(layer, full)
         layer.dispatcher = LocalDispatcher()
         layer.balance = LocalBalance()
+        layer.real_tokens = every_token_real
 
 
 def expert_tensor_names(module: nn.Module) -> list[str]:

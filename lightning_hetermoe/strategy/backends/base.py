@@ -34,7 +34,7 @@ import lightning_hetermoe.comm as comm
 from ...simulate.schedules import apportion
 from ...ckpt.pieces import Pieces
 from ...placement import Placement
-from ..batch import batch_size, gather_global_batch, weighted_share
+from ..batch import flat_mask, gather_global_batch, ignore_index_of, local_tokens, split_sizes, take
 from ..expert_state import expert_tensor_names, restore_local
 from ...materialize import Materializer
 
@@ -215,14 +215,15 @@ class ParallelBackend(ABC):
 class DenseDDPBackend(ParallelBackend):
     """A backend whose dense weights Lightning's DDP syncs and whose experts it spreads and
     syncs itself (expert parallelism, data-centric). A rank may train on an unequal share
-    of the global batch: its mean loss counts by its size (``_loss_weight``), since DDP
-    averages over ranks."""
+    of the global batch (speed shares, ragged batches, an uneven last batch): its mean loss
+    counts by its size in tokens (``loss_weight``), since DDP averages over ranks."""
 
     _layers: list
     _sharded: bool = False
     _emulation: Any = None
     _loss_weight: float = 1.0
     _shares: list[int] | None = None
+    _real: Tensor | None = None  # the real tokens of this step's share, where it holds padded rows
     clock: Any
     rank: int
     world_size: int
@@ -236,6 +237,7 @@ class DenseDDPBackend(ParallelBackend):
         return expert_tensor_names(module)
 
     def restore(self, module: nn.Module, gather: bool) -> None:
+        self._real = None
         if self._sharded and gather:
             restore_local(self._layers, self.gather_experts)
             self._sharded = False
@@ -245,24 +247,62 @@ class DenseDDPBackend(ParallelBackend):
 
     def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
                  module: nn.Module) -> Tensor:
-        return default(closure_loss * self._loss_weight)
+        try:
+            return default(closure_loss * self._loss_weight)
+        finally:
+            self._real = None  # kept through the backward: checkpointed blocks recompute in it
 
     @property
     def spread(self) -> bool:
         return self._sharded
 
+    @property
+    def loss_weight(self) -> float:
+        """What this rank's mean loss of the last training step counts for in DDP's average:
+        ``world * its tokens / the global batch's tokens`` (1 where every rank holds as many)."""
+        return self._loss_weight
+
+    def real_tokens(self, num_tokens: int) -> Tensor | None:
+        """``MoELayer.real_tokens`` of this backend's layers: the step's padding, if any."""
+        return flat_mask(self._real, num_tokens)
+
     # -- the batch ------------------------------------------------------------------------
-    def speed_share(self, batch: Any) -> Any:
+    def step_args(self, module: nn.Module, hook: str, args: tuple, speed: bool) -> tuple:
+        """The user's step arguments: in training, this rank's speed share of the global batch
+        (``speed``) or its own batch, its loss weight set either way."""
+        self._real = None
+        if hook != "training_step" or not args:
+            return args
+        if speed:
+            return (self.speed_share(args[0], ignore_index_of(module)),) + tuple(args[1:])
+        self._loss_weight = self.token_weight(args[0])
+        return args
+
+    def token_weight(self, batch: Any) -> float:
+        """This rank's weight where it trains its own batch: DDP averages the ranks' mean
+        losses, so where ranks hold different numbers of tokens (ragged batches, an uneven
+        last batch) each counts by its tokens (exactly 1 where all hold as many)."""
+        if self.world_size == 1:
+            return 1.0
+        mine = local_tokens(batch)
+        # host metadata: one int64 summed on the world's gloo group (the batch's shape needs no sync)
+        total = torch.tensor([mine], dtype=torch.int64, device="cpu")
+        comm.host_all_reduce(comm.world(), total, what="batch.tokens")
+        return mine * self.world_size / int(total) if int(total) else 1.0
+
+    def speed_share(self, batch: Any, ignore_index: int) -> Any:
         """This rank's share of the global batch in proportion to its device's speed (the
         clock's cost model; equal shares where the clock knows no devices), its loss
-        weighted by its size."""
-        full = gather_global_batch(batch)
-        total = batch_size(full)
+        weighted by its size (its real tokens, where ragged batches were padded)."""
+        full = gather_global_batch(batch, ignore_index)
+        total = full.size
         if self._shares is None or sum(self._shares) != total:
             self._shares = self.clock.speed_shares(total) if len(self.clock.devices) == self.world_size \
                 else apportion(total, [1.0] * self.world_size)
-        mine, self._loss_weight = weighted_share(full, self._shares, self.rank)
-        return mine
+        start, count = split_sizes(total, self._shares)[self.rank]
+        self._loss_weight = full.fraction(start, count, scale=self.world_size)
+        self._real = full.mask(start, count, self.device)
+        return take(full.batch, start, count)
 
     @property
     def shares(self) -> list[int] | None:

@@ -106,6 +106,7 @@ class DataCentricBackend(DenseDDPBackend):
             self.layer_bytes.append(nbytes)
             layer.dispatcher = DataCentricDispatcher(len(self.num_experts) - 1, self)
             layer.balance = GlobalBalance(global_balance_counts)
+            layer.real_tokens = self.real_tokens
         self._sharded = bool(self._layers)
 
     # -- gathers ------------------------------------------------------------------------
@@ -172,8 +173,7 @@ class DataCentricBackend(DenseDDPBackend):
     # -- the step -----------------------------------------------------------------------
     def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
              kwargs: dict) -> Any:
-        if hook == "training_step" and args:
-            args = (self.speed_share(args[0]),) + tuple(args[1:])
+        args = self.step_args(module, hook, args, speed=True)
         try:
             return default(*args, **kwargs)
         finally:

@@ -65,6 +65,7 @@ class ExpertParallelBackend(DenseDDPBackend):
             for l, layer in enumerate(self._layers):
                 layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l))
                 layer.balance = GlobalBalance(global_balance_counts)
+                layer.real_tokens = self.real_tokens
             self._sharded = bool(self._layers)
             self._report(held)
         if fitting and self._emulation is None:
@@ -83,9 +84,7 @@ class ExpertParallelBackend(DenseDDPBackend):
     # -- the step -----------------------------------------------------------------------
     def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
              kwargs: dict) -> Any:
-        if self.balanced and hook == "training_step" and args:
-            args = (self.speed_share(args[0]),) + tuple(args[1:])
-        return default(*args, **kwargs)
+        return default(*self.step_args(module, hook, args, speed=self.balanced), **kwargs)
 
     def sync_grads(self, module: nn.Module) -> None:
         if self._sharded:

@@ -9,17 +9,20 @@
 * **A step.** Every rank gathers the global batch; each attention rank takes its share
   (the plan's ``seqs_per_rank``, scaled when a batch differs), cuts it into ``R``
   micro-batches, and the executor runs this rank's task list. Micro-batch ``j`` weighs
-  ``n_j / N`` of the global batch, so summing gradients (not averaging them) gives the
-  gradient of the global mean loss: dense gradients are summed over every attention rank
-  of every ZP group, expert gradients over the copies of the same expert in the other ZP
-  groups. The executor's backward runs inside the step; Lightning zeroes gradients between
-  the step and ``backward()``, so the step's gradients are kept apart and handed over in
-  ``backward()``.
+  ``n_j / N`` of the global batch (its real tokens over the batch's, where ragged batches
+  were padded to one length: its mean loss is over its real tokens), so summing gradients
+  (not averaging them) gives the gradient of the global mean loss: dense gradients are
+  summed over every attention rank of every ZP group, expert gradients over the copies of
+  the same expert in the other ZP groups. The executor's backward runs inside the step;
+  Lightning zeroes gradients between the step and ``backward()``, so the step's gradients
+  are kept apart and handed over in ``backward()``.
 * **Evaluation.** Validation, test and predict run the forward-only schedule on the same
-  shares (a short last batch may differ between ranks: every rank's row count is gathered
-  first). The outputs of each row go back to the rank that loaded it, in its order
-  (:mod:`.outputs`), and logged values are the global batch's on every rank (:mod:`.logs`),
-  so prediction writers, ``return_predictions`` and ``trainer.test``'s metrics are DDP's.
+  shares (a short last batch may differ between ranks: the shapes every step gathers tell
+  each rank's row count too). The outputs of each row go back to the rank that loaded it,
+  in its order (:mod:`.outputs`; cut back to the rank's own sequence length where ragged
+  batches were padded), and logged values are the global batch's on every rank
+  (:mod:`.logs`; means over real tokens where padded), so prediction writers,
+  ``return_predictions`` and ``trainer.test``'s metrics are DDP's.
 * **State.** Checkpoints take dense weights from the first attention rank and every expert
   gathered within a ZP group: they do not depend on the placement.
 """
@@ -43,7 +46,7 @@ from ....simulate.schedules import apportion, split_microbatches
 from ....materialize import Holding, Materializer
 from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
                     zero_missing_grads)
-from ...batch import batch_size, gather_global_batch, rank_counts, split_sizes, take
+from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, split_sizes, take
 from ...expert_state import gather_experts, restore_local, slice_experts
 from . import outputs
 from .cuts import BlockCuts
@@ -75,10 +78,22 @@ class ZebraBalance:
     def __init__(self, layer: int, backend: "ZebraBackend") -> None:
         self.layer, self.backend = layer, backend
 
-    def __call__(self, probs: Tensor, indices: Tensor) -> Tensor:
+    def __call__(self, probs: Tensor, indices: Tensor, real: Tensor | None = None) -> Tensor:
         run = self.backend.running
-        counts = run.balance_counts(self.layer, indices) if run is not None else routed_counts(indices, probs.shape[-1])
-        return balance_loss_from_counts(probs, counts)
+        counts = run.balance_counts(self.layer, indices) if run is not None \
+            else routed_counts(indices, probs.shape[-1], real)
+        return balance_loss_from_counts(probs, counts, real)
+
+
+class ZebraRealTokens:
+    """``MoELayer.real_tokens`` on attention ranks: the padding of the micro-batch in hand."""
+
+    def __init__(self, backend: "ZebraBackend") -> None:
+        self.backend = backend
+
+    def __call__(self, num_tokens: int) -> Tensor | None:
+        run = self.backend.running
+        return run.real_tokens(num_tokens) if run is not None else None
 
 
 class ZebraBackend(ParallelBackend):
@@ -141,6 +156,7 @@ class ZebraBackend(ParallelBackend):
             for l, layer in enumerate(self.layers):
                 layer.dispatcher = ZebraDispatcher(l, self)
                 layer.balance = ZebraBalance(l, self)
+                layer.real_tokens = ZebraRealTokens(self)
             self._cuts = BlockCuts([b for _, b, _ in blocks], self.layers)
         self.experts = ExpertTasks(self.layout, self.layers, self.device)
         self.applied = True
@@ -180,19 +196,21 @@ class ZebraBackend(ParallelBackend):
         sizes = planned if sum(planned) == total else apportion(total, [max(s, 1) for s in planned])
         return split_sizes(total, sizes)
 
-    def step_input(self, global_batch: Any, total: int, run: Callable[[Any, int], Any] | None,
+    def step_input(self, full: GlobalBatch, run: Callable[[Any, int], Any] | None,
                    context: Callable[[], Any] | None, train: bool, accumulate: int = 1) -> StepInput:
         R = self._R
         if not self.layout.is_attention:
             return StepInput([None] * R, [0] * R, [0.0] * R, None, None, train)
-        start, count = self.shares(total)[self.plan.attention_ranks.index(self.layout.rank)]
+        start, count = self.shares(full.size)[self.plan.attention_ranks.index(self.layout.rank)]
         sizes = split_microbatches(count, R)
-        mbs, weights, at = [], [], start
-        for n in sizes:
-            mbs.append(take(global_batch, at, n) if n else None)
-            weights.append(n / total / accumulate)
-            at += n
-        return StepInput(mbs, sizes, weights, run, context, train)
+        pieces = [(start + at, n) for at, n in split_sizes(count, sizes)]
+        mbs = [take(full.batch, at, n) if n else None for at, n in pieces]
+        fractions = [full.fraction(at, n) for at, n in pieces]
+        padded = full.padded
+        masks = [full.mask(at, n, self.device) if n else None for at, n in pieces] if padded else None
+        tokens = [full.tokens(at, n) for at, n in pieces] if padded else None
+        return StepInput(mbs, sizes, [f / accumulate for f in fractions], run, context, train, fractions=fractions,
+                         masks=masks, tokens=tokens)
 
     # -- the step -----------------------------------------------------------------------
     def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,
@@ -203,10 +221,8 @@ class ZebraBackend(ParallelBackend):
         batch = args[0] if args else kwargs.pop("batch")
         rest, kw = tuple(args[1:]), dict(kwargs)
         # evaluation loaders may deal a short last batch unevenly (Lightning's predict
-        # sampler does not pad); training batches are equal on every rank
-        counts = None if train else rank_counts(batch)
-        full = gather_global_batch(batch, counts)
-        total = batch_size(full)
+        # sampler does not pad); training batches hold as many rows on every rank
+        full = gather_global_batch(batch, ignore_index_of(module), uneven_rows=not train)
         fn = getattr(module, hook)
         accumulate = module.trainer.accumulate_grad_batches if train else 1
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -229,19 +245,19 @@ class ZebraBackend(ParallelBackend):
         for p in params:
             p.grad = None
         with MicrobatchLogs(module) as logs:
-            step = self.step_input(full, total, lambda mb, j: fn(mb, *rest, **kw), fiber_context, train, accumulate)
+            step = self.step_input(full, lambda mb, j: fn(mb, *rest, **kw), fiber_context, train, accumulate)
             if scaler is not None:  # 16-mixed: each micro-batch's loss scaled, as Lightning's backward would
                 step.scale = scaler.scale
             out = self._run(step, task_context=context)
             if not train:
                 self.last_eval = out
-                return self._evaluated(hook, out, step, logs, counts, total)
-            logs.replay(step.sizes)
+                return self._evaluated(hook, out, step, logs, full)
+            logs.replay(step.sizes, step.tokens)
         self._step_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, g in zip(params, before):
             p.grad = g
         self.last_step = out
-        return self._result(out, step, total)
+        return self._result(out, step)
 
     def _run(self, step: StepInput, task_context: Callable[[], Any] | None = None) -> StepOutput:
         schedule = self.train_schedule if step.train else self.forward_schedule
@@ -264,22 +280,21 @@ class ZebraBackend(ParallelBackend):
                 return torch.get_autocast_dtype(self.device.type)
         return self.dtype
 
-    def _result(self, out: StepOutput, step: StepInput, total: int) -> Tensor:
+    def _result(self, out: StepOutput, step: StepInput) -> Tensor:
         """A training step's value on every rank: the global mean loss."""
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for j, result in out.results.items():
-            loss = loss + loss_of(result, j).detach().double() * (step.sizes[j] / total)
+            loss = loss + loss_of(result, j).detach().double() * step.fractions[j]
         comm.all_reduce(comm.world(), loss, what="zebra.loss")
         return loss.float()
 
-    def _evaluated(self, hook: str, out: StepOutput, step: StepInput, logs: MicrobatchLogs, counts: list[int],
-                   total: int) -> Any:
+    def _evaluated(self, hook: str, out: StepOutput, step: StepInput, logs: MicrobatchLogs, full: GlobalBatch) -> Any:
         """An evaluation step's value on every rank, as under DDP: the outputs of the rows
         this rank loaded (see :mod:`.outputs`), its logged values those of the global batch
         (see :mod:`.logs`). One host gather tells every rank what the others returned and
         logged, so all take the same collectives."""
         results = [(step.sizes[j], out.results[j]) for j in sorted(out.results)]
-        logged = logs.reduced(step.sizes)
+        logged = logs.reduced(step.sizes, step.tokens)
         spec = outputs.describe(hook, results)
         everyone = comm.gather_objects(comm.world(), (spec, [item.portable() for item in logged]),
                                        what="zebra.eval")
@@ -292,9 +307,12 @@ class ZebraBackend(ParallelBackend):
                 raise ZebraContractError(agreed)
             # validation/test outputs only reach on_*_batch_end hooks: what this rank computed
             return self._computed(out)
-        spans = dict(zip(self.plan.attention_ranks, self.shares(total)))
-        route = outputs.routes(counts, spans, self.layout.rank)
-        return outputs.give_back(agreed, outputs.join(results), route, self.device)
+        spans = dict(zip(self.plan.attention_ranks, self.shares(full.size)))
+        route = outputs.routes(full.counts, spans, self.layout.rank)
+        mine = outputs.give_back(agreed, outputs.join(results), route, self.device)
+        if full.rank_lengths is None:
+            return mine
+        return outputs.unpad(mine, full.rank_lengths[self.layout.rank], max(full.rank_lengths))
 
     @staticmethod
     def _computed(out: StepOutput) -> Any:

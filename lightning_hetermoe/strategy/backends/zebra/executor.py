@@ -47,7 +47,7 @@ from ....emulate.meter import Stopwatch
 from ....moe.balance import routed_counts
 from ....moe.dispatch import scatter_to_slots, sort_choices
 from ....schedule import Round, Schedule, Task
-from ...batch import batch_size, sequence_length
+from ...batch import batch_size, flat_mask, sequence_length
 from . import fibers
 from .exchange import Exchange
 from .expert_tasks import ExpertTasks
@@ -65,11 +65,14 @@ class StepInput:
 
     microbatches: list[Any]  # this rank's micro-batches (None where empty)
     sizes: list[int]  # sequences per micro-batch
-    weights: list[float]  # loss weight of each micro-batch (its share of the global batch)
+    weights: list[float]  # loss weight of each micro-batch (its share of the global batch, over accumulation)
     run: Callable[[Any, int], Any] | None  # the user's step on one micro-batch, in a fiber
     context: Callable[[], Any] | None  # torch state for the fiber (grad mode, autocast)
     train: bool = True
     scale: Callable[[Tensor], Tensor] | None = None  # the loss scaler (16-mixed)
+    fractions: list[float] = field(default_factory=list)  # each micro-batch's share of the global batch's loss
+    masks: list[Tensor | None] | None = None  # [n, seq] real tokens per micro-batch, where rows were padded
+    tokens: list[int] | None = None  # real tokens per micro-batch, where rows were padded
 
 
 @dataclass
@@ -147,8 +150,9 @@ class StepRun:
         rec.dispatched = True
         g = self.schedule.balance_group(mb)
         # the round's one host sync: kept rows per expert position, and the routing counts
-        # of the balance loss, in one copy
-        parts = [counts] if g is None else [counts, routed_counts(indices, self.E)]
+        # of the balance loss (padding left out), in one copy
+        real = self._real_of(mb, indices.shape[0])
+        parts = [counts] if g is None else [counts, routed_counts(indices, self.E, real)]
         host = torch.cat(parts).cpu()
         expert_counts = torch.zeros(self.E, dtype=torch.long, device="cpu")
         expert_counts[self.experts.ids_by_position[layer]] = host[: self.E]
@@ -166,12 +170,25 @@ class StepRun:
             rec.answer = answer
         return answer
 
-    def balance_counts(self, layer: int, indices: Tensor) -> Tensor:
+    def _in_hand(self) -> int | None:
+        """The micro-batch the model is running: its fiber's, or the one being recomputed."""
         fiber = fibers.current()
-        mb = fiber.mb if fiber is not None else self.replaying[1] if self.replaying is not None else None
+        return fiber.mb if fiber is not None else self.replaying[1] if self.replaying is not None else None
+
+    def _real_of(self, mb: int | None, num_tokens: int) -> Tensor | None:
+        if self.step.masks is None or mb is None:
+            return None
+        return flat_mask(self.step.masks[mb], num_tokens)
+
+    def real_tokens(self, num_tokens: int) -> Tensor | None:
+        """Which of the micro-batch in hand's tokens are real (``None``: all of them)."""
+        return self._real_of(self._in_hand(), num_tokens)
+
+    def balance_counts(self, layer: int, indices: Tensor) -> Tensor:
+        mb = self._in_hand()
         g = self.schedule.balance_group(mb) if mb is not None else None
         if g is None:
-            return routed_counts(indices, self.E)
+            return routed_counts(indices, self.E, self._real_of(mb, indices.shape[0]))
         return self.global_counts[(layer, g)]
 
     # -- the loop -------------------------------------------------------------------------

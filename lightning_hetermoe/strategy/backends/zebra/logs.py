@@ -2,7 +2,9 @@
 
 The user's step runs once per micro-batch, so each ``self.log`` is called ``R`` times. The
 calls are held back and replayed once at the end of the step with the rank's value:
-micro-batch values weighted by their size for ``reduce_fx="mean"`` (the default), summed
+micro-batch values weighted by their size for ``reduce_fx="mean"`` (the default; by their
+real tokens where ragged batches were padded, since a micro-batch's mean is over its real
+tokens), summed
 for ``"sum"``, the extreme for ``"max"``/``"min"``, the last value otherwise. The replay
 goes through Lightning's own ``log``, so ``sync_dist`` reduces over the attention ranks and
 epoch aggregation sees the rank's whole share as the batch size.
@@ -46,7 +48,7 @@ class Logged:
     value: Any  # a float64 tensor where every value was a number, else the last value logged
     numeric: bool
     dtype: torch.dtype  # what Lightning is handed
-    rows: int  # rows of the micro-batches that logged it: the mean's weight
+    weight: int  # the mean's weight: rows of the micro-batches that logged it (real tokens, where padded)
     batch_size: int | None  # what Lightning weighs the value by in the epoch
     args: tuple
     kwargs: dict
@@ -59,7 +61,7 @@ class Logged:
             kwargs["reduce_fx"] = self.kind
         args = self.args if all(isinstance(a, _SIMPLE) for a in self.args) else ()
         return {"name": self.name, "kind": self.kind, "numeric": self.numeric, "dtype": self.dtype,
-                "rows": self.rows, "batch_size": self.batch_size or 0, "args": args, "kwargs": kwargs}
+                "weight": self.weight, "batch_size": self.batch_size or 0, "args": args, "kwargs": kwargs}
 
 
 class MicrobatchLogs:
@@ -83,17 +85,19 @@ class MicrobatchLogs:
             value = value.detach()
         self.calls.append((name, value, args, kwargs, fiber.mb))
 
-    def reduced(self, sizes: list[int]) -> list[Logged]:
-        """This rank's value of every name logged in the step (``sizes``: rows per micro-batch)."""
+    def reduced(self, sizes: list[int], tokens: list[int] | None = None) -> list[Logged]:
+        """This rank's value of every name logged in the step. ``sizes``: rows per micro-batch;
+        ``tokens``: its real tokens, where ragged batches were padded (a micro-batch's mean is
+        over its real tokens: means weigh by them)."""
         by_name: dict[str, list[tuple[Any, tuple, dict, int]]] = {}
         for name, value, args, kwargs, mb in self.calls:
             by_name.setdefault(name, []).append((value, args, kwargs, mb))
         self.calls.clear()
-        return [_reduce(name, calls, sizes) for name, calls in by_name.items()]
+        return [_reduce(name, calls, sizes, tokens) for name, calls in by_name.items()]
 
-    def replay(self, sizes: list[int]) -> None:
+    def replay(self, sizes: list[int], tokens: list[int] | None = None) -> None:
         """Log this rank's values (a training step: every attention rank its share)."""
-        for item in self.reduced(sizes):
+        for item in self.reduced(sizes, tokens):
             self._emit(item.name, _local_value(item), item.batch_size, item.args, item.kwargs)
 
     def replay_global(self, mine: list[Logged], everyone: list[list[dict]], device: torch.device) -> None:
@@ -125,13 +129,15 @@ class MicrobatchLogs:
         self.original(name, value, *args, **kwargs)
 
 
-def _reduce(name: str, calls: list[tuple[Any, tuple, dict, int]], sizes: list[int]) -> Logged:
+def _reduce(name: str, calls: list[tuple[Any, tuple, dict, int]], sizes: list[int],
+            tokens: list[int] | None) -> Logged:
     _, args, kwargs, _ = calls[-1]
     kind = _reduce_name(kwargs.get("reduce_fx", "mean"))
     values = [v for v, _, _, _ in calls]
-    weights = [max(sizes[mb], 0) for _, _, _, mb in calls]
+    counts = [max(sizes[mb], 0) for _, _, _, mb in calls]
+    weights = counts if tokens is None else [tokens[mb] for _, _, _, mb in calls]
     given = [kw.get("batch_size") for _, _, kw, _ in calls]
-    batch_size = sum(b for b in given if b) if all(given) else sum(weights) or None
+    batch_size = sum(b for b in given if b) if all(given) else sum(counts) or None
     first = values[0]
     dtype = first.dtype if isinstance(first, torch.Tensor) else torch.float32
     if not all(isinstance(v, (torch.Tensor, int, float)) for v in values):
@@ -160,7 +166,8 @@ def _local_value(item: Logged) -> Any:
 
 def _combine(names: list[str], shared: dict[str, list[dict]], local: dict[str, Logged],
              device: torch.device) -> dict[str, torch.Tensor]:
-    """Every name's value over all ranks: a mean weighted by rows, a sum, an extreme; two
+    """Every name's value over all ranks: a mean weighted by rows (real tokens, where ragged
+    batches were padded: each rank's ``Logged.weight``), a sum, an extreme; two
     device all-reduces over the world (sums; maxima, minima negated), skipped where no name
     needs one."""
     kinds = {n: shared[n][0]["kind"] for n in names}
@@ -169,7 +176,7 @@ def _combine(names: list[str], shared: dict[str, list[dict]], local: dict[str, L
     sums = torch.zeros(len(summed), dtype=torch.float64, device=device)
     for k, n in enumerate(summed):
         if n in local:
-            sums[k] = local[n].value * (local[n].rows if kinds[n] == "mean" else 1)
+            sums[k] = local[n].value * (local[n].weight if kinds[n] == "mean" else 1)
     peaks = torch.full((len(extreme),), float("-inf"), dtype=torch.float64, device=device)
     for k, n in enumerate(extreme):
         if n in local:
@@ -180,8 +187,8 @@ def _combine(names: list[str], shared: dict[str, list[dict]], local: dict[str, L
         comm.all_reduce(comm.world(), peaks, what="zebra.metrics", op=dist.ReduceOp.MAX)
     out = {}
     for k, n in enumerate(summed):
-        rows = sum(d["rows"] for d in shared[n])
-        out[n] = sums[k] / max(rows, 1) if kinds[n] == "mean" else sums[k]
+        weight = sum(d["weight"] for d in shared[n])
+        out[n] = sums[k] / max(weight, 1) if kinds[n] == "mean" else sums[k]
     for k, n in enumerate(extreme):
         out[n] = peaks[k] if kinds[n] == "max" else -peaks[k]
     return out

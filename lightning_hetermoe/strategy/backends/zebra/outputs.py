@@ -8,6 +8,10 @@ the rank that loaded each row, in that rank's order. One all-to-all over the wor
 group carries them: the rows of every output tensor packed side by side as bytes, so any
 mix of dtypes travels in one collective.
 
+Where ragged batches were padded to one sequence length (:mod:`lightning_hetermoe.strategy.batch`), each rank's rows
+come back as long as the padded batch: per-token outputs are cut back to the rank's own
+length (:func:`unpad`).
+
 Every rank first learns what every other returns (host metadata, :func:`describe`: the
 structure, each tensor's dtype and per-row shape, or why the output cannot be split by
 rows), so that ranks that computed nothing know what they receive, and every rank takes
@@ -196,3 +200,13 @@ def join(results: list[tuple[int, Any]]) -> list[Tensor] | None:
         return None
     per_mb = [tensors(out, strict=True) for _, out in results]
     return [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*per_mb)]
+
+
+def unpad(result: Any, length: int, width: int) -> Any:
+    """The outputs of this rank's rows where ragged batches were padded from its own
+    sequence ``length`` to ``width``: every tensor as long as the padded batch in dimension 1
+    (per-token outputs, e.g. logits ``[rows, seq, vocab]``) cut back to ``length``, as the
+    rank alone computes them (attention is causal: no real position saw the padding)."""
+    if length == width:
+        return result
+    return map_tensors(result, lambda t: t[:, :length].contiguous() if t.dim() > 1 and t.shape[1] == width else t)
