@@ -9,7 +9,7 @@ from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register
 from .config import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
 from .convert import HFMoELanguageModel, from_hf, to_hetermoe, to_hf
 from .emulate import apply_emulation
-from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer
+from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer, TokenizedDataModule, build_datamodule
 from .moe import MoEAux, MoELayer, ModuleExperts, Router, RouterOutput, gate_losses
 from .plan import Plan, make_plan
 from .profile import CostModel, Profile
@@ -21,6 +21,8 @@ register_strategies()
 
 __all__ = [
     "ByteCorpusDataModule",
+    "TokenizedDataModule",
+    "build_datamodule",
     "ClusterConfig",
     "CostModel",
     "DataConfig",

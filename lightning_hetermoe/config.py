@@ -15,7 +15,7 @@ ACTIVATIONS = ("gelu", "swiglu")
 EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "torch")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 ARCHITECTURES = ("pack", "hf_mixtral")
-CORPORA = ("pydoc_topics",)
+CORPORA = ("pydoc_topics", "tokenized")
 
 
 class ConfigError(ValueError):
@@ -221,28 +221,94 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Byte-level language modelling over text that ships with Python (``pydoc_data``)."""
+    """Language-modelling data: byte windows of text that ships with Python (``pydoc_topics``,
+    no download), or a tokenised corpus on disk (``tokenized``: a directory that
+    ``recipes/prepare_data.py`` wrote, packed into rows of ``seq_len`` tokens)."""
 
     corpus: str = "pydoc_topics"
+    # corpus=tokenized: the prepared directory (tokens.bin, index.npy, meta.json)
+    path: str | None = None
     seq_len: int = 64
     batch_size: int = 8
+    # pydoc_topics: the last fraction of the bytes; tokenized: whole documents (a seeded
+    # choice) until they hold this fraction of the tokens
     val_fraction: float = 0.05
-    # Number of fixed training windows per epoch; windows start at seeded random offsets.
-    train_windows: int = 4096
+    # Samples per epoch. pydoc_topics: fixed windows at seeded random offsets; tokenized:
+    # null = every packed row of the training documents, N = at most N rows, evenly spaced.
+    train_windows: int | None = 4096
+    # validation samples (tokenized: at most this many packed rows, evenly spaced)
     val_windows: int = 64
     shuffle: bool = True
     seed: int = 1234
     num_workers: int = 0
+    # corpus=tokenized: batches carry per-row document (segment) ids, so attention stays
+    # inside a document and no loss is taken on a document's first token; false: plain
+    # (input, target) rows across documents (nanoGPT-style, for models without segment ids)
+    document_mask: bool = True
 
     def __post_init__(self) -> None:
+        _require(self.corpus in CORPORA, "data.corpus", self.corpus, f"must be one of {CORPORA}")
         _require(self.seq_len >= 2, "data.seq_len", self.seq_len, "must be >= 2")
         _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
-        _require(self.train_windows >= 1, "data.train_windows", self.train_windows, "must be >= 1")
+        if self.corpus == "tokenized":
+            _require(isinstance(self.path, str) and self.path != "", "data.path", self.path,
+                     "data.corpus=tokenized needs the directory recipes/prepare_data.py wrote")
+            _require(self.train_windows is None or self.train_windows >= 1, "data.train_windows", self.train_windows,
+                     "must be null (every packed row) or >= 1")
+        else:
+            _require(self.path is None, "data.path", self.path,
+                     f"is read only with data.corpus=tokenized (corpus={self.corpus!r} ships with Python)")
+            _require(self.train_windows is not None and self.train_windows >= 1, "data.train_windows",
+                     self.train_windows, "must be >= 1")
         _require(self.val_windows >= 1, "data.val_windows", self.val_windows, "must be >= 1")
-        _require(self.corpus in CORPORA, "data.corpus", self.corpus, f"must be one of {CORPORA}")
         _require(isinstance(self.num_workers, int) and self.num_workers >= 0, "data.num_workers", self.num_workers,
                  "must be an integer >= 0")
+        _require(isinstance(self.document_mask, bool), "data.document_mask", self.document_mask, "must be true or false")
+
+
+# A byte-level BPE's alphabet is the 256 bytes, plus its end-of-document token.
+MIN_BPE_VOCAB = 257
+
+
+@dataclass
+class PrepareConfig:
+    """``recipes/prepare_data.py`` (``conf/prepare_data.yaml``): text files to a tokenised
+    corpus on disk."""
+
+    # A directory (every file under it), a glob, or one file; .jsonl files hold one document
+    # per line (its `text_field`), any other file is one document. null: the CPython docs that
+    # ship with Python, one document per pydoc topic.
+    input: str | None = None
+    out: str = "data/pydoc_bpe"
+    # null: train a byte-level BPE here on the input; else a tokenizer.json file or a Hugging
+    # Face tokenizer directory on disk (never downloaded)
+    tokenizer: str | None = None
+    vocab_size: int = 4096  # the trained BPE's (tokenizer=null only)
+    # BPE merges need a pair seen this often (tokenizer=null only)
+    min_frequency: int = 2
+    # the trained BPE learns from at most this much text (the first documents)
+    tokenizer_train_bytes: int = 200_000_000
+    # the token appended to every document: null = <|endoftext|> for a trained BPE, the
+    # tokenizer's own end-of-sequence token otherwise
+    eos_token: str | None = None
+    text_field: str = "text"
+    # a progress line at most this often (seconds)
+    progress_every_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.out, str) and self.out != "", "out", self.out, "must be a directory path")
+        _require(self.input is None or (isinstance(self.input, str) and self.input != ""), "input", self.input,
+                 "must be a directory, a glob or a file (null: the embedded pydoc corpus)")
+        if self.tokenizer is None:
+            _require(isinstance(self.vocab_size, int) and self.vocab_size >= MIN_BPE_VOCAB, "vocab_size",
+                     self.vocab_size, f"a byte-level BPE needs at least {MIN_BPE_VOCAB} (256 bytes + the "
+                     f"end-of-document token)")
+            _require(self.vocab_size <= 2**32, "vocab_size", self.vocab_size, "must be <= 2**32")
+        _require(isinstance(self.min_frequency, int) and self.min_frequency >= 1, "min_frequency",
+                 self.min_frequency, "must be an integer >= 1")
+        _require(self.tokenizer_train_bytes >= 1, "tokenizer_train_bytes", self.tokenizer_train_bytes, "must be >= 1")
+        _require(self.progress_every_s > 0, "progress_every_s", self.progress_every_s, "must be > 0")
 
 
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .callbacks.progress import ProgressLog
 from .cluster import ClusterConfig
 from .config import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
-from .model import ByteCorpusDataModule, MoELanguageModel
+from .model import MoELanguageModel, build_datamodule
 from .strategy import HeterMoEStrategy
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,36 @@ def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = 
     return HeterMoEStrategy(cluster=cluster, start_method=start_method, **scfg)
 
 
+def fit_data_and_model(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[DataConfig, ModelConfig]:
+    """A tokenised corpus: ``data.path`` made absolute (Hydra keeps the launch directory)
+    and read, the model's vocabulary raised to the corpus's when smaller (printed); a
+    larger one is kept (rows no id reaches, as padded vocabularies have). The tokenizer
+    decides which ids exist: an embedding smaller than them could not run, so it is never
+    right to keep, and ``model.vocab_size`` need not repeat what ``meta.json`` records."""
+    if data_cfg.corpus != "tokenized":
+        return data_cfg, model_cfg
+    from dataclasses import replace
+
+    from .model.corpus import read_meta
+
+    path = data_cfg.path
+    if HydraConfig.initialized():
+        from hydra.utils import to_absolute_path
+
+        path = to_absolute_path(path)
+    data_cfg = replace(data_cfg, path=str(path))
+    meta = read_meta(path)
+    if model_cfg.vocab_size < meta.vocab_size:
+        if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+            print(f"[hetermoe] model.vocab_size={model_cfg.vocab_size} -> {meta.vocab_size}: the corpus's tokenizer "
+                  f"({Path(path) / 'meta.json'})", flush=True)
+        model_cfg = replace(model_cfg, vocab_size=meta.vocab_size)
+    if data_cfg.document_mask and model_cfg.architecture != "pack":
+        raise ConfigError(f"data.document_mask=true is invalid with model.architecture={model_cfg.architecture!r}: "
+                          f"only the pack's model takes segment ids (packed documents); set data.document_mask=false")
+    return data_cfg, model_cfg
+
+
 def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster: ClusterConfig,
                    emulation: dict[str, Any] | None, monitor: ExpertLoadMonitor | None = None) -> dict[str, Any]:
     """Measured beside predicted, and the emulated clock's honesty."""
@@ -203,6 +233,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     data_cfg = from_cfg(DataConfig, cfg.data, "data")
     optim_cfg = from_cfg(OptimConfig, cfg.optim, "optim")
     cluster = from_cfg(ClusterConfig, cfg.cluster, "cluster")
+    data_cfg, model_cfg = fit_data_and_model(data_cfg, model_cfg)
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
     from .kernels import why_not
@@ -228,7 +259,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     on_meta = builds_on_meta(cfg, model_cfg)
     with trainer.init_module(empty_init=True) if on_meta else nullcontext():
         model = build_model(model_cfg, optim_cfg)
-    data = ByteCorpusDataModule(data_cfg)
+    data = build_datamodule(data_cfg)
     started = time.perf_counter()
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is not None:
@@ -251,6 +282,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         "cluster": cluster.name,
         "devices": cluster.devices,
         "model": model_cfg.name,
+        "corpus": data_cfg.path or data_cfg.corpus,
         "wall_s": time.perf_counter() - started,
         "init_on_meta": on_meta,
     })

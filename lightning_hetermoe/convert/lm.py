@@ -65,5 +65,8 @@ def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
         tokens = batch["input_ids"]
         labels = batch.get("labels", tokens)
         return tokens, F.pad(labels[:, 1:], (0, 1), value=-100), batch.get("attention_mask")
+    if isinstance(batch, (tuple, list)) and len(batch) == 3:
+        raise ValueError("a batch with segment ids (packed documents) needs the pack's model; a converted Hugging "
+                         "Face model takes (tokens, targets) or a dict: set data.document_mask=false")
     tokens, targets = batch
     return tokens, targets, None

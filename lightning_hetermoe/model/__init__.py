@@ -1,7 +1,9 @@
 """The model: a Mixtral-style decoder and the data it trains on."""
 
-from .data import ByteCorpusDataModule, load_corpus
-from .lm import MoELanguageModel
+from .corpus import TokenizedDataModule
+from .data import ByteCorpusDataModule, GlobalOrderDataModule, build_datamodule, load_corpus
+from .lm import IGNORE_INDEX, MoELanguageModel
 from .transformer import MoETransformer
 
-__all__ = ["ByteCorpusDataModule", "MoELanguageModel", "MoETransformer", "load_corpus"]
+__all__ = ["IGNORE_INDEX", "ByteCorpusDataModule", "GlobalOrderDataModule", "MoELanguageModel", "MoETransformer",
+           "TokenizedDataModule", "build_datamodule", "load_corpus"]

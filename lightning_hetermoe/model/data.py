@@ -2,7 +2,9 @@
 
 The corpus is the CPython documentation topics in ``pydoc_data`` (~460 KB). The last
 ``val_fraction`` of the bytes is held out for validation, so no validation window
-overlaps a training window.
+overlaps a training window. A tokenised corpus on disk is :mod:`.corpus`'s; both load
+through :class:`GlobalOrderDataModule`, and :func:`build_datamodule` picks by
+``data.corpus``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from ..config import CORPORA, DataConfig
 from .sampling import GlobalOrderSampler, ResumableLoader
 
 
+def pydoc_documents() -> list[tuple[str, str]]:
+    """The CPython documentation topics (``pydoc_data``): ``(topic, text)`` in sorted order."""
+    from pydoc_data.topics import topics
+
+    return [(k, topics[k]) for k in sorted(topics)]
+
 
 def load_corpus(name: str) -> bytes:
     if name == "pydoc_topics":
-        from pydoc_data.topics import topics
-
-        return "".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        return "".join(text for _, text in pydoc_documents()).encode("utf-8")
     raise ValueError(f"data.corpus={name!r} is invalid: must be one of {CORPORA}")
 
 
@@ -40,26 +46,18 @@ class ByteWindows(Dataset):
         return w[:-1], w[1:]
 
 
-class ByteCorpusDataModule(L.LightningDataModule):
+class GlobalOrderDataModule(L.LightningDataModule):
+    """Loaders in one global order per epoch, resumable mid-epoch (see :mod:`.sampling`).
+    Subclasses build ``train_set`` and ``val_set`` in ``setup``."""
+
+    train_set: Dataset
+    val_set: Dataset
+
     def __init__(self, cfg: DataConfig | dict | None = None) -> None:
         super().__init__()
         from ..config import from_cfg
 
         self.cfg = from_cfg(DataConfig, cfg or {})
-
-    def setup(self, stage: str | None = None) -> None:
-        cfg = self.cfg
-        data = torch.frombuffer(bytearray(load_corpus(cfg.corpus)), dtype=torch.uint8)
-        split = int(len(data) * (1 - cfg.val_fraction))
-        train, val = data[:split], data[split:]
-        for part, name in ((train, "train"), (val, "validation")):
-            if len(part) <= cfg.seq_len + 1:
-                raise ValueError(f"data.seq_len={cfg.seq_len} is too long for the {name} split ({len(part)} bytes)")
-        g = torch.Generator().manual_seed(cfg.seed)
-        train_starts = torch.randint(0, len(train) - cfg.seq_len - 1, (cfg.train_windows,), generator=g)
-        val_starts = torch.linspace(0, len(val) - cfg.seq_len - 1, cfg.val_windows).long()
-        self.train_set = ByteWindows(train, cfg.seq_len, train_starts)
-        self.val_set = ByteWindows(val, cfg.seq_len, val_starts)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=self.cfg.shuffle, drop_last=True,
@@ -86,3 +84,32 @@ class ByteCorpusDataModule(L.LightningDataModule):
         return ResumableLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler,
                                num_workers=self.cfg.num_workers, drop_last=drop_last,
                                consumed_batches=consumed_batches)
+
+
+class ByteCorpusDataModule(GlobalOrderDataModule):
+    def setup(self, stage: str | None = None) -> None:
+        cfg = self.cfg
+        data = torch.frombuffer(bytearray(load_corpus(cfg.corpus)), dtype=torch.uint8)
+        split = int(len(data) * (1 - cfg.val_fraction))
+        train, val = data[:split], data[split:]
+        for part, name in ((train, "train"), (val, "validation")):
+            if len(part) <= cfg.seq_len + 1:
+                raise ValueError(f"data.seq_len={cfg.seq_len} is too long for the {name} split ({len(part)} bytes)")
+        g = torch.Generator().manual_seed(cfg.seed)
+        train_starts = torch.randint(0, len(train) - cfg.seq_len - 1, (cfg.train_windows,), generator=g)
+        val_starts = torch.linspace(0, len(val) - cfg.seq_len - 1, cfg.val_windows).long()
+        self.train_set = ByteWindows(train, cfg.seq_len, train_starts)
+        self.val_set = ByteWindows(val, cfg.seq_len, val_starts)
+
+
+def build_datamodule(cfg: DataConfig | dict) -> GlobalOrderDataModule:
+    """``data.corpus``'s DataModule: byte windows (``pydoc_topics``) or packed rows of a
+    tokenised corpus on disk (``tokenized``)."""
+    from ..config import from_cfg
+
+    cfg = from_cfg(DataConfig, cfg, "data")
+    if cfg.corpus == "tokenized":
+        from .corpus import TokenizedDataModule
+
+        return TokenizedDataModule(cfg)
+    return ByteCorpusDataModule(cfg)

@@ -1,4 +1,4 @@
-"""The MoE decoder as a LightningModule: next-byte loss plus the routers' auxiliary losses."""
+"""The MoE decoder as a LightningModule: next-token loss plus the routers' auxiliary losses."""
 
 from __future__ import annotations
 
@@ -13,6 +13,19 @@ from ..config import ModelConfig, OptimConfig, from_cfg
 from ..moe import gate_losses
 from .transformer import MoETransformer
 
+# Targets with this value take no part in the loss (cross_entropy's default ignore_index):
+# packed corpora put it on each document's first token, which nothing before it predicts.
+IGNORE_INDEX = -100
+
+
+def unpack_batch(batch) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(tokens, targets)`` or ``(tokens, targets, segments)``: ``[batch, seq]`` each;
+    ``segments`` are the packed documents' ids (see :func:`.transformer.document_layout`)."""
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise ValueError("a batch is (tokens, targets) or (tokens, targets, segment_ids), got "
+                         f"{type(batch).__name__} of {len(batch) if isinstance(batch, (tuple, list)) else 1}")
+    return batch[0], batch[1], batch[2] if len(batch) == 3 else None
+
 
 class MoELanguageModel(L.LightningModule):
     def __init__(self, model: ModelConfig | dict | None = None, optim: OptimConfig | dict | None = None) -> None:
@@ -22,13 +35,15 @@ class MoELanguageModel(L.LightningModule):
         self.save_hyperparameters({"model": asdict(self.model_cfg), "optim": asdict(self.optim_cfg)})
         self.model = MoETransformer(self.model_cfg)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.model(tokens)[0]
+    def forward(self, tokens: Tensor, segments: Tensor | None = None) -> Tensor:
+        return self.model(tokens, segments)[0]
 
-    def losses(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
-        tokens, targets = batch
-        logits, auxes = self.model(tokens)
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    def losses(self, batch) -> dict[str, Tensor]:
+        """``ce``: the mean over the targets that are not ``IGNORE_INDEX``."""
+        tokens, targets, segments = unpack_batch(batch)
+        logits, auxes = self.model(tokens, segments)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                             ignore_index=IGNORE_INDEX)
         moe = self.model_cfg.moe
         balance = torch.stack([a.balance_loss for a in auxes]).sum()
         z = torch.stack([a.z_loss for a in auxes]).sum()

@@ -29,10 +29,37 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, device: torch.device, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+def rotary_tables(seq_len: int, head_dim: int, device: torch.device, theta: float = 10000.0,
+                  positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin of every position's rotary angles: ``[seq_len, head_dim / 2]`` for
+    positions ``0..seq_len-1``, or ``[batch, 1, seq_len, head_dim / 2]`` (one row per
+    sequence, broadcast over heads) for given ``positions`` ``[batch, seq_len]``."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    if positions is None:
+        ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    else:
+        ang = (positions.to(torch.float32)[..., None] * inv)[:, None]
     return ang.cos(), ang.sin()
+
+
+def document_layout(segments: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed rows: ``segments`` ``[batch, seq]`` gives each token's document within its
+    row, constant over a document's tokens and changing exactly where the next one starts
+    (any integers: only equality of neighbours counts).
+
+    Returns the attention mask ``[batch, 1, seq, seq]`` (bool, True = may attend: key in the
+    query's document and not after it, a block-diagonal causal mask) and each token's
+    position inside its document ``[batch, seq]`` (0 at its first token in the row: what
+    Megatron's ``reset_position_ids`` does). Device ops only (no host sync)."""
+    b, s = segments.shape
+    idx = torch.arange(s, device=segments.device)
+    starts = torch.ones(b, s, dtype=torch.bool, device=segments.device)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # each token's document start
+    positions = idx - first
+    # key j is visible to query i iff first[i] <= j <= i
+    mask = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] >= first[:, :, None])
+    return mask[:, None], positions
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -60,18 +87,23 @@ class CausalSelfAttention(nn.Module):
         fill_normal_(self.qkv.weight, 1.0 / math.sqrt(d_model), gen)
         fill_normal_(self.proj.weight, 1.0 / math.sqrt(d_model * 2 * self.n_layers), gen)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """``mask`` and ``positions`` (:func:`document_layout`): packed documents; neither:
+        one causal sequence per row."""
         b, s, d = x.shape
         kv = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([d, kv, kv], dim=-1)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
-        cos, sin = rotary_tables(s, self.head_dim, x.device, self.rope_theta)
+        cos, sin = rotary_tables(s, self.head_dim, x.device, self.rope_theta, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             group = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, s, d))
 
 
@@ -85,8 +117,9 @@ class DecoderBlock(nn.Module):
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.moe = MoELayer(cfg.d_model, cfg.moe)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None
+                ) -> tuple[Tensor, MoEAux]:
+        x = x + self.attn(self.attn_norm(x), mask, positions)
         y, aux = self.moe(self.moe_norm(x))
         return x + y, aux
 
@@ -113,15 +146,24 @@ class MoETransformer(nn.Module):
         fill_normal_(self.embed.weight, 0.02, gen)
         fill_normal_(self.head.weight, 1.0 / math.sqrt(self.cfg.d_model), gen)
 
-    def forward(self, tokens: Tensor) -> tuple[Tensor, list[MoEAux]]:
+    def forward(self, tokens: Tensor, segments: Tensor | None = None) -> tuple[Tensor, list[MoEAux]]:
+        """``segments`` ``[batch, seq]``: each token's document in a packed row (see
+        :func:`document_layout`); attention then stays inside a document and rotary
+        positions restart at each document's first token, so every document's logits are
+        the ones it would get alone. ``None``: each row is one sequence."""
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        mask = positions = None
+        if segments is not None:
+            if segments.shape != tokens.shape:
+                raise ValueError(f"segment ids {tuple(segments.shape)} must have the tokens' shape {tuple(tokens.shape)}")
+            mask, positions = document_layout(segments)
         x = self.embed(tokens)
         auxes = []
         for block in self.blocks:
             if self.cfg.activation_checkpointing and torch.is_grad_enabled():
-                x, aux = checkpoint(block, x, use_reentrant=False)
+                x, aux = checkpoint(block, x, mask, positions, use_reentrant=False)
             else:
-                x, aux = block(x)
+                x, aux = block(x, mask, positions)
             auxes.append(aux)
         return self.head(self.norm(x)), auxes
