@@ -12,7 +12,7 @@ arguments go after ``--trainer.strategy=lightning_hetermoe.HeterMoEStrategy`` as
 
 from lightning.pytorch.cli import LightningCLI
 
-import lightning_hetermoe  # noqa: F401  (registers strategy="hetermoe")
+# importing the package registers strategy="hetermoe"
 from lightning_hetermoe import ByteCorpusDataModule, MoELanguageModel
 
 
