@@ -8,6 +8,7 @@ import copy
 
 import lightning as L
 import pytest
+import torch
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig, Plan
@@ -244,3 +245,15 @@ def test_a_plan_that_does_not_fit_is_rejected_with_one_error_per_mismatch():
         check_plan(plan, make_model(6).model_cfg, 2)
     with pytest.raises(ConfigError, match="the plan is for 2 ranks, the trainer runs 4"):
         L.Trainer(strategy=HeterMoEStrategy(mode="zebra", plan=plan), accelerator="cpu", devices=4, logger=False)
+
+
+def test_logged_numbers_are_replayed_on_the_modules_device():
+    """A Python float logged with sync_dist inside a zebra step is reduced over the metrics
+    group (NCCL on GPUs, which refuses CPU tensors): the replay puts it on the module's device."""
+    from lightning_hetermoe.strategy.backends.zebra.logs import _reduce
+
+    calls = [(0.5, (), {"sync_dist": True}, 0), (1.5, (), {"sync_dist": True}, 1)]
+    item = _reduce("lr_scale", calls, [2, 6], None, torch.device("meta"))
+    assert item.value.device.type == "meta" and item.numeric
+    cpu = _reduce("lr_scale", calls, [2, 6], None, torch.device("cpu"))
+    assert float(cpu.value) == (0.5 * 2 + 1.5 * 6) / 8  # micro-batches weighted by their rows

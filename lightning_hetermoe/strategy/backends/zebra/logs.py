@@ -93,7 +93,8 @@ class MicrobatchLogs:
         for name, value, args, kwargs, mb in self.calls:
             by_name.setdefault(name, []).append((value, args, kwargs, mb))
         self.calls.clear()
-        return [_reduce(name, calls, sizes, tokens) for name, calls in by_name.items()]
+        device = getattr(self.module, "device", torch.device("cpu"))
+        return [_reduce(name, calls, sizes, tokens, device) for name, calls in by_name.items()]
 
     def replay(self, sizes: list[int], tokens: list[int] | None = None) -> None:
         """Log this rank's values (a training step: every attention rank its share)."""
@@ -130,7 +131,7 @@ class MicrobatchLogs:
 
 
 def _reduce(name: str, calls: list[tuple[Any, tuple, dict, int]], sizes: list[int],
-            tokens: list[int] | None) -> Logged:
+            tokens: list[int] | None, device: torch.device) -> Logged:
     _, args, kwargs, _ = calls[-1]
     kind = _reduce_name(kwargs.get("reduce_fx", "mean"))
     values = [v for v, _, _, _ in calls]
@@ -143,8 +144,8 @@ def _reduce(name: str, calls: list[tuple[Any, tuple, dict, int]], sizes: list[in
     if not all(isinstance(v, (torch.Tensor, int, float)) for v in values):
         # a torchmetrics Metric and the like: it aggregates itself
         return Logged(name, kind, values[-1], False, dtype, sum(weights), batch_size, args, kwargs)
-    # where the logged tensors live (the device), numbers join them there
-    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    # on the module's device: a number (or a CPU tensor) logged with sync_dist is reduced over
+    # the metrics group, whose device backend (NCCL) takes no CPU tensor
     stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     if kind == "mean":
         w = torch.tensor(weights, dtype=torch.float64, device=device)
