@@ -32,11 +32,16 @@ def routed_counts(indices: Tensor, num_experts: int, real: Tensor | None = None)
     """Routing choices per expert as the router asked (before capacity drops), long ``[E]``.
 
     ``real`` (bool ``[T]``): which tokens count; padding a strategy added does not."""
-    if real is None:
-        return torch.bincount(indices.reshape(-1), minlength=num_experts)
-    # scatter_add over the known number of experts: no host sync (CUDA bincount has one)
-    ones = real.unsqueeze(-1).expand_as(indices).reshape(-1).long()
-    return torch.zeros(num_experts, dtype=torch.long, device=indices.device).scatter_add_(0, indices.reshape(-1), ones)
+    counted = torch.ones_like(indices) if real is None else real.unsqueeze(-1).expand_as(indices)
+    return count_per_expert(indices, counted, num_experts)
+
+
+def count_per_expert(indices: Tensor, counted: Tensor, num_experts: int) -> Tensor:
+    """How many of the choices ``indices`` that ``counted`` marks went to each expert, long
+    ``[E]``: a scatter_add over the known number of experts, no host sync (CUDA's bincount
+    reads the largest index on the host; boolean-mask indexing reads the mask's count)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=indices.device).scatter_add_(
+        0, indices.reshape(-1), counted.reshape(-1).long())
 
 
 def mean_over_real(values: Tensor, real: Tensor | None) -> Tensor:

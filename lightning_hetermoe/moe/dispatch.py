@@ -37,7 +37,9 @@ def sort_by_position(position: Tensor, keep: Tensor, num_positions: int) -> Sort
     pos = position.reshape(-1).index_select(0, live)
     order = torch.argsort(pos, stable=True)
     slot = live.index_select(0, order)
-    counts = torch.bincount(pos, minlength=num_positions)
+    # scatter_add, not bincount (which reads the largest index on the host on CUDA); the
+    # nonzero above still syncs once: a fixed-size sort of every choice would remove it
+    counts = torch.zeros(num_positions, dtype=torch.long, device=pos.device).scatter_add_(0, pos, torch.ones_like(pos))
     return SortedChoices(slot=slot, token=torch.div(slot, k, rounding_mode="floor"), counts=counts)
 
 

@@ -25,7 +25,7 @@ from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 from .capacity import apply_capacity
 from .dispatch import LocalDispatcher
 from .experts import Experts
-from .balance import LocalBalance
+from .balance import LocalBalance, count_per_expert
 from .module_experts import ModuleExperts
 from .routers import Router, RouterOutput, build_router, router_z_loss
 
@@ -146,13 +146,12 @@ class MoELayer(nn.Module):
         y = (slots.view(x.shape[0], self.top_k, slots.shape[-1]) * weights.unsqueeze(-1)).sum(1)
         if shared is not None:
             y = y + shared
-        kept = r.indices[r.keep]
         # a balance object of the user's own may not know of padding: asked with it only where there is some
         balance = self.balance(r.probs, r.indices) if real is None else self.balance(r.probs, r.indices, real)
         aux = MoEAux(
             balance_loss=balance,
             z_loss=router_z_loss(r.logits, real),
-            tokens_per_expert=torch.bincount(kept, minlength=self.num_experts),
+            tokens_per_expert=count_per_expert(r.indices, r.keep, self.num_experts),
             dropped=(~r.keep).sum() if real is None else (~r.keep & real.unsqueeze(-1)).sum(),
             gate_loss=r.gate_loss,
         )
