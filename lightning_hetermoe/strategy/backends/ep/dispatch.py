@@ -95,7 +95,14 @@ class AllToAllDispatcher:
         send_splits = [int(c.sum()) for c in counts.split(self.experts_per_rank)]
         recv_splits = recv_counts.sum(1).tolist()
 
-        received = self.exchange(x.index_select(0, sc.token), send_splits, recv_splits)
+        # Rows travel in the dtype the experts compute in: the autocast dtype under mixed
+        # precision, not the fp32 a norm hands the layer (the experts would cast them on
+        # arrival to the same values; the gradients come back in it too, and are summed over
+        # a token's choices in fp32 here, as before).
+        rows = x.index_select(0, sc.token)
+        if torch.is_autocast_enabled(x.device.type):
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))
+        received = self.exchange(rows, send_splits, recv_splits)
         # Received rows are ordered (source rank, local expert); the experts want them by expert.
         row_expert = torch.repeat_interleave(torch.arange(mine, device="cpu").repeat(self.size), recv_counts.reshape(-1))
         by_expert = comm.to_device(torch.argsort(row_expert, stable=True), x.device)
