@@ -29,6 +29,18 @@ class RouterOutput:
     gate_loss: Tensor | None = None  # a custom gate's own auxiliary loss, already weighted (scalar)
 
 
+def fp32_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` in fp32, also under autocast: autocast recasts a linear's operands to
+    its fp16/bf16 whatever their dtype, and a gate in fp16 rounds its logits to ~1e-3 (near
+    ties between experts decided by rounding) and makes every routing term after it fp16,
+    the aux losses included, where a loss scale of 2**16 no longer fits."""
+    kind = x.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        with torch.autocast(kind, enabled=False):
+            return F.linear(x.float(), weight.float())
+    return F.linear(x.float(), weight.float())
+
+
 def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Tensor:
     """Switch/GShard auxiliary loss over these tokens: E * sum_e f_e * P_e (see ``balance.py``).
 
@@ -85,7 +97,7 @@ class Router(nn.Module):
         return out
 
     def logits(self, x: Tensor) -> Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return fp32_linear(x, self.weight)
 
     def for_choice(self, scores: Tensor) -> Tensor:
         """The scores experts are chosen by: ``scores`` plus the balancing bias, if any."""
@@ -190,7 +202,7 @@ class NoisyTopKRouter(Router):
         clean = self.logits(x)
         logits = clean
         if self.training:
-            std = F.softplus(F.linear(x.float(), self.noise_weight.float()))
+            std = F.softplus(fp32_linear(x, self.noise_weight))
             logits = clean + torch.randn_like(clean) * std
         top_l, top_i = self._chosen(logits, self.top_k)
         weights = top_l.softmax(-1)

@@ -1,5 +1,5 @@
-"""Expert gradients under expert parallelism: copies summed, replicas summed, averaged like
-DDP; and the experts' half of the global clipping norm."""
+"""Expert gradients under expert parallelism: copies summed, replicas summed; and the
+experts' half of the global clipping norm."""
 
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def sum_copies(layer, grads: list[Tensor], group: Group) -> None:
 
 
 def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None:
-    """Expert gradient = sum over every copy of the same expert / world size.
+    """Expert gradient = sum over every copy of the same expert.
 
-    The all-to-all backward already summed the contributions of every rank in the EP group
-    onto the copy that served them; copies of one expert in the group (rebalancing) and
-    replicas in other EP groups are summed next; dividing by the world size matches DDP's
-    averaging of the non-expert gradients, so the result equals the gradient of the global
-    mean loss."""
+    Each rank backpropagated its share of the global mean loss (see
+    ``ExpertParallelBackend.backward``); the all-to-all backward already summed the
+    contributions of every rank in the EP group onto the copy that served them; copies of
+    one expert in the group (rebalancing) and replicas in other EP groups are summed next,
+    so the result is the gradient of the global mean loss."""
     replicas = groups.world_size // groups.ep_size
     for _, layer in moe_layers(module):
         params = list(layer.experts.parameters(recurse=False))
@@ -47,10 +47,9 @@ def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         sum_copies(layer, [p.grad for p in params], groups.ep_group)
-        for p in params:
-            if replicas > 1:
+        if replicas > 1:
+            for p in params:
                 comm.all_reduce(groups.replica_group, p.grad, what="ep.grads.replicas")
-            p.grad.div_(groups.world_size)
 
 
 def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups, device: torch.device) -> Tensor:
