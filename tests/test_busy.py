@@ -71,3 +71,20 @@ def test_meter_sums_spans_by_kind_and_clears():
     assert 0.02 <= got["attention"] < 0.03  # the segment, not the 10 ms gap after it
     assert got["transfer"] >= 0.01 and got["experts"] == 0.0
     assert meter.take() == {"attention": 0.0, "head": 0.0, "experts": 0.0, "transfer": 0.0}
+
+
+def test_the_meter_times_a_step_on_the_clock_of_its_task_spans():
+    """A step's time comes from the same stopwatch as the busy spans set against it (CUDA
+    events on a GPU; perf_counter here): the spans fit inside it."""
+    import time as _time
+
+    from lightning_hetermoe.emulate.meter import BusyMeter
+
+    meter = BusyMeter("cpu")
+    start = meter.now()
+    t0 = meter.now()
+    _time.sleep(0.02)
+    meter.pad("experts", None, t0, 0.0)
+    step = meter.elapsed_since(start)
+    busy = meter.take()
+    assert 0.02 <= busy["experts"] <= step

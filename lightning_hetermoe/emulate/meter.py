@@ -81,6 +81,13 @@ class BusyMeter:
     def reset(self) -> None:
         self._spans.clear()
 
+    def elapsed_since(self, start: Any) -> float:
+        """Seconds from the stamp ``start`` to now on the same clock as the tasks' spans (CUDA
+        events on a GPU: a step timed on the host would set launch time against device time)."""
+        end = self.now()
+        self._watch.sync(end)
+        return self._watch.seconds(start, end)
+
     def take(self) -> dict[str, float]:
         """Seconds per task kind since the last :meth:`take` or :meth:`reset`; clears."""
         out = {k: 0.0 for k in KINDS}

@@ -47,6 +47,7 @@ class RunClock:
         self.prediction: dict[str, Any] | None = None
         self.last_step_s: float | None = None
         self._step_started: float | None = None
+        self._step_stamp: Any = None  # the meter's stamp at the step's start (a CUDA event on a GPU)
         self._busy_mark: dict[str, float] | None = None
         self._last_busy: dict[str, float] | None = None
 
@@ -179,6 +180,7 @@ class RunClock:
             self._busy_mark = {k: v.modelled_s for k, v in self.emulator.stats.items()}
         elif self.meter is not None:
             self.meter.reset()  # validation since the last step is not this step's work
+            self._step_stamp = self.meter.now()
 
     def step_ended(self, tail_started: float | None, tail: TailShape) -> None:
         """After the optimizer: pad the tail (emulation), record the step's time and busy split."""
@@ -191,6 +193,10 @@ class RunClock:
             return
         self.last_step_s = time.perf_counter() - self._step_started
         self._step_started = None
+        if self.meter is not None and self.emulator is None and self._step_stamp is not None:
+            # busy spans are device time: the step they are set against is too
+            self.last_step_s = self.meter.elapsed_since(self._step_stamp)
+            self._step_stamp = None
         if self.emulator is not None and self._busy_mark is not None:
             now = {k: v.modelled_s for k, v in self.emulator.stats.items()}
             d = {k: now[k] - self._busy_mark.get(k, 0.0) for k in now}
