@@ -156,3 +156,20 @@ def test_router_specific_top_k_is_enforced():
         MoEConfig(router="switch", top_k=2)
     with pytest.raises(ValueError, match="gshard"):
         MoEConfig(router="gshard", top_k=1)
+
+
+def test_the_sync_free_sort_equals_the_nonzero_one():
+    """The dispatch sorts every choice with the dropped ones last and takes the kept count it
+    read on the host (its one sync): the same slots, tokens and counts as finding the kept
+    choices with nonzero."""
+    from lightning_hetermoe.moe.dispatch import position_counts, sort_by_position
+
+    g = torch.Generator().manual_seed(3)
+    for T, k, P in ((17, 2, 5), (64, 4, 9), (1, 1, 3)):
+        position = torch.randint(0, P, (T, k), generator=g)
+        keep = torch.rand(T, k, generator=g) > 0.3
+        a = sort_by_position(position, keep, P)
+        counts = position_counts(position, keep, P)
+        b = sort_by_position(position, keep, P, kept=int(counts.sum()), counts=counts)
+        assert torch.equal(a.slot, b.slot) and torch.equal(a.token, b.token) and torch.equal(a.counts, b.counts)
+        assert int(a.counts.sum()) == int(keep.sum())

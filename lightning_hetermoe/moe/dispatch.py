@@ -30,16 +30,29 @@ def sort_choices(indices: Tensor, keep: Tensor, expert_position: Tensor) -> Sort
     return sort_by_position(expert_position[indices.reshape(-1)].view_as(indices), keep, expert_position.numel())
 
 
-def sort_by_position(position: Tensor, keep: Tensor, num_positions: int) -> SortedChoices:
-    """Group kept choices by their own slot position ``position [T, k]`` (stable: token order kept)."""
+def position_counts(position: Tensor, keep: Tensor, num_positions: int) -> Tensor:
+    """Kept choices per slot position, long ``[num_positions]``, on the device without a host
+    sync (scatter_add over the known number of positions, not bincount)."""
+    return torch.zeros(num_positions, dtype=torch.long, device=position.device).scatter_add_(
+        0, position.reshape(-1), keep.reshape(-1).long())
+
+
+def sort_by_position(position: Tensor, keep: Tensor, num_positions: int, kept: int | None = None,
+                     counts: Tensor | None = None) -> SortedChoices:
+    """Group kept choices by their own slot position ``position [T, k]`` (stable: token order kept).
+
+    ``kept``: how many choices are kept, where the caller already read it on the host (the
+    dispatch's one sync): every choice is sorted with the dropped ones last and the first
+    ``kept`` taken, with no further sync; without it, ``nonzero`` finds the kept ones (one
+    sync). ``counts``: :func:`position_counts`, where the caller has them."""
     k = position.shape[1]
-    live = keep.reshape(-1).nonzero().squeeze(-1)
-    pos = position.reshape(-1).index_select(0, live)
-    order = torch.argsort(pos, stable=True)
-    slot = live.index_select(0, order)
-    # scatter_add, not bincount (which reads the largest index on the host on CUDA); the
-    # nonzero above still syncs once: a fixed-size sort of every choice would remove it
-    counts = torch.zeros(num_positions, dtype=torch.long, device=pos.device).scatter_add_(0, pos, torch.ones_like(pos))
+    counts = position_counts(position, keep, num_positions) if counts is None else counts
+    flat, live = position.reshape(-1), keep.reshape(-1)
+    if kept is None:
+        alive = live.nonzero().squeeze(-1)
+        slot = alive.index_select(0, torch.argsort(flat.index_select(0, alive), stable=True))
+    else:
+        slot = torch.argsort(torch.where(live, flat, num_positions), stable=True)[:kept]
     return SortedChoices(slot=slot, token=torch.div(slot, k, rounding_mode="floor"), counts=counts)
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 import lightning_hetermoe.comm as comm
 from ....comm import Group
-from ....moe.dispatch import scatter_to_slots, sort_by_position, sort_choices, split_over_copies
+from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position, split_over_copies
 
 
 class _AllToAll(torch.autograd.Function):
@@ -83,11 +83,12 @@ class AllToAllDispatcher:
         copy_position, num_copies = self._tables(x.device)
         if self.replicated:
             position = split_over_copies(indices, keep, copy_position, num_copies)
-            sc = sort_by_position(position, keep, self.num_positions)
         else:  # one copy each: an expert's position is its only copy's
-            sc = sort_choices(indices, keep, copy_position[:, 0])
-        # The layer's one host sync: every split size comes from these counts.
-        counts = sc.counts.cpu()
+            position = copy_position[:, 0][indices.reshape(-1)].view_as(indices)
+        on_device = position_counts(position, keep, self.num_positions)
+        # The layer's one host sync: every split size, and the sort's length, come from these.
+        counts = on_device.cpu()
+        sc = sort_by_position(position, keep, self.num_positions, kept=int(counts.sum()), counts=on_device)
         recv_counts = torch.empty(self.size * mine, dtype=torch.long, device="cpu")
         comm.host_all_to_all(self.group, recv_counts, counts, [mine] * self.size, self.experts_per_rank,
                              what="ep.counts")
