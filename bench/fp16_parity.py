@@ -32,6 +32,7 @@ from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig  # noqa: E402
 from reference import data, make_model, reference_fit, trainer  # noqa: E402
+from test_precision import ScaleHistory  # noqa: E402
 from test_zebra import GLOBAL, WINDOWS, make_test_plan, pieces  # noqa: E402
 
 
@@ -41,16 +42,6 @@ class Scales(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         self.history.append(float(trainer.precision_plugin.scaler.get_scale()))
-
-
-class ScaleHistory(torch.amp.GradScaler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.history: list[float] = []
-
-    def update(self, new_scale=None) -> None:
-        super().update(new_scale)
-        self.history.append(float(self.get_scale()))
 
 
 def fit(rank: int, world: int, cases: list[dict], steps: int, optim: dict) -> list:

@@ -5,6 +5,7 @@ Also the small builders the distributed tests share (model, data, Lightning trai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
@@ -63,16 +64,39 @@ class _RecordBalance:
         return probs.sum() * 0
 
 
-def pieces_loss(model: MoELanguageModel, batch, pieces: list[int], stats: dict | None = None) -> torch.Tensor:
-    """The global batch as separate forward passes of ``pieces`` sequences each (capacity then
-    applies per piece, as on a rank's micro-batch), with the balance loss's expert fractions
-    over the whole global batch, written out term by term."""
+@contextlib.contextmanager
+def recording_balance(model: MoELanguageModel):
+    """Each MoE layer's balance loss swapped for a recorder of what it was asked (for a
+    reference that writes the global balance loss out itself); restored after."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     saved = [layer.balance for layer in layers]
     recorders = [_RecordBalance() for _ in layers]
     for layer, rec in zip(layers, recorders):
         layer.balance = rec
     try:
+        yield recorders
+    finally:
+        for layer, b in zip(layers, saved):
+            layer.balance = b
+
+
+def global_balance(model: MoELanguageModel, recorders: list, tokens: int) -> torch.Tensor:
+    """The balance loss over the whole global batch (``tokens`` tokens): expert fractions of
+    every recorded call together, router probabilities averaged by each call's tokens."""
+    coef, loss = model.model_cfg.moe.aux_loss_coef, 0.0
+    for rec in recorders:
+        counts = sum(c for _, c, _ in rec.items)
+        frac = counts.float() / counts.sum()
+        mean_probs = sum(p * (t / tokens) for p, _, t in rec.items)
+        loss = loss + coef * len(frac) * (frac * mean_probs).sum()
+    return loss
+
+
+def pieces_loss(model: MoELanguageModel, batch, pieces: list[int], stats: dict | None = None) -> torch.Tensor:
+    """The global batch as separate forward passes of ``pieces`` sequences each (capacity then
+    applies per piece, as on a rank's micro-batch), with the balance loss's expert fractions
+    over the whole global batch, written out term by term."""
+    with recording_balance(model) as recorders:
         total = sum(pieces)
         loss, at = 0.0, 0
         for n in pieces:
@@ -83,16 +107,7 @@ def pieces_loss(model: MoELanguageModel, batch, pieces: list[int], stats: dict |
             if stats is not None:  # what the case exercised: drops, experts left without tokens
                 stats["dropped"] = stats.get("dropped", 0) + int(out["dropped"])
                 stats["idle_experts"] = stats.get("idle_experts", 0) + int((out["tokens_per_expert"] == 0).sum())
-        coef = model.model_cfg.moe.aux_loss_coef
-        for rec in recorders:
-            counts = sum(c for _, c, _ in rec.items)
-            frac = counts.float() / counts.sum()
-            mean_probs = sum(p * (t / (total * batch[0].shape[1])) for p, _, t in rec.items)
-            loss = loss + coef * len(frac) * (frac * mean_probs).sum()
-        return loss
-    finally:
-        for layer, b in zip(layers, saved):
-            layer.balance = b
+        return loss + global_balance(model, recorders, total * batch[0].shape[1])
 
 
 def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8, windows: int = 64,

@@ -17,7 +17,7 @@ from harness import run_ranks
 from lightning_hetermoe import (ByteCorpusDataModule, HeterMoEStrategy, MoEConfig, MoELanguageModel, MoELayer,
                                 OptimConfig, comm)
 from lightning_hetermoe.model.sampling import ResumableLoader
-from reference import SEQ, _RecordBalance, assert_same_params, data, global_batches, make_model, trainer
+from reference import SEQ, assert_same_params, global_balance, recording_balance, data, global_batches, make_model, trainer
 from test_datacentric import cluster as slow_cluster
 from test_zebra import make_test_plan
 
@@ -73,24 +73,10 @@ def unpadded_loss(model, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tor
     """The global batch's loss, written out term by term: cross-entropy and z-loss as means over
     every token of every piece, the balance loss with its expert fractions over all of them
     and the mean router probabilities over all of them."""
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    saved = [layer.balance for layer in layers]
-    recorders = [_RecordBalance() for _ in layers]
-    for layer, rec in zip(layers, recorders):
-        layer.balance = rec
-    try:
+    with recording_balance(model) as recorders:
         total = sum(tokens.numel() for tokens, _ in pieces)
         loss = sum(model.losses(piece)["loss"] * (piece[0].numel() / total) for piece in pieces)
-        coef = model.model_cfg.moe.aux_loss_coef
-        for rec in recorders:
-            counts = sum(c for _, c, _ in rec.items)
-            frac = counts.float() / counts.sum()
-            mean_probs = sum(p * (t / total) for p, _, t in rec.items)
-            loss = loss + coef * len(frac) * (frac * mean_probs).sum()
-        return loss
-    finally:
-        for layer, b in zip(layers, saved):
-            layer.balance = b
+        return loss + global_balance(model, recorders, total)
 
 
 def reference(model, steps: int, world: int) -> tuple[MoELanguageModel, list[float], list[list[int]]]:
