@@ -1,7 +1,8 @@
 """The model: a Mixtral-style decoder and the data it trains on."""
 
 from .corpus import TokenizedDataModule
-from .data import ByteCorpusDataModule, GlobalOrderDataModule, build_datamodule, load_corpus
+from .data import ByteCorpusDataModule, build_datamodule, load_corpus
+from .sampling import GlobalOrderDataModule
 from .lm import IGNORE_INDEX, MoELanguageModel
 from .transformer import MoETransformer
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..config import ConfigError, DataConfig
-from .data import GlobalOrderDataModule
+from .sampling import GlobalOrderDataModule
 from .lm import IGNORE_INDEX
 
 FORMAT = "lightning-hetermoe tokenized corpus"

@@ -9,13 +9,12 @@ through :class:`GlobalOrderDataModule`, and :func:`build_datamodule` picks by
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ..config import CORPORA, DataConfig
-from .sampling import GlobalOrderSampler, ResumableLoader
+from .sampling import GlobalOrderDataModule
 
 
 def pydoc_documents() -> list[tuple[str, str]]:
@@ -44,46 +43,6 @@ class ByteWindows(Dataset):
         s = int(self.starts[i])
         w = self.data[s : s + self.seq_len + 1].long()
         return w[:-1], w[1:]
-
-
-class GlobalOrderDataModule(L.LightningDataModule):
-    """Loaders in one global order per epoch, resumable mid-epoch (see :mod:`.sampling`).
-    Subclasses build ``train_set`` and ``val_set`` in ``setup``."""
-
-    train_set: Dataset
-    val_set: Dataset
-
-    def __init__(self, cfg: DataConfig | dict | None = None) -> None:
-        super().__init__()
-        from ..config import from_cfg
-
-        self.cfg = from_cfg(DataConfig, cfg or {})
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=self.cfg.shuffle, drop_last=True,
-                            consumed_batches=self._consumed_train_batches)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False, drop_last=True)
-
-    def _consumed_train_batches(self) -> int:
-        trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return 0
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool, consumed_batches=None) -> DataLoader:
-        """One global order per epoch (see :mod:`.sampling`): rank r of W takes every W-th
-        sample of it, so a global batch does not depend on the world size, in any epoch,
-        and a mid-epoch checkpoint resumes at the next unseen sample."""
-        world, rank = 1, 0
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        sampler = GlobalOrderSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=self.cfg.seed,
-                                     drop_last=drop_last)
-        return ResumableLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler,
-                               num_workers=self.cfg.num_workers, drop_last=drop_last,
-                               consumed_batches=consumed_batches)
 
 
 class ByteCorpusDataModule(GlobalOrderDataModule):
