@@ -107,6 +107,8 @@ class Schedule:
     rounds: list[Round] = field(default_factory=list)
     # micro-batch groups whose routing counts are summed for the balance loss (empty: none)
     balance_groups: list[tuple[int, ...]] = field(default_factory=list)
+    # member_tasks per (has_attention, holds): a planner's search asks the same few thousands of times
+    _members: dict = field(default_factory=dict, repr=False, compare=False)
 
     def balance_group(self, mb: int) -> int | None:
         for g, mbs in enumerate(self.balance_groups):
@@ -126,6 +128,12 @@ class Schedule:
         """The task list of one ZP member: ``holds[l]`` says whether it holds experts of layer ``l``."""
         if len(holds) != self.num_layers:
             raise ValueError(f"holds has {len(holds)} layers, the schedule {self.num_layers}")
+        key = (bool(has_attention), tuple(bool(h) for h in holds))
+        if key not in self._members:
+            self._members[key] = self._member_tasks(*key)
+        return list(self._members[key])
+
+    def _member_tasks(self, has_attention: bool, holds: Sequence[bool]) -> list[Task]:
         mine = [r for r in self.rounds if holds[r.layer]]
         if not has_attention:
             return [r.expert_task for r in mine]

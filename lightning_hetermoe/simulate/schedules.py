@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any, Sequence
 
@@ -198,14 +200,21 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepR
 
 
 # ---- plans -----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def shared_schedule(kind: str, num_layers: int, num_microbatches: int, balance: bool):
+    """One schedule per shape for every simulation (a search simulates thousands of plans of
+    a few shapes; each schedule memoises its members' task lists). Read only."""
+    from ..schedule import build_schedule
+
+    return build_schedule(kind, num_layers, num_microbatches, balance=balance)
+
+
 def plan_setup(
     plan, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig | Topology, *, schedule: str = "zebra",
     expert_load: list[list[float]] | None = None,
 ) -> StepSetup:
     """The first ZP group of ``plan`` (all groups are identical) as a StepSetup;
     ``expert_load`` (per layer, each expert's share of the routing) replaces even routing."""
-    from ..schedule import build_schedule
-
     group = plan.zp_groups[0]
     L = model.n_layers
     if schedule == "distep":
@@ -215,7 +224,7 @@ def plan_setup(
     else:
         raise ValueError(f"plan_setup: schedule {schedule!r} is not disaggregated")
     placement = plan.placement_for(schedule)
-    steps = build_schedule(schedule, L, R, balance=model.moe.aux_loss_coef > 0)
+    steps = shared_schedule(schedule, L, R, model.moe.aux_loss_coef > 0)
     members = []
     held: list[dict[int, list[int]]] = []
     for l in range(L):

@@ -350,21 +350,23 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         ids[key] = len(tasks) - 1
         return ids[key]
 
-    expert_work: dict[tuple, float] = {}  # micro-batches of one size cost their experts alike
+    durations: dict[tuple, float] = {}  # micro-batches of one size cost alike: each asked once
 
     def task_duration(i: int, t: ScheduleTask) -> float:
-        dev, n = lanes[i].device, tok[i][t.mb]
-        if t.kind == "attn_fwd":
-            return timer.attention(dev, n)
-        if t.kind == "attn_bwd":
-            return timer.attention(dev, n, backward=True)
-        if t.kind == "head":
-            return timer.head(dev, n, forward_only=sched.kind == "forward")
-        key = (i, t.kind, t.layer, group_tok[t.mb])
-        if key not in expert_work:
-            expert_work[key] = sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
-                                   for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
-        return expert_work[key]
+        expert = t.kind in ("expert_fwd", "expert_bwd")
+        key = (i, t.kind, t.layer, group_tok[t.mb]) if expert else (i, t.kind, tok[i][t.mb])
+        if key not in durations:
+            dev, n = lanes[i].device, tok[i][t.mb]
+            if t.kind == "attn_fwd":
+                durations[key] = timer.attention(dev, n)
+            elif t.kind == "attn_bwd":
+                durations[key] = timer.attention(dev, n, backward=True)
+            elif t.kind == "head":
+                durations[key] = timer.head(dev, n, forward_only=sched.kind == "forward")
+            else:
+                durations[key] = sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
+                                     for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
+        return durations[key]
 
     policies: dict[str, str] = {}
     orders = [sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]) for lane in lanes]
