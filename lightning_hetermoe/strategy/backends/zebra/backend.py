@@ -25,6 +25,12 @@
   ``return_predictions`` and ``trainer.test``'s metrics are DDP's.
 * **State.** Checkpoints take dense weights from the first attention rank and every expert
   gathered within a ZP group: they do not depend on the placement.
+* **Gradient sync.** Dense gradients are summed over the attention ranks in buckets of at
+  most :data:`BUCKET_BYTES` (:func:`dense_buckets`: by layer, last layer first, as a
+  backward finishes them, then the parameters outside the blocks), each all-reduced
+  asynchronously (in ``sync_grads``, not yet from the backward); a bucket of one parameter
+  is reduced in place, the others through one reused buffer, so the sync holds at most one
+  bucket beyond the gradients.
 """
 
 from __future__ import annotations
@@ -55,6 +61,48 @@ from .executor import StepInput, StepOutput, StepRun, ZebraContractError, loss_o
 from .expert_tasks import ExpertTasks
 from .layout import Layout, ZebraGroups
 from .logs import MicrobatchLogs
+
+# Bytes of dense gradients per all-reduce (DDP's default bucket size). A module constant a
+# test may lower; each backend reads it when built (``ZebraBackend.bucket_bytes``).
+BUCKET_BYTES = 25 * 2**20
+
+
+def dense_buckets(module: nn.Module, blocks: list[nn.Module], expert_ids: set[int],
+                  cap: int) -> list[list[nn.Parameter]]:
+    """The dense parameters of ``module`` in all-reduce buckets, the same on every attention
+    rank (derived from the module's parameter order alone): the parameters of block
+    ``L-1``, then ``L-2``, ... ``0`` (the order a backward finishes them), then the rest
+    (embeddings, head, final norm, and any parameter registered in more than one place).
+    A bucket holds the parameters of one layer and one dtype, at most ``cap`` bytes of
+    them unless a single parameter is larger (then it is a bucket of its own)."""
+    owner: dict[int, int | None] = {}
+    for l, block in enumerate(blocks):
+        for p in block.parameters():
+            owner[id(p)] = l if owner.get(id(p), l) == l else None
+    registered: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        registered[id(p)] = registered.get(id(p), 0) + 1
+    for _, p in (np for block in blocks for np in block.named_parameters(remove_duplicate=False)):
+        registered[id(p)] -= 1
+    groups: list[list[nn.Parameter]] = [[] for _ in range(len(blocks) + 1)]
+    for p in module.parameters():
+        if id(p) in expert_ids:
+            continue
+        l = owner.get(id(p))
+        inside = l is not None and registered[id(p)] == 0  # registered in its block only
+        groups[len(blocks) - 1 - l if inside else len(blocks)].append(p)
+    buckets: list[list[nn.Parameter]] = []
+    for group in groups:
+        size = 0  # bytes in the open bucket (0: none open: a bucket never spans groups)
+        for p in group:
+            nbytes = p.numel() * p.element_size()
+            if size and (size + nbytes > cap or buckets[-1][-1].dtype != p.dtype):
+                size = 0
+            if not size:
+                buckets.append([])
+            buckets[-1].append(p)
+            size += max(nbytes, 1)
+    return buckets
 
 
 class ZebraDispatcher:
@@ -121,6 +169,9 @@ class ZebraBackend(ParallelBackend):
         self.running: StepRun | None = None  # the step in progress
         self.account_memory = False  # record the bytes the executor holds after each task
         self._step_grads: list[tuple[nn.Parameter, Tensor]] = []
+        self._blocks: list[nn.Module] = []
+        self.bucket_bytes = BUCKET_BYTES  # the dense gradient sync's bucket size
+        self.last_buckets = 0  # buckets the last dense gradient sync issued
 
     @property
     def num_microbatches(self) -> int:
@@ -132,6 +183,7 @@ class ZebraBackend(ParallelBackend):
             return
         blocks = find_blocks(module)
         self.layers = [moe for _, _, moe in blocks]
+        self._blocks = [b for _, b, _ in blocks]
         if len(self.layers) != self.layout.num_layers:
             raise ZebraContractError(f"the plan is for {self.layout.num_layers} MoE layers, the model has "
                                      f"{len(self.layers)}")
@@ -349,13 +401,53 @@ class ZebraBackend(ParallelBackend):
         dense = self._dense_params(module)
         zero_missing_grads(dense)
         if len(self.plan.attention_ranks) > 1 and dense:
-            flat = torch.cat([p.grad.reshape(-1) for p in dense])
-            comm.all_reduce(self.groups.dense, flat, what="zebra.grads.dense")
+            self._sync_dense(module)
+
+    def _sync_dense(self, module: nn.Module) -> None:
+        """Sum the dense gradients over the attention ranks, bucket by bucket (see
+        :func:`dense_buckets`; every attention rank issues the same buckets in the same
+        order). A one-parameter bucket is reduced in place and stays in flight until the
+        end; the others go through one buffer of the largest such bucket's size, reused:
+        the previous bucket is waited (on CUDA: the compute stream ordered after its
+        all-reduce) and copied back before the next is copied in. So the sync holds one
+        bucket beyond the gradients, whatever a process group keeps referenced after a
+        wait (a gloo worker thread, NCCL's watchdog)."""
+        buckets = dense_buckets(module, self._blocks, self._expert_param_ids(), self.bucket_bytes)
+        in_place: list[comm.Pending] = []
+        buffered: tuple[comm.Pending, list[nn.Parameter]] | None = None
+        need: dict[torch.dtype, int] = {}
+        for params in buckets:
+            if not _in_place(params):
+                dtype = params[0].dtype
+                need[dtype] = max(need.get(dtype, 0), sum(p.numel() for p in params))
+        buffer: Tensor | None = None
+        for params in buckets:
+            if _in_place(params):
+                with comm.issuing(after=[params[0].grad]):
+                    in_place.append(comm.all_reduce(self.groups.dense, params[0].grad, what="zebra.grads.dense",
+                                                    async_op=True))
+                continue
+            if buffered is not None:  # the buffer's last sums go back before it is refilled
+                _copy_back(*buffered)
+                buffered = None
+            dtype = params[0].dtype
+            if buffer is None or buffer.dtype != dtype:
+                buffer = None
+                buffer = torch.empty(need[dtype], dtype=dtype, device=params[0].grad.device)
             at = 0
-            for p in dense:
+            for p in params:
                 n = p.numel()
-                p.grad.copy_(flat[at:at + n].view_as(p.grad))
+                buffer[at:at + n].copy_(p.grad.reshape(-1))
                 at += n
+            flat = buffer[:at]
+            with comm.issuing(after=[flat]):
+                buffered = (comm.all_reduce(self.groups.dense, flat, what="zebra.grads.dense", async_op=True), params)
+            del flat
+        if buffered is not None:
+            _copy_back(*buffered)
+        for pending in in_place:
+            pending.wait()
+        self.last_buckets = len(buckets)
 
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
         """Every expert once, the dense part once (from the group's first attention rank),
@@ -447,3 +539,18 @@ class ZebraBackend(ParallelBackend):
 
     def describe_rank(self, rank: int) -> str:
         return f"{self.plan.roles[rank]} rank, device {self.plan.devices[rank]}"
+
+
+def _in_place(params: list[nn.Parameter]) -> bool:
+    """A bucket of one parameter is reduced in its own gradient (no copy, no buffer)."""
+    return len(params) == 1 and params[0].grad.is_contiguous()
+
+
+def _copy_back(pending: comm.Pending, params: list[nn.Parameter]) -> None:
+    """Wait for a bucket's all-reduce and put its sums back into the gradients."""
+    flat = pending.wait()
+    at = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[at:at + n].view_as(p.grad))
+        at += n

@@ -163,6 +163,11 @@ class StepRun:
             rec.sent = sent
         rows = sent.detach()
         self._outbox.append(lambda at: self.exchange.emit(Round("fwd", layer, mb), rows, expert_counts, at))
+        # autocast's cast cache is per thread: each micro-batch's fiber would keep its own
+        # low-precision copy of every weight it used until its step returns (R copies). The
+        # blocks behind this point are done with theirs (their graphs hold what the backward
+        # needs); a weight used again (tied) is cast again.
+        torch.clear_autocast_cache()
         fiber.park()
         arrived, rec.arrived = rec.arrived, None
         answer = arrived.detach().requires_grad_(torch.is_grad_enabled())
