@@ -45,7 +45,7 @@ from torch import Tensor
 import lightning_hetermoe.comm as comm
 from ....emulate.meter import Stopwatch
 from ....moe.balance import routed_counts
-from ....moe.dispatch import scatter_to_slots, sort_choices
+from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position
 from ....schedule import Round, Schedule, Task
 from ...batch import batch_size, flat_mask, sequence_length
 from . import fibers
@@ -131,15 +131,27 @@ class StepRun:
             if self.replaying is None or self.replaying[0] != layer:
                 raise ZebraContractError("the model ran outside the zebra executor while the strategy owns it; run "
                                          "it through the Trainer (training/validation/test/predict steps)")
-        sc = sort_choices(indices, keep, self.experts.position[layer])
-        sent = x.index_select(0, sc.token)
+        table = self.experts.position[layer]
+        position = table[indices.reshape(-1)].view_as(indices)
+        counts = position_counts(position, keep, table.numel())
         if fiber is None:  # recompute inside the block's backward: the same answer as its forward
-            answer = self.replaying[2].answer
-        else:
-            answer = self._dispatch(layer, fiber, sent, indices, sc.counts)
+            sc = sort_by_position(position, keep, table.numel(), counts=counts)
+            x.index_select(0, sc.token)  # as the forward did: checkpointing counts the tensors it saves
+            return scatter_to_slots(self.replaying[2].answer.to(x.dtype), sc.slot, indices.numel())
+        # the round's one host sync: kept rows per expert position (and the balance loss's
+        # routing counts) in one copy; the sort then takes that many rows, with no other sync
+        host = self._host_counts(layer, fiber.mb, indices, counts)
+        sc = sort_by_position(position, keep, table.numel(), kept=int(host[: self.E].sum()), counts=counts)
+        answer = self._dispatch(layer, fiber, x.index_select(0, sc.token), host)
         return scatter_to_slots(answer.to(x.dtype), sc.slot, indices.numel())
 
-    def _dispatch(self, layer: int, fiber: fibers.Fiber, sent: Tensor, indices: Tensor, counts: Tensor) -> Tensor:
+    def _host_counts(self, layer: int, mb: int, indices: Tensor, counts: Tensor) -> Tensor:
+        g = self.schedule.balance_group(mb)
+        real = self._real_of(mb, indices.shape[0])
+        parts = [counts] if g is None else [counts, routed_counts(indices, self.E, real)]
+        return torch.cat(parts).cpu()
+
+    def _dispatch(self, layer: int, fiber: fibers.Fiber, sent: Tensor, host: Tensor) -> Tensor:
         mb = fiber.mb
         rec = self.record(layer, mb)
         if rec.dispatched:
@@ -149,11 +161,6 @@ class StepRun:
                                      f"{fiber.expect}: the model must call its MoE blocks once each, in order")
         rec.dispatched = True
         g = self.schedule.balance_group(mb)
-        # the round's one host sync: kept rows per expert position, and the routing counts
-        # of the balance loss (padding left out), in one copy
-        real = self._real_of(mb, indices.shape[0])
-        parts = [counts] if g is None else [counts, routed_counts(indices, self.E, real)]
-        host = torch.cat(parts).cpu()
         expert_counts = torch.zeros(self.E, dtype=torch.long, device="cpu")
         expert_counts[self.experts.ids_by_position[layer]] = host[: self.E]
         if g is not None:
