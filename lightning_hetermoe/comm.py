@@ -141,11 +141,6 @@ def configure(device: torch.device, vendors: Sequence[str] | None = None) -> Non
     _state.communicators[(world, _state.world.staged)] = _state.world.device
 
 
-def vendors() -> tuple[str, ...]:
-    """Each rank's vendor where the job mixes them; empty where it does not."""
-    return _state.vendors
-
-
 def spans_vendors(ranks: Sequence[int]) -> bool:
     return bool(_state.vendors) and len({_state.vendors[r] for r in ranks}) > 1
 

@@ -7,6 +7,7 @@ zebra executor, which runs one micro-batch at a time) decide how to sum them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -35,10 +36,9 @@ def fp32_linear(x: Tensor, weight: Tensor) -> Tensor:
     ties between experts decided by rounding) and makes every routing term after it fp16,
     the aux losses included, where a loss scale of 2**16 no longer fits."""
     kind = x.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        with torch.autocast(kind, enabled=False):
-            return F.linear(x.float(), weight.float())
-    return F.linear(x.float(), weight.float())
+    off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext()
+    with off:
+        return F.linear(x.float(), weight.float())
 
 
 def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Tensor:

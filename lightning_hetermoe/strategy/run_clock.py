@@ -48,6 +48,9 @@ class RunClock:
         self.last_step_s: float | None = None
         self._step_started: float | None = None
         self._step_stamp: Any = None  # the meter's stamp at the step's start (a CUDA event on a GPU)
+        # fixed once the clock is bound: asked again by every prediction (a rebalancer asks many)
+        self._links: Any = None
+        self._bound: float | None = None
         self._busy_mark: dict[str, float] | None = None
         self._last_busy: dict[str, float] | None = None
 
@@ -65,6 +68,7 @@ class RunClock:
         from ..profile.timer import make_timer
 
         self.per_rank, self.run_seq_len, self.world_size, self.devices = per_rank, seq_len, world_size, devices
+        self._links = self._bound = None
         if self.cluster is not None and self.cluster.emulate:
             self.workload = emulated_workload(self.cluster, run_model, seq_len)
             self.model, self.seq_len, self.timer = self.workload.model, self.workload.seq_len, self.workload.timer
@@ -105,9 +109,12 @@ class RunClock:
         """The topology the predictions price transfers with."""
         from ..cluster.topology import Topology, cluster_topology
 
-        if self.cluster is not None:
-            return cluster_topology(self.cluster)
-        return self.topology or Topology.flat(ClusterConfig().link, max(self.world_size, len(self.devices), 1))
+        if self.topology is not None and self.cluster is None:
+            return self.topology  # detected after binding: not cached
+        if self._links is None:
+            self._links = cluster_topology(self.cluster) if self.cluster is not None else \
+                Topology.flat(ClusterConfig().link, max(self.world_size, len(self.devices), 1))
+        return self._links
 
     def step_time(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> float:
         """The simulator's device seconds per step for ``sim``, at ``expert_load`` (default:
@@ -146,7 +153,9 @@ class RunClock:
 
         step = self.step_time(sim, expert_load)
         load = expert_load if expert_load is not None else self.expert_load
-        bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len)
+        if self._bound is None:
+            self._bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len)
+        bound = self._bound
         return {"schedule": sim.schedule, "step_time_s": step * self.time_scale, "device_step_time_s": step,
                 "workload_tokens_per_step": self.tokens_per_step,
                 # what no schedule beats on these devices, and this run's predicted share of it

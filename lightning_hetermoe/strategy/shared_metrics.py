@@ -27,8 +27,7 @@ class SharedCallbackMetrics(L.Callback):
 
     def _share(self, trainer: Any) -> None:
         mine = trainer.global_rank == self.source
-        numbers = {k: float(v) for k, v in trainer.callback_metrics.items()
-                   if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)} if mine else None
+        numbers = _host_numbers(trainer.callback_metrics) if mine else None
         theirs = comm.gather_objects(comm.world(), numbers, what="strategy.callback_metrics")[self.source]
         if not mine:
             # the connector's own store: its callback_metrics property adds this rank's (none) on top
@@ -45,3 +44,13 @@ class SharedCallbackMetrics(L.Callback):
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._share(trainer)
+
+
+def _host_numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The scalar metrics as numbers, read from the device in one copy (one host sync at the
+    step boundary, not one per metric)."""
+    names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+    values = torch.stack([metrics[k].detach().reshape(()).double() for k in names]).tolist() if names else []
+    out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    out.update(zip(names, values))
+    return out
