@@ -77,7 +77,7 @@ def workload_demand() -> dict[str, float]:
     from omegaconf import OmegaConf
 
     from lightning_hetermoe.cluster import ClusterConfig
-    from lightning_hetermoe.config import ModelConfig, from_cfg
+    from lightning_hetermoe.configs import ModelConfig, from_cfg
     from lightning_hetermoe.plan import make_plan
 
     d1 = from_cfg(ModelConfig, OmegaConf.load(ROOT / "conf" / "model" / "d1.yaml"))
@@ -99,7 +99,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from lightning_hetermoe import ByteCorpusDataModule, DataConfig, ModelConfig, TokenizedDataModule
-    from lightning_hetermoe.config import PrepareConfig, from_cfg
+    from lightning_hetermoe.configs import PrepareConfig, from_cfg
     from lightning_hetermoe.model.corpus import read_meta
 
     tmp = None

@@ -107,7 +107,7 @@ def part1(models: list[str], bare: float) -> list[dict]:
 
 def part2() -> list[dict]:
     from lightning_hetermoe.cluster import ClusterConfig
-    from lightning_hetermoe.config import ModelConfig, from_cfg
+    from lightning_hetermoe.configs import ModelConfig, from_cfg
     from lightning_hetermoe.plan import make_plan
     from lightning_hetermoe.profile import CostModel
     from lightning_hetermoe.profile.memory import MemoryModel

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from omegaconf import OmegaConf  # noqa: E402
 
 from lightning_hetermoe.cluster import ClusterConfig, get_device  # noqa: E402
-from lightning_hetermoe.config import ModelConfig, from_cfg  # noqa: E402
+from lightning_hetermoe.configs import ModelConfig, from_cfg  # noqa: E402
 from lightning_hetermoe.plan import as_cluster, make_plan  # noqa: E402
 from lightning_hetermoe.profile import CostModel, make_timer  # noqa: E402
 from lightning_hetermoe.simulate import build_tasks, simulate_plan  # noqa: E402

@@ -21,7 +21,7 @@ import json
 import time
 
 from lightning_hetermoe.cluster import ClusterConfig
-from lightning_hetermoe.config import workload_model
+from lightning_hetermoe.configs import workload_model
 from lightning_hetermoe.plan import make_plan
 from lightning_hetermoe.plan.planner import as_cluster
 from lightning_hetermoe.profile import make_timer

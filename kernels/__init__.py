@@ -5,7 +5,7 @@ kernel modules load on first use. Modules, one job each:
 
 - ``availability``: whether each backend can run on a device, and why not.
 - ``triton_src``: the Triton kernels (gather-GEMM with epilogues, grouped weight gradient).
-- ``configs``: autotuning candidates per GPU generation, row-count buckets, interpreter blocks.
+- ``tuning``: autotuning candidates per GPU generation, row-count buckets, interpreter blocks.
 - ``launch``: Python launchers (variant per device, sync-free grids, TF32 per torch's setting).
 - ``activation``: GELU/SwiGLU and their derivatives.
 - ``algorithm``: the expert MLP, forward and backward, written once over a small set of
@@ -82,19 +82,19 @@ def warm_up(d_model: int, d_ff: int, activation: str, bias: bool, dtype: "torch.
     before any collective is in flight.
 
     Configs are keyed by the weight shapes, the dtypes and a power-of-two bucket of the row
-    count (``configs.m_bucket``: 256 to 16384, larger counts share the top bucket). With
-    ``rows=None`` (the strategy's call) it runs once at every bucket (``configs.tuning_buckets``),
+    count (``tuning.m_bucket``: 256 to 16384, larger counts share the top bucket). With
+    ``rows=None`` (the strategy's call) it runs once at every bucket (``tuning.tuning_buckets``),
     so no row count a run meets tunes inside a step; ``rows`` (one count or several) runs
     those counts instead, one per bucket. On CUDA, a bucket whose problem would need more
     than half the free memory is skipped, and so are the larger ones: from then on their row
-    counts take the largest tuned bucket's tiles (``configs.tuned_up_to``), so nothing
+    counts take the largest tuned bucket's tiles (``tuning.tuned_up_to``), so nothing
     tunes inside a step. Tunings are
     also kept in Triton's disk cache, so a later run with the same shapes skips them.
     Returns the row counts it ran.
     """
     import torch
 
-    from .configs import m_bucket, tuned_up_to, tuning_buckets
+    from .tuning import m_bucket, tuned_up_to, tuning_buckets
     from .mlp import grouped_mlp as impl
 
     device = torch.device(device)

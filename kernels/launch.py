@@ -2,7 +2,7 @@
 
 Nothing here reads ``counts`` on the host: grids use an upper bound on the number of row
 tiles, so a launch never waits for the GPU. The autotuning key is the GEMM's shape and a
-bucket of its row count (``configs.m_bucket``), which the host knows from tensor shapes.
+bucket of its row count (``tuning.m_bucket``), which the host knows from tensor shapes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from . import configs, triton_src
+from . import tuning, triton_src
 from .availability import TENSOR_CORE_CAPABILITY, tf32_enabled
 
 _GEMM_KEY = ["N", "K", "M_BUCKET"]
@@ -29,7 +29,7 @@ def _interpreted(fn):
 
 @functools.cache
 def _tuned(fn, which: str, capability: tuple[int, int]):
-    cands = configs.gemm_configs(capability) if which == "gemm" else configs.wgrad_configs(capability)
+    cands = tuning.gemm_configs(capability) if which == "gemm" else tuning.wgrad_configs(capability)
     key = _GEMM_KEY if which == "gemm" else _WGRAD_KEY
     # cache_results: timings also go to Triton's on-disk cache, so a later run of the same
     # shapes (and Triton/driver/GPU) skips the benchmarks at set-up.
@@ -39,7 +39,7 @@ def _tuned(fn, which: str, capability: tuple[int, int]):
 def _kernel(fn, which: str, device: torch.device):
     """(launchable, fixed block kwargs): interpreted with fixed blocks on CPU, autotuned on CUDA."""
     if device.type != "cuda":
-        return _interpreted(fn), dict(configs.INTERPRET_BLOCKS)
+        return _interpreted(fn), dict(tuning.INTERPRET_BLOCKS)
     return _tuned(fn, which, torch.cuda.get_device_capability(device)), {}
 
 
@@ -113,7 +113,7 @@ def grouped_gemm(
         bias if bias is not None else dummy, out,
         out_idx.contiguous() if out_idx is not None else dummy,
         scale.contiguous() if scale is not None else dummy,
-        N, K, E, configs.m_bucket(M),
+        N, K, E, tuning.m_bucket(M),
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
@@ -145,7 +145,7 @@ def grouped_wgrad(
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     fn[grid](
         x, gather_idx.contiguous() if gather_idx is not None else counts, dy, counts, _offsets(counts), dw,
-        K, N, E, configs.m_bucket(dy.shape[0]),
+        K, N, E, tuning.m_bucket(dy.shape[0]),
         x.stride(0), x.stride(1),
         dy.stride(0), dy.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),

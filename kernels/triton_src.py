@@ -14,7 +14,7 @@ multiplies those bit patterns as integers. bf16 -> fp32 is exact and the GPU for
 products exactly in fp32 as well, so upcasting there changes no result.
 
 ``M_BUCKET`` is never read: it is an argument only so that the autotuner can key on it
-(a power-of-two bucket of the row count, see ``configs.m_bucket``).
+(a power-of-two bucket of the row count, see ``tuning.m_bucket``).
 
 Rows are grouped by expert exactly as in the backend contract (``counts[e]`` consecutive
 rows per expert, starting at ``offsets[e]``, the exclusive cumulative sum that the host

@@ -6,14 +6,14 @@ Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit unde
 
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
-from .config import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
+from .configs import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
 from .convert import HFMoELanguageModel, from_hf, to_hetermoe, to_hf
 from .emulate import apply_emulation
 from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer, TokenizedDataModule, build_datamodule
 from .moe import MoEAux, MoELayer, ModuleExperts, Router, RouterOutput, gate_losses
 from .plan import Plan, make_plan
 from .profile import CostModel, Profile
-from .profiler import profile_cluster
+from .measure import profile_cluster
 from .simulate import simulate_plan
 from .strategy import HeterMoEStrategy, register_strategies
 

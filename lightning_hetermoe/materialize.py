@@ -25,7 +25,7 @@ from typing import Any, Iterator, Protocol
 import torch
 from torch import Tensor, nn
 
-from .contract import moe_layers
+from .model_contract import moe_layers
 from .seeded_init import derive, seeded_default_generator
 
 SOURCE_ATTRIBUTE = "hetermoe_weights"  # a module carrying a WeightSource for its tree

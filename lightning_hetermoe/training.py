@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .callbacks.progress import ProgressLog
 from .cluster import ClusterConfig
-from .config import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
+from .configs import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
 from .model import MoELanguageModel, build_datamodule
 from .strategy import HeterMoEStrategy
 

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_hetermoe.cluster import ClusterConfig
-from lightning_hetermoe.config import ModelConfig, from_cfg
+from lightning_hetermoe.configs import ModelConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
 from lightning_hetermoe.profile import CostModel, make_timer
 from lightning_hetermoe.simulate import SCHEDULES, simulate_plan

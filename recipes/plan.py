@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.cluster.devices import PRECISIONS
-from lightning_hetermoe.config import ConfigError, ModelConfig, from_cfg
+from lightning_hetermoe.configs import ConfigError, ModelConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
 from lightning_hetermoe.profile import CostModel, Profile, make_timer
 from lightning_hetermoe.profile.cost_model import tf32_allowed

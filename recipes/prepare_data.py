@@ -12,7 +12,7 @@ start), ``meta.json`` and ``tokenizer.json`` into ``out``.
 import hydra
 from omegaconf import DictConfig
 
-from lightning_hetermoe.config import ConfigError, PrepareConfig, from_cfg
+from lightning_hetermoe.configs import ConfigError, PrepareConfig, from_cfg
 from lightning_hetermoe.model.prepare import prepare_corpus
 
 

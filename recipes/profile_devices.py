@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lightning_hetermoe.profiler import profile_summary, run_profile
+from lightning_hetermoe.measure import profile_summary, run_profile
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="profile")

@@ -11,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lightning_hetermoe.config import ConfigError
+from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.training import train
 
 

@@ -78,7 +78,7 @@ def test_gradient_clipping_by_value_equals_one_process_in_every_mode():
 
 
 def test_a_compiled_module_is_refused_before_any_process_starts_with_the_reason():
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
 
     model = torch.compile(make_model(4, optim=OptimConfig()), backend="eager")
     t = trainer(HeterMoEStrategy(mode="ep"), 2, max_steps=1)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hetermoe import DataConfig, ModelConfig, MoELanguageModel, TokenizedDataModule
-from lightning_hetermoe.config import ConfigError, PrepareConfig
+from lightning_hetermoe.configs import ConfigError, PrepareConfig
 from lightning_hetermoe.model.corpus import META, TokenCorpus, read_meta, split_documents
 from lightning_hetermoe.model.lm import IGNORE_INDEX
 from lightning_hetermoe.model.prepare import prepare_corpus

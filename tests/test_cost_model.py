@@ -143,7 +143,7 @@ def _paper_homogeneous(seq_len):
     from omegaconf import OmegaConf
 
     from lightning_hetermoe.cluster import ClusterConfig
-    from lightning_hetermoe.config import ModelConfig, from_cfg
+    from lightning_hetermoe.configs import ModelConfig, from_cfg
     from lightning_hetermoe.plan import make_plan
 
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")

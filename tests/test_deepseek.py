@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_hetermoe import MoEConfig, MoELayer, to_hetermoe, to_hf
-from lightning_hetermoe.contract import find_blocks
+from lightning_hetermoe.model_contract import find_blocks
 from lightning_hetermoe.moe import build_router
 
 transformers = pytest.importorskip("transformers")
@@ -210,7 +210,7 @@ def test_conversion_errors_name_the_bias():
     (dict(bias_update_rate=-1e-3), "model.moe.bias_update_rate"),
 ])
 def test_bad_deepseek_options_name_the_field(kw, match):
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
 
     with pytest.raises(ConfigError, match=match):
         MoEConfig(**kw)

@@ -191,7 +191,7 @@ def test_workload_clock_times_the_workload_task_for_the_scaled_tokens():
 
 
 def test_bad_workload_is_rejected_naming_the_field():
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
 
     with pytest.raises(ConfigError, match="emulate_workload.model='d9' is invalid"):
         ClusterConfig(devices=["a40"], emulate=True, emulate_workload={"model": "d9", "seq_len": 4096})

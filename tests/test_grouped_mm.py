@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from lightning_hetermoe import kernels
-from lightning_hetermoe.config import MoEConfig
+from lightning_hetermoe.configs import MoEConfig
 from lightning_hetermoe.kernels import grouped_mlp_grouped_mm, measured
 from lightning_hetermoe.moe import MoELayer, grouped_mlp_torch, resolve_backend
 from lightning_hetermoe.kernels import chooser

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from lightning_hetermoe import MoELayer, from_hf, to_hetermoe, to_hf
-from lightning_hetermoe.config import ConfigError, ModelConfig, MoEConfig
-from lightning_hetermoe.contract import describe_model, find_blocks
+from lightning_hetermoe.configs import ConfigError, ModelConfig, MoEConfig
+from lightning_hetermoe.model_contract import describe_model, find_blocks
 from lightning_hetermoe.convert import HFMoEBlock, mixtral_tensors, moe_aux, moe_tensors_from_hf, moe_tensors_to_hf
 from test_moe_reference import check
 
@@ -308,7 +308,7 @@ def test_bad_moe_options(kw, match):
 
 def test_recipe_builds_a_converted_mixtral_of_the_configured_shape():
     from lightning_hetermoe import HFMoELanguageModel, ModelConfig, MoEConfig, OptimConfig
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
     from lightning_hetermoe.training import build_model
 
     cfg = ModelConfig(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, architecture="hf_mixtral",

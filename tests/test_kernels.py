@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hetermoe.config import MoEConfig
+from lightning_hetermoe.configs import MoEConfig
 from lightning_hetermoe.kernels import grouped_gemm, grouped_mlp, grouped_wgrad, triton_available
 from lightning_hetermoe.moe import MoELayer, grouped_mlp_torch, resolve_backend
 from lightning_hetermoe.moe.reference import reference_expert, reference_moe
@@ -200,7 +200,7 @@ def test_moe_layer_triton_backend(top_k, activation, bias, capacity_factor):
 
 def test_full_model_backends_agree_over_training_steps():
     """The language model trained a few AdamW steps on each backend stays on one trajectory."""
-    from lightning_hetermoe.config import ModelConfig, OptimConfig
+    from lightning_hetermoe.configs import ModelConfig, OptimConfig
     from lightning_hetermoe.model.lm import MoELanguageModel
 
     def build(backend):
@@ -247,7 +247,7 @@ def test_backend_resolution(monkeypatch):
 
 def test_row_buckets():
     """Power of two at or above M, clamped: the first small batch keys its own configs."""
-    from lightning_hetermoe.kernels.configs import M_BUCKET_MAX, M_BUCKET_MIN, m_bucket, tuning_buckets
+    from lightning_hetermoe.kernels.tuning import M_BUCKET_MAX, M_BUCKET_MIN, m_bucket, tuning_buckets
 
     assert [m_bucket(m) for m in (0, 1, 256, 257, 1000, 1024, 1025)] == [256, 256, 256, 512, 1024, 1024, 2048]
     assert m_bucket(10 ** 7) == M_BUCKET_MAX
@@ -321,7 +321,7 @@ def test_warm_up_runs_every_bucket(monkeypatch):
     row bucket; explicit rows run once per distinct bucket."""
     from lightning_hetermoe import kernels
     from lightning_hetermoe.kernels import mlp
-    from lightning_hetermoe.kernels.configs import tuning_buckets
+    from lightning_hetermoe.kernels.tuning import tuning_buckets
 
     seen = []
 
@@ -396,13 +396,13 @@ def test_row_tiles_launch_on_the_grid_axis_without_the_65535_limit():
 
 
 def test_row_counts_past_the_largest_tuned_bucket_take_its_tiles():
-    from lightning_hetermoe.kernels import configs
+    from lightning_hetermoe.kernels import tuning
 
     try:
-        assert configs.m_bucket(100_000) == configs.M_BUCKET_MAX
-        configs.tuned_up_to(2048)  # warm-up found no memory for 4096 rows and up
-        assert configs.m_bucket(100_000) == 2048 and configs.m_bucket(3000) == 2048
-        assert configs.m_bucket(1000) == 1024  # buckets it did tune stay as they were
+        assert tuning.m_bucket(100_000) == tuning.M_BUCKET_MAX
+        tuning.tuned_up_to(2048)  # warm-up found no memory for 4096 rows and up
+        assert tuning.m_bucket(100_000) == 2048 and tuning.m_bucket(3000) == 2048
+        assert tuning.m_bucket(1000) == 1024  # buckets it did tune stay as they were
     finally:
-        configs.tuned_up_to(None)
-    assert configs.m_bucket(100_000) == configs.M_BUCKET_MAX
+        tuning.tuned_up_to(None)
+    assert tuning.m_bucket(100_000) == tuning.M_BUCKET_MAX

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from lightning_hetermoe.kernels import configs, triton_src  # noqa: E402
+from lightning_hetermoe.kernels import triton_src, tuning  # noqa: E402
 
 FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr"}
 
@@ -45,9 +45,9 @@ def test_kernels_compile_to_cubin(capability, dtype, tmp_path, monkeypatch):
         pytest.skip("no ptxas shipped with this triton")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from a cache
     cap = (capability // 10, capability % 10)
-    gemm = compile_for(triton_src.grouped_gemm_kernel, dtype, capability, configs.gemm_configs(cap)[0],
+    gemm = compile_for(triton_src.grouped_gemm_kernel, dtype, capability, tuning.gemm_configs(cap)[0],
                        dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True))
-    wgrad = compile_for(triton_src.grouped_wgrad_kernel, dtype, capability, configs.wgrad_configs(cap)[0],
+    wgrad = compile_for(triton_src.grouped_wgrad_kernel, dtype, capability, tuning.wgrad_configs(cap)[0],
                         dict(HAS_IDX=True))
     for kernel in (gemm, wgrad):
         assert kernel.asm.get("cubin"), "no cubin produced"

@@ -11,7 +11,7 @@ import pytest
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy
 from lightning_hetermoe.cluster import get_device
-from lightning_hetermoe.config import ConfigError
+from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.profile.memory import MemoryModel, RankMemory, spread_memory
 from lightning_hetermoe.strategy.memory_watch import MemoryBudgetError
 from reference import data, make_model, trainer

@@ -133,7 +133,7 @@ class BuiltInConfigureModel(MoELanguageModel):
 
 
 def fits(rank: int, world: int) -> list:
-    from test_checkpoint import _whole_state
+    from test_saved_state import _whole_state
     from test_zebra import make_test_plan
 
     out = []

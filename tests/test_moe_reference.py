@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lightning_hetermoe.config import MoEConfig
+from lightning_hetermoe.configs import MoEConfig
 from lightning_hetermoe.moe import MoELayer, apply_capacity, expert_capacity
 from lightning_hetermoe.moe.reference import reference_moe
 

@@ -43,7 +43,7 @@ def test_a_wheel_ships_the_configs_the_code_reads(tmp_path):
     # checkout's editable finder among them) are not processed.
     deps = [p for p in sys.path if p.endswith("site-packages")]
     (site / "borrowed_deps.pth").write_text("\n".join(deps) + "\n")
-    probe = ("import lightning_hetermoe, sys; from lightning_hetermoe.config import workload_model; "
+    probe = ("import lightning_hetermoe, sys; from lightning_hetermoe.configs import workload_model; "
              "m = workload_model('d1'); print(lightning_hetermoe.__file__); print(m.d_model, m.n_layers, m.moe.num_experts)")
     out = subprocess.run([str(python), "-c", probe], cwd=tmp_path, check=True, capture_output=True, text=True)
     where, shape = out.stdout.split()[0], out.stdout.split()[1:]

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from lightning_hetermoe.cluster import ClusterConfig
-from lightning_hetermoe.config import ModelConfig, MoEConfig
+from lightning_hetermoe.configs import ModelConfig, MoEConfig
 from lightning_hetermoe.plan import AsymEAInput, Plan, assign_experts, make_plan, placement_from_counts
 from lightning_hetermoe.profile import DeviceProfile, Profile, ProfileTimer, make_timer
 

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig, comm
-from lightning_hetermoe.config import ConfigError
+from lightning_hetermoe.configs import ConfigError
 from reference import data, make_model, reference_fit, trainer
 from test_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
 

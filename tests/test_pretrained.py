@@ -133,7 +133,7 @@ def fit_pretrained(rank: int, world: int, directory: str, ckpt_dir: str) -> list
         held = [m.experts.num_local_experts for m in model.modules() if isinstance(m, MoELayer)]
         path = os.path.join(ckpt_dir, f"{mode}.ckpt")
         t.save_checkpoint(path)
-        from test_checkpoint import _whole_state
+        from test_saved_state import _whole_state
 
         out.append((_whole_state(t), held))
     return out if rank == 0 else [o[1] for o in out]

@@ -12,7 +12,7 @@ from lightning_hetermoe import ClusterConfig, ModelConfig
 from lightning_hetermoe.cluster.devices import get_device
 from lightning_hetermoe.emulate import emulation_cost_model
 from lightning_hetermoe.profile.profile import Profile
-from lightning_hetermoe.profiler import expert_capacities, profile_cluster
+from lightning_hetermoe.measure import expert_capacities, profile_cluster
 from lightning_hetermoe.profile.timer import make_timer
 
 SEQ = 64

@@ -219,7 +219,7 @@ REFUSED = {
 def _gather_or_refuse(rank: int) -> dict:
     import torch.distributed as dist
 
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
     from lightning_hetermoe.strategy.batch import gather_global_batch
 
     dist.init_process_group("gloo")
@@ -308,7 +308,7 @@ def test_batches_that_cannot_be_padded_are_refused_before_any_device_collective(
 
 
 def test_plan_padding_lets_row_counts_differ_only_where_asked():
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
     from lightning_hetermoe.strategy.batch import plan_padding
 
     long = 5  # torch.int64's code among the shapes' dtypes

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, OptimConfig
 from lightning_hetermoe.placement import Placement
-from lightning_hetermoe.contract import moe_layers
+from lightning_hetermoe.model_contract import moe_layers
 from reference import assert_same_params, data, global_batches, make_model, reference_fit, trainer, whole_checkpoint
 from test_zebra import make_test_plan
 

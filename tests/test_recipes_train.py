@@ -108,7 +108,7 @@ def compose(*overrides: str):
 ])
 def test_bad_config_is_rejected_naming_the_field(tmp_path, overrides, message):
     """Rejected in the launching process (``train`` here), before any rank exists."""
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
     from lightning_hetermoe.training import train
 
     with pytest.raises(ConfigError) as err:

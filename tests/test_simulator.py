@@ -5,9 +5,9 @@ import os
 import pytest
 
 from lightning_hetermoe.cluster import LinkConfig, get_device
-from lightning_hetermoe.config import ModelConfig, MoEConfig
+from lightning_hetermoe.configs import ModelConfig, MoEConfig
 from lightning_hetermoe.profile import make_timer
-from lightning_hetermoe.schedule import build_schedule
+from lightning_hetermoe.task_order import build_schedule
 from lightning_hetermoe.simulate import (
     Lane,
     StepSetup,

@@ -11,7 +11,7 @@ from torch import nn
 
 import lightning_hetermoe
 from lightning_hetermoe import HeterMoEStrategy, ModelConfig, MoEConfig, MoELayer
-from lightning_hetermoe.config import ConfigError
+from lightning_hetermoe.configs import ConfigError
 from reference import data
 
 

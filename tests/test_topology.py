@@ -12,9 +12,9 @@ import lightning as L
 
 from lightning_hetermoe import HeterMoEStrategy
 from lightning_hetermoe.cluster import ClusterConfig
-from lightning_hetermoe.cluster.config import KNOWN_LINKS, LinkConfig
+from lightning_hetermoe.cluster.spec import KNOWN_LINKS, LinkConfig
 from lightning_hetermoe.cluster.topology import Topology, cluster_topology, intra_link_kind, topology_from_hosts
-from lightning_hetermoe.config import ConfigError, from_cfg, workload_model
+from lightning_hetermoe.configs import ConfigError, from_cfg, workload_model
 from lightning_hetermoe.plan import make_plan
 from lightning_hetermoe.plan.planner import as_cluster
 from lightning_hetermoe.profile import make_timer

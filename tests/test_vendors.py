@@ -89,7 +89,7 @@ def test_the_planner_prices_the_staged_path_between_vendors():
 
 
 def test_the_planner_prices_rows_between_vendors_at_the_staged_path():
-    from lightning_hetermoe.config import workload_model
+    from lightning_hetermoe.configs import workload_model
     from lightning_hetermoe.plan import make_plan
 
     m = workload_model("d1")

@@ -11,7 +11,7 @@ import pytest
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig, comm
-from lightning_hetermoe.contract import describe_model
+from lightning_hetermoe.model_contract import describe_model
 from lightning_hetermoe.profile import CostModel
 from reference import data, make_model, trainer
 from test_zebra import GLOBAL, WINDOWS, make_test_plan
@@ -69,7 +69,7 @@ def test_every_data_collective_travels_at_the_width_it_is_priced_at(recordings, 
 
 @pytest.mark.slow
 def test_the_data_centric_gathers_move_the_bytes_the_simulator_prices(recordings):
-    from lightning_hetermoe.config import ModelConfig, from_cfg
+    from lightning_hetermoe.configs import ModelConfig, from_cfg
     from lightning_hetermoe.profile.timer import CostModelTimer
 
     calls, cfg = recordings["datacentric"][0]

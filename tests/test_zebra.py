@@ -15,7 +15,7 @@ from harness import run_ranks
 import lightning_hetermoe.comm as comm
 import lightning_hetermoe.strategy.backends.zebra.backend as zebra_backend
 from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig, Plan
-from lightning_hetermoe.contract import find_blocks
+from lightning_hetermoe.model_contract import find_blocks
 from lightning_hetermoe.plan import ZPGroup
 from lightning_hetermoe.simulate import split_microbatches
 from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer, validation_loss
@@ -244,7 +244,7 @@ def recorded_orders(rank: int, world: int, plan: Plan, swap: tuple[str, str]) ->
     """What each rank's work reported (block, expert and gradient hooks), and the loop's trace:
     once as the executor runs, once with two of rank 0's tasks in the wrong order (``swap``:
     a broken executor)."""
-    from lightning_hetermoe.schedule import Schedule
+    from lightning_hetermoe.task_order import Schedule
 
     original = Schedule.member_tasks
 
@@ -271,7 +271,7 @@ def recorded_orders(rank: int, world: int, plan: Plan, swap: tuple[str, str]) ->
 @pytest.mark.slow
 def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists():
     from lightning_hetermoe.cluster import LinkConfig, get_device
-    from lightning_hetermoe.schedule import Task, check_theorem1
+    from lightning_hetermoe.task_order import Task, check_theorem1
     from lightning_hetermoe.simulate import plan_setup, simulate_step
     from lightning_hetermoe.profile import make_timer
 
@@ -313,7 +313,7 @@ def _parse(name: str) -> tuple[str, int, int]:
 
 
 def test_a_plan_that_does_not_fit_is_rejected_with_one_error_per_mismatch():
-    from lightning_hetermoe.config import ConfigError
+    from lightning_hetermoe.configs import ConfigError
     from lightning_hetermoe.strategy.arguments import check_plan
 
     cfg = make_model(4).model_cfg

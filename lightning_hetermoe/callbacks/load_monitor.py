@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_hetermoe.comm as comm
-from ..contract import moe_layers
+from ..model_contract import moe_layers
 from ..moe.expert_bias import is_first_training_forward
 
 BUSY_KINDS = ("attention", "experts", "comm", "idle")

@@ -112,7 +112,7 @@ class _MixtralNames:
     def __init__(self, meta: dict[str, Any]) -> None:
         from transformers import MixtralConfig
 
-        from ..config import ModelConfig, from_cfg
+        from ..configs import ModelConfig, from_cfg
         from ..convert.mixtral import mixtral_config_kwargs
 
         hparams = meta.get("hyper_parameters") or {}

@@ -1,6 +1,6 @@
 """What devices exist: per-rank device specs from a cluster config or from detection."""
 
-from .config import ClusterConfig, LinkConfig, resolve_cluster
+from .spec import ClusterConfig, LinkConfig, resolve_cluster
 from .devices import (
     KNOWN_DEVICES,
     DeviceSpec,

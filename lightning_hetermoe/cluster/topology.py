@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .config import ClusterConfig, LinkConfig, slowest
+from .spec import ClusterConfig, LinkConfig, slowest
 
 
 @dataclass(frozen=True)

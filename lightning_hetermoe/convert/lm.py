@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import OptimConfig, from_cfg
+from ..configs import OptimConfig, from_cfg
 from ..model.lm import MoELanguageModel
 from ..moe import gate_losses
 from .hf import HFMoEBlock, moe_aux, to_hetermoe

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..config import ModelConfig, MoEConfig
+from ..configs import ModelConfig, MoEConfig
 from ..model.transformer import MoETransformer
 from .hf import check_filled, fresh_copy, moe_tensors_from_hf
 

@@ -212,7 +212,7 @@ def from_pretrained(directory: str | os.PathLike, *, dtype: torch.dtype = torch.
 def materialize_whole(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
     """Materialise every tensor of a meta-built model in this process (tests, export,
     single-device use outside the strategy); returns ``module``."""
-    from ..contract import moe_layers
+    from ..model_contract import moe_layers
     from ..materialize import Holding, Materializer
 
     rows = [list(range(layer.num_experts)) for _, layer in moe_layers(module)]

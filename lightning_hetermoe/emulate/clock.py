@@ -29,7 +29,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from ..config import ModelConfig, workload_model
+from ..configs import ModelConfig, workload_model
 
 
 def emulation_cost_model(**overrides: Any):

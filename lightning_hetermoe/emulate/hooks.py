@@ -160,7 +160,7 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
         previous.remove()
     handle = EmulationHandle(model, emulator)
     em = emulator
-    from ..contract import find_blocks
+    from ..model_contract import find_blocks
 
     blocks = [(block, moe) for _, block, moe in find_blocks(model)]
     current: list[_BlockCall] = []  # stack of block calls in flight (forward)
@@ -319,8 +319,8 @@ def apply_emulation(model: nn.Module, cluster, global_rank: int, *, seq_len: int
     at ``seq_len`` tokens per sequence, or ``cluster.emulate_workload``). Returns an :class:`EmulationHandle`; calling again on
     the same model replaces the earlier install instead of stacking a second one."""
     from ..cluster import ClusterConfig
-    from ..config import from_cfg
-    from ..contract import describe_model
+    from ..configs import from_cfg
+    from ..model_contract import describe_model
 
     cluster = from_cfg(ClusterConfig, cluster)
     if workload is None:

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ..config import ConfigError, DataConfig
+from ..configs import ConfigError, DataConfig
 from .sampling import GlobalOrderDataModule
 from .lm import IGNORE_INDEX
 

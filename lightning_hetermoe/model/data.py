@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ..config import CORPORA, DataConfig
+from ..configs import CORPORA, DataConfig
 from .sampling import GlobalOrderDataModule
 
 
@@ -64,7 +64,7 @@ class ByteCorpusDataModule(GlobalOrderDataModule):
 def build_datamodule(cfg: DataConfig | dict) -> GlobalOrderDataModule:
     """``data.corpus``'s DataModule: byte windows (``pydoc_topics``) or packed rows of a
     tokenised corpus on disk (``tokenized``)."""
-    from ..config import from_cfg
+    from ..configs import from_cfg
 
     cfg = from_cfg(DataConfig, cfg, "data")
     if cfg.corpus == "tokenized":

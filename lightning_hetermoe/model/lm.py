@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..config import ModelConfig, OptimConfig, from_cfg
+from ..configs import ModelConfig, OptimConfig, from_cfg
 from ..moe import gate_losses
 from .transformer import MoETransformer
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from ..config import ConfigError, PrepareConfig
+from ..configs import ConfigError, PrepareConfig
 from .corpus import TOKENIZER, CorpusMeta, CorpusWriter
 from .data import pydoc_documents
 

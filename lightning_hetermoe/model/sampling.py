@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ..config import DataConfig
+from ..configs import DataConfig
 
 
 class GlobalOrderSampler(DistributedSampler):
@@ -91,7 +91,7 @@ class GlobalOrderDataModule(L.LightningDataModule):
 
     def __init__(self, cfg: DataConfig | dict | None = None) -> None:
         super().__init__()
-        from ..config import from_cfg
+        from ..configs import from_cfg
 
         self.cfg = from_cfg(DataConfig, cfg or {})
 

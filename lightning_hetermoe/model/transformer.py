@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig
+from ..configs import ModelConfig
 from ..moe import MoEAux, MoELayer
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise, seed_scope
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import MoEConfig
+from ..configs import MoEConfig
 from ..kernels.activation import forward as activate
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 from .capacity import apply_capacity

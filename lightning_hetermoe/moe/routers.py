@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ROUTERS, MoEConfig
+from ..configs import ROUTERS, MoEConfig
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 from .balance import LocalBalance, mean_over_real
 

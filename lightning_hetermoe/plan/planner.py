@@ -25,10 +25,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..cluster.config import ClusterConfig, LinkConfig, resolve_cluster
+from ..cluster.spec import ClusterConfig, LinkConfig, resolve_cluster
 from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.topology import Topology, cluster_topology
-from ..config import ModelConfig, from_cfg
+from ..configs import ModelConfig, from_cfg
 from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel
 from ..profile.profile import Profile

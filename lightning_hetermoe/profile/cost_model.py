@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cluster.config import LinkConfig
+from ..cluster.spec import LinkConfig
 from ..cluster.devices import DeviceSpec, precision_dtype_bytes
 
 

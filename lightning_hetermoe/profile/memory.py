@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..cluster.devices import DeviceSpec
-from ..config import ModelConfig
+from ..configs import ModelConfig
 
 
 @dataclass(frozen=True)

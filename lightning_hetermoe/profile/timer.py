@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cluster.config import LinkConfig
+from ..cluster.spec import LinkConfig
 from ..cluster.devices import DeviceSpec
-from ..config import ModelConfig
+from ..configs import ModelConfig
 from .cost_model import CostModel
 from .profile import Profile
 

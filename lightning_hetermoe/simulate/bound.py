@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..cluster.devices import DeviceSpec
-from ..config import ModelConfig
+from ..configs import ModelConfig
 
 
 def per_token_seconds(dev: DeviceSpec, timer, model: ModelConfig, seq_len: int) -> tuple[float, float]:

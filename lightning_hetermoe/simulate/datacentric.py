@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..cluster.config import LinkConfig
+from ..cluster.spec import LinkConfig
 from ..cluster.topology import Topology, as_topology
 from ..cluster.devices import DeviceSpec
-from ..config import ModelConfig
+from ..configs import ModelConfig
 from ..profile.memory import MemoryModel
 from .schedules import ep_balanced_shares, ep_speed
 

@@ -19,10 +19,10 @@ import functools
 import math
 from typing import Any, Sequence
 
-from ..cluster.config import LinkConfig
+from ..cluster.spec import LinkConfig
 from ..cluster.topology import Topology
 from ..cluster.devices import DeviceSpec
-from ..config import ModelConfig
+from ..configs import ModelConfig
 from ..profile.memory import MemoryModel
 from ..placement import contiguous_placement
 from .step import Lane, StepResult, StepSetup, simulate_step
@@ -204,7 +204,7 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepR
 def shared_schedule(kind: str, num_layers: int, num_microbatches: int, balance: bool):
     """One schedule per shape for every simulation (a search simulates thousands of plans of
     a few shapes; each schedule memoises its members' task lists). Read only."""
-    from ..schedule import build_schedule
+    from ..task_order import build_schedule
 
     return build_schedule(kind, num_layers, num_microbatches, balance=balance)
 

@@ -22,7 +22,7 @@ group's ranks on that node together) over the network port they share. Gradient
 all-reduces run over the slowest hop of their ring.
 
 Disaggregated schedules (zebra, DistEP, forward-only) take every rank's task order and
-the channels' round order from a :class:`~lightning_hetermoe.schedule.Schedule`, the same
+the channels' round order from a :class:`~lightning_hetermoe.task_order.Schedule`, the same
 object the executor follows, and run them as fixed orders. The balance loss's routing
 counts are summed over the attention ranks on a third channel (``dense``), and a layer's
 combine waits for them (see the schedule module).
@@ -36,11 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster.config import LinkConfig, slowest
+from ..cluster.spec import LinkConfig, slowest
 from ..cluster.devices import DeviceSpec
 from ..cluster.topology import Topology, as_topology
-from ..config import ModelConfig
-from ..schedule import Round, Schedule, Task as ScheduleTask
+from ..configs import ModelConfig
+from ..task_order import Round, Schedule, Task as ScheduleTask
 from .engine import Task, Timeline, run_dag
 
 COMPUTE_KINDS = ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd", "head")
@@ -392,7 +392,7 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         if on in ids:
             tasks[ids[key]].deps.append(ids[on])
 
-    from ..schedule import awaited_round, emitted_round
+    from ..task_order import awaited_round, emitted_round
 
     for i, lane in enumerate(lanes):
         for t in orders[i]:

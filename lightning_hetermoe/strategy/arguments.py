@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..cluster import ClusterConfig
-from ..config import ConfigError, from_cfg
-from ..contract import ModelContractError, describe_model, moe_layers
+from ..configs import ConfigError, from_cfg
+from ..model_contract import ModelContractError, describe_model, moe_layers
 from .precision import check_bf16
 
 MODES = ("auto", "ep", "zebra", "distep", "datacentric")

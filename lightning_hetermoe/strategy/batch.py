@@ -18,7 +18,7 @@ the host group (one small collective, :func:`gather_shapes`), and every rank dec
 the same shapes: equal, the batch goes as it is; differing in the sequence dimension
 (dimension 1) only, every tensor of that length is right-padded to the longest, labels with
 the ignore index (-100: PyTorch's ``cross_entropy`` default and Hugging Face's), inputs and
-masks with 0; anything else is refused (:class:`~lightning_hetermoe.config.ConfigError`)
+masks with 0; anything else is refused (:class:`~lightning_hetermoe.configs.ConfigError`)
 on every rank alike, before any device collective. Attention is causal, so right padding
 changes no real position's output; the MoE layers are told which tokens are padding
 (``MoELayer.real_tokens``: it routes nowhere and counts in no auxiliary loss), and each
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
-from ..config import ConfigError
+from ..configs import ConfigError
 
 IGNORE_INDEX = -100  # what PyTorch's cross_entropy and Hugging Face's models ignore by default
 LABEL_NAMES = ("labels", "label", "targets", "target")

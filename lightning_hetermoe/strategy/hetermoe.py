@@ -31,10 +31,10 @@ from typing_extensions import override
 
 import lightning_hetermoe.comm as comm
 from ..cluster import ClusterConfig
-from ..config import ConfigError
+from ..configs import ConfigError
 from ..ckpt import is_sharded_checkpoint
 from ..ckpt import save as save_pieces
-from ..contract import describe_model, moe_layers
+from ..model_contract import describe_model, moe_layers
 from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement

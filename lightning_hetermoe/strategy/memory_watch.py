@@ -120,7 +120,7 @@ def optimizer_bytes_per_param(optimizers: list) -> float:
 def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense_shards: int,
                  optimizer_bytes: float, activations: float) -> Any:
     """This rank's :class:`~lightning_hetermoe.profile.memory.RankMemory` from what it holds."""
-    from ..contract import moe_layers
+    from ..model_contract import moe_layers
     from ..profile.memory import RankMemory, working_bytes
 
     layers = [layer for _, layer in moe_layers(module)]

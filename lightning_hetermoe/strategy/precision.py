@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import lightning_hetermoe.comm as comm
 
-from ..config import ConfigError
+from ..configs import ConfigError
 
 BF16_MIN_CAPABILITY = (8, 0)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..cluster import ClusterConfig, DeviceSpec
-from ..config import ModelConfig
+from ..configs import ModelConfig
 from .backends.base import Simulated, TailShape
 
 

@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..cluster import ClusterConfig, DeviceSpec
-from ..config import ConfigError
-from ..contract import ModelContractError, describe_model
+from ..configs import ConfigError
+from ..model_contract import ModelContractError, describe_model
 from .arguments import DISAGGREGATED, check_plan
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
@@ -61,7 +61,7 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int) -> lis
     tokens exaggerate the hottest expert. Forward only, in eval mode, with the RNG state
     preserved (training sees no difference); ``None`` when the model cannot be run on the
     batch's first tensor alone."""
-    from ..contract import moe_layers
+    from ..model_contract import moe_layers
 
     loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
             TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..ckpt import dcp
 from ..ckpt.pieces import Pieces
-from ..contract import moe_layers
+from ..model_contract import moe_layers
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 FORMAT_VERSION = 1

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...contract import moe_layers
+from ...model_contract import moe_layers
 from ...materialize import Holding, Materializer
 from .base import ParallelBackend, Simulated
 

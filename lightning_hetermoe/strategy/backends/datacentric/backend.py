@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
 from ....comm import Group, Pending
-from ....contract import moe_layers
+from ....model_contract import moe_layers
 from ....moe.balance import GlobalBalance
 from ....ckpt.pieces import Pieces
 from ....materialize import Holding, Materializer

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ....contract import moe_layers
+from ....model_contract import moe_layers
 from ....moe.balance import GlobalBalance
 from ....placement import Placement
 from ...expert_state import gather_experts, slice_experts

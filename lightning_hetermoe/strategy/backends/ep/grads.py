@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
 from ....comm import Group
-from ....contract import moe_layers
+from ....model_contract import moe_layers
 from .groups import ExpertParallelGroups
 
 

@@ -42,12 +42,12 @@ import torch
 from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
-from ....contract import find_blocks
+from ....model_contract import find_blocks
 
 from ....moe.balance import balance_loss_from_counts, routed_counts
 from ....placement import Placement
 from ....plan import Plan
-from ....schedule import build_schedule
+from ....task_order import build_schedule
 from ....simulate.schedules import apportion, split_microbatches
 from ....materialize import Holding, Materializer
 from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,

@@ -22,7 +22,7 @@ attention rank posts ``combine(r)``'s receive with the dispatch, so the answer c
 while it computes the next micro-batch (on CUDA the receive runs on the communication
 stream; nothing waits on it until the answer is used); a holder issues ``combine(r)``
 once its experts ran (holders on attention ranks run them right after the emitting task,
-see :meth:`lightning_hetermoe.schedule.Schedule.member_tasks`, which keeps this order), and
+see :meth:`lightning_hetermoe.task_order.Schedule.member_tasks`, which keeps this order), and
 an expert rank posts its next ``dispatch`` receive right after, if that round's header is
 already in. Nothing is waited for before it is needed; every handle is waited once.
 
@@ -43,7 +43,7 @@ from torch import Tensor
 
 import lightning_hetermoe.comm as comm
 from ....comm import Pending
-from ....schedule import Round, Schedule
+from ....task_order import Round, Schedule
 from .layout import Layout, ZebraGroups
 from .records import Dispatched
 

@@ -1,6 +1,6 @@
 """One step of a zebra (or DistEP, or forward-only) schedule on one rank.
 
-:class:`StepRun` walks this rank's task list from the :class:`~lightning_hetermoe.schedule.Schedule`:
+:class:`StepRun` walks this rank's task list from the :class:`~lightning_hetermoe.task_order.Schedule`:
 
 * ``attn_fwd (l, j)``: resume micro-batch ``j``'s fiber (start it when ``l = 0``); it runs the
   user's step until the dispatch of layer ``l`` and parks there.
@@ -46,7 +46,7 @@ import lightning_hetermoe.comm as comm
 from ....emulate.meter import Stopwatch
 from ....moe.balance import routed_counts
 from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position
-from ....schedule import Round, Schedule, Task
+from ....task_order import Round, Schedule, Task
 from ...batch import batch_size, flat_mask, sequence_length
 from . import fibers
 from .exchange import Exchange

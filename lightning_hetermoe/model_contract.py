@@ -13,7 +13,7 @@ The model contract (also in the README):
   how many there are, the vocabulary from the largest ``nn.Embedding``, and the attention
   heads from an ``int`` attribute ``n_heads`` (or ``num_heads``, ``num_attention_heads``)
   of some module inside each block. A LightningModule with a ``model_cfg``
-  (:class:`~lightning_hetermoe.config.ModelConfig`) gives all of it directly.
+  (:class:`~lightning_hetermoe.configs.ModelConfig`) gives all of it directly.
 * The zebra and distep modes drive the LightningModule's ``training_step`` (and
   ``validation_step``/``test_step``/``predict_step``) once per micro-batch, with automatic
   optimization; a batch is a tensor or a tuple/list/dict of tensors whose first dimension
@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from .config import ModelConfig
+from .configs import ModelConfig
 from .moe import MoELayer, ModuleExperts
 
 HEAD_ATTRIBUTES = ("n_heads", "num_heads", "num_attention_heads")

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .cluster import ClusterConfig
 from .cluster.devices import DeviceSpec, detect_cuda_devices, get_device, match_device_name
-from .config import ModelConfig, from_cfg
+from .configs import ModelConfig, from_cfg
 from .emulate import Emulator, emulation_cost_model, install
 from .model.transformer import DecoderBlock, RMSNorm
 from .profile.cost_model import CostModel

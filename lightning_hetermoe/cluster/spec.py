@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
 
-from ..config import ConfigError, from_cfg, workload_model
+from ..configs import ConfigError, from_cfg, workload_model
 from .devices import PRECISIONS, DeviceSpec, custom_spec, get_device
 
 

@@ -1,0 +1,7 @@
+"""``python -m lightning_hetermoe.selfcheck``."""
+
+import sys
+
+from .command import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""One-rank EP and zebra training on a real process group: every collective carries its
+tensors where its traffic kind says, in sequences NCCL would accept."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+from .report import Context, Failed, joined
+from .runs import data, loopback_plan, one_run, tiny_model
+
+
+def _traffic_problems(calls: Sequence[Any], compute: str) -> list[str]:
+    import lightning_hetermoe.comm as comm
+
+    out = []
+    for c in calls:
+        if c.traffic == comm.DEVICE and c.device != compute:
+            out.append(f"{c.what} (device traffic) carried a tensor on {c.device}, the compute device is {compute}")
+        if c.traffic == comm.HOST and c.device not in ("", "cpu"):
+            out.append(f"{c.what} (host traffic) carried a tensor on {c.device}, not the CPU")
+    return out
+
+
+def _count_by_what(calls: Sequence[Any]) -> str:
+    counts = Counter(c.what for c in calls)
+    return ", ".join(f"{what} {n}" for what, n in sorted(counts.items()))
+
+
+def check_collectives(mode: str) -> Callable[[Context], str]:
+    expected = {"ep": {"ep.rows"}, "zebra": {"zebra.rows", "zebra.answers"}}[mode]
+
+    def check(ctx: Context) -> str:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        import lightning_hetermoe.comm as comm
+
+        plan = loopback_plan(ctx) if mode == "zebra" else None
+        ckpt = ModelCheckpoint(dirpath=os.path.join(ctx.workdir, f"ckpt-{mode}"), every_n_train_steps=1,
+                               save_top_k=-1)
+        with comm.record() as calls:
+            with one_run(ctx, f"collectives-{mode}", mode, plan, max_steps=2, limit_val_batches=1,
+                          enable_checkpointing=True, callbacks=[ckpt]) as (strategy, trainer):
+                trainer.fit(tiny_model(), datamodule=data())
+                compute = str(strategy.root_device)
+                schedule = strategy.schedule
+        problems = _traffic_problems(calls, compute) + comm.check_sequences([calls])
+        missing = expected - {c.what for c in calls}
+        if missing:  # without them the check above would be vacuous
+            problems.append(f"no {', '.join(sorted(missing))} collective was issued")
+        if schedule != mode:
+            problems.append(f"the strategy ran {schedule!r}, not {mode!r}")
+        if problems:
+            raise Failed(joined(problems))
+        return f"{len(calls)} collectives on {compute}: {_count_by_what(calls)}"
+
+    return check

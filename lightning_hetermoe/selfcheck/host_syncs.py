@@ -1,0 +1,49 @@
+"""Host syncs of one zebra training step under CUDA's sync debug mode (CUDA)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .report import Context, Failed
+from .runs import data, loopback_plan, one_run, tiny_model
+
+
+def _sync_debug_callback(step: int = 1) -> Any:
+    """A Lightning callback that turns CUDA's sync debug mode on for one training step (the
+    second: the first warms the allocator and autotunes)."""
+    import lightning as L
+
+    class SyncDebug(L.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == step:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return SyncDebug()
+
+
+def check_host_syncs(ctx: Context) -> str:
+    """Host syncs in one zebra training step (a loopback plan: every exchange goes through
+    comm on one GPU), counted by CUDA's sync debug mode: the design allows one per (layer,
+    micro-batch), the round's host header; every other drains the queue zebra overlaps on."""
+    import warnings
+
+    n_layers, plan = 2, loopback_plan(ctx)
+    with warnings.catch_warnings(record=True) as seen:  # module state: the fibers' warnings land here too
+        warnings.simplefilter("always")
+        with one_run(ctx, "syncs", "zebra", plan, max_steps=2, callbacks=[_sync_debug_callback()]) as (_, trainer):
+            trainer.fit(tiny_model(n_layers), datamodule=data())
+    syncs = [w for w in seen if "synchroniz" in str(w.message).lower()]
+    per = len(syncs) / (n_layers * plan.num_microbatches)
+    where = sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in syncs})
+    detail = (f"{len(syncs)} host syncs in a step of {n_layers} layers x {plan.num_microbatches} micro-batches: "
+              f"{per:.1f} per (layer, micro-batch); at " + (", ".join(where[:6]) or "nowhere"))
+    if per > 1:
+        raise Failed(detail + " (the design allows 1)")
+    return detail
