@@ -11,8 +11,14 @@ strategy and executor; only the clock is modelled (``lightning_hetermoe/emulate`
 tiny model runs with D1's 24 experts, top-2, on 4 layers (the clock is D1's widths on that
 depth), 12 sequences per step, 3 steps per run of which the first is warm-up.
 
-Per cell it prints the measured s/step, the simulator's s/step for the same plan (even
-routing, as planned) and its relative error, the simulator's s/step at the routing the run
+A cell is only kept when its emulation was faithful: if more than 5% of its emulated tasks
+overran their modelled time (the CPU work did not fit under the clock, so the run measured the
+machine, not the plan), the bench runs it again at twice the ``time_scale``, up to three
+times, and the table shows the scale that held (``x2`` beside the row); a cell that never
+holds is named in the JSON (``unfaithful_cells``) and left out of ``max_rel_error``.
+
+Per cell it prints the measured s/step, the simulator's s/step for the same plan (the
+routing of a warm-up batch, as planned) and its relative error, the simulator's s/step at the routing the run
 really had (the load monitor's counts) and that error, the share of emulated tasks that
 overran their modelled time, and zebra/ep measured beside zebra/ep predicted; then, per
 mix and clock, the fastest schedule measured beside the one ``mode=auto`` would choose (the
@@ -26,7 +32,8 @@ the model's code path: Hugging Face decoder layers, their losses beside the bloc
 Then the planner check: on A40+V100 at 16K, zebra with the planner's R against R-1 and
 R+1, and Asym-EA on against off; the planner's choice must measure within 5% of the best.
 
-The last line is one JSON object with ``max_rel_error``, ``max_rel_error_at_measured_load``,
+The last line is one JSON object with ``max_rel_error`` and ``worst_cell`` (its name),
+``max_rel_error_at_measured_load`` and its cell, ``unfaithful_cells``, ``rerun_cells``,
 ``zebra_over_ep_a40_v100_16k`` (measured, 1+1), ``zebra_over_distep_a40_v100_16k``,
 ``hf_mixtral_zebra_over_ep`` beside it, and the planner check.
 """
@@ -57,16 +64,42 @@ GLOBAL_BATCH = 12
 MODEL = ["model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2", "trainer.max_steps=3"]
 
 
-def cell_overrides(mix: str, clock: str, schedule: str, extra: list[str] = ()) -> list[str]:
+FAITHFUL = 0.05  # at most this share of emulated tasks may overrun their modelled time
+RETRIES = 3  # re-runs of an unfaithful cell, each at twice the last time_scale
+
+
+def cell_overrides(mix: str, clock: str, schedule: str, extra: list[str] = (), slowdown: float = 1.0) -> list[str]:
     devices = MIXES[mix]
     W = len(devices)
     name = mix.replace(" ", "_").replace("+", "_")
-    return [*cluster_overrides(name, devices, "d1", CLOCKS[clock], TIME_SCALE[(clock, min(W, 4))]),
+    scale = TIME_SCALE[(clock, min(W, 4))] * slowdown
+    return [*cluster_overrides(name, devices, "d1", CLOCKS[clock], scale),
             *MODEL, f"data.batch_size={GLOBAL_BATCH // W}", *SCHEDULES[schedule], *extra]
 
 
+def cell_name(r: dict) -> str:
+    return f"{r['mix']} {r['clock']} {r['schedule']}"
+
+
 def measure(mix: str, clock: str, schedule: str, extra: list[str] = ()) -> dict:
-    s = run_job(cell_overrides(mix, clock, schedule, extra))
+    """One cell, re-run at a slower emulated clock until its emulation is faithful. Measured
+    and predicted times are both in the workload's seconds (the emulator divides the scale
+    out), so the rows of different scales compare directly."""
+    slowdown = 1.0
+    for attempt in range(RETRIES + 1):
+        row = _measure_once(mix, clock, schedule, extra, slowdown)
+        row["time_scale_x"] = slowdown
+        row["faithful"] = row["overrun_fraction"] <= FAITHFUL
+        if row["faithful"] or attempt == RETRIES:
+            return row
+        print(f"  ({cell_name(row)}: {row['overrun_fraction']:.1%} of tasks overran at x{slowdown:g}; "
+              f"again at x{2 * slowdown:g})", flush=True)
+        slowdown *= 2
+    raise AssertionError("unreachable")
+
+
+def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdown: float) -> dict:
+    s = run_job(cell_overrides(mix, clock, schedule, extra, slowdown))
     row = {"mix": mix, "clock": clock, "schedule": schedule, "measured_s": s["step_time_s"],
            "predicted_s": s["predicted_step_time_s"], "rel_error": s["step_time_rel_error"],
            "predicted_at_load_s": s.get("predicted_step_time_at_measured_load_s"),
@@ -85,8 +118,26 @@ def print_row(r: dict) -> None:
     load = (f"{r['predicted_at_load_s']:7.3f} {r['rel_error_at_load']:+6.1%}" if r["rel_error_at_load"] is not None
             else f"{'':>15}")
     extra = f"  R={r['R']} roles={r['roles']} offloaded={r['offloaded']}" if "R" in r else ""
+    if r.get("time_scale_x", 1.0) != 1.0:
+        extra += f"  x{r['time_scale_x']:g}"
+    if not r.get("faithful", True):
+        extra += "  UNFAITHFUL (left out of max_rel_error)"
     print(f"{r['mix']:13} {r['clock']:>4} {r['schedule']:9} {r['measured_s']:8.3f} {r['predicted_s']:8.3f} "
           f"{r['rel_error']:+6.1%}  {load}  {r['overrun_fraction']:5.1%}{extra}", flush=True)
+
+
+def accuracy(rows: list[dict]) -> dict:
+    """The worst prediction error over the faithful cells, each beside its cell's name."""
+    faithful = [r for r in rows if r["faithful"]]
+    out: dict = {"unfaithful_cells": [cell_name(r) for r in rows if not r["faithful"]],
+                 "rerun_cells": {cell_name(r): r["time_scale_x"] for r in rows if r["time_scale_x"] != 1.0},
+                 "max_overrun_fraction": max((r["overrun_fraction"] for r in faithful), default=None)}
+    for key, suffix in (("rel_error", ""), ("rel_error_at_load", "_at_measured_load")):
+        scored = [r for r in faithful if r[key] is not None]
+        worst = max(scored, key=lambda r: abs(r[key]), default=None)
+        out[f"max_rel_error{suffix}"] = abs(worst[key]) if worst else None
+        out[f"worst_cell{suffix}"] = cell_name(worst) if worst else None
+    return out
 
 
 def planner_check() -> dict:
@@ -157,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {mix:13} {clock:>4}: fastest {best} ({cells[best]['measured_s']:.3f} s); auto would choose "
                   f"{chosen} ({winners[(mix, clock)][2] - 1:+.1%} from the fastest)", flush=True)
     if subset:
-        print(json.dumps({"cells": len(rows), "winners": {f"{m} {c}": w for (m, c), w in winners.items()},
+        print(json.dumps({"cells": len(rows), **accuracy(rows),
+                          "winners": {f"{m} {c}": w for (m, c), w in winners.items()},
                           "wall_s": time.perf_counter() - started}), flush=True)
         return {"cells": len(rows), "winners": winners}
     hf = {s: measure("a40+v100 1+1", "16K", s, ["model.architecture=hf_mixtral"]) for s in ("ep", "zebra")}
@@ -172,15 +224,12 @@ def main(argv: list[str] | None = None) -> dict:
     headline = by[("a40+v100 1+1", "16K", "zebra")], by[("a40+v100 1+1", "16K", "ep")]
     distep = by.get(("a40+v100 1+1", "16K", "distep"))
     result = {
-        "max_rel_error": max(abs(r["rel_error"]) for r in rows),
-        "max_rel_error_at_measured_load": max(abs(r["rel_error_at_load"]) for r in rows
-                                              if r["rel_error_at_load"] is not None),
+        **accuracy(rows),
         "zebra_over_ep_a40_v100_16k": headline[1]["measured_s"] / headline[0]["measured_s"],
         "zebra_over_ep_a40_v100_16k_predicted": headline[1]["predicted_s"] / headline[0]["predicted_s"],
         "zebra_over_distep_a40_v100_16k": distep["measured_s"] / headline[0]["measured_s"] if distep else None,
         "hf_mixtral_zebra_over_ep": hf_ratio,
         "hf_mixtral_over_pack_ratio": hf_ratio / pack_ratio,
-        "max_overrun_fraction": max(r["overrun_fraction"] for r in rows),
         "planner_check": check,
         "cells": len(rows),
         "wall_s": time.perf_counter() - started,
