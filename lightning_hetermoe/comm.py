@@ -38,6 +38,7 @@ queued kernel still reads.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ class _State:
     vendors: tuple[str, ...] = ()  # per global rank, where they differ (else empty)
     # device process groups by members (and path), for groups that may share a communicator
     communicators: dict[tuple, Any] = field(default_factory=dict)
+    opened: list[tuple[int, ...]] = field(default_factory=list)  # members of each device group this rank opened
+    built: dict[tuple, "Group"] = field(default_factory=dict)  # every group by (name, members, sides)
     recording: list[Call] | None = None
     issued: int = 0  # collectives this process issued (the progress watchdog reads it)
     waiting: str | None = None  # the collective this process is blocked in, if any
@@ -128,7 +131,7 @@ def configure(device: torch.device, vendors: Sequence[str] | None = None) -> Non
     if _state.world is not None and _state.default is dist.group.WORLD and (vendors is None or mixed == _state.vendors):
         return
     _state.default, _state.vendors = dist.group.WORLD, mixed
-    _state.communicators = {}
+    _state.communicators, _state.built = {}, {}
     # even where the default group is gloo, host traffic gets its own group
     host = dist.new_group(list(world), backend="gloo")
     if _state.vendors:
@@ -139,6 +142,14 @@ def configure(device: torch.device, vendors: Sequence[str] | None = None) -> Non
     else:
         _state.world = Group("world", world, device=dist.group.WORLD, host=host, member=True)
     _state.communicators[(world, _state.world.staged)] = _state.world.device
+    _state.opened = [world]
+
+
+def communicators_opened() -> dict[tuple[int, ...], int]:
+    """How many device communicators this rank opened per member set, groups of several
+    ranks only (a one-rank group never talks; NCCL opens it lazily, on first use). More than
+    one for the same members costs their memory again on every member."""
+    return dict(Counter(r for r in _state.opened if len(r) > 1))
 
 
 def spans_vendors(ranks: Sequence[int]) -> bool:
@@ -164,7 +175,8 @@ def forget() -> None:
     """The process group ended: its groups are gone."""
     _state.world = _state.default = None
     _state.vendors = ()
-    _state.communicators = {}
+    _state.communicators, _state.built = {}, {}
+    _state.opened = []
 
 
 def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: bool = False,
@@ -175,10 +187,18 @@ def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: boo
 
     ``reuse``: take the device communicator of a group built earlier with the same members,
     if any (every rank decides alike: the same calls in the same order). Each NCCL
-    communicator costs hundreds of MB of device memory; reuse only where the two groups'
-    traffic never runs at once (NCCL orders one communicator's operations on one stream,
-    and concurrent issue from two threads could interleave differently on two ranks)."""
+    communicator costs hundreds of MB of device memory; reuse only where one thread issues
+    both groups' collectives, in program order (NCCL runs one communicator's operations in
+    the order they were issued; two threads issuing at once could interleave differently on
+    two ranks, and each would wait for the other's).
+
+    A group asked for again by the same name, members and sides (the next ``fit`` in this
+    process, on the same process group) is the one built before: each fit would otherwise
+    open its communicators again and hold both."""
     ranks = tuple(sorted(ranks))
+    known = _state.built.get((name, ranks, device, host, reuse))
+    if known is not None:
+        return known
     me = dist.get_rank()
     staged = device and spans_vendors(ranks)
     key = (ranks, staged)
@@ -190,12 +210,16 @@ def new_group(name: str, ranks: Sequence[int], *, device: bool = True, host: boo
         dev = dist.new_group(list(ranks), backend="gloo")
     else:
         dev = dist.new_group(list(ranks), backend="nccl" if _state.device.type == "cuda" else None)
+    member = me in ranks
     if dev is not None:
+        if member and dev is not _state.communicators.get(key):
+            _state.opened.append(ranks)
         _state.communicators.setdefault(key, dev)
     hst = dist.new_group(list(ranks), backend="gloo") if host else None
-    member = me in ranks
-    return Group(name, ranks, device=dev if member else None, host=hst if member else None, member=member,
-                 staged=staged)
+    group = Group(name, ranks, device=dev if member else None, host=hst if member else None, member=member,
+                  staged=staged)
+    _state.built[(name, ranks, device, host, reuse)] = group
+    return group
 
 
 # -- progress -------------------------------------------------------------------------

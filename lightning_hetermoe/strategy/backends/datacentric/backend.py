@@ -72,7 +72,9 @@ class DataCentricBackend(DenseDDPBackend):
     # -- set-up and restore -------------------------------------------------------------
     def setup(self, module: nn.Module, fitting: bool, materialize: Materializer | None = None) -> None:
         if self.group is None:
-            self.group = comm.new_group("datacentric", range(self.world_size))
+            # the world's members: the gathers, the reduce-scatters and DDP's all-reduces are
+            # issued in program order by one thread at a time, so one communicator serves them
+            self.group = comm.new_group("datacentric", range(self.world_size), reuse=True)
         if not self._sharded:
             self._lay_out(module, materialize)
         if fitting and self._emulation is None:

@@ -27,7 +27,10 @@ class ExpertParallelGroups:
         ep_group = replica_group = None
         # Every rank must create every group, in the same order.
         for d in range(world // ep_size):
-            g = comm.new_group(f"ep{d}", range(d * ep_size, (d + 1) * ep_size), host=True)
+            # One EP group (ep_size == world) has the world's members: its all-to-alls and
+            # DDP's all-reduces are issued by the same thread in program order (the forward's,
+            # then autograd's), so they share the world's communicator.
+            g = comm.new_group(f"ep{d}", range(d * ep_size, (d + 1) * ep_size), host=True, reuse=True)
             ep_group = g if g.member else ep_group
         for i in range(ep_size):
             g = comm.new_group(f"ep_replicas{i}", range(i, world, ep_size))
