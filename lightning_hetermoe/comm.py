@@ -566,12 +566,16 @@ def wire_dtype(t: Tensor) -> torch.dtype:
     """The dtype ``t``'s values travel in: the autocast dtype where autocast is on for its
     device and ``t`` is a wider float (the receiver computes in it anyway: the same values,
     half the bytes), else its own. Gradients of fp32 weights are synced in fp32."""
-    kind = t.device.type
-    if t.is_floating_point() and torch.is_autocast_enabled(kind):
-        dtype = torch.get_autocast_dtype(kind)
-        if dtype.itemsize < t.dtype.itemsize:
-            return dtype
-    return t.dtype
+    return wire_dtype_of(t.device, t.dtype) if t.is_floating_point() else t.dtype
+
+
+def wire_dtype_of(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What floats of ``dtype`` on ``device`` travel in, under the autocast state in force."""
+    if torch.is_autocast_enabled(device.type):
+        narrow = torch.get_autocast_dtype(device.type)
+        if narrow.itemsize < dtype.itemsize:
+            return narrow
+    return dtype
 
 
 # -- host to device -------------------------------------------------------------------

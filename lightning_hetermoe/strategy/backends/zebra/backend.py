@@ -328,9 +328,7 @@ class ZebraBackend(ParallelBackend):
         """Rows travel in the dtype the experts compute in: the autocast dtype under mixed
         precision (half the bytes of fp32 weights), else the model's."""
         with context():
-            if torch.is_autocast_enabled(self.device.type):
-                return torch.get_autocast_dtype(self.device.type)
-        return self.dtype
+            return comm.wire_dtype_of(self.device, self.dtype)
 
     def _result(self, out: StepOutput, step: StepInput) -> Tensor:
         """A training step's value on every rank: the global mean loss."""
