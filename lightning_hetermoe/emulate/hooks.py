@@ -253,7 +253,7 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
     scatter_seconds = em.time_scale * weight_move_seconds(em.timer.model, em.timer, em.link, disp.move_fraction,
                                                           grads=True)
     weights, reduce_scatter = disp.weights, disp.reduce_scatter
-    parts = {"n": 0}
+    parts: dict[str, Any] = {"n": 0, "call": None}
 
     def gathered(names, tensors):
         parts["n"] = len(names)
@@ -261,6 +261,7 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
         call = current[-1] if current and not in_backward else None
         if call is not None:
             call.enter_expert_path()
+            parts["call"] = call  # whose backward the reduce-scatters interrupt
         started, issued = em.now(), disp.issued_at
         out = weights(names, tensors)
         if in_backward or issued is None:
@@ -270,9 +271,19 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
         return out
 
     def scattered(shard, grad):
+        # Autograd may run a weight's reduce-scatter after the gradient left the experts, in
+        # the block's own backward: the transfer is not the block's work, so its time is
+        # taken out of the attention task (else that task overruns by the transfer's
+        # modelled time at every time_scale, and the transfer hides inside its padding).
+        call = parts["call"]
+        attention_running = call is not None and call.bwd_since is not None
+        if attention_running:
+            call.bwd_pause()
         started = em.now()
         out = reduce_scatter(shard, grad)
         em.transfer_done((layer_idx, "reduce_scatter"), started, scatter_seconds / max(parts["n"], 1))
+        if attention_running:
+            call.bwd_resume()
         return out
 
     disp.weights, disp.reduce_scatter = gathered, scattered
