@@ -4,6 +4,7 @@ device's budget (``cluster.memory_scale``) at run time stopped with its name and
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -56,3 +57,28 @@ def test_a_rank_past_its_budget_ends_the_run_naming_it_and_what_it_held():
     (message,) = run_ranks(1, fit_over_budget)  # its own process: a failed fit leaves a process group behind
     assert re.search(r"rank 0 \(single device cpu\) used .* over its budget of 160 kB \(memory_scale 1e-05\); it "
                      r"held weights .*optimizer state", message), message
+
+
+def test_the_zebra_gradient_sync_is_priced_at_one_bucket_beside_the_state():
+    """Zebra sums its dense gradients through one reused buffer of at most one bucket: the
+    memory model adds that bucket to an attention rank (or the whole dense part where it is
+    smaller), not the dense gradients' size, and never counts it as activations."""
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+    from lightning_hetermoe.profile.memory import GRAD_BUCKET_BYTES, activation_bytes, working_bytes
+    from lightning_hetermoe.strategy.backends.zebra import backend as zebra_backend
+
+    assert zebra_backend.BUCKET_BYTES == GRAD_BUCKET_BYTES  # the size the strategy syncs in is the one priced
+    small = dataclasses.replace(make_model(4).model_cfg, activation_checkpointing=True)
+    large = ModelConfig(d_model=2048, n_layers=4, moe=MoEConfig(num_experts=4), activation_checkpointing=True)
+    for cfg in (small, large):  # checkpointed: the activations are what attention_bytes counts beside the state
+        mem = MemoryModel(cfg)
+        dense_grads = mem.attention_stack_params() * 4
+        assert mem.grad_sync_bytes() == min(GRAD_BUCKET_BYTES, dense_grads) > 0
+        state = mem.attention_stack_params() * mem.bytes_per_param
+        act = activation_bytes(cfg, tokens_in_flight=64, mb_tokens=32, act_bytes=2)
+        assert mem.attention_bytes(tokens_in_flight=64, mb_tokens=32) == pytest.approx(
+            state + mem.grad_sync_bytes() + act)
+    assert MemoryModel(large).grad_sync_bytes() == GRAD_BUCKET_BYTES < MemoryModel(large).attention_stack_params() * 4
+    for mode, want in (("zebra", GRAD_BUCKET_BYTES), ("distep", GRAD_BUCKET_BYTES), ("ep", 10 ** 9), ("single", 0)):
+        assert working_bytes(mode, layer_expert_bytes=0, local_layer_expert_bytes=0, dense_bytes=10 ** 9) == want, mode
+    assert working_bytes("zebra", layer_expert_bytes=0, local_layer_expert_bytes=0, dense_bytes=1000) == 1000

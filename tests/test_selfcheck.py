@@ -40,12 +40,28 @@ def test_the_cpu_run_passes_and_reports_every_check(cpu_run):
     assert rows["collectives ep"]["result"] == "ok" and "ep.rows" in rows["collectives ep"]["detail"]
     assert rows["collectives zebra"]["result"] == "ok" and "zebra.rows" in rows["collectives zebra"]["detail"]
     assert rows["memory"]["result"] == "ok", rows["memory"]
+    assert rows["memory in R"]["result"] == "ok" and "R=8" in rows["memory in R"]["detail"], rows["memory in R"]
+    wire = rows["wire dtype"]
+    assert wire["result"] == "ok" and "ep.rows" in wire["detail"] and "zebra.rows" in wire["detail"], wire
+    assert "float32" not in wire["detail"]
+    sync = rows["gradient sync memory"]  # on CPU the sync runs and is checked; the peak needs CUDA
+    assert sync["result"] == "skipped" and "every gradient intact" in sync["detail"], sync
     # triton ships with the dev environment: the interpreter ran the kernels on every dtype
     for name in ("kernels fp32", "kernels bf16", "kernels fp16"):
         assert rows[name]["result"] == "ok", rows[name]
     assert "selfcheck passed" in proc.stdout
     for row in report["rows"]:  # the table printed each row
         assert row["check"] in proc.stdout
+
+
+def test_every_check_is_documented_in_the_readme_and_the_first_gpu_run_page():
+    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "first_gpu_run.md").read_text()
+    assert "docs/first_gpu_run.md" in readme
+    for check in selfcheck.CHECKS:
+        name = check.name.replace(" fp32", "").replace(" bf16", "").replace(" fp16", "")
+        assert f"`{name}" in readme, check.name
+        assert f"`{name}" in page, check.name
 
 
 def _fine(ctx):
@@ -90,3 +106,63 @@ def test_the_stream_verdict_on_a_synthetic_trace():
         selfcheck.judge_streams(compute + [("ncclDevKernel_SendRecv", 7)])
     with pytest.raises(selfcheck.Failed, match="no NCCL all-to-all kernel"):
         selfcheck.judge_streams(compute + [("ncclDevKernel_Broadcast_RING_LL", 13)])
+
+
+def _call(what, dtype):
+    from lightning_hetermoe.comm import Call
+
+    return Call("world", (0,), "device", "all_to_all", what, 0, dtype, (4, 16))
+
+
+def test_the_wire_verdict_wants_every_row_in_the_priced_16_bit_type():
+    import torch
+
+    rows = [_call("zebra.rows", "torch.bfloat16"), _call("zebra.answers", "torch.bfloat16"),
+            _call("zebra.grads.dense", "torch.float32"), _call("zebra.weights", "torch.float32")]
+    assert "zebra.rows 1x bfloat16" in selfcheck.judge_wire(rows, "zebra", torch.bfloat16, 2)
+    with pytest.raises(selfcheck.Failed, match="ep.rows sent torch.float32"):  # item 3's defect: fp32 rows
+        selfcheck.judge_wire([_call("ep.rows", "torch.bfloat16"), _call("ep.rows", "torch.float32")], "ep",
+                             torch.bfloat16, 2)
+    with pytest.raises(selfcheck.Failed, match="no ep.rows collective"):
+        selfcheck.judge_wire(rows, "ep", torch.bfloat16, 2)
+    with pytest.raises(selfcheck.Failed, match="prices rows at 4 B"):
+        selfcheck.judge_wire(rows, "zebra", torch.bfloat16, 4)
+
+
+def test_the_gradient_sync_verdict_tells_one_bucket_from_a_flat_copy():
+    cap, dense = 600_000, 2_600_000
+    assert "5 buckets" in selfcheck.judge_sync_peak(cap, cap, dense, 5)
+    with pytest.raises(selfcheck.Failed, match="peak 2,600,000 B"):  # a flat buffer of every gradient
+        selfcheck.judge_sync_peak(dense, cap, dense, 5)
+    with pytest.raises(selfcheck.Failed, match="cannot tell"):  # one bucket holds it all: vacuous
+        selfcheck.judge_sync_peak(0, cap, cap, 1)
+
+
+def test_the_memory_in_r_verdict_refuses_growth_and_empty_measures():
+    assert "R=8 110 B" in selfcheck.judge_flat_in_r({2: 100, 4: 105, 8: 110}, "held")
+    with pytest.raises(selfcheck.Failed, match="R=8 needs 4.00x R=2"):  # R cast copies of the weights
+        selfcheck.judge_flat_in_r({2: 100, 4: 200, 8: 400}, "CUDA peak")
+    with pytest.raises(selfcheck.Failed, match="nothing measured"):
+        selfcheck.judge_flat_in_r({2: 0, 8: 0}, "held")
+
+
+def test_the_autotuning_verdict_and_its_listener_on_the_real_triton_knobs():
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    before = knobs.autotuning.listener
+    phase = ["set-up"]
+    with selfcheck.listening(phase) as seen:
+        # called as Triton's Autotuner.run calls it on a key its cache lacks
+        knobs.autotuning.listener(fn=test_the_autotuning_verdict_and_its_listener_on_the_real_triton_knobs,
+                                  key=(64, 12, 256, "torch.bfloat16"), best_config=None, configs_timings={},
+                                  duration=0.5, cache_hit=False)
+        phase[0] = "steps"
+    assert knobs.autotuning.listener is before  # put back
+    assert [(t.phase, t.key, t.benchmarked) for t in seen] == [("set-up", (64, 12, 256, "torch.bfloat16"), True)]
+    assert "set-up tuned 1 keys (1 benchmarked" in selfcheck.judge_autotuning(seen)
+    in_step = seen + [selfcheck.Tuning("steps", "grouped_gemm_kernel", (64, 12, 512, "torch.float32"), True)]
+    with pytest.raises(selfcheck.Failed, match=r"met 1 new keys: grouped_gemm_kernel .*512.*\(benchmarked\)"):
+        selfcheck.judge_autotuning(in_step)
+    with pytest.raises(selfcheck.Failed, match="nothing autotuned at set-up"):
+        selfcheck.judge_autotuning([])

@@ -15,6 +15,12 @@ from dataclasses import asdict, dataclass
 from ..cluster.devices import DeviceSpec
 from ..configs import ModelConfig
 
+# Bytes of dense gradients per all-reduce in zebra's gradient sync (DDP's default bucket
+# size); the strategy syncs in buckets of this size and the memory model prices one.
+GRAD_BUCKET_BYTES = 25 * 2**20
+# The dense gradients are fp32 (the weights' own width) whatever the autocast dtype.
+GRAD_SYNC_ELEMENT_BYTES = 4
+
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -50,10 +56,16 @@ class MemoryModel:
         return self.attention_stack_params() + m.n_layers * m.moe.num_experts * self.expert_params()
 
     # ---- bytes ---------------------------------------------------------------------------
+    def grad_sync_bytes(self) -> float:
+        """What zebra's dense gradient sync holds beside the gradients: one bucket, or the
+        whole dense part where that is smaller."""
+        return min(GRAD_BUCKET_BYTES, self.attention_stack_params() * GRAD_SYNC_ELEMENT_BYTES)
+
     def attention_bytes(self, *, tokens_in_flight: float, mb_tokens: float) -> float:
-        """Attention stack state + checkpoints of ``tokens_in_flight`` + one task's working set."""
+        """Attention stack state + checkpoints of ``tokens_in_flight`` + one task's working set
+        + the gradient sync's bucket."""
         m = self.model
-        state = self.attention_stack_params() * self.bytes_per_param
+        state = self.attention_stack_params() * self.bytes_per_param + self.grad_sync_bytes()
         ckpt = tokens_in_flight * m.n_layers * m.d_model * self.act_bytes * 2
         work = mb_tokens * self.attention_working_tensors * m.d_model * self.act_bytes
         work += min(mb_tokens, self.loss_chunk_tokens) * m.vocab_size * 6
@@ -146,10 +158,12 @@ def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_by
     beside the gradient they accumulate into. Data-centric keeps two layers' full experts
     alive in the forward (one in use, the next prefetched) and, in the backward, one layer
     gathered again beside its full gradient. DDP (ep, data-centric) keeps its gradient
-    buckets, the dense gradients' size."""
+    buckets, the dense gradients' size; zebra and DistEP sum them through one bucket."""
     if mode == "datacentric":
         return 2 * layer_expert_bytes + dense_bytes
     buckets = dense_bytes if mode in ("ep", "ep_balanced") else 0.0
+    if mode in ("zebra", "distep"):
+        buckets = min(GRAD_BUCKET_BYTES, dense_bytes)
     return local_layer_expert_bytes + buckets
 
 
@@ -160,7 +174,7 @@ def activation_bytes(model: ModelConfig, *, tokens_in_flight: float, mb_tokens: 
     token in flight, not only its input."""
     mem = MemoryModel(model, act_bytes=act_bytes)
     out = mem.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens) \
-        - mem.attention_stack_params() * mem.bytes_per_param
+        - mem.attention_stack_params() * mem.bytes_per_param - mem.grad_sync_bytes()
     if not model.activation_checkpointing:
         out += tokens_in_flight * model.n_layers * model.d_model * act_bytes * (mem.attention_working_tensors - 2)
     return out

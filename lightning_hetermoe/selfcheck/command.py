@@ -14,14 +14,18 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .autotuning import check_autotuning
 from .collectives import check_collectives
 from .environment import check_environment
+from .grad_sync import check_grad_sync
 from .host_syncs import check_host_syncs
 from .kernel_numerics import DTYPE_NAMES, check_kernels, check_large_gemm
 from .memory import check_memory
+from .memory_in_r import check_memory_in_r
 from .receive_order import check_receive_order
 from .report import Check, Context, exit_code, render, run_checks, summary
 from .streams import check_streams
+from .wire_dtype import check_wire_dtype
 
 
 CHECKS: list[Check] = [
@@ -32,8 +36,12 @@ CHECKS: list[Check] = [
     Check("host syncs", check_host_syncs, cuda_only=True),
     Check("collectives ep", check_collectives("ep")),
     Check("collectives zebra", check_collectives("zebra")),
+    Check("wire dtype", check_wire_dtype),
     Check("streams", check_streams, cuda_only=True),
     Check("memory", check_memory),
+    Check("memory in R", check_memory_in_r),
+    Check("gradient sync memory", check_grad_sync),
+    Check("autotuning", check_autotuning, cuda_only=True),
 ]
 
 

@@ -15,12 +15,12 @@ from .report import Context
 SEQ, EXPERTS, GLOBAL_BATCH = 16, 4, 8
 
 
-def tiny_model(n_layers: int = 2) -> Any:
+def tiny_model(n_layers: int = 2, d_model: int = 16, **moe: Any) -> Any:
     from .. import ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
 
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=SEQ,
-                      moe=MoEConfig(num_experts=EXPERTS, d_ff=12))
+    cfg = ModelConfig(d_model=d_model, n_layers=n_layers, n_heads=2, max_seq_len=SEQ,
+                      moe=MoEConfig(num_experts=EXPERTS, d_ff=12, **moe))
     return MoELanguageModel(cfg, OptimConfig())
 
 
@@ -34,12 +34,18 @@ def data() -> Any:
     return dm
 
 
-def loopback_plan(ctx: Context, n_layers: int = 2) -> Any:
+def mixed_precision(ctx: Context) -> str:
+    """Lightning's mixed precision with the 16-bit type this device computes in: bf16 from
+    sm80 on (and on CPU, whose autocast is bf16), fp16 below."""
+    return "bf16-mixed" if not ctx.cuda or torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
+
+
+def loopback_plan(ctx: Context, n_layers: int = 2, num_microbatches: int = 2) -> Any:
     """One rank that attends and holds every expert: zebra's exchange talks to itself."""
     from ..plan import Plan, ZPGroup
 
     return Plan(model="selfcheck", cluster="selfcheck", seq_len=SEQ, devices=[ctx.device.type], roles=["attention"],
-                zp_groups=[ZPGroup(attention_ranks=[0], expert_ranks=[])], num_microbatches=2,
+                zp_groups=[ZPGroup(attention_ranks=[0], expert_ranks=[])], num_microbatches=num_microbatches,
                 seqs_per_rank=[GLOBAL_BATCH], placement=[[0] * EXPERTS for _ in range(n_layers)],
                 base_counts=[[EXPERTS] * n_layers])
 

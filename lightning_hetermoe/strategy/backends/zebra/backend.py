@@ -47,6 +47,7 @@ from ....model_contract import find_blocks
 from ....moe.balance import balance_loss_from_counts, routed_counts
 from ....placement import Placement
 from ....plan import Plan
+from ....profile.memory import GRAD_BUCKET_BYTES
 from ....task_order import build_schedule
 from ....simulate.schedules import apportion, split_microbatches
 from ....materialize import Holding, Materializer
@@ -62,9 +63,10 @@ from .expert_tasks import ExpertTasks
 from .layout import Layout, ZebraGroups
 from .logs import MicrobatchLogs
 
-# Bytes of dense gradients per all-reduce (DDP's default bucket size). A module constant a
-# test may lower; each backend reads it when built (``ZebraBackend.bucket_bytes``).
-BUCKET_BYTES = 25 * 2**20
+# Bytes of dense gradients per all-reduce (DDP's default bucket size; the memory model
+# prices one such bucket). A module constant a test may lower; each backend reads it when
+# built (``ZebraBackend.bucket_bytes``).
+BUCKET_BYTES = GRAD_BUCKET_BYTES
 
 
 def dense_buckets(module: nn.Module, blocks: list[nn.Module], expert_ids: set[int],
@@ -399,9 +401,9 @@ class ZebraBackend(ParallelBackend):
         dense = self._dense_params(module)
         zero_missing_grads(dense)
         if len(self.plan.attention_ranks) > 1 and dense:
-            self._sync_dense(module)
+            self.sync_dense(module)
 
-    def _sync_dense(self, module: nn.Module) -> None:
+    def sync_dense(self, module: nn.Module) -> None:
         """Sum the dense gradients over the attention ranks, bucket by bucket (see
         :func:`dense_buckets`; every attention rank issues the same buckets in the same
         order). A one-parameter bucket is reduced in place and stays in flight until the
@@ -409,7 +411,8 @@ class ZebraBackend(ParallelBackend):
         the previous bucket is waited (on CUDA: the compute stream ordered after its
         all-reduce) and copied back before the next is copied in. So the sync holds one
         bucket beyond the gradients, whatever a process group keeps referenced after a
-        wait (a gloo worker thread, NCCL's watchdog)."""
+        wait (a gloo worker thread, NCCL's watchdog). Public so that the GPU self-check can
+        measure it on one attention rank, where ``sync_grads`` has nothing to sum."""
         buckets = dense_buckets(module, self._blocks, self._expert_param_ids(), self.bucket_bytes)
         in_place: list[comm.Pending] = []
         buffered: tuple[comm.Pending, list[nn.Parameter]] | None = None
