@@ -25,7 +25,8 @@ from .strategy import HeterMoEStrategy
 
 log = logging.getLogger(__name__)
 
-STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "plan", "num_microbatches", "asym_ea",
+STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "replica_dispatch", "plan", "num_microbatches",
+                   "asym_ea",
                    "require_expert_ranks", "profile", "heartbeat_timeout_s", "progress_timeout_s",
                    "allow_emulated_bf16",
                    "checkpoint_format", "shard_optimizer_state")

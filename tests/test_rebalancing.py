@@ -142,3 +142,67 @@ def test_a_checkpoint_after_a_move_resumes_on_another_world_size(tmp_path):
     saved = next(v for k, v in ckpt["callbacks"].items() if "ExpertRebalancer" in k)["saved"]
     assert saved["placement"] == CASES[0]["placement"], "the placement is part of the checkpoint"
     assert_same_params(run_ranks(4, resume, 4, str(tmp_path / "step=4.ckpt"))[0], expected, initial)
+
+
+class ServedLog(L.Callback):
+    """Adopt ``placement`` as training starts (the rebalancer's resume path), then record
+    per forward of every MoE layer this rank's routed choices per expert (the layer's own
+    count) and what each of its local experts served."""
+
+    def __init__(self, placement) -> None:
+        self.placement, self.calls = placement, []
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.move_experts(Placement(self.placement))
+        for l, (_, layer) in enumerate(moe_layers(pl_module)):
+            def routed(mod, args, output, l=l):
+                self.calls.append({"layer": l, "routed": output[1].tokens_per_expert.tolist(),
+                                   "served": self._served.pop(), "held": list(mod.dispatcher.placement)})
+
+            def served(mod, args):
+                if torch.is_grad_enabled():
+                    self._served = [args[2].tolist()]
+
+            layer.register_forward_hook(routed)
+            layer.experts.register_forward_pre_hook(served)
+
+
+def fit_served(rank: int, world: int, placement):
+    model = make_model(4, seed=rank)
+    log = ServedLog(placement)
+    t = trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS, callbacks=[log])
+    t.fit(model, datamodule=data(world, 12))
+    return {"state": model.state_dict(), "calls": log.calls}
+
+
+def local_first_by_hand(routed: list[list[int]], held: list[list[int]]) -> list[list[int]]:
+    """Naive reference of the dispatch rule: per source rank and expert, its own copy if it
+    holds one, else every copy (one node) in even runs of its choices in token order."""
+    served = [[0] * len(h) for h in held]
+    for src, counts in enumerate(routed):
+        for e, n in enumerate(counts):
+            copies = [src] if e in held[src] else [h for h in range(len(held)) if e in held[h]]
+            for i in range(n):
+                h = copies[i * len(copies) // n]
+                served[h][held[h].index(e)] += 1
+    return served
+
+
+def test_local_first_dispatch_serves_own_copies_and_changes_no_number():
+    # layer 0: expert 0 on ranks 0 and 2, expert 1 on 0 and 1, expert 3 on 1 and 2 (rank 1's
+    # choices for expert 0 split over ranks 0 and 2); layer 1: rank 2 holds every expert
+    placement = [[[0, 1, 2], [1, 3], [0, 3]], [[0, 1], [2, 3], [0, 1, 2, 3]]]
+    ranks = run_ranks(3, fit_served, 3, placement)
+    model = make_model(4, seed=0, optim=OptimConfig())
+    initial = copy.deepcopy(model.state_dict())
+    assert_same_params(ranks[0]["state"], reference_fit(model, STEPS, global_batch=12), initial)
+    calls = [r["calls"] for r in ranks]
+    assert len(calls[0]) == 2 * STEPS and all(len(c) == len(calls[0]) for c in calls)
+    split_somewhere = False
+    for i in range(len(calls[0])):
+        routed = [c[i]["routed"] for c in calls]
+        held = calls[0][i]["held"]
+        assert held == placement[calls[0][i]["layer"]]
+        assert [c[i]["served"] for c in calls] == local_first_by_hand(routed, held), i
+        split_somewhere |= calls[0][i]["layer"] == 0 and routed[1][0] > 1
+    assert split_somewhere, "a rank without a copy sent choices to two copies"

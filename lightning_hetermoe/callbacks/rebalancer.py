@@ -119,9 +119,11 @@ class ExpertRebalancer(L.Callback):
     def decide(self, trainer) -> dict[str, Any] | None:
         """Rank 0: the placement to move to, and whether moving pays.
 
-        Candidates start from a per-layer time-balanced packing and from EPLB's packing
-        (same budget of copies); the faster by the simulator (measured loads: transfers and
-        the schedule count, not only the expert phase) is refined one move at a time.
+        Candidates start from a per-layer time-balanced packing (copies only for experts
+        above a fair share, and, with copies allowed, every redundant slot spent) and from
+        EPLB's packing (same budget of copies); the fastest by the simulator (measured
+        loads, the run's replica dispatch: transfers and the schedule count, not only the
+        expert phase) is refined one move at a time.
         ``policy="eplb"`` takes EPLB's packing as it is (the baseline)."""
         monitor = self._monitor(trainer)
         share = monitor.load_share()
@@ -156,8 +158,11 @@ class ExpertRebalancer(L.Callback):
         if self.policy == "eplb":
             new, t_new = eplb, score(eplb)
         else:
-            timed, *_ = rebalance(share, tokens, current, cost, capacity, redundant, "time")
-            new, t_new = refine(min((timed, eplb), key=score), score, capacity)
+            # with copies, also every redundant slot spent: a copy keeps its holder's own
+            # tokens at home (local-first dispatch), which the fair-share rule does not weigh
+            starts = [eplb] + [rebalance(share, tokens, current, cost, capacity, redundant, policy)[0]
+                               for policy in (("time", "time_fill") if redundant else ("time",))]
+            new, t_new = refine(min(starts, key=score), score, capacity)
         t_now = score(current)
         if t_new >= t_now * (1 - 1e-9):
             new, t_new = current, t_now

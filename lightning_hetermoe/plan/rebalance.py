@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 from ..placement import moved_copies
 
 Cost = Callable[[int, float], float]  # (holder index, tokens) -> seconds for one expert
+POLICIES = ("time", "time_fill", "eplb")
 
 
 @dataclass
@@ -60,26 +61,27 @@ def layer_time(placement: list[list[int]], tokens: Sequence[float], cost: Cost) 
     return max((sum(cost(h, tokens[e] / n[e]) for e in held) for h, held in enumerate(placement)), default=0.0)
 
 
-def _replicate(work: list[float], slots: int, holders: int) -> list[int]:
+def _replicate(work: list[float], slots: int, holders: int, fill: bool = False) -> list[int]:
     """Copies per expert: one more copy at a time to the largest work per copy, while it is
-    above a fair share of the layer's work and redundant slots remain."""
+    above a fair share of the layer's work (``fill``: regardless, since under local-first
+    dispatch a copy also keeps its holder's own tokens at home) and redundant slots remain."""
     n = [1] * len(work)
     fair = sum(work) / max(holders, 1)
     for _ in range(slots):
-        e = max(range(len(work)), key=lambda i: (work[i] / n[i], -i))
-        if work[e] / n[e] <= fair or n[e] >= holders:
+        e = max(range(len(work)), key=lambda i: (work[i] / n[i] if n[i] < holders or not fill else -1.0, -i))
+        if (work[e] / n[e] <= fair and not fill) or n[e] >= holders:
             break
         n[e] += 1
     return n
 
 
 def balance_layer(tokens: Sequence[float], current: list[list[int]], cost: Cost, capacity: Sequence[int],
-                  redundant: int = 0) -> LayerResult:
+                  redundant: int = 0, fill: bool = False) -> LayerResult:
     """Time-balanced placement of one layer (see the module docstring).
 
     ``tokens[e]``: tokens routed to expert ``e`` per step; ``current``: what runs now;
     ``capacity[h]``: most expert copies holder ``h`` may hold; ``redundant``: extra copies
-    allowed beyond one per expert (0: move only)."""
+    allowed beyond one per expert (0: move only); ``fill``: spend every redundant slot."""
     H, E = len(current), len(tokens)
     if len(capacity) != H:
         raise ValueError(f"capacity has {len(capacity)} entries for {H} holders")
@@ -89,7 +91,7 @@ def balance_layer(tokens: Sequence[float], current: list[list[int]], cost: Cost,
     # Work of an expert on the fastest holder: what replication weighs.
     fastest = min(range(H), key=lambda h: cost(h, max(max(tokens), 1.0)))
     work = [cost(fastest, t) for t in tokens]
-    n = _replicate(work, min(redundant, sum(capacity) - E), H)
+    n = _replicate(work, min(redundant, sum(capacity) - E), H, fill)
     copies = sorted(((tokens[e] / n[e], e) for e in range(E) for _ in range(n[e])), key=lambda x: (-x[0], x[1]))
     load = [0.0] * H
     held: list[list[int]] = [[] for _ in range(H)]
@@ -138,14 +140,15 @@ def rebalance(load_share: Sequence[Sequence[float]], tokens_per_step: float, cur
     """Every layer: ``(placement [layer][holder] -> ids, predicted time, current time, moves)``.
 
     ``load_share[l][e]`` is expert ``e``'s share of layer ``l``'s routed choices,
-    ``tokens_per_step`` the choices a layer routes per step (tokens x top_k)."""
-    if policy not in ("time", "eplb"):
-        raise ValueError(f"rebalance policy={policy!r} is invalid: must be 'time' or 'eplb'")
+    ``tokens_per_step`` the choices a layer routes per step (tokens x top_k); ``policy``:
+    ``time``, ``time_fill`` (every redundant slot spent) or ``eplb``."""
+    if policy not in POLICIES:
+        raise ValueError(f"rebalance policy={policy!r} is invalid: must be one of {POLICIES}")
     out, t_new, t_now, moves = [], 0.0, 0.0, 0
     for l, share in enumerate(load_share):
         tokens = [s * tokens_per_step for s in share]
-        res = balance_layer(tokens, current[l], cost, capacity, redundant) if policy == "time" \
-            else eplb_layer(tokens, current[l], cost, redundant)
+        res = eplb_layer(tokens, current[l], cost, redundant) if policy == "eplb" \
+            else balance_layer(tokens, current[l], cost, capacity, redundant, fill=policy == "time_fill")
         out.append(res.placement)
         t_new += res.time
         t_now += res.current_time

@@ -41,6 +41,7 @@ from ..cluster.devices import DeviceSpec
 from ..cluster.topology import Topology, as_topology
 from ..configs import ModelConfig
 from ..task_order import Round, Schedule, Task as ScheduleTask
+from . import copies
 from .engine import Task, Timeline, run_dag
 
 COMPUTE_KINDS = ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd", "head")
@@ -98,6 +99,8 @@ class StepSetup:
     replica_ranks: dict[int, list[int]] | None = None
     # the attention-stack replicas' ranks, cluster-wide (None: the lanes' ranks)
     dense_ranks: list[int] | None = None
+    # EP with copies of experts: which copy serves a token (lightning_hetermoe.copy_routing)
+    replica_dispatch: str = "local_first"
     topology: Topology = field(init=False, repr=False, compare=False)
     _lane_nodes: list | None = field(default=None, init=False, repr=False, compare=False)
     _legs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -284,6 +287,8 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
     choices and receives in the same way, so a node's sums of tokens and shares split each
     rank's traffic into the part that stays on its node and the part that leaves it. Ranks
     of a lane on one node behave alike: the sums run over (lane, node) pairs."""
+    if copies.replicated(setup, layer):
+        return copies.legs(setup, layer, tokens)
     k = setup.model.moe.top_k
     topo = setup.topology
     shares = [setup.own_share(lane, layer) for lane in setup.lanes]
@@ -446,6 +451,12 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
 
     memo: dict[tuple, float] = {}
 
+    def served(i: int, l: int, j: int) -> list[float]:
+        """Tokens each expert of lane ``i`` serves in layer ``l``, micro-batch ``j``."""
+        if copies.replicated(setup, l):
+            return copies.expert_tokens(setup, i, l, [t[j] for t in tok])
+        return setup.expert_tokens(lanes[i], l, group_tok[j])
+
     def dur(what: str, i: int, tokens: float) -> float:
         key = (what, i, tokens)
         if key not in memo:
@@ -512,7 +523,7 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
                     X_f[(i, l, j)] = add(
                         name=f"Xf{l}.{j}",
                         resource=res(i),
-                        duration=sum(dur("xf", i, n) for n in setup.expert_tokens(lane, l, group_tok[j])),
+                        duration=sum(dur("xf", i, n) for n in served(i, l, j)),
                         deps=[D_f[(l, j)]],
                         priority=pri_fwd(l, j, 1),
                         kind="expert_fwd",
@@ -558,7 +569,7 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
                     X_b[(i, l, j)] = add(
                         name=f"Xb{l}.{j}",
                         resource=res(i),
-                        duration=sum(dur("xb", i, n) for n in setup.expert_tokens(lane, l, group_tok[j])),
+                        duration=sum(dur("xb", i, n) for n in served(i, l, j)),
                         deps=[D_b[(l, j)], X_f[(i, l, j)]],
                         priority=(L - 1, j, 3) if top else (2 * L - l, 0, j),
                         kind="expert_bwd",

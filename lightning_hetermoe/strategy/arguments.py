@@ -20,6 +20,7 @@ from .precision import check_bf16
 MODES = ("auto", "ep", "zebra", "distep", "datacentric")
 DISAGGREGATED = ("zebra", "distep")
 BATCH_SPLITS = ("equal", "speed")
+REPLICA_DISPATCH = ("local_first", "even")  # lightning_hetermoe.copy_routing.RULES
 CHECKPOINT_FORMATS = ("sharded", "full")
 
 
@@ -69,6 +70,7 @@ class StrategyArguments:
     cluster: ClusterConfig | dict | None = None
     expert_parallel_size: int | None = None
     batch_split: str = "equal"
+    replica_dispatch: str = "local_first"
     num_microbatches: int | None = None
     asym_ea: bool = True
     require_expert_ranks: bool = True
@@ -100,6 +102,9 @@ class StrategyArguments:
         if self.batch_split == "speed" and self.mode != "ep":
             raise ConfigError("strategy batch_split='speed' is for mode='ep'; zebra and distep split the batch as "
                               "their plan says, and mode='auto' weighs the speed split itself")
+        if self.replica_dispatch not in REPLICA_DISPATCH:
+            raise ConfigError(f"strategy replica_dispatch={self.replica_dispatch!r} is invalid: must be one of "
+                              f"{REPLICA_DISPATCH}")
         _positive_int("num_microbatches", self.num_microbatches, " (or null: the planner chooses)")
         if self.num_microbatches is not None and self.mode == "ep":
             raise ConfigError("strategy num_microbatches is for mode='zebra', 'distep' and 'auto'")

@@ -63,6 +63,7 @@ class HeterMoEStrategy(DDPStrategy):
         cluster: ClusterConfig | dict | None = None,
         expert_parallel_size: int | None = None,
         batch_split: str = "equal",
+        replica_dispatch: str = "local_first",
         num_microbatches: int | None = None,
         asym_ea: bool = True,
         require_expert_ranks: bool = True,
@@ -87,7 +88,8 @@ class HeterMoEStrategy(DDPStrategy):
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method, **kwargs)
         self.args = StrategyArguments(mode=mode, plan=plan, cluster=cluster, expert_parallel_size=expert_parallel_size,
-                                      batch_split=batch_split, num_microbatches=num_microbatches, asym_ea=asym_ea,
+                                      batch_split=batch_split, replica_dispatch=replica_dispatch,
+                                      num_microbatches=num_microbatches, asym_ea=asym_ea,
                                       require_expert_ranks=require_expert_ranks, profile=profile,
                                       heartbeat_timeout_s=heartbeat_timeout_s,
                                       progress_timeout_s=progress_timeout_s,

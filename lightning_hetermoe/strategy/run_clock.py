@@ -138,6 +138,7 @@ class RunClock:
         setup = ep_setup(self.devices, self.model, seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size,
                          link=link, timer=self.timer, balanced=sim.schedule == "ep_balanced", num_microbatches=1,
                          expert_load=expert_load)
+        setup.replica_dispatch = sim.replica_dispatch
         if sim.placement is not None:
             for lane in setup.lanes:
                 ids = [sim.placement.experts_of(lane.ranks[0] % sim.ep_size, l) for l in range(sim.placement.num_layers)]

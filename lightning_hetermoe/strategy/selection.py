@@ -262,7 +262,7 @@ def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBacken
         from .backends.ep import ExpertParallelBackend
 
         return ExpertParallelBackend(args.expert_parallel_size, choice == "ep_balanced", clock, rank, world, device,
-                                     measure_busy=strategy.measure_busy)
+                                     measure_busy=strategy.measure_busy, replica_dispatch=args.replica_dispatch)
     if choice == "datacentric":
         from .backends.datacentric import DataCentricBackend
 

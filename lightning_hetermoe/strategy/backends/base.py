@@ -70,6 +70,7 @@ class Simulated:
     plan: Any = None
     ep_size: int = 1
     placement: Placement | None = None
+    replica_dispatch: str = "local_first"  # EP: which copy of a replicated expert serves a token
 
 
 class ParallelBackend(ABC):

@@ -29,10 +29,12 @@ from .groups import ExpertParallelGroups
 
 class ExpertParallelBackend(DenseDDPBackend):
     """``ep_size`` ranks per EP group; ``balanced``: each rank's share of the global batch
-    in proportion to its device's speed (the clock's cost model)."""
+    in proportion to its device's speed (the clock's cost model); ``replica_dispatch``:
+    which copy of a replicated expert serves a token (:mod:`lightning_hetermoe.copy_routing`)."""
 
     def __init__(self, ep_size: int | None, balanced: bool, clock: Any, rank: int, world_size: int,
-                 device: torch.device, measure_busy: bool = False) -> None:
+                 device: torch.device, measure_busy: bool = False, replica_dispatch: str = "local_first") -> None:
+        self.replica_dispatch = replica_dispatch
         self.ep_size = ep_size or world_size
         self.balanced = balanced
         self.schedule = "ep_balanced" if balanced else "ep"
@@ -63,7 +65,8 @@ class ExpertParallelBackend(DenseDDPBackend):
                 for layer, mine in zip(self._layers, rows):
                     slice_experts(layer, mine)
             for l, layer in enumerate(self._layers):
-                layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l))
+                layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l), self.replica_dispatch,
+                                                      self._nodes())
                 layer.balance = GlobalBalance(global_balance_counts)
                 layer.real_tokens = self.real_tokens
             self._sharded = bool(self._layers)
@@ -71,6 +74,13 @@ class ExpertParallelBackend(DenseDDPBackend):
         if fitting and self._emulation is None:
             self._emulation = self.clock.install(module, self.device, self.measure_busy)
         self._shares = None  # computed from the first global batch
+
+    def _nodes(self) -> list[int] | None:
+        """Each EP group rank's node (local-first dispatch), where the run names a topology."""
+        if self.clock.cluster is None and self.clock.topology is None:
+            return None
+        node_of = self.clock.links().node_of
+        return [node_of[r] for r in self.groups.ep_group.ranks]
 
     def _report(self, held: Placement | None) -> None:
         if self.rank != 0 or held is None:
@@ -140,4 +150,5 @@ class ExpertParallelBackend(DenseDDPBackend):
                          replica_ranks=tuple(r for r in range(self.world_size) if r % self.ep_size == me))
 
     def simulated(self, placement: Placement | None = None) -> Simulated:
-        return Simulated(self.schedule, ep_size=self.ep_size, placement=placement)
+        return Simulated(self.schedule, ep_size=self.ep_size, placement=placement,
+                         replica_dispatch=self.replica_dispatch)

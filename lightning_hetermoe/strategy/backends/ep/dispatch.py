@@ -5,6 +5,12 @@ sees a process group). Per layer and forward, one host sync: the kept rows per e
 copied to the host once, exchanged over the group's host side (gloo), and every split size
 comes from there; the rows themselves go over the device side with an all-to-all whose
 backward runs the reverse exchange.
+
+Copies of an expert are served local first (:mod:`lightning_hetermoe.copy_routing`): this
+rank's choices for an expert it holds stay here, else go to the copies on its node, else
+to every copy, in even runs. Each rank applies the rule to its own choices from tables
+built when the placement is adopted: no sync beyond the one above, and receivers learn
+what came from the count exchange.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from torch import Tensor
 
 import lightning_hetermoe.comm as comm
 from ....comm import Group
+from ....copy_routing import candidates, holders_of
 from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position, split_over_copies
 
 
@@ -35,12 +42,15 @@ class AllToAllDispatcher:
     """Expert parallelism over ``group``: ``placement[r]`` lists the global expert ids held by
     group rank ``r`` (the local ``Experts`` rows, in that order). Placements may be uneven
     (e.g. 6 experts over 4 ranks as 2+2+1+1), ranks may hold no expert at all, and an
-    expert may have copies on several ranks (its tokens split evenly over them)."""
+    expert may have copies on several ranks, which serve tokens by ``rule``
+    (``local_first`` or ``even``; ``nodes[r]``: group rank ``r``'s node, for local first)."""
 
-    def __init__(self, group: Group, placement: list[list[int]]) -> None:
+    def __init__(self, group: Group, placement: list[list[int]], rule: str = "local_first",
+                 nodes: list[int] | None = None) -> None:
         self.group = group
         self.rank = group.rank
         self.size = group.size
+        self.rule, self.nodes = rule, nodes
         self.set_placement(placement)
 
     def set_placement(self, placement: list[list[int]]) -> None:
@@ -54,16 +64,19 @@ class AllToAllDispatcher:
             raise ValueError(f"placement {placement} must hold every expert 0..{num_experts - 1}, "
                              f"each at most once per rank")
         self.placement = [list(p) for p in placement]
-        self.copies: list[list[int]] = [[] for _ in range(num_experts)]  # positions of each expert's copies
-        for pos, e in enumerate(flat):
-            self.copies[e].append(pos)
+        starts = [sum(len(p) for p in placement[:r]) for r in range(self.size)]
+        have = holders_of(placement, num_experts)
+        # slot positions (rank-major order) of each expert's copies, and of those that serve this rank
+        self.copies = [[starts[h] + placement[h].index(e) for h in hs] for e, hs in enumerate(have)]
+        serving = [[starts[h] + placement[h].index(e) for h in candidates(hs, self.rank, self.nodes, self.rule)]
+                   for e, hs in enumerate(have)]
         self.num_positions = len(flat)
-        most = max(len(c) for c in self.copies)
-        self._copy_position = torch.tensor([c + [c[0]] * (most - len(c)) for c in self.copies], dtype=torch.long,
+        most = max(len(c) for c in serving)
+        self._copy_position = torch.tensor([c + [c[0]] * (most - len(c)) for c in serving], dtype=torch.long,
                                            device="cpu")
-        self._num_copies = torch.tensor([len(c) for c in self.copies], dtype=torch.long, device="cpu")
+        self._num_copies = torch.tensor([len(c) for c in serving], dtype=torch.long, device="cpu")
         self._on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}  # copied once per device, not per call
-        self.replicated = most > 1
+        self.replicated = most > 1  # some expert's choices split over several copies here
         self.experts_per_rank = [len(p) for p in self.placement]
 
     def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
