@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..apportion import apportion
 from ..cluster.spec import ClusterConfig, LinkConfig, resolve_cluster
 from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.topology import Topology, cluster_topology
@@ -35,7 +36,7 @@ from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
 from ..simulate.bound import throughput_bound
 from ..simulate.datacentric import datacentric_step_time
-from ..simulate.schedules import SCHEDULES, apportion, ep_speed, simulate_plan
+from ..simulate.schedules import SCHEDULES, ep_speed, simulate_plan
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .plan import Plan, ZPGroup
 

@@ -24,29 +24,11 @@ from ..cluster.topology import Topology
 from ..cluster.devices import DeviceSpec
 from ..configs import ModelConfig
 from ..profile.memory import MemoryModel
+from ..apportion import apportion, split_microbatches
 from ..placement import contiguous_placement
 from .step import Lane, StepResult, StepSetup, simulate_step
 
 SCHEDULES = ("zebra", "distep", "ep", "ep_balanced", "ep_ideal")
-
-
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """Split ``total`` whole units in proportion to ``weights`` (largest remainder)."""
-    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"apportion: cannot split {total} over weights {list(weights)}")
-    s = sum(weights)
-    raw = [total * w / s for w in weights]
-    out = [math.floor(x) for x in raw]
-    order = sorted(range(len(raw)), key=lambda i: (-(raw[i] - out[i]), i))
-    for i in order[: total - sum(out)]:
-        out[i] += 1
-    return out
-
-
-def split_microbatches(n_seqs: int, R: int) -> list[int]:
-    """``n_seqs`` whole sequences over ``R`` micro-batches, sizes differing by at most one."""
-    base, extra = divmod(n_seqs, R)
-    return [base + (1 if j < extra else 0) for j in range(R)]
 
 
 def make_lanes(members: list[tuple]) -> list[Lane]:

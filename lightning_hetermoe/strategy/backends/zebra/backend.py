@@ -48,7 +48,7 @@ from ....moe.balance import balance_loss_from_counts, routed_counts
 from ....placement import Placement
 from ....plan import Plan
 from ....task_order import build_schedule
-from ....simulate.schedules import apportion, split_microbatches
+from ....apportion import apportion, split_microbatches
 from ....materialize import Holding, Materializer
 from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
                     zero_missing_grads)
