@@ -166,19 +166,8 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepR
             busy[r] = res.busy[r] / res.step_time  # utilisation; rescaled below
     step = tokens / tps
     busy = {r: u * step for r, u in busy.items()}
-    idle = {r: step - b for r, b in busy.items()}
-    return StepResult(
-        schedule="ep_ideal",
-        step_time=step,
-        tokens=tokens,
-        busy=busy,
-        idle=idle,
-        devices=devices,
-        bubbles=bubbles,
-        lanes=lanes,
-        num_microbatches=max(s.num_microbatches for s in subs),
-        network_bytes=sum(s.network_bytes for s in subs),
-    )
+    return StepResult("ep_ideal", step, tokens, busy, devices, bubbles, lanes, max(s.num_microbatches for s in subs),
+                      network_bytes=sum(s.network_bytes for s in subs))
 
 
 # ---- plans -----------------------------------------------------------------------------
