@@ -21,6 +21,7 @@ search runs on those. Everything is deterministic, so every rank computes the sa
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -35,8 +36,8 @@ from ..profile.memory import MemoryModel
 from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
 from ..simulate.bound import throughput_bound
-from ..simulate.datacentric import datacentric_step_time
-from ..simulate.schedules import SCHEDULES, ep_speed, simulate_plan
+from ..simulate.predict import predict_step
+from ..simulate.schedules import SCHEDULES, ep_speed
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .plan import Plan, ZPGroup
 
@@ -269,26 +270,23 @@ class _Search:
         return max(member_seqs)
 
     def _sim(self, plan: Plan) -> float:
-        return simulate_plan(
-            plan, self.devs, self.model, self.view.topology, self.timer, schedule="zebra", keep_timeline=False,
-            expert_load=self.expert_load,
-        ).step_time
+        return predict_step("zebra", self.devs, self.model, self.view.topology, self.timer, plan=plan,
+                            expert_load=self.expert_load).step_time
 
-    def score(self, plan: Plan) -> float:
-        """Simulated zebra step time. Asym-EA's greedy scores forward times only; if the full
-        step (backward, LM head, transfers) says its moves do not pay, the plan falls back to
-        the base placement (nothing offloaded beyond what memory forces)."""
+    def score(self, plan: Plan) -> tuple[float, Plan]:
+        """Simulated zebra step time, and the plan to keep. Asym-EA's greedy scores forward
+        times only; if the full step (backward, LM head, transfers) says its moves do not
+        pay, the plan with the base placement (nothing offloaded beyond what memory forces)
+        is kept instead. ``plan`` itself is left as it is."""
         t = self._sim(plan)
         if plan.asym_ea and plan.base_counts and plan.expert_counts(0) != plan.base_counts:
             m_att = len(plan.zp_groups[0].attention_ranks)
-            base_placement = placement_from_counts(plan.base_counts, self.model.moe.num_experts, m_att)
-            saved = plan.placement
-            plan.placement = base_placement
-            t_base = self._sim(plan)
+            base = copy.copy(plan)
+            base.placement = placement_from_counts(plan.base_counts, self.model.moe.num_experts, m_att)
+            t_base = self._sim(base)
             if t_base < t:
-                return t_base
-            plan.placement = saved
-        return t
+                return t_base, base
+        return t, plan
 
     def r_values(self) -> list[int]:
         return [r for r in R_CANDIDATES if r <= self.max_R] or [1]
@@ -307,7 +305,7 @@ class _Search:
                         self.errors.append(self.last_error)
                         self.last_error = ""
                     continue
-                t = self.score(plan)
+                t, plan = self.score(plan)
                 if local is None or t < local * (1 - 1e-9):
                     local, worse = t, 0
                 else:
@@ -510,22 +508,18 @@ def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView)
 
 def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,
             expert_load: list[list[float]] | None = None) -> dict:
-    """Step time and tokens/s of ``plan`` under each schedule (NaN where it does not fit)."""
+    """Step time and tokens/s of ``plan`` under each schedule and data-centric (``None``
+    and the error where one does not fit)."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
     for s in list(schedules) + ["datacentric"]:
         try:
-            if s == "datacentric":  # priced in closed form, on the plan's global batch
-                step = datacentric_step_time(view.devices, model, seq_len=plan.seq_len, total_seqs=plan.total_seqs,
-                                             link=view.topology, timer=timer, expert_load=expert_load)
-                out[s] = {"step_time_s": step, "tokens_per_s": plan.total_seqs * plan.seq_len / step}
-                continue
-            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=s, keep_timeline=False,
-                                expert_load=expert_load)
-            out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
-            if view.topology.num_nodes > 1:
-                out[s]["network_gb"] = res.network_bytes / 1e9
+            res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load)
         except ValueError as err:
             # None, not NaN: the plan stays valid JSON and compares equal to its round trip
             out[s] = {"step_time_s": None, "tokens_per_s": None, "error": str(err)}
+            continue
+        out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
+        if view.topology.num_nodes > 1 and res.network_bytes is not None:
+            out[s]["network_gb"] = res.network_bytes / 1e9
     return out

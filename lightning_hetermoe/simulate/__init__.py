@@ -9,12 +9,14 @@ from .schedules import (
     plan_setup,
     simulate_ep,
     simulate_ep_ideal,
-    simulate_plan,
 )
+from .predict import PREDICTED, predict_step, simulate_plan
 from .step import Lane, StepResult, StepSetup, build_tasks, simulate_step
 
 __all__ = [
     "SCHEDULES",
+    "PREDICTED",
+    "predict_step",
     "Task",
     "Timeline",
     "run_dag",

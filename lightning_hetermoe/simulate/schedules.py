@@ -1,4 +1,5 @@
-"""The five schedules the simulator compares, built from a plan or a bare device list.
+"""The five schedules the simulator runs step by step, built from a plan or a bare device list
+(:func:`~.predict.predict_step` chooses among them, and prices data-centric besides).
 
 * ``zebra``: disaggregated roles (attention ranks / expert ranks), R micro-batches that
   overlap (Theorem-1 order), Asym-EA placement: the plan as it would run.
@@ -25,7 +26,7 @@ from ..cluster.devices import DeviceSpec
 from ..configs import ModelConfig
 from ..profile.memory import MemoryModel
 from ..apportion import apportion, split_microbatches
-from ..placement import contiguous_placement
+from ..placement import Placement, contiguous_placement
 from .step import Lane, StepResult, StepSetup, simulate_step
 
 SCHEDULES = ("zebra", "distep", "ep", "ep_balanced", "ep_ideal")
@@ -101,7 +102,11 @@ def ep_setup(
     ranks: Sequence[int] | None = None,
     num_microbatches: int | None = None,
     expert_load: list[list[float]] | None = None,
+    placement: Placement | None = None,
+    ep_size: int = 1,
 ) -> StepSetup:
+    """The EP step: every rank attends its share of the batch and holds its contiguous
+    slice of the experts, or ``placement``'s (rank ``r`` holding ``r % ep_size``'s)."""
     W = len(devs)
     if W == 0:
         raise ValueError("EP needs at least one rank")
@@ -110,17 +115,22 @@ def ep_setup(
         seqs = ep_balanced_shares(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
     else:
         seqs = apportion(total_seqs, [1.0] * W)
-    placement = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
-    ids = [[placement[i]] * model.n_layers for i in range(W)]
-    experts = [[len(placement[i])] * model.n_layers for i in range(W)]
+    contiguous = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
+    ids = [[contiguous[i]] * model.n_layers for i in range(W)]
+    experts = [[len(contiguous[i])] * model.n_layers for i in range(W)]
     R = num_microbatches or _ep_min_microbatches(devs, seqs, experts, model, seq_len)
     if R is None:
         raise ValueError(
             f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
         )
     members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i], ids[i]) for i in range(W)]
+    lanes = make_lanes(members)
+    if placement is not None:
+        for lane in lanes:
+            held = [placement.experts_of(lane.ranks[0] % ep_size, l) for l in range(placement.num_layers)]
+            lane.expert_ids, lane.experts = held, [len(x) for x in held]
     return StepSetup(
-        lanes=make_lanes(members),
+        lanes=lanes,
         model=model,
         seq_len=seq_len,
         num_microbatches=R,
@@ -132,9 +142,10 @@ def ep_setup(
 
 
 def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True,
-                expert_load: list[list[float]] | None = None) -> StepResult:
+                expert_load: list[list[float]] | None = None, num_microbatches: int | None = None,
+                placement: Placement | None = None, ep_size: int = 1) -> StepResult:
     setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer, balanced=balanced,
-                     expert_load=expert_load)
+                     expert_load=expert_load, num_microbatches=num_microbatches, placement=placement, ep_size=ep_size)
     return simulate_step(setup, timer, "ep_balanced" if balanced else "ep", keep_timeline=keep_timeline)
 
 
@@ -222,28 +233,4 @@ def plan_setup(
         expert_load=expert_load,
         replica_ranks={rank: [g.members[p] for g in plan.zp_groups] for p, rank in enumerate(group.members)},
         dense_ranks=list(plan.attention_ranks),
-    )
-
-
-def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True,
-                  expert_load: list[list[float]] | None = None) -> StepResult:
-    """Predict one step of ``plan`` under ``schedule`` (one of :data:`SCHEDULES`)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
-    total = plan.total_seqs
-    if schedule in ("zebra", "distep"):
-        setup = plan_setup(plan, devs, model, link, schedule=schedule, expert_load=expert_load)
-        return simulate_step(setup, timer, schedule, keep_timeline)
-    if schedule == "ep_ideal":
-        return simulate_ep_ideal(devs, model, seq_len=plan.seq_len, total_seqs=total, link=link, timer=timer)
-    return simulate_ep(
-        devs,
-        model,
-        seq_len=plan.seq_len,
-        total_seqs=total,
-        link=link,
-        timer=timer,
-        balanced=(schedule == "ep_balanced"),
-        keep_timeline=keep_timeline,
-        expert_load=expert_load,
     )

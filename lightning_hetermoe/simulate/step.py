@@ -181,8 +181,9 @@ class StepResult:
     lanes: list[str]
     num_microbatches: int
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
-    # the experts' exchange that crosses the network between nodes, per step
-    network_bytes: float = 0.0
+    # the experts' exchange that crosses the network between nodes, per step (None: not
+    # modelled, as in the data-centric closed form)
+    network_bytes: float | None = 0.0
 
     @property
     def tokens_per_s(self) -> float:
