@@ -226,7 +226,7 @@ class _Search:
             n_min=res.n_min,
             n_max=res.n_max,
             base_counts=res.base_counts,
-            distep_microbatches=self.distep_R(g0, member_seqs, res.base_counts, group_seqs),
+            distep_microbatches=self.distep_R(g0, member_seqs, res.base_counts),
             nodes=list(self.view.topology.node_of) if self.view.topology.num_nodes > 1 else [],
         )
         return plan
@@ -239,35 +239,12 @@ class _Search:
         measured = dp.max_experts_attention if role == "attention" else dp.max_experts_expert
         return modelled if measured is None else min(modelled, max(int(measured), 0))
 
-    def distep_R(self, g0: ZPGroup, member_seqs: list[int], base: list[list[int]], group_seqs: int) -> int:
-        """Fewest micro-batches DistEP needs (one micro-batch of activations in flight)."""
-        m, S = self.model, self.S
-        k, E = m.moe.top_k, m.moe.num_experts
-        for R in range(1, max(member_seqs) + 1):
-            per_exp = math.ceil(group_seqs / R) * S * k / E
-            ok = True
-            for p, r in enumerate(g0.members):
-                dev = self.devs[r]
-                if p < len(g0.attention_ranks):
-                    mb = math.ceil(member_seqs[p] / R) * S
-                    cap = self.mem.expert_capacity(
-                        dev,
-                        tokens_in_flight_per_expert=per_exp,
-                        mb_tokens_per_expert=per_exp,
-                        attention_tokens_in_flight=mb,
-                        attention_mb_tokens=mb,
-                        holds_attention=True,
-                    )
-                else:
-                    cap = self.mem.expert_capacity(
-                        dev, tokens_in_flight_per_expert=per_exp, mb_tokens_per_expert=per_exp
-                    )
-                if cap < sum(base[p]):
-                    ok = False
-                    break
-            if ok:
-                return R
-        return max(member_seqs)
+    def distep_R(self, g0: ZPGroup, member_seqs: list[int], base: list[list[int]]) -> int:
+        """Fewest micro-batches DistEP needs (one micro-batch of activations in flight); as
+        many as an attention member has sequences where none fits."""
+        M = len(g0.attention_ranks)
+        members = [(self.devs[r], member_seqs[p] if p < M else None, sum(base[p])) for p, r in enumerate(g0.members)]
+        return self.mem.fewest_microbatches(members, self.S) or max(member_seqs)
 
     def _sim(self, plan: Plan) -> float:
         return predict_step("zebra", self.devs, self.model, self.view.topology, self.timer, plan=plan,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 
-import math
 from typing import Any, Sequence
 
 from ..cluster.spec import LinkConfig
@@ -48,28 +47,6 @@ def make_lanes(members: list[tuple]) -> list[Lane]:
 
 
 # ---- EP --------------------------------------------------------------------------------
-def _ep_min_microbatches(
-    devs: Sequence[DeviceSpec], seqs: Sequence[int], experts: Sequence[Sequence[int]], model: ModelConfig, seq_len: int
-) -> int | None:
-    """Fewest micro-batches with which every EP rank fits (one micro-batch in flight)."""
-    mem = MemoryModel(model)
-    k, E = model.moe.top_k, model.moe.num_experts
-    for R in range(1, max(seqs) + 1):
-        mbs = [math.ceil(s / R) for s in seqs]
-        group_mb = sum(mbs) * seq_len
-        ok = True
-        for dev, mb, ex in zip(devs, mbs, experts):
-            need = mem.attention_bytes(tokens_in_flight=mb * seq_len, mb_tokens=mb * seq_len)
-            need += sum(ex) * mem.expert_bytes(tokens_in_flight_per_expert=group_mb * k / E)
-            need += mem.expert_working_bytes(group_mb * k / E)
-            if need > dev.usable_bytes:
-                ok = False
-                break
-        if ok:
-            return R
-    return None
-
-
 def ep_speed(dev: DeviceSpec, timer, model: ModelConfig, seq_len: int) -> float:
     """Sequences per second of attention work (all layers, forward+backward, LM head) on ``dev``.
 
@@ -118,7 +95,8 @@ def ep_setup(
     contiguous = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
     ids = [[contiguous[i]] * model.n_layers for i in range(W)]
     experts = [[len(contiguous[i])] * model.n_layers for i in range(W)]
-    R = num_microbatches or _ep_min_microbatches(devs, seqs, experts, model, seq_len)
+    R = num_microbatches or MemoryModel(model).fewest_microbatches(
+        [(d, n, sum(held)) for d, n, held in zip(devs, seqs, experts)], seq_len)
     if R is None:
         raise ValueError(
             f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
