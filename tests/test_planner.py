@@ -1,5 +1,6 @@
 """Planner and Asym-EA properties, Plan JSON round trip, Profile input, bad inputs."""
 
+import dataclasses
 import json
 import re
 
@@ -321,3 +322,74 @@ HeterMoE plan: model d1 on cluster mix (3 ranks), schedule zebra
   distep           1.50 s       21,845  0.01x
   ep             does not fit in memory
   (throughput vs zebra: below 1x is slower than zebra)"""
+
+
+# ---- memory: the fewest micro-batches that fit ----------------------------------------------
+def fewest_by_hand(mem, members, S):
+    """Every micro-batch of every R, each member's sequences dealt as the step deals them
+    (split_microbatches), the bytes summed term by term: the first R where all fit."""
+    from lightning_hetermoe.apportion import split_microbatches
+
+    k, E = mem.model.moe.top_k, mem.model.moe.num_experts
+    for R in range(1, max(s or 0 for _, s, _ in members) + 1):
+        splits = [None if s is None else split_microbatches(s, R) for _, s, _ in members]
+        fits = True
+        for j in range(R):
+            per_expert = sum(sp[j] for sp in splits if sp is not None) * S * k / E
+            for (dev, _, held), sp in zip(members, splits, strict=True):
+                need = held * mem.expert_bytes(tokens_in_flight_per_expert=per_expert)
+                need += mem.expert_working_bytes(per_expert)
+                if sp is not None:
+                    need += mem.attention_bytes(tokens_in_flight=sp[j] * S, mb_tokens=sp[j] * S)
+                fits = fits and need <= dev.usable_bytes
+        if fits:
+            return R
+    return None
+
+
+@pytest.mark.parametrize("seqs", [(5, 4), (7, 6), (9, 8), (8, 8), (1, 1)])
+@pytest.mark.parametrize("S", [4096, 16384, 32768])
+def test_fewest_microbatches_is_the_first_r_whose_every_microbatch_fits(seqs, S):
+    from lightning_hetermoe.cluster import get_device
+    from lightning_hetermoe.profile.memory import MemoryModel
+
+    a40, v100 = get_device("a40"), get_device("v100")
+    m = ModelConfig(name="m", vocab_size=32000, d_model=2048, n_layers=8, n_heads=16, max_seq_len=32768,
+                    moe=MoEConfig(num_experts=8, top_k=2, d_ff=8192))
+    mem = MemoryModel(m)
+    # DistEP: two A40s attend, two V100s hold the experts (4 per layer each); at 16K with
+    # (5, 4) sequences R=3 deals 2+2 first (4 sequences to the experts), not ceil(9/3) = 3
+    distep = [(a40, seqs[0], 0), (a40, seqs[1], 0), (v100, None, 32), (v100, None, 32)]
+    # EP: every rank attends and holds a quarter of the experts
+    ep = [(a40, seqs[0], 16), (a40, seqs[1], 16), (v100, seqs[1], 16), (v100, seqs[1], 16)]
+    for members in (distep, ep):
+        assert mem.fewest_microbatches(members, S) == fewest_by_hand(mem, members, S)
+    if (seqs, S) == ((5, 4), 16384):
+        assert mem.fewest_microbatches(distep, S) == 4
+
+
+def test_scoring_a_plan_leaves_it_as_it_is_and_keeps_the_base_placement_where_that_is_faster():
+    import copy
+
+    from lightning_hetermoe.plan.planner import _Search, as_cluster
+    from lightning_hetermoe.profile.timer import CachedTimer
+    from lightning_hetermoe.simulate import predict_step
+
+    m = ModelConfig(name="t", n_layers=4, d_model=1024, n_heads=8, vocab_size=32000, max_seq_len=32768,
+                    moe=MoEConfig(num_experts=8, top_k=2, d_ff=2048))
+    view = as_cluster(["a40", "v100"])
+    timer = CachedTimer(make_timer(m, 4096))
+    search = _Search(view, m, 4096, 16, timer, True, 16)
+    plan = search.candidate(search.role_order(), 1, 1, 4)
+    assert plan.expert_counts(0) != plan.base_counts  # Asym-EA moved experts
+    before = copy.deepcopy(plan)
+    t, kept = search.score(plan)
+    assert plan == before and plan.placement == before.placement
+
+    def step(placement):
+        return predict_step("zebra", view.devices, m, view.topology, timer,
+                            plan=dataclasses.replace(plan, placement=placement)).step_time
+
+    base = placement_from_counts(plan.base_counts, 8, 1)
+    assert step(base) < step(plan.placement)  # the full step says the moves do not pay here
+    assert t == step(base) and kept.placement == base

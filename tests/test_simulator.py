@@ -188,3 +188,67 @@ def test_gantt_png_is_written(tmp_path):
     assert os.path.getsize(path) > 1000
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- one way in: predict_step ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mixed_plan():
+    from lightning_hetermoe.plan import as_cluster, make_plan
+
+    model, timer = realistic()
+    view = as_cluster(["a40", "a40", "v100", "v100"])
+    plan = make_plan(view, model, seq_len=4096, global_batch_tokens=16 * 4096)
+    return plan, view, model, timer
+
+
+def test_predict_step_prices_every_schedule_as_its_builder_does(mixed_plan):
+    from lightning_hetermoe.simulate import PREDICTED, plan_setup, predict_step, simulate_plan
+    from lightning_hetermoe.simulate.datacentric import datacentric_step_time
+
+    plan, view, model, timer = mixed_plan
+    devs, topo, n = view.devices, view.topology, plan.total_seqs
+
+    def ask(schedule):
+        return predict_step(schedule, devs, model, topo, timer, plan=plan).step_time
+
+    for s in ("zebra", "distep"):
+        assert ask(s) == simulate_step(plan_setup(plan, devs, model, topo, schedule=s), timer).step_time
+    for s in ("ep", "ep_balanced"):
+        assert ask(s) == simulate_ep(devs, model, seq_len=4096, total_seqs=n, link=topo, timer=timer,
+                                     balanced=s == "ep_balanced").step_time
+    assert ask("ep_ideal") == simulate_ep_ideal(devs, model, seq_len=4096, total_seqs=n, link=topo,
+                                                timer=timer).step_time
+    dc = datacentric_step_time(devs, model, seq_len=4096, total_seqs=n, link=topo, timer=timer)
+    assert ask("datacentric") == dc
+    # the plan recipe asks simulate_plan for every schedule the plan's table lists
+    res = simulate_plan(plan, devs, model, topo, timer, schedule="datacentric")
+    assert res.step_time == dc and res.tokens == n * 4096
+    assert set(PREDICTED) == set(plan.predicted)
+    assert all(plan.predicted[s]["step_time_s"] == ask(s) for s in PREDICTED)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        ask("zebra2")
+
+
+def test_a_placement_given_to_predict_step_is_priced_and_the_plan_keeps_its_own(mixed_plan):
+    import dataclasses
+
+    from lightning_hetermoe.placement import Placement
+    from lightning_hetermoe.simulate import predict_step
+
+    plan, view, model, timer = mixed_plan
+    devs, topo = view.devices, view.topology
+    members = len(plan.zp_groups[0].members)
+    owners = [[0 if e < len(row) // 2 else p for e, p in enumerate(row)] for row in plan.placement]  # half on one
+    mine = [row[:] for row in plan.placement]
+    moved = predict_step("zebra", devs, model, topo, timer, plan=plan,
+                         placement=Placement.from_owners(owners, members)).step_time
+    by_hand = predict_step("zebra", devs, model, topo, timer, plan=dataclasses.replace(plan, placement=owners))
+    assert moved == by_hand.step_time and plan.placement == mine
+    assert moved != predict_step("zebra", devs, model, topo, timer, plan=plan).step_time  # it was priced
+    # EP: the contiguous split given as a placement is the EP layout itself
+    W, L, E = len(devs), model.n_layers, model.moe.num_experts
+    for s in ("ep", "ep_balanced"):
+        plain = predict_step(s, devs, model, topo, timer, seq_len=4096, total_seqs=16, num_microbatches=1)
+        given = predict_step(s, devs, model, topo, timer, seq_len=4096, total_seqs=16, num_microbatches=1,
+                             placement=Placement.contiguous(L, E, W), ep_size=W)
+        assert given.step_time == plain.step_time

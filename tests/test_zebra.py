@@ -17,7 +17,7 @@ import lightning_hetermoe.strategy.backends.zebra.backend as zebra_backend
 from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig, Plan
 from lightning_hetermoe.model_contract import find_blocks
 from lightning_hetermoe.plan import ZPGroup
-from lightning_hetermoe.simulate import split_microbatches
+from lightning_hetermoe.apportion import split_microbatches
 from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer, validation_loss
 
 STEPS = 5

@@ -113,20 +113,40 @@ def _side_times(inp: AsymEAInput, counts: list[list[int]]) -> tuple[list[float],
 
 def assign_experts(inp: AsymEAInput, *, asym: bool = True) -> AsymEAResult:
     """Whole-expert counts per member and layer; see the module docstring for the rule."""
+    counts, used, n_min = _base_counts(inp)
+    base = [row[:] for row in counts]
+    R = max(1, inp.num_microbatches)
+    base_time = forward_makespan(*_side_times(inp, counts), R)
+    n_max = sum(max(c, 0) for c in inp.attn_capacity)
+    result = AsymEAResult(
+        counts=counts, base_counts=base, n_min=n_min, n_max=n_max, forward_time=base_time, base_forward_time=base_time
+    )
+    if not asym or not inp.exp:
+        return result
+    result.forward_time = _offload(inp, counts, used, R, base_time, result.chunks)
+    return result
+
+
+def _capacity(inp: AsymEAInput) -> list[int]:
+    return list(inp.attn_capacity) + list(inp.expert_capacity)
+
+
+def _base_counts(inp: AsymEAInput) -> tuple[list[list[int]], list[int], int]:
+    """The base placement: expert e of every layer in turn (so forced moves spread over
+    layers) to the expert member whose layer time grows least and that still has room; where
+    expert members are full, to an attention member (counted in n_min). Returns the counts,
+    each member's experts over all layers, and n_min."""
     L, E = inp.num_layers, inp.num_experts
     M, N = len(inp.attn), len(inp.exp)
     counts = [[0] * L for _ in range(M + N)]
     used = [0] * (M + N)
-    cap = list(inp.attn_capacity) + list(inp.expert_capacity)
-    n_max = sum(max(c, 0) for c in inp.attn_capacity)
+    cap = _capacity(inp)
     if sum(max(c, 0) for c in cap) < L * E:
         raise ValueError(
             f"experts exceed total memory: {L * E} experts ({L} layers x {E}) but the ZP group holds at most "
             f"{sum(max(c, 0) for c in cap)} ({sum(max(c, 0) for c in inp.expert_capacity)} on expert ranks, "
-            f"{n_max} on attention ranks); add ranks or use more memory-rich GPUs"
+            f"{sum(max(c, 0) for c in inp.attn_capacity)} on attention ranks); add ranks or use more memory-rich GPUs"
         )
-    # Base placement: expert e of every layer in turn (so forced moves spread over layers)
-    # to the expert member whose layer time grows least and that still has room.
     # Per layer, a heap of each side's members by the time they would reach with one more
     # expert; a member whose room ran out is dropped when it surfaces (room only shrinks here).
     def cost(p: int, l: int) -> float:
@@ -160,45 +180,53 @@ def assign_experts(inp: AsymEAInput, *, asym: bool = True) -> AsymEAResult:
             counts[p][l] += 1
             used[p] += 1
             heapq.heappush(on_experts[l] if p >= M else on_attention[l], (cost(p, l), p))
-    base = [row[:] for row in counts]
-    R = max(1, inp.num_microbatches)
-    base_time = forward_makespan(*_side_times(inp, counts), R)
-    result = AsymEAResult(
-        counts=counts, base_counts=base, n_min=n_min, n_max=n_max, forward_time=base_time, base_forward_time=base_time
-    )
-    if not asym or N == 0:
-        return result
+    return counts, used, n_min
 
+
+def _chunk(inp: AsymEAInput, col: list[int], used: list[int], cap: list[int]
+           ) -> tuple[list[int], list[int], int] | None:
+    """One chunk of a layer moved (gather and squeeze) from the layer's member counts
+    ``col``: the new counts, members' room used, experts moved; ``None`` where the
+    attention members have no room for it."""
+    M, N = len(inp.attn), len(inp.exp)
+    col = col[:]
+    loads = [col[M + i] * inp.exp[i] for i in range(N)]
+    top = max(loads)
+    if top <= 0:
+        return None
+    gather = [M + i for i in range(N) if col[M + i] > 0 and loads[i] >= top * (1 - 1e-9)]
+    # squeeze: each gathered expert to the attention member whose time grows least
+    # (a heap of the members with room: only the receiver's cost changes per move)
+    trial_used = used[:]
+    room = [(inp.attn[i] + (col[i] + 1) * inp.attn_exp[i], i) for i in range(M) if trial_used[i] < cap[i]]
+    heapq.heapify(room)
+    for src in gather:
+        if not room:
+            return None
+        dst = heapq.heappop(room)[1]
+        col[src] -= 1
+        col[dst] += 1
+        trial_used[src] -= 1
+        trial_used[dst] += 1
+        if trial_used[dst] < cap[dst]:
+            heapq.heappush(room, (inp.attn[dst] + (col[dst] + 1) * inp.attn_exp[dst], dst))
+    return col, trial_used, len(gather)
+
+
+def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int, current: float,
+             chunks: list[tuple[int, int]]) -> float:
+    """Greedily move the chunk that lowers the forward makespan most, until none does;
+    ``counts``, ``used`` and ``chunks`` are updated in place. Returns the final makespan."""
+    L, M, N = inp.num_layers, len(inp.attn), len(inp.exp)
+    cap = _capacity(inp)
     ta, te = _side_times(inp, counts)
-    current = base_time
     while True:
         best_move = None
         for l in range(L):
-            col = [counts[p][l] for p in range(M + N)]
-            loads = [col[M + i] * inp.exp[i] for i in range(N)]
-            top = max(loads)
-            if top <= 0:
+            moved = _chunk(inp, [counts[p][l] for p in range(M + N)], used, cap)
+            if moved is None:
                 continue
-            gather = [M + i for i in range(N) if col[M + i] > 0 and loads[i] >= top * (1 - 1e-9)]
-            # squeeze: each gathered expert to the attention member whose time grows least
-            # (a heap of the members with room: only the receiver's cost changes per move)
-            trial_used = used[:]
-            ok = True
-            room = [(inp.attn[i] + (col[i] + 1) * inp.attn_exp[i], i) for i in range(M) if trial_used[i] < cap[i]]
-            heapq.heapify(room)
-            for src in gather:
-                if not room:
-                    ok = False
-                    break
-                dst = heapq.heappop(room)[1]
-                col[src] -= 1
-                col[dst] += 1
-                trial_used[src] -= 1
-                trial_used[dst] += 1
-                if trial_used[dst] < cap[dst]:
-                    heapq.heappush(room, (inp.attn[dst] + (col[dst] + 1) * inp.attn_exp[dst], dst))
-            if not ok:
-                continue
+            col, trial_used, n = moved
             ta_l = max(inp.attn[i] + col[i] * inp.attn_exp[i] for i in range(M))
             te_l = max(col[M + i] * inp.exp[i] for i in range(N))
             old = ta[l], te[l]
@@ -206,16 +234,13 @@ def assign_experts(inp: AsymEAInput, *, asym: bool = True) -> AsymEAResult:
             t = forward_makespan(ta, te, R)
             ta[l], te[l] = old
             if t < current * (1 - 1e-9) and (best_move is None or t < best_move[0]):
-                best_move = (t, l, col, trial_used, len(gather), ta_l, te_l)
+                best_move = (t, l, col, trial_used, n, ta_l, te_l)
         if best_move is None:
-            break
-        current, l, col, used, moved, ta[l], te[l] = best_move
+            return current
+        current, l, col, used[:], n, ta[l], te[l] = best_move
         for p in range(M + N):
             counts[p][l] = col[p]
-        result.chunks.append((l, moved))
-    result.counts = counts
-    result.forward_time = current
-    return result
+        chunks.append((l, n))
 
 
 def placement_from_counts(counts: list[list[int]], num_experts: int, num_attention: int) -> list[list[int]]:

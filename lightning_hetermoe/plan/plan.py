@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..apportion import split_microbatches
 from ..serialization import JsonDataclass
 
 ROLES = ("attention", "expert")
@@ -162,8 +163,6 @@ class Plan(JsonDataclass):
         return [sum(1 for p in row if p < m) for row in self.placement]
 
     def microbatch_seqs(self, rank: int) -> list[int]:
-        from ..simulate.schedules import split_microbatches
-
         return split_microbatches(self.seqs_per_rank[rank], self.num_microbatches)
 
     # ---- serialisation -------------------------------------------------------------------

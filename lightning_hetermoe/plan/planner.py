@@ -21,10 +21,12 @@ search runs on those. Everything is deterministic, so every rank computes the sa
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..apportion import apportion
 from ..cluster.spec import ClusterConfig, LinkConfig, resolve_cluster
 from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.topology import Topology, cluster_topology
@@ -34,8 +36,8 @@ from ..profile.memory import MemoryModel
 from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
 from ..simulate.bound import throughput_bound
-from ..simulate.datacentric import datacentric_step_time
-from ..simulate.schedules import SCHEDULES, apportion, ep_speed, simulate_plan
+from ..simulate.predict import predict_step
+from ..simulate.schedules import SCHEDULES, ep_speed
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .plan import Plan, ZPGroup
 
@@ -224,7 +226,7 @@ class _Search:
             n_min=res.n_min,
             n_max=res.n_max,
             base_counts=res.base_counts,
-            distep_microbatches=self.distep_R(g0, member_seqs, res.base_counts, group_seqs),
+            distep_microbatches=self.distep_R(g0, member_seqs, res.base_counts),
             nodes=list(self.view.topology.node_of) if self.view.topology.num_nodes > 1 else [],
         )
         return plan
@@ -237,57 +239,31 @@ class _Search:
         measured = dp.max_experts_attention if role == "attention" else dp.max_experts_expert
         return modelled if measured is None else min(modelled, max(int(measured), 0))
 
-    def distep_R(self, g0: ZPGroup, member_seqs: list[int], base: list[list[int]], group_seqs: int) -> int:
-        """Fewest micro-batches DistEP needs (one micro-batch of activations in flight)."""
-        m, S = self.model, self.S
-        k, E = m.moe.top_k, m.moe.num_experts
-        for R in range(1, max(member_seqs) + 1):
-            per_exp = math.ceil(group_seqs / R) * S * k / E
-            ok = True
-            for p, r in enumerate(g0.members):
-                dev = self.devs[r]
-                if p < len(g0.attention_ranks):
-                    mb = math.ceil(member_seqs[p] / R) * S
-                    cap = self.mem.expert_capacity(
-                        dev,
-                        tokens_in_flight_per_expert=per_exp,
-                        mb_tokens_per_expert=per_exp,
-                        attention_tokens_in_flight=mb,
-                        attention_mb_tokens=mb,
-                        holds_attention=True,
-                    )
-                else:
-                    cap = self.mem.expert_capacity(
-                        dev, tokens_in_flight_per_expert=per_exp, mb_tokens_per_expert=per_exp
-                    )
-                if cap < sum(base[p]):
-                    ok = False
-                    break
-            if ok:
-                return R
-        return max(member_seqs)
+    def distep_R(self, g0: ZPGroup, member_seqs: list[int], base: list[list[int]]) -> int:
+        """Fewest micro-batches DistEP needs (one micro-batch of activations in flight); as
+        many as an attention member has sequences where none fits."""
+        M = len(g0.attention_ranks)
+        members = [(self.devs[r], member_seqs[p] if p < M else None, sum(base[p])) for p, r in enumerate(g0.members)]
+        return self.mem.fewest_microbatches(members, self.S) or max(member_seqs)
 
     def _sim(self, plan: Plan) -> float:
-        return simulate_plan(
-            plan, self.devs, self.model, self.view.topology, self.timer, schedule="zebra", keep_timeline=False,
-            expert_load=self.expert_load,
-        ).step_time
+        return predict_step("zebra", self.devs, self.model, self.view.topology, self.timer, plan=plan,
+                            expert_load=self.expert_load).step_time
 
-    def score(self, plan: Plan) -> float:
-        """Simulated zebra step time. Asym-EA's greedy scores forward times only; if the full
-        step (backward, LM head, transfers) says its moves do not pay, the plan falls back to
-        the base placement (nothing offloaded beyond what memory forces)."""
+    def score(self, plan: Plan) -> tuple[float, Plan]:
+        """Simulated zebra step time, and the plan to keep. Asym-EA's greedy scores forward
+        times only; if the full step (backward, LM head, transfers) says its moves do not
+        pay, the plan with the base placement (nothing offloaded beyond what memory forces)
+        is kept instead. ``plan`` itself is left as it is."""
         t = self._sim(plan)
         if plan.asym_ea and plan.base_counts and plan.expert_counts(0) != plan.base_counts:
             m_att = len(plan.zp_groups[0].attention_ranks)
-            base_placement = placement_from_counts(plan.base_counts, self.model.moe.num_experts, m_att)
-            saved = plan.placement
-            plan.placement = base_placement
-            t_base = self._sim(plan)
+            base = copy.copy(plan)
+            base.placement = placement_from_counts(plan.base_counts, self.model.moe.num_experts, m_att)
+            t_base = self._sim(base)
             if t_base < t:
-                return t_base
-            plan.placement = saved
-        return t
+                return t_base, base
+        return t, plan
 
     def r_values(self) -> list[int]:
         return [r for r in R_CANDIDATES if r <= self.max_R] or [1]
@@ -306,7 +282,7 @@ class _Search:
                         self.errors.append(self.last_error)
                         self.last_error = ""
                     continue
-                t = self.score(plan)
+                t, plan = self.score(plan)
                 if local is None or t < local * (1 - 1e-9):
                     local, worse = t, 0
                 else:
@@ -509,22 +485,18 @@ def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView)
 
 def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,
             expert_load: list[list[float]] | None = None) -> dict:
-    """Step time and tokens/s of ``plan`` under each schedule (NaN where it does not fit)."""
+    """Step time and tokens/s of ``plan`` under each schedule and data-centric (``None``
+    and the error where one does not fit)."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
     for s in list(schedules) + ["datacentric"]:
         try:
-            if s == "datacentric":  # priced in closed form, on the plan's global batch
-                step = datacentric_step_time(view.devices, model, seq_len=plan.seq_len, total_seqs=plan.total_seqs,
-                                             link=view.topology, timer=timer, expert_load=expert_load)
-                out[s] = {"step_time_s": step, "tokens_per_s": plan.total_seqs * plan.seq_len / step}
-                continue
-            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=s, keep_timeline=False,
-                                expert_load=expert_load)
-            out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
-            if view.topology.num_nodes > 1:
-                out[s]["network_gb"] = res.network_bytes / 1e9
+            res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load)
         except ValueError as err:
             # None, not NaN: the plan stays valid JSON and compares equal to its round trip
             out[s] = {"step_time_s": None, "tokens_per_s": None, "error": str(err)}
+            continue
+        out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
+        if view.topology.num_nodes > 1 and res.network_bytes is not None:
+            out[s]["network_gb"] = res.network_bytes / 1e9
     return out

@@ -10,7 +10,9 @@ in flight at once; in EP/DistEP (gradient accumulation) only one micro-batch is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 from ..cluster.devices import DeviceSpec
 from ..configs import ModelConfig
@@ -102,6 +104,26 @@ class MemoryModel:
         if free < 0:
             return -1
         return int(free // self.expert_bytes(tokens_in_flight_per_expert=tokens_in_flight_per_expert))
+
+    def fewest_microbatches(self, members: Sequence[tuple[DeviceSpec, int | None, int]], seq_len: int) -> int | None:
+        """Fewest micro-batches with which every member fits, one micro-batch in flight
+        (gradient accumulation: EP, DistEP); ``None`` if not even one sequence each does.
+
+        ``members``: (device, the sequences it attends or ``None`` where it holds no
+        attention stack, the experts it holds over all layers). A member's sequences split
+        as :func:`~lightning_hetermoe.apportion.split_microbatches` splits them, the first
+        micro-batch the largest: the group's largest is every member's first together, and
+        every expert sees its share of that."""
+        k, E = self.model.moe.top_k, self.model.moe.num_experts
+        for R in range(1, max(s or 0 for _, s, _ in members) + 1):
+            first = [None if s is None else math.ceil(s / R) for _, s, _ in members]
+            per_expert = sum(n or 0 for n in first) * seq_len * k / E
+            if all(self.expert_capacity(dev, tokens_in_flight_per_expert=per_expert, mb_tokens_per_expert=per_expert,
+                                        attention_tokens_in_flight=(n or 0) * seq_len,
+                                        attention_mb_tokens=(n or 0) * seq_len, holds_attention=n is not None)
+                   >= held for (dev, _, held), n in zip(members, first)):
+                return R
+        return None
 
 
 def format_bytes(n: float) -> str:

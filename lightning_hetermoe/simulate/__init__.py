@@ -4,19 +4,19 @@ from .engine import Task, Timeline, run_dag
 from .gantt import draw_gantt, draw_gantt_compare
 from .schedules import (
     SCHEDULES,
-    apportion,
     ep_setup,
     make_lanes,
     plan_setup,
     simulate_ep,
     simulate_ep_ideal,
-    simulate_plan,
-    split_microbatches,
 )
+from .predict import PREDICTED, predict_step, simulate_plan
 from .step import Lane, StepResult, StepSetup, build_tasks, simulate_step
 
 __all__ = [
     "SCHEDULES",
+    "PREDICTED",
+    "predict_step",
     "Task",
     "Timeline",
     "run_dag",
@@ -31,8 +31,6 @@ __all__ = [
     "ep_setup",
     "plan_setup",
     "make_lanes",
-    "apportion",
-    "split_microbatches",
     "draw_gantt",
     "draw_gantt_compare",
 ]

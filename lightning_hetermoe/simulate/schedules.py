@@ -1,4 +1,5 @@
-"""The five schedules the simulator compares, built from a plan or a bare device list.
+"""The five schedules the simulator runs step by step, built from a plan or a bare device list
+(:func:`~.predict.predict_step` chooses among them, and prices data-centric besides).
 
 * ``zebra``: disaggregated roles (attention ranks / expert ranks), R micro-batches that
   overlap (Theorem-1 order), Asym-EA placement: the plan as it would run.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import functools
 
-import math
 from typing import Any, Sequence
 
 from ..cluster.spec import LinkConfig
@@ -24,29 +24,11 @@ from ..cluster.topology import Topology
 from ..cluster.devices import DeviceSpec
 from ..configs import ModelConfig
 from ..profile.memory import MemoryModel
-from ..placement import contiguous_placement
+from ..apportion import apportion, split_microbatches
+from ..placement import Placement, contiguous_placement
 from .step import Lane, StepResult, StepSetup, simulate_step
 
 SCHEDULES = ("zebra", "distep", "ep", "ep_balanced", "ep_ideal")
-
-
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """Split ``total`` whole units in proportion to ``weights`` (largest remainder)."""
-    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"apportion: cannot split {total} over weights {list(weights)}")
-    s = sum(weights)
-    raw = [total * w / s for w in weights]
-    out = [math.floor(x) for x in raw]
-    order = sorted(range(len(raw)), key=lambda i: (-(raw[i] - out[i]), i))
-    for i in order[: total - sum(out)]:
-        out[i] += 1
-    return out
-
-
-def split_microbatches(n_seqs: int, R: int) -> list[int]:
-    """``n_seqs`` whole sequences over ``R`` micro-batches, sizes differing by at most one."""
-    base, extra = divmod(n_seqs, R)
-    return [base + (1 if j < extra else 0) for j in range(R)]
 
 
 def make_lanes(members: list[tuple]) -> list[Lane]:
@@ -65,28 +47,6 @@ def make_lanes(members: list[tuple]) -> list[Lane]:
 
 
 # ---- EP --------------------------------------------------------------------------------
-def _ep_min_microbatches(
-    devs: Sequence[DeviceSpec], seqs: Sequence[int], experts: Sequence[Sequence[int]], model: ModelConfig, seq_len: int
-) -> int | None:
-    """Fewest micro-batches with which every EP rank fits (one micro-batch in flight)."""
-    mem = MemoryModel(model)
-    k, E = model.moe.top_k, model.moe.num_experts
-    for R in range(1, max(seqs) + 1):
-        mbs = [math.ceil(s / R) for s in seqs]
-        group_mb = sum(mbs) * seq_len
-        ok = True
-        for dev, mb, ex in zip(devs, mbs, experts):
-            need = mem.attention_bytes(tokens_in_flight=mb * seq_len, mb_tokens=mb * seq_len)
-            need += sum(ex) * mem.expert_bytes(tokens_in_flight_per_expert=group_mb * k / E)
-            need += mem.expert_working_bytes(group_mb * k / E)
-            if need > dev.usable_bytes:
-                ok = False
-                break
-        if ok:
-            return R
-    return None
-
-
 def ep_speed(dev: DeviceSpec, timer, model: ModelConfig, seq_len: int) -> float:
     """Sequences per second of attention work (all layers, forward+backward, LM head) on ``dev``.
 
@@ -119,7 +79,11 @@ def ep_setup(
     ranks: Sequence[int] | None = None,
     num_microbatches: int | None = None,
     expert_load: list[list[float]] | None = None,
+    placement: Placement | None = None,
+    ep_size: int = 1,
 ) -> StepSetup:
+    """The EP step: every rank attends its share of the batch and holds its contiguous
+    slice of the experts, or ``placement``'s (rank ``r`` holding ``r % ep_size``'s)."""
     W = len(devs)
     if W == 0:
         raise ValueError("EP needs at least one rank")
@@ -128,17 +92,23 @@ def ep_setup(
         seqs = ep_balanced_shares(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
     else:
         seqs = apportion(total_seqs, [1.0] * W)
-    placement = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
-    ids = [[placement[i]] * model.n_layers for i in range(W)]
-    experts = [[len(placement[i])] * model.n_layers for i in range(W)]
-    R = num_microbatches or _ep_min_microbatches(devs, seqs, experts, model, seq_len)
+    contiguous = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
+    ids = [[contiguous[i]] * model.n_layers for i in range(W)]
+    experts = [[len(contiguous[i])] * model.n_layers for i in range(W)]
+    R = num_microbatches or MemoryModel(model).fewest_microbatches(
+        [(d, n, sum(held)) for d, n, held in zip(devs, seqs, experts)], seq_len)
     if R is None:
         raise ValueError(
             f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
         )
     members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i], ids[i]) for i in range(W)]
+    lanes = make_lanes(members)
+    if placement is not None:
+        for lane in lanes:
+            held = [placement.experts_of(lane.ranks[0] % ep_size, l) for l in range(placement.num_layers)]
+            lane.expert_ids, lane.experts = held, [len(x) for x in held]
     return StepSetup(
-        lanes=make_lanes(members),
+        lanes=lanes,
         model=model,
         seq_len=seq_len,
         num_microbatches=R,
@@ -150,9 +120,12 @@ def ep_setup(
 
 
 def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True,
-                expert_load: list[list[float]] | None = None) -> StepResult:
+                expert_load: list[list[float]] | None = None, num_microbatches: int | None = None,
+                placement: Placement | None = None, ep_size: int = 1,
+                replica_dispatch: str = "local_first") -> StepResult:
     setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer, balanced=balanced,
-                     expert_load=expert_load)
+                     expert_load=expert_load, num_microbatches=num_microbatches, placement=placement, ep_size=ep_size)
+    setup.replica_dispatch = replica_dispatch
     return simulate_step(setup, timer, "ep_balanced" if balanced else "ep", keep_timeline=keep_timeline)
 
 
@@ -184,19 +157,8 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepR
             busy[r] = res.busy[r] / res.step_time  # utilisation; rescaled below
     step = tokens / tps
     busy = {r: u * step for r, u in busy.items()}
-    idle = {r: step - b for r, b in busy.items()}
-    return StepResult(
-        schedule="ep_ideal",
-        step_time=step,
-        tokens=tokens,
-        busy=busy,
-        idle=idle,
-        devices=devices,
-        bubbles=bubbles,
-        lanes=lanes,
-        num_microbatches=max(s.num_microbatches for s in subs),
-        network_bytes=sum(s.network_bytes for s in subs),
-    )
+    return StepResult("ep_ideal", step, tokens, busy, devices, bubbles, lanes, max(s.num_microbatches for s in subs),
+                      network_bytes=sum(s.network_bytes for s in subs))
 
 
 # ---- plans -----------------------------------------------------------------------------
@@ -251,28 +213,4 @@ def plan_setup(
         expert_load=expert_load,
         replica_ranks={rank: [g.members[p] for g in plan.zp_groups] for p, rank in enumerate(group.members)},
         dense_ranks=list(plan.attention_ranks),
-    )
-
-
-def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True,
-                  expert_load: list[list[float]] | None = None) -> StepResult:
-    """Predict one step of ``plan`` under ``schedule`` (one of :data:`SCHEDULES`)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
-    total = plan.total_seqs
-    if schedule in ("zebra", "distep"):
-        setup = plan_setup(plan, devs, model, link, schedule=schedule, expert_load=expert_load)
-        return simulate_step(setup, timer, schedule, keep_timeline)
-    if schedule == "ep_ideal":
-        return simulate_ep_ideal(devs, model, seq_len=plan.seq_len, total_seqs=total, link=link, timer=timer)
-    return simulate_ep(
-        devs,
-        model,
-        seq_len=plan.seq_len,
-        total_seqs=total,
-        link=link,
-        timer=timer,
-        balanced=(schedule == "ep_balanced"),
-        keep_timeline=keep_timeline,
-        expert_load=expert_load,
     )

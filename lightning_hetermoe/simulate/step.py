@@ -179,18 +179,22 @@ class StepResult:
     step_time: float
     tokens: int
     busy: dict[int, float]
-    idle: dict[int, float]
     devices: dict[int, str]
     bubbles: dict[str, list[tuple[float, float]]]
     lanes: list[str]
     num_microbatches: int
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
-    # the experts' exchange that crosses the network between nodes, per step
-    network_bytes: float = 0.0
+    # the experts' exchange that crosses the network between nodes, per step (None: not
+    # modelled, as in the data-centric closed form)
+    network_bytes: float | None = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def idle(self) -> dict[int, float]:
+        return {r: self.step_time - b for r, b in self.busy.items()}
 
     @property
     def utilization(self) -> dict[int, float]:
@@ -322,17 +326,57 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
     return max((timer.transfer(rows, link) for rows, link in legs), default=0.0)
 
 
+def lane_tokens(setup: StepSetup) -> list[list[int]]:
+    """Tokens each lane's ranks attend, per micro-batch."""
+    S, R = setup.seq_len, setup.num_microbatches
+    return [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in setup.lanes]
+
+
 def network_rows(setup: StepSetup) -> float:
     """Token rows that cross the network between nodes in one step, every group's, every
     leg (dispatch and combine, forward and backward: zebra's rounds on both channels, or
     EP's four legs per layer and micro-batch)."""
     if setup.topology.num_nodes == 1:
         return 0.0
-    S, R = setup.seq_len, setup.num_microbatches
-    tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in setup.lanes]
+    R = setup.num_microbatches
+    tok = lane_tokens(setup)
     if setup.schedule is not None:
         return sum(2 * setup.exchange(r.layer, [t[r.mb] for t in tok])[1] for r in setup.schedule.rounds)
     return sum(4 * setup.exchange(l, [t[j] for t in tok])[1] for l in range(setup.model.n_layers) for j in range(R))
+
+
+class TaskTimes:
+    """Each lane's compute tasks priced by the timer, each distinct one asked once: micro-
+    batches of one size cost alike, and so do expert tasks that see as many tokens."""
+
+    def __init__(self, setup: StepSetup, timer, forward_only: bool = False) -> None:
+        self.setup, self.timer, self.forward_only = setup, timer, forward_only
+        self.tokens = lane_tokens(setup)
+        # the group's tokens per micro-batch (every rank's): what its experts share
+        self.group = [sum(len(lane.ranks) * self.tokens[i][j] for i, lane in enumerate(setup.lanes))
+                      for j in range(setup.num_microbatches)]
+        self._memo: dict[tuple, float] = {}
+
+    def __call__(self, i: int, kind: str, layer: int, mb: int) -> float:
+        expert = kind in ("expert_fwd", "expert_bwd")
+        # with copies (EP) what a copy serves depends on who sends: every lane's tokens
+        copied = expert and copies.replicated(self.setup, layer)
+        group = tuple(t[mb] for t in self.tokens) if copied else self.group[mb]
+        key = (i, kind, layer, group) if expert else (i, kind, self.tokens[i][mb])
+        if key not in self._memo:
+            lane, timer = self.setup.lanes[i], self.timer
+            dev, n = lane.device, self.tokens[i][mb]
+            if kind == "attn_fwd":
+                self._memo[key] = timer.attention(dev, n)
+            elif kind == "attn_bwd":
+                self._memo[key] = timer.attention(dev, n, backward=True)
+            elif kind == "head":
+                self._memo[key] = timer.head(dev, n, forward_only=self.forward_only)
+            else:
+                served = copies.expert_tokens(self.setup, i, layer, list(group)) if copied \
+                    else self.setup.expert_tokens(lane, layer, self.group[mb])
+                self._memo[key] = sum(timer.expert(dev, x, backward=kind == "expert_bwd") for x in served)
+        return self._memo[key]
 
 
 def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
@@ -342,10 +386,9 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
     if sched.num_layers != L or sched.num_microbatches != R:
         raise ValueError(f"schedule is for {sched.num_layers} layers x {sched.num_microbatches} micro-batches, "
                          f"the setup has {L} x {R}")
-    S = setup.seq_len
     lanes = setup.lanes
-    tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in lanes]
-    group_tok = [sum(len(lane.ranks) * tok[i][j] for i, lane in enumerate(lanes)) for j in range(R)]
+    times = TaskTimes(setup, timer, forward_only=sched.kind == "forward")
+    tok = times.tokens
     att = [i for i, lane in enumerate(lanes) if lane.role == "attention"]
     tasks: list[Task] = []
     ids: dict[tuple, int] = {}
@@ -355,31 +398,13 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         ids[key] = len(tasks) - 1
         return ids[key]
 
-    durations: dict[tuple, float] = {}  # micro-batches of one size cost alike: each asked once
-
-    def task_duration(i: int, t: ScheduleTask) -> float:
-        expert = t.kind in ("expert_fwd", "expert_bwd")
-        key = (i, t.kind, t.layer, group_tok[t.mb]) if expert else (i, t.kind, tok[i][t.mb])
-        if key not in durations:
-            dev, n = lanes[i].device, tok[i][t.mb]
-            if t.kind == "attn_fwd":
-                durations[key] = timer.attention(dev, n)
-            elif t.kind == "attn_bwd":
-                durations[key] = timer.attention(dev, n, backward=True)
-            elif t.kind == "head":
-                durations[key] = timer.head(dev, n, forward_only=sched.kind == "forward")
-            else:
-                durations[key] = sum(timer.expert(dev, n, backward=t.kind == "expert_bwd")
-                                     for n in setup.expert_tokens(lanes[i], t.layer, group_tok[t.mb]))
-        return durations[key]
-
     policies: dict[str, str] = {}
     orders = [sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]) for lane in lanes]
     for i, lane in enumerate(lanes):
         res = lane_resource(i, lane)
         policies[res] = "order"
         for pos, t in enumerate(orders[i]):
-            add((i, t), str(t), res, task_duration(i, t), (pos,), t.kind, t.layer, t.mb)
+            add((i, t), str(t), res, times(i, t.kind, t.layer, t.mb), (pos,), t.kind, t.layer, t.mb)
     for chan, label in (("a2e", "D"), ("e2a", "C")):
         policies[chan] = "order"
         for pos, r in enumerate(sched.rounds):
@@ -428,178 +453,60 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
     return tasks, policies
 
 
+LABELS = {"attn_fwd": "Af", "expert_fwd": "Xf", "head": "H", "expert_bwd": "Xb", "attn_bwd": "Ab"}
+
+
 def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
-    """EP: every rank attends and hosts experts; micro-batches one after another."""
-    m = setup.model
-    L, R = m.n_layers, setup.num_microbatches
-    S = setup.seq_len
+    """EP: every rank attends and hosts experts; micro-batches one after another. The
+    all-to-alls are synchronous (one task for every rank); each rank picks its ready tasks
+    by priority: at the top layer a micro-batch's forward, head and backward back to back,
+    below it forward by layer and backward down the layers."""
+    L, R = setup.model.n_layers, setup.num_microbatches
     lanes = setup.lanes
-    tasks: list[Task] = []
-
-    def add(name, resource, duration, deps, priority, kind, layer, mb) -> int:
-        tasks.append(Task(name, resource, duration, deps, priority, kind, layer, mb))
-        return len(tasks) - 1
-
-    tok = [[(lane.seqs[j] if lane.seqs else 0) * S for j in range(R)] for lane in lanes]
-    group_tok = [sum(len(lane.ranks) * tok[i][j] for i, lane in enumerate(lanes)) for j in range(R)]
-    coll_cache: dict[tuple[int, int], float] = {}
-
-    def collective(l: int, j: int) -> float:
-        if (l, j) not in coll_cache:
-            coll_cache[(l, j)] = round_transfer_time(setup, timer, l, [tok[i][j] for i in range(len(lanes))])
-        return coll_cache[(l, j)]
-
-    memo: dict[tuple, float] = {}
-
-    def served(i: int, l: int, j: int) -> list[float]:
-        """Tokens each expert of lane ``i`` serves in layer ``l``, micro-batch ``j``."""
-        if copies.replicated(setup, l):
-            return copies.expert_tokens(setup, i, l, [t[j] for t in tok])
-        return setup.expert_tokens(lanes[i], l, group_tok[j])
-
-    def dur(what: str, i: int, tokens: float) -> float:
-        key = (what, i, tokens)
-        if key not in memo:
-            dev = lanes[i].device
-            if what == "af":
-                memo[key] = timer.attention(dev, tokens)
-            elif what == "ab":
-                memo[key] = timer.attention(dev, tokens, backward=True)
-            elif what == "h":
-                memo[key] = timer.head(dev, tokens)
-            elif what == "xf":
-                memo[key] = timer.expert(dev, tokens)
-            else:
-                memo[key] = timer.expert(dev, tokens, backward=True)
-        return memo[key]
-
-    A_f: dict[tuple[int, int, int], int] = {}
-    A_b: dict[tuple[int, int, int], int] = {}
-    X_f: dict[tuple[int, int, int], int] = {}
-    X_b: dict[tuple[int, int, int], int] = {}
-    H: dict[tuple[int, int], int] = {}
-    D_f: dict[tuple[int, int], int] = {}
-    C_f: dict[tuple[int, int], int] = {}
-    D_b: dict[tuple[int, int], int] = {}
-    C_b: dict[tuple[int, int], int] = {}
+    times = TaskTimes(setup, timer)
     att = [i for i, lane in enumerate(lanes) if lane.has_attention]
+    hosts = [[i for i, lane in enumerate(lanes) if lane.experts[l]] for l in range(L)]
+    tasks: list[Task] = []
+    ids: dict[tuple, int] = {}
+    legs: dict[tuple[int, int], float] = {}
 
-    names = [f"{i}:{lane.name}" for i, lane in enumerate(lanes)]
+    def add(key: tuple, name: str, resource: str, duration: float, deps: list[tuple], priority: tuple,
+            kind: str, l: int, j: int) -> None:
+        tasks.append(Task(name, resource, duration, [ids[d] for d in deps], priority, kind, l, j))
+        ids[key] = len(tasks) - 1
 
-    def res(i: int) -> str:
-        return names[i]
+    def compute(kind: str, on: list[int], l: int, j: int, deps) -> None:
+        sub = list(LABELS).index(kind)
+        priority = (l, j, sub) if l == L - 1 else (l, sub, j) if sub < 2 else (2 * L - l, sub - 3, j)
+        name = f"H.{j}" if kind == "head" else f"{LABELS[kind]}{l}.{j}"
+        for i in on:
+            add((kind, i, l, j), name, lane_resource(i, lanes[i]), times(i, kind, l, j), deps(i), priority, kind, l, j)
 
-    def pri_fwd(l: int, j: int, sub: int) -> tuple:
-        return (l, j, sub) if l == L - 1 else (l, 0 if sub == 0 else 1, j)
+    def exchange(kind: str, phase: str, l: int, j: int, deps: list[tuple]) -> None:
+        if (l, j) not in legs:
+            legs[(l, j)] = round_transfer_time(setup, timer, l, [t[j] for t in times.tokens])
+        label = ("D" if kind == "dispatch" else "C") + phase
+        add((label, l, j), f"{label}{l}.{j}", "a2e" if kind == "dispatch" else "e2a", legs[(l, j)], deps,
+            (l, j) if phase == "f" else (2 * L - l, j), kind, l, j)
 
     for j in range(R):
         for l in range(L):
-            for i in att:
-                deps = [C_f[(l - 1, j)]] if l > 0 else []
-                if l == 0 and j > 0:
-                    deps = [A_b[(i2, 0, j - 1)] for i2 in att]
-                A_f[(i, l, j)] = add(
-                    name=f"Af{l}.{j}",
-                    resource=res(i),
-                    duration=dur("af", i, tok[i][j]),
-                    deps=deps,
-                    priority=pri_fwd(l, j, 0),
-                    kind="attn_fwd",
-                    layer=l,
-                    mb=j,
-                )
-            D_f[(l, j)] = add(
-                name=f"Df{l}.{j}",
-                resource="a2e",
-                duration=collective(l, j),
-                deps=[A_f[(i, l, j)] for i in att],
-                priority=(l, j),
-                kind="dispatch",
-                layer=l,
-                mb=j,
-            )
-            for i, lane in enumerate(lanes):
-                if lane.experts[l]:
-                    X_f[(i, l, j)] = add(
-                        name=f"Xf{l}.{j}",
-                        resource=res(i),
-                        duration=sum(dur("xf", i, n) for n in served(i, l, j)),
-                        deps=[D_f[(l, j)]],
-                        priority=pri_fwd(l, j, 1),
-                        kind="expert_fwd",
-                        layer=l,
-                        mb=j,
-                    )
-            C_f[(l, j)] = add(
-                name=f"Cf{l}.{j}",
-                resource="e2a",
-                duration=collective(l, j),
-                deps=[X_f[(i, l, j)] for i, lane in enumerate(lanes) if lane.experts[l]],
-                priority=(l, j),
-                kind="combine",
-                layer=l,
-                mb=j,
-            )
-        for i in att:
-            H[(i, j)] = add(
-                name=f"H.{j}",
-                resource=res(i),
-                duration=dur("h", i, tok[i][j]),
-                deps=[C_f[(L - 1, j)]],
-                priority=(L - 1, j, 2),
-                kind="head",
-                layer=L - 1,
-                mb=j,
-            )
+            # a micro-batch starts once every rank's backward of the previous one is done
+            first = [("attn_bwd", i, 0, j - 1) for i in att] if j > 0 else []
+            compute("attn_fwd", att, l, j, lambda i: [("Cf", l - 1, j)] if l > 0 else first)
+            exchange("dispatch", "f", l, j, [("attn_fwd", i, l, j) for i in att])
+            compute("expert_fwd", hosts[l], l, j, lambda i: [("Df", l, j)])
+            exchange("combine", "f", l, j, [("expert_fwd", i, l, j) for i in hosts[l]])
+        compute("head", att, L - 1, j, lambda i: [("Cf", L - 1, j)])
         for l in reversed(range(L)):
-            up = [H[(i, j)] for i in att] if l == L - 1 else [A_b[(i, l + 1, j)] for i in att]
-            D_b[(l, j)] = add(
-                name=f"Db{l}.{j}",
-                resource="a2e",
-                duration=collective(l, j),
-                deps=up,
-                priority=(2 * L - l, j),
-                kind="dispatch",
-                layer=l,
-                mb=j,
-            )
-            top = l == L - 1
-            for i, lane in enumerate(lanes):
-                if lane.experts[l]:
-                    X_b[(i, l, j)] = add(
-                        name=f"Xb{l}.{j}",
-                        resource=res(i),
-                        duration=sum(dur("xb", i, n) for n in served(i, l, j)),
-                        deps=[D_b[(l, j)], X_f[(i, l, j)]],
-                        priority=(L - 1, j, 3) if top else (2 * L - l, 0, j),
-                        kind="expert_bwd",
-                        layer=l,
-                        mb=j,
-                    )
-            C_b[(l, j)] = add(
-                name=f"Cb{l}.{j}",
-                resource="e2a",
-                duration=collective(l, j),
-                deps=[X_b[(i, l, j)] for i, lane in enumerate(lanes) if lane.experts[l]],
-                priority=(2 * L - l, j),
-                kind="combine",
-                layer=l,
-                mb=j,
-            )
-            for i in att:
-                A_b[(i, l, j)] = add(
-                    name=f"Ab{l}.{j}",
-                    resource=res(i),
-                    duration=dur("ab", i, tok[i][j]),
-                    deps=[C_b[(l, j)]],
-                    priority=(L - 1, j, 4) if top else (2 * L - l, 1, j),
-                    kind="attn_bwd",
-                    layer=l,
-                    mb=j,
-                )
+            exchange("dispatch", "b", l, j,
+                     [("head", i, L - 1, j) if l == L - 1 else ("attn_bwd", i, l + 1, j) for i in att])
+            compute("expert_bwd", hosts[l], l, j, lambda i: [("Db", l, j), ("expert_fwd", i, l, j)])
+            exchange("combine", "b", l, j, [("expert_bwd", i, l, j) for i in hosts[l]])
+            compute("attn_bwd", att, l, j, lambda i: [("Cb", l, j)])
     policies = {"a2e": "fifo", "e2a": "fifo"}
     for i, lane in enumerate(lanes):
-        policies[res(i)] = "priority" if lane.has_attention else "fifo"
+        policies[lane_resource(i, lane)] = "priority" if lane.has_attention else "fifo"
     return tasks, policies
 
 
@@ -619,7 +526,6 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
     compute_end = tl.makespan
     step = max(compute_end, max((per_res_last.get(r, 0.0) + tail for r, tail in tails.items()), default=0.0))
     busy: dict[int, float] = {}
-    idle: dict[int, float] = {}
     devices: dict[int, str] = {}
     bubbles: dict[str, list[tuple[float, float]]] = {}
     for i, lane in enumerate(lanes):
@@ -636,20 +542,9 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
         bubbles[lane.name] = gaps
         for rank in lane.ranks:
             busy[rank] = b
-            idle[rank] = step - b
             devices[rank] = lane.device.name
     tokens = setup.replicas * sum(len(lane.ranks) * sum(lane.seqs) * setup.seq_len for lane in lanes if lane.seqs)
-    return StepResult(
-        schedule=schedule,
-        step_time=step,
-        tokens=tokens,
-        busy=busy,
-        idle=idle,
-        devices=devices,
-        bubbles=bubbles,
-        lanes=[lane.name for lane in lanes],
-        num_microbatches=setup.num_microbatches,
-        timeline=tl if keep_timeline else None,
-        network_bytes=(network_rows(setup) * setup.model.d_model * timer.cost.dtype_bytes
-                       if setup.topology.num_nodes > 1 else 0.0),
-    )
+    network = (network_rows(setup) * setup.model.d_model * timer.cost.dtype_bytes
+               if setup.topology.num_nodes > 1 else 0.0)
+    return StepResult(schedule, step, tokens, busy, devices, bubbles, [lane.name for lane in lanes],
+                      setup.num_microbatches, tl if keep_timeline else None, network_bytes=network)

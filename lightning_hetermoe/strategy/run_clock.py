@@ -14,7 +14,6 @@ Callbacks and recipes read it through ``HeterMoEStrategy.clock``.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -118,32 +117,15 @@ class RunClock:
 
     def step_time(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> float:
         """The simulator's device seconds per step for ``sim``, at ``expert_load`` (default:
-        the routing measured at set-up, or even routing)."""
-        from ..simulate import ep_setup, simulate_plan, simulate_step
-        from ..simulate.datacentric import datacentric_step_time
+        the routing measured at set-up, or even routing). Without a plan the batch is the
+        run's, every rank's sequences in one micro-batch."""
+        from ..simulate import predict_step
 
         expert_load = expert_load if expert_load is not None else self.expert_load
-        link = self.links()
-        if sim.schedule == "datacentric":
-            return datacentric_step_time(self.devices, self.model, seq_len=self.seq_len,
-                                         total_seqs=self.per_rank * self.world_size, link=link, timer=self.timer,
-                                         expert_load=expert_load)
-        if sim.plan is not None:
-            plan = sim.plan
-            if sim.placement is not None:
-                plan = copy.deepcopy(plan)
-                plan.placement = sim.placement.owners()
-            return simulate_plan(plan, self.devices, self.model, link, self.timer, schedule=sim.schedule,
-                                 keep_timeline=False, expert_load=expert_load).step_time
-        setup = ep_setup(self.devices, self.model, seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size,
-                         link=link, timer=self.timer, balanced=sim.schedule == "ep_balanced", num_microbatches=1,
-                         expert_load=expert_load)
-        setup.replica_dispatch = sim.replica_dispatch
-        if sim.placement is not None:
-            for lane in setup.lanes:
-                ids = [sim.placement.experts_of(lane.ranks[0] % sim.ep_size, l) for l in range(sim.placement.num_layers)]
-                lane.expert_ids, lane.experts = ids, [len(x) for x in ids]
-        return simulate_step(setup, self.timer, "ep", keep_timeline=False).step_time
+        return predict_step(sim.schedule, self.devices, self.model, self.links(), self.timer, plan=sim.plan,
+                            seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, num_microbatches=1,
+                            placement=sim.placement, ep_size=sim.ep_size, expert_load=expert_load,
+                            replica_dispatch=sim.replica_dispatch).step_time
 
     def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> dict[str, Any] | None:
         """The predicted step of this very run, in wall seconds (scaled like the emulated

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
 from ..comm import Group
-from ..simulate.schedules import apportion
+from ..apportion import apportion
 
 # optimizers whose update of an element reads only that element's state and gradient
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD")

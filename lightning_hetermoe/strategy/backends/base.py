@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
-from ...simulate.schedules import apportion
+from ...apportion import apportion
 from ...ckpt.pieces import Pieces
 from ...placement import Placement
 from ..batch import flat_mask, gather_global_batch, ignore_index_of, local_tokens, split_sizes, take

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import Tensor
 import torch
 
-from ....simulate.schedules import apportion
+from ....apportion import apportion
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from ....placement import Placement
 from ....plan import Plan
 from ....profile.memory import GRAD_BUCKET_BYTES
 from ....task_order import build_schedule
-from ....simulate.schedules import apportion, split_microbatches
+from ....apportion import apportion, split_microbatches
 from ....materialize import Holding, Materializer
 from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
                     zero_missing_grads)

@@ -1,0 +1,86 @@
+"""One way into the simulator: one step's prediction under any schedule.
+
+Zebra and DistEP run a plan's first ZP group (:func:`~.schedules.plan_setup`); the EP
+schedules lay the batch out as the EP backend does (:func:`~.schedules.ep_setup`,
+:func:`~.schedules.simulate_ep_ideal`); data-centric is priced in closed form
+(:mod:`.datacentric`). The planner's table, the run clock (what a run predicts of itself,
+what ``mode="auto"`` and the rebalancer compare) and the recipes all ask here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+from ..cluster.devices import DeviceSpec
+from ..cluster.spec import LinkConfig
+from ..cluster.topology import Topology
+from ..configs import ModelConfig
+from ..placement import Placement
+from .datacentric import datacentric_step_time
+from .schedules import SCHEDULES, plan_setup, simulate_ep, simulate_ep_ideal
+from .step import StepResult, simulate_step
+
+PREDICTED = SCHEDULES + ("datacentric",)
+
+
+def predict_step(
+    schedule: str,
+    devs: Sequence[DeviceSpec],
+    model: ModelConfig,
+    link: LinkConfig | Topology,
+    timer,
+    *,
+    plan=None,
+    seq_len: int = 0,
+    total_seqs: int = 0,
+    num_microbatches: int | None = None,
+    placement: Placement | None = None,
+    ep_size: int = 1,
+    expert_load: list[list[float]] | None = None,
+    keep_timeline: bool = False,
+    replica_dispatch: str = "local_first",
+) -> StepResult:
+    """One step of ``schedule`` (one of :data:`PREDICTED`) on ``devs``.
+
+    ``plan``: what zebra and DistEP run, and the batch every schedule is priced on; without
+    one, ``seq_len`` and ``total_seqs`` give the batch (a plan carries its own).
+    ``num_microbatches``: EP's micro-batches (``None``: the fewest that fit in memory).
+    ``placement``: where the experts live instead of the plan's (over its ZP group's
+    members) or EP's contiguous split (over ``ep_size`` EP ranks, rank ``r`` holding
+    ``r % ep_size``'s). ``expert_load``: per layer, each expert's share of the routing
+    (``None``: even). ``replica_dispatch``: which copy serves a token where EP keeps copies
+    (:mod:`lightning_hetermoe.copy_routing`). Raises ``ValueError`` where the schedule does
+    not fit in memory.
+    """
+    if plan is not None:
+        seq_len, total_seqs = plan.seq_len, plan.total_seqs
+    if schedule in ("zebra", "distep"):
+        if plan is None:
+            raise ValueError(f"predict_step: {schedule} runs a plan; none was given")
+        if placement is not None:
+            plan = copy.copy(plan)  # the caller's plan keeps its placement
+            plan.placement = placement.owners()
+        setup = plan_setup(plan, devs, model, link, schedule=schedule, expert_load=expert_load)
+        return simulate_step(setup, timer, schedule, keep_timeline)
+    if schedule in ("ep", "ep_balanced"):
+        return simulate_ep(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
+                           balanced=schedule == "ep_balanced", keep_timeline=keep_timeline, expert_load=expert_load,
+                           num_microbatches=num_microbatches, placement=placement, ep_size=ep_size,
+                           replica_dispatch=replica_dispatch)
+    if schedule == "ep_ideal":
+        return simulate_ep_ideal(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer)
+    if schedule == "datacentric":
+        step = datacentric_step_time(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
+                                     expert_load=expert_load)
+        # a closed form: no lanes, no busy time, no exchange rows (network_bytes None: not modelled)
+        return StepResult(schedule, step, total_seqs * seq_len, {}, {r: d.name for r, d in enumerate(devs)}, {}, [],
+                          1, network_bytes=None)
+    raise ValueError(f"unknown schedule {schedule!r}; choose from {PREDICTED}")
+
+
+def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True,
+                  expert_load: list[list[float]] | None = None) -> StepResult:
+    """Predict one step of ``plan`` under ``schedule`` (see :func:`predict_step`)."""
+    return predict_step(schedule, devs, model, link, timer, plan=plan, keep_timeline=keep_timeline,
+                        expert_load=expert_load)
