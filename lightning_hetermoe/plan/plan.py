@@ -161,11 +161,6 @@ class Plan(JsonDataclass):
         m = len(self.zp_groups[0].attention_ranks)
         return [sum(1 for p in row if p < m) for row in self.placement]
 
-    def microbatch_seqs(self, rank: int) -> list[int]:
-        from ..simulate.schedules import split_microbatches
-
-        return split_microbatches(self.seqs_per_rank[rank], self.num_microbatches)
-
     # ---- serialisation -------------------------------------------------------------------
     json_indent = 1
 

@@ -45,10 +45,6 @@ class MemoryModel:
         mats = 3 if m.moe.activation == "swiglu" else 2
         return mats * m.d_model * m.moe.d_ff
 
-    def total_params(self) -> float:
-        m = self.model
-        return self.attention_stack_params() + m.n_layers * m.moe.num_experts * self.expert_params()
-
     # ---- bytes ---------------------------------------------------------------------------
     def attention_bytes(self, *, tokens_in_flight: float, mb_tokens: float) -> float:
         """Attention stack state + checkpoints of ``tokens_in_flight`` + one task's working set."""
