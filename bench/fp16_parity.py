@@ -31,9 +31,8 @@ from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 
 from harness import run_ranks  # noqa: E402
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig  # noqa: E402
-from reference import data, make_model, reference_fit, trainer  # noqa: E402
-from test_precision import ScaleHistory  # noqa: E402
-from test_zebra import GLOBAL, WINDOWS, make_test_plan, pieces  # noqa: E402
+from reference import ScaleHistory, data, make_model, reference_fit, trainer  # noqa: E402
+from helpers_zebra import GLOBAL, WINDOWS, make_test_plan, pieces  # noqa: E402
 
 
 class Scales(L.Callback):

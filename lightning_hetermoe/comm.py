@@ -463,7 +463,7 @@ def all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str) -> Non
     if group.staged:
         hosts = [_host_like(o) for o in outs]
         dist.all_gather(hosts, _host(t), group=pg)
-        for o, h in zip(outs, hosts):
+        for o, h in zip(outs, hosts, strict=True):
             _back(o, h)
         return
     dist.all_gather(outs, t, group=pg)

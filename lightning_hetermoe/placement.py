@@ -115,11 +115,6 @@ class Placement:
         """Expert copies that land on a holder that did not hold that expert (all layers)."""
         return sum(moved_copies(new, prev) for new, prev in zip(self.held, old.held))
 
-    def with_layer(self, layer: int, held: Sequence[Sequence[int]]) -> "Placement":
-        rows = list(self.held)
-        rows[layer] = tuple(tuple(h) for h in held)
-        return Placement(rows)
-
     def to_lists(self) -> list[list[list[int]]]:
         """Plain lists (JSON, checkpoints)."""
         return [self.layer(l) for l in range(self.num_layers)]

@@ -1,7 +1,8 @@
 """The naive reference every parallel run is compared with: one process, the whole global
 batch per step, the model's own optimizer and LR schedule, plain ``loss.backward()``.
 
-Also the small builders the distributed tests share (model, data, Lightning trainer)."""
+Also the small builders the distributed tests share (model, data, cluster, Lightning trainer,
+a callback that moves experts) and what they read back (whole checkpoints and states)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,13 @@ from torch.utils.data import DataLoader
 from lightning_hetermoe import (ByteCorpusDataModule, DataConfig, ModelConfig, MoEConfig, MoELanguageModel, MoELayer,
                                 OptimConfig)
 from lightning_hetermoe.model.sampling import GlobalOrderSampler
+from lightning_hetermoe.model_contract import moe_layers
+from lightning_hetermoe.placement import Placement
 
 SEQ = 16
+# a fast device and slow ones (at these tiny shapes launches dominate, so the slow device
+# launches slowly): unequal batch shares; the A40's larger memory: a larger range of experts
+SLOW = {"slow": {"base": "v100", "launch_overhead_s": 1e-4}}
 
 
 def make_model(num_experts: int = 4, n_layers: int = 2, seed: int = 0, optim: OptimConfig | None = None,
@@ -41,6 +47,10 @@ def data(world: int, global_batch: int = 8, windows: int = 64, shuffle: bool = T
                                          train_windows=windows, val_windows=2 * global_batch))
     dm.setup()
     return dm
+
+
+def mixed_cluster(world: int) -> dict:
+    return dict(name="mix", devices=["a40"] + ["slow"] * (world - 1), custom_devices=SLOW)
 
 
 def global_batches(global_batch: int = 8, windows: int = 64, shuffle: bool = True, seed: int = 7):
@@ -71,12 +81,12 @@ def recording_balance(model: MoELanguageModel):
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     saved = [layer.balance for layer in layers]
     recorders = [_RecordBalance() for _ in layers]
-    for layer, rec in zip(layers, recorders):
+    for layer, rec in zip(layers, recorders, strict=True):
         layer.balance = rec
     try:
         yield recorders
     finally:
-        for layer, b in zip(layers, saved):
+        for layer, b in zip(layers, saved, strict=True):
             layer.balance = b
 
 
@@ -165,6 +175,18 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
     return model.state_dict()
 
 
+class ScaleHistory(torch.amp.GradScaler):
+    """The single process's scaler, recording the scale after every step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.history: list[float] = []
+
+    def update(self, new_scale=None) -> None:
+        super().update(new_scale)
+        self.history.append(float(self.get_scale()))
+
+
 def validation_loss(model: MoELanguageModel, world_batch: int = 8) -> float:
     """Mean cross-entropy over the validation batches (one process, global batches)."""
     val = data(1, world_batch).val_set
@@ -187,6 +209,30 @@ def whole_checkpoint(path) -> dict:
         return torch.load(path, weights_only=False)
     with tempfile.TemporaryDirectory() as tmp:
         return consolidate(path, os.path.join(tmp, "whole.ckpt"))
+
+
+def whole_state(t) -> dict:
+    """The trained model's state dict, every expert gathered (a collective)."""
+    from lightning_hetermoe.strategy.expert_state import ExpertState
+
+    return ExpertState(t.strategy.backend, t.lightning_module).module_state()
+
+
+class MoveAt(L.Callback):
+    """At the end of step ``step``, move every layer's experts to ``placement`` (a test's
+    stand-in for a rebalancing decision: the same call the rebalancer makes)."""
+
+    def __init__(self, step: int, placement) -> None:
+        self.step, self.placement, self.moved = step, placement, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and self.moved is None:
+            before = [layer.dispatcher for _, layer in moe_layers(pl_module)]
+            self.moved = trainer.strategy.move_experts(Placement(self.placement))
+            self.after = trainer.strategy.placement.to_lists()
+            # A move keeps each layer's dispatcher object: what wraps it (the emulated
+            # clock's exchange timing) must survive a migration.
+            self.kept = all(a is b for a, b in zip(before, [layer.dispatcher for _, layer in moe_layers(pl_module)], strict=True))
 
 
 def trainer(strategy, devices: int, **kwargs: Any) -> L.Trainer:

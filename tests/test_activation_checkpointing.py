@@ -10,7 +10,7 @@ import copy
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
-from test_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
+from helpers_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
 import pytest
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -44,7 +44,7 @@ def test_checkpointed_blocks_train_like_stored_activations_in_every_mode():
     plan = make_test_plan(2, [0], R=2)
     cases = [dict(mode="ep"), dict(mode="zebra", plan=plan), dict(mode="distep", plan=plan)]
     results = run_ranks(2, fit_checkpointed, 2, cases)
-    for case, got in zip(cases, results[0]):
+    for case, got in zip(cases, results[0], strict=True):
         model = make_model(4, seed=0, optim=OptimConfig())  # the same model, activations stored
         initial = copy.deepcopy(model.state_dict())
         cut = pieces(plan, case["mode"]) if case["mode"] != "ep" else None

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import time
-
 import lightning as L
 import pytest
 
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, HeterMoEStrategy
 from lightning_hetermoe.emulate import BusyMeter
+from lightning_hetermoe.emulate import meter as meter_module
 from reference import data, make_model, trainer
 
 KINDS = ("attention", "experts", "comm", "idle")
@@ -57,34 +56,34 @@ def test_busy_time_is_one_steps_work_split_by_kind(emulate):
             assert sum(logged[rank][k] for k in KINDS[:3]) <= max(s for _, s in got["steps"]) * 1.02
 
 
-def test_meter_sums_spans_by_kind_and_clears():
+def test_meter_sums_spans_by_kind_and_clears(virtual_clock):
+    clock = virtual_clock(meter_module)
     meter = BusyMeter("cpu")
     t0 = meter.now()
-    time.sleep(0.02)
+    clock.advance(0.02)
     seg = (t0, meter.now())
-    time.sleep(0.01)
+    clock.advance(0.01)
     meter.pad("attention", (0, "bwd"), meter.now(), 0.0, earlier=[seg])
     start = meter.now()
-    time.sleep(0.01)
+    clock.advance(0.01)
     meter.transfer_done((0, "fwd"), start, 0.0)
     got = meter.take()
-    assert 0.02 <= got["attention"] < 0.03  # the segment, not the 10 ms gap after it
-    assert got["transfer"] >= 0.01 and got["experts"] == 0.0
+    assert got["attention"] == pytest.approx(0.02)  # the segment, not the 10 ms gap after it
+    assert got["transfer"] == pytest.approx(0.01) and got["experts"] == 0.0
     assert meter.take() == {"attention": 0.0, "head": 0.0, "experts": 0.0, "transfer": 0.0}
 
 
-def test_the_meter_times_a_step_on_the_clock_of_its_task_spans():
+def test_the_meter_times_a_step_on_the_clock_of_its_task_spans(virtual_clock):
     """A step's time comes from the same stopwatch as the busy spans set against it (CUDA
     events on a GPU; perf_counter here): the spans fit inside it."""
-    import time as _time
-
-    from lightning_hetermoe.emulate.meter import BusyMeter
-
+    clock = virtual_clock(meter_module)
     meter = BusyMeter("cpu")
     start = meter.now()
+    clock.advance(0.005)  # before the task: in the step, not in its span
     t0 = meter.now()
-    _time.sleep(0.02)
+    clock.advance(0.02)
     meter.pad("experts", None, t0, 0.0)
+    clock.advance(0.003)
     step = meter.elapsed_since(start)
     busy = meter.take()
-    assert 0.02 <= busy["experts"] <= step
+    assert busy["experts"] == pytest.approx(0.02) and step == pytest.approx(0.028)

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import data, make_model, trainer
-from test_zebra import GLOBAL, WINDOWS, make_test_plan
+from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
 
 MODES = ("ep", "zebra", "distep", "datacentric")
 
@@ -69,7 +69,7 @@ def test_checkpoint_top_k_early_stopping_and_lr_monitor_behave_as_under_ddp_in_e
 
 @pytest.mark.slow
 def test_gradient_clipping_by_value_equals_one_process_in_every_mode():
-    from test_zebra import check
+    from helpers_zebra import check
 
     clip = dict(gradient_clip_val=0.002, gradient_clip_algorithm="value")
     check(2, [dict(plan=make_test_plan(2, [0], R=2), trainer=clip),

@@ -15,18 +15,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, HeterMoEStrategy, OptimConfig, comm
+from helpers_traffic import DEVICE_TRAFFIC, HOST_TRAFFIC
 from reference import data, make_model, trainer
-from test_zebra import GLOBAL, WINDOWS, make_test_plan
+from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST_TRAFFIC = ("batch.shapes", "batch.tokens", "zebra.header", "zebra.answer_header", "zebra.balance", "ep.counts",
-                "monitor.counts", "monitor.busy", "strategy.emulation_report", "strategy.shutdown",
-                "strategy.checkpoint.mkdir", "strategy.memory_report", "strategy.callback_metrics", "batch.counts",
-                "zebra.eval", "strategy.batches")
-DEVICE_TRAFFIC = ("zebra.rows", "zebra.answers", "zebra.loss", "zebra.clip", "zebra.grads.dense",
-                  "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "ep.weights",
-                  "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather", "strategy.decision",
-                  "zero.params", "zero.clip", "zebra.outputs", "zebra.metrics")
+
 
 
 def recorded(rank: int, world: int, cases: list[dict], ckpt_dir: str) -> list[list[dict]]:

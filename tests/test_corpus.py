@@ -148,7 +148,7 @@ def global_batches(ds, world: int, epoch: int, seed: int, batch: int, start: int
         s.start = start
         loaders.append(ResumableLoader(ds, batch_size=batch // world, sampler=s, drop_last=True))
     out = []
-    for parts in zip(*loaders):
+    for parts in zip(*loaders, strict=True):
         rows = [p[0] for p in parts]  # each rank's inputs [b, L]; rank r holds global samples r, r+W, ...
         out.append(torch.stack(rows, 1).reshape(-1, rows[0].shape[-1]).tolist())
     return out

@@ -19,7 +19,7 @@ def global_batches(world: int, epochs: int = 3, start: int = 0) -> list[list[int
             s.set_epoch(epoch)
             s.start = start if epoch == 0 else 0
             loaders.append(ResumableLoader(data, batch_size=G // world, sampler=s, drop_last=True))
-        for parts in zip(*loaders):
+        for parts in zip(*loaders, strict=True):
             out.append(sorted(int(i) for p in parts for i in p))
     return out
 

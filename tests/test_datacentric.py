@@ -16,21 +16,12 @@ import lightning as L
 from harness import run_ranks
 from lightning_hetermoe.emulate.hooks import installed
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
-from reference import assert_same_params, data, make_model, reference_fit, trainer, whole_checkpoint
-from test_zebra import make_test_plan
+from reference import assert_same_params, data, make_model, mixed_cluster, reference_fit, trainer, whole_checkpoint
+from helpers_zebra import make_test_plan
 
 STEPS, SAVED = 5, 3
-# a fast device and slow ones (at these tiny shapes launches dominate, so the slow device
-# launches slowly): unequal batch shares; the A40's larger memory: a larger range of experts
-SLOW = {"slow": {"base": "v100", "launch_overhead_s": 1e-4}}
-
-
 EMULATED = dict(name="emu", devices=["a40", "v100"], emulate=True, time_scale=1.5,
                 emulate_workload={"model": "d1", "seq_len": 4096})
-
-
-def cluster(world: int) -> dict:
-    return dict(name="mix", devices=["a40"] + ["slow"] * (world - 1), custom_devices=SLOW)
 
 
 def model(seed: int, layers: int = 2):
@@ -39,7 +30,7 @@ def model(seed: int, layers: int = 2):
 
 def fit_deep(rank: int, world: int) -> dict | None:
     m = model(rank, layers=4)
-    s = HeterMoEStrategy(mode="datacentric", cluster=cluster(world))
+    s = HeterMoEStrategy(mode="datacentric", cluster=mixed_cluster(world))
     trainer(s, world, max_steps=STEPS).fit(m, datamodule=data(world, 12, windows=72))
     b = s.backend
     sizes = [sh.sizes for layer in b.shards for sh in layer.values()]
@@ -64,7 +55,7 @@ def fits_and_resumes(rank: int, world: int, ckpt_dir: str) -> dict | None:
     out = {}
     m = model(rank)
     save = ModelCheckpoint(dirpath=f"{ckpt_dir}/dc", filename="{step}", every_n_train_steps=SAVED, save_top_k=-1)
-    trainer(HeterMoEStrategy(mode="datacentric", cluster=cluster(world)), world, max_steps=STEPS,
+    trainer(HeterMoEStrategy(mode="datacentric", cluster=mixed_cluster(world)), world, max_steps=STEPS,
             callbacks=[save], enable_checkpointing=True).fit(m, datamodule=data(world))
     out["datacentric"] = m.state_dict()
 
@@ -79,7 +70,7 @@ def fits_and_resumes(rank: int, world: int, ckpt_dir: str) -> dict | None:
             callbacks=[save], enable_checkpointing=True).fit(m, datamodule=data(world))
 
     m = model(100 + rank)
-    trainer(HeterMoEStrategy(mode="datacentric", cluster=cluster(world)), world, max_steps=STEPS).fit(
+    trainer(HeterMoEStrategy(mode="datacentric", cluster=mixed_cluster(world)), world, max_steps=STEPS).fit(
         m, datamodule=data(world), ckpt_path=f"{ckpt_dir}/zebra/step={SAVED}.ckpt")
     out["zebra -> datacentric"] = m.state_dict()
 

@@ -16,7 +16,7 @@ from lightning_hetermoe.model_contract import find_blocks
 from lightning_hetermoe.moe import build_router
 
 transformers = pytest.importorskip("transformers")
-from test_hf_convert import assert_same_model, randomize  # noqa: E402
+from helpers_hf import assert_same_model, hf_model, randomize  # noqa: E402
 
 E = 8
 
@@ -186,8 +186,6 @@ def test_deepseek_v3_without_shared_experts_converts_and_back():
 
 
 def test_conversion_errors_name_the_bias():
-    from test_hf_convert import hf_model
-
     with pytest.raises(ValueError, match="bias_update_rate=0"):
         to_hetermoe(deepseek(layers=2), expert_bias=False)
     layer = find_blocks(to_hetermoe(deepseek(layers=2), expert_bias=True, bias_update_rate=0.0))[0][2]

@@ -6,7 +6,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from lightning_hetermoe.emulate import (
     emulation_cost_model,
     installed,
 )
+from lightning_hetermoe.emulate import clock as emulate_clock
 from lightning_hetermoe.profile import make_timer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,34 +68,47 @@ def modelled_step(model: MoELanguageModel, out, device: str, scale: float) -> tu
     return fwd * scale, bwd * scale
 
 
-def timed_step(model, b):
-    t0 = time.perf_counter()
+def timed_step(model, b, clock):
+    t0 = clock.perf_counter()
     out = model.losses(b)
-    t1 = time.perf_counter()
+    t1 = clock.perf_counter()
     out["loss"].backward()
-    t2 = time.perf_counter()
+    t2 = clock.perf_counter()
     return out, t1 - t0, t2 - t1
 
 
-def test_padding_makes_tasks_take_the_modelled_time():
+def test_padding_makes_tasks_take_the_modelled_time(virtual_clock):
+    """On a virtual clock (only padding takes time) each pass lasts exactly what the device
+    models: every task padded once, in the pass it belongs to."""
     device = "t4"
+    clock = virtual_clock(emulate_clock)
     model, b = tiny_model(), batch()
-    timed_step(model, b)  # warm-up without emulation
     cluster = ClusterConfig(name="one", devices=[device], emulate=True, time_scale=SCALE)
     handle = apply_emulation(model, cluster, 0, seq_len=64)
-    timed_step(model, b)  # warm-up with it (first calls are not warned about)
-    out, fwd, bwd = timed_step(model, b)
+    timed_step(model, b, clock)  # warm-up (first calls are not warned about)
+    out, fwd, bwd = timed_step(model, b, clock)
     want_fwd, want_bwd = modelled_step(model, out, device, SCALE)
-    # Sleeping never ends early; the unpadded rest (embedding, head, loss) and sleep overshoot
-    # add a little on top.
-    assert want_fwd * 0.99 <= fwd <= want_fwd * 1.1 + 0.02, (fwd, want_fwd)
-    assert want_bwd * 0.99 <= bwd <= want_bwd * 1.1 + 0.02, (bwd, want_bwd)
+    assert fwd == pytest.approx(want_fwd, rel=1e-9) and bwd == pytest.approx(want_bwd, rel=1e-9), \
+        (fwd, want_fwd, bwd, want_bwd)
     stats = handle.emulator.summary()["tasks"]
     assert stats["attention"]["count"] == 2 * 2 * 2 and stats["experts"]["count"] == 2 * 2 * 2
     assert stats["head"]["count"] == 2 and stats["transfer"]["count"] == 0
-    # Real CPU compute stayed under the modelled times: no warning was due.
-    assert handle.emulator.needed_time_scale == 0.0
+    assert handle.emulator.needed_time_scale == 0.0  # no task overran: no warning was due
     handle.remove()
+
+
+def test_pad_sleeps_the_modelled_time_less_what_the_task_already_took(virtual_clock):
+    clock = virtual_clock(emulate_clock)
+    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=0)
+    started = clock.perf_counter()
+    clock.advance(0.004)  # the task's compute since it started
+    assert em.pad("attention", "a", started, 0.010, already=0.001, earlier=[(0.0, 0.002)]) == pytest.approx(0.003)
+    assert clock.perf_counter() - started == pytest.approx(0.007)  # 4 ms here + 3 ms slept; 3 ms ran before
+    with pytest.warns(EmulationWarning, match="set cluster.time_scale >= 2"):
+        assert em.pad("attention", "b", started, 0.005) == 0.0  # 7 ms of compute: an overrun, no sleep
+    assert clock.perf_counter() - started == pytest.approx(0.007)
+    st = em.stats["attention"]
+    assert (st.count, st.overruns) == (2, 1) and st.slept_s == pytest.approx(0.003)
 
 
 @pytest.mark.filterwarnings("ignore::lightning_hetermoe.emulate.EmulationWarning")
@@ -107,7 +120,7 @@ def test_emulation_changes_the_clock_not_the_math():
     out_ref["loss"].backward()
     out_emu["loss"].backward()
     assert torch.equal(out_ref["loss"], out_emu["loss"])
-    for (n, p), (_, q) in zip(ref.named_parameters(), emu.named_parameters()):
+    for (n, p), (_, q) in zip(ref.named_parameters(), emu.named_parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
 
 
@@ -143,26 +156,25 @@ def test_remove_restores_the_model_and_reapply_does_not_stack():
     assert hook_counts(model) == after_one != before
     second.remove()
     assert hook_counts(model) == before and installed(model) is None
-    t0 = time.perf_counter()
+    padded = [sum(s.count for s in h.emulator.stats.values()) for h in (first, second)]
     model.losses(b)["loss"].backward()
-    elapsed = time.perf_counter() - t0
-    want_fwd, _ = modelled_step(model, model.losses(b), "a40", SCALE)
-    assert elapsed < want_fwd / 2, (elapsed, want_fwd)
+    assert [sum(s.count for s in h.emulator.stats.values()) for h in (first, second)] == padded == [0, 0]
 
 
-def test_transfer_padding_uses_the_link_model():
+def test_transfer_padding_uses_the_link_model(virtual_clock):
+    clock = virtual_clock(emulate_clock)
     cfg = ModelConfig()
     timer = make_timer(cfg, 64, cost=emulation_cost_model())
     em = Emulator(get_device("a40"), timer, link=LinkConfig(bandwidth_gbps=8.0, latency_us=100.0), time_scale=10.0)
     rows = 1e6 / (cfg.d_model * 2)  # 1 MB of fp16 rows over 8 Gbit/s = 1 ms, + 0.1 ms latency, x10
     assert em.transfer(rows) == pytest.approx(0.011)
-    t0 = time.perf_counter()
+    t0 = clock.perf_counter()
     em.transfer_done("x", t0, em.transfer(rows))
-    assert 0.011 <= time.perf_counter() - t0 < 0.05  # upper bound: a loaded CI box oversleeps
+    assert clock.perf_counter() - t0 == pytest.approx(0.011)
     # the zebra exchange pads at the receiver: what left 5 ms ago arrives 5 ms sooner
-    t0 = time.perf_counter()
+    t0 = clock.perf_counter()
     em.arrive("transfer", "y", t0 - 0.005 + em.transfer(rows), em.transfer(rows))
-    assert 0.006 <= time.perf_counter() - t0 < 0.045
+    assert clock.perf_counter() - t0 == pytest.approx(0.006)
     assert em.stats["transfer"].count == 2 and em.stats["transfer"].modelled_s == pytest.approx(0.022)
     with pytest.raises(ValueError, match="time_scale"):
         Emulator(get_device("a40"), timer, link=LinkConfig(), time_scale=0)

@@ -59,7 +59,7 @@ def fit_cases(rank: int, world: int, cases: list[dict]) -> list[dict] | None:
 def test_distributed_equals_single_process_at_default_settings(world):
     cases = CASES[world]
     results = run_ranks(world, fit_cases, world, cases)[0]
-    for case, actual in zip(cases, results):
+    for case, actual in zip(cases, results, strict=True):
         model = build(case, seed=0)
         initial = copy.deepcopy(model.state_dict())
         expected = reference_fit(model, STEPS, accumulate=case.get("accumulate", 1), clip=case.get("clip"))

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer, whole_checkpoint
-from test_zebra import make_test_plan
+from helpers_zebra import make_test_plan
 import pytest
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -63,10 +63,10 @@ def test_bias_moves_by_the_global_load_alike_on_every_rank_and_resumes(tmp_path)
     for run in ("ep", "zebra", "resumed"):
         state, bias0, _ = per_rank[0][run]
         _, bias1, _ = per_rank[1][run]
-        for a, b in zip(bias0, bias1):  # zebra's expert rank routes nothing, yet moves alike
+        for a, b in zip(bias0, bias1, strict=True):  # zebra's expert rank routes nothing, yet moves alike
             assert torch.equal(a, b), run
         # the bias steps by 1e-3 per step: equal to the reference exactly, not nearly
-        for got, w in zip(bias0, want):
+        for got, w in zip(bias0, want, strict=True):
             assert torch.equal(got, w), (run, got, w)
         assert_same_params(state, expected, initial)
     metrics = per_rank[0]["ep"][2]

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers_moe import eager_and_compiled
 from lightning_hetermoe import kernels
 from lightning_hetermoe.configs import MoEConfig
 from lightning_hetermoe.kernels import grouped_mlp_grouped_mm, measured
@@ -76,7 +77,7 @@ def run(fn, x, idx, counts, ps, activation, upstream, recompute=False, dtype=Non
 
 
 def compare(got, want, tol, label, dtype=torch.float32):
-    for name, a, b in zip(NAMES, got, want):
+    for name, a, b in zip(NAMES, got, want, strict=True):
         if b is None:
             assert a is None, f"{label} {name}: a gradient where the loop has none"
             continue
@@ -156,7 +157,7 @@ def test_autocast_casts_like_a_matmul():
         outs.append(got)
     # bf16 like a matmul (and the Triton backend); the loop's fp32 bias add promotes its y.
     assert outs[0][0].dtype == torch.bfloat16
-    for name, a, b in zip(NAMES, *outs):
+    for name, a, b in zip(NAMES, *outs, strict=True):
         if name != "y":
             assert a.dtype == b.dtype == torch.float32, name  # gradients in the parameters' dtype
         assert rel_err(a, b) <= BF16_TOL, name
@@ -178,7 +179,7 @@ def test_traces_under_torch_compile():
         y = fn(xi, *pi)
         y.square().sum().backward()
         outs.append([y, xi.grad] + [p.grad for p in pi])
-    for name, a, b in zip(NAMES, *outs):
+    for name, a, b in zip(NAMES, *outs, strict=True):
         assert rel_err(b, a) <= 1e-6, f"compiled {name}"
 
 
@@ -210,25 +211,14 @@ def test_moe_layer_grouped_mm_backend(top_k, activation, bias, capacity_factor):
         grads = torch.autograd.grad((y * upstream).sum() + aux.balance_loss + aux.z_loss, [xi] + list(mod.parameters()))
         results.append([y] + list(grads))
     names = ["y", "x"] + [n for n, _ in layer.named_parameters()]
-    for name, a, b in zip(names, *results):
+    for name, a, b in zip(names, *results, strict=True):
         assert rel_err(a, b) <= FP32_TOL, name
 
 
 def test_moe_layer_compiles_with_grouped_mm_backend():
     """torch.compile over the whole layer (graph breaks, if any, come from the routing):
     output and gradients match eager."""
-    cfg = MoEConfig(num_experts=4, top_k=2, d_ff=16, jitter_eps=0.0, expert_backend="grouped_mm")
-    torch.manual_seed(0)
-    layer = MoELayer(16, cfg)
-    x = torch.randn(10, 16)
-    outs = []
-    for fn in (layer, torch.compile(layer, backend="aot_eager")):
-        layer.zero_grad()
-        xi = x.clone().requires_grad_()
-        y, _ = fn(xi)
-        y.square().sum().backward()
-        outs.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters()])
-    for a, b in zip(*outs):
+    for a, b in zip(*eager_and_compiled("grouped_mm"), strict=True):
         assert rel_err(b, a) <= 1e-6
 
 

@@ -16,7 +16,7 @@ import torch
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELayer
 from reference import SEQ, assert_same_params, data, reference_fit, trainer
-from test_zebra import make_test_plan
+from helpers_zebra import make_test_plan
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

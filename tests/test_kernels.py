@@ -8,9 +8,12 @@ modules keep seeing ``expert_backend='triton'`` as unavailable on CPU.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
+from helpers_moe import eager_and_compiled
 from lightning_hetermoe.configs import MoEConfig
 from lightning_hetermoe.kernels import grouped_gemm, grouped_mlp, grouped_wgrad, triton_available
 from lightning_hetermoe.moe import MoELayer, grouped_mlp_torch, resolve_backend
@@ -66,12 +69,12 @@ def run(fn, x, gather_idx, counts, ps, activation, upstream, recompute=False):
 def reference_rows(layer, x, gather_idx, counts, upstream):
     x = x.detach().requires_grad_()
     owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    rows = [reference_expert(layer, int(e), x[int(t)]) for e, t in zip(owner, gather_idx)]
+    rows = [reference_expert(layer, int(e), x[int(t)]) for e, t in zip(owner, gather_idx, strict=True)]
     ps = [p for p in params(layer) if p is not None]
     # No rows at all: a zero-row output that still depends on everything (zero gradients).
     y = torch.stack(rows) if rows else x.new_zeros(0, x.shape[1]) + 0 * sum(t.sum() for t in [x] + ps)
     grads = torch.autograd.grad((y * upstream).sum(), [x] + ps, allow_unused=True)
-    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, [x] + ps)]
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, [x] + ps, strict=True)]
     it = iter(grads[1:])
     return y.detach(), [grads[0]] + [next(it) if p is not None else None for p in params(layer)]
 
@@ -84,7 +87,7 @@ def compare(got, want, dtype, label):
     rtol = RTOL[dtype]
     assert y.dtype == dtype
     assert_close(y, yr, f"{label} output", rtol)
-    for name, g, gr in zip(NAMES, grads, grads_r):
+    for name, g, gr in zip(NAMES, grads, grads_r, strict=True):
         if gr is None:
             assert g is None, f"{label} {name}: gradient for an absent bias"
             continue
@@ -193,7 +196,7 @@ def test_moe_layer_triton_backend(top_k, activation, bias, capacity_factor):
     (y, grads), (yt, grads_t) = results
     assert_close(y, yr, "layer output vs reference", 1e-5)
     assert_close(y, yt, "layer output vs torch backend", 1e-5)
-    for name, g, gr, gt in zip(names, grads, grads_r, grads_t):
+    for name, g, gr, gt in zip(names, grads, grads_r, grads_t, strict=True):
         assert_close(g, gr, f"grad {name} vs reference", 1e-5)
         assert_close(g, gt, f"grad {name} vs torch backend", 1e-5)
 
@@ -218,14 +221,14 @@ def test_full_model_backends_agree_over_training_steps():
         tokens = torch.randint(0, 64, (2, 9), generator=gen)
         batch = (tokens[:, :-1], tokens[:, 1:])
         losses = []
-        for model, opt in zip((tri, ref), opts):
+        for model, opt in zip((tri, ref), opts, strict=True):
             opt.zero_grad()
             loss = model.losses(batch)["loss"]
             loss.backward()
             opt.step()
             losses.append(loss.detach())
         assert_close(losses[0], losses[1], f"step {step} loss", 1e-5)
-    for (name, p), q in zip(tri.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(tri.named_parameters(), ref.parameters(), strict=True):
         assert_close(p.detach(), q.detach(), f"{name} after 3 steps", 1e-4)
 
 
@@ -253,7 +256,7 @@ def test_row_buckets():
     assert m_bucket(10 ** 7) == M_BUCKET_MAX
     buckets = tuning_buckets()
     assert buckets[0] == M_BUCKET_MIN and buckets[-1] == M_BUCKET_MAX
-    assert all(b == 2 * a for a, b in zip(buckets, buckets[1:]))
+    assert all(b == 2 * a for a, b in itertools.pairwise(buckets))
     assert {m_bucket(m) for m in range(0, 40000, 97)} == set(buckets)
 
 
@@ -270,6 +273,7 @@ def test_autotune_key_has_row_bucket(which, monkeypatch):
 
     class Recorder:
         def __getitem__(self, grid):
+            # positional arguments name the kernel's first parameters (not strict: the rest come as keywords)
             return lambda *args, **kwargs: calls.append(dict(zip(inspect.signature(fn).parameters, args)) | kwargs)
 
     monkeypatch.setattr(launch, "_kernel", lambda fn, which, device: (Recorder(), {}))
@@ -353,25 +357,14 @@ def test_custom_op_traces_under_torch_compile():
         y = fn(xi, *pi)
         y.square().sum().backward()
         outs.append([y, xi.grad] + [p.grad for p in pi])
-    for name, a, b in zip(["y"] + NAMES, *outs):
+    for name, a, b in zip(["y"] + NAMES, *outs, strict=True):
         assert_close(b, a, f"compiled {name}", 1e-6)
 
 
 def test_moe_layer_compiles_with_triton_backend():
     """torch.compile over the whole layer: the expert op traces (graph breaks, if any, come
     from the data-dependent routing), and output and gradients match eager."""
-    cfg = MoEConfig(num_experts=4, top_k=2, d_ff=16, jitter_eps=0.0, expert_backend="triton")
-    torch.manual_seed(0)
-    layer = MoELayer(16, cfg)
-    x = torch.randn(10, 16)
-    outs = []
-    for fn in (layer, torch.compile(layer, backend="aot_eager")):
-        layer.zero_grad()
-        xi = x.clone().requires_grad_()
-        y, _ = fn(xi)
-        y.square().sum().backward()
-        outs.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters()])
-    for a, b in zip(*outs):
+    for a, b in zip(*eager_and_compiled("triton"), strict=True):
         assert_close(b, a, "compiled layer", 1e-6)
 
 

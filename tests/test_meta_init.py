@@ -17,7 +17,7 @@ from lightning_hetermoe import (HeterMoEStrategy, MoEConfig, MoELanguageModel, M
                                 OptimConfig)
 from lightning_hetermoe.convert.pretrained import materialize_whole
 from lightning_hetermoe.materialize import Holding, MaterializeError, Materializer
-from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer
+from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer, whole_state
 
 CONFIGS = {
     "default": {},
@@ -133,8 +133,7 @@ class BuiltInConfigureModel(MoELanguageModel):
 
 
 def fits(rank: int, world: int) -> list:
-    from test_saved_state import _whole_state
-    from test_zebra import make_test_plan
+    from helpers_zebra import make_test_plan
 
     out = []
     for mode, plan in (("ep", None), ("zebra", make_test_plan(world, [0], R=2, num_experts=4)), ("datacentric", None)):
@@ -142,11 +141,11 @@ def fits(rank: int, world: int) -> list:
         with t.init_module(empty_init=True):
             m = make_model(4, seed=rank, optim=OptimConfig())  # seeds differ: rank 0's decide
         t.fit(m, datamodule=data(world))
-        out.append((_whole_state(t), sum(p.numel() for p in m.parameters()), t.strategy.memory_report()))
+        out.append((whole_state(t), sum(p.numel() for p in m.parameters()), t.strategy.memory_report()))
     t = trainer(HeterMoEStrategy(mode="ep"), world, max_steps=3)
     user = BuiltInConfigureModel(make_model(4).model_cfg)
     t.fit(user, datamodule=data(world))
-    out.append((_whole_state(t), sum(p.numel() for p in user.parameters()), None))
+    out.append((whole_state(t), sum(p.numel() for p in user.parameters()), None))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(HeterMoEStrategy(mode="ep"), world, max_steps=1).fit(make_model(4, seed=rank),

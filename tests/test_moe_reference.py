@@ -6,60 +6,9 @@ import math
 import pytest
 import torch
 
+from helpers_moe import assert_close, check
 from lightning_hetermoe.configs import MoEConfig
 from lightning_hetermoe.moe import MoELayer, apply_capacity, expert_capacity
-from lightning_hetermoe.moe.reference import reference_moe
-
-RTOL = 1e-5
-
-
-def assert_close(actual, expected, what):
-    scale = expected.abs().max().clamp_min(1e-6)
-    err = (actual - expected).abs().max() / scale
-    assert err <= RTOL, f"{what}: max relative error {err:.2e} > {RTOL}"
-
-
-def run_both(cfg: MoEConfig, d_model=7, tokens=13, train=True, seed=0, prepare=None):
-    torch.manual_seed(seed)
-    layer = MoELayer(d_model, cfg)
-    layer.train(train)
-    with torch.no_grad():
-        if prepare is not None:
-            prepare(layer)
-        if layer.experts.b_up is not None:
-            layer.experts.b_up.normal_()
-            layer.experts.b_down.normal_()
-        if hasattr(layer.router, "noise_weight"):
-            layer.router.noise_weight.normal_(std=0.3)
-    x = torch.randn(tokens, d_model, requires_grad=True)
-    upstream = torch.randn(tokens, d_model)
-
-    torch.manual_seed(100)
-    y, aux = layer(x)
-    loss = (y * upstream).sum() + aux.balance_loss + aux.z_loss
-    grads = torch.autograd.grad(loss, [x] + list(layer.parameters()), allow_unused=True)
-
-    torch.manual_seed(100)
-    yr, balance, z = reference_moe(layer, x)
-    loss_r = (yr * upstream).sum() + balance + z
-    grads_r = torch.autograd.grad(loss_r, [x] + list(layer.parameters()), allow_unused=True)
-    return layer, (y, aux, grads), (yr, balance, z, grads_r)
-
-
-def check(cfg, **kw):
-    layer, (y, aux, grads), (yr, balance, z, grads_r) = run_both(cfg, **kw)
-    assert_close(y, yr, "output")
-    assert_close(aux.balance_loss, balance, "balance loss")
-    assert_close(aux.z_loss, z, "z loss")
-    names = ["x"] + [n for n, _ in layer.named_parameters()]
-    for name, g, gr in zip(names, grads, grads_r):
-        if gr is None:
-            assert g is None or g.abs().max() == 0, name
-            continue
-        assert g is not None, f"no gradient for {name}"
-        assert_close(g, gr, f"grad of {name}")
-    return layer, aux
-
 
 ROUTER_CASES = [
     ("topk", 1), ("topk", 2), ("topk", 5), ("switch", 1), ("gshard", 2), ("noisy_topk", 2), ("noisy_topk", 3),

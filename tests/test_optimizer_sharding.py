@@ -59,7 +59,7 @@ def expected():
 
 
 def test_dense_optimizer_state_is_split_over_replicas_and_training_is_unchanged(expected):
-    from test_zebra import make_test_plan
+    from helpers_zebra import make_test_plan
 
     plan = make_test_plan(4, [0, 1], R=2, num_experts=4)  # two attention ranks share the dense part
     cases = [("ep", None, True), ("ep", None, False), ("zebra", plan, True), ("datacentric", None, True)]

@@ -175,7 +175,7 @@ def test_plan_3_attention_4_expert():
 
 def test_three_tiers_newest_attend_oldest_serve_experts():
     p = make_plan(cluster(("h100", 2), ("a40", 2), ("v100", 2)), model(), seq_len=8192, global_batch_tokens=32 * 8192)
-    roles = dict(zip(p.devices, p.roles))
+    roles = dict(zip(p.devices, p.roles, strict=True))
     assert roles["h100"] == "attention" and roles["v100"] == "expert"
     check_placement(p, 2, 12)
 

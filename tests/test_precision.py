@@ -13,8 +13,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig, comm
 from lightning_hetermoe.configs import ConfigError
-from reference import data, make_model, reference_fit, trainer
-from test_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
+from reference import ScaleHistory, data, make_model, reference_fit, trainer
+from helpers_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -100,18 +100,6 @@ def test_fp16_with_loss_scaling_trains_like_one_process_in_every_mode():
         for name, value in expected.items():
             diff = (got[0]["state"][name].float() - value.float()).abs().max().item()
             assert diff <= bound, (case["mode"], name, diff, bound)
-
-
-class ScaleHistory(torch.amp.GradScaler):
-    """The single process's scaler, recording the scale after every step."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.history: list[float] = []
-
-    def update(self, new_scale=None) -> None:
-        super().update(new_scale)
-        self.history.append(float(self.get_scale()))
 
 
 SGD_STEPS = 10

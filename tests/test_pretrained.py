@@ -20,7 +20,7 @@ from lightning_hetermoe.ckpt.export import export_hf
 from lightning_hetermoe.convert.hf import export_info
 from lightning_hetermoe.convert.pretrained import HFWeights, PretrainedError, from_pretrained, materialize_whole
 from lightning_hetermoe.materialize import Target
-from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer
+from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer, whole_state
 
 tf = pytest.importorskip("transformers")
 
@@ -123,7 +123,7 @@ def test_a_full_checkpoint_exports_to_hugging_face_and_loads_back(tmp_path):
 
 # -- per rank, under the strategy ------------------------------------------------------------------
 def fit_pretrained(rank: int, world: int, directory: str, ckpt_dir: str) -> list:
-    from test_zebra import make_test_plan
+    from helpers_zebra import make_test_plan
 
     out = []
     for mode, plan in (("ep", None), ("zebra", make_test_plan(world, [0], R=2, num_experts=EXPERTS))):
@@ -133,9 +133,7 @@ def fit_pretrained(rank: int, world: int, directory: str, ckpt_dir: str) -> list
         held = [m.experts.num_local_experts for m in model.modules() if isinstance(m, MoELayer)]
         path = os.path.join(ckpt_dir, f"{mode}.ckpt")
         t.save_checkpoint(path)
-        from test_saved_state import _whole_state
-
-        out.append((_whole_state(t), held))
+        out.append((whole_state(t), held))
     return out if rank == 0 else [o[1] for o in out]
 
 

@@ -3,8 +3,9 @@ mode with a rank asleep inside a step, are in test_failures.py)."""
 
 from __future__ import annotations
 
-import time
+import pytest
 
+from lightning_hetermoe.strategy import progress
 from lightning_hetermoe.strategy.progress import Seen, StepProgress, stuck_report
 
 
@@ -32,17 +33,19 @@ def test_nothing_is_reported_inside_the_bound_or_outside_a_step():
     assert Seen.parse(0, "") is None and Seen.parse(3, "5|1.5|2|ep.rows") == Seen(3, 5, 1.5, 2, "ep.rows")
 
 
-def test_the_bound_arms_after_the_warmup_steps_from_the_slowest_measured_one():
+def test_the_bound_arms_after_the_warmup_steps_from_the_slowest_measured_one(virtual_clock):
+    clock = virtual_clock(progress)
     p = StepProgress(floor_s=0.05, factor=10.0, warmup_steps=2)
     p.started(0)
-    time.sleep(0.03)
+    clock.advance(0.03)
     p.finished()  # the first step (compilation, autotuning) is not measured
     assert p.bound_s() is None and p.slowest_s == 0.0
     p.started(1)
-    time.sleep(0.02)
+    clock.advance(0.02)
     p.finished()
-    assert p.bound_s() == max(0.05, 10 * p.slowest_s) and p.slowest_s >= 0.02
+    assert p.slowest_s == pytest.approx(0.02) and p.bound_s() == max(0.05, 10 * p.slowest_s)
     p.started(2)
-    assert float(p.snapshot().split("|")[1]) >= 0.0
+    clock.advance(0.25)
+    assert p.snapshot().split("|")[1] == "0.250"
     p.pause()  # validation or a checkpoint: outside a step
     assert p.snapshot().split("|")[1] == "-1.000"

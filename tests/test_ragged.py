@@ -17,9 +17,8 @@ from harness import run_ranks
 from lightning_hetermoe import (ByteCorpusDataModule, HeterMoEStrategy, MoEConfig, MoELanguageModel, MoELayer,
                                 OptimConfig, comm)
 from lightning_hetermoe.model.sampling import ResumableLoader
-from reference import SEQ, assert_same_params, global_balance, recording_balance, data, global_batches, make_model, trainer
-from test_datacentric import cluster as slow_cluster
-from test_zebra import make_test_plan
+from reference import SEQ, assert_same_params, global_balance, recording_balance, data, global_batches, make_model, mixed_cluster, trainer
+from helpers_zebra import make_test_plan
 
 WORLD, GLOBAL, WINDOWS, STEPS = 2, 8, 64, 3
 
@@ -149,7 +148,7 @@ def fit_ragged(rank: int, world: int, cases: list[dict]) -> list[dict]:
 def global_losses(per_rank: list[dict], world: int) -> list[float]:
     """The step's loss over the global batch: the ranks' weighted mean (DDP's average), or the
     loss every rank already returns."""
-    steps = zip(*(r["losses"] for r in per_rank))
+    steps = zip(*(r["losses"] for r in per_rank), strict=True)
     out = []
     for step in steps:
         if step[0][1] is None:
@@ -161,7 +160,7 @@ def global_losses(per_rank: list[dict], world: int) -> list[float]:
 
 CASES = [
     dict(name="ep", strategy=dict(mode="ep")),
-    dict(name="ep_balanced", strategy=dict(mode="ep", batch_split="speed", cluster=slow_cluster(WORLD))),
+    dict(name="ep_balanced", strategy=dict(mode="ep", batch_split="speed", cluster=mixed_cluster(WORLD))),
     # micro-batches of 3+3+2 rows, each holding rows of both ranks padded to the longer: their
     # real tokens are not in proportion to their rows; validation pads too
     dict(name="zebra", strategy=dict(mode="zebra", plan=make_test_plan(WORLD, [0], R=3)), validate=True),
@@ -169,7 +168,7 @@ CASES = [
     dict(name="zebra_checkpointed", strategy=dict(mode="zebra", plan=make_test_plan(WORLD, [0], R=3)),
          model=dict(activation_checkpointing=True)),
     dict(name="distep", strategy=dict(mode="distep", plan=make_test_plan(WORLD, [0], R=2))),
-    dict(name="datacentric", strategy=dict(mode="datacentric", cluster=slow_cluster(WORLD))),
+    dict(name="datacentric", strategy=dict(mode="datacentric", cluster=mixed_cluster(WORLD))),
 ]
 
 
@@ -331,7 +330,7 @@ def predict_and_test_ragged(rank: int, world: int, cases: list[dict]) -> list[di
     cut to their own lengths."""
     import dataclasses
 
-    from test_predict import BATCH, PREDICT_ROWS, TEST_ROWS, StepOutputs, Written, predictor, rows, to_cpu
+    from helpers_predict import BATCH, PREDICT_ROWS, TEST_ROWS, StepOutputs, Written, predictor, rows, to_cpu
 
     out = []
     for case in cases:
@@ -360,9 +359,9 @@ def _rank_batches(rows, n: int, world: int, rank: int, batch: int) -> list[tuple
 
 
 def check_ragged_evaluation(world: int, cases: list[dict]) -> None:
-    from test_predict import BATCH, PREDICT_ROWS, TEST_ROWS, predictor, rows
+    from helpers_predict import BATCH, PREDICT_ROWS, TEST_ROWS, predictor, rows
 
-    from test_collectives import DEVICE_TRAFFIC, HOST_TRAFFIC
+    from helpers_traffic import DEVICE_TRAFFIC, HOST_TRAFFIC
 
     per_rank = run_ranks(world, predict_and_test_ragged, world, cases)
     model = predictor(seed=0).eval()
@@ -373,7 +372,7 @@ def check_ragged_evaluation(world: int, cases: list[dict]) -> None:
     assert any(len({b[k][1] for b in batches}) > 1 for k in range(len(batches[0]))), batches
     # the test loss one process computes: each step's cross-entropy over every real token of its
     # global batch, the steps weighed by their rows (Lightning's epoch mean)
-    steps = list(zip(*(_rank_batches(test_set, TEST_ROWS[world], world, r, BATCH[world]) for r in range(world))))
+    steps = list(zip(*(_rank_batches(test_set, TEST_ROWS[world], world, r, BATCH[world]) for r in range(world)), strict=True))
     assert any(len({length for _, length in step}) > 1 for step in steps), steps
     values, weights = [], []
     with torch.no_grad():
@@ -383,13 +382,13 @@ def check_ragged_evaluation(world: int, cases: list[dict]) -> None:
             total = sum(p[0].numel() for p in pieces)
             values.append(sum(float(model.losses(p)["ce"]) * p[0].numel() / total for p in pieces))
             weights.append(sum(len(indices) for indices, _ in step))
-    want_loss = sum(v * w for v, w in zip(values, weights)) / sum(weights)
+    want_loss = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
     for c, case in enumerate(cases):
         mode = case["mode"]
         for r in range(world):
             got, where = per_rank[r][c], f"{mode}, rank {r}"
             assert [indices for indices, _ in got["written"]] == [indices for indices, _ in batches[r]], where
-            for (indices, pred), back, (_, length) in zip(got["written"], got["returned"], batches[r]):
+            for (indices, pred), back, (_, length) in zip(got["written"], got["returned"], batches[r], strict=True):
                 tokens, same = pred["ids"]
                 # per-token outputs at the rank's own length, as it alone computes them
                 assert pred["logits"].shape[:2] == (len(indices), length), (where, pred["logits"].shape, length)

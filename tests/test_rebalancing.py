@@ -15,30 +15,13 @@ from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, OptimConfig
 from lightning_hetermoe.placement import Placement
 from lightning_hetermoe.model_contract import moe_layers
-from reference import assert_same_params, data, global_batches, make_model, reference_fit, trainer, whole_checkpoint
-from test_zebra import make_test_plan
+from reference import MoveAt, assert_same_params, data, global_batches, make_model, reference_fit, trainer, whole_checkpoint
+from helpers_zebra import make_test_plan
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 6
 SGD = dict(name="sgd", lr=0.1, momentum=0.9, warmup_steps=0)
-
-
-class MoveAt(L.Callback):
-    """At the end of step ``step``, move every layer's experts to ``placement`` (a test's
-    stand-in for a rebalancing decision: the same call the rebalancer makes)."""
-
-    def __init__(self, step: int, placement) -> None:
-        self.step, self.placement, self.moved = step, placement, None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step and self.moved is None:
-            before = [layer.dispatcher for _, layer in moe_layers(pl_module)]
-            self.moved = trainer.strategy.move_experts(Placement(self.placement))
-            self.after = trainer.strategy.placement.to_lists()
-            # A move keeps each layer's dispatcher object: what wraps it (the emulated
-            # clock's exchange timing) must survive a migration.
-            self.kept = all(a is b for a, b in zip(before, [layer.dispatcher for _, layer in moe_layers(pl_module)]))
 
 
 def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = None):
@@ -77,7 +60,7 @@ def moved():
 
 
 def test_moves_and_copies_in_the_middle_of_training_change_no_number(moved):
-    for case, got in zip(CASES, moved):
+    for case, got in zip(CASES, moved, strict=True):
         model = make_model(4, seed=0, optim=OptimConfig(**case.get("optim", {})))
         initial = copy.deepcopy(model.state_dict())
         expected = reference_fit(model, STEPS)
@@ -95,10 +78,10 @@ def test_zebra_moves_between_expert_ranks_and_onto_the_attention_rank():
     for case in cases:
         case["global"] = case.pop("global_")
     results = run_ranks(3, fit_moving, 3, cases)[0]
-    for case, got in zip(cases, results):
+    for case, got in zip(cases, results, strict=True):
         model = make_model(4, seed=0, optim=OptimConfig(**case.get("optim", {})))
         initial = copy.deepcopy(model.state_dict())
-        from test_zebra import pieces
+        from helpers_zebra import pieces
 
         expected = reference_fit(model, STEPS, global_batch=12, pieces=pieces(plan, "zebra"))
         assert got["moved"] > 0 and got["after"] == case["placement"]

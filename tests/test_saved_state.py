@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from lightning_hetermoe.ckpt.consolidate import consolidate
-from reference import assert_same_params, data, make_model, reference_fit, trainer
+from reference import assert_same_params, data, make_model, reference_fit, trainer, whole_state
 
 pytestmark = pytest.mark.slow
 
@@ -55,15 +55,8 @@ def resume_each(rank: int, world: int, cases: list[tuple[str, str, object]]):
         with t.init_module(empty_init=True):
             m = model(seed=100 + rank)
         t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
-        out.append(_whole_state(t))
+        out.append(whole_state(t))
     return out if rank == 0 else None
-
-
-def _whole_state(t) -> dict:
-    """The trained model's state dict, every expert gathered (a collective)."""
-    from lightning_hetermoe.strategy.expert_state import ExpertState
-
-    return ExpertState(t.strategy.backend, t.lightning_module).module_state()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +65,7 @@ def runs(tmp_path_factory):
     on 2 ranks; the zebra step-4 checkpoint consolidated offline; then resumed on 4 ranks under
     ep, datacentric and zebra (2 attention + 2 expert ranks, Asym-EA), and the full and the
     consolidated files under ep. Two starts of the ranks."""
-    from test_zebra import make_test_plan
+    from helpers_zebra import make_test_plan
 
     ep_dir, zebra_dir = str(tmp_path_factory.mktemp("ep")), str(tmp_path_factory.mktemp("zebra"))
     plan2 = make_test_plan(2, [0], R=2, num_experts=NUM_EXPERTS)

@@ -44,7 +44,7 @@ def test_predictions_assume_the_routing_of_the_initial_routers_on_a_warm_up_batc
     for h in hooks:
         h.remove()
     by_hand = [(c / c.sum()).tolist() for c in counts]
-    for measured, expected in zip(got[0]["load"], by_hand):
+    for measured, expected in zip(got[0]["load"], by_hand, strict=True):
         assert measured == torch.tensor(expected).tolist() or torch.allclose(torch.tensor(measured),
                                                                                torch.tensor(expected))
     skew = max(max(row) * len(row) for row in by_hand)

@@ -89,7 +89,7 @@ def test_zebra_two_layers_two_microbatches_by_hand():
     assert res.idle[0] == pytest.approx(3.0)
     assert sum(e - s for s, e in res.bubbles[res.lanes[1]]) == pytest.approx(3.0)
     tl = res.timeline
-    start = {(t.name, t.resource[0]): s for t, s in zip(tl.tasks, tl.start)}
+    start = {(t.name, t.resource[0]): s for t, s in zip(tl.tasks, tl.start, strict=True)}
     assert start[("Xb1.0", "1")] == pytest.approx(5.0) and start[("Ab0.1", "0")] == pytest.approx(13.0)
 
 

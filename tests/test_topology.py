@@ -110,7 +110,7 @@ def test_a_ring_takes_its_slowest_hop():
 def naive_legs(setup, layer, tokens):
     """Every pair's rows, group by group, summed onto ranks and node ports by brute force."""
     k, topo = setup.model.moe.top_k, setup.topology
-    members = [(t, setup.own_share(lane, layer), r) for lane, t in zip(setup.lanes, tokens) for r in lane.ranks]
+    members = [(t, setup.own_share(lane, layer), r) for lane, t in zip(setup.lanes, tokens, strict=True) for r in lane.ranks]
     n_groups = len(setup.replicas_of(members[0][2]))
     intra = {}
     out, inn = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
@@ -118,8 +118,8 @@ def naive_legs(setup, layer, tokens):
         at = [setup.replicas_of(r)[g] for _, _, r in members]
         sent_in = {a: 0.0 for a in at}
         recv_in = {a: 0.0 for a in at}
-        for (tp, _, _), p in zip(members, at):
-            for (_, sq, _), q in zip(members, at):
+        for (tp, _, _), p in zip(members, at, strict=True):
+            for (_, sq, _), q in zip(members, at, strict=True):
                 if p == q:
                     continue
                 rows = tp * k * sq
@@ -133,7 +133,7 @@ def naive_legs(setup, layer, tokens):
             n = topo.node_of[a]
             intra[n] = max(intra.get(n, 0.0), sent_in[a], recv_in[a])
     legs = [(rows, topo.links[n]) for n, rows in sorted(intra.items()) if rows > 0]
-    legs += [(max(o, i), topo.network) for o, i in zip(out, inn) if max(o, i) > 0]
+    legs += [(max(o, i), topo.network) for o, i in zip(out, inn, strict=True) if max(o, i) > 0]
     return legs, sum(out)
 
 
@@ -207,7 +207,7 @@ def test_the_planner_keeps_zp_groups_inside_nodes_where_that_is_faster_and_the_t
     blind = copy.deepcopy(plan)
     blind.zp_groups = [type(g)(attention_ranks=[g.attention_ranks[0], h.attention_ranks[1]],
                                expert_ranks=[g.expert_ranks[0], h.expert_ranks[1]])
-                       for g, h in zip(plan.zp_groups, plan.zp_groups[::-1])]
+                       for g, h in zip(plan.zp_groups, plan.zp_groups[::-1], strict=True)]
     devs = as_cluster(c).devices
     timer = make_timer(m, 8192)
     aware = simulate_plan(plan, devs, m, topo, timer, keep_timeline=False)

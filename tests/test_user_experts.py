@@ -20,9 +20,8 @@ from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoEConfig, MoELayer, OptimConfig
 from lightning_hetermoe.model.lm import MoELanguageModel
 from lightning_hetermoe.moe import ExpertContractError, ModuleExperts, Router, RouterOutput, gate_losses
-from reference import assert_same_params, data, reference_fit, trainer, whole_checkpoint
-from test_rebalancing import MoveAt
-from test_zebra import make_test_plan
+from reference import MoveAt, assert_same_params, data, reference_fit, trainer, whole_checkpoint
+from helpers_zebra import make_test_plan
 
 D, E, VOCAB = 16, 4, 256
 STEPS, SAVED = 5, 3

@@ -15,7 +15,7 @@ from lightning_hetermoe import HeterMoEStrategy, OptimConfig, comm
 from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.cluster.topology import cluster_topology
 from reference import assert_same_params, data, make_model, reference_fit, trainer
-from test_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
+from helpers_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
 
 DEVICES = ["h100", "mi250x", "mi250x"]
 VENDORS = [spec.vendor for spec in ClusterConfig(devices=DEVICES).specs()]

@@ -15,7 +15,7 @@ from lightning_hetermoe import HeterMoEStrategy, OptimConfig, comm
 from lightning_hetermoe.model_contract import describe_model
 from lightning_hetermoe.profile import CostModel
 from reference import data, make_model, trainer
-from test_zebra import GLOBAL, WINDOWS, make_test_plan
+from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
 
 STEPS = 2
 # what each data collective carries: activations/weights (priced at dtype_bytes) or gradients (grad_bytes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy
 from reference import data, make_model, trainer
-from test_zebra import GLOBAL, WINDOWS, make_test_plan
+from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
 import pytest
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -75,22 +75,8 @@ class DeviceSpec:
         object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
 
     @property
-    def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
-
-    @property
     def usable_bytes(self) -> float:
         return (self.memory_gb - self.reserved_gb) * 1e9
-
-    @property
-    def gemm_flops(self) -> float:
-        """Sustained FLOP/s on large fp16/bf16 GEMMs."""
-        return self.fp16_tflops * 1e12 * self.gemm_efficiency
-
-    @property
-    def attn_flops(self) -> float:
-        """Sustained FLOP/s of the fused attention core in fp16/bf16."""
-        return self.fp16_tflops * 1e12 * self.attn_efficiency
 
     @property
     def has_bf16(self) -> bool:

@@ -82,7 +82,7 @@ class Topology:
                 out[at[s]] += sum(rows[s][d] for d in range(n) if at[d] != at[s])
                 inn[at[s]] += sum(rows[d][s] for d in range(n) if at[d] != at[s])
         legs = [(x, self.links[k]) for k, x in enumerate(intra) if x > 0]
-        legs += [(max(o, i), self.network) for o, i in zip(out, inn) if max(o, i) > 0]
+        legs += [(max(o, i), self.network) for o, i in zip(out, inn, strict=True) if max(o, i) > 0]
         return legs
 
 

@@ -99,7 +99,7 @@ class Emulator:
     thread-pool start-up), only counted."""
 
     def __init__(self, device, timer, *, link, time_scale: float = 1.0, token_scale: float = 1.0,
-                 warmup_calls: int = 1, sleep: Callable[[float], None] = time.sleep, topology: Any = None,
+                 warmup_calls: int = 1, sleep: Callable[[float], None] | None = None, topology: Any = None,
                  rank: int = 0) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale={time_scale!r} is invalid: must be > 0")
@@ -108,7 +108,8 @@ class Emulator:
         self.topology, self.rank = topology, rank
         self.time_scale, self.token_scale = float(time_scale), float(token_scale)
         self.warmup_calls = warmup_calls
-        self._sleep = sleep
+        # sleeps and stamps from one clock, this module's ``time`` (the tests run it virtually)
+        self._sleep = sleep if sleep is not None else time.sleep
         self.stats: dict[str, TaskStats] = {t: TaskStats() for t in TASKS}
         self._seen: dict[Any, int] = {}
         self._warned = False

@@ -52,9 +52,9 @@ class ExpertBiasUpdater:
         # ranks that routed nothing this step (zebra's expert ranks) take part with zeros
         local = torch.stack([c.to(bias.device, torch.float32) if c is not None
                              else torch.zeros(layer.num_experts, device=bias.device)
-                             for c, layer in zip(self._counts, self.layers)])
+                             for c, layer in zip(self._counts, self.layers, strict=True)])
         load = reduce(local)
-        for layer, row in zip(self.layers, load):
+        for layer, row in zip(self.layers, load, strict=True):
             layer.router.update_expert_bias(row)
         self._counts = [None] * len(self.layers)
         return load

@@ -154,7 +154,7 @@ class ModuleExperts(nn.Module):
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                params = {name: views[e] for name, views in zip(self.names, per_expert)}
+                params = {name: views[e] for name, views in zip(self.names, per_expert, strict=True)}
                 y = functional_call(self._template, params, (xs[start:start + n],))
                 if y.shape != (n, self.d_model):
                     raise ExpertContractError(f"expert {e} returned shape {tuple(y.shape)} for {n} rows: an expert "

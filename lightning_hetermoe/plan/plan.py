@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..apportion import split_microbatches
 from ..serialization import JsonDataclass
 
 ROLES = ("attention", "expert")
@@ -161,9 +160,6 @@ class Plan(JsonDataclass):
         """Per layer, experts held by attention ranks (Asym-EA) in one ZP group."""
         m = len(self.zp_groups[0].attention_ranks)
         return [sum(1 for p in row if p < m) for row in self.placement]
-
-    def microbatch_seqs(self, rank: int) -> list[int]:
-        return split_microbatches(self.seqs_per_rank[rank], self.num_microbatches)
 
     # ---- serialisation -------------------------------------------------------------------
     json_indent = 1

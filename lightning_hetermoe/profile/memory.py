@@ -53,10 +53,6 @@ class MemoryModel:
         mats = 3 if m.moe.activation == "swiglu" else 2
         return mats * m.d_model * m.moe.d_ff
 
-    def total_params(self) -> float:
-        m = self.model
-        return self.attention_stack_params() + m.n_layers * m.moe.num_experts * self.expert_params()
-
     # ---- bytes ---------------------------------------------------------------------------
     def grad_sync_bytes(self) -> float:
         """What zebra's dense gradient sync holds beside the gradients: one bucket, or the

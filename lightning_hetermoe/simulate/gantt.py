@@ -28,7 +28,7 @@ def _draw(ax, result: StepResult, title: str) -> None:
     rows = _rows(result)
     y = {r: i for i, r in enumerate(rows)}
     busy: dict[str, float] = {}
-    for t, s, e in zip(tl.tasks, tl.start, tl.end):
+    for t, s, e in zip(tl.tasks, tl.start, tl.end, strict=True):
         if e <= s:
             continue
         busy[t.resource] = busy.get(t.resource, 0.0) + (e - s)

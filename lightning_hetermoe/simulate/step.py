@@ -315,7 +315,7 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
                 out[n] += c * t * k * (1 - node_s[n])
                 inn[n] += c * s * k * (group - node_t[n])
     legs = [(rows, topo.links[n]) for n, rows in enumerate(intra) if rows > 0]
-    legs += [(max(o, i), topo.network) for o, i in zip(out, inn) if max(o, i) > 0]
+    legs += [(max(o, i), topo.network) for o, i in zip(out, inn, strict=True) if max(o, i) > 0]
     return legs, sum(out)
 
 
@@ -518,7 +518,7 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
     per_res_busy: dict[str, float] = {}
     per_res_last: dict[str, float] = {}
     per_res_spans: dict[str, list[tuple[float, float]]] = {}
-    for t, s, e in zip(tl.tasks, tl.start, tl.end):
+    for t, s, e in zip(tl.tasks, tl.start, tl.end, strict=True):
         if t.kind in COMPUTE_KINDS:
             per_res_busy[t.resource] = per_res_busy.get(t.resource, 0.0) + (e - s)
             per_res_spans.setdefault(t.resource, []).append((s, e))

@@ -76,7 +76,7 @@ def gather_experts(local: Tensor, held: list[list[int]], group: Group) -> Tensor
     chunks = [torch.empty_like(padded) for _ in held]
     comm.all_gather(group, chunks, padded.contiguous(), what="experts.gather")
     full = local.new_empty((len({e for p in held for e in p}),) + tuple(local.shape[1:]))
-    for chunk, experts in zip(chunks, held):
+    for chunk, experts in zip(chunks, held, strict=True):
         if experts:
             full[torch.tensor(experts, device=local.device)] = chunk[: len(experts)]
     return full

@@ -315,7 +315,7 @@ class HeterMoEStrategy(DDPStrategy):
         if len(mine) != len(seeds):
             raise ConfigError(f"rank {self.global_rank} built a different model than rank 0 ({len(mine)} seeded "
                               f"modules against {len(seeds)}): every process must build the same model")
-        for m, seed in zip(mine, seeds):
+        for m, seed in zip(mine, seeds, strict=True):
             m.init_seed = seed
         return Materializer(self.root_device, run_seed)
 

@@ -16,6 +16,7 @@ Rank 0 decides and broadcasts, so every rank builds the same backend from the sa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..cluster import ClusterConfig, DeviceSpec
-from ..configs import ConfigError
+from ..configs import ConfigError, ModelConfig
 from ..model_contract import ModelContractError, describe_model
 from .arguments import DISAGGREGATED, check_plan
 from .backends.base import ParallelBackend, Simulated
@@ -137,9 +138,10 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     precision = precision_name(strategy.precision_plugin)
     check_bf16(precision, devices, args.allow_emulated_bf16)  # detected devices too
     needs_clock = args.mode in ("auto", *DISAGGREGATED) and world > 1 or args.emulated or args.batch_split == "speed"
+    model = _Description.of(module)
     try:
         per_rank, seq_len = loader_batch_shape(trainer)
-        clock.bind(describe_model(module), per_rank, seq_len, world, devices, precision)
+        clock.bind(model.config(), per_rank, seq_len, world, devices, precision)
     except (ConfigError, ModelContractError) as err:
         if needs_clock:
             raise ConfigError(str(err)) from None
@@ -151,32 +153,54 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     if world == 1 and args.mode == "auto":
         choice, plan = "single", None
     else:
-        choice, plan = _decide(strategy, trainer, module) if rank == 0 else (None, None)
+        choice, plan = _decide(args, clock, world, module, model) if rank == 0 else (None, None)
         choice, plan, clock.expert_load = strategy.broadcast(
             (choice, None if plan is None else plan.to_dict(), clock.expert_load), src=0)
         if plan is not None:
             from ..plan import Plan
 
             plan = Plan.from_dict(plan)
-    backend = _build(strategy, choice, plan, module)
+    backend = _build(args, clock, choice, plan, module, model, strategy.root_device, rank, world,
+                     measure_busy=strategy.measure_busy)
     clock.prediction = clock.predict(backend.simulated())
-    if plan is not None:
-        _announce_plan(strategy, trainer, plan)
+    if plan is not None and rank == 0:
+        _announce_plan(trainer, plan)
     return backend
 
 
-def _decide(strategy: Any, trainer: Any, module: Any) -> tuple[str, Any]:
+@dataclass(frozen=True)
+class _Description:
+    """The model's description (:func:`describe_model`), derived once at set-up; or why it
+    cannot be, raised where a step needs it."""
+
+    config_or_none: ModelConfig | None
+    error: ModelContractError | None
+
+    @staticmethod
+    def of(module: Any) -> "_Description":
+        try:
+            return _Description(describe_model(module), None)
+        except ModelContractError as err:
+            return _Description(None, err)
+
+    def config(self) -> ModelConfig:
+        if self.error is not None:
+            raise self.error
+        return self.config_or_none
+
+
+def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description) -> tuple[str, Any]:
     """Rank 0: the schedule (and its plan, if it runs one)."""
-    args, clock = strategy.args, strategy.clock
     if args.mode == "ep":
         return ("ep_balanced" if args.batch_split == "speed" else "ep"), None
     if args.mode == "datacentric":
         return "datacentric", None
     if args.mode in DISAGGREGATED:
-        return args.mode, _plan(strategy, module, required=True, schedule=args.mode)
+        return args.mode, _plan(args, clock, world, model.config(), required=True, schedule=args.mode)
     if args.plan is not None:  # auto with a given plan runs what the plan was made for
-        return args.plan.schedule, _plan(strategy, module, required=True)
-    plan = _plan(strategy, module, required=False, schedule="zebra") if _can_disaggregate(strategy, module) else None
+        return args.plan.schedule, _plan(args, clock, world, model.config(), required=True)
+    disaggregable = _can_disaggregate(world, module, model)
+    plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra") if disaggregable else None
     throughput: dict[str, float] = {}
     for name in AUTO_CANDIDATES:
         if name in DISAGGREGATED:
@@ -186,7 +210,7 @@ def _decide(strategy: Any, trainer: Any, module: Any) -> tuple[str, Any]:
         else:
             if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
                 continue  # identical devices: the speed split is the equal split
-            sim, tokens = Simulated(name, ep_size=strategy.world_size), clock.tokens_per_step
+            sim, tokens = Simulated(name, ep_size=world), clock.tokens_per_step
         try:
             throughput[name] = tokens / clock.step_time(sim)
         except ValueError:
@@ -211,25 +235,19 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:,.0f} tokens/s"
 
 
-def _can_disaggregate(strategy: Any, module: Any) -> bool:
+def _can_disaggregate(world: int, module: Any, model: _Description) -> bool:
     """Zebra and distep can run this model here (auto weighs them only then)."""
-    if strategy.world_size < 2 or not getattr(module, "automatic_optimization", False):
+    if world < 2 or not getattr(module, "automatic_optimization", False):
         return False
-    try:
-        describe_model(module)
-    except ModelContractError:
-        return False
-    return True
+    return model.error is None
 
 
-def _plan(strategy: Any, module: Any, required: bool, schedule: str = "zebra") -> Any:
+def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: bool, schedule: str = "zebra") -> Any:
     """The plan the run gives, or a new one from the planner for ``schedule`` (``None`` if
     none fits and none is ``required``)."""
     from ..plan import make_plan
     from ..plan.planner import ClusterView
 
-    args, clock, world = strategy.args, strategy.clock, strategy.world_size
-    model_cfg = describe_model(module)
     if args.plan is not None:
         check_plan(args.plan, model_cfg, world)
         if clock.per_rank * world != args.plan.total_seqs:
@@ -251,18 +269,17 @@ def _plan(strategy: Any, module: Any, required: bool, schedule: str = "zebra") -
     return plan
 
 
-def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBackend:
-    args, clock = strategy.args, strategy.clock
-    device, rank, world = strategy.root_device, strategy.global_rank, strategy.world_size
+def _build(args: Any, clock: Any, choice: str, plan: Any, module: Any, model: _Description, device: torch.device,
+           rank: int, world: int, *, measure_busy: bool) -> ParallelBackend:
     if choice == "single":
         from .backends.single import SingleDeviceBackend
 
-        return SingleDeviceBackend(clock, device, measure_busy=strategy.measure_busy)
+        return SingleDeviceBackend(clock, device, measure_busy=measure_busy)
     if choice in ("ep", "ep_balanced"):
         from .backends.ep import ExpertParallelBackend
 
         return ExpertParallelBackend(args.expert_parallel_size, choice == "ep_balanced", clock, rank, world, device,
-                                     measure_busy=strategy.measure_busy, replica_dispatch=args.replica_dispatch)
+                                     measure_busy=measure_busy, replica_dispatch=args.replica_dispatch)
     if choice == "datacentric":
         from .backends.datacentric import DataCentricBackend
 
@@ -271,13 +288,11 @@ def _build(strategy: Any, choice: str, plan: Any, module: Any) -> ParallelBacken
 
     if not module.automatic_optimization:
         raise ConfigError(f"mode={choice!r} runs the backward itself: it needs automatic optimization")
-    balance = describe_model(module).moe.aux_loss_coef > 0
+    balance = model.config().moe.aux_loss_coef > 0
     return ZebraBackend(plan, choice, rank, balance=balance, device=device, clock=clock)
 
 
-def _announce_plan(strategy: Any, trainer: Any, plan: Any) -> None:
-    if strategy.global_rank != 0:
-        return
+def _announce_plan(trainer: Any, plan: Any) -> None:
     print(str(plan), flush=True)
     root = Path(trainer.default_root_dir)
     root.mkdir(parents=True, exist_ok=True)

@@ -52,5 +52,5 @@ def _host_numbers(metrics: dict[str, Any]) -> dict[str, float]:
     names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
     values = torch.stack([metrics[k].detach().reshape(()).double() for k in names]).tolist() if names else []
     out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-    out.update(zip(names, values))
+    out.update(zip(names, values, strict=True))
     return out

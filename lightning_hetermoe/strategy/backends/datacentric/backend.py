@@ -115,7 +115,7 @@ class DataCentricBackend(DenseDDPBackend):
     def _issue(self, layer: int, names: list[str], parts: list[Tensor]) -> list[tuple[Pending, Shard]]:
         self.issued_at[layer] = time.perf_counter()
         issued = []
-        for name, part in zip(names, parts):
+        for name, part in zip(names, parts, strict=True):
             shard = self.shards[layer][name]
             # in the dtype the experts compute in; the gradients come back in fp32 (Gathered)
             part = part.detach().to(comm.wire_dtype(part))

@@ -52,7 +52,7 @@ class DataCentricDispatcher:
 
         def run(x: Tensor, *parts: Tensor) -> Tensor:
             fulls = self.weights(names, parts)
-            return functional_call(experts, dict(zip(names, fulls)), (x, sc.token, sc.counts))
+            return functional_call(experts, dict(zip(names, fulls, strict=True)), (x, sc.token, sc.counts))
 
         self.backend.prefetch(self.layer)  # no-op when the previous layer already issued it
         if torch.is_grad_enabled():

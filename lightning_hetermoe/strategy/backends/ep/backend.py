@@ -62,7 +62,7 @@ class ExpertParallelBackend(DenseDDPBackend):
                 # DDP would broadcast the dense weights at wrap time, but not the experts (they
                 # stay outside DDP) and not in evaluation: rank 0's values go everywhere first
                 broadcast_whole(module, "ep.weights")
-                for layer, mine in zip(self._layers, rows):
+                for layer, mine in zip(self._layers, rows, strict=True):
                     slice_experts(layer, mine)
             for l, layer in enumerate(self._layers):
                 layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l), self.replica_dispatch,

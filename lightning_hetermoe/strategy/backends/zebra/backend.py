@@ -198,7 +198,7 @@ class ZebraBackend(ParallelBackend):
         else:
             # rank 0's weights everywhere, before anyone slices (on the device: set-up moved the model)
             broadcast_whole(module, "zebra.weights")
-            for layer, ids in zip(self.layers, mine):
+            for layer, ids in zip(self.layers, mine, strict=True):
                 slice_experts(layer, ids)
             if not self.layout.is_attention:
                 expert_ids = self._expert_param_ids()
@@ -308,7 +308,7 @@ class ZebraBackend(ParallelBackend):
                 return self._evaluated(hook, out, step, logs, full)
             logs.replay(step.sizes, step.tokens)
         self._step_grads = [(p, p.grad) for p in params if p.grad is not None]
-        for p, g in zip(params, before):
+        for p, g in zip(params, before, strict=True):
             p.grad = g
         self.last_step = out
         return self._result(out, step)
@@ -359,7 +359,7 @@ class ZebraBackend(ParallelBackend):
                 raise ZebraContractError(agreed)
             # validation/test outputs only reach on_*_batch_end hooks: what this rank computed
             return self._computed(out)
-        spans = dict(zip(self.plan.attention_ranks, self.shares(full.size)))
+        spans = dict(zip(self.plan.attention_ranks, self.shares(full.size), strict=True))
         route = outputs.routes(full.counts, spans, self.layout.rank)
         mine = outputs.give_back(agreed, outputs.join(results), route, self.device)
         if full.rank_lengths is None:

@@ -50,7 +50,7 @@ def _cutter(pairs: list[Cut], on_grad: Callable[[], None] | None = None, already
 class BlockCuts:
     def __init__(self, blocks: list[nn.Module], layers: list[nn.Module]) -> None:
         self.handles = []
-        for layer, (block, moe) in enumerate(zip(blocks, layers)):
+        for layer, (block, moe) in enumerate(zip(blocks, layers, strict=True)):
             self.handles.append(block.register_forward_pre_hook(self._pre(layer), with_kwargs=True))
             self.handles.append(block.register_forward_hook(self._post(layer), with_kwargs=True))
             self.handles.append(moe.register_forward_hook(self._aux(layer)))
