@@ -111,6 +111,18 @@ def ratio(r: dict, a: str, b: str) -> float:
     return x / y if y and y == y and x == x else float("nan")
 
 
+NAN = float("nan")
+
+
+def _rmax(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return max(xs) if xs else NAN
+
+
+def _by_seq(rs: list[dict], s: int, a: str, b: str) -> float:
+    return geomean([ratio(r, a, b) for r in rs if r["seq_len"] == s])
+
+
 def markdown(results: list[dict], cfg: DictConfig) -> str:
     ok = [r for r in results if "error" not in r]
     main = [r for r in ok if r["kind"] == "main" and r["cluster"] in cfg.clusters]
@@ -120,12 +132,6 @@ def markdown(results: list[dict], cfg: DictConfig) -> str:
         "A40+V100 (O1-O3)": [r for r in main if r["cluster"].startswith("o")],
         "L40S+T4 (C1-C2)": [r for r in main if r["cluster"].startswith("c")],
     }
-    nan = float("nan")
-
-    def rmax(xs):
-        xs = [x for x in xs if x == x]
-        return max(xs) if xs else nan
-
     lines = [
         "# HeterMoE paper evaluation, simulated",
         "",
@@ -135,36 +141,33 @@ def markdown(results: list[dict], cfg: DictConfig) -> str:
         "of each column; tokens/s are in paper_table.csv.",
         "",
     ]
-    lines += ["| claim | paper | " + " | ".join(families) + " |", "|---|---|" + "---|" * len(families)]
+    lines += _claims(ok, families, cfg)
+    lines += _homogeneous(ok, cfg)
+    lines += _utilisation(ok, cfg)
+    lines += _bound_table(main, cfg)
+    lines += _by_seq_table(families, cfg)
+    lines += _per_model_table(main, cfg)
+    lines += _footnotes(results, main, cfg)
+    return "\n".join(lines) + "\n"
+
+
+def _claims(ok: list[dict], families: dict[str, list[dict]], cfg: DictConfig) -> list[str]:
+    """The paper's claims, one row each, a column per cluster family."""
+    lines = ["| claim | paper | " + " | ".join(families) + " |", "|---|---|" + "---|" * len(families)]
 
     def row(label: str, paper: str, fn) -> None:
         lines.append(f"| {label} | {paper} | " + " | ".join(fn(rs) for rs in families.values()) + " |")
 
-    def by_seq(rs, s, a, b):
-        return geomean([ratio(r, a, b) for r in rs if r["seq_len"] == s])
-
-    row("HeterMoE / EP at 16K", f"{PAPER['zebra_vs_ep_16k']}x", lambda rs: f"{by_seq(rs, 16384, 'zebra', 'ep'):.2f}x")
-    row("HeterMoE / EP at 32K", f"{PAPER['zebra_vs_ep_32k']}x", lambda rs: f"{by_seq(rs, 32768, 'zebra', 'ep'):.2f}x")
-    row(
-        "HeterMoE / EP, best case",
-        f"up to {PAPER['zebra_vs_ep_max']}x",
-        lambda rs: f"{rmax([ratio(r, 'zebra', 'ep') for r in rs]):.2f}x",
-    )
-    row(
-        "HeterMoE / EP(Ideal), mean",
-        f"{PAPER['zebra_vs_ep_ideal']}x",
-        lambda rs: f"{geomean([ratio(r, 'zebra', 'ep_ideal') for r in rs]):.2f}x",
-    )
-    row(
-        "HeterMoE / EP(Ideal), best case",
-        f"up to {PAPER['zebra_vs_ep_ideal_max']}x",
-        lambda rs: f"{rmax([ratio(r, 'zebra', 'ep_ideal') for r in rs]):.2f}x",
-    )
-    row(
-        "DistEP / HeterMoE",
-        f"{PAPER['distep_of_zebra']:.0%}",
-        lambda rs: f"{geomean([ratio(r, 'distep', 'zebra') for r in rs]):.0%}",
-    )
+    row("HeterMoE / EP at 16K", f"{PAPER['zebra_vs_ep_16k']}x", lambda rs: f"{_by_seq(rs, 16384, 'zebra', 'ep'):.2f}x")
+    row("HeterMoE / EP at 32K", f"{PAPER['zebra_vs_ep_32k']}x", lambda rs: f"{_by_seq(rs, 32768, 'zebra', 'ep'):.2f}x")
+    row("HeterMoE / EP, best case", f"up to {PAPER['zebra_vs_ep_max']}x",
+        lambda rs: f"{_rmax([ratio(r, 'zebra', 'ep') for r in rs]):.2f}x")
+    row("HeterMoE / EP(Ideal), mean", f"{PAPER['zebra_vs_ep_ideal']}x",
+        lambda rs: f"{geomean([ratio(r, 'zebra', 'ep_ideal') for r in rs]):.2f}x")
+    row("HeterMoE / EP(Ideal), best case", f"up to {PAPER['zebra_vs_ep_ideal_max']}x",
+        lambda rs: f"{_rmax([ratio(r, 'zebra', 'ep_ideal') for r in rs]):.2f}x")
+    row("DistEP / HeterMoE", f"{PAPER['distep_of_zebra']:.0%}",
+        lambda rs: f"{geomean([ratio(r, 'distep', 'zebra') for r in rs]):.0%}")
     row("HeterMoE, of the throughput bound (HETHUB: 97.49% of its own)", "-",
         lambda rs: f"{geomean([r['of_bound'] for r in rs if 'of_bound' in r]):.1%}")
     if cfg.asym_ablation_seq_len:
@@ -172,17 +175,19 @@ def markdown(results: list[dict], cfg: DictConfig) -> str:
         abl = {(r["cluster"], r["model"], r["asym_ea"]): r for r in ok if r["kind"] == "ablation" and r["seq_len"] == s}
 
         def gain(rs):
-            g = [
-                abl[(r["cluster"], r["model"], True)]["tokens_per_s"]["zebra"]
-                / abl[(r["cluster"], r["model"], False)]["tokens_per_s"]["zebra"]
-                for r in rs
-                if r["seq_len"] == s
-                and (r["cluster"], r["model"], True) in abl
-                and (r["cluster"], r["model"], False) in abl
-            ]
-            return f"{geomean(g):.2f}x ({min(g, default=nan):.2f}-{max(g, default=nan):.2f})" if g else "n/a"
+            g = [abl[(r["cluster"], r["model"], True)]["tokens_per_s"]["zebra"]
+                 / abl[(r["cluster"], r["model"], False)]["tokens_per_s"]["zebra"]
+                 for r in rs
+                 if r["seq_len"] == s and (r["cluster"], r["model"], True) in abl
+                 and (r["cluster"], r["model"], False) in abl]
+            return f"{geomean(g):.2f}x ({min(g, default=NAN):.2f}-{max(g, default=NAN):.2f})" if g else "n/a"
 
         row(f"Asym-EA gain at {s // 1024}K (paper roles)", PAPER["asym_ea_gain_4k"] + "x", gain)
+    return lines
+
+
+def _homogeneous(ok: list[dict], cfg: DictConfig) -> list[str]:
+    """The mixed cluster against the homogeneous one (the paper's "95% of 4xA40")."""
     homo = {(r["cluster"], r["seq_len"]): r for r in ok if r["model"] in cfg.homogeneous.models and r["kind"] == "main"}
     mixed_c, ref_c = cfg.homogeneous.clusters[0], cfg.homogeneous.clusters[1]
     vs_ep, vs_best = {}, {}
@@ -191,43 +196,39 @@ def markdown(results: list[dict], cfg: DictConfig) -> str:
             mine, ref = homo[(mixed_c, s)]["tokens_per_s"], homo[(ref_c, s)]["tokens_per_s"]
             vs_ep[s] = mine["zebra"] / ref["ep"]
             vs_best[s] = mine["zebra"] / max(v for k, v in ref.items() if k != "ep_ideal" and v == v)
-    if vs_ep:
-        seqs = list(vs_ep)
-        lines += [
-            "",
-            f"| {mixed_c} / {ref_c} (model {', '.join(cfg.homogeneous.models)}) | paper | "
-            + " | ".join(f"{s // 1024}K" for s in seqs)
-            + " |",
-            "|---|---|" + "---|" * len(seqs),
-        ]
-        lines.append(
-            f"| HeterMoE on the mix / EP on {ref_c} | 95% | " + " | ".join(f"{vs_ep[s]:.0%}" for s in seqs) + " |"
-        )
-        lines.append(
-            f"| HeterMoE on the mix / best plan on {ref_c} (our planner: EP layout + zebra overlap) | - | "
-            + " | ".join(f"{vs_best[s]:.0%}" for s in seqs)
-            + " |"
-        )
+    if not vs_ep:
+        return []
+    seqs = list(vs_ep)
+    return [
+        "",
+        f"| {mixed_c} / {ref_c} (model {', '.join(cfg.homogeneous.models)}) | paper | "
+        + " | ".join(f"{s // 1024}K" for s in seqs) + " |",
+        "|---|---|" + "---|" * len(seqs),
+        f"| HeterMoE on the mix / EP on {ref_c} | 95% | " + " | ".join(f"{vs_ep[s]:.0%}" for s in seqs) + " |",
+        f"| HeterMoE on the mix / best plan on {ref_c} (our planner: EP layout + zebra overlap) | - | "
+        + " | ".join(f"{vs_best[s]:.0%}" for s in seqs) + " |",
+    ]
+
+
+def _utilisation(ok: list[dict], cfg: DictConfig) -> list[str]:
+    """Attention and expert devices' utilisation with and without Asym-EA, mean over models."""
     u = cfg.utilization
     util = {r["asym_ea"]: r["utilization"] for r in ok if r.get("utilization") and r["kind"] == "ablation"}
-    if True in util and False in util:
-        # mean over models
-        def mean_u(flag):
-            rs = [
-                r["utilization"]
-                for r in ok
-                if r.get("utilization") and r["kind"] == "ablation" and r["asym_ea"] == flag
-            ]
-            keys = list(rs[0])
-            return "/".join(f"{sum(x[k] for x in rs) / len(rs):.0%}" for k in keys), "/".join(keys)
+    if not (True in util and False in util):
+        return []
 
-        (wo, keys), (wi, _) = mean_u(False), mean_u(True)
-        lines.append("")
-        lines.append(
-            f"Utilisation {keys} on {u.cluster} at {u.seq_len // 1024}K (paper roles, mean over models): "
-            f"without Asym-EA {wo}, with {wi} (paper: 55%/89% and 83%/78%)."
-        )
-    lines += [
+    def mean_u(flag):
+        rs = [r["utilization"] for r in ok if r.get("utilization") and r["kind"] == "ablation" and r["asym_ea"] == flag]
+        keys = list(rs[0])
+        return "/".join(f"{sum(x[k] for x in rs) / len(rs):.0%}" for k in keys), "/".join(keys)
+
+    (wo, keys), (wi, _) = mean_u(False), mean_u(True)
+    return ["", f"Utilisation {keys} on {u.cluster} at {u.seq_len // 1024}K (paper roles, mean over models): "
+                f"without Asym-EA {wo}, with {wi} (paper: 55%/89% and 83%/78%)."]
+
+
+def _bound_table(main: list[dict], cfg: DictConfig) -> list[str]:
+    lines = [
         "",
         "## HeterMoE against the throughput bound",
         "",
@@ -248,7 +249,11 @@ def markdown(results: list[dict], cfg: DictConfig) -> str:
                 lines.append(f"| {c} | {s} | {mean(lambda r: r['of_bound']):.1%} | "
                              f"{mean(lambda r: r['gap']['communication']):.1%} | {mean(lambda r: r['gap']['idle']):.1%} | "
                              f"{mean(lambda r: r['gap']['slower_work']):.1%} |")
-    lines += [
+    return lines
+
+
+def _by_seq_table(families: dict[str, list[dict]], cfg: DictConfig) -> list[str]:
+    lines = [
         "",
         "## HeterMoE against each baseline by sequence length",
         "",
@@ -258,12 +263,14 @@ def markdown(results: list[dict], cfg: DictConfig) -> str:
     for fam, rs in families.items():
         for s in cfg.seq_lens:
             if any(r["seq_len"] == s for r in rs):
-                lines.append(
-                    f"| {fam} | {s} | {by_seq(rs, s, 'zebra', 'ep'):.2f}x | "
-                    f"{by_seq(rs, s, 'zebra', 'ep_balanced'):.2f}x | "
-                    f"{by_seq(rs, s, 'zebra', 'ep_ideal'):.2f}x | {by_seq(rs, s, 'distep', 'zebra'):.0%} |"
-                )
-    lines += [
+                lines.append(f"| {fam} | {s} | {_by_seq(rs, s, 'zebra', 'ep'):.2f}x | "
+                             f"{_by_seq(rs, s, 'zebra', 'ep_balanced'):.2f}x | "
+                             f"{_by_seq(rs, s, 'zebra', 'ep_ideal'):.2f}x | {_by_seq(rs, s, 'distep', 'zebra'):.0%} |")
+    return lines
+
+
+def _per_model_table(main: list[dict], cfg: DictConfig) -> list[str]:
+    lines = [
         "",
         "## HeterMoE / EP per cluster and model",
         "",
@@ -275,22 +282,23 @@ def markdown(results: list[dict], cfg: DictConfig) -> str:
             cells = []
             for s in cfg.seq_lens:
                 r = [x for x in main if x["cluster"] == c and x["model"] == m and x["seq_len"] == s]
-                v = ratio(r[0], "zebra", "ep") if r else nan
+                v = ratio(r[0], "zebra", "ep") if r else NAN
                 cells.append(f"{v:.2f}x" if v == v else ("EP OOM" if r else "OOM"))
             lines.append(f"| {c} | {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _footnotes(results: list[dict], main: list[dict], cfg: DictConfig) -> list[str]:
+    """Batches halved to fit, and the configurations that could not run at all."""
+    lines = []
     halved = [r for r in main if r.get("global_batch_tokens", 0) * 2 <= cfg.global_batch_tokens]
     if halved:
-        lines += [
-            "",
-            "Batch reduced to fit memory: "
-            + ", ".join(f"{r['cluster']}/{r['model']}/{r['seq_len']} ({r['global_batch_tokens']:,})" for r in halved),
-        ]
+        lines += ["", "Batch reduced to fit memory: "
+                  + ", ".join(f"{r['cluster']}/{r['model']}/{r['seq_len']} ({r['global_batch_tokens']:,})" for r in halved)]
     errors = [r for r in results if "error" in r and r["kind"] == "main"]
     if errors:
-        lines += ["", "## Infeasible", ""] + [
-            f"- {r['cluster']} {r['model']} {r['seq_len']}: {r['error']}" for r in errors
-        ]
-    return "\n".join(lines) + "\n"
+        lines += ["", "## Infeasible", ""] + [f"- {r['cluster']} {r['model']} {r['seq_len']}: {r['error']}" for r in errors]
+    return lines
 
 
 @hydra.main(config_path="../conf", config_name="paper", version_base="1.3")
