@@ -135,9 +135,11 @@ class StepRun:
         position = table[indices.reshape(-1)].view_as(indices)
         counts = position_counts(position, keep, table.numel())
         if fiber is None:  # recompute inside the block's backward: the same answer as its forward
-            sc = sort_by_position(position, keep, table.numel(), counts=counts)
+            # its rows are the kept choices: the forward's host count, with no sync again
+            answer = self.replaying[2].answer
+            sc = sort_by_position(position, keep, table.numel(), kept=answer.shape[0], counts=counts)
             x.index_select(0, sc.token)  # as the forward did: checkpointing counts the tensors it saves
-            return scatter_to_slots(self.replaying[2].answer.to(x.dtype), sc.slot, indices.numel())
+            return scatter_to_slots(answer.to(x.dtype), sc.slot, indices.numel())
         # the round's one host sync: kept rows per expert position (and the balance loss's
         # routing counts) in one copy; the sort then takes that many rows, with no other sync
         host = self._host_counts(layer, fiber.mb, indices, counts)
