@@ -370,7 +370,7 @@ class HeterMoEStrategy(DDPStrategy):
     # -- the step -----------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.clock.step_started()
+        self.clock.step_started(self.root_device)
         if self.progress is not None:
             self.progress.started(self.lightning_module.trainer.global_step)
         return self.backend.step(self.lightning_module, "training_step", super().training_step,
@@ -540,10 +540,10 @@ class HeterMoEStrategy(DDPStrategy):
     def rank_busy(self) -> dict[str, float] | None:
         """This rank's time in the last training step by kind: ``attention`` and ``experts``
         (compute), ``comm`` (transfers; under zebra they overlap compute), ``idle``."""
-        step = self.clock.last_step_s
-        if step is None or self.backend is None:
+        if self.clock.last_step_s is None or self.backend is None:
             return None
-        return self.backend.busy(step) or self.clock.busy()
+        # a backend's own task spans are device time: set against the step on that clock
+        return self.backend.busy(self.clock.device_step_s()) or self.clock.busy()
 
     def emulation_report(self) -> dict[str, Any] | None:
         """Every rank's clock summary, gathered (a collective: call it on every rank)."""

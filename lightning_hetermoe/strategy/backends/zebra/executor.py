@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
-from ....emulate.meter import Stopwatch
+from ....emulate.meter import StepStamps, Stopwatch
 from ....moe.balance import routed_counts
 from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position
 from ....task_order import Round, Schedule, Task
@@ -78,12 +78,23 @@ class StepInput:
 @dataclass
 class StepOutput:
     results: dict[int, Any] = field(default_factory=dict)  # mb -> what the user's step returned
-    trace: list[tuple[Task, float, float]] = field(default_factory=list)  # (task, start, end) from step start
+    stamps: StepStamps | None = None  # the tasks' and the transfers' stamps, read on demand
     work: list[Task] = field(default_factory=list)  # tasks in the order the work itself reported them
     overruns: int = 0  # tasks whose real compute exceeded their modelled time
     tasks: int = 0
     transfer_s: dict[tuple[str, Round], float] = field(default_factory=dict)  # modelled seconds per transfer
     held_bytes: list[int] = field(default_factory=list)  # after each task and at the end, when accounted
+
+    @property
+    def trace(self) -> list[tuple[Task, float, float]]:
+        """``(task, start, end)`` in seconds from the executor's start (device time on CUDA)."""
+        return self.stamps.read()[0] if self.stamps is not None else []
+
+    @property
+    def transfers(self) -> list[tuple[tuple[str, Round], float, float]]:
+        """Measured runs: ``((channel, round), start, end)`` of every device transfer, from its
+        issue to its completion, on the trace's clock."""
+        return self.stamps.read()[1] if self.stamps is not None else []
 
 
 class WorkLog:
@@ -229,8 +240,8 @@ class StepRun:
             for f in self.fibers.values():
                 f.abort()
             raise
-        self._watch.sync(trace[-1][2] if trace else started)
-        self.out.trace = [(t, self._watch.seconds(started, a), self._watch.seconds(started, b)) for t, a, b in trace]
+        # read when asked (rank_busy), not here: no host sync of the executor's own
+        self.out.stamps = StepStamps(self._watch, started, trace, self.exchange.spans, self._watch.now())
         self.out.work = list(self.work.tasks)
         self.out.transfer_s = dict(self.exchange.transfer_s)
         return self.out
