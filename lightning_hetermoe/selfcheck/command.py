@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .clocks import check_clocks
 from .collectives import check_collectives
 from .environment import check_environment
 from .host_syncs import check_host_syncs
@@ -33,6 +34,7 @@ CHECKS: list[Check] = [
     Check("collectives ep", check_collectives("ep")),
     Check("collectives zebra", check_collectives("zebra")),
     Check("streams", check_streams, cuda_only=True),
+    Check("clocks", check_clocks, cuda_only=True),
     Check("memory", check_memory),
 ]
 
