@@ -13,7 +13,10 @@ Every :class:`Group` is built with both a device and a host process group where 
 (``torch.distributed.new_group`` is a collective: every rank builds every group, in the
 same order). On CUDA the device side is NCCL and the host side gloo; on CPU both are gloo,
 still two process groups, so which traffic went where stays checkable on a machine
-without a GPU.
+without a GPU. There a CPU tensor on device traffic still looks right; on the stand-in
+device (:mod:`lightning_hetermoe.standin`, ``HETERMOE_STANDIN=1``) the compute device is not
+the host, :func:`_check` refuses host tensors as on NCCL, and gloo is handed the CPU memory
+a stand-in tensor holds.
 
 **Two vendors in one job** (NVIDIA and AMD, as HETHUB trains): their device libraries
 (NCCL, RCCL) cannot form one communicator. :func:`configure` takes each rank's vendor; a

@@ -566,7 +566,9 @@ class HeterMoEStrategy(DDPStrategy):
     # -- timing -------------------------------------------------------------------------
     def rank_busy(self) -> dict[str, float] | None:
         """This rank's time in the last training step by kind: ``attention`` and ``experts``
-        (compute), ``comm`` (transfers; under zebra they overlap compute), ``idle``."""
+        (compute), ``comm`` (transfers; under zebra on real devices the exchange waited on
+        with no task running, under emulation the modelled transfers, which overlap
+        compute), ``idle``."""
         if self.clock.last_step_s is None or self.backend is None:
             return None
         # a backend's own task spans are device time: set against the step on that clock
