@@ -13,7 +13,10 @@ Every :class:`Group` is built with both a device and a host process group where 
 (``torch.distributed.new_group`` is a collective: every rank builds every group, in the
 same order). On CUDA the device side is NCCL and the host side gloo; on CPU both are gloo,
 still two process groups, so which traffic went where stays checkable on a machine
-without a GPU.
+without a GPU. There a CPU tensor on device traffic still looks right; on the stand-in
+device (:mod:`lightning_hetermoe.standin`, ``HETERMOE_STANDIN=1``) the compute device is not
+the host, :func:`_check` refuses host tensors as on NCCL, and gloo is handed the CPU memory
+a stand-in tensor holds.
 
 **Two vendors in one job** (NVIDIA and AMD, as HETHUB trains): their device libraries
 (NCCL, RCCL) cannot form one communicator. :func:`configure` takes each rank's vendor; a
@@ -47,6 +50,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from . import standin
 
 HOST, DEVICE = "host", "device"
 STAGED = "staged"  # a device tensor through host memory on gloo (a group spanning vendors)
@@ -321,15 +326,22 @@ def _mismatch(name: str, k: int, calls: dict[int, Call]) -> list[str]:
 
 
 # -- checks by construction -----------------------------------------------------------
+def check_device_traffic(t: Tensor, what: str, where: str = "a device collective") -> None:
+    """Raise, naming ``what``, where ``t`` would travel as device traffic off the compute
+    device (a CPU tensor given to NCCL; on a CPU run, to the stand-in device's group)."""
+    if t.device != _state.device:
+        raise CommError(f"{what}: {where} got a tensor on {t.device}; the compute device is {_state.device} "
+                        f"(host metadata goes over the host group)")
+
+
 def _check(group: Group, traffic: str, what: str, *tensors: Tensor) -> Any:
     pg = group.device if traffic == DEVICE else group.host
     if not group.member or pg is None:
         raise CommError(f"{what}: rank {dist.get_rank()} issued {traffic} traffic on group {group.name}, which has no "
                         f"{traffic} side here (members {list(group.ranks)})")
     for t in tensors:
-        if traffic == DEVICE and t.device != _state.device:
-            raise CommError(f"{what}: a device collective on group {group.name} got a tensor on {t.device}; the "
-                            f"compute device is {_state.device} (host metadata goes over the host group)")
+        if traffic == DEVICE:
+            check_device_traffic(t, what, f"a device collective on group {group.name}")
         if traffic == HOST and t.device.type != "cpu":
             raise CommError(f"{what}: a host collective on group {group.name} got a tensor on {t.device}; host "
                             f"traffic is CPU tensors on gloo")
@@ -397,8 +409,14 @@ def _host_like(t: Tensor) -> Tensor:
 
 
 def _back(t: Tensor, host: Tensor) -> None:
-    if host is not t:
+    if host is not t and host is not _wire(t):
         t.copy_(host)
+
+
+def _wire(t: Tensor) -> Tensor:
+    """What the device process group is handed: the tensor, or on the CPU stand-in device
+    (:mod:`lightning_hetermoe.standin`) the CPU memory it holds (gloo takes CPU tensors only)."""
+    return standin.host_view(t)
 
 
 class _CopiedBack:
@@ -437,7 +455,8 @@ def all_to_all(group: Group, out: Tensor, inp: Tensor, out_splits: Sequence[int]
         dist.all_to_all_single(host, _host(inp), list(out_splits), list(in_splits), group=pg)
         _back(out, host)
         return _done(group, None, (out, inp), what, async_op)
-    work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=pg, async_op=async_op)
+    work = dist.all_to_all_single(_wire(out), _wire(inp), list(out_splits), list(in_splits), group=pg,
+                                  async_op=async_op)
     return _done(group, work, (out, inp), what, async_op)
 
 
@@ -452,7 +471,7 @@ def all_reduce(group: Group, t: Tensor, *, what: str, op: Any = None, async_op: 
         dist.all_reduce(host, op=op, group=pg)
         _back(t, host)
         return _done(group, None, (t,), what, async_op)
-    work = dist.all_reduce(t, op=op, group=pg, async_op=async_op)
+    work = dist.all_reduce(_wire(t), op=op, group=pg, async_op=async_op)
     return _done(group, work, (t,), what, async_op)
 
 
@@ -466,7 +485,7 @@ def all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str) -> Non
         for o, h in zip(outs, hosts, strict=True):
             _back(o, h)
         return
-    dist.all_gather(outs, t, group=pg)
+    dist.all_gather([_wire(o) for o in outs], _wire(t), group=pg)
 
 
 @_watched
@@ -479,7 +498,7 @@ def all_gather_into(group: Group, out: Tensor, t: Tensor, *, what: str, async_op
         dist.all_gather_single(host, _host(t), group=pg)
         _back(out, host)
         return _done(group, None, (out, t), what, async_op)
-    work = dist.all_gather_single(out, t, group=pg, async_op=async_op)
+    work = dist.all_gather_single(_wire(out), _wire(t), group=pg, async_op=async_op)
     return _done(group, work, (out, t), what, async_op)
 
 
@@ -493,7 +512,7 @@ def reduce_scatter(group: Group, out: Tensor, t: Tensor, *, what: str) -> None:
         dist.reduce_scatter_single(host, _host(t), group=pg)
         _back(out, host)
         return
-    dist.reduce_scatter_single(out, t, group=pg)
+    dist.reduce_scatter_single(_wire(out), _wire(t), group=pg)
 
 
 @_watched
@@ -501,7 +520,7 @@ def broadcast(group: Group, t: Tensor, src: int, *, what: str) -> None:
     """``src`` is a global rank."""
     pg = _check(group, DEVICE, what, t)
     _note(group, DEVICE, "broadcast", what, t)
-    host = _host(t) if group.staged else t
+    host = _host(t) if group.staged else _wire(t)
     dist.broadcast(host, src=src, group=pg)
     _back(t, host)
 

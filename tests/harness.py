@@ -37,9 +37,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+# the caller's settings every rank gets (the fork server's environment is its first caller's):
+# HETERMOE_STANDIN runs the ranks on the stand-in device
+FORWARDED = ("HETERMOE_STANDIN",)
+
+
+def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tuple,
+           forwarded: dict[str, str] | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1")
+    for name in FORWARDED:
+        if forwarded and name in forwarded:
+            os.environ[name] = forwarded[name]
+        else:
+            os.environ.pop(name, None)
     torch.set_num_threads(1)
     path = Path(outdir) / f"rank{rank}.pkl"
     try:
@@ -60,8 +71,9 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
 
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 240.0) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="ranks_") as outdir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world, join=False,
-                                 start_method=START_METHOD)
+        forwarded = {name: os.environ[name] for name in FORWARDED if name in os.environ}
+        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args, forwarded), nprocs=world,
+                                 join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1.0):

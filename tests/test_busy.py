@@ -87,3 +87,49 @@ def test_the_meter_times_a_step_on_the_clock_of_its_task_spans(virtual_clock):
     step = meter.elapsed_since(start)
     busy = meter.take()
     assert busy["experts"] == pytest.approx(0.02) and step == pytest.approx(0.028)
+
+
+def fit_zebra_busy(rank: int, world: int):
+    from helpers_zebra import make_test_plan
+
+    model = make_model(4)
+    record = Record()
+    strategy = HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2))
+    trainer(strategy, world, max_steps=3, callbacks=[record]).fit(model, datamodule=data(world))
+    device_steps = strategy.clock.device_step_s()
+    transfers = strategy.backend.last_step.transfers
+    return {"steps": record.steps, "device_step": device_steps, "transfers": len(transfers),
+            "spans": sum(e - s for _, s, e in transfers)}
+
+
+@pytest.mark.slow
+def test_zebra_measures_its_exchange_and_the_four_kinds_add_up_to_the_step():
+    """Outside emulation zebra times every transfer (from its issue to its work's completion)
+    and the step on the same clock as its tasks: the exchange the rank waited on is not zero,
+    and attention + experts + comm + idle is the step (on the attention and the expert rank)."""
+    results = run_ranks(2, fit_zebra_busy, 2)
+    for rank, got in enumerate(results):
+        assert len(got["steps"]) == 3
+        # 2 layers x 2 micro-batches x (forward, backward) rounds: a dispatch and a combine each
+        assert got["transfers"] == 2 * 2 * 2 * 2 and got["spans"] > 0, got
+        for busy, _ in got["steps"]:
+            assert busy is not None and set(busy) == set(KINDS), busy
+            assert busy["comm"] > 0, (rank, busy)
+            assert busy["attention" if rank == 0 else "experts"] > 0, (rank, busy)
+        busy = got["steps"][-1][0]
+        assert sum(busy.values()) == pytest.approx(got["device_step"], rel=1e-9), (rank, busy, got["device_step"])
+
+
+def test_uncovered_is_the_union_of_spans_outside_the_covered_ones():
+    from lightning_hetermoe.emulate.meter import uncovered
+
+    spans = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]  # union: [0, 3] and [5, 6], 4 s
+    covered = [(0.5, 1.0), (2.5, 5.5), (7.0, 8.0)]  # covers 0.5 + 0.5 + 0.5 of it
+    assert uncovered(spans, covered) == pytest.approx(2.5)
+    assert uncovered(spans, []) == pytest.approx(4.0)
+    assert uncovered([], covered) == 0.0
+    # a naive reference on a grid of 1 ms
+    grid = [t / 1000 for t in range(8000)]
+    inside = lambda t, ss: any(a <= t < b for a, b in ss)  # noqa: E731
+    assert uncovered(spans, covered) == pytest.approx(sum(inside(t, spans) and not inside(t, covered)
+                                                          for t in grid) / 1000, abs=2e-3)

@@ -122,3 +122,81 @@ def test_the_sync_free_sort_equals_the_nonzero_one():
         b = sort_by_position(position, keep, P, kept=int(counts.sum()), counts=counts)
         assert torch.equal(a.slot, b.slot) and torch.equal(a.token, b.token) and torch.equal(a.counts, b.counts)
         assert int(a.counts.sum()) == int(keep.sum())
+
+
+def _naive_sort(position: torch.Tensor, keep: torch.Tensor, P: int) -> tuple[list[int], list[int]]:
+    """Kept choices grouped by position, token order within each, by a loop over Python lists."""
+    flat, live = position.reshape(-1).tolist(), keep.reshape(-1).tolist()
+    slots = [i for p in range(P) for i in range(len(flat)) if live[i] and flat[i] == p]
+    return slots, [sum(1 for i in range(len(flat)) if live[i] and flat[i] == p) for p in range(P)]
+
+
+def test_sort_choices_equals_a_naive_sort_with_its_one_host_copy():
+    """The local and data-centric dispatch (``sort_choices``): counts copied to the host once,
+    then a fixed-size sort that takes that many; the same slots, tokens and counts as a
+    loop over the choices (and as the nonzero sort it replaced)."""
+    from lightning_hetermoe.moe.dispatch import sort_by_position, sort_choices
+
+    g = torch.Generator().manual_seed(5)
+    for T, k, E in ((23, 2, 6), (64, 4, 9), (1, 1, 3), (5, 2, 8)):
+        indices = torch.randint(0, E, (T, k), generator=g)
+        keep = torch.rand(T, k, generator=g) > 0.25
+        layout = torch.randperm(E, generator=g)  # expert e sits at position layout[e]
+        sc = sort_choices(indices, keep, layout)
+        slots, counts = _naive_sort(layout[indices], keep, E)
+        assert sc.counts.device.type == "cpu" and sc.counts.tolist() == counts
+        assert sc.slot.tolist() == slots and sc.token.tolist() == [s // k for s in slots]
+        old = sort_by_position(layout[indices], keep, E)  # nonzero
+        assert torch.equal(old.slot, sc.slot) and torch.equal(old.counts, sc.counts)
+
+
+def test_one_hot_equals_torchs():
+    from lightning_hetermoe.moe.dispatch import one_hot
+
+    idx = torch.randint(0, 7, (5, 3), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(one_hot(idx, 7), torch.nn.functional.one_hot(idx, 7))
+
+
+# ops that read a device tensor on the host (a sync on CUDA) wherever they run
+_SYNCING = {"nonzero", "bincount", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+            "unique_consecutive", "argwhere", "is_nonzero", "masked_scatter"}
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op of the training path that would wait for the device on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+        self.scalar_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _SYNCING:
+            self.found.append(name)
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
+            self.found.append("repeat_interleave without output_size")
+        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            self.found.append("boolean-mask indexing")
+        elif name == "_local_scalar_dense":
+            self.scalar_reads += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("router,backend", [("topk", "torch"), ("gshard", "grouped_mm"), ("switch", "torch")])
+def test_the_moe_layers_training_path_reads_the_device_once(router, backend):
+    """A training forward and backward of the layer on its local dispatcher (router, capacity,
+    sort, experts, balance and z losses, counts): no op that syncs the host (nonzero,
+    bincount, boolean masks, unique, repeat_interleave without its size), and one scalar
+    read: the kept count of the dispatch's one host copy."""
+    top_k = 1 if router == "switch" else 2
+    cfg = MoEConfig(num_experts=5, top_k=top_k, d_ff=16, router=router, capacity_factor=1.25,
+                    expert_backend=backend)
+    torch.manual_seed(0)
+    layer = MoELayer(8, cfg).train()
+    x = torch.randn(19, 8, requires_grad=True)
+    with _HostReads() as reads:
+        y, aux = layer(x)
+        (y.square().sum() + aux.balance_loss + aux.z_loss).backward()
+    assert reads.found == [] and reads.scalar_reads == 1, (reads.found, reads.scalar_reads)

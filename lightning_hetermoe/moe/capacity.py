@@ -15,6 +15,8 @@ import math
 import torch
 from torch import Tensor
 
+from .dispatch import one_hot
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
@@ -40,7 +42,7 @@ def apply_capacity(indices: Tensor, keep: Tensor, num_experts: int, capacity_fac
     # Priority order is choice-major: transpose so that all first choices come first.
     idx = indices.t().reshape(-1)
     kept = keep.t().reshape(-1)
-    onehot = torch.nn.functional.one_hot(idx, num_experts) * kept.unsqueeze(-1)
+    onehot = one_hot(idx, num_experts) * kept.unsqueeze(-1)
     # Position of each choice in its expert's queue (0-based), counting only live choices.
     position = (onehot.cumsum(0) - 1).gather(1, idx.unsqueeze(-1)).squeeze(-1)
     kept = kept & (position < cap)

@@ -22,12 +22,20 @@ class SortedChoices:
 
     slot: Tensor  # [S] index into the flattened [T * k] choices
     token: Tensor  # [S] token row of each choice
-    counts: Tensor  # [E] kept choices per expert, in ``order``'s expert order
+    counts: Tensor  # [E] kept choices per expert, in ``order``'s expert order (on the host from sort_choices)
 
 
 def sort_choices(indices: Tensor, keep: Tensor, expert_position: Tensor) -> SortedChoices:
-    """Group kept choices by ``expert_position[expert]`` (the order experts are laid out in)."""
-    return sort_by_position(expert_position[indices.reshape(-1)].view_as(indices), keep, expert_position.numel())
+    """Group kept choices by ``expert_position[expert]`` (the order experts are laid out in).
+
+    One host sync: the kept choices per position, copied to the host once (``counts`` comes
+    back there). The sort takes that many rows, and the experts read their segment bounds
+    from the host copy (the torch path's ``tolist`` then reads host memory; the kernels get
+    it from pinned memory), so nothing else in the call waits for the device: the design's
+    one sync per (layer, micro-batch)."""
+    position = expert_position[indices.reshape(-1)].view_as(indices)
+    counts = position_counts(position, keep, expert_position.numel()).cpu()
+    return sort_by_position(position, keep, expert_position.numel(), kept=int(counts.sum()), counts=counts)
 
 
 def position_counts(position: Tensor, keep: Tensor, num_positions: int) -> Tensor:
@@ -56,6 +64,14 @@ def sort_by_position(position: Tensor, keep: Tensor, num_positions: int, kept: i
     return SortedChoices(slot=slot, token=torch.div(slot, k, rounding_mode="floor"), counts=counts)
 
 
+def one_hot(index: Tensor, num_classes: int) -> Tensor:
+    """``F.one_hot(index, num_classes)`` without its range check, which reads the index's
+    min and max on the host on every device CUDA's exemption does not cover (a scatter into
+    the known number of classes reads nothing there)."""
+    out = torch.zeros(index.shape + (num_classes,), dtype=torch.long, device=index.device)
+    return out.scatter_(-1, index.unsqueeze(-1), 1)
+
+
 def split_over_copies(indices: Tensor, keep: Tensor, copy_position: Tensor, num_copies: Tensor) -> Tensor:
     """Each choice's slot position when experts have copies: the kept choices of expert ``e``
     (in token order) are cut into ``num_copies[e]`` even runs, one per copy
@@ -64,7 +80,7 @@ def split_over_copies(indices: Tensor, keep: Tensor, copy_position: Tensor, num_
     flat = indices.reshape(-1)
     live = keep.reshape(-1).long()
     E = num_copies.numel()
-    onehot = torch.nn.functional.one_hot(flat, E) * live.unsqueeze(-1)
+    onehot = one_hot(flat, E) * live.unsqueeze(-1)
     rank_in_expert = (onehot.cumsum(0) - 1).gather(1, flat.unsqueeze(-1)).squeeze(-1).clamp(min=0)
     count = onehot.sum(0).index_select(0, flat).clamp(min=1)
     copy = torch.div(rank_in_expert * num_copies.index_select(0, flat), count, rounding_mode="floor")
@@ -77,7 +93,8 @@ def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
 
 
 class LocalDispatcher:
-    """Every expert lives here: no communication."""
+    """Every expert lives here: no communication. One host sync per call, the kept counts
+    (:func:`sort_choices`)."""
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
         positions = torch.arange(experts.num_local_experts, device=x.device)

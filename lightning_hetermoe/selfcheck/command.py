@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .autotuning import check_autotuning
+from .clocks import check_clocks
 from .collectives import check_collectives
 from .environment import check_environment
 from .grad_sync import check_grad_sync
@@ -38,6 +39,7 @@ CHECKS: list[Check] = [
     Check("collectives zebra", check_collectives("zebra")),
     Check("wire dtype", check_wire_dtype),
     Check("streams", check_streams, cuda_only=True),
+    Check("clocks", check_clocks, cuda_only=True),
     Check("memory", check_memory),
     Check("memory in R", check_memory_in_r),
     Check("gradient sync memory", check_grad_sync),

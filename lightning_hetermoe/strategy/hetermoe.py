@@ -38,6 +38,7 @@ from ..model_contract import describe_model, moe_layers
 from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
+from .. import standin
 from . import heartbeat
 from .arguments import MODES, StrategyArguments
 from .backends.base import ParallelBackend
@@ -106,6 +107,7 @@ class HeterMoEStrategy(DDPStrategy):
         self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
+        self._standin: torch.device | None = None  # HETERMOE_STANDIN: a CPU run computes on the stand-in
 
     # -- what the user asked for, and what runs ---------------------------------------------
     @property
@@ -145,6 +147,13 @@ class HeterMoEStrategy(DDPStrategy):
         else:
             self._launcher = CheckedSpawnLauncher(self, start_method=self._start_method, pre_launch=self.check_model)
 
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The compute device: Lightning's, or on a CPU run with ``HETERMOE_STANDIN`` the
+        stand-in device (:mod:`lightning_hetermoe.standin`)."""
+        return self._standin or super().root_device
+
     def check_model(self, model: Any) -> None:
         """Everything about the model that can be checked before processes start."""
         self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"))
@@ -163,7 +172,10 @@ class HeterMoEStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         watch_launcher()
         self.args.check_world(self.world_size, precision_name(self.precision_plugin))
+        self._standin = None  # the CPU accelerator checks its device first (every stage)
         super().setup_environment()
+        if super().root_device.type == "cpu" and standin.requested():
+            self._standin = standin.enable()  # after the CPU accelerator checked its device
         self.clock.rank = self.global_rank
         if self.memory is None:
             if self.root_device.type == "cpu":
@@ -359,11 +371,20 @@ class HeterMoEStrategy(DDPStrategy):
         return super()._get_process_group_backend()
 
     @override
+    def determine_ddp_device_ids(self) -> list[int] | None:
+        return None if self._standin is not None else super().determine_ddp_device_ids()
+
+    @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.backend.ddp_ignored(model))
-        if comm.world().staged:
+        if comm.world().staged or self._standin is not None:
             # DDP's buckets through comm: staged where the replicas span vendors, and recorded
+            # (and on the stand-in, where gloo gets the CPU memory it holds); the stand-in's
+            # replicas start equal (seeded), DDP's own broadcast of them would hand gloo a
+            # tensor it cannot take
             self._ddp_kwargs.setdefault("process_group", comm.world().device)
+            if self._standin is not None:
+                self._ddp_kwargs.setdefault("init_sync", False)
             ddp = super()._setup_model(model)
             ddp.register_comm_hook(comm.world(), comm.ddp_allreduce_hook)
             return ddp
@@ -372,7 +393,7 @@ class HeterMoEStrategy(DDPStrategy):
     # -- the step -----------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.clock.step_started()
+        self.clock.step_started(self.root_device)
         if self.progress is not None:
             self.progress.started(self.lightning_module.trainer.global_step)
         return self.backend.step(self.lightning_module, "training_step", super().training_step,
@@ -449,6 +470,12 @@ class HeterMoEStrategy(DDPStrategy):
         group = self.backend.metrics_group(group) if self.backend is not None else group
         if group is False:  # this rank logs nothing to reduce (an expert rank)
             return tensor
+        if isinstance(tensor, torch.Tensor) and dist.is_available() and dist.is_initialized():
+            # a logged value reduced over the device side (NCCL takes no CPU tensor)
+            comm.check_device_traffic(tensor, "strategy.reduce (self.log with sync_dist=True)")
+            if standin.is_standin(tensor):  # gloo gets the CPU memory it holds
+                return super().reduce(standin.host_view(tensor).clone(), group=group,
+                                      reduce_op=reduce_op).to(tensor.device)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
@@ -541,11 +568,13 @@ class HeterMoEStrategy(DDPStrategy):
     # -- timing -------------------------------------------------------------------------
     def rank_busy(self) -> dict[str, float] | None:
         """This rank's time in the last training step by kind: ``attention`` and ``experts``
-        (compute), ``comm`` (transfers; under zebra they overlap compute), ``idle``."""
-        step = self.clock.last_step_s
-        if step is None or self.backend is None:
+        (compute), ``comm`` (transfers; under zebra on real devices the exchange waited on
+        with no task running, under emulation the modelled transfers, which overlap
+        compute), ``idle``."""
+        if self.clock.last_step_s is None or self.backend is None:
             return None
-        return self.backend.busy(step) or self.clock.busy()
+        # a backend's own task spans are device time: set against the step on that clock
+        return self.backend.busy(self.clock.device_step_s()) or self.clock.busy()
 
     def emulation_report(self) -> dict[str, Any] | None:
         """Every rank's clock summary, gathered (a collective: call it on every rank)."""

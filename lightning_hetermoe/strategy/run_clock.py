@@ -47,6 +47,9 @@ class RunClock:
         self.last_step_s: float | None = None
         self._step_started: float | None = None
         self._step_stamp: Any = None  # the meter's stamp at the step's start (a CUDA event on a GPU)
+        # the step on the device's clock (the clock self-timed tasks are on): stopwatch, start, end
+        self._device_step: tuple[Any, Any, Any] | None = None
+        self._device_step_s: float | None = None
         # fixed once the clock is bound: asked again by every prediction (a rebalancer asks many)
         self._links: Any = None
         self._bound: float | None = None
@@ -164,10 +167,14 @@ class RunClock:
         return ep_balanced_shares(total, [ep_speed(d, self.timer, self.model, self.seq_len) for d in self.devices])
 
     # -- steps --------------------------------------------------------------------------
-    def step_started(self) -> None:
+    def step_started(self, device: torch.device | None = None) -> None:
+        from ..emulate.meter import Stopwatch
+
         if self._step_started is not None:
             return  # gradient accumulation: the optimizer step began with its first batch
         self._step_started = time.perf_counter()
+        watch = Stopwatch(device if device is not None else "cpu")
+        self._device_step = (watch, watch.now(), None)
         if self.emulator is not None:
             self._busy_mark = {k: v.modelled_s for k, v in self.emulator.stats.items()}
         elif self.meter is not None:
@@ -185,6 +192,9 @@ class RunClock:
             return
         self.last_step_s = time.perf_counter() - self._step_started
         self._step_started = None
+        if self._device_step is not None:
+            watch, start, _ = self._device_step
+            self._device_step, self._device_step_s = (watch, start, watch.now()), None
         if self.meter is not None and self.emulator is None and self._step_stamp is not None:
             # busy spans are device time: the step they are set against is too
             self.last_step_s = self.meter.elapsed_since(self._step_stamp)
@@ -198,6 +208,16 @@ class RunClock:
             d = self.meter.take()
             self._last_busy = {"attention": d["attention"] + d["head"], "experts": d["experts"],
                                "comm": d["transfer"]}
+
+    def device_step_s(self) -> float | None:
+        """The last step on the device's clock (CUDA events on a GPU, the host clock on the
+        CPU), the clock self-timed tasks are on. Read when asked: one sync on the step's end
+        event, free once the step's own host sync passed it."""
+        if self._device_step_s is None and self._device_step is not None and self._device_step[2] is not None:
+            watch, start, end = self._device_step
+            watch.sync(end)
+            self._device_step_s = watch.seconds(start, end)
+        return self._device_step_s
 
     def busy(self) -> dict[str, float] | None:
         """The last step's busy split from the emulated clock or the meter, idle included."""

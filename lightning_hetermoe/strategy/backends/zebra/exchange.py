@@ -36,13 +36,14 @@ before their padding, as a GPU's host runs ahead of its kernels.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
 from ....comm import Pending
+from ....emulate.meter import Stopwatch
 from ....task_order import Round, Schedule
 from .layout import Layout, ZebraGroups
 from .records import Dispatched
@@ -71,6 +72,10 @@ class Exchange:
             for d, held in enumerate(layout.by_group_rank(l)):
                 self._member[l][d] = bool(held)
         self.transfer_s: dict[tuple[str, Round], float] = {}
+        # measured runs: each device transfer's span, from its issue (on the communication
+        # stream) to its work's completion; read with the step's other stamps
+        self.watch = Stopwatch(device) if emulator is None else None
+        self.spans: list[tuple[tuple[str, Round], Any, Any]] = []
 
     # -- the step -------------------------------------------------------------------------
     def start(self) -> None:
@@ -84,6 +89,8 @@ class Exchange:
         for pending in [*self._headers.values(), *self._dispatch.values(), *self._combine.values(), *self._sends,
                         *self._balance.values(), *self._answer_headers.values()]:
             pending.wait()
+        if self.watch is not None:
+            self.watch.settle()  # a stamp taken next comes after every completion
         if self.emulator is not None:
             for r in self.schedule.rounds:
                 seconds = self._transfer_seconds(r)
@@ -114,8 +121,8 @@ class Exchange:
         out = torch.empty((sum(recv), self.d), dtype=self.wire, device=self.device)
         wire = rows.to(self.wire).contiguous()
         with comm.issuing(after=[wire]):
-            self._dispatch[r] = comm.all_to_all(self.groups.dispatch, out, wire, recv, send, what="zebra.rows",
-                                                async_op=True)
+            self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
+                self.groups.dispatch, out, wire, recv, send, what="zebra.rows", async_op=True))
         if not holds:
             self._post_combine(r, None, None)
 
@@ -189,8 +196,8 @@ class Exchange:
         out = torch.empty((sum(recv), self.d), dtype=self.wire, device=self.device)
         empty = torch.empty((0, self.d), dtype=self.wire, device=self.device)
         with comm.issuing():
-            self._dispatch[r] = comm.all_to_all(self.groups.dispatch, out, empty, recv, [0] * self.G,
-                                                what="zebra.rows", async_op=True)
+            self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
+                self.groups.dispatch, out, empty, recv, [0] * self.G, what="zebra.rows", async_op=True))
 
     # -- pieces ---------------------------------------------------------------------------
     def _post_header(self, r: Round, expert_counts: Tensor | None, leaves_at: float | None = None) -> None:
@@ -242,8 +249,18 @@ class Exchange:
             self._answer_headers[r] = comm.host_all_gather(self.groups.combine, parts, stamp,
                                                            what="zebra.answer_header", async_op=True)
         with comm.issuing(after=[inp] if answers is not None else []):
-            self._combine[r] = comm.all_to_all(self.groups.combine, out, inp, recv, send, what="zebra.answers",
-                                               async_op=True)
+            self._combine[r] = self._timed("combine", r, lambda: comm.all_to_all(
+                self.groups.combine, out, inp, recv, send, what="zebra.answers", async_op=True))
+
+    def _timed(self, channel: str, r: Round, issue: Callable[[], Pending]) -> Pending:
+        """Issue a transfer (inside ``comm.issuing``: on CUDA its start stamp is on the
+        communication stream, after what it waits for) and stamp its work's completion."""
+        if self.watch is None:
+            return issue()
+        start = self.watch.now()
+        pending = issue()
+        self.spans.append(((channel, r), start, self.watch.completion(pending.work)))
+        return pending
 
     def _reap(self) -> None:
         """Release sends that completed (their rows were held until now)."""

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 import lightning_hetermoe.comm as comm
-from ....emulate.meter import Stopwatch
+from ....emulate.meter import StepStamps, Stopwatch
 from ....moe.balance import routed_counts
 from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position
 from ....task_order import Round, Schedule, Task
@@ -78,12 +78,23 @@ class StepInput:
 @dataclass
 class StepOutput:
     results: dict[int, Any] = field(default_factory=dict)  # mb -> what the user's step returned
-    trace: list[tuple[Task, float, float]] = field(default_factory=list)  # (task, start, end) from step start
+    stamps: StepStamps | None = None  # the tasks' and the transfers' stamps, read on demand
     work: list[Task] = field(default_factory=list)  # tasks in the order the work itself reported them
     overruns: int = 0  # tasks whose real compute exceeded their modelled time
     tasks: int = 0
     transfer_s: dict[tuple[str, Round], float] = field(default_factory=dict)  # modelled seconds per transfer
     held_bytes: list[int] = field(default_factory=list)  # after each task and at the end, when accounted
+
+    @property
+    def trace(self) -> list[tuple[Task, float, float]]:
+        """``(task, start, end)`` in seconds from the executor's start (device time on CUDA)."""
+        return self.stamps.read()[0] if self.stamps is not None else []
+
+    @property
+    def transfers(self) -> list[tuple[tuple[str, Round], float, float]]:
+        """Measured runs: ``((channel, round), start, end)`` of every device transfer, from its
+        issue to its completion, on the trace's clock."""
+        return self.stamps.read()[1] if self.stamps is not None else []
 
 
 class WorkLog:
@@ -135,9 +146,11 @@ class StepRun:
         position = table[indices.reshape(-1)].view_as(indices)
         counts = position_counts(position, keep, table.numel())
         if fiber is None:  # recompute inside the block's backward: the same answer as its forward
-            sc = sort_by_position(position, keep, table.numel(), counts=counts)
+            # its rows are the kept choices: the forward's host count, with no sync again
+            answer = self.replaying[2].answer
+            sc = sort_by_position(position, keep, table.numel(), kept=answer.shape[0], counts=counts)
             x.index_select(0, sc.token)  # as the forward did: checkpointing counts the tensors it saves
-            return scatter_to_slots(self.replaying[2].answer.to(x.dtype), sc.slot, indices.numel())
+            return scatter_to_slots(answer.to(x.dtype), sc.slot, indices.numel())
         # the round's one host sync: kept rows per expert position (and the balance loss's
         # routing counts) in one copy; the sort then takes that many rows, with no other sync
         host = self._host_counts(layer, fiber.mb, indices, counts)
@@ -227,8 +240,8 @@ class StepRun:
             for f in self.fibers.values():
                 f.abort()
             raise
-        self._watch.sync(trace[-1][2] if trace else started)
-        self.out.trace = [(t, self._watch.seconds(started, a), self._watch.seconds(started, b)) for t, a, b in trace]
+        # read when asked (rank_busy), not here: no host sync of the executor's own
+        self.out.stamps = StepStamps(self._watch, started, trace, self.exchange.spans, self._watch.now())
         self.out.work = list(self.work.tasks)
         self.out.transfer_s = dict(self.exchange.transfer_s)
         return self.out

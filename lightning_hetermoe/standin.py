@@ -1,0 +1,233 @@
+"""A stand-in compute device for CPU runs, so that device traffic is not host memory.
+
+On a machine without a GPU the compute device and the host are one: a host tensor handed
+to a device collective looks right on CPU and fails on the first GPU (NCCL: "No backend
+type associated with device type cpu"). The stand-in is a device of its own,
+``standin:0``: PyTorch's PrivateUse1 key set up as a Python backend
+(``torch.utils.backend_registration._setup_privateuseone_for_python_backend``), whose
+tensors (:class:`StandInTensor`) hold CPU memory and compute with the CPU's kernels but
+report ``standin:0`` as their device. An op that mixes one with a CPU tensor of more than
+0 dimensions raises, as CUDA does; ``.cpu()``, ``.to("cpu")`` and ``.item()`` leave it as on
+a GPU; autograd runs its backward on a device thread of its own, as for CUDA; and
+``comm``'s device/host check sees a CPU tensor on device traffic for what it is. Gloo takes
+CPU tensors only: :func:`host_view` is what ``comm`` hands it.
+
+Turned on by ``HETERMOE_STANDIN=1`` in the environment of a CPU run: the strategy then
+computes on ``standin:0`` (:func:`requested`). Every op goes through Python, so a step is
+several times slower: a check for tests, not a way to train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+NAME = "standin"
+ENV = "HETERMOE_STANDIN"
+_CPU = torch.device("cpu")
+DEVICE: torch.device = _CPU  # standin:0 once enabled
+_library: Any = None
+_factories: Any = None
+_OUT_FILLED = ("arange.default", "arange.start", "arange.start_step", "linspace.default", "logspace.default",
+               "range.default", "range.step", "eye.default", "eye.m", "randperm.default", "randperm.generator")
+
+# ops that move values between devices, or index a device tensor with host indices (CUDA
+# takes both); every other op mixing the stand-in with CPU tensors raises
+_CROSSING = {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "index_put", "index_put_",
+             "_index_put_impl_", "lift_fresh", "lift_fresh_copy", "detach", "alias"}
+
+
+class _Module:
+    """``torch.standin``: what torch asks of a device module (autocast asks for its dtypes;
+    no autocast policy is registered for the stand-in, so under mixed precision its ops
+    run in their own dtypes)."""
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass  # its random numbers are the CPU generator's
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    # one stream, in order with the host (what checkpoint writers ask of a device)
+    def current_stream(self, device: Any = None) -> "_Stream":
+        return _STREAM
+
+    def stream(self, stream: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+
+class _Stream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _Stream()
+
+
+def requested() -> bool:
+    """``HETERMOE_STANDIN`` asks CPU runs to compute on the stand-in device."""
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+def enable() -> torch.device:
+    """Register the stand-in device in this process (once) and return it."""
+    global _library, DEVICE
+    if _library is None:
+        from torch.utils import backend_registration
+
+        backend_registration._setup_privateuseone_for_python_backend(NAME, backend_module=_Module())
+        _library = torch.library.Library("_", "IMPL")  # kept: the fallback lives as long as it does
+        _library.fallback(lambda keys, op, *args, **kwargs: _run(op, args, kwargs), "PrivateUse1",
+                          with_keyset=True)
+        # factories whose composite fills an empty result through its out= form (a wrapper's
+        # shape cannot follow that resize): run on the CPU and wrapped, as every other op
+        global _factories
+        _factories = torch.library.Library("aten", "IMPL")
+        for name in _OUT_FILLED:
+            op = torch.ops.aten
+            for part in name.split("."):
+                op = getattr(op, part)
+            _factories.impl(name.removesuffix(".default"), functools.partial(_factory, op), "PrivateUse1")
+        DEVICE = torch.device(NAME, 0)  # a name torch knows only once registered
+        # torch.tensor(data, device=...) builds on a Python backend's device through a path
+        # that fails (an internal assert in torch 2.13): build on the CPU, then move
+        torch.tensor, torch.as_tensor = _built_then_moved(torch.tensor), _built_then_moved(torch.as_tensor)
+    return DEVICE
+
+
+def _factory(op: Any, *args: Any, **kwargs: Any) -> Any:
+    return _run(op, args, kwargs)
+
+
+def _built_then_moved(make: Any) -> Any:
+    @functools.wraps(make)
+    def made(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == NAME:
+            return make(data, *args, **kwargs).to(DEVICE)
+        return make(data, *args, device=device, **kwargs)
+    return made
+
+
+def is_standin(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == NAME
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """The CPU memory a stand-in tensor holds (the tensor itself otherwise): what gloo gets.
+    Writing into it writes the stand-in tensor."""
+    return t.inner if isinstance(t, StandInTensor) else t
+
+
+class StandInTensor(torch.Tensor):
+    """A tensor on ``standin:0`` around the CPU tensor that holds its values."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "StandInTensor":
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
+                                                  storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                                                  device=DEVICE, requires_grad=False)
+        out.inner = inner
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return _run(func, args, kwargs or {})
+
+    def tolist(self) -> Any:  # as on a GPU: read from the device (a sync there)
+        return self.inner.tolist()
+
+    # the memory it holds, as a device tensor has some (views share it)
+    def untyped_storage(self) -> Any:
+        return self.inner.untyped_storage()
+
+    def data_ptr(self) -> int:
+        return self.inner.data_ptr()
+
+    def __repr__(self) -> str:
+        return f"StandInTensor({self.inner!r})"
+
+
+def _run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on the CPU tensors the stand-in tensors hold; results stay on the
+    stand-in unless the op asked for the CPU (``.cpu()``, ``.to("cpu")``)."""
+    _check_devices(func, args, kwargs)
+    originals: dict[int, Any] = {}
+
+    def unwrap(x: Any) -> Any:
+        if isinstance(x, StandInTensor):
+            originals[id(x.inner)] = x
+            return x.inner
+        if isinstance(x, torch.Tensor):
+            originals[id(x)] = x
+        if isinstance(x, torch.device) and x.type == NAME:
+            return _CPU
+        return x
+
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    target = kwargs.get("device")
+    to_host = target is not None and torch.device(target).type == "cpu"
+
+    def wrap(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in originals:  # in place, or an out= argument: the tensor it was given
+            given = originals[id(x)]
+            if isinstance(given, StandInTensor) and (given.shape != x.shape or given.stride() != x.stride()):
+                return StandInTensor(x)  # resized (an out= filled by a composite): its new shape
+            return given
+        return x if to_host or isinstance(x, StandInTensor) else StandInTensor(x)
+
+    return tree_map(wrap, out)
+
+
+def _check_devices(func: Any, args: tuple, kwargs: dict) -> None:
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    if name in _CROSSING:
+        return
+    tensors = [x for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not any(isinstance(t, StandInTensor) for t in tensors):
+        return
+    host = [t for t in tensors if not isinstance(t, StandInTensor) and t.device.type == "cpu" and t.dim() > 0]
+    if host:
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{DEVICE} and cpu! (in {func}: a host tensor of shape {tuple(host[0].shape)} beside "
+                           f"the compute device's; on a GPU this op fails the same way)")
+
+
+def _leaves(tree: Any) -> list[Any]:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(tree)

@@ -1,0 +1,157 @@
+"""The stand-in device (``lightning_hetermoe.standin``, ``HETERMOE_STANDIN=1``): CPU runs whose
+compute device is not the host, so that a host tensor on device traffic fails on CPU as it
+would on NCCL; and the runtime clean under it in every mode (equal to one process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import lightning as L
+import pytest
+import torch
+
+from harness import run_ranks
+from lightning_hetermoe import HeterMoEStrategy, comm, standin
+
+
+def test_standin_tensors_compute_as_the_cpu_and_refuse_host_tensors_as_cuda_does():
+    device = standin.enable()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 4, generator=g), torch.randn(4, 3, generator=g)
+    x, w = a.to(device).requires_grad_(), b.to(device).requires_grad_()
+    y = (x @ w).relu().sum()
+    assert y.device == device and torch.equal(y.cpu(), (a @ b).relu().sum())
+    threads: list[str] = []
+    x.register_hook(lambda grad: threads.append(threading.current_thread().name))
+    y.backward()
+    ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
+    (ref_a @ ref_b).relu().sum().backward()
+    assert torch.equal(x.grad.cpu(), ref_a.grad) and torch.equal(w.grad.cpu(), ref_b.grad)
+    assert threads and threads[0] != threading.current_thread().name  # a device thread, as CUDA's
+    # factories, host copies, host scalars
+    assert torch.tensor([1, 2], device=device).device == device and torch.arange(3, device=device).device == device
+    assert x.detach().cpu().device.type == "cpu" and (x * torch.tensor(2.0)).device == device
+    with pytest.raises(RuntimeError, match="same device"):
+        x + torch.ones(5, 4)
+    # what gloo is handed is the memory itself
+    z = torch.zeros(3, device=device)
+    standin.host_view(z).add_(1)
+    assert z.cpu().tolist() == [1.0, 1.0, 1.0]
+
+
+def collectives_on_the_standin(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    device = standin.enable()
+    comm.configure(device)
+    group = comm.world()
+    t = torch.full((3,), float(rank + 1), device=device)
+    comm.all_reduce(group, t, what="test.sum")
+    out = torch.empty(world * 2, device=device)
+    comm.all_gather_into(group, out, torch.full((2,), float(rank), device=device), what="test.gather")
+    errors = {}
+    for name, call in {
+        "host tensor on device traffic": lambda: comm.all_reduce(group, torch.ones(3), what="test.host_on_device"),
+        "device tensor on host traffic": lambda: comm.host_all_reduce(comm.new_group("h", range(world), device=False,
+                                                                                     host=True),
+                                                                      torch.ones(3, device=device),
+                                                                      what="test.device_on_host"),
+    }.items():
+        try:
+            call()
+        except comm.CommError as e:
+            errors[name] = str(e)
+    comm.forget()
+    return {"sum": t.cpu().tolist(), "gathered": out.cpu().tolist(), "device": str(t.device), "errors": errors}
+
+
+@pytest.mark.slow
+def test_comm_carries_standin_tensors_on_gloo_and_names_a_host_tensor_on_device_traffic():
+    results = run_ranks(2, collectives_on_the_standin, 2)
+    for got in results:
+        assert got["device"] == "standin:0"
+        assert got["sum"] == [3.0, 3.0, 3.0] and got["gathered"] == [0.0, 0.0, 1.0, 1.0]
+        assert "test.host_on_device" in got["errors"]["host tensor on device traffic"]
+        assert "on cpu" in got["errors"]["host tensor on device traffic"]
+        assert "test.device_on_host" in got["errors"]["device tensor on host traffic"]
+
+
+class LogsANumber(L.Callback):
+    """Notes the device the model computed on."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.device = str(next(pl_module.parameters()).device)
+
+
+def fit_logging_a_number(rank: int, world: int, use_standin: bool, replay_on_cpu: bool) -> dict:
+    """A zebra fit whose step logs a Python float with ``sync_dist=True``; ``replay_on_cpu``
+    puts item 5's bug back (the replay on the CPU instead of the module's device)."""
+    from helpers_zebra import make_test_plan
+
+    from lightning_hetermoe.strategy.backends.zebra import logs
+    from reference import data, make_model, trainer
+
+    if use_standin:
+        os.environ[standin.ENV] = "1"
+    original = logs._reduce
+    if replay_on_cpu:
+        logs._reduce = lambda name, calls, sizes, tokens, device: original(name, calls, sizes, tokens,
+                                                                            torch.device("cpu"))
+    model = make_model(4)
+    step = type(model).training_step
+
+    def training_step(self, batch, batch_idx):
+        self.log("a_number", 0.5, sync_dist=True)
+        return step(self, batch, batch_idx)
+
+    model.training_step = training_step.__get__(model)
+    seen = LogsANumber()
+    try:
+        trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2)), world, max_steps=1,
+                callbacks=[seen]).fit(model, datamodule=data(world))
+        return {"device": seen.device if rank == 0 else None}
+    finally:
+        logs._reduce = original
+        os.environ.pop(standin.ENV, None)
+
+
+@pytest.mark.slow
+def test_a_sync_dist_number_replayed_on_the_cpu_fails_on_the_standin_naming_the_call():
+    """Item 5's bug put back: on a plain CPU run nothing can see it; on the stand-in the
+    attention rank's reduce names the call, as NCCL would refuse it on the first GPU. The
+    fixed replay runs clean on the stand-in."""
+    plain = run_ranks(2, fit_logging_a_number, 2, False, True)
+    assert plain[0]["device"] == "cpu"
+    with pytest.raises(RuntimeError) as caught:
+        run_ranks(2, fit_logging_a_number, 2, True, True)
+    message = str(caught.value)
+    assert "CommError: strategy.reduce (self.log with sync_dist=True)" in message, message[-3000:]
+    assert "got a tensor on cpu; the compute device is standin:0" in message
+    fixed = run_ranks(2, fit_logging_a_number, 2, True, False)
+    assert fixed[0]["device"] == "standin:0"
+
+
+EQUIVALENCE_ON_THE_STANDIN = [
+    "tests/test_zebra.py::test_one_attention_one_expert_rank_zebra_distep_and_ep_agree",
+    "tests/test_zebra.py::test_three_ranks_two_attention_and_asym_ea_experts_on_the_attention_rank",
+    "tests/test_equivalence.py::test_distributed_equals_single_process_at_default_settings[2]",
+    "tests/test_datacentric.py::test_three_ranks_unequal_shares_equal_one_process_with_two_layers_of_experts_alive_at_most",
+]
+
+
+@pytest.mark.slow
+def test_the_equivalence_tests_of_every_mode_pass_on_the_standin():
+    """The runtime is clean on the stand-in: no host tensor on device traffic, no op mixing
+    host and device tensors, in ep (with ZeRO, clipping, accumulation, replicas and the
+    speed split), zebra (R = 1, 2, 3, with validation), distep and data-centric; each equal
+    to one process, as on the CPU. The tests themselves run, in a pytest of their own with
+    the stand-in switched on (the harness forwards it to every rank)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EQUIVALENCE_ON_THE_STANDIN],
+                          cwd=root, env={**os.environ, standin.ENV: "1"}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"{len(EQUIVALENCE_ON_THE_STANDIN)} passed" in proc.stdout, proc.stdout[-2000:]
