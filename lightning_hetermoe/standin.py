@@ -166,6 +166,19 @@ class StandInTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         return _run(func, args, kwargs or {})
 
+    # ``p.data = new`` is no op the dispatcher sees: torch swaps the tensor's C++ shape and
+    # storage only. A wrapper's values live in ``inner``, so it must follow, or every later
+    # op on ``p`` computes with the old memory while ``p.shape`` reports the new (a
+    # parameter emptied this way saved its old values, and was not empty to ``detach``).
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        torch._C.TensorBase.data.__set__(self, new)
+        self.inner = host_view(new)
+
     def tolist(self) -> Any:  # as on a GPU: read from the device (a sync there)
         return self.inner.tolist()
 

@@ -42,6 +42,24 @@ def test_standin_tensors_compute_as_the_cpu_and_refuse_host_tensors_as_cuda_does
     assert z.cpu().tolist() == [1.0, 1.0, 1.0]
 
 
+def test_a_parameter_given_new_data_computes_and_saves_with_it_as_on_a_gpu():
+    """``p.data = new`` (how zebra empties the dense weights of an expert rank, how
+    ``Module.double()`` converts): every later op on ``p`` sees ``new``. Missed, an emptied
+    parameter still detached to its old values and an expert rank wrote its initial dense
+    weights into a sharded checkpoint, over the attention rank's trained ones."""
+    device = standin.enable()
+    p = torch.nn.Parameter(torch.arange(4.0).to(device))
+    p.data = torch.empty(0, device=device)
+    assert p.detach().shape == (0,) and p.data.shape == (0,) and standin.host_view(p).numel() == 0
+    p.data = torch.full((3,), 2.0, device=device)
+    assert p.detach().cpu().tolist() == [2.0] * 3 and (p * 2).cpu().tolist() == [4.0] * 3
+    p.data.mul_(3)  # writes p, as on a GPU
+    assert p.cpu().tolist() == [6.0] * 3
+    linear = torch.nn.Linear(3, 2).to(device).double()
+    assert linear.weight.detach().dtype == torch.float64
+    assert linear(torch.ones(1, 3, dtype=torch.float64, device=device)).dtype == torch.float64
+
+
 def collectives_on_the_standin(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
