@@ -99,7 +99,9 @@ def requested() -> bool:
 
 
 def enable() -> torch.device:
-    """Register the stand-in device in this process (once) and return it."""
+    """Register the stand-in device in this process (once) and return it. Before the
+    process's first backward: autograd sizes its per-device queues then, and a device
+    registered later has none (an internal assert in the engine)."""
     global _library, DEVICE
     if _library is None:
         from torch.utils import backend_registration
