@@ -40,7 +40,7 @@ import argparse
 import json
 import time
 
-from runs import cluster_overrides, run_job
+from runs import TEARDOWN_ABORTS, cluster_overrides, run_job
 
 MIXES = {"a40+v100": ["a40", "v100"], "2xa40+2xv100": ["a40", "a40", "v100", "v100"], "4xa40": ["a40"] * 4,
          "l40s+t4": ["l40s", "t4"]}
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     zebra = {r["policy"]: r for r in rows if r["mode"] == "zebra"}
     het = [m for m in mixes if m != "4xa40"]
     result = {
+        "teardown_aborts": len(TEARDOWN_ABORTS),
         "rebalanced_over_static": by[("a40+v100", "rebalancer", True)]["over_static"],
         "rebalanced_over_eplb": by[("a40+v100", "rebalancer", True)]["step_s"] / by[("a40+v100", "eplb", True)]["step_s"],
         "rebalanced_over_eplb_by_mix": {m: over(m, "eplb") for m in mixes},

@@ -45,7 +45,7 @@ import argparse
 import json
 import time
 
-from runs import cluster_overrides, run_job
+from runs import TEARDOWN_ABORTS, cluster_overrides, run_job
 
 MIXES = {
     "a40+v100 1+1": ["a40", "v100"],
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_mixtral_over_pack_ratio": hf_ratio / pack_ratio,
         "planner_check": check,
         "cells": len(rows),
+        "teardown_aborts": len(TEARDOWN_ABORTS),
         "wall_s": time.perf_counter() - started,
     }
     print(json.dumps(result), flush=True)
