@@ -252,3 +252,24 @@ def test_a_placement_given_to_predict_step_is_priced_and_the_plan_keeps_its_own(
         given = predict_step(s, devs, model, topo, timer, seq_len=4096, total_seqs=16, num_microbatches=1,
                              placement=Placement.contiguous(L, E, W), ep_size=W)
         assert given.step_time == plain.step_time
+
+
+def test_the_data_centric_step_waits_at_every_layers_collectives():
+    """Two ranks, one heavy on experts and one on attention: each layer's backward gather and
+    reduce-scatter start when the last rank reaches them, so the step is longer than either
+    rank's own sum (the waits); worked by hand."""
+    from lightning_hetermoe.simulate.datacentric import _synchronised_step
+
+    experts_heavy = {"head": 0.0, "attn_fwd": [1.0, 1.0], "attn_bwd": [1.0, 1.0], "experts_fwd": [3.0, 3.0],
+                     "experts_bwd": [3.0, 3.0]}
+    attention_heavy = {"head": 0.0, "attn_fwd": [2.0, 2.0], "attn_bwd": [2.0, 2.0], "experts_fwd": [1.0, 1.0],
+                       "experts_bwd": [1.0, 1.0]}
+    # forward: layer 0's gather leaves at 2 (the last rank ready), arrives 2.5; both start
+    # then, the next gather leaves at 2.5; the experts-heavy rank ends the forward at 9.5.
+    # backward, layer 1: gather 9.5 -> 10, experts to 16 and 12, scatter 16 -> 16.5, attention
+    # to 17.5 and 18.5; layer 0: gather 18.5 -> 19, experts to 25 and 21, scatter -> 25.5,
+    # attention to 26.5 and 27.5
+    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5) == 27.5
+    # each alone: 24.5 and 16.5 (the same walk with no one to wait for)
+    assert _synchronised_step([experts_heavy], 2, 0.5, 0.5) == 24.5
+    assert _synchronised_step([attention_heavy], 2, 0.5, 0.5) == 16.5
