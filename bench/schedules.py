@@ -3,6 +3,7 @@
     python bench/schedules.py            # the grid below, about 15 minutes on 2 cores
     python bench/schedules.py --quick    # one cell: A40+V100 1+1 at the D1 16K clock, ep and zebra
     python bench/schedules.py --mixes "a40+v100 1+1,a40x2" --clocks 16K   # a subset of the grid
+    python bench/schedules.py --schedules datacentric                      # one schedule, every cell
 
 For each mix (A40+V100 as 1+1, 2+2, 1+2; L40S+T4 as 1+3; two A40s) and workload clock (D1
 at 4K and 16K tokens per sequence) it runs ``ep``, ``ep`` with speed-proportional batches,
@@ -191,15 +192,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="one cell: A40+V100 1+1 at the 16K clock, ep and zebra")
     ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated, of: {', '.join(MIXES)}")
     ap.add_argument("--clocks", default=",".join(CLOCKS), help=f"comma-separated, of: {', '.join(CLOCKS)}")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of: {', '.join(SCHEDULES)}")
     args = ap.parse_args(argv)
-    mixes, clocks = args.mixes.split(","), args.clocks.split(",")
-    unknown = [m for m in mixes if m not in MIXES] + [c for c in clocks if c not in CLOCKS]
+    mixes, clocks, schedules = args.mixes.split(","), args.clocks.split(","), args.schedules.split(",")
+    unknown = ([m for m in mixes if m not in MIXES] + [c for c in clocks if c not in CLOCKS]
+               + [s for s in schedules if s not in SCHEDULES])
     if unknown:
-        ap.error(f"unknown mix or clock {unknown}: mixes are {list(MIXES)}, clocks {list(CLOCKS)}")
-    subset = args.mixes != ",".join(MIXES) or args.clocks != ",".join(CLOCKS)
+        ap.error(f"unknown mix, clock or schedule {unknown}: mixes are {list(MIXES)}, clocks {list(CLOCKS)}, "
+                 f"schedules {list(SCHEDULES)}")
+    subset = (args.mixes != ",".join(MIXES) or args.clocks != ",".join(CLOCKS)
+              or args.schedules != ",".join(SCHEDULES))
     started = time.perf_counter()
     grid = [("a40+v100 1+1", "16K", s) for s in ("ep", "zebra")] if args.quick else \
-        [(m, c, s) for c in clocks for m in mixes for s in SCHEDULES]
+        [(m, c, s) for c in clocks for m in mixes for s in schedules]
     print(f"{'mix':13} {'clock':>4} {'schedule':9} {'meas s':>8} {'sim s':>8} {'error':>6}  "
           f"{'sim@load':>7} {'error':>6}  {'overrun':>6}", flush=True)
     rows = []
