@@ -56,55 +56,38 @@ def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
 
 
-def gemm_configs(capability: tuple[int, int]) -> list[triton.Config]:
-    """Candidates for the gather-GEMM (BLOCK_M rows of one expert x BLOCK_N output columns)."""
-    if capability >= (9, 0):
-        # Hopper: 228 KB of shared memory and wgmma favour 128-row tiles with BLOCK_K=64 and
-        # deep pipelines; 64-row tiles stay for experts that receive few tokens.
-        return [
-            _cfg(128, 256, 64, 3, 8),
-            _cfg(128, 128, 64, 4, 8),
-            _cfg(128, 128, 64, 4, 4),
-            _cfg(64, 256, 64, 4, 8),
-            _cfg(64, 128, 64, 4, 4),
-            _cfg(128, 64, 64, 4, 4),
-        ]
-    if capability >= (8, 0):
-        # Ampere/Ada: ~100-164 KB of shared memory, mma.sync; BLOCK_K=32 keeps 4 stages resident.
-        return [
-            _cfg(128, 128, 32, 4, 4),
-            _cfg(128, 256, 32, 3, 8),
-            _cfg(128, 128, 64, 3, 8),
-            _cfg(64, 128, 32, 4, 4),
-            _cfg(128, 64, 32, 4, 4),
-            _cfg(64, 64, 32, 5, 2),
-        ]
+# Candidates per GPU generation (the newest the device reaches): (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps).
+# The gather-GEMM: BLOCK_M rows of one expert x BLOCK_N output columns.
+GEMM_TILES = {
+    # Hopper: 228 KB of shared memory and wgmma favour 128-row tiles with BLOCK_K=64 and deep
+    # pipelines; 64-row tiles stay for experts that receive few tokens.
+    (9, 0): [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 8),
+             (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+    # Ampere/Ada: ~100-164 KB of shared memory, mma.sync; BLOCK_K=32 keeps 4 stages resident.
+    (8, 0): [(128, 128, 32, 4, 4), (128, 256, 32, 3, 8), (128, 128, 64, 3, 8), (64, 128, 32, 4, 4),
+             (128, 64, 32, 4, 4), (64, 64, 32, 5, 2)],
     # Volta/Turing (expert ranks in the HeterMoE clusters are often V100/T4): small tiles, few stages.
-    return [
-        _cfg(64, 64, 32, 2, 4),
-        _cfg(128, 64, 32, 2, 4),
-        _cfg(64, 128, 32, 2, 4),
-    ]
+    (0, 0): [(64, 64, 32, 2, 4), (128, 64, 32, 2, 4), (64, 128, 32, 2, 4)],
+}
+# The weight gradient: a [BLOCK_K, BLOCK_N] output tile, reducing BLOCK_M rows a step.
+WGRAD_TILES = {
+    (9, 0): [(64, 128, 128, 4, 8), (64, 256, 128, 3, 8), (64, 128, 128, 3, 4), (32, 128, 128, 4, 4),
+             (64, 64, 64, 4, 4)],
+    (8, 0): [(32, 128, 128, 4, 4), (64, 128, 128, 3, 8), (32, 64, 128, 4, 4), (32, 64, 64, 4, 4)],
+    (0, 0): [(32, 64, 64, 2, 4), (32, 128, 64, 2, 4)],
+}
+
+
+def _for(tiles: dict[tuple[int, int], list[tuple[int, ...]]], capability: tuple[int, int]) -> list[triton.Config]:
+    newest = max(gen for gen in tiles if capability >= gen)
+    return [_cfg(*t) for t in tiles[newest]]
+
+
+def gemm_configs(capability: tuple[int, int]) -> list[triton.Config]:
+    """Candidates for the gather-GEMM on a device of ``capability``."""
+    return _for(GEMM_TILES, capability)
 
 
 def wgrad_configs(capability: tuple[int, int]) -> list[triton.Config]:
-    """Candidates for the weight gradient: a [BLOCK_K, BLOCK_N] output tile, reducing BLOCK_M rows a step."""
-    if capability >= (9, 0):
-        return [
-            _cfg(64, 128, 128, 4, 8),
-            _cfg(64, 256, 128, 3, 8),
-            _cfg(64, 128, 128, 3, 4),
-            _cfg(32, 128, 128, 4, 4),
-            _cfg(64, 64, 64, 4, 4),
-        ]
-    if capability >= (8, 0):
-        return [
-            _cfg(32, 128, 128, 4, 4),
-            _cfg(64, 128, 128, 3, 8),
-            _cfg(32, 64, 128, 4, 4),
-            _cfg(32, 64, 64, 4, 4),
-        ]
-    return [
-        _cfg(32, 64, 64, 2, 4),
-        _cfg(32, 128, 64, 2, 4),
-    ]
+    """Candidates for the weight gradient on a device of ``capability``."""
+    return _for(WGRAD_TILES, capability)
