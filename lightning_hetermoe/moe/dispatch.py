@@ -45,22 +45,16 @@ def position_counts(position: Tensor, keep: Tensor, num_positions: int) -> Tenso
         0, position.reshape(-1), keep.reshape(-1).long())
 
 
-def sort_by_position(position: Tensor, keep: Tensor, num_positions: int, kept: int | None = None,
-                     counts: Tensor | None = None) -> SortedChoices:
+def sort_by_position(position: Tensor, keep: Tensor, num_positions: int, kept: int, counts: Tensor
+                     ) -> SortedChoices:
     """Group kept choices by their own slot position ``position [T, k]`` (stable: token order kept).
 
-    ``kept``: how many choices are kept, where the caller already read it on the host (the
-    dispatch's one sync): every choice is sorted with the dropped ones last and the first
-    ``kept`` taken, with no further sync; without it, ``nonzero`` finds the kept ones (one
-    sync). ``counts``: :func:`position_counts`, where the caller has them."""
+    ``kept``: how many choices are kept, which the caller read on the host (the dispatch's
+    one sync): every choice is sorted with the dropped ones last and the first ``kept``
+    taken, with no further sync. ``counts``: the caller's :func:`position_counts`."""
     k = position.shape[1]
-    counts = position_counts(position, keep, num_positions) if counts is None else counts
     flat, live = position.reshape(-1), keep.reshape(-1)
-    if kept is None:
-        alive = live.nonzero().squeeze(-1)
-        slot = alive.index_select(0, torch.argsort(flat.index_select(0, alive), stable=True))
-    else:
-        slot = torch.argsort(torch.where(live, flat, num_positions), stable=True)[:kept]
+    slot = torch.argsort(torch.where(live, flat, num_positions), stable=True)[:kept]
     return SortedChoices(slot=slot, token=torch.div(slot, k, rounding_mode="floor"), counts=counts)
 
 
