@@ -41,9 +41,9 @@ queued kernel still reads.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 import functools
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
