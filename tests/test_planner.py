@@ -377,7 +377,9 @@ def test_scoring_a_plan_leaves_it_as_it_is_and_keeps_the_base_placement_where_th
 
     m = ModelConfig(name="t", n_layers=4, d_model=1024, n_heads=8, vocab_size=32000, max_seq_len=32768,
                     moe=MoEConfig(num_experts=8, top_k=2, d_ff=2048))
-    view = as_cluster(["a40", "v100"])
+    # two A40s at R=4: the attention rank's spare time takes experts, but every expert it
+    # serves waits for the expert rank's previous round; the full step prices that
+    view = as_cluster(["a40", "a40"])
     timer = CachedTimer(make_timer(m, 4096))
     search = _Search(view, m, 4096, 16, timer, True, 16)
     plan = search.candidate(search.role_order(), 1, 1, 4)

@@ -123,6 +123,31 @@ def test_transfers_and_tails_add_time():
     assert simulate_step(zebra_setup(), Slow()).step_time > simulate_step(zebra_setup(), FakeTimer()).step_time
 
 
+class Transfers(FakeTimer):
+    def comm(self, nbytes, link):
+        return 0.5 if nbytes > 0 else 0.0
+
+
+def test_an_expert_rank_takes_part_in_the_next_round_once_its_task_ended():
+    # Af(0,0)[0,1] -> Df0.0[1,1.5] -> Xf(0,0)[1.5,2.5]. Af(0,1) ends at 2, but the expert
+    # rank's part of round (0,1) is issued after Xf(0,0)'s kernels: Df0.1[2.5,3], Xf(0,1)[3,4]
+    tl = simulate_step(zebra_setup(), Transfers()).timeline
+    start = {(t.name, t.resource[0]): s for t, s in zip(tl.tasks, tl.start, strict=True)}
+    assert start[("Df0.1", "a")] == pytest.approx(2.5)
+    assert start[("Xf0.1", "1")] == pytest.approx(3.0)
+
+
+def test_every_tail_starts_after_the_last_task_of_any_rank():
+    class SlowOptimizer(FakeTimer):
+        def optimizer(self, dev, n):
+            return 10.0 if dev.name == "v100" else 0.0
+
+    # the by-hand step above: the expert rank's last task ends at 13, the attention rank's at
+    # 15; the step's loss is agreed on every rank first, so the expert rank's optimizer runs
+    # from 15, not from 13
+    assert simulate_step(zebra_setup(), SlowOptimizer()).step_time == pytest.approx(25.0)
+
+
 def test_run_dag_rejects_cycles_and_honours_fifo():
     with pytest.raises(ValueError, match="cycle"):
         run_dag([Task("a", "r", 1.0, [1]), Task("b", "r", 1.0, [0])])

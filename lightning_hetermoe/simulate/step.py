@@ -438,6 +438,19 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
     emitters: dict[Round, list[ScheduleTask]] = {}
     for t in sched.attention:
         emitters.setdefault(emitted_round(t, L), []).append(t)
+    # An expert rank takes part in round r's collectives once its host reaches r: after the
+    # expert task it ran last (the communication stream waits on the compute stream at every
+    # issue), so its rows of r cannot land while it computes the round before.
+    last_before: list[dict[Round, ScheduleTask]] = [{} for _ in lanes]
+    for i, lane in enumerate(lanes):
+        if lane.role == "attention":
+            continue
+        prev = None
+        for r in sched.rounds:
+            if prev is not None:
+                last_before[i][r] = prev
+            if lane.experts[r.layer]:
+                prev = r.expert_task
     for r in sched.rounds:
         for i in att:
             for t in emitters.get(r, ()):
@@ -445,6 +458,10 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         for i, lane in enumerate(lanes):
             if lane.experts[r.layer]:
                 dep(("e2a", r), (i, r.expert_task))
+            elif r in last_before[i]:
+                dep(("e2a", r), (i, last_before[i][r]))
+            if r in last_before[i]:
+                dep(("a2e", r), (i, last_before[i][r]))
     for g, mbs in enumerate(sched.balance_groups):
         for l in range(L):
             for i in att:
@@ -524,7 +541,12 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
             per_res_spans.setdefault(t.resource, []).append((s, e))
         per_res_last[t.resource] = max(per_res_last.get(t.resource, 0.0), e)
     compute_end = tl.makespan
-    step = max(compute_end, max((per_res_last.get(r, 0.0) + tail for r, tail in tails.items()), default=0.0))
+    if setup.schedule is not None:
+        # zebra and DistEP agree on the step's loss (an all-reduce over every rank) before
+        # any rank's gradient sync and optimizer: every tail starts when the last task ends
+        step = compute_end + max(tails.values(), default=0.0)
+    else:
+        step = max(compute_end, max((per_res_last.get(r, 0.0) + tail for r, tail in tails.items()), default=0.0))
     busy: dict[int, float] = {}
     devices: dict[int, str] = {}
     bubbles: dict[str, list[tuple[float, float]]] = {}

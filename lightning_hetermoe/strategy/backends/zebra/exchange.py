@@ -29,8 +29,13 @@ already in. Nothing is waited for before it is needed; every handle is waited on
 Under emulation a transfer is padded at its receiver: it arrives at ``max(sent, link
 free) + modelled`` (one transfer at a time per direction), ``sent`` being the moment the
 sending task ends on the modelled clock, carried in the round's header (dispatch) or in a
-combine header (a one-number host all-gather, emulation only). Tasks issue their sends
-before their padding, as a GPU's host runs ahead of its kernels.
+combine header (a one-number host all-gather, emulation only), or later, the moment the
+last member took part. On a GPU the communication stream waits for the compute stream at
+every issue, so an expert rank's part of the next round starts when its current task's
+kernels end: under emulation it takes part after the task's padding (not right after its
+reply), and stamps that moment in a ready header (dispatch) or its answer header (a round
+it holds nothing of). Tasks issue their sends before their padding, as a GPU's host runs
+ahead of its kernels.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Exchange:
         self._sends: list[Pending] = []  # pure sends: waited once complete, or at the end
         self._balance: dict[Any, Pending] = {}
         self._answer_headers: dict[Round, Pending] = {}  # emulation: when each round's answers left
+        self._ready: dict[Round, Pending] = {}  # emulation: when each member took part in a round's dispatch
         self._link_free = {"dispatch": 0.0, "combine": 0.0}
         self._seconds: dict[tuple[int, int], float] = {}  # modelled transfer of a (layer, mb)'s rows
         self._cursor = 0  # expert ranks: the next round of schedule.rounds not yet answered
@@ -86,8 +92,10 @@ class Exchange:
 
     def finish(self) -> None:
         """Wait for everything still in flight (the last sends), and book the transfers."""
+        if self.emulator is not None and not self.lay.is_attention:
+            self._advance()  # the rounds after this rank's last one, now that its last task ended
         for pending in [*self._headers.values(), *self._dispatch.values(), *self._combine.values(), *self._sends,
-                        *self._balance.values(), *self._answer_headers.values()]:
+                        *self._balance.values(), *self._answer_headers.values(), *self._ready.values()]:
             pending.wait()
         if self.watch is not None:
             self.watch.settle()  # a stamp taken next comes after every completion
@@ -98,6 +106,7 @@ class Exchange:
         self._dispatch.clear()
         self._combine.clear()
         self._sends.clear()
+        self._ready.clear()
 
     def in_flight(self) -> list[Tensor]:
         """Tensors held by collectives not yet waited (for accounting a step's memory)."""
@@ -123,6 +132,7 @@ class Exchange:
         with comm.issuing(after=[wire]):
             self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
                 self.groups.dispatch, out, wire, recv, send, what="zebra.rows", async_op=True))
+        self._post_ready(r)
         if not holds:
             self._post_combine(r, None, None)
 
@@ -150,6 +160,8 @@ class Exchange:
         """What round ``r`` brings this holder (forward: :class:`Dispatched`; backward: the
         gradient of its answers)."""
         self._reap()
+        if self.emulator is not None and not self.lay.is_attention:
+            self._advance()  # deferred to here: see reply
         if r not in self._dispatch:  # an expert rank issues its part when it reaches the round
             self._post_receive(r)
         got = self._dispatch.pop(r).wait()
@@ -166,6 +178,11 @@ class Exchange:
         if not self.lay.is_attention:
             self._send_only(r)
             self._cursor += 1
+            if self.emulator is not None:
+                # a GPU's communication stream waits for this task's kernels before the next
+                # round's receive: under emulation that is the end of the task's padding, so
+                # the next rounds are taken part in when this rank reaches them (rows, finish)
+                return
             self._advance()
             nxt = self._next_round()
             if nxt is not None and nxt not in self._dispatch and self._headers[nxt].work.is_completed():
@@ -198,6 +215,18 @@ class Exchange:
         with comm.issuing():
             self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
                 self.groups.dispatch, out, empty, recv, [0] * self.G, what="zebra.rows", async_op=True))
+        self._post_ready(r)
+
+    def _post_ready(self, r: Round) -> None:
+        """Emulation: when this member took part in ``r``'s dispatch (an expert rank's moment;
+        an attention rank's is its header's). On the combine group's host side, before
+        ``combine(r)``'s answer header on every member."""
+        if self.emulator is None:
+            return
+        at = 0 if self.lay.is_attention else int(time.perf_counter() * 1e9)
+        stamp = torch.tensor([at], dtype=torch.long, device="cpu")
+        parts = [torch.empty_like(stamp) for _ in range(self.G)]
+        self._ready[r] = comm.host_all_gather(self.groups.combine, parts, stamp, what="zebra.ready", async_op=True)
 
     # -- pieces ---------------------------------------------------------------------------
     def _post_header(self, r: Round, expert_counts: Tensor | None, leaves_at: float | None = None) -> None:
@@ -243,8 +272,11 @@ class Exchange:
         inp = answers.to(self.wire).contiguous() if answers is not None else \
             torch.empty((0, self.d), dtype=self.wire, device=self.device)
         if self.emulator is not None:
-            stamp = torch.tensor([int(leaves_at * 1e9) if answers is not None and leaves_at else 0], dtype=torch.long,
-                                 device="cpu")
+            # a holder's answers leave at leaves_at; an expert rank without a share takes
+            # part now (its last task ended: see reply), which can be what the round waits for
+            at = leaves_at if answers is not None and leaves_at else \
+                None if self.lay.is_attention else time.perf_counter()
+            stamp = torch.tensor([int(at * 1e9) if at else 0], dtype=torch.long, device="cpu")
             parts = [torch.empty_like(stamp) for _ in range(self.G)]
             self._answer_headers[r] = comm.host_all_gather(self.groups.combine, parts, stamp,
                                                            what="zebra.answer_header", async_op=True)
@@ -268,7 +300,12 @@ class Exchange:
             self._sends.pop(0).wait()
 
     def _sent_at(self, r: Round) -> float:
-        return float(self._header(r)[:, self.E].max()) / 1e9
+        """When round ``r``'s dispatch could start: its rows left and every member took part."""
+        at = float(self._header(r)[:, self.E].max())
+        ready = self._ready.pop(r, None)
+        if ready is not None:
+            at = max(at, float(max(int(t) for t in ready.wait())))
+        return at / 1e9
 
     def _transfer_seconds(self, r: Round) -> float:
         """The busiest link of the round's matrix, on the emulated link (a round's backward
