@@ -172,7 +172,7 @@ def planner_check() -> dict:
     R = chosen["R"]
     rows = {f"R={R} (planner)": chosen}
     for r in (R - 1, R + 1):
-        if r >= 1:
+        if 1 <= r <= GLOBAL_BATCH:  # one sequence per micro-batch at least
             rows[f"R={r}"] = measure(mix, clock, "zebra", [f"strategy.num_microbatches={r}"])
     rows["Asym-EA off"] = measure(mix, clock, "zebra", ["strategy.asym_ea=false"])
     best = min(r["measured_s"] for r in rows.values())

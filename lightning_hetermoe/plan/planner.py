@@ -159,6 +159,8 @@ class _Search:
         speeds = [ep_speed(devs[r], self.timer, m, S) for r in g0.attention_ranks]
         member_seqs = apportion(group_seqs, speeds)
         if R > max(member_seqs):
+            self.last_error = (f"a micro-batch needs a sequence: the busiest attention rank of {G} ZP group(s) "
+                               f"gets {max(member_seqs)}, so strategy.num_microbatches must be <= {max(member_seqs)}")
             return None
         k, E, L = m.moe.top_k, m.moe.num_experts, m.n_layers
         group_tokens = group_seqs * S
