@@ -31,7 +31,8 @@ from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 
 from harness import run_ranks  # noqa: E402
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig  # noqa: E402
-from reference import ScaleHistory, data, make_model, reference_fit, trainer  # noqa: E402
+from reference import (ScaleHistory, data, make_model, perturbed_fit, reference_fit, relative_gap,  # noqa: E402
+                       trainer)
 from helpers_zebra import GLOBAL, WINDOWS, make_test_plan, pieces  # noqa: E402
 
 
@@ -56,27 +57,13 @@ def fit(rank: int, world: int, cases: list[dict], steps: int, optim: dict) -> li
     return out
 
 
-def relative_gap(got: dict, ref: dict, initial: dict) -> float:
-    names = [n for n, r in ref.items() if r.is_floating_point()]
-    num = sum(float((got[n].double() - ref[n].double()).square().sum()) for n in names)
-    den = sum(float((ref[n].double() - initial[n].double()).square().sum()) for n in names)
-    return (num / den) ** 0.5
-
-
 def noise_floor(seed: int, model_seed: int, steps: int, optim: dict, eps: float = 1e-7) -> float:
     """One process against itself with its initial weights scaled by 1 + eps * N(0, 1)."""
-    def run(perturb: bool) -> dict:
-        model = make_model(4, seed=model_seed, optim=OptimConfig(**optim))
-        if perturb:
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1 + eps * torch.randn(p.shape, generator=gen))
-        return reference_fit(model, steps, global_batch=GLOBAL[2], windows=WINDOWS[2], seed=seed,
-                             scaler=torch.amp.GradScaler("cpu"))
-
-    initial = make_model(4, seed=model_seed, optim=OptimConfig(**optim)).state_dict()
-    return relative_gap(run(True), run(False), initial)
+    model = make_model(4, seed=model_seed, optim=OptimConfig(**optim))
+    fit = dict(global_batch=GLOBAL[2], windows=WINDOWS[2], seed=seed)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    return relative_gap(perturbed_fit(model, steps, eps, scaler=torch.amp.GradScaler("cpu"), **fit),
+                        reference_fit(model, steps, scaler=torch.amp.GradScaler("cpu"), **fit), initial)
 
 
 def group(name: str) -> str:

@@ -250,3 +250,24 @@ def assert_same_params(actual: dict, expected: dict, initial: dict, rtol: float 
         moved = (expected[name] - initial[name]).abs().max()
         assert moved > 0 or "noise" in name, f"{name} never trained: the comparison would be vacuous"
         torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=name)
+
+
+def relative_gap(got: dict, ref: dict, initial: dict) -> float:
+    """How far ``got`` landed from ``ref``, over every floating-point tensor, relative to how
+    far ``ref`` moved from ``initial`` (norms over all of them)."""
+    names = [n for n, r in ref.items() if r.is_floating_point()]
+    num = sum(float((got[n].double() - ref[n].double()).square().sum()) for n in names)
+    den = sum(float((ref[n].double() - initial[n].double()).square().sum()) for n in names)
+    return (num / den) ** 0.5
+
+
+def perturbed_fit(model: MoELanguageModel, steps: int, eps: float = 1e-7, **fit: Any) -> dict[str, torch.Tensor]:
+    """:func:`reference_fit` from initial weights scaled by ``1 + eps * N(0, 1)``: one process
+    against itself, the noise floor of a low-precision run (a rounding that flips a token's
+    top-k choice makes the run drift from there, by as much on one CPU as any schedule)."""
+    model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + eps * torch.randn(p.shape, generator=gen))
+    return reference_fit(model, steps, **fit)

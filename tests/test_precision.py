@@ -13,7 +13,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoELayer, OptimConfig, comm
 from lightning_hetermoe.configs import ConfigError
-from reference import ScaleHistory, data, make_model, reference_fit, trainer
+from reference import ScaleHistory, data, make_model, perturbed_fit, reference_fit, relative_gap, trainer
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -132,9 +132,11 @@ def test_fp16_sgd_lands_where_one_process_lands_under_ep_and_zebra():
     one process's, overflowing where one process does not); the routers compute in fp32
     under autocast (before: fp16, and the aux losses with them, where 2**16 overflows); the
     rows go out in fp16. The gap of one seed is noisy (fp16 rounding now and then flips a
-    token's top-k choice, and the run drifts from there): at this one, one process whose
-    initial weights are perturbed by 1e-7 lands 0.5% from itself; bench/fp16_parity.py
-    measures over seeds."""
+    token's top-k choice, and the run drifts from there), and how noisy depends on the CPU's
+    kernels: at this seed one process whose initial weights are perturbed by 1e-7 lands 0.5%
+    from itself on one machine, 7.8% on another (AVX-512). So the bound is 2% plus 1.5 times
+    that noise floor, measured here on the same reference; a scale error or a skipped step
+    moves the weights by far more. bench/fp16_parity.py measures over seeds."""
     plan = make_test_plan(2, [0], R=2)
     cases = [dict(mode="ep"), dict(mode="zebra", plan=plan)]
     per_rank = run_ranks(2, fit_fp16_sgd, 2, cases)
@@ -145,13 +147,13 @@ def test_fp16_sgd_lands_where_one_process_lands_under_ep_and_zebra():
         cut = pieces(plan, case["mode"]) if case["mode"] != "ep" else None
         expected = reference_fit(model, SGD_STEPS, global_batch=GLOBAL[2], windows=WINDOWS[2], pieces=cut,
                                  scaler=scaler)
-        names = [n for n, v in expected.items() if v.is_floating_point()]
-        move = sum((expected[n].double() - initial[n].double()).square().sum() for n in names).sqrt()
+        floor = relative_gap(perturbed_fit(model, SGD_STEPS, global_batch=GLOBAL[2], windows=WINDOWS[2], pieces=cut,
+                                           scaler=torch.amp.GradScaler("cpu")), expected, initial)
         for r in range(2):
             got = per_rank[r][c]
             assert got["scales"] == scaler.history, (case["mode"], r, got["scales"], scaler.history)
-            gap = sum((got["state"][n].double() - expected[n].double()).square().sum() for n in names).sqrt()
-            assert gap <= 0.02 * move, (case["mode"], r, float(gap / move))
+            gap = relative_gap(got["state"], expected, initial)
+            assert gap <= 0.02 + 1.5 * floor, (case["mode"], r, gap, floor)
         if case["mode"] == "ep":
             assert per_rank[0][c]["rows"] == ["torch.float16"], per_rank[0][c]["rows"]
 

@@ -122,9 +122,11 @@ def test_the_consolidated_checkpoint_is_the_full_format(runs):
     a, b = full["optimizer_states"][0], whole["optimizer_states"][0]
     assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
     assert a["state"].keys() == b["state"].keys()
+    # the weights' tolerance: ep and zebra sum gradients in different orders (one Adam moment
+    # of 4096 differed by 1.4e-6 on an AVX-512 CPU)
     for i in a["state"]:
         for key, t in a["state"][i].items():
-            torch.testing.assert_close(b["state"][i][key], t, rtol=1e-5, atol=1e-6, msg=f"{i}.{key}")
+            torch.testing.assert_close(b["state"][i][key], t, rtol=1e-5, atol=1e-5, msg=f"{i}.{key}")
     assert whole["epoch"] == full["epoch"] == 1 and whole["global_step"] == full["global_step"] == 4
 
 
