@@ -60,7 +60,7 @@ def breakdown(cluster_name: str, model: ModelConfig, seq_len: int, schedule: str
         busy[t.resource][t.kind] += e - s
     tails = {}
     if schedule in ("zebra", "distep"):
-        _, _, tails = build_tasks(plan_setup(plan, view.devices, model, view.topology, schedule=schedule), timer)
+        _, _, tails, _ = build_tasks(plan_setup(plan, view.devices, model, view.topology, schedule=schedule), timer)
     return {"plan": plan, "result": res, "busy": busy, "tails": tails}
 
 

@@ -273,7 +273,8 @@ def _note(group: Group, traffic: str, op: str, what: str, t: Tensor | None, out_
 def check_sequences(per_rank: Sequence[Sequence[Call]]) -> list[str]:
     """What breaks NCCL's rule in recordings of every rank (empty: nothing): on every
     communicator (a group's device side, or its host side), every member issues the same
-    collectives in the same order with matching sizes."""
+    collectives in the same order with matching sizes; and two ranks issue the device
+    collectives of the communicators they share in one order."""
     problems: list[str] = []
     by_group: dict[str, dict[int, list[Call]]] = {}
     ranks_of: dict[str, tuple[int, ...]] = {}
@@ -298,6 +299,24 @@ def check_sequences(per_rank: Sequence[Sequence[Call]]) -> list[str]:
         for k in range(min(lengths.values())):
             calls = {r: seqs[r][k] for r in members}
             problems += _mismatch(name, k, calls)
+    return problems + _cross_order(per_rank)
+
+
+def _cross_order(per_rank: Sequence[Sequence[Call]]) -> list[str]:
+    """Two ranks that share several communicators issue their device collectives in one
+    order: NCCL kernels wait for their peers, and where two communicators' kernels cannot
+    run side by side, two members that queue them in opposite orders wait on each other."""
+    problems: list[str] = []
+    for a in range(len(per_rank)):
+        for b in range(a + 1, len(per_rank)):
+            seqs = [[c.group for c in per_rank[r] if c.traffic != HOST and a in c.ranks and b in c.ranks]
+                    for r in (a, b)]
+            if len(set(seqs[0] + seqs[1])) < 2 or seqs[0] == seqs[1]:
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(*seqs)) if x != y), min(map(len, seqs)))
+            got = [s[k] if k < len(s) else "nothing" for s in seqs]
+            problems.append(f"ranks {a} and {b} issue the device collectives of the groups they share in different "
+                            f"orders: at their #{k} shared one, rank {a} issues {got[0]}, rank {b} {got[1]}")
     return problems
 
 
@@ -376,6 +395,16 @@ class Pending:
     @property
     def done(self) -> bool:
         return self._done
+
+
+def compute_idle() -> bool:
+    """Whether the compute stream has run everything queued on it (CUDA: an event recorded
+    now has completed; no host sync). Elsewhere compute runs as it is called: always."""
+    if _state.device.type != "cuda":
+        return True
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(_state.device))
+    return event.query()
 
 
 @contextlib.contextmanager

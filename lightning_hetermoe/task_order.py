@@ -124,6 +124,44 @@ class Schedule:
                 for g, mbs in enumerate(self.balance_groups) for l in range(self.num_layers)]
         return [(l, g) for _, l, g in sorted(keys)]
 
+    def early_rounds(self, attention_holds: Sequence[bool]) -> frozenset[Round]:
+        """Rounds ``q`` whose successor's dispatch every member issues before ``combine(q)``:
+        the attention ranks emit the successor before they need ``q``'s answers, and no
+        attention rank holds experts of ``q``'s layer (it answers ``q`` before it emits the
+        next round). An expert rank can then receive the successor's rows while it computes
+        ``q`` and still issue the collectives of both communicators in one order with every
+        other member (``attention_holds[l]``: some attention rank holds experts of layer ``l``)."""
+        key = ("early", tuple(bool(h) for h in attention_holds))
+        if key not in self._members:
+            emitter = {emitted_round(t, self.num_layers): i for i, t in enumerate(self.attention)}
+            need: dict[Round, int] = {}
+            for i, t in enumerate(self.attention):
+                r = awaited_round(t, self.num_layers)
+                if r is not None:
+                    need.setdefault(r, i)
+            self._members[key] = frozenset(
+                q for q, nxt in zip(self.rounds, self.rounds[1:])
+                if not key[1][q.layer] and emitter[nxt] < need.get(q, len(self.attention)))
+        return self._members[key]
+
+    def issue_order(self, attention_holds: Sequence[bool]) -> list[tuple[str, Round]]:
+        """Every member's order of the exchange's collectives over both communicators:
+        ``("dispatch", r)`` in round order, ``("combine", q)`` right after ``q``'s dispatch, or
+        after the next round's where ``q`` is early (:meth:`early_rounds`)."""
+        early = self.early_rounds(attention_holds)
+        out: list[tuple[str, Round]] = []
+        deferred = None
+        for r in self.rounds:
+            out.append(("dispatch", r))
+            if deferred is not None:
+                out.append(("combine", deferred))
+                deferred = None
+            if r in early:
+                deferred = r
+            else:
+                out.append(("combine", r))
+        return out
+
     def member_tasks(self, has_attention: bool, holds: Sequence[bool]) -> list[Task]:
         """The task list of one ZP member: ``holds[l]`` says whether it holds experts of layer ``l``."""
         if len(holds) != self.num_layers:

@@ -128,13 +128,27 @@ class Transfers(FakeTimer):
         return 0.5 if nbytes > 0 else 0.0
 
 
-def test_an_expert_rank_takes_part_in_the_next_round_once_its_task_ended():
-    # Af(0,0)[0,1] -> Df0.0[1,1.5] -> Xf(0,0)[1.5,2.5]. Af(0,1) ends at 2, but the expert
-    # rank's part of round (0,1) is issued after Xf(0,0)'s kernels: Df0.1[2.5,3], Xf(0,1)[3,4]
-    tl = simulate_step(zebra_setup(), Transfers()).timeline
-    start = {(t.name, t.resource[0]): s for t, s in zip(tl.tasks, tl.start, strict=True)}
+def starts(res):
+    tl = res.timeline
+    return {(t.name, t.resource[0]): s for t, s in zip(tl.tasks, tl.start, strict=True)}
+
+
+def test_a_round_emitted_after_the_experts_started_moves_after_them():
+    # Af(0,0)[0,1] -> Df0.0[1,1.5] -> Xf(0,0)[1.5,2.5]. Round (0,1) is emitted at 2, after
+    # Xf(0,0) started: the expert rank issues its part after Xf(0,0)'s kernels (the
+    # communication stream waits for them): Df0.1[2.5,3], Xf(0,1)[3,4]
+    start = starts(simulate_step(zebra_setup(), Transfers()))
     assert start[("Df0.1", "a")] == pytest.approx(2.5)
     assert start[("Xf0.1", "1")] == pytest.approx(3.0)
+
+
+def test_a_round_emitted_before_the_experts_start_moves_while_they_run():
+    # attention 0.25: Af(0,0)[0,.25] Df0.0[.25,.75] Xf(0,0)[.75,1.75]; round (0,1) is emitted
+    # at .5, before Xf(0,0) starts, so its receive goes first: Df0.1[.75,1.25] under Xf(0,0),
+    # and Xf(0,1) starts as Xf(0,0) ends (1.75, not 2.25)
+    start = starts(simulate_step(zebra_setup(), Transfers(attn={"a40": 0.25})))
+    assert start[("Df0.1", "a")] == pytest.approx(0.75)
+    assert start[("Xf0.1", "1")] == pytest.approx(1.75)
 
 
 def test_every_tail_starts_after_the_last_task_of_any_rank():
@@ -298,3 +312,24 @@ def test_the_data_centric_step_waits_at_every_layers_collectives():
     # each alone: 24.5 and 16.5 (the same walk with no one to wait for)
     assert _synchronised_step([experts_heavy], 2, 0.5, 0.5) == 24.5
     assert _synchronised_step([attention_heavy], 2, 0.5, 0.5) == 16.5
+
+
+def test_issue_order_puts_the_next_dispatch_first_only_where_it_is_safe():
+    from lightning_hetermoe.task_order import Round
+
+    sched = build_schedule("zebra", 2, 2)
+    early = sched.early_rounds([False, False])
+    # every round but the last: the next one is emitted before this one's answers are needed
+    assert early == frozenset(sched.rounds[:-1])
+    order = sched.issue_order([False, False])
+    assert [r for k, r in order if k == "dispatch"] == sched.rounds
+    pos = {e: i for i, e in enumerate(order)}
+    for q, nxt in zip(sched.rounds, sched.rounds[1:]):
+        assert pos[("dispatch", q)] < pos[("dispatch", nxt)] < pos[("combine", q)]
+    # an attention rank holding experts of layer 0 answers its rounds before it emits the next
+    held = sched.early_rounds([True, False])
+    assert not any(r.layer == 0 for r in held) and Round("fwd", 1, 0) in held
+    # one micro-batch: each forward round's answer is needed by the task that emits the next
+    one = build_schedule("zebra", 2, 1)
+    assert Round("fwd", 0, 0) not in one.early_rounds([False, False])
+    assert build_schedule("distep", 2, 2).early_rounds([False, False]) == frozenset()

@@ -244,17 +244,49 @@ def _check(setup: StepSetup) -> None:
         raise ValueError("simulate: no rank has any tokens")
 
 
-def build_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], dict[str, float]]:
-    """The task graph, the resource policies and the per-lane tail (grad sync + optimizer)."""
+def build_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], dict[str, float], list["LateHeader"]]:
+    """The task graph, the resource policies, the per-lane tail (grad sync + optimizer) and
+    the early rounds whose next receive depends on timing (:func:`run_step_dag` settles them)."""
     _check(setup)
     if setup.schedule is not None:
-        tasks, policies = _schedule_tasks(setup, timer)
+        tasks, policies, late = _schedule_tasks(setup, timer)
     else:
-        tasks, policies = _ep_tasks(setup, timer)
+        tasks, policies, late = _ep_tasks(setup, timer)
     tails = {}
     if setup.schedule is None or setup.schedule.kind != "forward":
         tails = {lane_resource(i, lane): lane_tail(timer, setup, lane) for i, lane in enumerate(setup.lanes)}
-    return tasks, policies, tails
+    return tasks, policies, tails, late
+
+
+@dataclass
+class LateHeader:
+    """An expert rank's early round: it issues the next round's receive before the round's
+    experts (``expert``) if the next round was emitted (``emitters``) by the time they start;
+    else after them (``dispatch`` waits for ``expert``), its host held until the header comes
+    (``follow``, its next task, waits for the emitters)."""
+
+    expert: int
+    dispatch: int
+    emitters: list[int]
+    follow: int | None
+
+
+def run_step_dag(tasks: list[Task], policies: dict[str, str], late: list[LateHeader], passes: int = 4) -> Timeline:
+    """Run the graph, then give every early round whose next header came after its experts
+    started the late order, and run again (a handful of passes: each only adds waits)."""
+    tl = run_dag(tasks, policies)
+    pending = list(late)
+    for _ in range(passes):
+        moved = [h for h in pending if h.emitters and max(tl.end[e] for e in h.emitters) > tl.start[h.expert] + 1e-12]
+        if not moved:
+            break
+        for h in moved:
+            tasks[h.dispatch].deps.append(h.expert)
+            if h.follow is not None:
+                tasks[h.follow].deps.extend(h.emitters)
+        pending = [h for h in pending if h not in moved]
+        tl = run_dag(tasks, policies)
+    return tl
 
 
 def lane_resource(i: int, lane: Lane) -> str:
@@ -379,7 +411,7 @@ class TaskTimes:
         return self._memo[key]
 
 
-def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
+def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list[LateHeader]]:
     sched = setup.schedule
     m = setup.model
     L, R, E = m.n_layers, setup.num_microbatches, m.moe.num_experts
@@ -438,42 +470,60 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
     emitters: dict[Round, list[ScheduleTask]] = {}
     for t in sched.attention:
         emitters.setdefault(emitted_round(t, L), []).append(t)
-    # An expert rank takes part in round r's collectives once its host reaches r: after the
-    # expert task it ran last (the communication stream waits on the compute stream at every
-    # issue), so its rows of r cannot land while it computes the round before.
-    last_before: list[dict[Round, ScheduleTask]] = [{} for _ in lanes]
+    # Every member issues the collectives in one order (Schedule.issue_order). An expert rank
+    # takes part in one once its host reaches it, and the communication stream waits for the
+    # compute queued by then: the expert task of the last round it answered before that
+    # point. Where a round q is early, the next round's receive is issued before q's experts
+    # are queued (waiting for its header: q's experts start once the next round is emitted),
+    # and the attention ranks post q's combine with the next round's dispatch.
+    attention_holds = [any(lane.experts[l] for lane in lanes if lane.role == "attention") for l in range(L)]
+    late: list[LateHeader] = []
+    early = sched.early_rounds(attention_holds)
+    after = dict(zip(sched.rounds, sched.rounds[1:]))
+    gate: list[dict[tuple[str, Round], ScheduleTask]] = [{} for _ in lanes]
     for i, lane in enumerate(lanes):
         if lane.role == "attention":
             continue
-        prev = None
-        for r in sched.rounds:
-            if prev is not None:
-                last_before[i][r] = prev
-            if lane.experts[r.layer]:
-                prev = r.expert_task
+        answered = None
+        for kind, r in sched.issue_order(attention_holds):
+            if kind == "combine" and lane.experts[r.layer]:
+                answered = r.expert_task
+            elif answered is not None:
+                gate[i][(kind, r)] = answered
     for r in sched.rounds:
         for i in att:
             for t in emitters.get(r, ()):
                 dep(("a2e", r), (i, t))
+                if r in after and r in early:
+                    for t2 in emitters.get(after[r], ()):
+                        dep(("e2a", r), (i, t2))
         for i, lane in enumerate(lanes):
             if lane.experts[r.layer]:
                 dep(("e2a", r), (i, r.expert_task))
-            elif r in last_before[i]:
-                dep(("e2a", r), (i, last_before[i][r]))
-            if r in last_before[i]:
-                dep(("a2e", r), (i, last_before[i][r]))
+                if r in early and lane.role != "attention":
+                    # the next round's receive goes before r's experts only if its header is
+                    # in by the time they could start: refine_late checks, once timed
+                    pos = orders[i].index(r.expert_task)
+                    follow = orders[i][pos + 1] if pos + 1 < len(orders[i]) else None
+                    late.append(LateHeader(ids[(i, r.expert_task)], ids[("a2e", after[r])],
+                                           [ids[(a, t2)] for a in att for t2 in emitters.get(after[r], ())],
+                                           ids[(i, follow)] if follow is not None else None))
+            elif ("combine", r) in gate[i]:
+                dep(("e2a", r), (i, gate[i][("combine", r)]))
+            if ("dispatch", r) in gate[i]:
+                dep(("a2e", r), (i, gate[i][("dispatch", r)]))
     for g, mbs in enumerate(sched.balance_groups):
         for l in range(L):
             for i in att:
                 for j in mbs:
                     dep(("count", l, g), (i, ScheduleTask("attn_fwd", l, j)))
-    return tasks, policies
+    return tasks, policies, late
 
 
 LABELS = {"attn_fwd": "Af", "expert_fwd": "Xf", "head": "H", "expert_bwd": "Xb", "attn_bwd": "Ab"}
 
 
-def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
+def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list[LateHeader]]:
     """EP: every rank attends and hosts experts; micro-batches one after another. The
     all-to-alls are synchronous (one task for every rank); each rank picks its ready tasks
     by priority: at the top layer a micro-batch's forward, head and backward back to back,
@@ -524,13 +574,13 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]]:
     policies = {"a2e": "fifo", "e2a": "fifo"}
     for i, lane in enumerate(lanes):
         policies[lane_resource(i, lane)] = "priority" if lane.has_attention else "fifo"
-    return tasks, policies
+    return tasks, policies, []
 
 
 def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
     """Simulate one step of ``setup``; times come from ``timer`` (a TaskTimer)."""
-    tasks, policies, tails = build_tasks(setup, timer)
-    tl = run_dag(tasks, policies)
+    tasks, policies, tails, late = build_tasks(setup, timer)
+    tl = run_step_dag(tasks, policies, late)
     lanes = setup.lanes
     per_res_busy: dict[str, float] = {}
     per_res_last: dict[str, float] = {}

@@ -15,26 +15,34 @@ ranks emit them) is three collectives on the ZP group:
    expert order, in the compute dtype (the autocast dtype under mixed precision).
 3. **combine** (device): an all-to-all of the answers, back in the order the rows came.
 
-Issue order, on every member: ``dispatch(r)`` before ``combine(r)`` before
-``dispatch(r + 1)``, every round, also where a member holds no expert of the round's layer
-(its share is then empty; a collective skipped on one member hangs the others). An
-attention rank posts ``combine(r)``'s receive with the dispatch, so the answer can land
-while it computes the next micro-batch (on CUDA the receive runs on the communication
-stream; nothing waits on it until the answer is used); a holder issues ``combine(r)``
-once its experts ran (holders on attention ranks run them right after the emitting task,
-see :meth:`lightning_hetermoe.task_order.Schedule.member_tasks`, which keeps this order), and
-an expert rank posts its next ``dispatch`` receive right after, if that round's header is
-already in. Nothing is waited for before it is needed; every handle is waited once.
+Issue order, on every member, over both communicators: :meth:`Schedule.issue_order
+<lightning_hetermoe.task_order.Schedule.issue_order>`, every round, also where a member
+holds no expert of the round's layer (its share is then empty; a collective skipped on one
+member hangs the others, and two communicators issued in different orders can deadlock
+where their kernels cannot run side by side). ``dispatch(r)`` before ``combine(r)``; where
+``r`` is early (the attention ranks emit ``r + 1`` before they need ``r``'s answers, and
+no attention rank holds experts of ``r``'s layer) ``dispatch(r + 1)`` comes before
+``combine(r)``, else after it. An attention rank posts ``combine(r)``'s receive with the
+dispatch that precedes it, so the answer can land while it computes the next micro-batch
+(on CUDA the receive runs on the communication stream; nothing waits on it until the
+answer is used); a holder issues ``combine(r)`` once its experts ran (holders on attention
+ranks run them right after the emitting task, see
+:meth:`lightning_hetermoe.task_order.Schedule.member_tasks`, which keeps this order). An
+expert rank walks the order: it issues ``dispatch(r)`` when it reaches ``r``, and where
+``r`` is early also ``dispatch(r + 1)`` (waiting for its header) before ``r``'s experts
+are queued, so ``r + 1``'s rows move while they run: the communication stream waits for
+the compute queued before each issue, and ``r``'s is not queued yet. Nothing is waited for
+before it is needed; every handle is waited once.
 
 Under emulation a transfer is padded at its receiver: it arrives at ``max(sent, link
 free) + modelled`` (one transfer at a time per direction), ``sent`` being the moment the
 sending task ends on the modelled clock, carried in the round's header (dispatch) or in a
 combine header (a one-number host all-gather, emulation only), or later, the moment the
 last member took part. On a GPU the communication stream waits for the compute stream at
-every issue, so an expert rank's part of the next round starts when its current task's
-kernels end: under emulation it takes part after the task's padding (not right after its
-reply), and stamps that moment in a ready header (dispatch) or its answer header (a round
-it holds nothing of). Tasks issue their sends before their padding, as a GPU's host runs
+every issue, so an expert rank's part of a round it issues after a task's reply starts
+when that task's kernels end: under emulation it takes part after the task's padding (not
+right after its reply), and stamps that moment in a ready header (dispatch) or its answer
+header (a round it holds nothing of). Tasks issue their sends before their padding, as a GPU's host runs
 ahead of its kernels.
 """
 
@@ -52,6 +60,9 @@ from ....emulate.meter import Stopwatch
 from ....task_order import Round, Schedule
 from .layout import Layout, ZebraGroups
 from .records import Dispatched
+
+
+PREFETCH_POLL_S = 50e-6  # how often an expert rank looks for the next round's header while it waits
 
 
 class Exchange:
@@ -72,11 +83,19 @@ class Exchange:
         self._ready: dict[Round, Pending] = {}  # emulation: when each member took part in a round's dispatch
         self._link_free = {"dispatch": 0.0, "combine": 0.0}
         self._seconds: dict[tuple[int, int], float] = {}  # modelled transfer of a (layer, mb)'s rows
-        self._cursor = 0  # expert ranks: the next round of schedule.rounds not yet answered
         self._member = [[False] * self.G for _ in range(layout.num_layers)]  # [layer][group rank] holds experts
         for l in range(layout.num_layers):
             for d, held in enumerate(layout.by_group_rank(l)):
                 self._member[l][d] = bool(held)
+        attending = [layout.group_rank(g) for g in layout.attention_members]
+        holds = [any(self._member[l][d] for d in attending) for l in range(layout.num_layers)]
+        # every member's order of the collectives over both communicators (see issue_order)
+        self._order = schedule.issue_order(holds)
+        self._early = schedule.early_rounds(holds)
+        self._after = dict(zip(schedule.rounds, schedule.rounds[1:]))
+        self._position = {event: i for i, event in enumerate(self._order)}
+        self._cursor = 0  # expert ranks: the next collective of _order not yet issued
+        self._deferred: Round | None = None  # attention ranks: an early round's combine, issued after the next dispatch
         self.transfer_s: dict[tuple[str, Round], float] = {}
         # measured runs: each device transfer's span, from its issue (on the communication
         # stream) to its work's completion; read with the step's other stamps
@@ -88,12 +107,12 @@ class Exchange:
         if not self.lay.is_attention:
             for r in self.schedule.rounds:
                 self._post_header(r, None)
-            self._advance()
+            self._issue(block=False)
 
     def finish(self) -> None:
         """Wait for everything still in flight (the last sends), and book the transfers."""
-        if self.emulator is not None and not self.lay.is_attention:
-            self._advance()  # the rounds after this rank's last one, now that its last task ended
+        if not self.lay.is_attention:
+            self._issue()  # the rounds after this rank's last one, now that its last task ended
         for pending in [*self._headers.values(), *self._dispatch.values(), *self._combine.values(), *self._sends,
                         *self._balance.values(), *self._answer_headers.values(), *self._ready.values()]:
             pending.wait()
@@ -133,11 +152,19 @@ class Exchange:
             self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
                 self.groups.dispatch, out, wire, recv, send, what="zebra.rows", async_op=True))
         self._post_ready(r)
-        if not holds:
-            self._post_combine(r, None, None)
+        if self._deferred is not None:  # an early round's combine comes after this dispatch
+            q, self._deferred = self._deferred, None
+            self._post_combine(q, None, leaves_at)
+        if r in self._early:
+            self._deferred = r
+        elif not holds:
+            self._post_combine(r, None, leaves_at)
 
     def answers(self, r: Round) -> Tensor:
         """The experts' answer to round ``r`` (waited here: the compute stream follows it)."""
+        if r not in self._combine:
+            raise RuntimeError(f"zebra exchange: the answers of {r} are needed before its combine was issued; "
+                               f"the schedule's issue order is broken (Schedule.early_rounds)")
         got = self._combine.pop(r).wait()
         sent = self._dispatch.pop(r, None)
         if sent is not None:
@@ -160,12 +187,16 @@ class Exchange:
         """What round ``r`` brings this holder (forward: :class:`Dispatched`; backward: the
         gradient of its answers)."""
         self._reap()
-        if self.emulator is not None and not self.lay.is_attention:
-            self._advance()  # deferred to here: see reply
-        if r not in self._dispatch:  # an expert rank issues its part when it reaches the round
-            self._post_receive(r)
+        early = not self.lay.is_attention and r in self._early
+        if not self.lay.is_attention:
+            self._issue(("dispatch", r))  # an expert rank takes part in a round when it reaches it
+        if early and self.emulator is None:
+            self._prefetch(r, lambda: self._dispatch[r].work.is_completed() and comm.compute_idle())
         got = self._dispatch.pop(r).wait()
-        self._arrive("dispatch", r, self._sent_at(r))
+        arrival = self._arrive("dispatch", r, self._sent_at(r), wait=not early)
+        if early and self.emulator is not None:
+            self._prefetch(r, lambda: time.perf_counter() >= arrival)
+            self.emulator.arrive("transfer", ("dispatch", r), arrival, self._transfer_seconds(r))
         if r.phase == "bwd":
             return got
         counts, _ = self._round_sizes(r)
@@ -174,32 +205,57 @@ class Exchange:
 
     def reply(self, r: Round, answers: Tensor, leaves_at: float | None = None) -> None:
         """This holder's answers to round ``r`` leave (``leaves_at``: on the modelled clock)."""
+        if self.lay.is_attention:
+            self._post_combine(r, answers, leaves_at)
+            return
+        self._issue(("combine", r), inclusive=False, at=leaves_at)
         self._post_combine(r, answers, leaves_at)
-        if not self.lay.is_attention:
-            self._send_only(r)
-            self._cursor += 1
-            if self.emulator is not None:
-                # a GPU's communication stream waits for this task's kernels before the next
-                # round's receive: under emulation that is the end of the task's padding, so
-                # the next rounds are taken part in when this rank reaches them (rows, finish)
+        self._send_only(r)
+        self._cursor += 1
+        if self.emulator is None:
+            self._issue(block=False)  # the next receives whose headers are in
+        # under emulation a GPU's communication stream would wait for this task's kernels
+        # before the next round's receive: that is the end of the task's padding, so the
+        # next rounds are taken part in when this rank reaches them (rows, finish)
+
+    def _prefetch(self, r: Round, ready_to_run: Callable[[], bool]) -> None:
+        """An expert rank about to run early round ``r``: issue the next round's receive
+        before ``r``'s experts are queued (its rows then move while they run) if its header
+        comes in before ``r`` could start anyway (``ready_to_run``: its rows are in and the
+        device has nothing else queued); else :meth:`reply` issues it, after ``r``'s experts."""
+        nxt = ("dispatch", self._after[r])
+        header = self._headers[nxt[1]].work
+        while not header.is_completed() and not ready_to_run():
+            time.sleep(PREFETCH_POLL_S)
+        if header.is_completed():
+            self._issue(nxt)
+
+    def _issue(self, stop: tuple[str, Round] | None = None, *, inclusive: bool = True, block: bool = True,
+               at: float | None = None) -> None:
+        """Expert ranks: issue the next collectives of the order, up to ``stop`` (``None``:
+        to the end; ``inclusive``: ``stop`` too), waiting for headers; ``block=False``: only
+        those that need no wait (a dispatch whose header is in, a combine of a round this
+        rank holds nothing of), stopping at the first that does. A combine of a round this
+        rank holds is issued by :meth:`reply` alone. ``at``: when they are issued, on the
+        modelled clock (default: now)."""
+        end = len(self._order) if stop is None else self._position[stop] + (1 if inclusive else 0)
+        while self._cursor < end:
+            kind, r = self._order[self._cursor]
+            held = self._member[r.layer][self.me]
+            if kind == "combine" and held:
+                if block:
+                    raise RuntimeError(f"zebra exchange: {stop or 'the step end'} comes after the combine of {r}, "
+                                       f"which this rank holds and has not answered; the issue order is broken")
                 return
-            self._advance()
-            nxt = self._next_round()
-            if nxt is not None and nxt not in self._dispatch and self._headers[nxt].work.is_completed():
-                self._post_receive(nxt)  # its rows can land while this rank pads or computes
-
-    def _next_round(self) -> Round | None:
-        rounds = self.schedule.rounds
-        return rounds[self._cursor] if self._cursor < len(rounds) else None
-
-    def _advance(self) -> None:
-        """Expert ranks: take part in every round they hold no expert of, in order, up to
-        the next one they serve (empty shares: nothing to wait for)."""
-        while (r := self._next_round()) is not None and not self._member[r.layer][self.me]:
-            self._post_receive(r)
-            self._sends.append(self._dispatch.pop(r))
-            self._post_combine(r, None, None)
-            self._send_only(r)
+            if not block and kind == "dispatch" and not self._headers[r].work.is_completed():
+                return
+            if kind == "dispatch":
+                self._post_receive(r, at)
+                if not held:  # an empty share: nothing to wait for
+                    self._sends.append(self._dispatch.pop(r))
+            else:
+                self._post_combine(r, None, at)
+                self._send_only(r)
             self._cursor += 1
 
     def _send_only(self, r: Round) -> None:
@@ -208,23 +264,23 @@ class Exchange:
         if r in self._answer_headers:
             self._sends.append(self._answer_headers.pop(r))
 
-    def _post_receive(self, r: Round) -> None:
+    def _post_receive(self, r: Round, at: float | None = None) -> None:
         recv = self._column(r) if self._member[r.layer][self.me] else [0] * self.G
         out = torch.empty((sum(recv), self.d), dtype=self.wire, device=self.device)
         empty = torch.empty((0, self.d), dtype=self.wire, device=self.device)
         with comm.issuing():
             self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
                 self.groups.dispatch, out, empty, recv, [0] * self.G, what="zebra.rows", async_op=True))
-        self._post_ready(r)
+        self._post_ready(r, at)
 
-    def _post_ready(self, r: Round) -> None:
-        """Emulation: when this member took part in ``r``'s dispatch (an expert rank's moment;
-        an attention rank's is its header's). On the combine group's host side, before
-        ``combine(r)``'s answer header on every member."""
+    def _post_ready(self, r: Round, at: float | None = None) -> None:
+        """Emulation: when this member took part in ``r``'s dispatch (an expert rank's moment,
+        ``at`` or now; an attention rank's is its header's). On the combine group's host
+        side, in the order of :meth:`Schedule.issue_order` on every member."""
         if self.emulator is None:
             return
-        at = 0 if self.lay.is_attention else int(time.perf_counter() * 1e9)
-        stamp = torch.tensor([at], dtype=torch.long, device="cpu")
+        ns = 0 if self.lay.is_attention else int((at if at is not None else time.perf_counter()) * 1e9)
+        stamp = torch.tensor([ns], dtype=torch.long, device="cpu")
         parts = [torch.empty_like(stamp) for _ in range(self.G)]
         self._ready[r] = comm.host_all_gather(self.groups.combine, parts, stamp, what="zebra.ready", async_op=True)
 
@@ -272,10 +328,10 @@ class Exchange:
         inp = answers.to(self.wire).contiguous() if answers is not None else \
             torch.empty((0, self.d), dtype=self.wire, device=self.device)
         if self.emulator is not None:
-            # a holder's answers leave at leaves_at; an expert rank without a share takes
-            # part now (its last task ended: see reply), which can be what the round waits for
-            at = leaves_at if answers is not None and leaves_at else \
-                None if self.lay.is_attention else time.perf_counter()
+            # a holder's answers leave at leaves_at; another member takes part at leaves_at
+            # (the task that issues it ends), or an expert rank now (its last task ended:
+            # see reply), which can be what the round waits for
+            at = leaves_at if leaves_at else None if self.lay.is_attention else time.perf_counter()
             stamp = torch.tensor([int(at * 1e9) if at else 0], dtype=torch.long, device="cpu")
             parts = [torch.empty_like(stamp) for _ in range(self.G)]
             self._answer_headers[r] = comm.host_all_gather(self.groups.combine, parts, stamp,
@@ -316,11 +372,14 @@ class Exchange:
             self._seconds[key] = self.emulator.round_seconds(rows, self.lay.every_group_ranks())
         return self._seconds[key]
 
-    def _arrive(self, channel: str, r: Round, sent_at: float | None) -> None:
-        """Emulation: the rows of ``r`` arrive once the link carried them after they left."""
+    def _arrive(self, channel: str, r: Round, sent_at: float | None, wait: bool = True) -> float:
+        """Emulation: the rows of ``r`` arrive once the link carried them after they left
+        (``wait``: until then). Returns the arrival, on the modelled clock."""
         if self.emulator is None:
-            return
+            return 0.0
         seconds = self._transfer_seconds(r)
         arrival = max(sent_at or 0.0, self._link_free[channel]) + seconds
         self._link_free[channel] = arrival
-        self.emulator.arrive("transfer", (channel, r), arrival, seconds)
+        if wait:
+            self.emulator.arrive("transfer", (channel, r), arrival, seconds)
+        return arrival
