@@ -396,6 +396,11 @@ class Pending:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def completed(self) -> bool:
+        """Whether its work finished (a query: no wait, no host sync)."""
+        return self._done or self.work is None or bool(self.work.is_completed())
+
 
 def compute_idle() -> bool:
     """Whether the compute stream has run everything queued on it (CUDA: an event recorded

@@ -191,7 +191,7 @@ class Exchange:
         if not self.lay.is_attention:
             self._issue(("dispatch", r))  # an expert rank takes part in a round when it reaches it
         if early and self.emulator is None:
-            self._prefetch(r, lambda: self._dispatch[r].work.is_completed() and comm.compute_idle())
+            self._prefetch(r, lambda: self._dispatch[r].completed and comm.compute_idle())
         got = self._dispatch.pop(r).wait()
         arrival = self._arrive("dispatch", r, self._sent_at(r), wait=not early)
         if early and self.emulator is not None:
@@ -224,10 +224,10 @@ class Exchange:
         comes in before ``r`` could start anyway (``ready_to_run``: its rows are in and the
         device has nothing else queued); else :meth:`reply` issues it, after ``r``'s experts."""
         nxt = ("dispatch", self._after[r])
-        header = self._headers[nxt[1]].work
-        while not header.is_completed() and not ready_to_run():
+        header = self._headers[nxt[1]]
+        while not header.completed and not ready_to_run():
             time.sleep(PREFETCH_POLL_S)
-        if header.is_completed():
+        if header.completed:
             self._issue(nxt)
 
     def _issue(self, stop: tuple[str, Round] | None = None, *, inclusive: bool = True, block: bool = True,
@@ -247,7 +247,7 @@ class Exchange:
                     raise RuntimeError(f"zebra exchange: {stop or 'the step end'} comes after the combine of {r}, "
                                        f"which this rank holds and has not answered; the issue order is broken")
                 return
-            if not block and kind == "dispatch" and not self._headers[r].work.is_completed():
+            if not block and kind == "dispatch" and not self._headers[r].completed:
                 return
             if kind == "dispatch":
                 self._post_receive(r, at)
