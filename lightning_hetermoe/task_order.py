@@ -107,7 +107,8 @@ class Schedule:
     rounds: list[Round] = field(default_factory=list)
     # micro-batch groups whose routing counts are summed for the balance loss (empty: none)
     balance_groups: list[tuple[int, ...]] = field(default_factory=list)
-    # member_tasks per (has_attention, holds): a planner's search asks the same few thousands of times
+    # member_tasks per (has_attention, holds), and the issue order per attention holdings: a
+    # planner's search asks for the same few thousands of times
     _members: dict = field(default_factory=dict, repr=False, compare=False)
 
     def balance_group(self, mb: int) -> int | None:
@@ -133,34 +134,45 @@ class Schedule:
         other member (``attention_holds[l]``: some attention rank holds experts of layer ``l``)."""
         key = ("early", tuple(bool(h) for h in attention_holds))
         if key not in self._members:
-            emitter = {emitted_round(t, self.num_layers): i for i, t in enumerate(self.attention)}
-            need: dict[Round, int] = {}
-            for i, t in enumerate(self.attention):
-                r = awaited_round(t, self.num_layers)
-                if r is not None:
-                    need.setdefault(r, i)
+            emitter, first_need = self._emission()
             self._members[key] = frozenset(
                 q for q, nxt in zip(self.rounds, self.rounds[1:])
-                if not key[1][q.layer] and emitter[nxt] < need.get(q, len(self.attention)))
+                if not key[1][q.layer] and emitter[nxt] < first_need.get(q, len(self.attention)))
         return self._members[key]
 
     def issue_order(self, attention_holds: Sequence[bool]) -> list[tuple[str, Round]]:
         """Every member's order of the exchange's collectives over both communicators:
         ``("dispatch", r)`` in round order, ``("combine", q)`` right after ``q``'s dispatch, or
         after the next round's where ``q`` is early (:meth:`early_rounds`)."""
-        early = self.early_rounds(attention_holds)
-        out: list[tuple[str, Round]] = []
-        deferred = None
-        for r in self.rounds:
-            out.append(("dispatch", r))
-            if deferred is not None:
-                out.append(("combine", deferred))
-                deferred = None
-            if r in early:
-                deferred = r
-            else:
-                out.append(("combine", r))
-        return out
+        key = ("order", tuple(bool(h) for h in attention_holds))
+        if key not in self._members:
+            early = self.early_rounds(attention_holds)
+            out: list[tuple[str, Round]] = []
+            deferred = None
+            for r in self.rounds:
+                out.append(("dispatch", r))
+                if deferred is not None:
+                    out.append(("combine", deferred))
+                    deferred = None
+                if r in early:
+                    deferred = r
+                else:
+                    out.append(("combine", r))
+            self._members[key] = out
+        return list(self._members[key])
+
+    def _emission(self) -> tuple[dict[Round, int], dict[Round, int]]:
+        """Per round, the index in ``attention`` of the task that emits it and of the first
+        task that needs its answers."""
+        if "emission" not in self._members:
+            emitter = {emitted_round(t, self.num_layers): i for i, t in enumerate(self.attention)}
+            first_need: dict[Round, int] = {}
+            for i, t in enumerate(self.attention):
+                need = awaited_round(t, self.num_layers)
+                if need is not None:
+                    first_need.setdefault(need, i)
+            self._members["emission"] = (emitter, first_need)
+        return self._members["emission"]
 
     def member_tasks(self, has_attention: bool, holds: Sequence[bool]) -> list[Task]:
         """The task list of one ZP member: ``holds[l]`` says whether it holds experts of layer ``l``."""
@@ -176,12 +188,7 @@ class Schedule:
         if not has_attention:
             return [r.expert_task for r in mine]
         attn = self.attention
-        emitter = {emitted_round(t, self.num_layers): i for i, t in enumerate(attn)}
-        first_need: dict[Round, int] = {}
-        for i, t in enumerate(attn):
-            need = awaited_round(t, self.num_layers)
-            if need is not None and need not in first_need:
-                first_need[need] = i
+        emitter, first_need = self._emission()
         # slot[i]: expert tasks that run just before attention task i (len(attn): after all)
         slots: dict[int, list[Task]] = {}
         last = -1

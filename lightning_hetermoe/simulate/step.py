@@ -284,7 +284,8 @@ def run_step_dag(tasks: list[Task], policies: dict[str, str], late: list[LateHea
             tasks[h.dispatch].deps.append(h.expert)
             if h.follow is not None:
                 tasks[h.follow].deps.extend(h.emitters)
-        pending = [h for h in pending if h not in moved]
+        gone = {id(h) for h in moved}
+        pending = [h for h in pending if id(h) not in gone]
         tl = run_dag(tasks, policies)
     return tl
 
@@ -474,18 +475,19 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
     # takes part in one once its host reaches it, and the communication stream waits for the
     # compute queued by then: the expert task of the last round it answered before that
     # point. Where a round q is early, the next round's receive is issued before q's experts
-    # are queued (waiting for its header: q's experts start once the next round is emitted),
+    # are queued if it was emitted by then (else after them: run_step_dag settles which),
     # and the attention ranks post q's combine with the next round's dispatch.
     attention_holds = [any(lane.experts[l] for lane in lanes if lane.role == "attention") for l in range(L)]
     late: list[LateHeader] = []
     early = sched.early_rounds(attention_holds)
+    order = sched.issue_order(attention_holds)
     after = dict(zip(sched.rounds, sched.rounds[1:]))
     gate: list[dict[tuple[str, Round], ScheduleTask]] = [{} for _ in lanes]
     for i, lane in enumerate(lanes):
         if lane.role == "attention":
             continue
         answered = None
-        for kind, r in sched.issue_order(attention_holds):
+        for kind, r in order:
             if kind == "combine" and lane.experts[r.layer]:
                 answered = r.expert_task
             elif answered is not None:
@@ -494,7 +496,7 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
         for i in att:
             for t in emitters.get(r, ()):
                 dep(("a2e", r), (i, t))
-                if r in after and r in early:
+                if r in early:
                     for t2 in emitters.get(after[r], ()):
                         dep(("e2a", r), (i, t2))
         for i, lane in enumerate(lanes):
@@ -502,12 +504,12 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
                 dep(("e2a", r), (i, r.expert_task))
                 if r in early and lane.role != "attention":
                     # the next round's receive goes before r's experts only if its header is
-                    # in by the time they could start: refine_late checks, once timed
-                    pos = orders[i].index(r.expert_task)
-                    follow = orders[i][pos + 1] if pos + 1 < len(orders[i]) else None
-                    late.append(LateHeader(ids[(i, r.expert_task)], ids[("a2e", after[r])],
-                                           [ids[(a, t2)] for a in att for t2 in emitters.get(after[r], ())],
-                                           ids[(i, follow)] if follow is not None else None))
+                    # in by the time they could start: run_step_dag checks, once timed. A lane's
+                    # tasks were added one after another in its order: its next task is mine + 1
+                    mine = ids[(i, r.expert_task)]
+                    follow = mine + 1 if mine + 1 < ids[(i, orders[i][0])] + len(orders[i]) else None
+                    late.append(LateHeader(mine, ids[("a2e", after[r])],
+                                           [ids[(a, t2)] for a in att for t2 in emitters.get(after[r], ())], follow))
             elif ("combine", r) in gate[i]:
                 dep(("e2a", r), (i, gate[i][("combine", r)]))
             if ("dispatch", r) in gate[i]:

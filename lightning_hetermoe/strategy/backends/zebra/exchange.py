@@ -193,10 +193,9 @@ class Exchange:
         if early and self.emulator is None:
             self._prefetch(r, lambda: self._dispatch[r].completed and comm.compute_idle())
         got = self._dispatch.pop(r).wait()
-        arrival = self._arrive("dispatch", r, self._sent_at(r), wait=not early)
-        if early and self.emulator is not None:
-            self._prefetch(r, lambda: time.perf_counter() >= arrival)
-            self.emulator.arrive("transfer", ("dispatch", r), arrival, self._transfer_seconds(r))
+        # emulated: the rows are in at their modelled arrival; the next header is looked for until then
+        before = (lambda at: self._prefetch(r, lambda: time.perf_counter() >= at)) if early else None
+        self._arrive("dispatch", r, self._sent_at(r), before=before)
         if r.phase == "bwd":
             return got
         counts, _ = self._round_sizes(r)
@@ -372,14 +371,15 @@ class Exchange:
             self._seconds[key] = self.emulator.round_seconds(rows, self.lay.every_group_ranks())
         return self._seconds[key]
 
-    def _arrive(self, channel: str, r: Round, sent_at: float | None, wait: bool = True) -> float:
+    def _arrive(self, channel: str, r: Round, sent_at: float | None,
+                before: Callable[[float], None] | None = None) -> None:
         """Emulation: the rows of ``r`` arrive once the link carried them after they left
-        (``wait``: until then). Returns the arrival, on the modelled clock."""
+        (``before``: called with that moment, on the modelled clock, before waiting for it)."""
         if self.emulator is None:
-            return 0.0
+            return
         seconds = self._transfer_seconds(r)
         arrival = max(sent_at or 0.0, self._link_free[channel]) + seconds
         self._link_free[channel] = arrival
-        if wait:
-            self.emulator.arrive("transfer", (channel, r), arrival, seconds)
-        return arrival
+        if before is not None:
+            before(arrival)
+        self.emulator.arrive("transfer", (channel, r), arrival, seconds)
