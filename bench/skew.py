@@ -8,6 +8,8 @@ roughly half the tokens of every layer."""
 
 from __future__ import annotations
 
+import types
+
 import lightning as L
 import torch
 
@@ -27,15 +29,15 @@ def skew(module, hot=(0, 1), bias: float = 1.5) -> None:
         router = layer.router
         if "logits" in vars(router):
             continue  # already skewed
-        offset = torch.zeros(layer.num_experts)
-        offset[list(hot)] = bias
-        original = router.logits
+        router.skew_offset = torch.zeros(layer.num_experts)
+        router.skew_offset[list(hot)] = bias
+        # a method bound to the router: a deep copy of the model binds it to the copy's router
+        router.logits = types.MethodType(_skewed_logits, router)
 
-        def logits(x, original=original, offset=offset):
-            out = original(x)
-            return out + offset.to(out.device, out.dtype)
 
-        router.logits = logits
+def _skewed_logits(router, x):
+    out = type(router).logits(router, x)
+    return out + router.skew_offset.to(out.device, out.dtype)
 
 
 class UniformRouter(L.Callback):

@@ -1,4 +1,4 @@
-"""Which copy of a replicated expert serves a token: local first.
+"""Which copy of a replicated expert serves a token: local first, then the least loaded.
 
 Where an expert has copies on several holders, a holder sends its own routing choices for
 that expert to its own copy when it holds one (nothing travels), else to the copies on its
@@ -7,12 +7,23 @@ the choices in even runs. The rule (``RULES``: ``local_first``, or ``even``: eve
 always, DeepSeek EPLB's assumption of load / copies) is a function of the placement and
 the nodes alone, fixed when the placement is adopted: each source holder applies it to
 its own choices with no extra communication, and receivers learn their counts from the
-dispatch's one count exchange, as before. With equal batch shares a copy serves
-``load / copies`` either way; local first only keeps rows at home.
+dispatch's one count exchange, as before.
 
-:func:`candidates` is the rule (the dispatcher turns it into tensors); :func:`expected_flows`
-is what it gives on average (the simulator and the rebalancer price placements with it), so
-the prediction and the dispatch agree by construction.
+Local first alone makes each copy serve its own holder's choices, however slow the
+holder: a V100 holding a hot expert serves its half of that expert at V100 speed. A
+placement may therefore carry **routes** (:class:`~lightning_hetermoe.placement.Placement`'s
+``routes``): for an expert, the share of every source's choices each copy serves. The
+rebalancer computes them from a target per copy (its time-balanced share of the expert,
+:func:`routes_to_targets`): a source keeps at home what its own copy is to serve, sends
+what is left to copies short of their target on its node, then to those anywhere, in
+proportion to what each still lacks (the least loaded first). A routed expert is served
+by its table under either rule; the table is fixed with the placement, so dispatch needs
+no communication beyond the count exchange.
+
+:func:`source_split` is a source's rule for one expert (the dispatcher turns it into
+tensors); :func:`expected_flows` is what the rule gives on average (the simulator and the
+rebalancer price placements with it), so the prediction and the dispatch agree by
+construction.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from typing import Sequence
 
 
 RULES = ("local_first", "even")
+Route = Sequence[Sequence[float]]  # [source holder][copy, in holder order] -> share of the source's choices
 
 
 def holders_of(held: Sequence[Sequence[int]], num_experts: int) -> list[list[int]]:
@@ -53,6 +65,65 @@ def candidates(have: Sequence[int], source: int, nodes: Sequence[int] | None = N
     return list(have)
 
 
+def source_split(have: Sequence[int], source: int, nodes: Sequence[int] | None = None, rule: str = "local_first",
+                 route: Route | None = None) -> list[tuple[int, float]]:
+    """``(holder, share)`` of ``source``'s choices for one expert, in holder order, shares
+    summing to 1: the expert's ``route`` where it has one, else :func:`candidates` in even runs."""
+    if route is not None:
+        return [(h, float(f)) for h, f in zip(have, route[source], strict=True) if f > 0]
+    who = candidates(have, source, nodes, rule)
+    return [(h, 1.0 / len(who)) for h in who]
+
+
+def _match(supply: dict[int, float], need: dict[int, float], flow: list[list[float]]) -> None:
+    """Move what ``supply`` (source -> amount) can give to ``need`` (copy -> amount), every
+    source in proportion to what it has left and every copy to what it still lacks."""
+    give, take = sum(supply.values()), sum(need.values())
+    moved = min(give, take)
+    if moved <= 0:
+        return
+    for s, a in list(supply.items()):
+        part = a / give * moved
+        for c, d in need.items():
+            flow[s][c] += part * d / take
+        supply[s] = a - part
+    for c, d in list(need.items()):
+        need[c] = d - d / take * moved
+
+
+def routes_to_targets(have: Sequence[int], targets: Sequence[float], supply: Sequence[float],
+                      nodes: Sequence[int] | None = None) -> list[list[float]]:
+    """A route for one expert: ``[source][copy]`` share of the source's choices, so that the
+    copy on ``have[c]`` serves ``targets[c]`` of the expert's choices when source holder ``s``
+    routes ``supply[s]`` of them (both lists sum to 1). Local first up to each copy's target,
+    then the node's copies short of theirs, then any (see the module docstring)."""
+    H, C = len(supply), len(have)
+    if len(targets) != C or any(t < 0 for t in targets) or abs(sum(targets) - 1) > 1e-6:
+        raise ValueError(f"copy targets {list(targets)} must be {C} non-negative shares summing to 1")
+    flow = [[0.0] * C for _ in range(H)]
+    left = {s: float(a) for s, a in enumerate(supply)}
+    need = {c: float(t) for c, t in enumerate(targets)}
+    for c, h in enumerate(have):
+        kept = min(left[h], need[c])
+        flow[h][c] += kept
+        left[h] -= kept
+        need[c] -= kept
+    groups = sorted(set(nodes)) if nodes is not None else []
+    for n in groups:
+        _match({s: a for s, a in left.items() if nodes[s] == n and a > 1e-12},
+               {c: d for c, d in need.items() if nodes[have[c]] == n and d > 1e-12}, flow)
+        # _match updated its own copies: recompute what is left from the flows
+        left = {s: supply[s] - sum(flow[s]) for s in range(H)}
+        need = {c: targets[c] - sum(flow[s][c] for s in range(H)) for c in range(C)}
+    _match({s: a for s, a in left.items() if a > 1e-12}, {c: d for c, d in need.items() if d > 1e-12}, flow)
+    out = []
+    for s in range(H):
+        total = sum(flow[s])
+        # a source that routes nothing is given the targets (any split serves it)
+        out.append([f / total for f in flow[s]] if total > 0 else [float(t) for t in targets])
+    return out
+
+
 @dataclass
 class Flows:
     """Expected traffic of one layer's exchange. ``served[h][e]``: routed choices expert
@@ -66,10 +137,12 @@ class Flows:
 
 
 def expected_flows(held: Sequence[Sequence[int]], share: Sequence[float], choices: Sequence[float],
-                   nodes: Sequence[int] | None = None, rule: str = "local_first") -> Flows:
+                   nodes: Sequence[int] | None = None, rule: str = "local_first",
+                   routes: Sequence[Route | None] | None = None) -> Flows:
     """The traffic of ``rule`` when holder ``h`` routes ``choices[h]`` choices (tokens x
-    top_k) and expert ``e`` takes ``share[e]`` of every holder's choices. ``rows[src][dst]``
-    as well, for pricing links by node."""
+    top_k) and expert ``e`` takes ``share[e]`` of every holder's choices; ``routes[e]``: the
+    expert's route where the placement gives one. ``rows[src][dst]`` as well, for pricing
+    links by node."""
     H = len(held)
     have = holders_of(held, len(share))
     served: list[dict[int, float]] = [{e: 0.0 for e in ids} for ids in held]
@@ -78,9 +151,10 @@ def expected_flows(held: Sequence[Sequence[int]], share: Sequence[float], choice
         if choices[src] <= 0:
             continue
         for e, s in enumerate(share):
-            who = candidates(have[e], src, nodes, rule) if s > 0 else []
-            for h in who:
-                r = choices[src] * s / len(who)
+            if s <= 0:
+                continue
+            for h, f in source_split(have[e], src, nodes, rule, routes[e] if routes is not None else None):
+                r = choices[src] * s * f
                 served[h][e] += r
                 rows[src][h] += r
     sent = [sum(r for h, r in enumerate(row) if h != src) for src, row in enumerate(rows)]

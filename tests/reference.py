@@ -223,7 +223,10 @@ class MoveAt(L.Callback):
     stand-in for a rebalancing decision: the same call the rebalancer makes)."""
 
     def __init__(self, step: int, placement) -> None:
-        self.step, self.placement, self.moved = step, placement, None
+        self.step, self.placement, self.moved, self.final = step, placement, None, None
+
+    def on_train_end(self, trainer, pl_module):
+        self.final = trainer.strategy.placement  # where the experts ended (a later rebalance included)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step and self.moved is None:

@@ -4,7 +4,10 @@ what the routers route; a checkpoint taken after a move resumes anywhere."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
+from fractions import Fraction
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,12 +16,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, OptimConfig
+from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.placement import Placement
 from lightning_hetermoe.model_contract import moe_layers
 from reference import MoveAt, assert_same_params, data, global_batches, make_model, reference_fit, trainer, whole_checkpoint
 from helpers_zebra import make_test_plan
 
 pytestmark = pytest.mark.slow  # every test here starts processes
+# the rebalancing benchmark's skewed router: a fixed offset on hot experts' logits
+_spec = importlib.util.spec_from_file_location("bench_skew", Path(__file__).resolve().parents[1] / "bench" / "skew.py")
+SKEW = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(SKEW)
 
 STEPS = 6
 SGD = dict(name="sgd", lr=0.1, momentum=0.9, warmup_steps=0)
@@ -28,18 +36,21 @@ def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = 
     out = []
     for case in cases:
         model = make_model(4, seed=rank, optim=OptimConfig(**case.get("optim", {})))
-        strategy = HeterMoEStrategy(mode=case.get("mode", "ep"), plan=case.get("plan"))
+        strategy = HeterMoEStrategy(mode=case.get("mode", "ep"), plan=case.get("plan"), cluster=case.get("cluster"))
         move = MoveAt(2, case["placement"])
         callbacks = [move, ExpertLoadMonitor(log_every_n_steps=1, plots=False)]
         if case.get("rebalancer"):
             callbacks.append(ExpertRebalancer(every_n_steps=2, warmup_steps=3, min_gain=0.0, **case["rebalancer"]))
+        if case.get("hot"):
+            callbacks.append(SKEW.SkewedRouter(hot=case["hot"], bias=2.0))
         if ckpt_dir:
             callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=4,
                                              save_top_k=-1))
         t = trainer(strategy, world, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir))
         t.fit(model, datamodule=data(world, case.get("global", 8)))
         out.append({"state": model.state_dict(), "moved": move.moved, "after": move.after, "kept": move.kept,
-                    "counts": callbacks[1].last_counts})
+                    "counts": callbacks[1].last_counts, "decisions": callbacks[2].decisions if case.get("rebalancer")
+                    else None, "routes": move.final.routes})
     return out if rank == 0 else None
 
 
@@ -47,9 +58,12 @@ CASES = [
     # EP on 2 ranks: swap experts between the ranks, AdamW
     dict(placement=[[[2, 3], [0, 1]], [[0, 2], [1, 3]]]),
     # EP: copies of experts 0 and 1 on both ranks (replication), SGD with momentum; then
-    # the real rebalancer runs every 2 steps with copies allowed
+    # the real rebalancer runs every 2 steps with copies allowed, on an emulated A40 and T4
+    # timed as D1 at 4K (at the tiny model's own size copies never pay) with experts 2 and 3
+    # hot: it copies them onto the A40 and routes part of the T4's share there
     dict(placement=[[[0, 1, 2], [0, 1, 3]], [[0, 1], [1, 2, 3]]], optim=SGD,
-         rebalancer=dict(redundant_experts=2)),
+         rebalancer=dict(redundant_experts=2), cluster=ClusterConfig(devices=["a40", "t4"], emulate=True, time_scale=0.05,
+                                                     emulate_workload={"model": "d1", "seq_len": 4096}), hot=(2, 3)),
 ]
 
 
@@ -62,11 +76,16 @@ def moved():
 def test_moves_and_copies_in_the_middle_of_training_change_no_number(moved):
     for case, got in zip(CASES, moved, strict=True):
         model = make_model(4, seed=0, optim=OptimConfig(**case.get("optim", {})))
+        if case.get("hot"):
+            SKEW.skew(model, case["hot"], bias=2.0)
         initial = copy.deepcopy(model.state_dict())
         expected = reference_fit(model, STEPS)
         assert got["moved"] > 0 and got["after"] == case["placement"], (got["moved"], got["after"])
         assert got["kept"]
         assert_same_params(got["state"], expected, initial)
+        if case.get("rebalancer"):
+            applied = [d for d in got["decisions"] if d["apply"]]
+            assert applied and applied[-1]["routed"] and got["routes"] is not None, got["decisions"]
 
 
 def test_zebra_moves_between_expert_ranks_and_onto_the_attention_rank():
@@ -132,11 +151,12 @@ class ServedLog(L.Callback):
     per forward of every MoE layer this rank's routed choices per expert (the layer's own
     count) and what each of its local experts served."""
 
-    def __init__(self, placement) -> None:
-        self.placement, self.calls = placement, []
+    def __init__(self, placement, routes=None) -> None:
+        self.placement, self.routes, self.calls = placement, routes, []
 
     def on_train_start(self, trainer, pl_module):
-        trainer.strategy.move_experts(Placement(self.placement))
+        trainer.strategy.move_experts(Placement(self.placement, self.routes))
+        assert trainer.strategy.placement == Placement(self.placement, self.routes)
         for l, (_, layer) in enumerate(moe_layers(pl_module)):
             def routed(mod, args, output, l=l):
                 self.calls.append({"layer": l, "routed": output[1].tokens_per_expert.tolist(),
@@ -150,42 +170,62 @@ class ServedLog(L.Callback):
             layer.experts.register_forward_pre_hook(served)
 
 
-def fit_served(rank: int, world: int, placement):
+def fit_served(rank: int, world: int, placement, routes=None):
     model = make_model(4, seed=rank)
-    log = ServedLog(placement)
+    log = ServedLog(placement, routes)
     t = trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS, callbacks=[log])
     t.fit(model, datamodule=data(world, 12))
     return {"state": model.state_dict(), "calls": log.calls}
 
 
-def local_first_by_hand(routed: list[list[int]], held: list[list[int]]) -> list[list[int]]:
+def local_first_by_hand(routed: list[list[int]], held: list[list[int]], routes=None) -> list[list[int]]:
     """Naive reference of the dispatch rule: per source rank and expert, its own copy if it
-    holds one, else every copy (one node) in even runs of its choices in token order."""
+    holds one, else every copy (one node) in even runs of its choices in token order; an
+    expert with a route cut in runs of the route's shares (choice ``i`` of ``n`` to the last
+    copy whose run starts at or before ``i / n``)."""
     served = [[0] * len(h) for h in held]
     for src, counts in enumerate(routed):
         for e, n in enumerate(counts):
-            copies = [src] if e in held[src] else [h for h in range(len(held)) if e in held[h]]
+            have = [h for h in range(len(held)) if e in held[h]]
+            route = routes[e] if routes is not None else None
+            if route is not None:
+                shares = [Fraction(f).limit_denominator(1000) for f in route[src]]
+            else:
+                copies = [src] if e in held[src] else have
+                shares = [Fraction(1, len(copies)) if h in copies else Fraction(0) for h in have]
             for i in range(n):
-                h = copies[i * len(copies) // n]
-                served[h][held[h].index(e)] += 1
+                start, pick = Fraction(0), None
+                for h, f in zip(have, shares):
+                    if f > 0 and Fraction(i, n) >= start:
+                        pick = h
+                    start += f
+                served[pick][held[pick].index(e)] += 1
     return served
 
 
-def test_local_first_dispatch_serves_own_copies_and_changes_no_number():
-    # layer 0: expert 0 on ranks 0 and 2, expert 1 on 0 and 1, expert 3 on 1 and 2 (rank 1's
-    # choices for expert 0 split over ranks 0 and 2); layer 1: rank 2 holds every expert
-    placement = [[[0, 1, 2], [1, 3], [0, 3]], [[0, 1], [2, 3], [0, 1, 2, 3]]]
-    ranks = run_ranks(3, fit_served, 3, placement)
+# layer 0: expert 0 on ranks 0 and 2, expert 1 on 0 and 1, expert 3 on 1 and 2 (rank 1's
+# choices for expert 0 split over ranks 0 and 2); layer 1: rank 2 holds every expert.
+# Expert 1 of layer 0 has a route, per source [share to rank 0's copy, to rank 1's]: rank 0
+# splits its choices evenly, rank 1 sends three quarters away, rank 2 (no copy) all to rank 0.
+SERVED_PLACEMENT = [[[0, 1, 2], [1, 3], [0, 3]], [[0, 1], [2, 3], [0, 1, 2, 3]]]
+SERVED_ROUTES = [[None, [[0.5, 0.5], [0.75, 0.25], [1.0, 0.0]], None, None], None]
+
+
+def test_local_first_and_routed_dispatch_serve_by_the_rule_and_change_no_number():
+    ranks = run_ranks(3, fit_served, 3, SERVED_PLACEMENT, SERVED_ROUTES)
     model = make_model(4, seed=0, optim=OptimConfig())
     initial = copy.deepcopy(model.state_dict())
     assert_same_params(ranks[0]["state"], reference_fit(model, STEPS, global_batch=12), initial)
     calls = [r["calls"] for r in ranks]
     assert len(calls[0]) == 2 * STEPS and all(len(c) == len(calls[0]) for c in calls)
-    split_somewhere = False
+    split_somewhere = routed_away = False
     for i in range(len(calls[0])):
         routed = [c[i]["routed"] for c in calls]
+        layer = calls[0][i]["layer"]
         held = calls[0][i]["held"]
-        assert held == placement[calls[0][i]["layer"]]
-        assert [c[i]["served"] for c in calls] == local_first_by_hand(routed, held), i
-        split_somewhere |= calls[0][i]["layer"] == 0 and routed[1][0] > 1
+        assert held == SERVED_PLACEMENT[layer]
+        assert [c[i]["served"] for c in calls] == local_first_by_hand(routed, held, SERVED_ROUTES[layer]), i
+        split_somewhere |= layer == 0 and routed[1][0] > 1
+        routed_away |= layer == 0 and routed[1][1] > 3  # rank 1 sends 3/4 of its expert-1 choices away
     assert split_somewhere, "a rank without a copy sent choices to two copies"
+    assert routed_away, "a rank with a copy sent part of its choices to another copy by the route"

@@ -9,6 +9,10 @@ workload), and computes a new placement with
 too hot for any single holder get copies (``redundant_experts`` > 0, expert parallelism).
 That start is then refined one move at a time while the simulator, fed the measured loads,
 predicts a faster step (so transfers and the schedule count, not only the expert phase).
+Under local-first dispatch a copy serves its own holder's tokens, however slow the holder;
+so each candidate with copies is also priced with routes that split a copied expert's
+tokens over its copies by the holders' time (the fast holder takes part of the slow one's
+share: local first, then the least loaded), and the placement carries them when they win.
 Under zebra the same search may move experts onto attention ranks: Asym-EA re-run with
 measured times.
 
@@ -33,7 +37,7 @@ from typing import Any
 import lightning as L
 
 from ..placement import Placement
-from ..plan.rebalance import rebalance, refine
+from ..plan.rebalance import balanced_routes, rebalance, refine
 from .load_monitor import ExpertLoadMonitor
 
 log = logging.getLogger(__name__)
@@ -85,7 +89,7 @@ class ExpertRebalancer(L.Callback):
         self._checked = trainer.global_step
         saved = self._saved
         if saved is not None and saved.get("signature") == self._signature(trainer):
-            placement = Placement(saved["placement"])
+            placement = Placement(saved["placement"], saved.get("routes"))
             if placement != trainer.strategy.placement:
                 trainer.strategy.move_experts(placement)  # the rebalanced placement comes back
 
@@ -101,11 +105,11 @@ class ExpertRebalancer(L.Callback):
             return
         if decision["apply"]:
             t0 = time.perf_counter()
-            moved = trainer.strategy.move_experts(Placement(decision["placement"]))
+            moved = trainer.strategy.move_experts(Placement(decision["placement"], decision.get("routes")))
             decision["migration_s"] = time.perf_counter() - t0
             decision["moved"] = moved
         decision["step"] = step
-        self.decisions.append({k: v for k, v in decision.items() if k != "placement"})
+        self.decisions.append({k: v for k, v in decision.items() if k not in ("placement", "routes")})
         if trainer.global_rank == 0:
             metrics = {"rebalance/applied": float(decision["apply"]), "rebalance/moves": float(decision["moves"]),
                        "rebalance/predicted_gain_s": decision["predicted_gain_s"],
@@ -123,7 +127,11 @@ class ExpertRebalancer(L.Callback):
         above a fair share, and, with copies allowed, every redundant slot spent) and from
         EPLB's packing (same budget of copies); the fastest by the simulator (measured
         loads, the run's replica dispatch: transfers and the schedule count, not only the
-        expert phase) is refined one move at a time.
+        expert phase) is refined one move at a time. Where copies exist under local-first
+        dispatch on one EP group, every candidate is also priced with routes: each copied
+        expert's tokens split over its copies to balance the holders' expert time
+        (:func:`~lightning_hetermoe.plan.rebalance.balanced_routes`), and the faster of the
+        two is what the candidate scores.
         ``policy="eplb"`` takes EPLB's packing as it is (the baseline)."""
         monitor = self._monitor(trainer)
         share = monitor.load_share()
@@ -139,10 +147,29 @@ class ExpertRebalancer(L.Callback):
         def cost(h: int, t: float) -> float:
             return clock.expert_seconds(specs[h], t)
 
-        def score(held: list[list[list[int]]]) -> float:
-            return strategy.predict(Placement(held), share)["device_step_time_s"]
+        routing = strategy.copy_routing() if self.redundant else None
+        nodes = routing[2] if routing else None
+        tried: dict[str, tuple[float, Placement]] = {}
 
-        current = strategy.placement.to_lists()
+        def best(held: list[list[list[int]]]) -> tuple[float, Placement]:
+            """The faster of ``held`` under the run's rule alone and, where copies may be
+            routed (local first), with each copied expert's tokens balanced over its copies."""
+            key = repr(held)
+            if key not in tried:
+                options = [Placement(held)]
+                if routing and routing[0] == "local_first" and options[0].replicated:
+                    options.append(Placement(held, [balanced_routes(layer, [x * tokens for x in share[l]], cost,
+                                                                    routing[1], nodes)
+                                                    for l, layer in enumerate(held)]))
+                tried[key] = min(((strategy.predict(p, share)["device_step_time_s"], p) for p in options),
+                                 key=lambda x: x[0])
+            return tried[key]
+
+        def score(held: list[list[list[int]]]) -> float:
+            return best(held)[0]
+
+        placed = strategy.placement
+        current = placed.to_lists()
         E, H = len(share[0]), len(specs)
         redundant = self.redundant
         if strategy.schedule in ("zebra", "distep"):
@@ -156,22 +183,26 @@ class ExpertRebalancer(L.Callback):
             capacity = [math.ceil(E / H * self.capacity_slack) + redundant] * H
         eplb, *_ = rebalance(share, tokens, current, cost, capacity, redundant, "eplb")
         if self.policy == "eplb":
-            new, t_new = eplb, score(eplb)
+            chosen = Placement(eplb)
+            t_new = strategy.predict(chosen, share)["device_step_time_s"]
         else:
             # with copies, also every redundant slot spent: a copy keeps its holder's own
             # tokens at home (local-first dispatch), which the fair-share rule does not weigh
             starts = [eplb] + [rebalance(share, tokens, current, cost, capacity, redundant, policy)[0]
                                for policy in (("time", "time_fill") if redundant else ("time",))]
             new, t_new = refine(min(starts, key=score), score, capacity)
-        t_now = score(current)
+            chosen = best(new)[1]
+        t_now = strategy.predict(placed, share)["device_step_time_s"]  # with the routes it runs
         if t_new >= t_now * (1 - 1e-9):
-            new, t_new = current, t_now
-        moves = Placement(new).moved_copies(Placement(current))
+            chosen, t_new = placed, t_now
+        moves = chosen.moved_copies(placed)
         migration = clock.timer.comm(clock.expert_bytes() * moves, strategy.cluster.bottleneck_link) if moves else 0.0
         gain = t_now - t_new
         horizon = self.amortize_steps or self.every_n_steps
-        apply = moves > 0 and gain > 0 and gain >= self.min_gain * t_now and gain * horizon > migration
-        return {"apply": bool(apply), "placement": new, "moves": moves, "predicted_before_s": t_now,
+        # new routes alone move no weights: they apply at no migration cost
+        apply = chosen != placed and gain > 0 and gain >= self.min_gain * t_now and gain * horizon > migration
+        return {"apply": bool(apply), "placement": chosen.to_lists(), "routes": chosen.routes_lists(),
+                "moves": moves, "routed": chosen.routes is not None, "predicted_before_s": t_now,
                 "predicted_after_s": t_new, "predicted_gain_s": gain, "migration_cost_s": migration}
 
     # -- state ----------------------------------------------------------------------------
@@ -180,7 +211,8 @@ class ExpertRebalancer(L.Callback):
         saved = self._saved
         placement = trainer.strategy.placement if trainer is not None else None
         if placement is not None:
-            saved = {"placement": placement.to_lists(), "signature": self._signature(trainer)}
+            saved = {"placement": placement.to_lists(), "routes": placement.routes_lists(),
+                     "signature": self._signature(trainer)}
         return {"saved": saved, "decisions": self.decisions}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

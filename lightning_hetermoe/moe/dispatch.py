@@ -66,19 +66,26 @@ def one_hot(index: Tensor, num_classes: int) -> Tensor:
     return out.scatter_(-1, index.unsqueeze(-1), 1)
 
 
-def split_over_copies(indices: Tensor, keep: Tensor, copy_position: Tensor, num_copies: Tensor) -> Tensor:
+SHARE_UNITS = 720720  # a copy's share of a source's choices, in these units: lcm(1..16), so even runs are exact
+
+
+def split_over_copies(indices: Tensor, keep: Tensor, copy_position: Tensor, copy_start: Tensor) -> Tensor:
     """Each choice's slot position when experts have copies: the kept choices of expert ``e``
-    (in token order) are cut into ``num_copies[e]`` even runs, one per copy
-    (``copy_position[e, c]`` is copy ``c``'s position). Which copy serves a token does not
-    change the result: the copies hold the same weights."""
+    (in token order) are cut into runs, one per copy: copy ``c`` (at position
+    ``copy_position[e, c]``) takes the choices from ``copy_start[e, c] / SHARE_UNITS`` of them
+    on (``copy_start[e, 0]`` is 0; a column past the expert's copies is ``SHARE_UNITS``).
+    Integer arithmetic: the cut of ``n`` choices into ``C`` even runs is exactly choice
+    ``i`` to copy ``floor(i C / n)``. Which copy serves a token does not change the result:
+    the copies hold the same weights."""
     flat = indices.reshape(-1)
     live = keep.reshape(-1).long()
-    E = num_copies.numel()
+    E = copy_start.shape[0]
     onehot = one_hot(flat, E) * live.unsqueeze(-1)
     rank_in_expert = (onehot.cumsum(0) - 1).gather(1, flat.unsqueeze(-1)).squeeze(-1).clamp(min=0)
-    count = onehot.sum(0).index_select(0, flat).clamp(min=1)
-    copy = torch.div(rank_in_expert * num_copies.index_select(0, flat), count, rounding_mode="floor")
-    return copy_position[flat, copy].view_as(indices)
+    count = onehot.sum(0).index_select(0, flat)
+    starts = copy_start.index_select(0, flat)  # [S, C]
+    copy = ((rank_in_expert * SHARE_UNITS).unsqueeze(-1) >= starts * count.unsqueeze(-1)).sum(-1) - 1
+    return copy_position[flat, copy.clamp(min=0)].view_as(indices)
 
 
 def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..copy_routing import holders_of, routes_to_targets
 from ..placement import moved_copies
 
 Cost = Callable[[int, float], float]  # (holder index, tokens) -> seconds for one expert
@@ -154,6 +155,44 @@ def rebalance(load_share: Sequence[Sequence[float]], tokens_per_step: float, cur
         t_now += res.current_time
         moves += res.moved
     return out, t_new, t_now, moves
+
+
+def copy_targets(held: list[list[int]], tokens: Sequence[float], cost: Cost, steps: int = 32
+                 ) -> list[list[float] | None]:
+    """For each expert with copies, the share of its tokens each copy (in holder order)
+    serves so that the layer's slowest holder finishes earliest: the experts with one copy
+    fix each holder's time, then every copied expert's tokens (largest first) are poured in
+    ``steps`` equal parts, each onto the copy whose holder then finishes first (ties: the
+    lowest holder). ``None`` for an expert with one copy."""
+    have = holders_of(held, len(tokens))
+    busy = [sum(cost(h, tokens[e]) for e in ids if len(have[e]) == 1) for h, ids in enumerate(held)]
+    out: list[list[float] | None] = [None] * len(tokens)
+    for e in sorted((e for e in range(len(tokens)) if len(have[e]) > 1), key=lambda e: (-tokens[e], e)):
+        got = [0.0] * len(have[e])
+        if tokens[e] <= 0:
+            out[e] = [1.0 / len(got)] * len(got)
+            continue
+        part = tokens[e] / steps
+        for _ in range(steps):
+            c = min(range(len(got)), key=lambda c: (busy[have[e][c]] + cost(have[e][c], got[c] + part)
+                                                    - cost(have[e][c], got[c]), have[e][c]))
+            busy[have[e][c]] += cost(have[e][c], got[c] + part) - cost(have[e][c], got[c])
+            got[c] += part
+        out[e] = [g / tokens[e] for g in got]
+    return out
+
+
+def balanced_routes(held: list[list[int]], tokens: Sequence[float], cost: Cost, supply: Sequence[float],
+                    nodes: Sequence[int] | None = None) -> list[list[list[float]] | None]:
+    """Routes for one layer (:class:`~lightning_hetermoe.placement.Placement`'s ``routes``):
+    each copied expert's :func:`copy_targets` reached local first, then the least loaded,
+    when holder ``h`` routes ``supply[h]`` of every expert's choices
+    (:func:`~lightning_hetermoe.copy_routing.routes_to_targets`)."""
+    have = holders_of(held, len(tokens))
+    total = sum(supply)
+    share = [s / total for s in supply] if total > 0 else [1.0 / len(supply)] * len(supply)
+    return [None if t is None else routes_to_targets(have[e], t, share, nodes)
+            for e, t in enumerate(copy_targets(held, tokens, cost))]
 
 
 def refine(placement: list[list[list[int]]], score: Callable[[list[list[list[int]]]], float],

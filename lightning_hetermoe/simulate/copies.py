@@ -2,7 +2,8 @@
 
 Where a layer keeps copies of an expert (the rebalancer's ``redundant_experts``), which copy
 serves a token follows the run's rule (:mod:`lightning_hetermoe.copy_routing`: local first
-or even): a rank's choices for an expert it holds never travel under local first. The
+or even), or the placement's route for that expert: a rank's choices for an expert it holds
+never travel under local first without a route. The
 rows each rank sends and receives, and the tokens each copy serves, come from
 :func:`~lightning_hetermoe.copy_routing.expected_flows` on the measured loads, rank by rank
 (lanes are expanded: copies make ranks differ), so the prediction is the dispatch's own rule.
@@ -29,8 +30,11 @@ def flows(setup, layer: int, tokens: list[float]) -> Flows:
     k = setup.model.moe.top_k
     held = [setup.lanes[i].expert_ids[layer] for _, i in holders]
     nodes = [setup.topology.node_of[r] for r, _ in holders]
+    routes = setup.copy_routes[layer] if setup.copy_routes is not None else None
+    if routes is not None and any(r is not None and len(r) != len(holders) for r in routes):
+        routes = None  # routes are per EP group; with several groups the rule alone is priced
     return expected_flows(held, setup.expert_load[layer], [tokens[i] * k for _, i in holders], nodes,
-                          setup.replica_dispatch)
+                          setup.replica_dispatch, routes)
 
 
 def expert_tokens(setup, lane_index: int, layer: int, tokens: list[float]) -> list[float]:

@@ -116,6 +116,8 @@ def ep_setup(
         replicas=1,
         attention_dp=W,
         expert_load=expert_load,
+        copy_routes=None if placement is None or placement.routes is None
+        else [placement.layer_routes(l) for l in range(placement.num_layers)],
     )
 
 

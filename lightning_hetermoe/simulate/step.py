@@ -101,6 +101,8 @@ class StepSetup:
     dense_ranks: list[int] | None = None
     # EP with copies of experts: which copy serves a token (lightning_hetermoe.copy_routing)
     replica_dispatch: str = "local_first"
+    # EP with copies: per layer, the placement's route of each expert (None: the rule alone)
+    copy_routes: list | None = None
     topology: Topology = field(init=False, repr=False, compare=False)
     _lane_nodes: list | None = field(default=None, init=False, repr=False, compare=False)
     _legs: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -124,7 +124,9 @@ class ExpertParallelBackend(DenseDDPBackend):
     def placement(self) -> Placement | None:
         if not self._sharded:
             return None
-        return Placement([layer.dispatcher.placement for layer in self._layers])
+        routes = [layer.dispatcher.routes for layer in self._layers]
+        return Placement([layer.dispatcher.placement for layer in self._layers],
+                         routes if any(r is not None for r in routes) else None)
 
     def holder_index(self) -> int:
         return self.groups.ep_rank
@@ -139,7 +141,7 @@ class ExpertParallelBackend(DenseDDPBackend):
     def adopt_placement(self, placement: Placement) -> None:
         for l, layer in enumerate(self._layers):
             # in place: a new dispatcher would drop the emulated clock's exchange wrapper
-            layer.dispatcher.set_placement(placement.layer(l))
+            layer.dispatcher.set_placement(placement.layer(l), placement.layer_routes(l))
 
     # -- timing -------------------------------------------------------------------------
     def tail_shape(self) -> TailShape:

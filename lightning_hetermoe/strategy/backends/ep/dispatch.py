@@ -8,9 +8,10 @@ backward runs the reverse exchange.
 
 Copies of an expert are served local first (:mod:`lightning_hetermoe.copy_routing`): this
 rank's choices for an expert it holds stay here, else go to the copies on its node, else
-to every copy, in even runs. Each rank applies the rule to its own choices from tables
-built when the placement is adopted: no sync beyond the one above, and receivers learn
-what came from the count exchange.
+to every copy, in even runs; or by the placement's route for that expert, in runs of the
+route's shares. Each rank applies the rule to its own choices from tables built when the
+placement is adopted: no sync beyond the one above, and receivers learn what came from
+the count exchange.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from torch import Tensor
 
 import lightning_hetermoe.comm as comm
 from ....comm import Group
-from ....copy_routing import candidates, holders_of
-from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position, split_over_copies
+from ....copy_routing import holders_of, source_split
+from ....moe.dispatch import SHARE_UNITS, position_counts, scatter_to_slots, sort_by_position, split_over_copies
 
 
 class _AllToAll(torch.autograd.Function):
@@ -53,9 +54,10 @@ class AllToAllDispatcher:
         self.rule, self.nodes = rule, nodes
         self.set_placement(placement)
 
-    def set_placement(self, placement: list[list[int]]) -> None:
+    def set_placement(self, placement: list[list[int]], routes: list | None = None) -> None:
         """Adopt a new placement in place (after a migration): whatever wraps this
-        dispatcher (the emulated clock wraps ``exchange``) stays installed."""
+        dispatcher (the emulated clock wraps ``exchange``) stays installed. ``routes``: the
+        layer's per-expert routes (:class:`~lightning_hetermoe.placement.Placement`), or ``None``."""
         if len(placement) != self.size:
             raise ValueError(f"placement has {len(placement)} entries for an expert-parallel group of {self.size}")
         flat = [e for p in placement for e in p]
@@ -64,17 +66,27 @@ class AllToAllDispatcher:
             raise ValueError(f"placement {placement} must hold every expert 0..{num_experts - 1}, "
                              f"each at most once per rank")
         self.placement = [list(p) for p in placement]
+        self.routes = routes
         starts = [sum(len(p) for p in placement[:r]) for r in range(self.size)]
         have = holders_of(placement, num_experts)
-        # slot positions (rank-major order) of each expert's copies, and of those that serve this rank
+        # slot positions (rank-major order) of each expert's copies; the copies serving this
+        # rank's choices, each with the share of them it takes
         self.copies = [[starts[h] + placement[h].index(e) for h in hs] for e, hs in enumerate(have)]
-        serving = [[starts[h] + placement[h].index(e) for h in candidates(hs, self.rank, self.nodes, self.rule)]
+        serving = [source_split(hs, self.rank, self.nodes, self.rule, routes[e] if routes is not None else None)
                    for e, hs in enumerate(have)]
         self.num_positions = len(flat)
         most = max(len(c) for c in serving)
-        self._copy_position = torch.tensor([c + [c[0]] * (most - len(c)) for c in serving], dtype=torch.long,
-                                           device="cpu")
-        self._num_copies = torch.tensor([len(c) for c in serving], dtype=torch.long, device="cpu")
+        position, start = [], []
+        for e, split in enumerate(serving):
+            at = [starts[h] + placement[h].index(e) for h, _ in split]
+            cum = [0.0]
+            for _, f in split[:-1]:
+                cum.append(cum[-1] + f)
+            units = [round(c * SHARE_UNITS) if i else 0 for i, c in enumerate(cum)]
+            position.append(at + [at[0]] * (most - len(at)))
+            start.append(units + [SHARE_UNITS] * (most - len(at)))
+        self._copy_position = torch.tensor(position, dtype=torch.long, device="cpu")
+        self._copy_start = torch.tensor(start, dtype=torch.long, device="cpu")
         self._on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}  # copied once per device, not per call
         self.replicated = most > 1  # some expert's choices split over several copies here
         self.experts_per_rank = [len(p) for p in self.placement]
@@ -82,7 +94,7 @@ class AllToAllDispatcher:
     def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if device not in self._on_device:
             self._on_device[device] = (comm.to_device(self._copy_position, device),
-                                       comm.to_device(self._num_copies, device))
+                                       comm.to_device(self._copy_start, device))
         return self._on_device[device]
 
     def exchange(self, x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
@@ -93,9 +105,9 @@ class AllToAllDispatcher:
         mine = self.experts_per_rank[self.rank]
         if experts.num_local_experts != mine:
             raise RuntimeError(f"rank {self.rank} holds {experts.num_local_experts} experts, placement says {mine}")
-        copy_position, num_copies = self._tables(x.device)
+        copy_position, copy_start = self._tables(x.device)
         if self.replicated:
-            position = split_over_copies(indices, keep, copy_position, num_copies)
+            position = split_over_copies(indices, keep, copy_position, copy_start)
         else:  # one copy each: an expert's position is its only copy's
             position = copy_position[:, 0][indices.reshape(-1)].view_as(indices)
         on_device = position_counts(position, keep, self.num_positions)
