@@ -14,8 +14,10 @@ them onto the A40: Asym-EA on measured loads).
 Clusters: emulated A40+V100, 2xA40+2xV100, a homogeneous 4xA40, and L40S+T4 (where the
 devices' expert speeds differ most). Policies, side by side in one run, all with the same
 budget of redundant copies (expert parallelism: one per rank), deciding once, at step 2:
-the static placement; ``ExpertRebalancer`` (time-balanced, copies allowed, local-first
-replica dispatch: a rank's tokens for an expert it holds a copy of stay home); EPLB's
+the static placement; ``ExpertRebalancer`` at its defaults (time-balanced, copies allowed,
+local-first replica dispatch: a rank's tokens for an expert it holds a copy of stay home,
+with routes that move part of a slow holder's share to a faster copy where the simulator
+prices them faster; a move must be predicted to gain ``min_gain`` = 2% of the step); EPLB's
 published policy (balanced packing of token counts plus replication, written in
 ``lightning_hetermoe/plan/rebalance.py``) with its tokens split evenly over the copies
 (``strategy.replica_dispatch=even``: EPLB's load / copies); and ``eplb_local_first``, EPLB's
@@ -61,10 +63,13 @@ def policy(name: str, redundant: int) -> list[str]:
     # EPLB as published divides an expert's tokens evenly over its copies (load / copies);
     # eplb_local_first is its placement with this pack's local-first replica dispatch
     dispatch = ["strategy.replica_dispatch=even"] if name == "eplb" else []
+    # EPLB as published applies its placement whatever the predicted gain; the rebalancer
+    # runs at its default min_gain (a move must be predicted to gain 2% of the step)
+    gate = [] if name == "rebalancer" else ["+callbacks.rebalancer.min_gain=0.0"]
     return [*dispatch, "+callbacks.rebalancer._target_=lightning_hetermoe.ExpertRebalancer",
             f"+callbacks.rebalancer.policy={'time' if name == 'rebalancer' else 'eplb'}",
             "+callbacks.rebalancer.every_n_steps=100", "+callbacks.rebalancer.warmup_steps=2",
-            f"+callbacks.rebalancer.redundant_experts={redundant}", "+callbacks.rebalancer.min_gain=0.0"]
+            f"+callbacks.rebalancer.redundant_experts={redundant}", *gate]
 
 
 def expert_speed_ratio(devices: list[str]) -> float:
