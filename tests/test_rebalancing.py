@@ -43,10 +43,11 @@ def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = 
             callbacks.append(ExpertRebalancer(every_n_steps=2, warmup_steps=3, min_gain=0.0, **case["rebalancer"]))
         if case.get("hot"):
             callbacks.append(SKEW.SkewedRouter(hot=case["hot"], bias=2.0))
-        if ckpt_dir:
-            callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=4,
+        where = case.get("ckpt_dir", ckpt_dir)
+        if where:
+            callbacks.append(ModelCheckpoint(dirpath=where, filename="{step}", every_n_train_steps=4,
                                              save_top_k=-1))
-        t = trainer(strategy, world, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir))
+        t = trainer(strategy, world, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=bool(where))
         t.fit(model, datamodule=data(world, case.get("global", 8)))
         out.append({"state": model.state_dict(), "moved": move.moved, "after": move.after, "kept": move.kept,
                     "counts": callbacks[1].last_counts, "decisions": callbacks[2].decisions if case.get("rebalancer")
@@ -68,9 +69,15 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def moved():
-    """Both cases, one start of the ranks (the monitor test reads the first case too)."""
-    return run_ranks(2, fit_moving, 2, CASES)[0]
+def routed_ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("routed")
+
+
+@pytest.fixture(scope="module")
+def moved(routed_ckpt):
+    """Both cases, one start of the ranks (the monitor test reads the first case too; the
+    second saves a checkpoint at step 4, after its first rebalance)."""
+    return run_ranks(2, fit_moving, 2, [CASES[0], dict(CASES[1], ckpt_dir=str(routed_ckpt))])[0]
 
 
 def test_moves_and_copies_in_the_middle_of_training_change_no_number(moved):
@@ -144,6 +151,36 @@ def test_a_checkpoint_after_a_move_resumes_on_another_world_size(tmp_path):
     saved = next(v for k, v in ckpt["callbacks"].items() if "ExpertRebalancer" in k)["saved"]
     assert saved["placement"] == CASES[0]["placement"], "the placement is part of the checkpoint"
     assert_same_params(run_ranks(4, resume, 4, str(tmp_path / "step=4.ckpt"))[0], expected, initial)
+
+
+class PlacementAtStart(L.Callback):
+    """Where the experts are when training starts (after a resumed rebalancer moved them)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.placement = trainer.strategy.placement
+
+
+def resume_routed(rank: int, world: int, ckpt: str):
+    case = CASES[1]
+    model = make_model(4, seed=50 + rank, optim=OptimConfig(**case["optim"]))
+    start = PlacementAtStart()
+    t = trainer(HeterMoEStrategy(mode="ep", cluster=case["cluster"]), world, max_steps=STEPS,
+                callbacks=[ExpertLoadMonitor(plots=False), ExpertRebalancer(every_n_steps=100, **case["rebalancer"]),
+                           start, SKEW.SkewedRouter(hot=case["hot"], bias=2.0)])
+    t.fit(model, datamodule=data(world), ckpt_path=ckpt)
+    return {"state": model.state_dict(), "start": start.placement}
+
+
+def test_routes_are_checkpointed_and_a_resumed_run_routes_by_them(moved, routed_ckpt):
+    ckpt = whole_checkpoint(routed_ckpt / "step=4.ckpt")
+    saved = next(v for k, v in ckpt["callbacks"].items() if "ExpertRebalancer" in k)["saved"]
+    assert saved["routes"] is not None, "the step-3 rebalance routed copies; the checkpoint keeps the routes"
+    got = run_ranks(2, resume_routed, 2, str(routed_ckpt / "step=4.ckpt"))[0]
+    assert got["start"] == Placement(saved["placement"], saved["routes"])
+    model = make_model(4, seed=0, optim=OptimConfig(**CASES[1]["optim"]))
+    SKEW.skew(model, CASES[1]["hot"], bias=2.0)
+    initial = copy.deepcopy(model.state_dict())
+    assert_same_params(got["state"], reference_fit(model, STEPS), initial)
 
 
 class ServedLog(L.Callback):
