@@ -47,9 +47,9 @@ Routes = Sequence[Sequence[Sequence[Sequence[float]] | None]]  # [layer][expert]
 @dataclass(frozen=True)
 class Placement:
     """``held[layer][holder]``: the expert ids a holder keeps in that layer, in local order;
-    ``routes[layer][expert]`` (a layer may be ``None``: no route): ``None`` (the run's replica dispatch rule) or, for an expert
+    ``routes[layer][expert]``: ``None`` (the run's replica dispatch rule) or, for an expert
     with copies, ``[source holder][copy]`` the share of the source's choices for it that
-    each copy (in holder order) serves."""
+    each copy (in holder order) serves (a whole layer may be given as ``None``)."""
 
     held: tuple[tuple[tuple[int, ...], ...], ...]
     routes: tuple[tuple[tuple[tuple[float, ...], ...] | None, ...], ...] | None
