@@ -116,7 +116,8 @@ class ExpertRebalancer(L.Callback):
                        "rebalance/migration_s": decision.get("migration_s", 0.0)}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
-            log.info(f"rebalance at step {step}: {'moved ' + str(decision['moves']) + ' expert copies' if decision['apply'] else 'kept the placement'}, "
+            done = f"moved {decision['moves']} expert copies" + (" and routed copies" if decision.get("routed") else "")
+            log.info(f"rebalance at step {step}: {done if decision['apply'] else 'kept the placement'}, "
                      f"predicted step {decision['predicted_before_s'] * 1e3:.1f} -> "
                      f"{decision['predicted_after_s'] * 1e3:.1f} ms/step")
 
@@ -150,6 +151,13 @@ class ExpertRebalancer(L.Callback):
         routing = strategy.copy_routing() if self.redundant else None
         nodes = routing[2] if routing else None
         tried: dict[str, tuple[float, Placement]] = {}
+        layer_routes: dict[tuple[int, str], list] = {}  # a refinement step changes one layer
+
+        def routes_of(l: int, layer: list[list[int]]) -> list:
+            key = (l, repr(layer))
+            if key not in layer_routes:
+                layer_routes[key] = balanced_routes(layer, [x * tokens for x in share[l]], cost, routing[1], nodes)
+            return layer_routes[key]
 
         def best(held: list[list[list[int]]]) -> tuple[float, Placement]:
             """The faster of ``held`` under the run's rule alone and, where copies may be
@@ -158,9 +166,7 @@ class ExpertRebalancer(L.Callback):
             if key not in tried:
                 options = [Placement(held)]
                 if routing and routing[0] == "local_first" and options[0].replicated:
-                    options.append(Placement(held, [balanced_routes(layer, [x * tokens for x in share[l]], cost,
-                                                                    routing[1], nodes)
-                                                    for l, layer in enumerate(held)]))
+                    options.append(Placement(held, [routes_of(l, layer) for l, layer in enumerate(held)]))
                 tried[key] = min(((strategy.predict(p, share)["device_step_time_s"], p) for p in options),
                                  key=lambda x: x[0])
             return tried[key]
