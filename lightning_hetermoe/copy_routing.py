@@ -75,20 +75,23 @@ def source_split(have: Sequence[int], source: int, nodes: Sequence[int] | None =
     return [(h, 1.0 / len(who)) for h in who]
 
 
-def _match(supply: dict[int, float], need: dict[int, float], flow: list[list[float]]) -> None:
-    """Move what ``supply`` (source -> amount) can give to ``need`` (copy -> amount), every
-    source in proportion to what it has left and every copy to what it still lacks."""
-    give, take = sum(supply.values()), sum(need.values())
+def _match(sources: Sequence[int], copies: Sequence[int], left: dict[int, float], need: dict[int, float],
+           flow: list[list[float]]) -> None:
+    """Move what ``sources`` have ``left`` to the ``copies`` that still ``need`` some, every
+    source in proportion to what it has left and every copy to what it lacks (both updated)."""
+    sources = [s for s in sources if left[s] > 1e-12]
+    copies = [c for c in copies if need[c] > 1e-12]
+    give, take = sum(left[s] for s in sources), sum(need[c] for c in copies)
     moved = min(give, take)
     if moved <= 0:
         return
-    for s, a in list(supply.items()):
-        part = a / give * moved
-        for c, d in need.items():
-            flow[s][c] += part * d / take
-        supply[s] = a - part
-    for c, d in list(need.items()):
-        need[c] = d - d / take * moved
+    for s in sources:
+        part = left[s] / give * moved
+        for c in copies:
+            flow[s][c] += part * need[c] / take
+        left[s] -= part
+    for c in copies:
+        need[c] -= need[c] / take * moved
 
 
 def routes_to_targets(have: Sequence[int], targets: Sequence[float], supply: Sequence[float],
@@ -104,18 +107,10 @@ def routes_to_targets(have: Sequence[int], targets: Sequence[float], supply: Seq
     left = {s: float(a) for s, a in enumerate(supply)}
     need = {c: float(t) for c, t in enumerate(targets)}
     for c, h in enumerate(have):
-        kept = min(left[h], need[c])
-        flow[h][c] += kept
-        left[h] -= kept
-        need[c] -= kept
-    groups = sorted(set(nodes)) if nodes is not None else []
-    for n in groups:
-        _match({s: a for s, a in left.items() if nodes[s] == n and a > 1e-12},
-               {c: d for c, d in need.items() if nodes[have[c]] == n and d > 1e-12}, flow)
-        # _match updated its own copies: recompute what is left from the flows
-        left = {s: supply[s] - sum(flow[s]) for s in range(H)}
-        need = {c: targets[c] - sum(flow[s][c] for s in range(H)) for c in range(C)}
-    _match({s: a for s, a in left.items() if a > 1e-12}, {c: d for c, d in need.items() if d > 1e-12}, flow)
+        _match([h], [c], left, need, flow)
+    for n in sorted(set(nodes)) if nodes is not None else ():
+        _match([s for s in range(H) if nodes[s] == n], [c for c in range(C) if nodes[have[c]] == n], left, need, flow)
+    _match(range(H), range(C), left, need, flow)
     out = []
     for s in range(H):
         total = sum(flow[s])

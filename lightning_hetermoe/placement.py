@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .copy_routing import holders_of
+
 
 def contiguous_placement(num_experts: int, ep_size: int) -> list[list[int]]:
     """Split experts into ``ep_size`` contiguous runs, the first ``E % P`` ranks one longer.
@@ -72,7 +74,7 @@ class Placement:
             raise ValueError(f"placement routes have {len(routes)} layers, the placement {len(self.held)}")
         out = []
         for l, (layer, per_expert) in enumerate(zip(self.held, routes)):
-            copies = [sum(e in h for h in layer) for e in range(1 + max((e for h in layer for e in h), default=-1))]
+            copies = [len(hs) for hs in holders_of(layer, len({e for h in layer for e in h}))]
             if per_expert is None:  # the layer has no route
                 per_expert = [None] * len(copies)
             if len(per_expert) != len(copies):

@@ -27,14 +27,20 @@ def by_hand(held, share, choices, nodes):
     return served, rows
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_flows_follow_the_rule_and_keep_every_choice(seed):
-    rng = random.Random(seed)
-    H, E = rng.randint(2, 5), rng.randint(4, 9)
+def random_copies(rng, H, E):
+    """Each expert on 1..H random holders."""
     held = [[] for _ in range(H)]
     for e in range(E):
         for h in rng.sample(range(H), rng.randint(1, H)):
             held[h].append(e)
+    return held
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_flows_follow_the_rule_and_keep_every_choice(seed):
+    rng = random.Random(seed)
+    H, E = rng.randint(2, 5), rng.randint(4, 9)
+    held = random_copies(rng, H, E)
     share = [rng.random() for _ in range(E)]
     share = [s / sum(share) for s in share]
     choices = [rng.randint(0, 100) * 1.0 for _ in range(H)]
@@ -83,14 +89,6 @@ def test_simulated_ep_step_prices_copies_by_the_dispatch_rule():
     assert setup.exchange(0, [2 * 4096, 2 * 4096])[0][0][0] == pytest.approx(tokens * 0.1)
     assert moved["lf"] < moved["even"]
     assert lf.step_time < ev.step_time
-
-
-def random_copies(rng, H, E):
-    held = [[] for _ in range(H)]
-    for e in range(E):
-        for h in rng.sample(range(H), rng.randint(1, H)):
-            held[h].append(e)
-    return held
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -84,8 +84,9 @@ def split_over_copies(indices: Tensor, keep: Tensor, copy_position: Tensor, copy
     rank_in_expert = (onehot.cumsum(0) - 1).gather(1, flat.unsqueeze(-1)).squeeze(-1).clamp(min=0)
     count = onehot.sum(0).index_select(0, flat)
     starts = copy_start.index_select(0, flat)  # [S, C]
+    # column 0 starts at 0: every choice passes it, so ``copy`` is never negative
     copy = ((rank_in_expert * SHARE_UNITS).unsqueeze(-1) >= starts * count.unsqueeze(-1)).sum(-1) - 1
-    return copy_position[flat, copy.clamp(min=0)].view_as(indices)
+    return copy_position[flat, copy].view_as(indices)
 
 
 def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:

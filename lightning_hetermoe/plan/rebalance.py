@@ -174,9 +174,9 @@ def copy_targets(held: list[list[int]], tokens: Sequence[float], cost: Cost, ste
             continue
         part = tokens[e] / steps
         for _ in range(steps):
-            c = min(range(len(got)), key=lambda c: (busy[have[e][c]] + cost(have[e][c], got[c] + part)
-                                                    - cost(have[e][c], got[c]), have[e][c]))
-            busy[have[e][c]] += cost(have[e][c], got[c] + part) - cost(have[e][c], got[c])
+            grow = [cost(h, got[c] + part) - cost(h, got[c]) for c, h in enumerate(have[e])]
+            c = min(range(len(got)), key=lambda c: (busy[have[e][c]] + grow[c], have[e][c]))
+            busy[have[e][c]] += grow[c]
             got[c] += part
         out[e] = [g / tokens[e] for g in got]
     return out

@@ -548,13 +548,7 @@ class HeterMoEStrategy(DDPStrategy):
         """Where the placement may carry routes (expert parallelism over one EP group that
         spans the world): the replica dispatch rule, each holder's share of the batch and
         each holder's node (``None``: one node). ``None`` elsewhere."""
-        if self.backend is None or self.schedule not in ("ep", "ep_balanced") or \
-                len(self.holders()) != self.world_size:
-            return None
-        shares = self.backend.shares or [1] * self.world_size
-        nodes = self.clock.links().node_of if self.cluster is not None or self.clock.topology is not None else None
-        return self.args.replica_dispatch, [float(s) for s in shares], \
-            None if nodes is None else [nodes[r] for r in range(self.world_size)]
+        return self.backend.copy_routing() if self.backend is not None else None
 
     def move_experts(self, new: Placement) -> int:
         """Move experts to ``new`` at a step boundary, on every rank (a collective: every

@@ -143,6 +143,12 @@ class ParallelBackend(ABC):
     def placement(self) -> Placement | None:
         return None
 
+    def copy_routing(self) -> tuple[str, list[float], list[int] | None] | None:
+        """Where a placement may carry routes for copied experts (expert parallelism): the
+        replica dispatch rule, each holder's share of the batch, each holder's node (``None``:
+        one node). ``None``: it may not."""
+        return None
+
     def holder_index(self) -> int:
         return 0
 

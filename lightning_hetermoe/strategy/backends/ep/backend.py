@@ -82,6 +82,13 @@ class ExpertParallelBackend(DenseDDPBackend):
         node_of = self.clock.links().node_of
         return [node_of[r] for r in self.groups.ep_group.ranks]
 
+    def copy_routing(self) -> tuple[str, list[float], list[int] | None] | None:
+        # routes are per EP group: with several (DP replicas of the experts) none are built
+        if self.ep_size != self.world_size:
+            return None
+        shares = self.shares or [1] * self.world_size
+        return self.replica_dispatch, [float(s) for s in shares], self._nodes()
+
     def _report(self, held: Placement | None) -> None:
         if self.rank != 0 or held is None:
             return

@@ -67,18 +67,21 @@ class AllToAllDispatcher:
                              f"each at most once per rank")
         self.placement = [list(p) for p in placement]
         self.routes = routes
-        starts = [sum(len(p) for p in placement[:r]) for r in range(self.size)]
+        slot: dict[tuple[int, int], int] = {}  # (rank, expert) -> position, rank-major
+        for h, p in enumerate(placement):
+            for e in p:
+                slot[h, e] = len(slot)
         have = holders_of(placement, num_experts)
         # slot positions (rank-major order) of each expert's copies; the copies serving this
         # rank's choices, each with the share of them it takes
-        self.copies = [[starts[h] + placement[h].index(e) for h in hs] for e, hs in enumerate(have)]
+        self.copies = [[slot[h, e] for h in hs] for e, hs in enumerate(have)]
         serving = [source_split(hs, self.rank, self.nodes, self.rule, routes[e] if routes is not None else None)
                    for e, hs in enumerate(have)]
         self.num_positions = len(flat)
         most = max(len(c) for c in serving)
         position, start = [], []
         for e, split in enumerate(serving):
-            at = [starts[h] + placement[h].index(e) for h, _ in split]
+            at = [slot[h, e] for h, _ in split]
             cum = [0.0]
             for _, f in split[:-1]:
                 cum.append(cum[-1] + f)
