@@ -1,0 +1,188 @@
+"""Everything a lent GPU should measure, in one command and one JSON (issue #38).
+
+    python bench/gpu.py --out docs/gpu/h100-2026-11-27.json      # on one GPU, empty Triton cache
+    python bench/gpu.py --quick --out /tmp/gpu.json              # tries every step on the CPU
+
+Each step runs in a process of its own with its own deadline, so one slow or hung step
+costs its deadline and no more, and every step's process is timed from the end of its work
+to its exit. Steps, in order (a cold start first: by default Triton's cache is a fresh
+empty directory, as on a new machine):
+
+1. ``selfcheck``: ``python -m lightning_hetermoe.selfcheck`` (every row; ``host syncs`` among them).
+2. ``kernels``: ``bench/kernels.py``, the expert backends beside transformers' grouped_mm
+   at the real models' layer shapes.
+3. ``train default`` / ``train hetermoe`` / ``train zebra``: ``bench/gpu_train.py``, the
+   same model under Lightning's default strategy, ``strategy="hetermoe"`` (one device:
+   the single-device schedule) and a zebra loopback plan (one rank attends and holds every
+   expert); set-up seconds, seconds per step, peak memory. Then the ratios the issue sets
+   goals for: hetermoe/default steps (goal <= 1.03), set-up beyond default (goal < 10 s),
+   zebra/hetermoe steps (goal <= 1.10).
+4. ``profile``: ``recipes/profile_devices.py`` on this GPU, each task kind's measured time
+   over the cost model's for the same task (how far the datasheet-derived row is off).
+
+The JSON is rewritten after every step (nothing is lost if a later one hangs or the
+machine is taken back). Budget: the deadlines add up to under 8 minutes on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# seconds per step on a GPU; --quick (CPU) runs get more where the interpreter is slow
+DEADLINES = {"selfcheck": 150, "kernels": 90, "train": 60, "profile": 50}
+QUICK_DEADLINES = {"selfcheck": 400, "kernels": 150, "train": 120, "profile": 120}
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-X", "faulthandler"]
+
+
+def run_step(name: str, cmd: list[str], deadline: float, out_file: Path | None, env: dict[str, str]) -> dict[str, Any]:
+    """Run one step's process; its result file (JSON) if it wrote one, its seconds, and how
+    long it took to exit after its work ended (the result file's ``work_done_at``, else the
+    file's modification time)."""
+    print(f"[gpu] {name}: {' '.join(cmd[3:])} (deadline {deadline:.0f} s)", flush=True)
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline)
+        rc, stdout, stderr, timed_out = proc.returncode, proc.stdout, proc.stderr, False
+    except subprocess.TimeoutExpired as err:
+        rc, timed_out = None, True
+        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
+    ended = time.time()
+    row: dict[str, Any] = {"name": name, "rc": rc, "timed_out": timed_out, "seconds": round(ended - t0, 2),
+                           "stdout_tail": stdout[-2000:], "stderr_tail": stderr[-3000:]}
+    if out_file is not None and out_file.exists():
+        try:
+            row["result"] = json.loads(out_file.read_text())
+        except ValueError as err:
+            row["result_error"] = f"{out_file.name} is not JSON: {err}"
+        done = row.get("result", {}).get("work_done_at") if isinstance(row.get("result"), dict) else None
+        done = done if done is not None else out_file.stat().st_mtime
+        row["exit_after_work_s"] = round(ended - done, 2)
+    state = "TIMED OUT" if timed_out else f"exit {rc}"
+    print(f"[gpu] {name}: {state} after {row['seconds']:.1f} s"
+          + (f", exited {row['exit_after_work_s']:.1f} s after its work" if "exit_after_work_s" in row else ""),
+          flush=True)
+    return row
+
+
+def train_ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's goals, from the three training rows (None where a row has no figure)."""
+
+    def get(name: str, key: str) -> float | None:
+        result = rows.get(name, {}).get("result") or {}
+        value = result.get(key)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    out: dict[str, Any] = {}
+    d, h, z = (get(f"train {s}", "step_s") for s in ("default", "hetermoe", "zebra"))
+    ds, hs = get("train default", "setup_s"), get("train hetermoe", "setup_s")
+    if d and h:
+        out["hetermoe_over_default_step"] = round(h / d, 4)
+        out["hetermoe_step_within_3pct"] = h / d <= 1.03
+    if ds is not None and hs is not None:
+        out["hetermoe_setup_beyond_default_s"] = round(hs - ds, 2)
+        out["hetermoe_setup_within_10s"] = hs - ds < 10
+    if h and z:
+        out["zebra_loopback_over_single_step"] = round(z / h, 4)
+        out["zebra_loopback_within_10pct"] = z / h <= 1.10
+    return out
+
+
+def profile_ratios(summary: dict[str, Any]) -> dict[str, Any]:
+    """Each task kind's measured time over the cost model's, per device kind."""
+    out: dict[str, Any] = {}
+    for kind, row in (summary.get("devices") or {}).items():
+        ratios = {}
+        for task in ("attention_fwd", "expert_fwd"):
+            measured, predicted = row.get(f"{task}_ms"), row.get(f"cost_model_{task}_ms")
+            if measured and predicted:
+                ratios[f"{task}_measured_over_predicted"] = round(measured / predicted, 3)
+        out[kind] = ratios
+    return out
+
+
+def device_kind(quick: bool) -> str:
+    import torch
+
+    if quick or not torch.cuda.is_available():
+        return "cpu"
+    from lightning_hetermoe.cluster.devices import match_device_name
+
+    name = torch.cuda.get_device_name()
+    return match_device_name(name) or name.lower().replace(" ", "_")
+
+
+def steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Path | None]]:
+    deadlines = QUICK_DEADLINES if quick else DEADLINES
+    py = _python()
+    self_json = work / "selfcheck.json"
+    selfcheck = [*py, "-m", "lightning_hetermoe.selfcheck", "--json", str(self_json)]
+    kernels = [*py, str(ROOT / "bench" / "kernels.py"), "--json", str(work / "kernels.json")]
+    if quick:
+        selfcheck += ["--device", "cpu", "--quick"]
+        kernels += ["--quick"]
+    out = [("selfcheck", selfcheck, deadlines["selfcheck"], self_json),
+           ("kernels", kernels, deadlines["kernels"], work / "kernels.json")]
+    for strategy in ("default", "hetermoe", "zebra"):
+        result = work / f"train_{strategy}.json"
+        cmd = [*py, str(ROOT / "bench" / "gpu_train.py"), "--strategy", strategy, "--json", str(result)]
+        out.append((f"train {strategy}", cmd + (["--quick"] if quick else []), deadlines["train"], result))
+    kind = device_kind(quick)
+    model = ["model=tiny", "data.seq_len=64"] if quick else ["model=d1", "data.seq_len=4096", "data.batch_size=1"]
+    profile_dir = work / "profile"
+    profile = [*py, str(ROOT / "recipes" / "profile_devices.py"), "cluster=cpu1", f"cluster.name={kind}",
+               f"cluster.devices=[{kind}]", *model, f"hydra.run.dir={profile_dir}"]
+    out.append(("profile", profile, deadlines["profile"], profile_dir / "summary.json"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Measure this pack on one GPU: one JSON (see the module docstring).")
+    p.add_argument("--out", required=True, help="the JSON to write (e.g. docs/gpu/<device>-<date>.json)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: tries every step without a GPU")
+    p.add_argument("--warm-cache", action="store_true", help="keep Triton's own cache (default: a fresh empty one)")
+    p.add_argument("--only", help="run only the steps whose name starts with this")
+    args = p.parse_args(argv)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "quick": args.quick, "steps": {}}
+    with tempfile.TemporaryDirectory(prefix="hetermoe-gpu-") as tmp:
+        work = Path(tmp)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if not args.warm_cache:
+            env["TRITON_CACHE_DIR"] = str(work / "triton-cache")  # a cold start, as on a new machine
+        report["triton_cache"] = "warm (the user's)" if args.warm_cache else "empty at start"
+        started = time.time()
+        for name, cmd, deadline, result in steps(args.quick, work):
+            if args.only and not name.startswith(args.only):
+                continue
+            report["steps"][name] = run_step(name, cmd, deadline, result, env)
+            report["train_goals"] = train_ratios(report["steps"])
+            if name == "profile" and isinstance(report["steps"][name].get("result"), dict):
+                report["profile_measured_over_cost_model"] = profile_ratios(report["steps"][name]["result"])
+            report["total_s"] = round(time.time() - started, 1)
+            out_path.write_text(json.dumps(report, indent=2, default=str))
+    failed = [n for n, r in report["steps"].items() if r["rc"] != 0]
+    print(f"[gpu] wrote {out_path}: {len(report['steps'])} steps in {report.get('total_s', 0):.0f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else "; all exited 0"), flush=True)
+    if report.get("train_goals"):
+        print(f"[gpu] goals: {json.dumps(report['train_goals'])}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``bench/gpu.py``, the one script a lent GPU runs: its steps compose, its goals are read
+off the rows right, and a step run on the CPU (``--quick``) gives its figures and exits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu = _load("gpu")
+
+
+def _row(**result):
+    return {"rc": 0, "result": result}
+
+
+def test_the_goals_are_read_off_the_training_rows():
+    rows = {"train default": _row(step_s=0.160, setup_s=20.0), "train hetermoe": _row(step_s=0.164, setup_s=27.0),
+            "train zebra": _row(step_s=0.190, setup_s=30.0)}
+    goals = gpu.train_ratios(rows)
+    assert goals["hetermoe_over_default_step"] == pytest.approx(0.164 / 0.160, abs=1e-4)
+    assert goals["hetermoe_step_within_3pct"] is True
+    assert goals["hetermoe_setup_beyond_default_s"] == pytest.approx(7.0)
+    assert goals["hetermoe_setup_within_10s"] is True
+    assert goals["zebra_loopback_over_single_step"] == pytest.approx(0.190 / 0.164, abs=1e-4)
+    assert goals["zebra_loopback_within_10pct"] is False  # 1.16x
+    # a row that timed out has no figure: its goals are left out, not guessed
+    rows["train hetermoe"] = {"rc": None, "timed_out": True}
+    assert gpu.train_ratios(rows) == {}
+
+
+def test_the_profile_is_set_against_the_cost_model_per_task_kind():
+    summary = {"devices": {"h100": {"attention_fwd_ms": 3.0, "cost_model_attention_fwd_ms": 2.0,
+                                    "expert_fwd_ms": 1.0, "cost_model_expert_fwd_ms": 4.0}}}
+    assert gpu.profile_ratios(summary) == {"h100": {"attention_fwd_measured_over_predicted": 1.5,
+                                                    "expert_fwd_measured_over_predicted": 0.25}}
+
+
+def test_every_step_names_a_script_that_exists_and_the_profile_overrides_compose(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    names = []
+    for name, cmd, deadline, result in gpu.steps(True, tmp_path):
+        names.append(name)
+        assert deadline > 0 and result is not None
+        scripts = [c for c in cmd if c.endswith(".py")]
+        assert all(Path(s).exists() for s in scripts), cmd
+        if name == "profile":
+            overrides = [c for c in cmd[cmd.index(scripts[0]) + 1:] if not c.startswith("hydra.")]
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                cfg = compose(config_name="profile", overrides=overrides)
+            assert list(cfg.cluster.devices) == ["cpu"] and cfg.model.name == "tiny"
+    assert names == ["selfcheck", "kernels", "train default", "train hetermoe", "train zebra", "profile"]
+    assert sum(gpu.DEADLINES.values()) + 2 * gpu.DEADLINES["train"] <= 8 * 60  # the issue's budget on one GPU
+
+
+@pytest.mark.slow
+def test_a_training_step_runs_on_the_cpu_and_its_process_exits_promptly(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--quick", "--only", "train zebra",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    row = json.loads(out.read_text())["steps"]["train zebra"]
+    result = row["result"]
+    assert result["schedule"] == "zebra" and result["step_s"] > 0 and result["setup_s"] >= 0
+    assert result["final_loss"] == result["final_loss"]  # a number, not nan
+    assert 0 <= row["exit_after_work_s"] < 5
