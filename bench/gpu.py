@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 # seconds per step on a GPU; --quick (CPU) runs get more where the interpreter is slow
-DEADLINES = {"selfcheck": 150, "kernels": 90, "train": 60, "profile": 50}
+DEADLINES = {"selfcheck": 150, "kernels": 120, "train": 55, "profile": 45}
 QUICK_DEADLINES = {"selfcheck": 400, "kernels": 150, "train": 120, "profile": 120}
 
 

@@ -5,13 +5,21 @@ kernel modules load on first use. Modules, one job each:
 
 - ``availability``: whether each backend can run on a device, and why not.
 - ``triton_src``: the Triton kernels (gather-GEMM with epilogues, grouped weight gradient).
-- ``tuning``: autotuning candidates per GPU generation, row-count buckets, interpreter blocks.
-- ``launch``: Python launchers (variant per device, sync-free grids, TF32 per torch's setting).
+- ``tuning``: which tile config each launch takes (the shipped table, else a heuristic per
+  GPU generation; no autotuning unless ``HETERMOE_AUTOTUNE=1`` or ``enable_autotune()``),
+  row-count buckets, interpreter blocks.
+- ``tiles``: the shipped tile table (``tiles.json``, package data), which
+  ``bench/tune_tiles.py --write`` fills per device kind.
+- ``warmup``: which shapes and row counts set-up warms (``warm_up_keys``), and ``warm_up``
+  here runs them.
+- ``launch``: Python launchers (variant per device, sync-free grids, TF32 per torch's
+  setting; ``E`` not specialised, so a new expert count does not recompile).
 - ``activation``: GELU/SwiGLU and their derivatives.
 - ``algorithm``: the expert MLP, forward and backward, written once over a small set of
   grouped GEMMs (``Gemms``); each backend below is one such set.
 - ``mlp``: on the Triton kernels, as custom ops with autograd (the ``triton`` backend,
-  ``grouped_mlp``).
+  ``grouped_mlp``); fp32 that CUDA could not run as TF32 goes to the torch loop
+  (``availability.triton_runs_dtype``).
 - ``grouped_mm``: on ``torch._grouped_mm`` (the ``grouped_mm`` backend,
   ``grouped_mlp_grouped_mm``), pure torch.
 - ``loop``: one ``torch.mm`` per expert (the ``torch`` backend), pure torch.
@@ -75,26 +83,24 @@ def grouped_mlp_grouped_mm(x: "Tensor", gather_idx: "Tensor", counts: "Tensor", 
 
 def warm_up(d_model: int, d_ff: int, activation: str, bias: bool, dtype: "torch.dtype", device: "torch.device",
             rows: "int | Sequence[int] | None" = None, experts: int = 2) -> list[int]:
-    """Launch every Triton kernel of the expert MLP, forward and backward, for these shapes
-    at each row-count bucket, so that Triton's autotuner picks its configs now. Its
-    benchmarks synchronise the whole device: inside a training step that could wait on a
-    kernel that waits on a peer (a posted receive), so the strategy calls this at set-up,
-    before any collective is in flight.
+    """Run the Triton expert MLP, forward and backward, for these shapes, ``experts`` local
+    experts and each row count, so that every kernel variant a step launches is compiled now
+    (and, with autotuning on, tuned now: its benchmarks synchronise the whole device, which
+    inside a step could wait on a kernel that waits on a peer).
 
-    Configs are keyed by the weight shapes, the dtypes and a power-of-two bucket of the row
-    count (``tuning.m_bucket``: 256 to 16384, larger counts share the top bucket). With
-    ``rows=None`` (the strategy's call) it runs once at every bucket (``tuning.tuning_buckets``),
-    so no row count a run meets tunes inside a step; ``rows`` (one count or several) runs
-    those counts instead, one per bucket. On CUDA, a bucket whose problem would need more
-    than half the free memory is skipped, and so are the larger ones: from then on their row
-    counts take the largest tuned bucket's tiles (``tuning.tuned_up_to``), so nothing
-    tunes inside a step. Tunings are
-    also kept in Triton's disk cache, so a later run with the same shapes skips them.
-    Returns the row counts it ran.
+    By default nothing autotunes (``tuning``): a launch takes one config per (GPU kind,
+    dtype, kernel, row bucket) and only compiles, so the strategy warms lazily in most modes
+    and, under zebra/distep, only the row counts the plan brings (``warmup.warm_up_keys``).
+    ``rows`` (one count or several) runs one count per row bucket (``tuning.m_bucket``);
+    ``rows=None`` runs every bucket (``tuning.tuning_buckets``). On CUDA a count whose
+    problem would need more than half the free memory is skipped, and so are the larger
+    ones; with autotuning on, their row counts then take the largest tuned bucket's tiles
+    (``tuning.tuned_up_to``), so nothing tunes inside a step. Tunings are also kept in
+    Triton's disk cache. One synchronize at the end. Returns the row counts it ran.
     """
     import torch
 
-    from .tuning import m_bucket, tuned_up_to, tuning_buckets
+    from .tuning import autotune_enabled, m_bucket, tuned_up_to, tuning_buckets
     from .mlp import grouped_mlp as impl
 
     device = torch.device(device)
@@ -105,6 +111,7 @@ def warm_up(d_model: int, d_ff: int, activation: str, bias: bool, dtype: "torch.
         for r in ([rows] if isinstance(rows, int) else list(rows)):
             by_bucket.setdefault(m_bucket(r), int(r))
         counts_to_run = [by_bucket[b] for b in sorted(by_bucket)]
+    experts = max(int(experts), 1)
     h = 2 * d_ff if activation == "swiglu" else d_ff
     elem = torch.empty(0, dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(0)
@@ -121,11 +128,13 @@ def warm_up(d_model: int, d_ff: int, activation: str, bias: bool, dtype: "torch.
             need = n * (4 * d_model * elem + 8 * d_model + 2 * h * elem + 2 * d_ff * elem) \
                 + 2 * experts * (d_model * h + d_ff * d_model) * elem
             if need > torch.cuda.mem_get_info(device)[0] // 2:
-                if rows is None and ran:
+                if ran and autotune_enabled():
                     tuned_up_to(m_bucket(ran[-1]))  # larger counts take the top tuned bucket's tiles
                 break
         x = rand(n, d_model)
-        counts = torch.tensor([n // 2, n - n // 2] + [0] * (experts - 2), device=device)
+        # the rows over (at most) the first two experts, the rest empty, as a skewed round
+        split = [n // 2, n - n // 2] if experts > 1 else [n]
+        counts = torch.tensor(split + [0] * (experts - len(split)), device=device)
         gather_idx = torch.arange(n, device=device)
         impl(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation).float().sum().backward()
         ran.append(n)

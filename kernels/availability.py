@@ -120,3 +120,25 @@ def tf32_enabled() -> bool:
         return matmul.fp32_precision == "tf32"
     except (AttributeError, RuntimeError):
         return bool(matmul.allow_tf32)
+
+
+def triton_runs_dtype(dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None, tf32: bool) -> bool:
+    """Whether the ``triton`` backend runs inputs of ``dtype`` on its kernels (else the torch
+    loop runs them, same results). On CUDA fp32 runs on Triton only as TF32 (torch allows it,
+    ``tf32``, and the device has TF32 tensor cores, sm80+): plain fp32 ``tl.dot`` runs on the
+    CUDA cores, compiles slowly and its bf16-sized tiles can exceed shared memory, while
+    cuBLAS's fp32 GEMMs are the fast exact path. Off CUDA (the interpreter, for tests) fp32
+    runs exactly on the kernels. fp64 never runs on Triton on CUDA (no tensor cores for it
+    there either)."""
+    if device_type != "cuda" or dtype in (torch.bfloat16, torch.float16):
+        return True
+    if dtype != torch.float32:
+        return False
+    return bool(tf32) and capability is not None and tuple(capability) >= TENSOR_CORE_CAPABILITY
+
+
+def grouped_mm_sync_free(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether ``torch._grouped_mm`` runs ``dtype`` on CUDA without a host sync: its CUTLASS
+    kernel takes bf16 on sm90/sm100 only; every other dtype or GPU takes its fallback, one
+    ``mm`` per group after copying the offsets to the host (a sync per GEMM)."""
+    return dtype == torch.bfloat16 and capability is not None and int(capability[0]) in (9, 10)

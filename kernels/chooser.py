@@ -7,6 +7,11 @@ it cannot run there.
 otherwise Triton where it emits tensor-core code (CUDA, compute capability 8.0 and up)
 and the per-expert torch loop elsewhere: CPU, and V100 (sm70) / T4 (sm75), whose tensor
 cores Triton does not use. Never the Triton interpreter.
+
+On CUDA ``auto`` also looks at each call's dtype: ``torch._grouped_mm`` is sync-free only
+for bf16 on sm90/sm100, so a measured ``grouped_mm`` runs bf16 there and every other dtype
+(fp16, fp32 under ``32-true``) takes the rule above instead of grouped_mm's host-synced
+loop (:func:`backend_for`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import Tensor
 
 from .availability import (
     grouped_mm_available,
+    grouped_mm_sync_free,
     grouped_mm_unavailable_reason,
     triton_available,
     triton_uses_tensor_cores,
@@ -34,15 +40,18 @@ _AUTO: dict[str, str] = {}
 _WARNED: set[str] = set()
 
 
-def auto_backend(device: torch.device | str) -> str:
-    """The backend ``expert_backend="auto"`` runs on ``device``, by name (see the module)."""
+def auto_backend(device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The backend ``expert_backend="auto"`` runs on ``device``, by name (see the module);
+    with ``dtype``, the one it runs for inputs of that dtype (``None``: the device's choice)."""
     from .measured import device_kind, measured_backend
 
     device = torch.device(device)
     best = measured_backend(device_kind(device))
     if best == "torch":
         return "torch"
-    if best == "grouped_mm" and grouped_mm_available(device):
+    if best == "grouped_mm" and grouped_mm_available(device) and (
+            device.type != "cuda" or dtype is None
+            or grouped_mm_sync_free(dtype, torch.cuda.get_device_capability(device))):
         return "grouped_mm"
     if best == "triton" and device.type == "cuda" and triton_available(device):
         return "triton"
@@ -72,14 +81,29 @@ def _function(name: str) -> GroupedMLP:
     return {"torch": grouped_mlp_torch, "triton": grouped_mlp, "grouped_mm": grouped_mlp_grouped_mm}[name]
 
 
+def backend_for(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that runs ``expert_backend=name`` on ``device`` for inputs of ``dtype``
+    (``auto`` resolved per dtype on CUDA; any other name as given)."""
+    if name != "auto":
+        return name
+    key = f"{device.type}:{device.index}:{dtype if device.type == 'cuda' else ''}"
+    if key not in _AUTO:
+        _AUTO[key] = auto_backend(device, dtype if device.type == "cuda" else None)
+    return _AUTO[key]
+
+
+def _auto_by_dtype(x: Tensor, *args, **kwargs) -> Tensor:
+    return _function(backend_for("auto", x.device, x.dtype))(x, *args, **kwargs)
+
+
 def resolve_backend(name: str, device: torch.device) -> GroupedMLP:
     """The function that runs ``expert_backend=name`` on ``device``; ``ValueError`` with
-    :func:`why_not`'s sentence where it cannot run."""
+    :func:`why_not`'s sentence where it cannot run. ``auto`` on CUDA chooses at each call
+    from the inputs' dtype (:func:`backend_for`)."""
     if name == "auto":
-        key = f"{device.type}:{device.index}"
-        if key not in _AUTO:
-            _AUTO[key] = auto_backend(device)
-        return _function(_AUTO[key])
+        if device.type == "cuda":
+            return _auto_by_dtype
+        return _function(backend_for(name, device, torch.float32))
     problem = why_not(name, device)
     if problem:
         raise ValueError(problem)

@@ -1,8 +1,16 @@
 """Python entry points for the kernels: pick the variant for the device, size the grid, launch.
 
 Nothing here reads ``counts`` on the host: grids use an upper bound on the number of row
-tiles, so a launch never waits for the GPU. The autotuning key is the GEMM's shape and a
-bucket of its row count (``tuning.m_bucket``), which the host knows from tensor shapes.
+tiles, so a launch never waits for the GPU. On CUDA a launch takes one config
+(``tuning.tile_for``: the shipped table's, else the heuristic's) on a plain
+``JITFunction``: nothing autotunes, a new config only compiles. With autotuning on
+(``tuning.autotune_enabled``) the same kernel goes through ``triton.autotune`` over a few
+candidates, keyed on the GEMM's shape and a bucket of its row count (``tuning.m_bucket``),
+which the host knows from tensor shapes.
+
+The expert count ``E`` and the row bucket are ``do_not_specialize``: Triton would otherwise
+specialise an integer argument that is 1 or a multiple of 16, and compile again for a layer
+or rank holding another number of experts. N and K (the model's widths) stay specialised.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from .availability import TENSOR_CORE_CAPABILITY, tf32_enabled
 
 _GEMM_KEY = ["N", "K", "M_BUCKET"]
 _WGRAD_KEY = ["K", "N", "M_BUCKET"]
+# Integer arguments that change between layers, ranks and launches of one model.
+NO_SPECIALIZE = ("E", "M_BUCKET")
 
 
 @functools.cache
@@ -28,35 +38,71 @@ def _interpreted(fn):
 
 
 @functools.cache
-def _tuned(fn, which: str, capability: tuple[int, int]):
-    cands = tuning.gemm_configs(capability) if which == "gemm" else tuning.wgrad_configs(capability)
+def jitted(fn) -> JITFunction:
+    """The compiled kernel as launched on CUDA (one per kernel function, its compile cache
+    shared by every config)."""
+    return JITFunction(fn, do_not_specialize=NO_SPECIALIZE)
+
+
+@functools.cache
+def autotuner(fn, which: str, capability: tuple[int, int], dtype: torch.dtype, smem: int | None):
+    """The kernel under Triton's autotuner (autotuning on), over ``tuning.autotune_candidates``
+    for this device and dtype; its ``cache`` holds the winner per key (``bench/tune_tiles.py``
+    reads it)."""
+    cands = [tuning.as_config(t) for t in tuning.autotune_candidates(capability, dtype, which, smem)]
     key = _GEMM_KEY if which == "gemm" else _WGRAD_KEY
     # cache_results: timings also go to Triton's on-disk cache, so a later run of the same
     # shapes (and Triton/driver/GPU) skips the benchmarks at set-up.
-    return triton.autotune(cands, key=key, cache_results=True)(JITFunction(fn))
+    return triton.autotune(cands, key=key, cache_results=True)(jitted(fn))
 
 
-def _kernel(fn, which: str, device: torch.device):
-    """(launchable, fixed block kwargs): interpreted with fixed blocks on CPU, autotuned on CUDA."""
+@functools.cache
+def _device(index: int) -> tuple[tuple[int, int], int | None]:
+    dev = torch.device("cuda", index)
+    return tuple(torch.cuda.get_device_capability(dev)), tuning.device_smem(dev)
+
+
+@functools.cache
+def _tile(capability: tuple[int, int], dtype: torch.dtype, which: str, bucket: int, smem: int | None):
+    return tuning.tile_for(capability, dtype, which, bucket, smem)
+
+
+def _kernel(fn, which: str, device: torch.device, dtype: torch.dtype, bucket: int):
+    """(launchable, fixed kwargs): interpreted with fixed blocks on CPU; on CUDA the plain
+    kernel with one config's blocks and launch options, or the autotuner when asked for."""
     if device.type != "cuda":
         return _interpreted(fn), dict(tuning.INTERPRET_BLOCKS)
-    return _tuned(fn, which, torch.cuda.get_device_capability(device)), {}
+    capability, smem = _device(device.index if device.index is not None else torch.cuda.current_device())
+    if tuning.autotune_enabled():
+        return autotuner(fn, which, capability, dtype, smem), {}
+    return jitted(fn), _tile(capability, dtype, which, bucket, smem).launch_kwargs()
 
 
 def input_precision(dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None, tf32: bool) -> str:
-    """``tl.dot``'s ``input_precision``: ``"tf32"`` for fp32 inputs on a CUDA device with TF32
-    tensor cores (sm80+) when torch allows TF32, else ``"ieee"`` (exact fp32 products). fp32
-    inputs follow torch's own matmul setting so that both backends round alike."""
-    if (dtype == torch.float32 and device_type == "cuda" and tf32 and capability is not None
-            and tuple(capability) >= TENSOR_CORE_CAPABILITY):
+    """``tl.dot``'s ``input_precision``. On CUDA: ``"tf32"`` for fp32 inputs on a device with
+    TF32 tensor cores (sm80+) when torch allows TF32 (so both backends round alike), and
+    for 16-bit inputs (Triton's default, which it ignores for them); else ``"ieee"`` (exact
+    fp32 products on the CUDA cores: :func:`availability.triton_runs_dtype` keeps such
+    calls off Triton on CUDA). Off CUDA (the interpreter): ``"ieee"``, exact."""
+    if device_type != "cuda":
+        return "ieee"
+    if dtype != torch.float32:
+        return "tf32"
+    if tf32 and capability is not None and tuple(capability) >= TENSOR_CORE_CAPABILITY:
         return "tf32"
     return "ieee"
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
-    if device.type != "cuda" or dtype != torch.float32:
+    if device.type != "cuda":
         return "ieee"
-    return input_precision(dtype, device.type, torch.cuda.get_device_capability(device), tf32_enabled())
+    precision = input_precision(dtype, device.type, torch.cuda.get_device_capability(device), tf32_enabled())
+    if precision == "ieee":
+        raise RuntimeError(f"internal error: a Triton launch on {device} with {dtype} inputs would run tl.dot as "
+                           f"plain fp32 ('ieee': CUDA cores, slow to compile, bf16-sized tiles over shared "
+                           f"memory); the expert MLP should have run on the torch backend instead "
+                           f"(kernels.availability.triton_runs_dtype)")
+    return precision
 
 
 def _upcast(dtype: torch.dtype, device: torch.device) -> bool:
@@ -104,7 +150,8 @@ def grouped_gemm(
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     if M == 0 or N == 0:
         return out
-    fn, blocks = _kernel(triton_src.grouped_gemm_kernel, "gemm", x.device)
+    bucket = tuning.m_bucket(M)
+    fn, blocks = _kernel(triton_src.grouped_gemm_kernel, "gemm", x.device, x.dtype, bucket)
     counts = counts.contiguous()
     dummy = counts  # never read: the matching HAS_* flag is off
     grid = lambda meta: gemm_grid(M, N, E, meta["BLOCK_M"], meta["BLOCK_N"])  # noqa: E731
@@ -113,7 +160,7 @@ def grouped_gemm(
         bias if bias is not None else dummy, out,
         out_idx.contiguous() if out_idx is not None else dummy,
         scale.contiguous() if scale is not None else dummy,
-        N, K, E, tuning.m_bucket(M),
+        N, K, E, bucket,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
@@ -140,12 +187,13 @@ def grouped_wgrad(
     dw = torch.empty(E, K, N, device=dy.device, dtype=out_dtype or dy.dtype)
     if dw.numel() == 0:
         return dw
-    fn, blocks = _kernel(triton_src.grouped_wgrad_kernel, "wgrad", dy.device)
+    bucket = tuning.m_bucket(dy.shape[0])
+    fn, blocks = _kernel(triton_src.grouped_wgrad_kernel, "wgrad", dy.device, dy.dtype, bucket)
     counts = counts.contiguous()
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     fn[grid](
         x, gather_idx.contiguous() if gather_idx is not None else counts, dy, counts, _offsets(counts), dw,
-        K, N, E, tuning.m_bucket(dy.shape[0]),
+        K, N, E, bucket,
         x.stride(0), x.stride(1),
         dy.stride(0), dy.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),

@@ -35,14 +35,19 @@ def device_kind(device: torch.device | str) -> str:
     return device.type
 
 
+def shipped_json(name: str) -> dict[str, Any]:
+    """A JSON object shipped in this package (empty when missing, unreadable or not an object)."""
+    try:
+        data = json.loads(resources.files(__package__).joinpath(name).read_text(encoding="utf-8"))
+    except (OSError, ValueError, ModuleNotFoundError, TypeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def load() -> dict[str, Any]:
     """The shipped measurements (empty when the file is missing or unreadable)."""
     if not _LOADED:
-        try:
-            data = json.loads(resources.files(__package__).joinpath(FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError, ModuleNotFoundError, TypeError):
-            data = {}
-        _LOADED.append(data if isinstance(data, dict) else {})
+        _LOADED.append(shipped_json(FILE))
     return _LOADED[0]
 
 

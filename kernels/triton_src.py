@@ -13,8 +13,8 @@ Only builtins are used.
 multiplies those bit patterns as integers. bf16 -> fp32 is exact and the GPU forms bf16
 products exactly in fp32 as well, so upcasting there changes no result.
 
-``M_BUCKET`` is never read: it is an argument only so that the autotuner can key on it
-(a power-of-two bucket of the row count, see ``tuning.m_bucket``).
+``M_BUCKET`` is never read: it is an argument only so that the autotuner (when on) can key
+on it (a power-of-two bucket of the row count, see ``tuning.m_bucket``).
 
 Rows are grouped by expert exactly as in the backend contract (``counts[e]`` consecutive
 rows per expert, starting at ``offsets[e]``, the exclusive cumulative sum that the host
@@ -50,7 +50,8 @@ def grouped_gemm_kernel(
     tile = tl.program_id(0) // n_tiles
 
     # The expert of this tile is the number of experts whose tiles all come before it;
-    # tile counts depend on BLOCK_M, which autotuning picks, so they are derived here.
+    # tile counts depend on BLOCK_M, which the launch picks (the tile table, the heuristic
+    # or the autotuner), so they are derived here.
     # E scalar loads per program: negligible next to the K loop.
     e = tl.program_id(0) * 0  # int32 scalars: loop-carried values need a fixed type
     first_tile = e

@@ -1,35 +1,50 @@
-"""Block shapes: autotuning candidates per GPU generation, fixed small blocks for the interpreter.
+"""Tile configs: which block shape each launch takes, and autotuning only when asked for.
 
-Tuning is keyed on the GEMM's (N, K) - that is (d_model, hidden) for the expert MLP -, on
-a bucket of the row count M (:func:`m_bucket`) and, automatically, on the dtypes of the
-tensor arguments. M itself changes at every step with the routing, so re-tuning per M
-would benchmark on the hot path for the whole run; left out of the key altogether, the
-first batch (often a small one) would choose the tiles for every later size. The bucket
-is the power of two at or above M, clamped to [M_BUCKET_MIN, M_BUCKET_MAX]: a handful
-of tunings per shape, all of which ``warm_up`` runs at set-up (``tuning_buckets``).
+By default nothing autotunes at run time (the anchors do not: vLLM ships configs per GPU
+as JSON with a heuristic fallback, ScatterMoE has one config per kernel). Each launch
+takes :func:`tile_for`: the shipped table's entry for (device kind, dtype, kernel, row
+bucket) (``tiles.json``, :mod:`.tiles`), else :func:`default_tile`, a heuristic per GPU
+generation that fits the device's shared memory. The first launch of a config compiles it
+(about a second per kernel variant) and nothing benchmarks.
+
+``HETERMOE_AUTOTUNE=1`` (or :func:`enable_autotune`) turns Triton's autotuner on instead:
+at most :data:`MAX_CANDIDATES` configs per kernel (:func:`autotune_candidates`, pruned by
+their shared memory before anything compiles), keyed on (N, K, row bucket, dtypes), its
+timings kept in Triton's disk cache. Its benchmarks synchronise the device, so the
+strategy then tunes at set-up; ``bench/tune_tiles.py --write`` records the winners in the
+table so that later runs need no tuning.
+
+The row bucket (:func:`m_bucket`) is the power of two at or above the GEMM's row count M,
+clamped to [M_BUCKET_MIN, M_BUCKET_MAX]: M changes every step with the routing, a bucket
+lets the config follow its size without a new key per M.
 """
 
 from __future__ import annotations
 
-import triton
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from . import tiles
+from .tiles import Tile
 
 # Below 256 rows every config is launch-bound; from 16K rows on, every candidate fills
 # the GPU for several waves and the ranking no longer moves with M.
 M_BUCKET_MIN = 256
 M_BUCKET_MAX = 16384
 
-
-# The largest bucket every warmed-up shape was tuned at. Warm-up skips a bucket whose
-# problem does not fit in half the free memory; a GEMM in it would then autotune inside a
-# step, whose benchmarks synchronise the device in the middle of the overlap. Larger row
-# counts take this bucket's tiles instead (every config is valid at any M; past the top
-# tuned bucket the ranking barely moves).
+# The largest bucket autotuning warmed up. Warm-up skips a bucket whose problem does not
+# fit in half the free memory; a GEMM in it would then autotune inside a step, whose
+# benchmarks synchronise the device in the middle of the overlap. Larger row counts take
+# this bucket's tiles instead (every config is valid at any M).
 _tuned_top = [M_BUCKET_MAX]
 
 
 def m_bucket(m: int) -> int:
-    """The autotuning bucket of a GEMM over ``m`` rows: next power of two, clamped (to the
-    largest bucket warm-up tuned, see :func:`tuned_up_to`)."""
+    """The row bucket of a GEMM over ``m`` rows: next power of two, clamped (to the largest
+    bucket warm-up tuned, see :func:`tuned_up_to`)."""
     b = 1 << max(int(m) - 1, 0).bit_length()
     return min(max(b, M_BUCKET_MIN), _tuned_top[0])
 
@@ -47,47 +62,168 @@ def tuning_buckets() -> list[int]:
         b *= 2
     return out
 
+
 # Under TRITON_INTERPRET every program is numpy on the CPU: fewer, mid-sized tiles are
 # fastest, and 16 keeps test shapes that are not multiples of the block meaningful.
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
 
+# ---- autotuning on request ----------------------------------------------------------------
+ENV = "HETERMOE_AUTOTUNE"
+MAX_CANDIDATES = 3
+_AUTOTUNE: list[bool | None] = [None]  # enable_autotune's setting; None: the env var decides
 
-def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+
+def enable_autotune(on: bool | None = True) -> None:
+    """Autotune the Triton kernels (``on=True``), launch the table's or the heuristic's
+    config (``False``), or follow ``HETERMOE_AUTOTUNE`` again (``None``)."""
+    _AUTOTUNE[0] = on
 
 
-# Candidates per GPU generation (the newest the device reaches): (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps).
-# The gather-GEMM: BLOCK_M rows of one expert x BLOCK_N output columns.
-GEMM_TILES = {
-    # Hopper: 228 KB of shared memory and wgmma favour 128-row tiles with BLOCK_K=64 and deep
-    # pipelines; 64-row tiles stay for experts that receive few tokens.
-    (9, 0): [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 8),
-             (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
-    # Ampere/Ada: ~100-164 KB of shared memory, mma.sync; BLOCK_K=32 keeps 4 stages resident.
-    (8, 0): [(128, 128, 32, 4, 4), (128, 256, 32, 3, 8), (128, 128, 64, 3, 8), (64, 128, 32, 4, 4),
-             (128, 64, 32, 4, 4), (64, 64, 32, 5, 2)],
-    # Volta/Turing (expert ranks in the HeterMoE clusters are often V100/T4): small tiles, few stages.
-    (0, 0): [(64, 64, 32, 2, 4), (128, 64, 32, 2, 4), (64, 128, 32, 2, 4)],
+def autotune_enabled() -> bool:
+    """Whether launches autotune: :func:`enable_autotune`'s setting, else ``HETERMOE_AUTOTUNE``
+    (read at each call)."""
+    if _AUTOTUNE[0] is not None:
+        return _AUTOTUNE[0]
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@contextlib.contextmanager
+def autotuning(on: bool = True) -> Iterator[None]:
+    """:func:`enable_autotune` for the block, the previous setting put back after."""
+    previous = _AUTOTUNE[0]
+    _AUTOTUNE[0] = on
+    try:
+        yield
+    finally:
+        _AUTOTUNE[0] = previous
+
+
+# ---- shared memory ------------------------------------------------------------------------
+KIB = 1024
+# Opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) by compute
+# capability, for when no device is at hand (tests, the compile check); a launch uses the
+# device's own figure. Unknown ones get the smallest current budget (consumer parts).
+SMEM_OPTIN = {(7, 0): 96 * KIB, (7, 5): 64 * KIB, (8, 0): 163 * KIB, (8, 6): 99 * KIB, (8, 7): 163 * KIB,
+              (8, 9): 99 * KIB, (9, 0): 227 * KIB, (10, 0): 227 * KIB, (10, 3): 227 * KIB, (12, 0): 99 * KIB}
+
+
+def smem_budget(capability: tuple[int, int]) -> int:
+    return SMEM_OPTIN.get(tuple(capability), 99 * KIB)
+
+
+def device_smem(device: torch.device) -> int | None:
+    """``shared_memory_per_block_optin`` of a CUDA device, where torch reports it."""
+    props = torch.cuda.get_device_properties(device)
+    value = getattr(props, "shared_memory_per_block_optin", None)
+    return int(value) if value else None
+
+
+# ---- the heuristic default ----------------------------------------------------------------
+# At or below this bucket a GEMM's rows are few per expert: 64-row tiles waste less on each
+# expert's last, partial tile (vLLM's default config and ScatterMoE use the same split).
+SMALL_BUCKET = 1024
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) for 16-bit inputs per generation (the newest
+# the device reaches): (small buckets, larger ones).
+# Hopper: wgmma and 227 KiB favour 128-row tiles, BLOCK_K=64, 4 stages (128 KiB).
+# Ampere/Ada: mma.sync, 99-163 KiB: BLOCK_K=32 keeps 4 stages in 64 KiB.
+# Volta/Turing: tl.dot on the CUDA cores; small tiles, 2 stages.
+GEMM_DEFAULT = {
+    (9, 0): ((64, 128, 64, 4, 4), (128, 128, 64, 4, 8)),
+    (8, 0): ((64, 128, 32, 4, 4), (128, 128, 32, 4, 4)),
+    (0, 0): ((64, 64, 32, 2, 4), (128, 64, 32, 2, 4)),
 }
 # The weight gradient: a [BLOCK_K, BLOCK_N] output tile, reducing BLOCK_M rows a step.
-WGRAD_TILES = {
-    (9, 0): [(64, 128, 128, 4, 8), (64, 256, 128, 3, 8), (64, 128, 128, 3, 4), (32, 128, 128, 4, 4),
-             (64, 64, 64, 4, 4)],
-    (8, 0): [(32, 128, 128, 4, 4), (64, 128, 128, 3, 8), (32, 64, 128, 4, 4), (32, 64, 64, 4, 4)],
-    (0, 0): [(32, 64, 64, 2, 4), (32, 128, 64, 2, 4)],
+WGRAD_DEFAULT = {
+    (9, 0): ((32, 128, 128, 4, 4), (64, 128, 128, 4, 8)),
+    (8, 0): ((32, 128, 128, 4, 4), (64, 128, 64, 3, 4)),
+    (0, 0): ((32, 64, 64, 2, 4), (32, 64, 64, 2, 4)),
 }
+# What autotuning adds to the two defaults (one more per generation: MAX_CANDIDATES in all).
+GEMM_EXTRA = {(9, 0): (128, 256, 64, 3, 8), (8, 0): (128, 64, 32, 4, 4), (0, 0): (64, 128, 32, 2, 4)}
+WGRAD_EXTRA = {(9, 0): (64, 256, 128, 3, 8), (8, 0): (64, 128, 128, 3, 8), (0, 0): (32, 128, 64, 2, 4)}
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _for(tiles: dict[tuple[int, int], list[tuple[int, ...]]], capability: tuple[int, int]) -> list[triton.Config]:
-    newest = max(gen for gen in tiles if capability >= gen)
-    return [_cfg(*t) for t in tiles[newest]]
+def kind_of(capability: tuple[int, int]) -> str:
+    """The device kind of a CUDA capability, as ``measured.device_kind`` names it."""
+    return f"cuda:sm{capability[0]}{capability[1]}"
 
 
-def gemm_configs(capability: tuple[int, int]) -> list[triton.Config]:
-    """Candidates for the gather-GEMM on a device of ``capability``."""
-    return _for(GEMM_TILES, capability)
+def _generation(table: dict, capability: tuple[int, int]) -> tuple[int, int]:
+    return max(gen for gen in table if tuple(capability) >= gen)
 
 
-def wgrad_configs(capability: tuple[int, int]) -> list[triton.Config]:
-    """Candidates for the weight gradient on a device of ``capability``."""
-    return _for(WGRAD_TILES, capability)
+def _reduction_halved(t: Tile, kernel: str) -> Tile:
+    # gemm reduces over BLOCK_K, wgrad over BLOCK_M
+    if kernel == "gemm":
+        return Tile(t.block_m, t.block_n, max(16, t.block_k // 2), t.num_stages, t.num_warps)
+    return Tile(max(16, t.block_m // 2), t.block_n, t.block_k, t.num_stages, t.num_warps)
+
+
+def fit(t: Tile, kernel: str, elem_bytes: int, budget: int) -> Tile:
+    """``t`` shrunk until its pipeline fits ``budget`` bytes: fewer stages (down to 2), then
+    a shorter reduction block (down to 16)."""
+    while t.smem_bytes(kernel, elem_bytes) > budget and t.num_stages > 2:
+        t = Tile(t.block_m, t.block_n, t.block_k, t.num_stages - 1, t.num_warps)
+    while t.smem_bytes(kernel, elem_bytes) > budget:
+        smaller = _reduction_halved(t, kernel)
+        if smaller == t:
+            break
+        t = smaller
+    return t
+
+
+def default_tile(capability: tuple[int, int], dtype: torch.dtype, kernel: str, bucket: int,
+                 smem: int | None = None) -> Tile:
+    """The heuristic config: the generation's small- or large-bucket tile; for fp32 (TF32)
+    inputs the reduction block halved, so its operands take the shared memory 16-bit ones
+    do; then fitted to the device's shared memory (``smem``, default :func:`smem_budget`)."""
+    table = GEMM_DEFAULT if kernel == "gemm" else WGRAD_DEFAULT
+    small, large = table[_generation(table, capability)]
+    t = Tile(*(small if bucket <= SMALL_BUCKET else large))
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if elem >= 4:
+        t = _reduction_halved(t, kernel)
+    return fit(t, kernel, elem, smem if smem is not None else smem_budget(capability))
+
+
+def tile_for(capability: tuple[int, int], dtype: torch.dtype, kernel: str, bucket: int, smem: int | None = None,
+             table: dict | None = None) -> Tile:
+    """The config a launch takes: the table's entry for this (kind, dtype, kernel, bucket)
+    if it has a valid one that fits the shared memory, else :func:`default_tile`."""
+    budget = smem if smem is not None else smem_budget(capability)
+    name = DTYPE_NAMES.get(dtype)
+    entry = tiles.lookup(kind_of(capability), name, kernel, bucket, table) if name else None
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if entry is not None and entry.smem_bytes(kernel, elem) <= budget:
+        return entry
+    return default_tile(capability, dtype, kernel, bucket, budget)
+
+
+def autotune_candidates(capability: tuple[int, int], dtype: torch.dtype, kernel: str,
+                        smem: int | None = None) -> list[Tile]:
+    """At most :data:`MAX_CANDIDATES` configs for the autotuner: the two defaults (small and
+    large buckets) and the generation's extra, each whose pipeline does not fit the shared
+    memory dropped before anything compiles (the defaults are fitted, so one always stays)."""
+    budget = smem if smem is not None else smem_budget(capability)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    extras = GEMM_EXTRA if kernel == "gemm" else WGRAD_EXTRA
+    extra = Tile(*extras[_generation(extras, capability)])
+    if elem >= 4:
+        extra = _reduction_halved(extra, kernel)
+    out: list[Tile] = []
+    for t in (default_tile(capability, dtype, kernel, M_BUCKET_MIN, budget),
+              default_tile(capability, dtype, kernel, M_BUCKET_MAX, budget), extra):
+        if t not in out and t.smem_bytes(kernel, elem) <= budget:
+            out.append(t)
+    # a budget below the smallest tile (no current GPU): the fitted default, for Triton to judge
+    return out[:MAX_CANDIDATES] or [default_tile(capability, dtype, kernel, M_BUCKET_MIN, budget)]
+
+
+def as_config(t: Tile) -> "triton.Config":  # noqa: F821
+    import triton
+
+    return triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
+                         num_stages=t.num_stages, num_warps=t.num_warps)

@@ -5,6 +5,7 @@ Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit unde
 """
 
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
+from .ckpt import load_checkpoint
 from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
 from .configs import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
 from .convert import HFMoELanguageModel, from_hf, to_hetermoe, to_hf
@@ -50,6 +51,7 @@ __all__ = [
     "from_hf",
     "gate_losses",
     "get_device",
+    "load_checkpoint",
     "make_plan",
     "profile_cluster",
     "register_device",

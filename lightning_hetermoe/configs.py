@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk", "sigmoid_group")
 ACTIVATIONS = ("gelu", "swiglu")
 EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "torch")
+ROUTER_DTYPES = ("float32", "input")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 ARCHITECTURES = ("pack", "hf_mixtral")
 CORPORA = ("pydoc_topics", "tokenized")
@@ -70,6 +71,12 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # The dtype the gate's logits are computed in: float32 (the gate GEMM in fp32, autocast
+    # off: near ties between experts are not decided by rounding), or input (a plain linear
+    # in the hidden states' dtype, autocast applying as to any linear: what Mixtral, Qwen-MoE
+    # and OLMoE do, so a converted model of theirs routes as the original). Everything after
+    # the logits (softmax, top-k, weights, aux losses) runs in fp32 either way.
+    router_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _require(self.num_experts >= 1, "model.moe.num_experts", self.num_experts, "must be >= 1")
@@ -122,6 +129,8 @@ class MoEConfig:
             for name, default in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0)):
                 _require(getattr(self, name) == default, f"model.moe.{name}", getattr(self, name),
                          f"only the sigmoid_group router reads it: set router=sigmoid_group or {name}={default}")
+        _require(self.router_dtype in ROUTER_DTYPES, "model.moe.router_dtype", self.router_dtype,
+                 f"must be one of {ROUTER_DTYPES}")
         _require(isinstance(self.expert_bias, bool), "model.moe.expert_bias", self.expert_bias,
                  "must be true or false")
         _require(isinstance(self.shared_expert_gate, bool), "model.moe.shared_expert_gate", self.shared_expert_gate,

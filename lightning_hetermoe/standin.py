@@ -15,6 +15,13 @@ CPU tensors only: :func:`host_view` is what ``comm`` hands it.
 Turned on by ``HETERMOE_STANDIN=1`` in the environment of a CPU run: the strategy then
 computes on ``standin:0`` (:func:`requested`). Every op goes through Python, so a step is
 several times slower: a check for tests, not a way to train.
+
+Every op passing through Python also lets the stand-in see the host syncs a GPU would
+make, on CPU: inside :func:`counting_syncs` each read of device values by the host
+(``.item()``, ``bool()``, ``.tolist()``, ``.cpu()``, a copy into a host tensor, an op whose
+output size depends on the values, as ``nonzero`` or a boolean mask) and each blocking copy
+from the host to the device (``torch.tensor(list, device=...)`` among them) is noted with
+the file:line that asked for it, as CUDA's sync debug mode warns for each.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any
+import sys
+import threading
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -40,6 +49,101 @@ _OUT_FILLED = ("arange.default", "arange.start", "arange.start_step", "linspace.
 # takes both); every other op mixing the stand-in with CPU tensors raises
 _CROSSING = {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "index_put", "index_put_",
              "_index_put_impl_", "lift_fresh", "lift_fresh_copy", "detach", "alias"}
+
+
+# what a GPU must wait for, by the host-side kind noted (see :func:`counting_syncs`)
+READS = ("item", "tolist", "to_host", "value_sized")  # device -> host: the host waits for the stream
+COPIES = ("h2d_list", "h2d")  # blocking host -> device copies (from a Python list; from a host tensor)
+# ops whose output size depends on the values (CUDA reads a count or min/max on the host)
+_VALUE_SIZED = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+                "unique_dim_consecutive", "bincount", "equal", "histc"}
+
+
+class Sync(NamedTuple):
+    """One host sync: its kind (:data:`READS`, :data:`COPIES`), the op, and where the code
+    outside torch asked for it (innermost first: file:line of each caller, up to four)."""
+
+    kind: str
+    where: str
+    op: str
+    callers: tuple[str, ...]
+
+
+_syncs: list[Sync] | None = None  # where syncs are noted, while counting
+_quiet = threading.local()  # a sync noted once, not again for the copy inside it
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_HERE = os.path.abspath(__file__)
+
+
+@contextlib.contextmanager
+def counting_syncs() -> Iterator[list[Sync]]:
+    """Note every host sync the stand-in sees while inside (every thread: zebra's fibers and
+    the autograd device thread too): ``with counting_syncs() as syncs: ...``, then
+    ``syncs`` holds a :class:`Sync` (kind, where, op, callers) for each. Off outside, so a
+    stand-in run pays nothing for it."""
+    global _syncs
+    outer, _syncs = _syncs, []
+    try:
+        yield _syncs
+    finally:
+        _syncs = outer
+
+
+def _note(kind: str, op: str) -> None:
+    syncs = _syncs
+    if syncs is None or getattr(_quiet, "on", False):
+        return
+    frame, callers = sys._getframe(1), []
+    while frame is not None and len(callers) < 4:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(_TORCH_DIR) and name != _HERE and not name.endswith(os.sep + "contextlib.py"):
+            callers.append(f"{short_path(name)}:{frame.f_lineno}")
+        frame = frame.f_back
+    if not callers:  # a C++ thread with no Python above it (autograd's device thread)
+        callers = [f"<{threading.current_thread().name}: no Python caller>"]
+    syncs.append(Sync(kind, callers[0], op, tuple(callers)))
+
+
+def short_path(path: str) -> str:
+    """A source path from its package down (``lightning/pytorch/...``,
+    ``lightning_hetermoe/...``), as :class:`Sync` names callers."""
+    path = os.path.abspath(path)
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            return path.split(marker, 1)[1].replace(os.sep, "/")
+    ours = os.path.dirname(os.path.dirname(_HERE)) + os.sep
+    if path.startswith(ours):
+        return os.path.relpath(path, ours).replace(os.sep, "/")
+    return "/".join(path.split(os.sep)[-3:])
+
+
+def _note_op(name: str, args: tuple, kwargs: dict) -> None:
+    """The sync the op ``name`` is on a GPU, if any."""
+    if name == "_local_scalar_dense":
+        _note("item", name)
+    elif name == "_to_copy":
+        target = kwargs.get("device")
+        if target is not None and torch.device(target).type == "cpu" and isinstance(args[0], StandInTensor):
+            _note("to_host", name)
+    elif name == "copy_":
+        dst, src = args[0], args[1]
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        if isinstance(src, StandInTensor) and not isinstance(dst, StandInTensor):
+            _note("to_host", name)
+        elif isinstance(dst, StandInTensor) and not isinstance(src, StandInTensor) and blocking:
+            _note("h2d", name)
+    elif name in _VALUE_SIZED:
+        _note("value_sized", name)
+    elif name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(args[0], StandInTensor):
+        _note("value_sized", name)
+    elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and _bool_index(args):
+        if not (name != "index" and len(args[1]) == 1 and args[2].numel() == 1):  # CUDA: masked_fill_
+            _note("value_sized", f"{name} (boolean mask)")
+
+
+def _bool_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
 class _Module:
@@ -134,7 +238,16 @@ def _built_then_moved(make: Any) -> Any:
     @functools.wraps(make)
     def made(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         if device is not None and torch.device(device).type == NAME:
-            return make(data, *args, **kwargs).to(DEVICE)
+            if _syncs is None or isinstance(data, torch.Tensor):
+                return make(data, *args, **kwargs).to(DEVICE)
+            # on a GPU: the values are laid out in pageable host memory, then copied over
+            # while the host waits (a sync, per call)
+            _note("h2d_list", make.__name__)
+            _quiet.on = True
+            try:
+                return make(data, *args, **kwargs).to(DEVICE)
+            finally:
+                _quiet.on = False
         return make(data, *args, device=device, **kwargs)
     return made
 
@@ -182,6 +295,8 @@ class StandInTensor(torch.Tensor):
         self.inner = host_view(new)
 
     def tolist(self) -> Any:  # as on a GPU: read from the device (a sync there)
+        if _syncs is not None:
+            _note("tolist", "tolist")
         return self.inner.tolist()
 
     # the memory it holds, as a device tensor has some (views share it)
@@ -198,6 +313,8 @@ class StandInTensor(torch.Tensor):
 def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on the CPU tensors the stand-in tensors hold; results stay on the
     stand-in unless the op asked for the CPU (``.cpu()``, ``.to("cpu")``)."""
+    if _syncs is not None:
+        _note_op(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func), args, kwargs)
     _check_devices(func, args, kwargs)
     originals: dict[int, Any] = {}
 

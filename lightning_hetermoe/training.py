@@ -81,11 +81,11 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     return instantiate_group(cfg, "callbacks", "the callback's class path")
 
 
-# Above this much training state (weights, gradients, AdamW: 16 bytes per parameter), the
-# recipe builds the model on the meta device by default: each process then allocates only
-# its share at set-up. Below it, the model is built whole: small, and the planner gets the
-# routing of a warm-up batch through it (a model on the meta device plans with even routing).
-META_INIT_BYTES = 2e9
+# Above SMALL_STATE_BYTES of training state (profile/memory.py), the recipe builds the model
+# on the meta device by default: each process then allocates only its share at set-up. Below
+# it, the model is built whole: small, and the planner gets the routing of a warm-up batch
+# through it (a model on the meta device plans with even routing). The strategy's
+# checkpoint_format: auto draws the same line.
 
 
 def builds_on_meta(cfg: DictConfig, model_cfg: ModelConfig) -> bool:
@@ -95,11 +95,11 @@ def builds_on_meta(cfg: DictConfig, model_cfg: ModelConfig) -> bool:
         return choice
     if choice != "auto":
         raise ConfigError(f"init_on_meta={choice!r} is invalid: must be true, false or auto")
-    from .profile.memory import MemoryModel
+    from .profile.memory import MemoryModel, small_training_state
 
     mem = MemoryModel(model_cfg)
     params = mem.attention_stack_params() + model_cfg.n_layers * model_cfg.moe.num_experts * mem.expert_params()
-    return params * 16 > META_INIT_BYTES
+    return not small_training_state(params)
 
 
 def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningModule:

@@ -14,11 +14,19 @@ from lightning.pytorch.cli import LightningCLI
 
 # importing the package registers strategy="hetermoe"
 from lightning_hetermoe import ByteCorpusDataModule, MoELanguageModel
+from lightning_hetermoe.strategy.launchers import exit_now
 
 
 def main(args=None) -> LightningCLI:
-    return LightningCLI(MoELanguageModel, ByteCorpusDataModule, args=args, save_config_kwargs={"overwrite": True})
+    cli = LightningCLI(MoELanguageModel, ByteCorpusDataModule, args=args, save_config_kwargs={"overwrite": True})
+    # Every rank leaves the heartbeat and the process group together before the process
+    # ends, as the Hydra recipes do (without it, the strategy's exit hook does it alone).
+    shutdown = getattr(cli.trainer.strategy, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    return cli
 
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # the run is over and its logs closed: no finalization to wait for (a failure raises above)

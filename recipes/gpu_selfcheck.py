@@ -6,9 +6,8 @@
 The same as ``python -m lightning_hetermoe.selfcheck`` (see that module for the checks).
 """
 
-import sys
-
 from lightning_hetermoe.selfcheck import main
+from lightning_hetermoe.strategy.launchers import exit_now
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # the table is out: no finalization to wait for

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError
+from lightning_hetermoe.strategy.launchers import exit_now
 from lightning_hetermoe.training import train
 
 
@@ -26,3 +27,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # every job's summary is written: no finalization to wait for (a failure raises above)

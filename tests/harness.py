@@ -57,9 +57,12 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
         result = fn(rank, *args)
         with open(path, "wb") as f:
             torch.save({"ok": result}, f)
-        # Leave the process group together, as the strategy's shutdown() does for the
-        # recipes: left to interpreter exit, gloo's and the store's C++ threads can be torn
-        # down mid-flight ("terminate called without an active exception", SIGABRT).
+        # Leave the heartbeat (stopped and joined: no peer's beat then finds rank 0's store
+        # gone) and the process group together, as the strategy's shutdown() does for the
+        # recipes.
+        from lightning_hetermoe.strategy import heartbeat
+
+        heartbeat.stop()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()

@@ -90,18 +90,21 @@ def test_a_compiled_module_is_refused_before_any_process_starts_with_the_reason(
 def test_lightning_cli_trains_the_main_model_under_the_strategy(tmp_path):
     """``recipes/cli.py``: LightningCLI with --trainer.strategy=hetermoe, and with the
     strategy's own arguments, beside the Hydra recipes."""
-    import subprocess
     import sys
     from pathlib import Path
+
+    from helpers_exit import EXIT_S, run_to_exit
 
     root = Path(__file__).resolve().parents[1]
     common = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_steps=3",
               "--trainer.enable_progress_bar=false", "--model.model.d_model=32", "--data.cfg.batch_size=4"]
+    done = "`Trainer.fit` stopped: `max_steps=3` reached"
     for strategy in (["--trainer.strategy=hetermoe"],
                      ["--trainer.strategy=lightning_hetermoe.HeterMoEStrategy", "--trainer.strategy.mode=zebra"]):
-        proc = subprocess.run([sys.executable, str(root / "recipes" / "cli.py"), "fit", *strategy, *common],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stderr + proc.stdout
-    assert "schedule zebra" in proc.stdout + proc.stderr  # the strategy's argument reached it
+        # timed to its exit too (issue #38: every entry point exits within seconds of its work)
+        code, out, exit_after_s = run_to_exit([sys.executable, str(root / "recipes" / "cli.py"), "fit", *strategy,
+                                               *common], done, cwd=tmp_path, timeout=300)
+        assert code == 0, out[-3000:]
+        assert exit_after_s < EXIT_S and "terminate called" not in out, (exit_after_s, out[-2000:])
+    assert "schedule zebra" in out  # the strategy's argument reached it
     assert (tmp_path / "lightning_logs" / "version_1" / "config.yaml").exists()

@@ -254,7 +254,7 @@ def test_auto_rule_without_measurements(fake_gpu, capability, want):
     fake_gpu["capability"] = capability
     cuda = torch.device("cuda", 0)
     assert chooser.auto_backend(cuda) == want
-    assert resolve_backend("auto", cuda) is (kernels.grouped_mlp if want == "triton" else grouped_mlp_torch)
+    assert chooser.backend_for("auto", cuda, torch.bfloat16) == want
     if capability >= (8, 0):
         assert resolve_backend("triton", cuda) is kernels.grouped_mlp
     else:  # asked for explicitly it runs, with a warning that it misses the tensor cores
@@ -305,14 +305,16 @@ def test_bench_records_winner_per_device_kind(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(bench, "QUICK_SHAPES", [(16, 32, 4, 24), (16, 32, 8, 40)])
+    monkeypatch.setattr(bench, "QUICK_SHAPES", [bench.Case("a", 16, 32, 4, 2, 24), bench.Case("b", 16, 32, 8, 3, 40)])
     out = tmp_path / "measured.json"
     out.write_text(json.dumps({"cuda:sm90": {"best": "triton"}}))
     summary = bench.main(["--quick", "--reps", "1", "--write", str(out)])
     data = json.loads(out.read_text())
     assert data["cuda:sm90"] == {"best": "triton"}
     assert data["cpu"]["best"] == summary["best"] in ("torch", "grouped_mm")
-    assert set(data["cpu"]["cases"][0]["ms"]) == {"torch", "grouped_mm"}
+    # transformers' grouped_mm is timed and kept beside them, never a candidate for best
+    assert set(data["cpu"]["cases"][0]["ms"]) == {"torch", "grouped_mm", "hf_grouped_mm"}
+    assert [c["top_k"] for c in data["cpu"]["cases"]] == [2, 3]
     assert all("loop/grouped_mm" in r for r in summary["results"])
 
 

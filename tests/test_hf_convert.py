@@ -220,10 +220,34 @@ def test_bad_model_options(kw, match):
     (dict(shared_expert_d_ff=1.5), "model.moe.shared_expert_d_ff"),
     (dict(normalize_topk=False, router="gshard"), "model.moe.normalize_topk"),
     (dict(normalize_topk="no"), "model.moe.normalize_topk"),
+    (dict(router_dtype="bfloat16"),
+     r"model.moe.router_dtype='bfloat16' is invalid: must be one of \('float32', 'input'\)"),
 ])
 def test_bad_moe_options(kw, match):
     with pytest.raises(ConfigError, match=match):
         MoEConfig(**kw)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_converted_block_routes_by_its_family_logits_dtype(arch):
+    """Mixtral, Qwen-MoE and OLMoE compute the gate's logits in the hidden dtype: a converted
+    block does too (``router_dtype=input``) unless the caller asks for fp32; in bf16 its
+    logits are then transformers' own, bit for bit."""
+    config = hf_config(arch, experts_implementation="eager")
+    block = ARCHS[arch][2](config).eval()
+    randomize(block)
+    layers = {}
+    for options in ({}, {"router_dtype": "float32"}):
+        holder = nn.Module()
+        holder.config, holder.mlp = config, copy.deepcopy(block)
+        to_hetermoe(holder, **options)
+        layers[options.get("router_dtype", "default")] = holder.mlp
+    assert layers["default"].cfg.router_dtype == "input" and layers["float32"].cfg.router_dtype == "float32"
+    x = torch.randn(40, 16).bfloat16()
+    hf_logits = copy.deepcopy(block).bfloat16().gate(x)[0]
+    assert torch.equal(layers["default"].bfloat16().router.logits(x), hf_logits.float())
+    fp32 = layers["float32"].bfloat16().router.logits(x)
+    assert fp32.dtype == torch.float32 and not torch.equal(fp32, hf_logits.float())
 
 
 def test_recipe_builds_a_converted_mixtral_of_the_configured_shape():

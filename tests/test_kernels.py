@@ -268,7 +268,8 @@ def test_autotune_key_has_row_bucket(which, monkeypatch):
     from lightning_hetermoe.kernels import launch, triton_src
 
     fn = triton_src.grouped_gemm_kernel if which == "gemm" else triton_src.grouped_wgrad_kernel
-    assert "M_BUCKET" in launch._tuned(fn, which, (9, 0)).keys
+    tuned = launch.autotuner(fn, which, (9, 0), torch.bfloat16, None)
+    assert "M_BUCKET" in tuned.keys and 1 <= len(tuned.configs) <= 3
     calls = []
 
     class Recorder:
@@ -276,7 +277,7 @@ def test_autotune_key_has_row_bucket(which, monkeypatch):
             # positional arguments name the kernel's first parameters (not strict: the rest come as keywords)
             return lambda *args, **kwargs: calls.append(dict(zip(inspect.signature(fn).parameters, args)) | kwargs)
 
-    monkeypatch.setattr(launch, "_kernel", lambda fn, which, device: (Recorder(), {}))
+    monkeypatch.setattr(launch, "_kernel", lambda fn, which, device, dtype, bucket: (Recorder(), {}))
     counts = torch.tensor([600, 0, 400])
     x, w = torch.randn(1000, 8), torch.randn(3, 8, 16)
     if which == "gemm":
@@ -290,7 +291,9 @@ def test_autotune_key_has_row_bucket(which, monkeypatch):
 
 def test_fp32_dots_follow_torch_tf32_setting(monkeypatch):
     """Under 32-true, tl.dot uses TF32 exactly when torch's fp32 CUDA matmuls do (new and
-    legacy APIs), and only on GPUs with TF32 tensor cores; other dtypes are unaffected."""
+    legacy APIs), and only on GPUs with TF32 tensor cores; a CUDA launch never gets plain
+    fp32 ("ieee": an internal error, the MLP routes such calls to the torch loop); 16-bit
+    inputs take Triton's default; the interpreter stays exact."""
     from lightning_hetermoe.kernels import launch
 
     cuda, cap = torch.device("cuda", 0), {"v": (9, 0)}
@@ -299,25 +302,31 @@ def test_fp32_dots_follow_torch_tf32_setting(monkeypatch):
     before = matmul.fp32_precision
     try:
         matmul.fp32_precision = "ieee"
-        assert not launch.tf32_enabled() and launch._precision(torch.float32, cuda) == "ieee"
+        assert not launch.tf32_enabled()
+        with pytest.raises(RuntimeError, match="internal error.*triton_runs_dtype"):
+            launch._precision(torch.float32, cuda)
         matmul.fp32_precision = "tf32"
         assert launch.tf32_enabled() and launch._precision(torch.float32, cuda) == "tf32"
-        assert launch._precision(torch.bfloat16, cuda) == "ieee"
+        assert launch._precision(torch.bfloat16, cuda) == "tf32"
         assert launch._precision(torch.float32, torch.device("cpu")) == "ieee"
         cap["v"] = (7, 5)  # Turing: no TF32
-        assert launch._precision(torch.float32, cuda) == "ieee"
+        with pytest.raises(RuntimeError, match="internal error"):
+            launch._precision(torch.float32, cuda)
+        assert launch._precision(torch.float16, cuda) == "tf32"
         cap["v"] = (8, 0)
         matmul.fp32_precision = before
         torch.set_float32_matmul_precision("high")  # the legacy API
         assert launch._precision(torch.float32, cuda) == "tf32"
         torch.set_float32_matmul_precision("highest")
-        assert launch._precision(torch.float32, cuda) == "ieee"
+        with pytest.raises(RuntimeError, match="internal error"):
+            launch._precision(torch.float32, cuda)
     finally:
         torch.set_float32_matmul_precision("highest")
         matmul.fp32_precision = before
     assert launch.input_precision(torch.float32, "cuda", (8, 6), True) == "tf32"
     assert launch.input_precision(torch.float32, "cuda", (7, 0), True) == "ieee"
-    assert launch.input_precision(torch.float16, "cuda", (9, 0), True) == "ieee"
+    assert launch.input_precision(torch.float16, "cuda", (9, 0), True) == "tf32"
+    assert launch.input_precision(torch.float32, "cpu", None, True) == "ieee"
 
 
 def test_warm_up_runs_every_bucket(monkeypatch):
@@ -339,6 +348,10 @@ def test_warm_up_runs_every_bucket(monkeypatch):
     assert all(s[2] == (2, 8, 8) and s[3] for s in seen)
     seen.clear()
     assert kernels.warm_up(8, 4, "gelu", False, torch.float32, torch.device("cpu"), rows=[100, 200, 3000]) == [100, 3000]
+    seen.clear()
+    # a rank holding one expert of the layer warms with one expert (E is the real local count)
+    assert kernels.warm_up(8, 4, "gelu", False, torch.float32, torch.device("cpu"), rows=300, experts=1) == [300]
+    assert seen == [(300, 300, (1, 8, 4), False)]
 
 
 def test_custom_op_traces_under_torch_compile():

@@ -9,18 +9,23 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
-from lightning_hetermoe.kernels import triton_src, tuning  # noqa: E402
+from lightning_hetermoe.kernels import launch, triton_src, tuning  # noqa: E402
 
 FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr"}
 
 
-def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags: dict):
-    consts = {**config.kwargs, **flags, "INPUT_PRECISION": "ieee", "UPCAST": False}
+GEMM_FLAGS = dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True)
+WGRAD_FLAGS = dict(HAS_IDX=True)
+TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags: dict, precision: str = "ieee"):
+    consts = {**config.kwargs, **flags, "INPUT_PRECISION": precision, "UPCAST": False}
     sig = {}
     for name in inspect.signature(fn).parameters:
         if name in consts:
@@ -33,21 +38,62 @@ def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags:
             sig[name] = "*i64"
         else:
             sig[name] = "i32"
-    src = triton.compiler.ASTSource(fn=JITFunction(fn), signature=sig, constexprs=consts)
+    # the kernel as the launcher wraps it (E and the row bucket not specialised)
+    src = triton.compiler.ASTSource(fn=launch.jitted(fn), signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
-@pytest.mark.parametrize("capability,dtype", [(80, "fp16"), (90, "bf16")], ids=["ampere-fp16", "hopper-bf16"])
-def test_kernels_compile_to_cubin(capability, dtype, tmp_path, monkeypatch):
+def need_ptxas():
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if shutil.which("ptxas") is None and not bundled.exists():
         pytest.skip("no ptxas shipped with this triton")
+
+
+def compile_tiles(capability: int, dtype: torch.dtype, tiles_by_kernel: dict) -> list:
+    cap = (capability // 10, capability % 10)
+    precision = launch.input_precision(dtype, "cuda", cap, tf32=True)
+    assert precision != "ieee", "a CUDA launch never gets plain fp32"
+    out = []
+    for which, tiles in tiles_by_kernel.items():
+        fn = triton_src.grouped_gemm_kernel if which == "gemm" else triton_src.grouped_wgrad_kernel
+        flags = GEMM_FLAGS if which == "gemm" else WGRAD_FLAGS
+        for tile in dict.fromkeys(tiles):  # distinct, in order
+            try:
+                kernel = compile_for(fn, TRITON_DTYPE[dtype], capability, tuning.as_config(tile), flags, precision)
+            except Exception as err:
+                if "not supported" in str(err).lower() or "unsupported" in str(err).lower():
+                    pytest.skip(f"triton {triton.__version__} does not compile for sm{capability}: {err}")
+                raise
+            assert kernel.asm.get("cubin"), f"no cubin for {which} {tile}"
+            # what the compiled kernel really allocates, against the device's opt-in budget
+            assert kernel.metadata.shared <= tuning.smem_budget(cap), (which, tile, kernel.metadata.shared)
+            out.append(kernel)
+    return out
+
+
+# Every heuristic default a launch can take (small and large row buckets), per generation:
+# Volta/Turing in fp16 (no bf16 there; sm75 takes sm70's tiles), Ampere and Hopper in a
+# 16-bit type and in TF32 (whose tiles differ: the reduction block halved). fp16 and bf16
+# take the same tiles, so one of them per generation is enough (each compile costs ~4 s).
+DEFAULTS = [(70, torch.float16), (80, torch.bfloat16), (80, torch.float32), (90, torch.bfloat16),
+            (90, torch.float32)]
+
+
+@pytest.mark.parametrize("capability,dtype", DEFAULTS, ids=[f"sm{c}-{TRITON_DTYPE[d]}" for c, d in DEFAULTS])
+def test_heuristic_defaults_compile_to_cubin(capability, dtype, tmp_path, monkeypatch):
+    need_ptxas()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from a cache
     cap = (capability // 10, capability % 10)
-    gemm = compile_for(triton_src.grouped_gemm_kernel, dtype, capability, tuning.gemm_configs(cap)[0],
-                       dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True))
-    wgrad = compile_for(triton_src.grouped_wgrad_kernel, dtype, capability, tuning.wgrad_configs(cap)[0],
-                        dict(HAS_IDX=True))
-    for kernel in (gemm, wgrad):
-        assert kernel.asm.get("cubin"), "no cubin produced"
+    buckets = (tuning.M_BUCKET_MIN, tuning.M_BUCKET_MAX)
+    kernels = compile_tiles(capability, dtype, {
+        which: [tuning.default_tile(cap, dtype, which, b) for b in buckets] for which in ("gemm", "wgrad")})
+    assert kernels
+
+
+def test_hopper_autotune_candidates_compile_to_cubin(tmp_path, monkeypatch):
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    cands = {which: tuning.autotune_candidates((9, 0), torch.bfloat16, which) for which in ("gemm", "wgrad")}
+    assert all(1 <= len(c) <= tuning.MAX_CANDIDATES for c in cands.values())
+    assert compile_tiles(90, torch.bfloat16, cands)

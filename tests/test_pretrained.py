@@ -128,7 +128,7 @@ def fit_pretrained(rank: int, world: int, directory: str, ckpt_dir: str) -> list
     out = []
     for mode, plan in (("ep", None), ("zebra", make_test_plan(world, [0], R=2, num_experts=EXPERTS))):
         model = HFMoELanguageModel(from_pretrained(directory))
-        t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_steps=STEPS)
+        t = trainer(HeterMoEStrategy(mode=mode, plan=plan, checkpoint_format="sharded"), world, max_steps=STEPS)
         t.fit(model, datamodule=data(world))
         held = [m.experts.num_local_experts for m in model.modules() if isinstance(m, MoELayer)]
         path = os.path.join(ckpt_dir, f"{mode}.ckpt")

@@ -33,17 +33,41 @@ def test_nothing_is_reported_inside_the_bound_or_outside_a_step():
     assert Seen.parse(0, "") is None and Seen.parse(3, "5|1.5|2|ep.rows") == Seen(3, 5, 1.5, 2, "ep.rows")
 
 
-def test_the_bound_arms_after_the_warmup_steps_from_the_slowest_measured_one(virtual_clock):
+def test_the_bound_is_the_users_until_steps_are_measured_then_follows_their_median(virtual_clock):
+    """The first step compiles: unbounded. Then ``progress_timeout_s`` until ``warmup_steps``
+    steps are measured; then max(60 s, 10x the median step): a 0.2 s-step job names a stuck
+    rank after a minute, not after the 300 s floor."""
+    clock = virtual_clock(progress)
+    p = StepProgress(floor_s=300.0, factor=10.0, warmup_steps=3)
+
+    def step(n: int, seconds: float) -> None:
+        p.started(n)
+        clock.advance(seconds)
+        p.finished()
+
+    step(0, 40.0)  # the first step (compilation) is not measured
+    assert p.bound_s() == 300.0 and list(p.measured) == []
+    step(1, 0.2)
+    step(2, 0.3)
+    assert p.bound_s() == 300.0  # two measured steps of three: the user's bound still
+    step(3, 9.0)  # one slow step (a checkpoint's first write, say) moves the median little
+    assert p.bound_s() == max(60.0, 10 * 0.3) == 60.0
+    for n in range(4, 40):
+        step(n, 8.0)  # the job's pace changed: the median follows
+    assert p.bound_s() == pytest.approx(80.0)
+    # a user's bound below the measured floor stays the floor (tests, short jobs)
+    q = StepProgress(floor_s=3.0, warmup_steps=1)
+    q.started(0)
+    q.finished()
+    q.started(1)
+    clock.advance(0.01)
+    q.finished()
+    assert q.measured_floor_s == 3.0 and q.bound_s() == 3.0
+
+
+def test_a_step_outside_training_does_not_count(virtual_clock):
     clock = virtual_clock(progress)
     p = StepProgress(floor_s=0.05, factor=10.0, warmup_steps=2)
-    p.started(0)
-    clock.advance(0.03)
-    p.finished()  # the first step (compilation, autotuning) is not measured
-    assert p.bound_s() is None and p.slowest_s == 0.0
-    p.started(1)
-    clock.advance(0.02)
-    p.finished()
-    assert p.slowest_s == pytest.approx(0.02) and p.bound_s() == max(0.05, 10 * p.slowest_s)
     p.started(2)
     clock.advance(0.25)
     assert p.snapshot().split("|")[1] == "0.250"

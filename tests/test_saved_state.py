@@ -46,12 +46,14 @@ def save_both(rank: int, world: int, ep_dir: str, zebra_dir: str, plan) -> list 
     return out if rank == 0 else None
 
 
-def resume_each(rank: int, world: int, cases: list[tuple[str, str, object]]):
-    """Several resumes (checkpoint, mode, plan) in one start of the ranks, each on a model
-    built on the meta device (anything: the checkpoint decides)."""
+def resume_each(rank: int, world: int, cases: list[tuple[str, str, object, str]]):
+    """Several resumes (checkpoint, mode, plan, checkpoint_format) in one start of the ranks,
+    each on a model built on the meta device (anything: the checkpoint decides). ``sharded``:
+    the resumed run's optimizer state sharded over replicas (ZeRO-1), as a large model's;
+    ``auto`` (the default): this small model's, kept whole."""
     out = []
-    for ckpt, mode, plan in cases:
-        t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_epochs=EPOCHS)
+    for ckpt, mode, plan, fmt in cases:
+        t = trainer(HeterMoEStrategy(mode=mode, plan=plan, checkpoint_format=fmt), world, max_epochs=EPOCHS)
         with t.init_module(empty_init=True):
             m = model(seed=100 + rank)
         t.fit(m, datamodule=data(world, windows=WINDOWS), ckpt_path=ckpt)
@@ -73,9 +75,11 @@ def runs(tmp_path_factory):
     consolidated = Path(tmp_path_factory.mktemp("whole")) / "step=4.ckpt"
     consolidate(f"{zebra_dir}/step=4.ckpt", consolidated)
     plan4 = make_test_plan(4, [0, 1], R=3, num_experts=NUM_EXPERTS, placement=[[2, 2, 3, 0], [2, 3, 3, 1]])
-    cases = [(f"{zebra_dir}/step=4.ckpt", "ep", None), (f"{zebra_dir}/step=4.ckpt", "datacentric", None),
-             (f"{zebra_dir}/step=4.ckpt", "zebra", plan4), (f"{ep_dir}/step=4.ckpt", "ep", None),
-             (str(consolidated), "ep", None)]
+    cases = [(f"{zebra_dir}/step=4.ckpt", "ep", None, "sharded"), (f"{zebra_dir}/step=4.ckpt", "datacentric", None,
+                                                                    "sharded"),
+             (f"{zebra_dir}/step=4.ckpt", "zebra", plan4, "sharded"), (f"{ep_dir}/step=4.ckpt", "ep", None, "sharded"),
+             (str(consolidated), "ep", None, "sharded"), (f"{zebra_dir}/step=4.ckpt", "ep", None, "auto"),
+             (f"{ep_dir}/step=4.ckpt", "datacentric", None, "auto")]
     resumed = run_ranks(4, resume_each, 4, cases)[0]
     m = model()
     return {"ep_dir": Path(ep_dir), "zebra_dir": Path(zebra_dir), "consolidated": consolidated, "saved": saved,
@@ -130,8 +134,11 @@ def test_the_consolidated_checkpoint_is_the_full_format(runs):
     assert whole["epoch"] == full["epoch"] == 1 and whole["global_step"] == full["global_step"] == 4
 
 
-@pytest.mark.parametrize("case", ["zebra->ep", "zebra->datacentric", "zebra->zebra 2+2", "full ep->ep",
-                                  "consolidated->ep"])
+RESUMES = ["zebra->ep", "zebra->datacentric", "zebra->zebra 2+2", "full ep->ep", "consolidated->ep",
+           "zebra->ep at the default format", "full ep->datacentric at the default format"]
+
+
+@pytest.mark.parametrize("case", RESUMES)
 def test_resumes_mid_epoch_on_another_world_and_mode_as_if_uninterrupted(runs, case):
-    i = ["zebra->ep", "zebra->datacentric", "zebra->zebra 2+2", "full ep->ep", "consolidated->ep"].index(case)
+    i = RESUMES.index(case)
     assert_same_params(runs["resumed"][i], runs["expected"], runs["initial"])

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from helpers_exit import EXIT_S, run_to_exit
 from lightning_hetermoe import selfcheck
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,10 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("selfcheck") / "out.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MASTER_PORT")}
-    # through the recipe, which runs the module's main: both commands users are told about
-    proc = subprocess.run([sys.executable, "recipes/gpu_selfcheck.py", "--device", "cpu", "--quick",
-                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # through the recipe, which runs the module's main: both commands users are told about;
+    # timed to its exit (issue #38: every entry point exits within seconds of its work)
+    code, output, exit_after_s = run_to_exit([sys.executable, "recipes/gpu_selfcheck.py", "--device", "cpu",
+                                              "--quick", "--json", str(out)], "selfcheck passed", cwd=ROOT,
+                                             timeout=300)
+    proc = SimpleNamespace(returncode=code, stdout=output, stderr=output, exit_after_s=exit_after_s)
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
@@ -50,6 +53,7 @@ def test_the_cpu_run_passes_and_reports_every_check(cpu_run):
     for name in ("kernels fp32", "kernels bf16", "kernels fp16"):
         assert rows[name]["result"] == "ok", rows[name]
     assert "selfcheck passed" in proc.stdout
+    assert proc.exit_after_s < EXIT_S and "terminate called" not in proc.stdout
     for row in report["rows"]:  # the table printed each row
         assert row["check"] in proc.stdout
 
@@ -76,6 +80,23 @@ def _skips(ctx):
     raise selfcheck.Skip("not here")
 
 
+def _hangs(ctx):
+    import time
+
+    time.sleep(3600)  # a collective that never completes, a compile that never ends
+
+
+def _dies(ctx):
+    sys.stderr.write("about to lose the process\n")
+    sys.stderr.flush()
+    os._exit(7)  # a crash: no row, no exception
+
+
+def _environment_seen(ctx):
+    return f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} pid={os.getpid()}"
+
+
+@pytest.mark.slow
 def test_a_check_that_raises_is_a_fail_row_and_the_others_still_run(capsys, tmp_path):
     checks = [selfcheck.Check("fine", _fine), selfcheck.Check("boom", _boom), selfcheck.Check("skips", _skips),
               selfcheck.Check("gpu only", _fine, cuda_only=True)]
@@ -83,14 +104,49 @@ def test_a_check_that_raises_is_a_fail_row_and_the_others_still_run(capsys, tmp_
     code = selfcheck.run(selfcheck.parse_args(["--device", "cpu", "--json", str(out)]), checks)
     assert code == 1
     rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["fine"] == {"check": "fine", "result": "ok", "detail": "all good"}
+    assert {k: v for k, v in rows["fine"].items() if k != "seconds"} == {"check": "fine", "result": "ok",
+                                                                         "detail": "all good"}
     assert rows["boom"]["result"] == "FAIL" and rows["boom"]["detail"] == "RuntimeError: the engine caught fire"
     assert rows["skips"]["result"] == "skipped" and rows["gpu only"]["result"] == "skipped"
+    assert rows["gpu only"]["seconds"] == 0.0  # skipped without starting a process
     printed = capsys.readouterr().out
     assert "boom" in printed and "FAIL" in printed and "1 failed" in printed
     assert os.environ.get("TRITON_INTERPRET") is None, "the interpreter setting must not outlive the run"
 
 
+@pytest.mark.slow
+def test_a_hung_check_is_killed_at_its_deadline_and_the_rows_after_it_still_run(capsys, tmp_path):
+    checks = [selfcheck.Check("env", _environment_seen), selfcheck.Check("hangs", _hangs, timeout_s=3.0),
+              selfcheck.Check("dies", _dies), selfcheck.Check("fine", _fine)]
+    out = tmp_path / "rows.json"
+    code = selfcheck.run(selfcheck.parse_args(["--device", "cpu", "--json", str(out)]), checks)
+    assert code == 1
+    rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["env", "hangs", "dies", "fine"]
+    # a fresh process per check, with the environment the checks had in one process
+    assert rows["env"]["result"] == "ok" and "TRITON_INTERPRET=1" in rows["env"]["detail"]
+    assert f"pid={os.getpid()}" not in rows["env"]["detail"]
+    hung = rows["hangs"]
+    assert hung["result"] == "FAIL" and hung["detail"].startswith("timed out after 3 s"), hung
+    assert 3.0 <= hung["seconds"] < 30.0, hung
+    died = rows["dies"]
+    assert died["result"] == "FAIL" and "exit code 7" in died["detail"], died
+    assert "about to lose the process" in died["detail"], died  # the tail of its stderr
+    assert rows["fine"]["result"] == "ok"
+    assert all(isinstance(r["seconds"], float) and r["seconds"] >= 0 for r in rows.values())
+    captured = capsys.readouterr()
+    table = captured.out.splitlines()
+    assert table[0].split() == ["check", "result", "seconds", "detail"]
+    printed = {ln.split()[0]: ln.split() for ln in table[2:6]}
+    assert printed["hangs"][1:3] == ["FAIL", f"{hung['seconds']:.1f}"]
+    assert "_hangs" in captured.err  # the hung child's Python stacks, dumped before the kill
+    # --timeout overrides every check's own deadline
+    code = selfcheck.run(selfcheck.parse_args(["--device", "cpu", "--timeout", "2", "--only", "h"]),
+                         [selfcheck.Check("hangs", _hangs)])
+    assert code == 1 and "timed out after 2 s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_skips_alone_exit_zero_and_only_selects_by_prefix(capsys):
     checks = [selfcheck.Check("fine", _fine), selfcheck.Check("boom", _boom), selfcheck.Check("skips", _skips)]
     assert selfcheck.run(selfcheck.parse_args(["--device", "cpu", "--only", "s"]), checks) == 0

@@ -100,11 +100,12 @@ def test_emulation_needs_head_count_and_says_so_before_launch():
     assert not strategy.launcher.procs if hasattr(strategy.launcher, "procs") else True
 
 
-def test_model_without_moe_layer_warns_naming_what_is_looked_for():
+def test_model_without_moe_layer_passes_where_it_trains_as_ddp_and_is_refused_naming_those_modes_elsewhere():
     plain = nn.Sequential(nn.Linear(4, 4))
-    with pytest.warns(UserWarning, match="found no lightning_hetermoe.MoELayer in Sequential: it trains as plain DDP"):
-        HeterMoEStrategy(mode="ep").check_model(plain)
-    with pytest.raises(ConfigError, match="holds no lightning_hetermoe.MoELayer"):
+    for mode in ("auto", "ep", "datacentric"):  # set-up prints that it trains as DDP (tests/test_dense_models.py)
+        HeterMoEStrategy(mode=mode).check_model(plain)
+    with pytest.raises(ConfigError, match="Sequential holds no lightning_hetermoe.MoELayer: mode='auto', 'ep' or "
+                                          "'datacentric' trains it as plain DDP"):
         HeterMoEStrategy(mode="zebra").check_model(plain)
 
 

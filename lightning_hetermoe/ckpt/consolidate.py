@@ -61,7 +61,7 @@ def iter_tensors(path: str | os.PathLike, prefix: str = "", batch_bytes: int = D
 def _read(batch: dict[str, Tensor], path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(batch, path)
+        dcp.load(batch, path, local=True)  # one process, whatever else runs
     yield from batch.items()
 
 
@@ -87,6 +87,14 @@ def state_dict_of(path: str | os.PathLike, meta: dict[str, Any] | None = None,
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES
                 ) -> dict[str, Any]:
     """Write the sharded checkpoint ``path`` as one Lightning checkpoint file ``out``; returns it."""
+    checkpoint = whole_checkpoint(path, batch_bytes)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out)
+    return checkpoint
+
+
+def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES) -> dict[str, Any]:
+    """The sharded checkpoint ``path`` as the dict a single checkpoint file holds (in memory)."""
     meta = read_meta(path)
     info = meta["hetermoe"]
     shapes = info["shapes"]
@@ -96,8 +104,6 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: in
         tensors = dict(iter_tensors(path, "optimizer_states.", batch_bytes))
         checkpoint["optimizer_states"] = [_optimizer_state(i, opt, tensors, shapes)
                                           for i, opt in enumerate(info["optimizers"])]
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, out)
     return checkpoint
 
 

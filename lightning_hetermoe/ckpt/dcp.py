@@ -131,9 +131,12 @@ def save(state: State, path: str | os.PathLike, process_group: Any = None) -> No
              no_dist=not use_dist)
 
 
-def load(state: State, path: str | os.PathLike, process_group: Any = None, strict: bool = True) -> None:
-    """Fill the pieces of ``state`` in place from the checkpoint at ``path``."""
-    use_dist = dist.is_available() and dist.is_initialized()
+def load(state: State, path: str | os.PathLike, process_group: Any = None, strict: bool = True,
+         local: bool = False) -> None:
+    """Fill the pieces of ``state`` in place from the checkpoint at ``path``; ``local``:
+    this process alone reads (the offline tools), even inside a distributed job, where a
+    read that joined the process group would wait on ranks that never call it."""
+    use_dist = dist.is_available() and dist.is_initialized() and not local
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=PiecesLoadPlanner(strict),
              process_group=process_group, no_dist=not use_dist)
 

@@ -43,6 +43,12 @@ SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSpa
 # alpha = 1e-4); the config carries no coefficient, so this is the converted default.
 DEEPSEEK_AUX_LOSS_COEF = 1e-4
 
+# How each family computes its gate's logits (transformers 5.x): Mixtral, Qwen2/3-MoE and OLMoE
+# a plain F.linear in the hidden states' dtype (bf16 in a bf16 model; softmax in fp32 after),
+# DeepSeek-V3 casts hidden states and gate weight to fp32 first. A converted model routes as
+# the original by default (moe.router_dtype); the caller may still choose the other.
+HF_ROUTER_DTYPE = {"topk": "input", "sigmoid_group": "float32"}
+
 # Fixed by the Hugging Face block itself; the rest of MoEConfig the caller may choose.
 DERIVED_FIELDS = ("num_experts", "top_k", "d_ff", "router", "activation", "bias", "normalize_topk",
                   "shared_expert_d_ff", "shared_expert_gate", "n_group", "topk_group", "routed_scaling_factor")
@@ -244,6 +250,7 @@ def moe_config_for(block: nn.Module, config: Any, **options: Any) -> MoEConfig:
         options.setdefault("aux_loss_coef", DEEPSEEK_AUX_LOSS_COEF)
         routing = dict(router="sigmoid_group", expert_bias=True, n_group=config.n_group, topk_group=config.topk_group,
                        routed_scaling_factor=float(config.routed_scaling_factor))
+    options.setdefault("router_dtype", HF_ROUTER_DTYPE[routing["router"]])
     return MoEConfig(num_experts=ours["router.weight"].shape[0], top_k=config.num_experts_per_tok,
                      d_ff=ours["experts.w_down"].shape[1], activation="swiglu", bias=False,
                      normalize_topk=bool(normalize), shared_expert_d_ff=0 if shared is None else shared.shape[0],
@@ -255,9 +262,11 @@ def to_hetermoe(model: nn.Module, **options: Any) -> nn.Module:
     :class:`HFMoEBlock` holding the same weights, in place; returns ``model``.
 
     ``options`` are further :class:`MoEConfig` fields (``capacity_factor``,
-    ``expert_backend``, ``z_loss_coef``, ...). ``aux_loss_coef`` defaults to the model's
-    ``router_aux_loss_coef * top_k / layers``: Hugging Face pools every layer's tokens into
-    one loss that is ``top_k`` times ours for one layer, and we sum one loss per layer (see
+    ``expert_backend``, ``z_loss_coef``, ...); ``router_dtype`` defaults to the family's
+    own (``HF_ROUTER_DTYPE``: logits in the hidden dtype, fp32 for DeepSeek-V3).
+    ``aux_loss_coef`` defaults to the model's ``router_aux_loss_coef * top_k / layers``:
+    Hugging Face pools every layer's tokens into one loss that is ``top_k`` times ours for
+    one layer, and we sum one loss per layer (see
     :mod:`lightning_hetermoe.moe.balance`), so the two agree when the layers route alike.
     The torch RNG is left untouched.
     """

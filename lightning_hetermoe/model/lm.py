@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
+from typing import Any
 
 import lightning as L
 import torch
@@ -34,6 +36,20 @@ class MoELanguageModel(L.LightningModule):
         self.optim_cfg = from_cfg(OptimConfig, optim or {})
         self.save_hyperparameters({"model": asdict(self.model_cfg), "optim": asdict(self.optim_cfg)})
         self.model = MoETransformer(self.model_cfg)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                             strict: bool | None = None, **kwargs: Any) -> "MoELanguageModel":
+        """Lightning's ``load_from_checkpoint``, which also takes the sharded checkpoint
+        directory a large model saves (read by :func:`lightning_hetermoe.load_checkpoint`)."""
+        from ..ckpt import is_sharded_checkpoint, load_checkpoint
+
+        if hparams_file is None and isinstance(checkpoint_path, (str, os.PathLike)) \
+                and is_sharded_checkpoint(checkpoint_path):
+            kwargs.pop("weights_only", None)  # the directory's meta.pt holds the loop state: read whole
+            return load_checkpoint(checkpoint_path, cls, map_location=map_location, strict=strict, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
+                                            strict=strict, **kwargs)
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None) -> Tensor:
         return self.model(tokens, segments)[0]

@@ -1,4 +1,6 @@
-"""Routers: map tokens to experts. All routing math runs in fp32.
+"""Routers: map tokens to experts. All routing math runs in fp32; the gate's logits are
+computed in fp32 too unless ``moe.router_dtype=input`` asks for the hidden states' dtype
+(what Mixtral, Qwen-MoE and OLMoE do), and then only rounded there before fp32 takes over.
 
 Every router returns a :class:`RouterOutput`; the load-balancing loss and the router
 z-loss are part of it, never kept in module state or globals, so that callers (and the
@@ -41,6 +43,17 @@ def fp32_linear(x: Tensor, weight: Tensor) -> Tensor:
         return F.linear(x.float(), weight.float())
 
 
+def input_dtype_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` as a model's own linear computes it: in ``x``'s dtype (the weight cast
+    to it), autocast applying as to any linear; the result returned in fp32. A converted
+    Hugging Face Mixtral/Qwen/OLMoE routes by logits rounded this way, and top-k choices on
+    near ties follow the rounding, so matching their choices needs the same rounding."""
+    return F.linear(x, weight.to(x.dtype)).float()
+
+
+GATE_LINEAR = {"float32": fp32_linear, "input": input_dtype_linear}
+
+
 def load_balancing_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Tensor:
     """Switch/GShard auxiliary loss over these tokens: E * sum_e f_e * P_e (see ``balance.py``).
 
@@ -66,8 +79,12 @@ class Router(nn.Module):
     scores they *choose* by (:meth:`for_choice`), never to the combine weights; the
     strategy moves it once per optimizer step (:meth:`update_expert_bias`)."""
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None) -> None:
+    def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None,
+                 router_dtype: str = "float32") -> None:
         super().__init__()
+        if router_dtype not in GATE_LINEAR:
+            raise ValueError(f"router_dtype={router_dtype!r} is invalid: must be one of {tuple(GATE_LINEAR)}")
+        self.router_dtype = router_dtype
         self.init_seed = draw_seed()
         self.num_experts = num_experts
         self.top_k = top_k
@@ -96,8 +113,12 @@ class Router(nn.Module):
             self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=torch.float32)
         return out
 
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """A gate product in the precision ``router_dtype`` asks for; the result in fp32."""
+        return GATE_LINEAR[self.router_dtype](x, weight)
+
     def logits(self, x: Tensor) -> Tensor:
-        return fp32_linear(x, self.weight)
+        return self.linear(x, self.weight)
 
     def for_choice(self, scores: Tensor) -> Tensor:
         """The scores experts are chosen by: ``scores`` plus the balancing bias, if any."""
@@ -129,8 +150,8 @@ class TopKRouter(Router):
     (``normalize=False``: keep the softmax probabilities as they are)."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True,
-                 bias_update_rate: float | None = None) -> None:
-        super().__init__(d_model, num_experts, top_k, bias_update_rate)
+                 bias_update_rate: float | None = None, router_dtype: str = "float32") -> None:
+        super().__init__(d_model, num_experts, top_k, bias_update_rate, router_dtype)
         self.normalize = normalize
 
     def forward(self, x: Tensor) -> RouterOutput:
@@ -148,17 +169,18 @@ class SwitchRouter(Router):
     While training, the router input is multiplied by uniform noise in [1-eps, 1+eps].
     """
 
-    def __init__(self, d_model: int, num_experts: int, jitter_eps: float, bias_update_rate: float | None = None
-                 ) -> None:
-        super().__init__(d_model, num_experts, top_k=1, bias_update_rate=bias_update_rate)
+    def __init__(self, d_model: int, num_experts: int, jitter_eps: float, bias_update_rate: float | None = None,
+                 router_dtype: str = "float32") -> None:
+        super().__init__(d_model, num_experts, top_k=1, bias_update_rate=bias_update_rate,
+                         router_dtype=router_dtype)
         self.jitter_eps = jitter_eps
 
     def forward(self, x: Tensor) -> RouterOutput:
-        x = x.float()
+        dtype, x = x.dtype, x.float()
         if self.training and self.jitter_eps > 0:
             noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
             x = x * noise
-        logits = self.logits(x)
+        logits = self.logits(x if self.router_dtype == "float32" else x.to(dtype))
         probs = logits.softmax(-1)
         top_p, top_i = self._chosen(probs, 1)
         keep = torch.ones_like(top_i, dtype=torch.bool)
@@ -170,8 +192,9 @@ class GShardRouter(Router):
     expert is kept only with probability min(1, 2 * g2) (g2 its renormalised weight).
     Capacity limits are applied by the layer (see :mod:`.capacity`)."""
 
-    def __init__(self, d_model: int, num_experts: int, bias_update_rate: float | None = None) -> None:
-        super().__init__(d_model, num_experts, top_k=2, bias_update_rate=bias_update_rate)
+    def __init__(self, d_model: int, num_experts: int, bias_update_rate: float | None = None,
+                 router_dtype: str = "float32") -> None:
+        super().__init__(d_model, num_experts, top_k=2, bias_update_rate=bias_update_rate, router_dtype=router_dtype)
 
     def forward(self, x: Tensor) -> RouterOutput:
         logits = self.logits(x)
@@ -190,8 +213,9 @@ class NoisyTopKRouter(Router):
     """Shazeer et al. 2017: logits + N(0,1) * softplus(x W_noise) while training; softmax
     over the k largest noisy logits."""
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None) -> None:
-        super().__init__(d_model, num_experts, top_k, bias_update_rate)
+    def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None,
+                 router_dtype: str = "float32") -> None:
+        super().__init__(d_model, num_experts, top_k, bias_update_rate, router_dtype)
         self.noise_weight = nn.Parameter(torch.zeros(num_experts, d_model))
 
     def reset_parameters(self) -> None:
@@ -202,7 +226,7 @@ class NoisyTopKRouter(Router):
         clean = self.logits(x)
         logits = clean
         if self.training:
-            std = F.softplus(fp32_linear(x, self.noise_weight))
+            std = F.softplus(self.linear(x, self.noise_weight))
             logits = clean + torch.randn_like(clean) * std
         top_l, top_i = self._chosen(logits, self.top_k)
         weights = top_l.softmax(-1)
@@ -218,8 +242,9 @@ class SigmoidGroupRouter(Router):
     the scores normalised per token."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, n_group: int, topk_group: int,
-                 scaling: float, normalize: bool = True, bias_update_rate: float | None = None) -> None:
-        super().__init__(d_model, num_experts, top_k, bias_update_rate)
+                 scaling: float, normalize: bool = True, bias_update_rate: float | None = None,
+                 router_dtype: str = "float32") -> None:
+        super().__init__(d_model, num_experts, top_k, bias_update_rate, router_dtype)
         self.n_group, self.topk_group, self.scaling, self.normalize = n_group, topk_group, scaling, normalize
 
     def forward(self, x: Tensor) -> RouterOutput:
@@ -242,17 +267,16 @@ class SigmoidGroupRouter(Router):
 
 
 def build_router(cfg: MoEConfig, d_model: int) -> Router:
-    rate = cfg.bias_update_rate if cfg.expert_bias else None
+    common = dict(bias_update_rate=cfg.bias_update_rate if cfg.expert_bias else None, router_dtype=cfg.router_dtype)
     if cfg.router == "topk":
-        return TopKRouter(d_model, cfg.num_experts, cfg.top_k, normalize=cfg.normalize_topk, bias_update_rate=rate)
+        return TopKRouter(d_model, cfg.num_experts, cfg.top_k, normalize=cfg.normalize_topk, **common)
     if cfg.router == "switch":
-        return SwitchRouter(d_model, cfg.num_experts, cfg.jitter_eps, bias_update_rate=rate)
+        return SwitchRouter(d_model, cfg.num_experts, cfg.jitter_eps, **common)
     if cfg.router == "gshard":
-        return GShardRouter(d_model, cfg.num_experts, bias_update_rate=rate)
+        return GShardRouter(d_model, cfg.num_experts, **common)
     if cfg.router == "noisy_topk":
-        return NoisyTopKRouter(d_model, cfg.num_experts, cfg.top_k, bias_update_rate=rate)
+        return NoisyTopKRouter(d_model, cfg.num_experts, cfg.top_k, **common)
     if cfg.router == "sigmoid_group":
         return SigmoidGroupRouter(d_model, cfg.num_experts, cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                  scaling=cfg.routed_scaling_factor, normalize=cfg.normalize_topk,
-                                  bias_update_rate=rate)
+                                  scaling=cfg.routed_scaling_factor, normalize=cfg.normalize_topk, **common)
     raise ValueError(f"moe.router={cfg.router!r} is invalid: must be one of {ROUTERS}")

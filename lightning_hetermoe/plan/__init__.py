@@ -2,13 +2,14 @@
 
 from .asym_ea import AsymEAInput, AsymEAResult, assign_experts, forward_makespan, placement_from_counts
 from .plan import ROLES, Plan, ZPGroup
-from .planner import ClusterView, as_cluster, make_plan, predict
+from .planner import ClusterView, as_cluster, largest_batch, make_plan, predict
 
 __all__ = [
     "Plan",
     "ZPGroup",
     "ROLES",
     "make_plan",
+    "largest_batch",
     "predict",
     "as_cluster",
     "ClusterView",

@@ -16,7 +16,12 @@ Search, each candidate scored by the step simulator (zebra schedule):
 4. **Placement.** Experts per member and layer with Asym-EA (see ``asym_ea.py``).
 
 A cheap first pass (one R per role split) keeps the two best splits; the full G × R
-search runs on those. Everything is deterministic, so every rank computes the same plan.
+search runs on those. Where no split of the role order fits in memory, every layout the
+plan format can express is checked by the memory model alone (``fit.py``): the fastest of
+the feasible ones is planned, or the refusal names the binding constraint and the largest
+batch that plans. Memory prices the dense optimizer state sharded over the attention
+ranks where the strategy shards it. Everything is deterministic, so every rank computes
+the same plan.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.topology import Topology, cluster_topology
 from ..configs import ModelConfig, from_cfg
 from ..profile.cost_model import CostModel
-from ..profile.memory import MemoryModel
+from ..profile.memory import MemoryModel, format_bytes, small_training_state
 from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
 from ..simulate.bound import throughput_bound
 from ..simulate.predict import predict_step
 from ..simulate.schedules import SCHEDULES, ep_speed
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
+from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .plan import Plan, ZPGroup
 
 R_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -81,15 +87,25 @@ class _Search:
         asym: bool,
         max_microbatches: int,
         expert_load: list[list[float]] | None = None,
+        sharded: bool = False,
     ):
         self.view, self.model, self.S, self.total = view, model, seq_len, total_seqs
         self.timer, self.asym, self.max_R = timer, asym, max_microbatches
         self.expert_load = expert_load
         self.mem = MemoryModel(model)
         self.devs = view.devices
+        self.sharded = sharded
         self.profile: Profile | None = getattr(timer, "profile", None)
         self.last_error = ""
         self.errors: list[str] = []
+        self.layouts: LayoutSearch | None = None  # set by plan_for_batch: the search when memory binds
+
+    def holdable(self, r: int) -> bool:
+        """Rank ``r`` can hold the attention stack and one sequence, with the dense optimizer
+        state sharded over every rank where it is sharded at all (its smallest share)."""
+        dev = self.devs[r]
+        share = dev.memory_gb / sum(d.memory_gb for d in self.devs) if self.sharded and len(self.devs) > 1 else 1.0
+        return self.mem.attention_fits(dev, tokens_in_flight=self.S, mb_tokens=self.S, optimizer_share=share)
 
     # ---- building blocks -----------------------------------------------------------------
     def role_order(self) -> list[int]:
@@ -99,12 +115,13 @@ class _Search:
         def affinity(d: DeviceSpec) -> float:
             return (t.expert(d, 4096) / 4096) / (t.attention(d, S) / S)
 
-        holdable = [r for r, d in enumerate(self.devs) if self.mem.attention_fits(d, tokens_in_flight=S, mb_tokens=S)]
+        holdable = [r for r in range(len(self.devs)) if self.holdable(r)]
         if not holdable:
-            need = self.mem.attention_bytes(tokens_in_flight=S, mb_tokens=S) / 1e9
+            need = self.mem.attention_bytes(tokens_in_flight=S, mb_tokens=S)
             raise ValueError(
-                f"no rank can hold the attention stack: it needs {need:.1f} GB with one sequence of {S} tokens, "
-                f"the largest device has {max(d.usable_bytes for d in self.devs) / 1e9:.1f} GB usable"
+                f"no rank can hold the attention stack: it needs {format_bytes(need)} with one sequence of {S} "
+                f"tokens, the largest device has {format_bytes(max(d.usable_bytes for d in self.devs))} usable; "
+                f"not one sequence plans: add memory or shorten data.seq_len"
             )
         key = {r: (-affinity(self.devs[r]), -ep_speed(self.devs[r], t, self.model, S), r) for r in holdable}
         rest = [r for r in range(len(self.devs)) if r not in key]
@@ -163,20 +180,11 @@ class _Search:
                                f"gets {max(member_seqs)}, so strategy.num_microbatches must be <= {max(member_seqs)}")
             return None
         k, E, L = m.moe.top_k, m.moe.num_experts, m.n_layers
-        group_tokens = group_seqs * S
-        mb_group_tokens = group_tokens / R
-        per_expert_flight = group_tokens * k / E
-        per_expert_mb = math.ceil(group_seqs / R) * S * k / E
+        mb_group_tokens = group_seqs * S / R
+        shares = optimizer_shares(devs, attn, self.sharded)
         attn_cap, attn_t, attn_xt = [], [], []
         for r, s in zip(g0.attention_ranks, member_seqs):
-            cap = self.mem.expert_capacity(
-                devs[r],
-                tokens_in_flight_per_expert=per_expert_flight,
-                mb_tokens_per_expert=per_expert_mb,
-                attention_tokens_in_flight=s * S,
-                attention_mb_tokens=math.ceil(s / R) * S,
-                holds_attention=True,
-            )
+            cap = member_capacity(self.mem, devs[r], seq_len=S, group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
             if cap < 0:
                 self.last_error = (
                     f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations of "
@@ -188,15 +196,8 @@ class _Search:
             attn_xt.append(self.timer.expert(devs[r], mb_group_tokens * k / E))
         exp_cap = [
             self.profile_cap(
-                devs[r],
-                max(
-                    self.mem.expert_capacity(
-                        devs[r], tokens_in_flight_per_expert=per_expert_flight, mb_tokens_per_expert=per_expert_mb
-                    ),
-                    0,
-                ),
-                "expert",
-            )
+                devs[r], max(member_capacity(self.mem, devs[r], seq_len=S, group_seqs=group_seqs, R=R, seqs=None), 0),
+                "expert")
             for r in g0.expert_ranks
         ]
         exp_t = [self.timer.expert(devs[r], mb_group_tokens * k / E) for r in g0.expert_ranks]
@@ -326,9 +327,7 @@ class _Search:
             refine_splits(Ms, tried, split_time)
         first = sorted((t, M) for M, t in tried.items() if t is not None)
         if not first:
-            seen = list(dict.fromkeys(self.errors))[:3]
-            raise ValueError(f"no feasible plan for {self.model.name} on {self.view.name}: "
-                             + ("; ".join(seen) or "nothing fits"))
+            return self.when_memory_binds(order, Rs)
         best = None
         for _, M in first[:2]:
             got = self.best_for(order, M, self.group_counts(M, pinned), Rs)
@@ -337,6 +336,74 @@ class _Search:
         assert best is not None
         return best[1]
 
+    def when_memory_binds(self, order: list[int], Rs: list[int]) -> Plan:
+        """No split of the role order fits: every layout the plan format can express is
+        checked for memory alone (any ranks of each kind attending, every group count, the
+        most micro-batches allowed); the fastest of the feasible ones nearest to the role
+        order is planned, or the refusal names the binding constraint and the largest batch."""
+        layouts = self.layouts
+        if layouts is None:
+            seen = list(dict.fromkeys(self.errors))[:3]
+            raise ValueError(f"no feasible plan for {self.model.name} on {self.view.name}: "
+                             + ("; ".join(seen) or "nothing fits"))
+        verdicts = layouts.verdicts(self.total)
+        feasible = [v.layout for v in verdicts if v.fits]
+        if not feasible:
+            raise ValueError(self.refusal(layouts, verdicts))
+        position = {r: i for i, r in enumerate(order)}
+        by_vector: dict[tuple[int, ...], list] = {}
+        for lay in feasible:
+            by_vector.setdefault(lay.attention, []).append(lay)
+        best = None
+        for a, lays in sorted(by_vector.items(), key=lambda kv: self.mean_position(kv[0], position))[:FALLBACK_VECTORS]:
+            attn = self.attention_of(a, order)
+            held = set(attn)
+            rest = [r for r in order if r not in held]
+            R_max = max(lay.R for lay in lays)
+            R_list = sorted({R for R in Rs if R <= R_max} | {R_max}) if len(Rs) > 1 else Rs
+            got = self.best_for(attn + rest, len(attn), sorted({lay.G for lay in lays}), R_list)
+            if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
+                best = got
+        assert best is not None, "a layout the memory check passed did not plan"
+        return best[1]
+
+    def attention_of(self, a: tuple[int, ...], order: list[int]) -> list[int]:
+        """``a`` ranks of each kind (kinds sorted by name): each kind's first in role order."""
+        want = dict(zip(sorted({d.name for d in self.devs}), a, strict=True))
+        out = []
+        for r in order:
+            if want[self.devs[r].name] > 0:
+                out.append(r)
+                want[self.devs[r].name] -= 1
+        return out
+
+    def mean_position(self, a: tuple[int, ...], position: dict[int, int]) -> float:
+        attn = self.attention_of(a, list(position))
+        return sum(position[r] for r in attn) / len(attn)
+
+    def refusal(self, layouts: LayoutSearch, verdicts: list) -> str:
+        if not verdicts:
+            return (f"no layout of {self.model.name} on {self.view.name} meets the pinned choices "
+                    f"(num_attention_ranks, num_zp_groups, require_expert_ranks): pin fewer of them")
+        v = layouts.closest(verdicts)
+        n = layouts.largest()
+        S = self.S
+        if not n:
+            most = "not one sequence plans: add memory or shorten data.seq_len"
+        elif n < self.total:
+            most = (f"the largest batch that plans is {n} sequence(s) (global_batch_tokens={n * S:,}): ask for at "
+                    f"most that, or add memory")
+        else:  # pins leave gaps between the batches that plan
+            most = (f"the largest batch that plans is {n} sequence(s) (global_batch_tokens={n * S:,}), but the "
+                    f"pinned choices refuse this one: ask for that, or pin fewer choices")
+
+        proof = "no layout" if layouts.exhaustive else "no layout tried"
+        return (f"{proof} of {self.model.name} on {self.view.name} fits {self.total} sequences of {S} tokens; "
+                f"closest: {layouts.describe(v.layout)}, where {v.why}; {most}")
+
+
+# Feasible attention-count vectors planned (simulated) when memory binds, nearest the role order first.
+FALLBACK_VECTORS = 4
 
 # Role splits tried one by one up to this many; beyond, a grid through every boundary between
 # device kinds, then a local search around the best (the step time varies smoothly with the
@@ -420,6 +487,7 @@ def plan_for_batch(
     schedules: Sequence[str] = SCHEDULES,
     timer: Any = None,
     expert_load: list[list[float]] | None = None,
+    shard_optimizer_state: bool | None = None,
 ) -> Plan:
     """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``.
 
@@ -433,7 +501,13 @@ def plan_for_batch(
     ``schedules`` (``None`` plus an ``error`` where a baseline does not fit in memory).
     ``expert_load`` (per layer, each expert's share of the routing; e.g. what a freshly
     initialised router does on a warm-up batch) replaces even routing in the search and
-    the predictions.
+    the predictions. ``shard_optimizer_state`` prices the dense optimizer state sharded over
+    the attention ranks (ZeRO-1, the strategy's ``shard_optimizer_state``); ``None``: as the
+    strategy's defaults do, sharded unless the model's training state is small.
+
+    Where memory binds, every layout the plan format can express is checked (see
+    ``fit.py``): a batch that fits in one gets a plan, and a refusal names the binding
+    constraint and the largest batch that plans.
     """
     model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
     view = as_cluster(cluster)
@@ -445,14 +519,13 @@ def plan_for_batch(
     if total < 1:
         raise ValueError(f"global_batch_tokens={global_batch_tokens} is smaller than one sequence of {seq_len} tokens")
     timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
-    search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load)
+    search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
+                     sharded=_sharded(model, shard_optimizer_state))
     W = len(view.devices)
     mem = search.mem
     _check_total_memory(mem, model, view)
     order = search.role_order()
-    n_holdable = sum(
-        1 for r in order if mem.attention_fits(view.devices[r], tokens_in_flight=seq_len, mb_tokens=seq_len)
-    )
+    n_holdable = sum(1 for r in order if search.holdable(r))
     if num_attention_ranks is not None:
         if not 1 <= num_attention_ranks <= n_holdable:
             raise ValueError(f"num_attention_ranks={num_attention_ranks} must be in [1, {n_holdable}]")
@@ -463,6 +536,9 @@ def plan_for_batch(
             raise ValueError(f"require_expert_ranks needs at least 2 ranks with one able to attend, cluster has {W}")
         Ms = list(range(1, top + 1)) if W > 1 else [1]
     Rs = [num_microbatches] if num_microbatches else search.r_values()
+    search.layouts = _layout_search(search, num_microbatches=num_microbatches,
+                                    num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
+                                    require_expert_ranks=require_expert_ranks)
 
     plan = search.best(order, Ms, Rs, num_zp_groups)
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load)
@@ -471,6 +547,42 @@ def plan_for_batch(
     if cost is not None:
         plan.precision = cost.describe()
     return plan
+
+
+def _sharded(model: ModelConfig, shard_optimizer_state: bool | None) -> bool:
+    if shard_optimizer_state is not None:
+        return bool(shard_optimizer_state)
+    mem = MemoryModel(model)
+    params = mem.attention_stack_params() + model.n_layers * model.moe.num_experts * mem.expert_params()
+    return not small_training_state(params)
+
+
+def _layout_search(search: _Search, **pins: Any) -> LayoutSearch:
+    return LayoutSearch(search.mem, search.devs, lambda d: ep_speed(d, search.timer, search.model, search.S), search.S,
+                        max_microbatches=search.max_R, sharded=search.sharded, cap=search.profile_cap, **pins)
+
+
+def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, profile: Profile | None = None,
+                  cost_model: CostModel | None = None, max_microbatches: int = 16,
+                  num_microbatches: int | None = None, num_attention_ranks: int | None = None,
+                  num_zp_groups: int | None = None, require_expert_ranks: bool = False, timer: Any = None,
+                  shard_optimizer_state: bool | None = None) -> int:
+    """The most sequences of ``seq_len`` tokens per step that :func:`plan_for_batch` plans on
+    ``cluster`` (0: not one), by the memory model alone: doubling, then bisection over the
+    batch, each batch checked over every layout (see ``fit.py``)."""
+    model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
+    view = as_cluster(cluster)
+    if not view.devices:
+        raise ValueError("empty cluster: name at least one device")
+    timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
+    search = _Search(view, model, seq_len, 1, timer, True, max_microbatches,
+                     sharded=_sharded(model, shard_optimizer_state))
+    try:
+        _check_total_memory(search.mem, model, view)
+    except ValueError:
+        return 0
+    return _layout_search(search, num_microbatches=num_microbatches, num_attention_ranks=num_attention_ranks,
+                          num_zp_groups=num_zp_groups, require_expert_ranks=require_expert_ranks).largest()
 
 
 def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView) -> None:

@@ -23,6 +23,19 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 # The dense gradients are fp32 (the weights' own width) whatever the autocast dtype.
 GRAD_SYNC_ELEMENT_BYTES = 4
 
+# A model is "small" while its whole training state (fp32 weights, gradients and AdamW's two
+# moments: 16 bytes per parameter) stays within SMALL_STATE_BYTES. A small model is built
+# whole by the recipe (init_on_meta: auto) and saved as Lightning's single checkpoint file by
+# the strategy (checkpoint_format: auto); a larger one is built on the meta device and saved
+# sharded, every rank its part.
+SMALL_STATE_BYTES = 2e9
+TRAINING_BYTES_PER_PARAM = 16
+
+
+def small_training_state(params: float) -> bool:
+    """The training state of a model of ``params`` parameters is small (see ``SMALL_STATE_BYTES``)."""
+    return params * TRAINING_BYTES_PER_PARAM <= SMALL_STATE_BYTES
+
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -34,6 +47,9 @@ class MemoryModel:
     # The loss is computed over chunks of this many tokens (fp16 logits + fp32 softmax and
     # its gradient: 6 bytes per vocabulary entry), so long micro-batches still fit.
     loss_chunk_tokens: int = 4096
+    # Of ``bytes_per_param``, AdamW's two fp32 moments: the part ZeRO-1 shards over the ranks
+    # that hold the dense weights alike (strategy/zero.py).
+    optimizer_bytes_per_param: float = 8.0
 
     # ---- parameter counts ----------------------------------------------------------------
     def attention_stack_params(self) -> float:
@@ -59,11 +75,13 @@ class MemoryModel:
         whole dense part where that is smaller."""
         return min(GRAD_BUCKET_BYTES, self.attention_stack_params() * GRAD_SYNC_ELEMENT_BYTES)
 
-    def attention_bytes(self, *, tokens_in_flight: float, mb_tokens: float) -> float:
+    def attention_bytes(self, *, tokens_in_flight: float, mb_tokens: float, optimizer_share: float = 1.0) -> float:
         """Attention stack state + checkpoints of ``tokens_in_flight`` + one task's working set
-        + the gradient sync's bucket."""
+        + the gradient sync's bucket. ``optimizer_share``: the part of the dense optimizer
+        state this rank keeps (1: all of it; sharded over replicas: its range's share)."""
         m = self.model
-        state = self.attention_stack_params() * self.bytes_per_param + self.grad_sync_bytes()
+        per_param = self.bytes_per_param - self.optimizer_bytes_per_param * (1.0 - optimizer_share)
+        state = self.attention_stack_params() * per_param + self.grad_sync_bytes()
         ckpt = tokens_in_flight * m.n_layers * m.d_model * self.act_bytes * 2
         work = mb_tokens * self.attention_working_tensors * m.d_model * self.act_bytes
         work += min(mb_tokens, self.loss_chunk_tokens) * m.vocab_size * 6
@@ -80,8 +98,10 @@ class MemoryModel:
         return mb_tokens_per_expert * self.model.moe.d_ff * self.act_bytes * 3
 
     # ---- capacities ----------------------------------------------------------------------
-    def attention_fits(self, dev: DeviceSpec, *, tokens_in_flight: float, mb_tokens: float) -> bool:
-        return self.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens) <= dev.usable_bytes
+    def attention_fits(self, dev: DeviceSpec, *, tokens_in_flight: float, mb_tokens: float,
+                       optimizer_share: float = 1.0) -> bool:
+        return self.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens,
+                                    optimizer_share=optimizer_share) <= dev.usable_bytes
 
     def expert_capacity(
         self,
@@ -92,11 +112,13 @@ class MemoryModel:
         attention_tokens_in_flight: float = 0.0,
         attention_mb_tokens: float = 0.0,
         holds_attention: bool = False,
+        optimizer_share: float = 1.0,
     ) -> int:
         """Whole experts that fit on ``dev`` (n_max on attention ranks); -1 if even the rest does not fit."""
         free = dev.usable_bytes - self.expert_working_bytes(mb_tokens_per_expert)
         if holds_attention:
-            free -= self.attention_bytes(tokens_in_flight=attention_tokens_in_flight, mb_tokens=attention_mb_tokens)
+            free -= self.attention_bytes(tokens_in_flight=attention_tokens_in_flight, mb_tokens=attention_mb_tokens,
+                                         optimizer_share=optimizer_share)
         if free < 0:
             return -1
         return int(free // self.expert_bytes(tokens_in_flight_per_expert=tokens_in_flight_per_expert))

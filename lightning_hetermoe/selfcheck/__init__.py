@@ -3,8 +3,8 @@
     python -m lightning_hetermoe.selfcheck               # on the GPU (auto: cuda if available)
     python -m lightning_hetermoe.selfcheck --device cpu --quick --json out.json   # CI
 
-Prints one row per check (``ok``, ``FAIL`` or ``skipped``, and what was seen), one summary
-line, and exits 1 if anything failed. The checks:
+Prints one row per check (``ok``, ``FAIL`` or ``skipped``, its seconds, and what was seen),
+one summary line, and exits 1 if anything failed. The checks:
 
 * ``environment``: versions, the device and its compute capability, NCCL, bf16.
 * ``kernels <dtype>``: the Triton expert MLP against the pure-torch path, output and every
@@ -29,8 +29,12 @@ line, and exits 1 if anything failed. The checks:
   gradients (CUDA's allocator peak; on CPU the sync runs, its sums are checked, the row skips).
 * ``autotuning`` (CUDA): no Triton autotuning inside a training step (all of it at set-up).
 
-Everything runs in this one process, one check after the other; a check that raises
-becomes a FAIL row and the others still run.
+Each check runs in a fresh child process (:mod:`.child`), one after the other, with a
+deadline (``Check.timeout_s``: 120 s, 180 s for the kernels; ``--timeout`` sets every
+one); its row prints as soon as it ends, with its seconds. A check that raises becomes a
+FAIL row; one past its deadline is killed (its Python stacks go to stderr) and its row
+says "timed out after N s"; one whose process dies is a FAIL row with its exit code and
+the tail of its stderr. In every case the others still run.
 """
 
 from .command import CHECKS, main, parse_args, run

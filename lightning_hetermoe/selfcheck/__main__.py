@@ -1,7 +1,7 @@
 """``python -m lightning_hetermoe.selfcheck``."""
 
-import sys
-
+from ..strategy.launchers import exit_now
 from .command import main
 
-sys.exit(main())
+# the table and the JSON are out: end without the interpreter's finalization (seconds)
+exit_now(main())

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
-import os
 import sys
 import tempfile
 from dataclasses import asdict
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from .autotuning import check_autotuning
+from .child import run_in_child, start_server
 from .clocks import check_clocks
 from .collectives import check_collectives
 from .environment import check_environment
@@ -24,15 +22,19 @@ from .kernel_numerics import DTYPE_NAMES, check_kernels, check_large_gemm
 from .memory import check_memory
 from .memory_in_r import check_memory_in_r
 from .receive_order import check_receive_order
-from .report import Check, Context, exit_code, render, run_checks, summary
+from .report import DEFAULT_TIMEOUT_S, SKIPPED, Check, Row, exit_code, header, line, summary, width_for
 from .streams import check_streams
 from .wire_dtype import check_wire_dtype
 
 
+# Triton compiles (and on CUDA autotunes) every kernel from an empty cache on a first run
+KERNEL_TIMEOUT_S = 180.0
+
 CHECKS: list[Check] = [
     Check("environment", check_environment),
-    *(Check(f"kernels {name}", check_kernels(dtype)) for dtype, name in DTYPE_NAMES.items()),
-    Check("kernels 4.5M rows", check_large_gemm, cuda_only=True),
+    *(Check(f"kernels {name}", check_kernels(dtype), timeout_s=KERNEL_TIMEOUT_S)
+      for dtype, name in DTYPE_NAMES.items()),
+    Check("kernels 4.5M rows", check_large_gemm, cuda_only=True, timeout_s=KERNEL_TIMEOUT_S),
     Check("receive order", check_receive_order, cuda_only=True),
     Check("host syncs", check_host_syncs, cuda_only=True),
     Check("collectives ep", check_collectives("ep")),
@@ -59,51 +61,56 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smaller shapes (CI)")
     p.add_argument("--only", metavar="NAME", help="run only the checks whose name starts with NAME")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--timeout", metavar="SECONDS", type=float,
+                   help="every check's deadline (default: each check's own, "
+                        f"{DEFAULT_TIMEOUT_S:g} s or {KERNEL_TIMEOUT_S:g} s for the kernels)")
     return p.parse_args(argv)
 
 
 def resolve_device(choice: str) -> torch.device:
+    """The device a check runs on (in its child process: this initialises CUDA)."""
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device("cuda", torch.cuda.current_device()) if choice == "cuda" and torch.cuda.is_available() \
         else torch.device(choice)
 
 
-@contextlib.contextmanager
-def _environment(device: torch.device) -> Iterator[None]:
-    """For the checks' duration: Triton's interpreter on CPU (the kernels read the variable
-    per launch, so a scoped setting is enough), and Lightning's banners muted."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    if device.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    loggers = [logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+def _device_kind(choice: str) -> str:
+    """What the parent needs to know of the device, without initialising CUDA in it."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def _run_one(check: Check, args: argparse.Namespace, kind: str, workdir: str) -> Row:
+    if check.cuda_only and kind != "cuda":
+        return Row(check.name, SKIPPED, "no CUDA")
+    print(f"[selfcheck] {check.name} ...", file=sys.stderr, flush=True)
+    timeout_s = args.timeout if args.timeout is not None else check.timeout_s
+    return run_in_child(check, CHECKS, kind, args.quick, workdir, timeout_s)
 
 
 def run(args: argparse.Namespace, checks: Sequence[Check] = CHECKS) -> int:
-    """Run ``checks`` as the command line says, print the table, return the exit code."""
-    device = resolve_device(args.device)
+    """Run ``checks`` as the command line says, each in its own child process with a
+    deadline; print each row as it finishes, then the verdict; return the exit code."""
+    kind = _device_kind(args.device)
     chosen = select(checks, args.only)
     if not chosen:
         print(f"selfcheck: no check's name starts with {args.only!r}; checks: "
               f"{', '.join(c.name for c in checks)}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="hetermoe-selfcheck-") as workdir, _environment(device):
-        rows = run_checks(chosen, Context(device=device, quick=args.quick, workdir=workdir))
-    print(render(rows))
-    print(summary(rows))
+    width = width_for([c.name for c in chosen])
+    if any(kind == "cuda" or not c.cuda_only for c in chosen):
+        start_server()
+    print(header(width), flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hetermoe-selfcheck-") as workdir:
+        for check in chosen:
+            rows.append(_run_one(check, args, kind, workdir))
+            print(line(rows[-1], width), flush=True)
+    print(summary(rows), flush=True)
     if args.json:
+        device = torch.device("cuda", 0) if kind == "cuda" and torch.cuda.is_available() else torch.device(kind)
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "quick": args.quick, "rows": [asdict(r) for r in rows]}, f, indent=2)
     return exit_code(rows)

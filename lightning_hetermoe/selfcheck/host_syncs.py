@@ -10,6 +10,15 @@ import torch
 from .report import Context, Failed
 from .runs import data, loopback_plan, one_run, tiny_model
 
+# what c10's warn_or_error_on_sync() warns (TORCH_WARN) in sync debug mode "warn", at every
+# synchronizing CUDA operation; matching it exactly counts no other warning that mentions
+# synchronising (torch's own notices, a library's deprecation)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def is_sync_warning(message: Any) -> bool:
+    return SYNC_WARNING in str(message)
+
 
 def _sync_debug_callback(step: int = 1) -> Any:
     """A Lightning callback that turns CUDA's sync debug mode on for one training step (the
@@ -39,7 +48,7 @@ def check_host_syncs(ctx: Context) -> str:
         warnings.simplefilter("always")
         with one_run(ctx, "syncs", "zebra", plan, max_steps=2, callbacks=[_sync_debug_callback()]) as (_, trainer):
             trainer.fit(tiny_model(n_layers), datamodule=data())
-    syncs = [w for w in seen if "synchroniz" in str(w.message).lower()]
+    syncs = [w for w in seen if is_sync_warning(w.message)]
     per = len(syncs) / (n_layers * plan.num_microbatches)
     where = sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in syncs})
     detail = (f"{len(syncs)} host syncs in a step of {n_layers} layers x {plan.num_microbatches} micro-batches: "

@@ -20,6 +20,7 @@ class Row:
     check: str
     result: str  # ok, FAIL or skipped
     detail: str
+    seconds: float = 0.0  # the check's wall time, its child process's start to its row
 
 
 class Skip(Exception):
@@ -41,17 +42,20 @@ class Context:
         return self.device.type == "cuda"
 
 
+DEFAULT_TIMEOUT_S = 120.0  # a check's deadline unless it names its own (or --timeout overrides)
+
+
 @dataclass
 class Check:
     name: str
     fn: Callable[[Context], str]  # returns the detail of a passing check
     cuda_only: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S  # its child process is killed past this
 
 
 def run_check(check: Check, ctx: Context) -> Row:
     if check.cuda_only and not ctx.cuda:
         return Row(check.name, SKIPPED, "no CUDA")
-    print(f"[selfcheck] {check.name} ...", file=sys.stderr, flush=True)
     try:
         # What Lightning and the strategy print (banners, the plan table) would bury the
         # table; stderr (warnings, tracebacks) stays visible.
@@ -67,15 +71,22 @@ def run_check(check: Check, ctx: Context) -> Row:
     return Row(check.name, OK, detail)
 
 
-def run_checks(checks: Sequence[Check], ctx: Context) -> list[Row]:
-    return [run_check(c, ctx) for c in checks]
+def width_for(names: Sequence[str]) -> int:
+    return max([len("check")] + [len(n) for n in names])
+
+
+def header(width: int) -> str:
+    return (f"{'check':<{width}}  {'result':<7}  {'seconds':>7}  detail\n"
+            f"{'-' * width}  {'-' * 7}  {'-' * 7}  {'-' * 6}")
+
+
+def line(row: Row, width: int) -> str:
+    return f"{row.check:<{width}}  {row.result:<7}  {row.seconds:>7.1f}  {row.detail}"
 
 
 def render(rows: Sequence[Row]) -> str:
-    width = max([len("check")] + [len(r.check) for r in rows])
-    lines = [f"{'check':<{width}}  {'result':<7}  detail", f"{'-' * width}  {'-' * 7}  {'-' * 6}"]
-    lines += [f"{r.check:<{width}}  {r.result:<7}  {r.detail}" for r in rows]
-    return "\n".join(lines)
+    width = width_for([r.check for r in rows])
+    return "\n".join([header(width)] + [line(r, width) for r in rows])
 
 
 def summary(rows: Sequence[Row]) -> str:

@@ -4,24 +4,26 @@ known (before any process starts): every error names the field and what would be
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..cluster import ClusterConfig
 from ..configs import ConfigError, from_cfg
 from ..model_contract import ModelContractError, describe_model, moe_layers
+from ..profile import memory
 from .precision import check_bf16
 
 MODES = ("auto", "ep", "zebra", "distep", "datacentric")
 DISAGGREGATED = ("zebra", "distep")
+# the modes that train a model without MoE layers, as plain DDP (check_dense)
+DENSE_MODES = ("auto", "ep", "datacentric")
 BATCH_SPLITS = ("equal", "speed")
 REPLICA_DISPATCH = ("local_first", "even")  # lightning_hetermoe.copy_routing.RULES
-CHECKPOINT_FORMATS = ("sharded", "full")
+CHECKPOINT_FORMATS = ("auto", "sharded", "full")
 
 
 def load_plan(plan: Any):
@@ -31,7 +33,10 @@ def load_plan(plan: Any):
     if plan is None or isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
-        return Plan.from_dict(plan)
+        try:
+            return Plan.from_dict(plan)
+        except (ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"strategy plan is not a valid plan dict (Plan.to_dict()'s form): {err}") from None
     if isinstance(plan, (str, Path)):
         path = Path(plan)
         if not path.is_file():
@@ -56,6 +61,20 @@ def load_profile(profile: Any):
     return Profile.from_json(str(path))
 
 
+def _cluster_mapping(cluster: Any) -> Any:
+    """A cluster config is a ClusterConfig or a mapping of its fields; anything else (a
+    config group's name, a list of devices) is named here, not by the dataclass builder."""
+    from collections.abc import Mapping
+
+    from omegaconf import DictConfig
+
+    if isinstance(cluster, (ClusterConfig, Mapping, DictConfig)):
+        return cluster
+    raise ConfigError(f"strategy cluster={cluster!r} is invalid: expected a ClusterConfig or its dict, e.g. "
+                      f"{{'name': 'mix', 'devices': ['a40', 'v100']}} (the recipe's cluster=<name> loads "
+                      f"conf/cluster/<name>.yaml into one)")
+
+
 def _positive_int(name: str, value: Any, hint: str = "") -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(f"strategy {name}={value!r} is invalid: must be an integer >= 1{hint}")
@@ -78,7 +97,7 @@ class StrategyArguments:
     heartbeat_timeout_s: float | None = 30.0
     progress_timeout_s: float | None = 300.0
     allow_emulated_bf16: bool = False
-    checkpoint_format: str = "sharded"
+    checkpoint_format: str = "auto"
     shard_optimizer_state: bool = True
 
     def __post_init__(self) -> None:
@@ -86,7 +105,8 @@ class StrategyArguments:
             raise ConfigError(f"strategy mode={self.mode!r} is invalid: must be one of {MODES}")
         self.plan = load_plan(self.plan)
         self.profile = load_profile(self.profile)
-        self.cluster = None if self.cluster is None else from_cfg(ClusterConfig, self.cluster, "cluster")
+        self.cluster = None if self.cluster is None else from_cfg(ClusterConfig, _cluster_mapping(self.cluster),
+                                                                  "cluster")
         if self.plan is not None and self.mode == "ep":
             raise ConfigError("strategy plan is used by mode='zebra', 'distep' and 'auto'; mode='ep' places experts "
                               "evenly and takes no plan")
@@ -115,7 +135,8 @@ class StrategyArguments:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ConfigError(f"strategy checkpoint_format={self.checkpoint_format!r} is invalid: must be one of "
                               f"{CHECKPOINT_FORMATS} ('sharded': a directory every rank writes its part of; 'full': "
-                              f"one file with every tensor gathered into the first rank, for small models)")
+                              f"one file with every tensor gathered into the first rank, for small models; 'auto': "
+                              f"'full' up to {memory.SMALL_STATE_BYTES / 1e9:g} GB of training state, 'sharded' above)")
         t = self.heartbeat_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ConfigError(f"strategy heartbeat_timeout_s={t!r} is invalid: must be a number of seconds > 0 (or "
@@ -186,7 +207,7 @@ class StrategyArguments:
                                                                   else "; Lightning runs as many processes on every "
                                                                        "node, so give every node as many devices"))
 
-    def check_model(self, model: Any, device: torch.device) -> None:
+    def check_model(self, model: Any, device: torch.device, world_size: int = 1) -> None:
         """Everything about the model that can be checked before processes start."""
         if getattr(model, "_compiler_ctx", None):  # Lightning's mark on a module it took from torch.compile
             raise ConfigError(
@@ -200,13 +221,15 @@ class StrategyArguments:
             if not layers and _builds_in_configure_model(model):
                 return  # its layers come at set-up, on the meta device
             if not layers:
-                if self.mode in DISAGGREGATED:
-                    describe_model(model)  # raises the contract's sentence
-                rank_zero_warn(f"HeterMoEStrategy found no lightning_hetermoe.MoELayer in {type(model).__name__}: "
-                               f"it trains as plain DDP. The strategy places and routes the experts of MoELayer "
-                               f"modules (each the direct child of a decoder block).")
+                self.check_dense(type(model).__name__)  # set-up says it trains as DDP
                 return
-            if self.emulated or self.batch_split == "speed" or self.mode in DISAGGREGATED:
+            if self.mode in DISAGGREGATED and not getattr(model, "automatic_optimization", True):
+                raise ConfigError(f"strategy mode={self.mode!r} runs each micro-batch's backward itself and "
+                                  f"{type(model).__name__} sets automatic_optimization=False: use mode='ep' (or "
+                                  f"'auto'), or automatic optimization")
+            # what plans or times the run reads the model's shape (auto plans over several ranks)
+            if self.emulated or self.batch_split == "speed" or self.mode in DISAGGREGATED or (
+                    self.mode == "auto" and world_size > 1):
                 describe_model(model)
         except ModelContractError as err:
             raise ConfigError(str(err)) from None
@@ -217,6 +240,32 @@ class StrategyArguments:
             if problem:
                 raise ConfigError(f"{problem} (layer {name})")
 
+
+    def saves_sharded(self, params: int) -> bool:
+        """Checkpoints of a model of ``params`` parameters are sharded directories:
+        ``checkpoint_format`` says so, or ``auto`` finds the training state not small
+        (:func:`~lightning_hetermoe.profile.memory.small_training_state`: the line
+        ``init_on_meta: auto`` draws). Optimizer state is sharded over replicas only then."""
+        if self.checkpoint_format == "auto":
+            return not memory.small_training_state(params)
+        return self.checkpoint_format == "sharded"
+
+    def check_dense(self, name: str) -> None:
+        """A model without MoE layers (``name``: its class) trains as plain DDP in the modes
+        that can run it (:data:`DENSE_MODES`); the rest is refused in one sentence."""
+        what = f"{name} holds no lightning_hetermoe.MoELayer"
+        if self.mode in DISAGGREGATED:
+            raise ConfigError(f"strategy mode={self.mode!r} splits each step at the MoE layers' experts and {what}: "
+                              f"mode='auto', 'ep' or 'datacentric' trains it as plain DDP")
+        if self.plan is not None:
+            raise ConfigError(f"strategy plan places experts and {what}: drop the plan (mode='auto' trains it as "
+                              f"plain DDP)")
+        if self.emulated:
+            raise ConfigError(f"strategy cluster emulate=true times the MoE layers' step and {what}: set the "
+                              f"cluster's emulate=false (or no cluster) to train it as plain DDP")
+        if self.batch_split == "speed":
+            raise ConfigError(f"strategy batch_split='speed' weighs devices by the MoE layers' cost and {what}: set "
+                              f"batch_split='equal' to train it as plain DDP")
 
     def check_memory(self, model: Any, world_size: int) -> None:
         """``ep`` and ``datacentric`` on a cluster config: a rank that cannot hold its share
@@ -231,7 +280,9 @@ class StrategyArguments:
         from ..profile.memory import format_bytes, spread_memory
 
         devices = self.cluster.specs()
-        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=self.shard_optimizer_state)
+        sharded = self.saves_sharded(sum(p.numel() for p in model.parameters()))
+        zero = self.shard_optimizer_state and sharded  # ZeRO-1 runs with sharded checkpoints only
+        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=zero)
                 for m in ("ep", "datacentric")}
         mine = need[self.mode]
         over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
@@ -249,8 +300,35 @@ class StrategyArguments:
             f"{format_bytes(m.working)} of transients before any activation. What would fit: "
             + (f"mode={other!r}; " if fits_other else "")
             + ("shard_optimizer_state=true; " if not self.shard_optimizer_state else "")
+            + ("checkpoint_format='sharded' (optimizer state sharded over replicas needs it); " if not sharded else "")
             + f"mode='zebra' or 'auto' (the planner places experts by memory); at least {more} such devices; "
               f"a smaller model")
+
+
+def check_passed_on(kwargs: dict[str, Any]) -> None:
+    """HeterMoEStrategy passes keyword arguments it does not name on to Lightning's
+    DDPStrategy and from there to DistributedDataParallel, which would reject a typo only
+    once every process has started: one that neither takes is named here, with the closest
+    valid name."""
+    import difflib
+    import inspect
+
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    def named(fn: Any) -> list[str]:
+        return [n for n, p in inspect.signature(fn).parameters.items()
+                if n not in ("self", "module") and p.kind is not p.VAR_KEYWORD]
+
+    passed_on = named(DDPStrategy.__init__) + named(DistributedDataParallel.__init__)
+    for key in kwargs:
+        if key not in passed_on:
+            own = [f.name for f in fields(StrategyArguments)]
+            close = difflib.get_close_matches(key, own + passed_on, n=1)
+            raise ConfigError(f"HeterMoEStrategy got an unknown argument {key}={kwargs[key]!r}"
+                              + (f" (did you mean {close[0]}?)" if close else "")
+                              + f": it takes {own} and passes DDPStrategy's and DistributedDataParallel's arguments "
+                                f"on")
 
 
 def _builds_in_configure_model(model: Any) -> bool:

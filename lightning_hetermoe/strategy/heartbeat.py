@@ -16,11 +16,20 @@ never lets the thread run, is silent). A rank alive but stuck inside a step is t
 progress watchdog's (:mod:`.progress`): its state travels beside the beat, and a step far
 longer than any before ends the job the same way, naming the rank. A rank that finished
 marks itself done first, so a job whose ranks end at different times is not mistaken for
-a failure.
+a failure; a rank that sees the store's host finish and the store then go quiet ends its
+watch quietly.
+
+The thread is stopped *and joined* before the process group goes and before the interpreter
+exits (:func:`stop`, which the strategy's ``shutdown`` calls and an ``atexit`` hook calls
+for scripts that never do). Left running, CPython's finalization ends a daemon thread that
+wakes inside a store call with ``pthread_exit``; its forced unwind through the C++ frame of
+the call (a noexcept destructor releasing the GIL) calls ``std::terminate``: "terminate
+called without an active exception", SIGABRT, about one exit in sixty.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -36,6 +45,7 @@ from .progress import Seen, StepProgress, stuck_report
 
 SILENT_PEER_EXIT = 75  # a rank that ends the job because a peer went silent exits with this code
 _DONE = -1
+JOIN_S = 2.0  # how long stop() waits for the thread to leave a store call in flight
 
 
 class Heartbeat:
@@ -61,30 +71,58 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def done(self) -> None:
-        """This rank finished: stop watching, and say so (peers stop expecting beats)."""
+    def done(self, join_s: float = JOIN_S, finished: bool = True) -> None:
+        """Stop watching and wait (at most ``join_s``) for the thread to end, so that no store
+        call is in flight when the process group or the interpreter goes. ``finished``: this
+        rank finished its job and says so (peers stop expecting beats); a rank that failed
+        does not, so that peers blocked on it see it fall silent."""
         self._stop.set()
+        if finished:
+            try:
+                self._store.set(self._key(self.rank), str(_DONE))
+            except Exception:
+                pass  # the store's host already left: nobody is watching any more
+        self.join(join_s)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end; True when it has (or never started)."""
+        thread = self._thread
+        if thread.ident is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        return not thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def peers_done(self) -> bool:
+        """Every other rank has marked itself done (or the store no longer answers)."""
+        others = [self._key(r) for r in range(self.world_size) if r != self.rank]
         try:
-            self._store.set(self._key(self.rank), str(_DONE))
+            if not self._store.check(others):
+                return False  # a peer never started beating (a get would wait for it)
+            return all(int(v) == _DONE for v in self._store.multi_get(others))
         except Exception:
-            pass  # the store's host already left: nobody is watching any more
+            return True
 
     def _run(self) -> None:
         beats = 0
         last: dict[int, tuple[int, float]] = {}
         others = [r for r in range(self.world_size) if r != self.rank]
         keys = [self._key(r) for r in others]
+        host_done = False  # rank 0 (the store's host under Lightning's launcher) said it finished
         while not self._stop.wait(self.period_s):
             beats += 1
             try:
                 self._store.set(self._key(self.rank), str(beats))
                 seen = [int(v) for v in self._store.multi_get(keys)]
             except Exception:
-                if self._stop.is_set():
-                    return
+                if self._stop.is_set() or host_done:
+                    return  # the job is ending: its host finished and took the store with it
                 self._report(0, f"the job's store (hosted by rank 0) did not answer for {self.timeout_s:.0f} s")
                 return
             now = time.monotonic()
+            host_done = host_done or (self.rank != 0 and seen[0] == _DONE)
             for r, count in zip(others, seen):
                 if count == _DONE:
                     continue
@@ -131,7 +169,9 @@ class Heartbeat:
         except Exception:
             who = "?"
         setting = (f"heartbeat_timeout_s={self.timeout_s:g}" if kind == "silent" else
-                   f"progress_timeout_s={self.progress.floor_s:g}, or {self.progress.factor:g}x the slowest step")
+                   f"progress_timeout_s={self.progress.floor_s:g} until {self.progress.warmup_steps} steps are "
+                   f"measured, then {self.progress.factor:g}x their median, at least "
+                   f"{self.progress.measured_floor_s:g} s")
         sys.stderr.write(f"[hetermoe] rank {rank} ({who}) is {kind}: {why}\n({setting}); rank {self.rank} ends "
                          f"the job\n")
         sys.stderr.flush()
@@ -155,6 +195,7 @@ def _exit_job() -> None:
 
 
 _current: Heartbeat | None = None
+_at_exit_registered = False
 
 
 def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callable[[int], str],
@@ -170,14 +211,62 @@ def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callab
         return None  # no store to beat into (a process group made some other way)
     if _current is None or (_current.host, _current.port) != (host, int(port)):
         stop()
+        _register_at_exit()
         _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port), on_silent).start()
     _current.progress = progress
     return _current
 
 
-def stop() -> None:
-    """This rank is done with its job."""
+def stop(join_s: float = JOIN_S, finished: bool = True) -> None:
+    """This rank is done with its job: the thread is stopped and joined (at most ``join_s``);
+    ``finished=False``: it failed, and does not tell its peers it finished."""
     global _current
-    if _current is not None:
-        _current.done()
-        _current = None
+    current, _current = _current, None
+    if current is not None:
+        current.done(join_s, finished)
+
+
+def running() -> bool:
+    """A heartbeat thread of this process is alive."""
+    return _current is not None and _current.running
+
+
+HOST_WAIT_S = 5.0  # how long the store's host waits at exit for its peers to say they finished
+
+
+def leave(failed: bool = False) -> None:
+    """The process ends: stop and join the thread. A rank that finished says so, and rank 0
+    (the store's host under Lightning's launcher) first waits, at most ``HOST_WAIT_S``, for
+    its peers to say so too, so that no peer's beat finds the store gone and calls it silent."""
+    current = _current
+    if current is None:
+        return
+    if current.rank == 0 and not failed:
+        deadline = time.monotonic() + HOST_WAIT_S
+        while time.monotonic() < deadline and not current.peers_done():
+            time.sleep(0.05)
+    stop(finished=not failed)
+
+
+def _register_at_exit() -> None:
+    """A script that never calls the strategy's ``shutdown`` still stops and joins the thread:
+    atexit hooks run before finalization ends daemon threads."""
+    global _at_exit_registered
+    if not _at_exit_registered:
+        _at_exit_registered = True
+        atexit.register(lambda: leave(failed=exiting_on_error()))
+
+
+_failed = {"seen": False}
+
+
+def mark_failed() -> None:
+    """A run of this process failed (the strategy's ``on_exception``): at exit it does not
+    tell its peers it finished, nor wait for them."""
+    _failed["seen"] = True
+
+
+def exiting_on_error() -> bool:
+    """At exit: a run failed, or the interpreter is ending on an uncaught exception (it sets
+    ``sys.last_value`` when it prints one; ``SystemExit`` and ``os._exit`` do not)."""
+    return _failed["seen"] or getattr(sys, "last_value", None) is not None

@@ -32,7 +32,9 @@ from typing_extensions import override
 import lightning_hetermoe.comm as comm
 from ..cluster import ClusterConfig
 from ..configs import ConfigError
-from ..ckpt import is_sharded_checkpoint
+from ..ckpt import CheckpointFormatError, is_sharded_checkpoint
+from ..ckpt.consolidate import read_meta
+from ..ckpt.loading import check_same_model
 from ..ckpt import save as save_pieces
 from ..model_contract import describe_model, moe_layers
 from ..convert.hf import export_info
@@ -40,7 +42,7 @@ from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from .. import standin
 from . import heartbeat
-from .arguments import MODES, StrategyArguments
+from .arguments import MODES, StrategyArguments, check_passed_on
 from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
@@ -50,7 +52,8 @@ from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
 from .progress import StepProgress
 from .shared_metrics import SharedCallbackMetrics
-from .launchers import CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, watch_launcher
+from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, register_exit_hook,
+                        stop_watching, watch_launcher)
 from .run_clock import RunClock
 
 
@@ -72,7 +75,7 @@ class HeterMoEStrategy(DDPStrategy):
         heartbeat_timeout_s: float | None = 30.0,
         progress_timeout_s: float | None = 300.0,
         allow_emulated_bf16: bool = False,
-        checkpoint_format: str = "sharded",
+        checkpoint_format: str = "auto",
         shard_optimizer_state: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -84,6 +87,7 @@ class HeterMoEStrategy(DDPStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
+        check_passed_on(kwargs)  # a typo is named here, not by DistributedDataParallel in every process
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -101,6 +105,7 @@ class HeterMoEStrategy(DDPStrategy):
         self.backend: ParallelBackend | None = None
         self._built_whole = True  # the user built the model whole (not on the meta device)
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
+        self._saves_sharded = False  # checkpoint_format resolved at the first set-up (auto: by size)
         self._sharding: OptimizerSharding | None = None  # dense optimizer state sharded over replicas
         self.memory: MemoryWatch | None = None  # this rank's memory: what it holds, its peak, its budget
         self.progress: StepProgress | None = None  # this rank's steps, for the stuck-rank watchdog
@@ -156,7 +161,8 @@ class HeterMoEStrategy(DDPStrategy):
 
     def check_model(self, model: Any) -> None:
         """Everything about the model that can be checked before processes start."""
-        self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"))
+        self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"),
+                              self.num_processes * self.num_nodes)
         self.args.check_memory(model, self.num_processes * self.num_nodes)
 
     def describe_rank(self, rank: int) -> str:
@@ -223,9 +229,10 @@ class HeterMoEStrategy(DDPStrategy):
             self._built_whole = not on_meta
             if self._built_whole:
                 self._warn_built_whole()
-            from .selection import select_backend
+            self._saves_sharded = self._checkpoint_sharded()  # before the backend slices: alike on every rank
+            from .selection import dense_backend, select_backend
 
-            self.backend = select_backend(self, trainer)
+            self.backend = dense_backend(self) or select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
         self._share_callback_metrics(trainer)
         self.model_to_device()  # whatever the model built outside the meta device
@@ -343,24 +350,36 @@ class HeterMoEStrategy(DDPStrategy):
             f"`with trainer.init_module(empty_init=True):` and each process allocates only what it holds.")
 
     def _tune_kernels(self) -> None:
-        """Autotune the Triton expert kernels now, outside any overlapped region (see
-        :func:`lightning_hetermoe.kernels.warm_up`); on CPU there is nothing to tune."""
+        """Warm the Triton expert kernels a step will launch, now, outside any overlapped
+        region (:func:`lightning_hetermoe.kernels.warmup.warm_up_keys`: nothing in single and
+        ep modes unless autotuning is on; under zebra/distep the plan's row counts on every
+        layer shape this rank holds), in the run's compute dtype; on CPU nothing runs."""
         if self.root_device.type != "cuda":
             return
-        from ..kernels import grouped_mlp, warm_up
-        from ..moe import resolve_backend
+        from ..kernels import warm_up
+        from ..kernels.availability import tf32_enabled, triton_runs_dtype
+        from ..kernels.chooser import backend_for
+        from ..kernels.tuning import autotune_enabled
+        from ..kernels.warmup import LayerShape, warm_up_keys
 
         plugin = self.precision_plugin
-        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(getattr(plugin, "precision", ""))
-        tuned = set()
+        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(getattr(plugin, "precision", ""))
+        shapes, dtype = [], autocast
         for _, layer in moe_layers(self.lightning_module):
             ex = layer.experts
-            if resolve_backend(ex.backend, self.root_device) is not grouped_mlp:
-                continue  # only the Triton kernels autotune
-            shape = (ex.d_model, ex.d_ff, ex.activation, ex.b_up is not None, dtype or ex.w_up.dtype)
-            if shape not in tuned:
-                tuned.add(shape)
-                warm_up(*shape, device=self.root_device)
+            dtype = autocast or ex.w_up.dtype
+            # auto may run another backend for this dtype (grouped_mm for bf16 on sm90)
+            on_triton = backend_for(ex.backend, self.root_device, dtype) == "triton"
+            shapes.append(LayerShape(ex.d_model, ex.d_ff, ex.activation, ex.b_up is not None, layer.top_k,
+                                     ex.num_local_experts) if on_triton else None)
+        if dtype is None or not triton_runs_dtype(dtype, "cuda", torch.cuda.get_device_capability(self.root_device),
+                                                  tf32_enabled()):
+            return  # no layer on Triton, or its fp32 runs on the torch loop
+        backend = self.backend
+        for key in warm_up_keys(getattr(backend, "schedule", ""), getattr(backend, "plan", None), self.global_rank,
+                                shapes, dtype, autotune=autotune_enabled()):
+            warm_up(key.d_model, key.d_ff, key.activation, key.bias, key.dtype, device=self.root_device,
+                    rows=list(key.rows), experts=key.experts)
 
     @override
     def _get_process_group_backend(self) -> str:
@@ -598,8 +617,16 @@ class HeterMoEStrategy(DDPStrategy):
     # -- placement-independent state ------------------------------------------------------
     @property
     def sharded_checkpoints(self) -> bool:
-        """Checkpoints are directories every rank writes its part of (``checkpoint_format``)."""
-        return self.args.checkpoint_format == "sharded" and self.backend is not None
+        """Checkpoints are directories every rank writes its part of (``checkpoint_format``;
+        ``auto``: decided at the first set-up, see :meth:`_checkpoint_sharded`)."""
+        return self._saves_sharded and self.backend is not None
+
+    def _checkpoint_sharded(self) -> bool:
+        """``checkpoint_format`` resolved (:meth:`.StrategyArguments.saves_sharded`; ``auto``:
+        by the whole training state), counted from the model as built, before any rank keeps
+        only its share: every rank decides alike. A small model gets Lightning's single file
+        (``load_from_checkpoint`` reads it) and keeps its optimizer state whole."""
+        return self.args.saves_sharded(sum(p.numel() for p in self.lightning_module.parameters()))
 
     def _sharded_state(self) -> ShardedState:
         return ShardedState(self.lightning_module, self.backend.expert_pieces, self.backend.holds_dense,
@@ -635,8 +662,17 @@ class HeterMoEStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path), src=0)
         self._loaded_sharded = is_sharded_checkpoint(path)
+        # another model's checkpoint is named before a tensor is read into this one
+        model = self._sharded_state().shapes_meta()
+        strict, what = self.lightning_module.strict_loading, f"ckpt_path={path!r}"
         if not self._loaded_sharded:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+                raise CheckpointFormatError(f"{what} is not a Lightning checkpoint (it holds no state_dict)")
+            saved = {n: t.shape for n, t in checkpoint["state_dict"].items() if torch.is_tensor(t)}
+            check_same_model(saved, model, strict, what)
+            return checkpoint
+        check_same_model(read_meta(path)["hetermoe"]["shapes"], model, strict, what)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         loaded = self._sharded_state().load(path, self.optimizers if fitting else [], comm.world().host,
                                             strict=self.lightning_module.strict_loading, with_optimizers=fitting)
@@ -706,12 +742,14 @@ class HeterMoEStrategy(DDPStrategy):
         report = getattr(self._launcher, "report_dead_children", None)
         if report is not None:
             report()
+        heartbeat.mark_failed()  # at exit this rank goes silent to its peers, not "finished"
         super().on_exception(exception)
 
     def shutdown(self) -> None:
-        """End of the job: every rank leaves the process group together, and rank 0 waits
-        for the ranks it launched. Leaving it to interpreter exit lets the C++ threads of
-        the store and of gloo be torn down mid-flight (an occasional exit 134)."""
+        """End of the job: every rank stops and joins its heartbeat, leaves the process group
+        together, and rank 0 waits for the ranks it launched. A daemon thread left inside a
+        store call when the interpreter finalizes aborts the process (exit 134: the unwind
+        of CPython's ``pthread_exit`` meets a noexcept C++ frame); ``stop`` joins it first."""
         heartbeat.stop()
         if dist.is_available() and dist.is_initialized():
             comm.host_barrier(comm.world(), what="strategy.shutdown")
@@ -719,6 +757,7 @@ class HeterMoEStrategy(DDPStrategy):
             comm.forget()
         for proc in getattr(self._launcher, "procs", []):
             proc.wait(timeout=120)
+        stop_watching()
 
     @override
     def teardown(self) -> None:
@@ -735,6 +774,9 @@ class HeterMoEStrategy(DDPStrategy):
             self._expert_bias.remove()
             self._expert_bias = None
         watch_launcher(armed=False)
+        # a script that never calls shutdown() (Trainer.fit in a user's script, LightningCLI)
+        # still leaves the heartbeat, the watchers and the process group before finalization
+        register_exit_hook()
         super().teardown()
 
 

@@ -10,10 +10,15 @@ about which rank died.
   badly it prints which rank, its role and its exit code or signal, then stops the rest.
   Children watch their launcher too (:func:`watch_launcher`): if it dies they exit instead
   of waiting on a collective that will never complete.
+* Every thread started here is stopped and joined before the process ends
+  (:func:`stop_watching`; an ``atexit`` hook for scripts that never call the strategy's
+  ``shutdown``), and :func:`leave_at_exit` leaves the heartbeat and the process group
+  before the interpreter's finalization, which ends daemon threads mid-call.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -30,6 +35,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 PreLaunch = Callable[[Any], None]
 DescribeRank = Callable[[int], str]
 _LAUNCHER_PID = "HETERMOE_LAUNCHER_PID"
+JOIN_S = 2.0  # how long stopping a watcher thread waits for it to end
 
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -139,10 +145,10 @@ class RankObserver(threading.Thread):
                  period_s: float = 1.0) -> None:
         super().__init__(daemon=True, name="hetermoe-rank-observer")
         self.procs, self.describe_rank, self.offset, self.period_s = procs, describe_rank, node_rank_offset, period_s
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while True:
-            time.sleep(self.period_s)
+        while not self._halt.wait(self.period_s):
             if all(p.poll() == 0 for p in self.procs):
                 return
             dead = first_dead(self.procs)
@@ -151,11 +157,78 @@ class RankObserver(threading.Thread):
                 self.stop_all()
                 return
 
+    def stop(self, join_s: float = JOIN_S) -> None:
+        self._halt.set()
+        if self.ident is not None and self is not threading.current_thread():
+            self.join(join_s)
+
     def stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_observers: list[RankObserver] = []
+_watcher: dict[str, Any] = {"thread": None, "stop": threading.Event()}
+
+
+def stop_watching(join_s: float = JOIN_S) -> None:
+    """Stop and join this process's watcher threads (rank observers, the launcher watch)."""
+    while _observers:
+        _observers.pop().stop(join_s)
+    _watch["armed"] = False
+    _watcher["stop"].set()
+    thread, _watcher["thread"] = _watcher["thread"], None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(join_s)
+    _watch["started"] = False  # a later run in this process starts a fresh watch
+
+
+def leave_at_exit() -> None:
+    """At interpreter exit: leave the heartbeat (joined), the watchers (joined) and the
+    process group (a script that never called the strategy's ``shutdown``: a user's
+    ``Trainer.fit``, LightningCLI), before finalization ends daemon threads inside C++ calls
+    (SIGABRT)."""
+    from . import heartbeat
+
+    heartbeat.leave(failed=heartbeat.exiting_on_error())
+    stop_watching()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass  # at exit, nothing is left to do about it
+        import lightning_hetermoe.comm as comm
+
+        comm.forget()
+
+
+def exit_now(code: int = 0) -> None:
+    """End a command of the pack's own whose work is done and written (a recipe, the
+    self-check): leave as at exit, flush, and exit without the interpreter's finalization,
+    whose garbage collections walk every object torch and Lightning made, twice (seconds of
+    CPU, many more on a busy machine, after the last line is out)."""
+    import logging
+
+    leave_at_exit()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+_exit_hook = {"registered": False}
+
+
+def register_exit_hook() -> None:
+    """Run :func:`leave_at_exit` at interpreter exit (once per process)."""
+    if not _exit_hook["registered"]:
+        _exit_hook["registered"] = True
+        atexit.register(leave_at_exit)
 
 
 _watch = {"armed": False, "started": False}
@@ -201,17 +274,20 @@ def watch_launcher(armed: bool = True, period_s: float = 1.0) -> None:
     if not armed or _watch["started"] or launcher is None or int(launcher) == os.getpid():
         return
     _watch["started"] = True
+    stop = _watcher["stop"] = threading.Event()
 
     def watch() -> None:
-        while True:
-            time.sleep(period_s)
+        while not stop.wait(period_s):
             if _watch["armed"] and os.getppid() != int(launcher):
                 sys.stderr.write(f"[hetermoe] the launching process (rank 0, pid {launcher}) is gone; "
                                  f"rank {os.environ.get('LOCAL_RANK', '?')} exits\n")
                 sys.stderr.flush()
                 os._exit(1)
 
-    threading.Thread(target=watch, daemon=True, name="hetermoe-launcher-watch").start()
+    thread = threading.Thread(target=watch, daemon=True, name="hetermoe-launcher-watch")
+    _watcher["thread"] = thread
+    register_exit_hook()
+    thread.start()
 
 
 class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
@@ -235,8 +311,11 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             _launched.extend(self.procs)
             if self.procs:
-                RankObserver(self.procs, self.describe_rank,
-                             self.cluster_environment.node_rank() * self.num_processes).start()
+                observer = RankObserver(self.procs, self.describe_rank,
+                                        self.cluster_environment.node_rank() * self.num_processes)
+                _observers.append(observer)
+                register_exit_hook()
+                observer.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 

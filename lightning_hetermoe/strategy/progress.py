@@ -7,11 +7,16 @@ step's start and end here, comm counts the collectives it issues and says which 
 is blocked in, and the heartbeat thread publishes all of it beside the beat and reads
 everyone's. A rank that has been inside one step for longer than the bound is stuck.
 
-The bound is ``max(floor, factor x the slowest step this rank has finished)``: a job's
-steps take what they take, and only one far slower than any before means trouble. It is
-armed once ``warmup_steps`` steps have finished (the first steps compile, autotune and
-warm the allocator), and only inside training steps: validation, testing, prediction and
-checkpoint saves pause it.
+The bound follows what the steps have shown. The first step compiles (and, on request,
+autotunes): it is not bounded and not measured. Until ``warmup_steps`` further steps are
+measured, nothing is known of the job's pace, so the bound is the user's
+``progress_timeout_s`` (300 s by default: a cold GPU, a first checkpoint). From then on it
+is ``max(measured floor, factor x the median measured step)``: a job's steps take what
+they take, and only one far slower than the usual means trouble; the measured floor (60 s,
+or ``progress_timeout_s`` if that is lower) keeps a fast job's jitter, a garbage collection
+or the allocator returning memory from ending it. So a rank stuck in a 0.2 s-step job is
+named in about a minute, not five. Only training steps count: validation, testing,
+prediction, checkpoint saves and the rebalancer's moves (at step boundaries) pause it.
 
 When every rank is past the bound, most are waiting for the one that is behind: the report
 names the ranks that are not inside a collective (computing, sleeping, blocked on the
@@ -21,23 +26,29 @@ step (the others are waiting for its next one).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import lightning_hetermoe.comm as comm
 
 FACTOR = 10.0
-WARMUP_STEPS = 2
+WARMUP_STEPS = 5  # measured steps (after the first) before the bound follows them
+MEASURED_FLOOR_S = 60.0
+WINDOW = 256  # the median is over this many latest steps: a job's pace may drift
 
 
 class StepProgress:
     """This rank's training steps, marked by the main thread and read by the heartbeat's."""
 
-    def __init__(self, floor_s: float, factor: float = FACTOR, warmup_steps: int = WARMUP_STEPS) -> None:
+    def __init__(self, floor_s: float, factor: float = FACTOR, warmup_steps: int = WARMUP_STEPS,
+                 measured_floor_s: float = MEASURED_FLOOR_S) -> None:
         self.floor_s, self.factor, self.warmup_steps = float(floor_s), float(factor), int(warmup_steps)
+        self.measured_floor_s = min(float(measured_floor_s), self.floor_s)
         self.step = -1
         self.finished_steps = 0
-        self.slowest_s = 0.0
+        self.measured: deque[float] = deque(maxlen=WINDOW)
         self._since: float | None = None  # inside a step since (monotonic), or None
         self._issued_at_start = 0
 
@@ -50,8 +61,8 @@ class StepProgress:
     def finished(self) -> None:
         """The optimizer stepped: the step is over."""
         if self._since is not None:
-            if self.finished_steps:  # the first step compiles and autotunes: not a measure of the rest
-                self.slowest_s = max(self.slowest_s, time.monotonic() - self._since)
+            if self.finished_steps:  # the first step compiles: not a measure of the rest
+                self.measured.append(time.monotonic() - self._since)
             self.finished_steps += 1
         self._since = None
 
@@ -60,10 +71,13 @@ class StepProgress:
         self._since = None
 
     def bound_s(self) -> float | None:
-        """How long a step may take before this rank calls it stuck (None: not armed)."""
-        if self.finished_steps < self.warmup_steps:
+        """How long a step may take before this rank calls it stuck (None: not armed, the
+        first step); see the module for the rule."""
+        if self.finished_steps < 1:
             return None
-        return max(self.floor_s, self.factor * self.slowest_s)
+        if len(self.measured) < self.warmup_steps:
+            return self.floor_s
+        return max(self.measured_floor_s, self.factor * statistics.median(self.measured))
 
     def snapshot(self) -> str:
         """What the heartbeat publishes: step, seconds inside it (-1: outside a step),

@@ -54,14 +54,19 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
             "mode='ep'") from None
 
 
-def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int) -> list[list[float]] | None:
+def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
+                   precision: Any = None) -> list[list[float]] | None:
     """Each MoE layer's expert shares on a warm-up batch (the first ``sequences`` samples of
     the stage's dataset, run ``chunk`` at a time: the memory of one rank's share) through
     the model as initialised: what the routers do at the start, which the planner and the
     predictions take instead of even routing. A global batch, not one rank's share: few
     tokens exaggerate the hottest expert. Forward only, in eval mode, with the RNG state
-    preserved (training sees no difference); ``None`` when the model cannot be run on the
-    batch's first tensor alone."""
+    preserved (training sees no difference), under the run's autocast (``precision``, the
+    precision plugin: its ``forward_context``), and on the torch expert loop: only the
+    routing is read, and the Triton kernels would compile (or tune) for row counts no step
+    launches. ``None`` when the model cannot be run on the batch's first tensor alone."""
+    import contextlib
+
     from ..model_contract import moe_layers
 
     loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
@@ -77,14 +82,21 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int) -> lis
         return record
 
     handles = [layer.register_forward_hook(hook(l)) for l, layer in enumerate(layers)]
+    # user experts (the model contract) may have no backend to switch
+    backends = [getattr(layer.experts, "backend", None) for layer in layers]
     was_training = module.training
+    context = precision.forward_context() if precision is not None else contextlib.nullcontext()
     try:
         loader = loop._data_source.dataloader()
         loader = loader[0] if isinstance(loader, (list, tuple)) else loader
         dataset = loader.dataset
         total = min(sequences, len(dataset))
         module.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
+        for layer, backend in zip(layers, backends, strict=True):
+            if backend is not None:
+                layer.experts.backend = "torch"
+        with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
+                context:
             for start in range(0, total, max(chunk, 1)):
                 samples = [dataset[i] for i in range(start, min(start + chunk, total))]
                 module(tensors(loader.collate_fn(samples))[0].to(module.device))
@@ -92,6 +104,9 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int) -> lis
         return None  # a forward that needs more than the tokens: plan with even routing
     finally:
         module.train(was_training)
+        for layer, backend in zip(layers, backends, strict=True):
+            if backend is not None:
+                layer.experts.backend = backend
         for h in handles:
             h.remove()
     if len(counts) != len(layers):
@@ -147,10 +162,14 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
             raise ConfigError(str(err)) from None
         clock.devices = devices  # plain EP of a model the clock cannot read: no predictions
 
-    if clock.bound and rank == 0 and not built_on_meta(module):
+    # One device trains as a plain single device: nothing to plan, and one device holding
+    # every expert costs the same under any routing, so no warm-up batch is run for it.
+    single = world == 1 and args.mode == "auto"
+    if clock.bound and rank == 0 and not built_on_meta(module) and not single:
         # a model on the meta device cannot run yet: it plans with even routing
-        clock.expert_load = warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world)
-    if world == 1 and args.mode == "auto":
+        clock.expert_load = warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world,
+                                           strategy.precision_plugin)
+    if single:
         choice, plan = "single", None
     else:
         choice, plan = _decide(args, clock, world, module, model) if rank == 0 else (None, None)
@@ -166,6 +185,29 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     if plan is not None and rank == 0:
         _announce_plan(trainer, plan)
     return backend
+
+
+def dense_backend(strategy: Any) -> ParallelBackend | None:
+    """A model without MoE layers trains as plain DDP in every mode that runs it: expert
+    parallelism with no experts (one device under ``auto``: a single device); rank 0 prints
+    one line saying so. ``None``: the model holds MoE layers (:func:`select_backend` chooses).
+    Every rank decides alike from its own copy of the model: no collective."""
+    from ..model_contract import moe_layers
+
+    module, args, world = strategy.lightning_module, strategy.args, strategy.world_size
+    if moe_layers(module):
+        return None
+    name = type(module).__name__
+    args.check_dense(name)  # again: a model built in configure_model() is first seen here
+    devices = run_devices(args.cluster, strategy.root_device, world)
+    check_bf16(precision_name(strategy.precision_plugin), devices, args.allow_emulated_bf16)
+    strategy.clock.devices = devices
+    choice = "single" if world == 1 and args.mode == "auto" else "ep"
+    if strategy.global_rank == 0:
+        how = "on one device" if choice == "single" else f"as plain DDP over {world} ranks (ep with no experts)"
+        print(f"hetermoe[{args.mode}]: {name} holds no lightning_hetermoe.MoELayer: it trains {how}", flush=True)
+    return _build(args, strategy.clock, choice, None, module, _Description.of(module), strategy.root_device,
+                  strategy.global_rank, world, measure_busy=strategy.measure_busy)
 
 
 @dataclass(frozen=True)
@@ -259,7 +301,7 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
         plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
                          profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
                          require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
-                         expert_load=clock.expert_load)
+                         expert_load=clock.expert_load, shard_optimizer_state=_zero_priced(args))
     except ValueError as err:
         if required:
             raise ConfigError(f"mode={args.mode!r}: no plan fits: {err}") from None
@@ -267,6 +309,15 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
     check_plan(plan, model_cfg, world)
     plan.schedule = schedule
     return plan
+
+
+def _zero_priced(args: Any) -> bool | None:
+    """Whether the plan prices the dense optimizer state sharded over the attention ranks:
+    as the strategy will run it (ZeRO-1 needs sharded checkpoints); ``None``: ``auto``
+    checkpoints, which the planner decides by the same size rule."""
+    if not args.shard_optimizer_state or args.checkpoint_format == "full":
+        return False
+    return True if args.checkpoint_format == "sharded" else None
 
 
 def _build(args: Any, clock: Any, choice: str, plan: Any, module: Any, model: _Description, device: torch.device,

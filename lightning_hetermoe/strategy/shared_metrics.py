@@ -7,6 +7,16 @@ decisions (a sharded save, ``should_stop``): an expert rank without the metric r
 decides otherwise and hangs the next collective. So before any other callback reads them,
 every rank takes the first attention rank's callback metrics (already reduced over the
 attention ranks where ``sync_dist`` asked for it), as DDP's ranks would each hold them.
+
+Only where a callback reads them: reading ``trainer.callback_metrics`` makes Lightning turn
+every progress-bar metric into a Python number (an ``.item()``, a host sync on a GPU), and
+sharing reads the values on the host once more, so a training batch after which no
+checkpoint checks shares nothing. They are shared at the end of validation (the monitored
+``val_loss``), at the end of a training epoch where a checkpoint or early stopping callback
+runs, and after a training batch only where a ``ModelCheckpoint`` checks at that step
+(``every_n_train_steps``; ``train_time_interval`` checks the time after every batch). A
+callback of the user's own that reads metrics after every training batch sees those of
+the last share on the ranks that do not log.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import lightning_hetermoe.comm as comm
 
@@ -27,30 +38,47 @@ class SharedCallbackMetrics(L.Callback):
 
     def _share(self, trainer: Any) -> None:
         mine = trainer.global_rank == self.source
-        numbers = _host_numbers(trainer.callback_metrics) if mine else None
-        theirs = comm.gather_objects(comm.world(), numbers, what="strategy.callback_metrics")[self.source]
-        if not mine:
-            # the connector's own store: its callback_metrics property adds this rank's (none) on top
-            device = trainer.strategy.root_device  # where the attention ranks' metrics live
-            trainer._logger_connector._callback_metrics.update({k: torch.tensor(v, device=device)
-                                                                for k, v in theirs.items()})
+        described = _host_numbers(trainer.callback_metrics) if mine else None
+        numbers, dtypes = comm.gather_objects(comm.world(), described, what="strategy.callback_metrics")[self.source]
+        if not mine and numbers:
+            # the connector's own store: its callback_metrics property adds this rank's (none) on
+            # top. On the device where the attention ranks' metrics live, in one copy from
+            # pinned memory (no host sync), in the dtypes they were logged in.
+            values = comm.to_device(torch.tensor(list(numbers.values()), dtype=torch.float64, device="cpu"),
+                                    trainer.strategy.root_device)
+            trainer._logger_connector._callback_metrics.update(
+                {k: values[i].to(dtypes.get(k, torch.float32)) for i, k in enumerate(numbers)})
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        self._share(trainer)
+        if any(_checks_after_batch(c, trainer) for c in trainer.callbacks):
+            self._share(trainer)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._share(trainer)
+        if any(isinstance(c, (ModelCheckpoint, EarlyStopping)) for c in trainer.callbacks):
+            self._share(trainer)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._share(trainer)
 
 
-def _host_numbers(metrics: dict[str, Any]) -> dict[str, float]:
-    """The scalar metrics as numbers, read from the device in one copy (one host sync at the
-    step boundary, not one per metric)."""
+def _checks_after_batch(callback: Any, trainer: Any) -> bool:
+    """Whether ``callback`` reads the callback metrics at the end of this training batch: a
+    ``ModelCheckpoint`` whose ``every_n_train_steps`` falls on this step, or one that checks
+    the time (Lightning's own conditions; it keeps them in private attributes)."""
+    if not isinstance(callback, ModelCheckpoint):
+        return False
+    if getattr(callback, "_train_time_interval", None) is not None:
+        return True
+    every = getattr(callback, "_every_n_train_steps", 0) or 0
+    return every >= 1 and trainer.global_step % every == 0
+
+
+def _host_numbers(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, torch.dtype]]:
+    """The scalar metrics as numbers, read from the device in one copy (one host sync where
+    metrics are shared, not one per metric), and the dtype of each tensor among them."""
     names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
     values = torch.stack([metrics[k].detach().reshape(()).double() for k in names]).tolist() if names else []
     out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     out.update(zip(names, values, strict=True))
-    return out
+    return out, {k: metrics[k].dtype for k in names}

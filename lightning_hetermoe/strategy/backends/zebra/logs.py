@@ -146,10 +146,11 @@ def _reduce(name: str, calls: list[tuple[Any, tuple, dict, int]], sizes: list[in
         return Logged(name, kind, values[-1], False, dtype, sum(weights), batch_size, args, kwargs)
     # on the module's device: a number (or a CPU tensor) logged with sync_dist is reduced over
     # the metrics group, whose device backend (NCCL) takes no CPU tensor
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    stacked = torch.stack([_on_device(v, device) for v in values])
     if kind == "mean":
-        w = torch.tensor(weights, dtype=torch.float64, device=device)
-        value = (stacked * w).sum() / w.sum().clamp(min=1)
+        # the weights are host numbers: scalars of device ops, not a host list copied over
+        # (a blocking copy, a host sync per logged name on a GPU)
+        value = torch.stack([stacked[i] * w for i, w in enumerate(weights)]).sum() / max(sum(weights), 1)
     elif kind == "sum":
         value = stacked.sum()
     elif kind == "max":
@@ -159,6 +160,17 @@ def _reduce(name: str, calls: list[tuple[Any, tuple, dict, int]], sizes: list[in
     else:
         value = stacked[-1]
     return Logged(name, kind, value, True, dtype, sum(weights), batch_size, args, kwargs)
+
+
+def _on_device(value: Any, device: torch.device) -> torch.Tensor:
+    """A logged value as float64 on ``device`` without a host sync: a host value (a number, a
+    one-element CPU tensor: Lightning logs scalars) filled in there by a device op rather
+    than copied over (a blocking copy on a GPU), a device tensor converted in place."""
+    if not isinstance(value, torch.Tensor):
+        return torch.full((), value, dtype=torch.float64, device=device)
+    if value.device.type == "cpu" and device.type != "cpu" and value.numel() == 1:
+        return torch.full(value.shape, value.item(), dtype=torch.float64, device=device)  # host memory: no sync
+    return value.to(device=device, dtype=torch.float64)
 
 
 def _local_value(item: Logged) -> Any:

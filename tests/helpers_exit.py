@@ -1,0 +1,44 @@
+"""Running a command to its exit and timing how long its processes outlive their work
+(issue #38: every entry point exits within a few seconds of its work ending)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+EXIT_S = 5.0  # from the marker that says the work ended to the last process of the job gone
+
+
+def run_to_exit(cmd: list[str], marker: str, cwd: Path, timeout: float = 240.0) -> tuple[int, str, float]:
+    """Run ``cmd``; its exit code, its output, and the seconds from the first line holding
+    ``marker`` to the moment every process of the job is gone (the launched ranks hold the
+    same pipes: both reach end-of-file only when the last of them exits)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    marked: list[float] = []
+
+    def pump(stream) -> None:
+        for text in stream:
+            if marker in text and not marked:
+                marked.append(time.monotonic())
+            lines.append(text)
+
+    pumps = [threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
+    for t in pumps:
+        t.start()
+    try:
+        proc.wait(timeout=timeout)
+        for t in pumps:
+            t.join(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone = time.monotonic()
+    out = "".join(lines)
+    assert marked, f"no {marker!r} in the output:\n{out[-3000:]}"
+    return proc.returncode, out, gone - marked[0]

@@ -1,0 +1,118 @@
+"""The best checkpoint of a run loads back in one call, in every mode: a small model's is
+Lightning's single file (``checkpoint_format="auto"``), which ``load_from_checkpoint``
+reads; a model above the threshold saves a sharded directory, which
+``lightning_hetermoe.load_checkpoint`` reads. Either way the loaded model equals the
+trained one at the best step."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+import lightning_hetermoe
+from harness import run_ranks
+from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
+from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel, OptimConfig
+from lightning_hetermoe.ckpt import CheckpointFormatError, is_sharded_checkpoint
+from lightning_hetermoe.profile import memory
+from reference import data, make_model, trainer, whole_state
+
+MODES = ("auto", "ep", "zebra", "distep", "datacentric")
+LARGE = ("ep", "zebra")  # above the threshold: sharded directories
+
+
+class Snapshots(L.Callback):
+    """The whole model (every expert gathered: a collective) at each validation, by step."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.at[trainer.global_step] = {k: v.detach().cpu().clone() for k, v in whole_state(trainer).items()}
+
+
+def _strategy(mode: str, world: int) -> HeterMoEStrategy:
+    plan = make_test_plan(world, [0], R=2) if mode in ("zebra", "distep") else None
+    return HeterMoEStrategy(mode=mode, plan=plan)  # checkpoint_format: the default, auto
+
+
+def best_checkpoints(rank: int, world: int, root: str, runs: list[tuple[str, float | None]]) -> dict:
+    """Each run: ModelCheckpoint on val_loss and EarlyStopping; ``threshold``: the small-state
+    line in this process (``None``: the default), as a user's larger model would cross it."""
+    out = {}
+    default = memory.SMALL_STATE_BYTES
+    for mode, threshold in runs:
+        memory.SMALL_STATE_BYTES = default if threshold is None else threshold
+        model = make_model(4, seed=0, optim=OptimConfig())
+        where = os.path.join(root, f"{mode}-{threshold}")
+        ckpt = ModelCheckpoint(dirpath=where, monitor="val_loss", mode="min", save_top_k=1, filename="{step}")
+        stop = EarlyStopping(monitor="val_loss", mode="min", patience=1, min_delta=1e9)  # stops at step 8
+        snaps = Snapshots()
+        t = trainer(_strategy(mode, world), world, max_steps=40, callbacks=[ckpt, stop, snaps],
+                    enable_checkpointing=True, limit_val_batches=2, val_check_interval=4, limit_train_batches=12)
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[(mode, threshold)] = {"best": ckpt.best_model_path, "step": t.global_step,
+                                  "snapshots": snaps.at if rank == 0 else None,
+                                  "sharded": t.strategy.sharded_checkpoints}
+    memory.SMALL_STATE_BYTES = default
+    return out
+
+
+def _best_step(path: str) -> int:
+    return int(re.search(r"step=(\d+)", os.path.basename(path)).group(1))
+
+
+def _assert_equal(loaded: MoELanguageModel, want: dict[str, torch.Tensor], what: str) -> None:
+    got = loaded.state_dict()
+    assert got.keys() == want.keys(), what
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{what}: {name}")
+
+
+@pytest.mark.slow
+def test_the_best_checkpoint_loads_in_one_call_in_every_mode_small_as_a_file_large_as_a_directory(tmp_path):
+    runs = [(mode, None) for mode in MODES] + [(mode, 0.0) for mode in LARGE]
+    per_rank = run_ranks(2, best_checkpoints, 2, str(tmp_path), runs)
+    fresh = make_model(4, seed=0, optim=OptimConfig()).state_dict()
+    for key in runs:
+        got = per_rank[0][key]
+        assert per_rank[1][key]["best"] == got["best"] and got["step"] == 8, (key, got["step"])
+        want = got["snapshots"][_best_step(got["best"])]
+        assert any(not torch.equal(want[n], fresh[n]) for n in want), key  # trained: the comparison means something
+        if key[1] is None:  # small: Lightning's own file and its own loader
+            assert os.path.isfile(got["best"]) and not got["sharded"], key
+            loaded = MoELanguageModel.load_from_checkpoint(got["best"], map_location="cpu")
+        else:  # above the threshold: a directory, and the one documented call
+            assert is_sharded_checkpoint(got["best"]) and got["sharded"], key
+            loaded = lightning_hetermoe.load_checkpoint(got["best"], MoELanguageModel)
+            assert lightning_hetermoe.load_checkpoint(got["best"])["global_step"] == _best_step(got["best"])
+            # the pack's own LightningModule takes the directory in Lightning's call too
+            _assert_equal(MoELanguageModel.load_from_checkpoint(got["best"]), want, f"{key} load_from_checkpoint")
+        assert isinstance(loaded, MoELanguageModel) and loaded.model_cfg == make_model(4).model_cfg, key
+        _assert_equal(loaded, want, str(key))
+
+
+def test_checkpoint_format_auto_draws_the_init_on_meta_line():
+    from lightning_hetermoe.strategy.arguments import CHECKPOINT_FORMATS, StrategyArguments
+
+    assert StrategyArguments().checkpoint_format == "auto" and "auto" in CHECKPOINT_FORMATS
+    assert HeterMoEStrategy().args.checkpoint_format == "auto"
+    line = memory.SMALL_STATE_BYTES / memory.TRAINING_BYTES_PER_PARAM  # parameters at the line
+    assert memory.small_training_state(line) and not memory.small_training_state(line + 1)
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "strategy", "hetermoe.yaml"))
+    assert conf.checkpoint_format == "auto"
+
+
+def test_load_checkpoint_says_what_is_wrong_with_the_path(tmp_path):
+    with pytest.raises(CheckpointFormatError, match=r"load_checkpoint path=.*nothing.*: no such file or directory"):
+        lightning_hetermoe.load_checkpoint(tmp_path / "nothing")
+    with pytest.raises(CheckpointFormatError, match=r"is a directory but not a sharded checkpoint"):
+        lightning_hetermoe.load_checkpoint(tmp_path)

@@ -1,0 +1,166 @@
+"""Every process exits (issue #38): each entry point ends within a few seconds of its work
+ending, with exit code 0, and many short multi-process jobs exit without an abort.
+
+The abort was CPython's finalization ending the heartbeat's daemon thread inside a store
+call (``pthread_exit`` unwinding through a noexcept C++ frame: "terminate called without
+an active exception", SIGABRT, about one exit in sixty at the default beat); the hang, a
+process that keeps its threads or its process group past its work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers_exit import EXIT_S, run_to_exit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+USER_SCRIPT = '''
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from lightning_hetermoe import ByteCorpusDataModule, DataConfig, ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
+
+
+class Mark(Callback):
+    def on_fit_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            print("[mark] fit ended", flush=True)
+
+
+if __name__ == "__main__":
+    cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=MoEConfig(num_experts=4, d_ff=12))
+    data = ByteCorpusDataModule(DataConfig(seq_len=16, batch_size=4, seed=7, train_windows=16, val_windows=8))
+    trainer = L.Trainer(strategy="hetermoe", accelerator="cpu", devices=2, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Mark()])
+    trainer.fit(MoELanguageModel(cfg, OptimConfig()), datamodule=data)
+    # no strategy.shutdown(), no destroy_process_group(): a user's script just ends
+'''
+
+
+def _train(tmp_path: Path) -> tuple[list[str], str]:
+    return ([sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "trainer.max_steps=2",
+             "trainer.limit_val_batches=1", "+trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+             f"hydra.run.dir={tmp_path}"], "[hetermoe] wrote ")
+
+
+def _user_script(tmp_path: Path) -> tuple[list[str], str]:
+    script = tmp_path / "user_fit.py"
+    script.write_text(textwrap.dedent(USER_SCRIPT))
+    return [sys.executable, str(script)], "[mark] fit ended"
+
+
+@pytest.mark.slow
+# (recipes/cli.py's exit is timed in test_callbacks.py's CLI test, the self-check's in
+# test_selfcheck.py's CPU run: each command runs once in the suite)
+@pytest.mark.parametrize("entry", [_train, _user_script], ids=["train", "user-script"])
+def test_every_entry_point_exits_soon_after_its_work_ends(entry, tmp_path):
+    cmd, marker = entry(tmp_path)
+    code, out, after_s = run_to_exit(cmd, marker, cwd=tmp_path)
+    print(f"{cmd[1:3]}: every process gone {after_s:.1f} s after {marker!r}")
+    assert code == 0, out[-3000:]
+    assert "terminate called" not in out, out[-3000:]
+    assert after_s < EXIT_S, f"the job's processes ended {after_s:.1f} s after {marker!r}:\n{out[-2000:]}"
+
+
+# Many short 2-rank jobs, each rank a fork of one process that imported torch once (a job
+# costs a fraction of a second, not two interpreter starts) and that leaves through the
+# interpreter's normal finalization (off the end of the script: atexit, then daemon threads
+# ended): a heartbeat beating every 0.05 s (so that a store call is often in flight), a gloo
+# group on the TCPStore, a few collectives, and exit without any shutdown call.
+MANY_EXITS = '''
+import json, os, socket, sys, time, types
+from pathlib import Path
+
+root, runs, errdir = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+for name, path in (("lightning_hetermoe", root / "lightning_hetermoe"),
+                   ("lightning_hetermoe.strategy", root / "lightning_hetermoe" / "strategy")):
+    module = types.ModuleType(name)
+    module.__path__ = [str(path)]  # the package's modules without its __init__ (no Lightning)
+    sys.modules[name] = module
+import torch
+import torch.distributed as dist
+from lightning_hetermoe.strategy import heartbeat
+from lightning_hetermoe.strategy.progress import StepProgress
+
+
+def rank_main(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # with the progress watchdog on, each beat makes four store calls: more often in one
+    heartbeat.ensure(rank, 2, 0.3, lambda r: f"rank {r}", progress=StepProgress(60.0))
+    t = torch.ones(1000)
+    for _ in range(10):
+        dist.all_reduce(t)
+        time.sleep(0.01)
+
+
+results, child = [], None
+for run in range(runs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pids = []
+    for rank in range(2):
+        err = errdir / f"run{run}_rank{rank}.err"
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            child = rank
+            break
+        pids.append((pid, err))
+    if child is not None:
+        break
+    for pid, err in pids:
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        results.append({"run": run, "code": code, "stderr": err.read_text()[-400:] if code else ""})
+if child is not None:
+    rank_main(child, port)  # and this fork falls off the end of the script: a normal exit
+else:
+    print(json.dumps(results))
+'''
+
+
+@pytest.mark.slow
+def test_many_short_multi_process_jobs_exit_without_an_abort(tmp_path):
+    script = tmp_path / "many_exits.py"
+    script.write_text(MANY_EXITS)
+    runs = 16
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(runs), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == 2 * runs
+    bad = [r for r in results if r["code"] != 0]
+    assert not bad, f"{len(bad)} of {len(results)} rank exits failed: {bad[:3]}"
+
+
+def test_stopping_the_heartbeat_joins_its_thread_and_says_the_rank_finished(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_hetermoe.strategy import heartbeat
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    beat = heartbeat.ensure(1, 2, 0.3, lambda r: f"rank {r}", on_silent=lambda: None)
+    try:
+        assert beat is not None and beat.running and heartbeat.running()
+    finally:
+        heartbeat.stop()
+    assert not beat.running, "stop() returns only once the thread has left the store"
+    assert not heartbeat.running()
+    assert int(store.get("hetermoe/heartbeat/1")) == -1  # peers stop expecting its beats

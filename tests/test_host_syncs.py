@@ -1,0 +1,249 @@
+"""Host syncs per training step, counted on CPU: the stand-in device (``HETERMOE_STANDIN=1``)
+notes every read of device values by the host and every blocking host-to-device copy, with
+the file:line that asked (``standin.counting_syncs``), as CUDA's sync debug mode warns for
+each on a GPU. The design allows one read per (layer, micro-batch) and rank: the round's
+split sizes. Every mode, one step after two warm-up steps (the first steps build what later
+steps reuse: DDP rebuilds its buckets in the second, reading their sizes), on real gloo
+ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections import Counter
+
+import lightning as L
+import pytest
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+from harness import run_ranks
+from lightning_hetermoe import HeterMoEStrategy, comm, standin
+from lightning_hetermoe.selfcheck.host_syncs import is_sync_warning
+
+LAYERS = 2
+
+
+def _site(fn) -> tuple[str, range]:
+    """Where a function's code is, as the stand-in names a caller: (path, its lines)."""
+    lines, first = inspect.getsourcelines(fn)
+    return standin.short_path(fn.__code__.co_filename), range(first, first + len(lines))
+
+
+def _within(callers: tuple[str, ...], site: tuple[str, range]) -> bool:
+    path, lines = site
+    for caller in callers:
+        file, _, line = caller.rpartition(":")
+        if file == path and line.isdigit() and int(line) in lines:
+            return True
+    return False
+
+
+# Lightning's own host syncs in a training step, which no strategy can avoid (named here,
+# counted, bounded, never silently dropped):
+# - after every batch its logger connector turns each metric logged with prog_bar=True into
+#   a Python number for the progress bar, shown or not (``_ResultCollection.metrics`` ->
+#   ``convert_tensors_to_scalars``: an ``.item()``); the tiny model logs one (``train_loss``)
+#   on every rank that runs the user's step;
+# - before every batch of a run of several ranks, the training loop broadcasts whether the
+#   job got SIGTERM (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a tensor built from
+#   a Python list on the device, broadcast on the default group, read back by ``.item()``.
+PROGRESS_BAR = _site(_ResultCollection.metrics)
+SIGTERM = _site(_TrainingEpochLoop._broadcast_sigterm_tensor)
+# host-to-device copies the stand-in sees as blocking, that on a GPU are not: comm.to_device
+# copies from pinned memory, non_blocking (ordered on the stream, no host sync)
+ASYNC_ON_GPU = _site(comm.to_device)
+
+
+class CountSyncs(L.Callback):
+    """Counts host syncs from the start of each training step in ``steps`` to the start of
+    the next (everything Lightning and the strategy do for one step, its logging included)."""
+
+    def __init__(self, steps: tuple[int, ...] = (2,)) -> None:
+        self.steps, self.stack, self.syncs = steps, contextlib.ExitStack(), {}
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.stack.close()
+        if trainer.global_step in self.steps:
+            self.syncs[trainer.global_step] = self.stack.enter_context(standin.counting_syncs())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.stack.close()
+
+
+def one_step(rank: int, world: int, mode: str, R: int) -> dict:
+    from helpers_zebra import make_test_plan
+    from reference import data, make_model, mixed_cluster, trainer
+
+    os.environ[standin.ENV] = "1"
+    try:
+        kwargs: dict = {"mode": mode}
+        if mode in ("zebra", "distep"):
+            plan = make_test_plan(world, [0], R=R, layers=LAYERS)
+            plan.distep_microbatches = R
+            kwargs["plan"] = plan
+        elif mode == "datacentric":
+            kwargs["cluster"] = mixed_cluster(world)
+        model = make_model(4, n_layers=LAYERS)
+        if mode in ("zebra", "distep"):  # a number logged too: zebra replays it on the device
+            step = type(model).training_step
+
+            def training_step(self, batch, batch_idx):
+                self.log("a_number", 0.5, reduce_fx="max")
+                return step(self, batch, batch_idx)
+
+            model.training_step = training_step.__get__(model)
+        counter = CountSyncs()
+        t = trainer(HeterMoEStrategy(**kwargs), world, max_steps=4, callbacks=[counter])
+        t.fit(model, datamodule=data(world))
+        return {"syncs": [tuple(s) for s in counter.syncs[2]], "device": str(t.strategy.root_device)}
+    finally:
+        os.environ.pop(standin.ENV, None)
+
+
+def describe(per_rank: list[dict]) -> str:
+    lines = []
+    for rank, got in enumerate(per_rank):
+        where = Counter(f"{kind} {op} at {' < '.join(callers)}" for kind, _, op, callers in got["syncs"])
+        lines.append(f"rank {rank}: {len(got['syncs'])} syncs")
+        lines += [f"  {n} x {w}" for w, n in where.most_common()]
+    return "\n".join(lines)
+
+
+CASES = [  # mode, ranks, micro-batches per step
+    ("auto", 1, 1),  # one rank: the single-device backend
+    ("ep", 2, 1),
+    ("zebra", 2, 2),
+    ("distep", 2, 1),
+    ("datacentric", 2, 1),
+]
+
+
+def budget(got: dict, world: int, R: int) -> dict[str, list]:
+    """One rank's syncs in one step, sorted by what allows them."""
+    out: dict[str, list] = {"lightning_progress_bar": [], "lightning_sigterm": [], "reads": [], "host_lists": [],
+                            "async_on_gpu": [], "blocking_copies": []}
+    for kind, where, op, callers in got["syncs"]:
+        if kind == "item" and _within(callers, PROGRESS_BAR):
+            out["lightning_progress_bar"].append(where)
+        elif world > 1 and kind in ("item", "h2d_list") and _within(callers, SIGTERM):
+            out["lightning_sigterm"].append(where)
+        elif kind in standin.READS:
+            out["reads"].append(f"{kind} {op} at {where}")
+        elif kind == "h2d_list":
+            out["host_lists"].append(where)
+        elif _within(callers, ASYNC_ON_GPU):
+            out["async_on_gpu"].append(where)
+        else:
+            out["blocking_copies"].append(where)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,world,R", CASES, ids=[c[0] for c in CASES])
+def test_one_host_read_per_layer_and_microbatch_and_no_host_list_copies(mode, world, R):
+    """Every read of device values by the host, but Lightning's own, is a round's split
+    sizes: at most one per (layer, micro-batch) and rank; no host list is copied to the
+    device (logging included); every other host-to-device copy is one that is asynchronous
+    on a GPU."""
+    per_rank = run_ranks(world, one_step, world, mode, R)
+    report = describe(per_rank)
+    print(f"{mode}: {LAYERS} layers x {R} micro-batches\n{report}")
+    for rank, got in enumerate(per_rank):
+        assert got["device"] == "standin:0"
+        b = budget(got, world, R)
+        print(f"rank {rank}: " + ", ".join(f"{k} {len(v)}" for k, v in b.items()))
+        assert len(b["reads"]) <= LAYERS * R, (f"rank {rank}: {len(b['reads'])} host reads in a step of {LAYERS} "
+                                               f"layers x {R} micro-batches (allowed: 1 per (layer, micro-batch))"
+                                               f"\n{report}")
+        assert not b["host_lists"], f"rank {rank}: host lists copied to the device\n{report}"
+        assert not b["blocking_copies"], f"rank {rank}: blocking host-to-device copies\n{report}"
+        assert len(b["lightning_progress_bar"]) <= 1, f"rank {rank}: more progress-bar reads than metrics\n{report}"
+        assert len(b["lightning_sigterm"]) <= 2, f"rank {rank}: more than Lightning's SIGTERM broadcast\n{report}"
+    # the counter sees the rounds at all: the ranks that route tokens read their split sizes
+    assert any(budget(got, world, R)["reads"] for got in per_rank), report
+
+
+def checkpoint_every_two_steps(rank: int, world: int, root: str) -> dict:
+    from helpers_zebra import make_test_plan
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from reference import data, make_model, trainer
+
+    os.environ[standin.ENV] = "1"
+    try:
+        ckpt = ModelCheckpoint(dirpath=root, monitor="train_loss", every_n_train_steps=2, save_top_k=1,
+                               filename="{step}")
+        counter = CountSyncs(steps=(1, 2))
+        strategy = HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2, layers=LAYERS))
+        t = trainer(strategy, world, max_steps=4, callbacks=[ckpt, counter], enable_checkpointing=True)
+        t.fit(make_model(4, n_layers=LAYERS), datamodule=data(world))
+        shares = {step: sum(1 for s in syncs if any(c.startswith("lightning_hetermoe/strategy/shared_metrics.py")
+                                                     for c in s.callers))
+                  for step, syncs in counter.syncs.items()}
+        return {"shares": shares, "best": ckpt.best_model_path, "score": float(ckpt.best_model_score),
+                "metrics": sorted(t.callback_metrics)}
+    finally:
+        os.environ.pop(standin.ENV, None)
+
+
+@pytest.mark.slow
+def test_metrics_are_shared_with_the_expert_ranks_only_at_the_steps_a_checkpoint_checks(tmp_path):
+    """Zebra's expert ranks log nothing; a checkpoint monitoring ``train_loss`` every two
+    steps decides alike on every rank (it needs the metric everywhere), and the metrics
+    travel (and are read on the host) at the steps it checks only: the step ending at global
+    step 2, not the one ending at 3."""
+    per_rank = run_ranks(2, checkpoint_every_two_steps, 2, str(tmp_path))
+    for got in per_rank:
+        assert got["shares"][1] > 0 and got["shares"][2] == 0, got["shares"]
+        assert {k: got[k] for k in ("best", "score", "metrics")} == {k: per_rank[0][k] for k in ("best", "score",
+                                                                                                 "metrics")}
+    assert "train_loss" in per_rank[1]["metrics"] and per_rank[0]["best"].endswith(".ckpt")
+
+
+def test_the_gpu_self_check_counts_cuda_sync_warnings_only():
+    """The self-check counts the warning CUDA's sync debug mode gives (c10's
+    ``warn_or_error_on_sync``), not every warning that mentions synchronising."""
+    assert is_sync_warning(UserWarning("called a synchronizing CUDA operation (Triggered internally at "
+                                       "/pytorch/c10/cuda/CUDAFunctions.cpp:154.)"))
+    for other in ("This is a prototype feature: its synchronization may change",
+                  "torch.cuda.synchronize() is deprecated in this context", "Synchronizing streams"):
+        assert not is_sync_warning(UserWarning(other)), other
+
+
+@pytest.mark.slow
+def test_the_standin_counts_each_kind_of_host_sync_only_while_counting():
+    assert run_ranks(1, counted_kinds) == [True]
+
+
+def counted_kinds(rank: int) -> bool:
+    """What a GPU syncs on, the stand-in notes, with the line that asked; what a GPU runs
+    without the host waiting, it does not; nothing outside ``counting_syncs``."""
+    import sys
+
+    import torch
+
+    device = standin.enable()
+    x = torch.randn(6, device=device)
+    r = torch.tensor([1, 2, 3], device=device)
+    here = f"{standin.short_path(__file__)}:"
+    with standin.counting_syncs() as syncs:
+        line = sys._getframe().f_lineno
+        x.sum().item(); bool(x.sum() > 0); x.tolist(); x.cpu(); torch.empty(6).copy_(x)  # noqa: E702
+        x.nonzero(); x[x > 0]; torch.repeat_interleave(r); torch.bincount(r)  # noqa: E702
+        torch.tensor([1.0, 2.0], device=device); torch.ones(3).to(device)  # noqa: E702
+        # device-only: no sync on a GPU
+        torch.repeat_interleave(r, output_size=6); x.repeat_interleave(2); torch.where(x > 0, x, 0)  # noqa: E702
+        torch.zeros(4, device=device).scatter_add_(0, r, torch.ones(3, device=device)); x.topk(2)  # noqa: E702
+        torch.full((), 2.0, device=device) * x; x.masked_fill(x > 0, 0); x.to(torch.float64)  # noqa: E702
+    x.sum().item(), x.tolist(), x.cpu()
+    kinds = [(s.kind, s.op, s.where) for s in syncs]
+    want = [("item", "_local_scalar_dense", 1), ("item", "_local_scalar_dense", 1), ("tolist", "tolist", 1),
+            ("to_host", "_to_copy", 1), ("to_host", "copy_", 1), ("value_sized", "nonzero", 2),
+            ("value_sized", "index (boolean mask)", 2), ("value_sized", "repeat_interleave", 2),
+            ("value_sized", "bincount", 2), ("h2d_list", "tensor", 3), ("h2d", "copy_", 3)]
+    assert [(k, op) for k, op, _ in kinds] == [(k, op) for k, op, _ in want], kinds
+    for (_, _, where), (_, _, offset) in zip(kinds, want, strict=True):
+        assert where == f"{here}{line + offset}", (where, line + offset)
+    return True

@@ -1,0 +1,82 @@
+"""``expert_backend="auto"`` from the shipped measurements on a GPU kind this machine does not
+have: the device's identity is mocked (CUDA present, its compute capability), never the
+engine: ``auto_backend`` reads the real ``kernels/measured.json`` and its real rule.
+
+On an H100 (sm90) the shipped entry, from issue #39's bf16 measurement at Mixtral's layer
+shape (transformers' grouped_mm path 37.3 ms, this pack's Triton 52.6 ms), makes auto run
+``grouped_mm``; a kind with no entry (sm80) falls to the rule (Triton from sm80 up)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hetermoe import kernels
+from lightning_hetermoe.kernels import chooser, measured
+
+
+@pytest.fixture
+def cuda_of(monkeypatch):
+    """A CUDA device of a chosen compute capability as backend selection sees it; the
+    shipped measurements read afresh, auto's memo empty."""
+    state = {"capability": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["capability"])
+    monkeypatch.setattr(measured, "_LOADED", [])
+    monkeypatch.setattr(chooser, "_AUTO", {})
+    monkeypatch.setattr(chooser, "_WARNED", set())
+    return state
+
+
+def test_shipped_sm90_entry_is_the_issue_measurement():
+    entry = measured.load()["cuda:sm90"]
+    assert entry["best"] == "grouped_mm" and entry["dtype"] == "bfloat16"
+    assert entry["device"] == "NVIDIA H100 80GB HBM3" and entry["torch"] == "2.11.0+cu130"
+    assert "not a bench/kernels.py --write run" in entry["source"]
+    (case,) = entry["cases"]
+    assert (case["d_model"], case["d_ff"], case["experts"], case["top_k"], case["tokens"]) == (4096, 14336, 8, 2, 8192)
+    # the entry's winner is consistent with its own figures: transformers' grouped_mm path
+    # (the primitive grouped_mm runs) beat the Triton path auto took before
+    assert min(case["ms"], key=case["ms"].get) == "hf_grouped_mm"
+    assert case["ms"]["hf_grouped_mm"] < case["ms"]["triton"]
+
+
+def test_auto_on_sm90_runs_grouped_mm(cuda_of):
+    cuda = torch.device("cuda", 0)
+    assert measured.device_kind(cuda) == "cuda:sm90"
+    assert chooser.auto_backend(cuda) == "grouped_mm"
+    assert chooser.backend_for("auto", cuda, torch.bfloat16) == "grouped_mm"
+    # torch._grouped_mm is sync-free on CUDA for bf16 only: fp16 and fp32 take the rule
+    # (Triton; its own fp32 path goes to the torch loop without TF32)
+    rule = "triton" if kernels.triton_available(cuda) else "torch"
+    assert chooser.backend_for("auto", cuda, torch.float16) == rule
+    assert chooser.backend_for("auto", cuda, torch.float32) == rule
+    # the function auto hands the layer chooses per call, from the inputs' dtype
+    assert chooser.resolve_backend("auto", cuda) is chooser._auto_by_dtype
+
+
+def test_auto_on_sm80_without_entry_follows_the_rule(cuda_of):
+    """No measurement for A100: the rule (Triton where it emits tensor-core code)."""
+    cuda_of["capability"] = (8, 0)
+    cuda = torch.device("cuda", 0)
+    assert "cuda:sm80" not in measured.load()
+    assert chooser.auto_backend(cuda) == ("triton" if kernels.triton_available(cuda) else "torch")
+    # with triton importable here the rule's answer is Triton
+    if kernels.triton_available(cuda):
+        assert chooser.backend_for("auto", cuda, torch.bfloat16) == "triton"
+
+
+def test_auto_on_sm90_falls_back_where_grouped_mm_cannot_run(cuda_of, monkeypatch):
+    """A torch without ``_grouped_mm`` on that H100: the measured winner cannot run, the rule decides."""
+    monkeypatch.setattr(chooser, "grouped_mm_available", lambda device: False)
+    want = "triton" if kernels.triton_available(torch.device("cuda", 0)) else "torch"
+    assert chooser.auto_backend(torch.device("cuda", 0)) == want
+
+
+def test_auto_memo_is_per_device(cuda_of):
+    """auto is memoised per device and dtype: cleared here, so each case above saw the file."""
+    cuda = torch.device("cuda", 0)
+    chooser.backend_for("auto", cuda, torch.bfloat16)
+    chooser.backend_for("auto", cuda, torch.float16)
+    rule = "triton" if kernels.triton_available(cuda) else "torch"
+    assert chooser._AUTO == {"cuda:0:torch.bfloat16": "grouped_mm", "cuda:0:torch.float16": rule}
