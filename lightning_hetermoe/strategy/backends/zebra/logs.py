@@ -148,9 +148,10 @@ def _reduce(name: str, calls: list[tuple[Any, tuple, dict, int]], sizes: list[in
     # the metrics group, whose device backend (NCCL) takes no CPU tensor
     stacked = torch.stack([_on_device(v, device) for v in values])
     if kind == "mean":
-        # the weights are host numbers: scalars of device ops, not a host list copied over
-        # (a blocking copy, a host sync per logged name on a GPU)
-        value = torch.stack([stacked[i] * w for i, w in enumerate(weights)]).sum() / max(sum(weights), 1)
+        # the weights are host numbers: copied from pinned memory, not blocking (a plain copy
+        # of a host list is a host sync per logged name on a GPU)
+        w = comm.to_device(torch.tensor(weights, dtype=torch.float64, device="cpu"), device)
+        value = (stacked * w).sum() / max(sum(weights), 1)
     elif kind == "sum":
         value = stacked.sum()
     elif kind == "max":
