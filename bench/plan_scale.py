@@ -1,16 +1,17 @@
 """Planning at scale: how long ``make_plan`` takes from 8 to 1,024 GPUs, and how close the
 plan comes to the throughput bound.
 
-    python bench/plan_scale.py               # 8 to 1,024 GPUs, flat and on nodes, D1 and OLMoE-1B-7B
+    python bench/plan_scale.py               # 8 to 1,024 GPUs, flat, on nodes and free, every shipped real model
     python bench/plan_scale.py --sizes 64,256 --models d1
     python bench/plan_scale.py --sizes 10000 --models d1 --layouts flat
 
 The mix is 1/8 H100, 3/8 A40 and 1/2 V100 (the new user's), as a flat list on one 100
 Gbit/s link per GPU, or on nodes of 8 GPUs of one kind each (H100 on NVLink 4, A40 on PCIe
 4, V100 on NVLink 2) joined by 200 Gbit/s InfiniBand per node, or flat with transfers
-that cost nothing (``free``: the gap left to the bound is the schedule's). The global batch is 4
-sequences per GPU. For each cell: the seconds ``make_plan`` took, the zebra plan's predicted
-tokens/s, and that as a fraction of the bound (every device busy on the work it is
+that cost nothing (``free``: the gap left to the bound is the schedule's). The global batch is
+4 sequences per GPU (2 for the models whose experts' saved inputs do not fit 4). For each
+cell: the seconds ``make_plan`` took, the zebra plan's predicted tokens/s, and that as a
+fraction of the bound (every device busy on the work it is
 relatively fastest at, no communication: ``simulate/bound.py``). The last line is JSON.
 """
 
@@ -28,7 +29,10 @@ from lightning_hetermoe.profile import make_timer
 from lightning_hetermoe.simulate.bound import throughput_bound
 
 MIX = (("h100", 1, "nvlink4"), ("a40", 3, "pcie4"), ("v100", 4, "nvlink2"))  # eighths, node link
-MODELS = {"d1": 8192, "olmoe_1b_7b": 4096}
+# every shipped real model: tokens per sequence, sequences per GPU in the global batch (2 where
+# 4 do not fit the mix's memory: Qwen3-30B-A3B's and Mixtral's experts' saved inputs bind)
+MODELS = {"d1": (8192, 4), "olmoe_1b_7b": (4096, 4), "qwen3_30b_a3b": (4096, 2), "mixtral_8x7b": (4096, 2),
+          "deepseek_v2_lite": (4096, 4)}
 PER_NODE = 8
 
 
@@ -57,16 +61,19 @@ def main() -> None:
     print(f"{'model':<12} {'layout':<6} {'GPUs':>6} {'nodes':>5} {'plan s':>7} {'zebra tok/s':>13} "
           f"{'bound tok/s':>13} {'of bound':>8} {'best schedule':>20}  plan")
     for model_name in args.models.split(","):
-        model, seq_len = workload_model(model_name), MODELS[model_name]
+        model, (seq_len, per_gpu) = workload_model(model_name), MODELS[model_name]
         for layout in args.layouts.split(","):
             for n in (int(x) for x in args.sizes.split(",")):
                 cluster = mix_cluster(n, layout)
                 world = cluster.world_size
                 started = time.perf_counter()
                 try:
-                    plan = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=4 * world * seq_len)
+                    plan = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=per_gpu * world * seq_len)
                 except ValueError as err:
-                    print(f"{model_name:<12} {layout:<6} {world:>6} {cluster.num_nodes:>5} no plan: {err}")
+                    seconds = time.perf_counter() - started
+                    print(f"{model_name:<12} {layout:<6} {world:>6} {cluster.num_nodes:>5} {seconds:>7.2f} no plan: {err}")
+                    rows.append({"model": model_name, "layout": layout, "gpus": world, "nodes": cluster.num_nodes,
+                                 "plan_s": seconds, "error": str(err)})
                     continue
                 seconds = time.perf_counter() - started
                 bound = throughput_bound(as_cluster(cluster).devices, make_timer(model, seq_len), model, seq_len)

@@ -44,6 +44,7 @@ such wait.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -71,8 +72,9 @@ class Round:
     layer: int
     mb: int
 
-    @property
+    @functools.cached_property
     def expert_task(self) -> Task:
+        # cached: a simulation asks each round's for every lane
         return Task("expert_fwd" if self.phase == "fwd" else "expert_bwd", self.layer, self.mb)
 
 

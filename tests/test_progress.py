@@ -73,3 +73,15 @@ def test_a_step_outside_training_does_not_count(virtual_clock):
     assert p.snapshot().split("|")[1] == "0.250"
     p.pause()  # validation or a checkpoint: outside a step
     assert p.snapshot().split("|")[1] == "-1.000"
+
+
+def test_a_rank_computing_inside_the_bound_is_named_when_its_peer_waits_past_it():
+    """On a loaded host the rank asleep in its experts may enter the step seconds after its
+    peer: the peer, waiting in a collective, passes the bound first; the sleeper is named."""
+    seen = [Seen(0, 8, 8.0, 12, "zebra.answers"), Seen(1, 8, 3.0, 16, "")]
+    rank, report = stuck_report(seen, 3.0, describe)
+    assert rank == 1 and "not inside a collective while its peers wait" in report
+    assert "in step 8 for 3 s, while rank 0 waited past the bound of 3 s" in report
+    # a rank outside any step is no culprit: the waiting one is named
+    rank, _ = stuck_report([Seen(0, 8, 8.0, 12, "zebra.answers"), Seen(1, 8, -1.0, 0, "")], 3.0, describe)
+    assert rank == 0

@@ -333,3 +333,38 @@ def test_issue_order_puts_the_next_dispatch_first_only_where_it_is_safe():
     one = build_schedule("zebra", 2, 1)
     assert Round("fwd", 0, 0) not in one.early_rounds([False, False])
     assert build_schedule("distep", 2, 2).early_rounds([False, False]) == frozenset()
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+@pytest.mark.parametrize("R", [1, 2, 3, 4])
+def test_the_gates_a_channels_order_implies_can_go_without_changing_any_time(schedule, R):
+    """An expert rank's collectives wait for the last experts it ran; the graph keeps that edge
+    only on the first round after each new answer (a channel runs its rounds in order, so
+    the later ones wait anyway). Every task's start and end equal the graph with every edge,
+    on plans whose expert ranks hold experts in a few layers only (the thousands-of-ranks case)."""
+    from lightning_hetermoe.plan import as_cluster, make_plan
+    from lightning_hetermoe.simulate import plan_setup
+    from lightning_hetermoe.simulate.step import build_tasks, run_step_dag
+
+    model = ModelConfig(name="sparse", vocab_size=1000, d_model=256, n_layers=6, n_heads=4, max_seq_len=2048,
+                        moe=MoEConfig(num_experts=2, top_k=1, d_ff=512))
+    timer = make_timer(model, 1024)
+    view = as_cluster(["h100", "h100", "a40"] + ["v100"] * 12)
+    for M in (2, 3):
+        plan = make_plan(view, model, seq_len=1024, global_batch_tokens=8 * R * 1024, num_microbatches=R,
+                         num_attention_ranks=M, num_zp_groups=1, schedules=(schedule,))
+        # each expert rank holds experts in two layers (one attention rank in some, where M = 3),
+        # as on thousands of ranks where a layer's experts are spread thin
+        n_exp = len(plan.zp_groups[0].expert_ranks)
+        plan.placement = [[M + (2 * l) % n_exp, M + (2 * l + 1) % n_exp] if l % 3 or M == 2 else [0, M + l % n_exp]
+                          for l in range(model.n_layers)]
+        plan.base_counts = []
+        setup = plan_setup(plan, view.devices, model, view.topology, schedule=schedule)
+        assert any(0 < sum(x > 0 for x in lane.experts) < model.n_layers for lane in setup.lanes)
+        timelines = []
+        for every in (False, True):
+            tasks, policies, _, late = build_tasks(setup, timer, every_gate=every)
+            timelines.append((run_step_dag(tasks, policies, late), sum(len(t.deps) for t in tasks)))
+        (pruned, n_pruned), (full, n_full) = timelines
+        assert n_pruned < n_full  # edges did go
+        assert pruned.start == full.start and pruned.end == full.end

@@ -184,7 +184,8 @@ def test_the_equivalence_tests_of_every_mode_pass_on_the_standin():
     to one process, as on the CPU. The tests themselves run, in a pytest of their own with
     the stand-in switched on (the harness forwards it to every rank)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EQUIVALENCE_ON_THE_STANDIN],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                           *EQUIVALENCE_ON_THE_STANDIN],
                           cwd=root, env={**os.environ, standin.ENV: "1"}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert f"{len(EQUIVALENCE_ON_THE_STANDIN)} passed" in proc.stdout, proc.stdout[-2000:]

@@ -15,9 +15,10 @@ Search, each candidate scored by the step simulator (zebra schedule):
    sequences).
 4. **Placement.** Experts per member and layer with Asym-EA (see ``asym_ea.py``).
 
-A cheap first pass (one R per role split) keeps the two best splits; the full G × R
-search runs on those. Where no split of the role order fits in memory, every layout the
-plan format can express is checked by the memory model alone (``fit.py``): the fastest of
+A cheap first pass (one R per role split: a small one, or the fewest that fit) keeps the
+two best splits; the full G × R search runs on those, from the most groups down. Each
+layout is built and simulated once per search. Where no split of the role order fits in
+memory, every layout the plan format can express is checked by the memory model alone (``fit.py``): the fastest of
 the feasible ones is planned, or the refusal names the binding constraint and the largest
 batch that plans. Memory prices the dense optimizer state sharded over the attention
 ranks where the strategy shards it. Everything is deterministic, so every rank computes
@@ -99,13 +100,33 @@ class _Search:
         self.last_error = ""
         self.errors: list[str] = []
         self.layouts: LayoutSearch | None = None  # set by plan_for_batch: the search when memory binds
+        # per device kind, not per rank: thousands of ranks share a few kinds
+        self._total_gb = sum(d.memory_gb for d in self.devs)
+        self._per_kind: dict[tuple, Any] = {}
+        self._caps: dict[tuple, int] = {}
+        self._scored: dict[tuple, tuple[float, Plan] | None] = {}
+
+    def _kind(self, what: str, dev: DeviceSpec, compute) -> Any:
+        key = (what, dev)
+        if key not in self._per_kind:
+            self._per_kind[key] = compute()
+        return self._per_kind[key]
 
     def holdable(self, r: int) -> bool:
         """Rank ``r`` can hold the attention stack and one sequence, with the dense optimizer
         state sharded over every rank where it is sharded at all (its smallest share)."""
         dev = self.devs[r]
-        share = dev.memory_gb / sum(d.memory_gb for d in self.devs) if self.sharded and len(self.devs) > 1 else 1.0
-        return self.mem.attention_fits(dev, tokens_in_flight=self.S, mb_tokens=self.S, optimizer_share=share)
+        share = dev.memory_gb / self._total_gb if self.sharded and len(self.devs) > 1 else 1.0
+        return self._kind("holdable", dev, lambda: self.mem.attention_fits(
+            dev, tokens_in_flight=self.S, mb_tokens=self.S, optimizer_share=share))
+
+    def capacity(self, dev: DeviceSpec, *, group_seqs: int, R: int, seqs: int | None, share: float = 1.0) -> int:
+        """:func:`member_capacity`, asked once per device kind and shape."""
+        key = (dev, group_seqs, R, seqs, share)
+        if key not in self._caps:
+            self._caps[key] = member_capacity(self.mem, dev, seq_len=self.S, group_seqs=group_seqs, R=R, seqs=seqs,
+                                              share=share)
+        return self._caps[key]
 
     # ---- building blocks -----------------------------------------------------------------
     def role_order(self) -> list[int]:
@@ -123,7 +144,10 @@ class _Search:
                 f"tokens, the largest device has {format_bytes(max(d.usable_bytes for d in self.devs))} usable; "
                 f"not one sequence plans: add memory or shorten data.seq_len"
             )
-        key = {r: (-affinity(self.devs[r]), -ep_speed(self.devs[r], t, self.model, S), r) for r in holdable}
+        def rank_key(d: DeviceSpec) -> tuple[float, float]:
+            return -affinity(d), -ep_speed(d, t, self.model, S)
+
+        key = {r: (*self._kind("order", self.devs[r], lambda: rank_key(self.devs[r])), r) for r in holdable}
         rest = [r for r in range(len(self.devs)) if r not in key]
         return sorted(key, key=key.get) + rest
 
@@ -184,7 +208,7 @@ class _Search:
         shares = optimizer_shares(devs, attn, self.sharded)
         attn_cap, attn_t, attn_xt = [], [], []
         for r, s in zip(g0.attention_ranks, member_seqs):
-            cap = member_capacity(self.mem, devs[r], seq_len=S, group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
+            cap = self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
             if cap < 0:
                 self.last_error = (
                     f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations of "
@@ -196,7 +220,7 @@ class _Search:
             attn_xt.append(self.timer.expert(devs[r], mb_group_tokens * k / E))
         exp_cap = [
             self.profile_cap(
-                devs[r], max(member_capacity(self.mem, devs[r], seq_len=S, group_seqs=group_seqs, R=R, seqs=None), 0),
+                devs[r], max(self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=None), 0),
                 "expert")
             for r in g0.expert_ranks
         ]
@@ -210,7 +234,8 @@ class _Search:
             self.last_error = str(err)
             return None
         M_g = len(g0.attention_ranks)
-        roles = ["attention" if r in attn else "expert" for r in range(len(devs))]
+        attn_set = set(attn)
+        roles = ["attention" if r in attn_set else "expert" for r in range(len(devs))]
         seqs = [0] * len(devs)
         for grp in groups:
             for r, s in zip(grp.attention_ranks, member_seqs):
@@ -273,19 +298,17 @@ class _Search:
 
     # ---- the search --------------------------------------------------------------------------
     def best_for(self, order: list[int], M: int, Gs: list[int], R_list: list[int]) -> tuple[float, Plan] | None:
-        """The fastest plan with M attention ranks over the group counts ``Gs``; R ascending,
-        stopping once two larger R in a row do not help."""
+        """The fastest plan with M attention ranks over the group counts ``Gs`` (in the order
+        given); R ascending, stopping once two larger R in a row do not help."""
         best = None
+        worse_groups = 0
         for G in Gs:
             local, worse = None, 0
             for R in R_list:
-                plan = self.candidate(order, M, G, R)
-                if plan is None:
-                    if self.last_error:
-                        self.errors.append(self.last_error)
-                        self.last_error = ""
+                got = self.scored(order, M, G, R)
+                if got is None:
                     continue
-                t, plan = self.score(plan)
+                t, plan = got
                 if local is None or t < local * (1 - 1e-9):
                     local, worse = t, 0
                 else:
@@ -294,7 +317,29 @@ class _Search:
                         break
                 if best is None or t < best[0] * (1 - 1e-9):
                     best = (t, plan)
+            # many group counts (thousands of ranks): from the most groups down, stopping once
+            # two in a row do not beat the best; fewer groups only widen the exchange further
+            if len(Gs) > MAX_GROUP_COUNTS:
+                if local is not None:  # a group count too small to fit is no evidence either way
+                    worse_groups = 0 if best is not None and local <= best[0] else worse_groups + 1
+                if worse_groups >= 2:
+                    break
         return best
+
+    def scored(self, order: list[int], M: int, G: int, R: int) -> tuple[float, Plan] | None:
+        """:meth:`score` of :meth:`candidate`, once per layout: the two passes (and the
+        refinement of the role split) come back to the same ones."""
+        key = (tuple(order[:M]), G, R)
+        if key not in self._scored:
+            plan = self.candidate(order, M, G, R)
+            if plan is None:
+                if self.last_error:
+                    self.errors.append(self.last_error)
+                    self.last_error = ""
+                self._scored[key] = None
+            else:
+                self._scored[key] = self.score(plan)
+        return self._scored[key]
 
     def group_counts(self, M: int, pinned: int | None) -> list[int]:
         W = len(self.devs)
@@ -317,7 +362,9 @@ class _Search:
         def split_time(M: int) -> float | None:
             if M not in tried:
                 Gs = [pinned] if pinned else sorted({1, self.most_groups(order, M)} if wide else {1})
-                got = self.best_for(order, M, Gs, probe) or self.best_for(order, M, Gs, Rs)
+                # one R per split: the probe, or where it does not fit the fewest micro-batches that do
+                got = self.best_for(order, M, Gs, probe) or next(
+                    (g for g in (self.best_for(order, M, Gs, [R]) for R in Rs if R > probe[0]) if g is not None), None)
                 tried[M] = None if got is None else got[0]
             return tried[M]
 
@@ -330,7 +377,7 @@ class _Search:
             return self.when_memory_binds(order, Rs)
         best = None
         for _, M in first[:2]:
-            got = self.best_for(order, M, self.group_counts(M, pinned), Rs)
+            got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs)
             if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
                 best = got
         assert best is not None
@@ -401,6 +448,10 @@ class _Search:
         return (f"{proof} of {self.model.name} on {self.view.name} fits {self.total} sequences of {S} tokens; "
                 f"closest: {layouts.describe(v.layout)}, where {v.why}; {most}")
 
+
+# Beyond this many group counts for a role split, pass 2 walks them from the most groups down
+# and stops once two in a row lose (a cluster of thousands of ranks has dozens of divisors).
+MAX_GROUP_COUNTS = 6
 
 # Feasible attention-count vectors planned (simulated) when memory binds, nearest the role order first.
 FALLBACK_VECTORS = 4

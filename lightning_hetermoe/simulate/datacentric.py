@@ -60,7 +60,8 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
     weights = layer_weight_bytes(model, timer)
     link = as_topology(link, W).ring_link(range(W))  # every collective is a ring over all ranks
     total_memory = sum(d.memory_gb for d in devs)
-    for d in devs:
+    kinds = set(devs)  # ranks of one device kind hold and run alike: price each kind once
+    for d in kinds:
         held = (L * E * mem.expert_params() * mem.bytes_per_param * d.memory_gb / total_memory
                 + mem.attention_stack_params() * mem.bytes_per_param + 2 * weights)
         if held > d.memory_gb * 1e9:
@@ -71,11 +72,13 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
     move = weight_move_seconds(model, timer, link, fraction)
     scatter = weight_move_seconds(model, timer, link, fraction, grads=True)
     seqs = datacentric_shares(devs, model, seq_len, total_seqs, timer)
-    work = [_rank_work(d, n * seq_len, model, timer, expert_load) for d, n in zip(devs, seqs)]
+    # ranks alike in device and share clock alike: the synchronised step over the distinct
+    # ones is the step over all of them
+    work = [_rank_work(d, n * seq_len, model, timer, expert_load) for d, n in dict.fromkeys(zip(devs, seqs))]
     slowest = _synchronised_step(work, L, move, scatter)
     tail = timer.grad_sync(mem.attention_stack_params(), W, link) + max(
         timer.optimizer(d, mem.attention_stack_params() + L * E * mem.expert_params() * d.memory_gb / total_memory)
-        for d in devs)
+        for d in kinds)
     return slowest + tail
 
 

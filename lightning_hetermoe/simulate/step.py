@@ -106,6 +106,8 @@ class StepSetup:
     topology: Topology = field(init=False, repr=False, compare=False)
     _lane_nodes: list | None = field(default=None, init=False, repr=False, compare=False)
     _legs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _leg_time: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
@@ -134,11 +136,16 @@ class StepSetup:
     def exchange(self, layer: int, tokens: list[float]) -> tuple[list[tuple[float, LinkConfig]], float]:
         """:func:`exchange_legs`, once per distinct leg: under even routing, layers whose
         lanes hold as many experts move the same rows for the same tokens."""
-        held = (layer,) if self.expert_load is not None else tuple(lane.experts[layer] for lane in self.lanes)
-        key = (held, tuple(tokens))
+        key = self.leg_key(layer, tokens)
         if key not in self._legs:
             self._legs[key] = exchange_legs(self, layer, list(tokens))
         return self._legs[key]
+
+    def leg_key(self, layer: int, tokens: list[float]) -> tuple:
+        if layer not in self._held:
+            self._held[layer] = ((layer,) if self.expert_load is not None
+                                 else tuple(lane.experts[layer] for lane in self.lanes))
+        return self._held[layer], tuple(tokens)
 
     def replicas_of(self, rank: int) -> list[int]:
         return self.replica_ranks.get(rank, [rank]) if self.replica_ranks else [rank]
@@ -246,12 +253,15 @@ def _check(setup: StepSetup) -> None:
         raise ValueError("simulate: no rank has any tokens")
 
 
-def build_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], dict[str, float], list["LateHeader"]]:
+def build_tasks(setup: StepSetup, timer, every_gate: bool = False
+                ) -> tuple[list[Task], dict[str, str], dict[str, float], list["LateHeader"]]:
     """The task graph, the resource policies, the per-lane tail (grad sync + optimizer) and
-    the early rounds whose next receive depends on timing (:func:`run_step_dag` settles them)."""
+    the early rounds whose next receive depends on timing (:func:`run_step_dag` settles them).
+    ``every_gate``: keep the edges a channel's order already implies (the reference the
+    pruned graph is tested against)."""
     _check(setup)
     if setup.schedule is not None:
-        tasks, policies, late = _schedule_tasks(setup, timer)
+        tasks, policies, late = _schedule_tasks(setup, timer, every_gate)
     else:
         tasks, policies, late = _ep_tasks(setup, timer)
     tails = {}
@@ -357,8 +367,17 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
     """One leg of a round: the slowest of its links (see :func:`exchange_legs`), each
     latency + its busiest rows over its bandwidth."""
-    legs, _ = setup.exchange(layer, tokens)
-    return max((timer.transfer(rows, link) for rows, link in legs), default=0.0)
+    key = setup.leg_key(layer, tokens)
+    if key not in setup._leg_time:
+        legs, _ = setup.exchange(layer, tokens)
+        # a leg's time grows with its rows: on thousands of nodes that share a few kinds of
+        # link, only each link's busiest leg can be the slowest
+        busiest: dict[int, tuple[float, LinkConfig]] = {}
+        for rows, link in legs:
+            if rows > busiest.get(id(link), (-1.0, link))[0]:
+                busiest[id(link)] = (rows, link)
+        setup._leg_time[key] = max((timer.transfer(rows, link) for rows, link in busiest.values()), default=0.0)
+    return setup._leg_time[key]
 
 
 def lane_tokens(setup: StepSetup) -> list[list[int]]:
@@ -414,7 +433,8 @@ class TaskTimes:
         return self._memo[key]
 
 
-def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list[LateHeader]]:
+def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
+                    ) -> tuple[list[Task], dict[str, str], list[LateHeader]]:
     sched = setup.schedule
     m = setup.model
     L, R, E = m.n_layers, setup.num_microbatches, m.moe.num_experts
@@ -484,38 +504,56 @@ def _schedule_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str]
     early = sched.early_rounds(attention_holds)
     order = sched.issue_order(attention_holds)
     after = dict(zip(sched.rounds, sched.rounds[1:]))
-    gate: list[dict[tuple[str, Round], ScheduleTask]] = [{} for _ in lanes]
+    # per expert lane and channel, by round position: the lane's task (its id) that the round
+    # waits for (-1: none yet)
+    position = {r: k for k, r in enumerate(sched.rounds)}
+    gates: dict[int, dict[str, list[int]]] = {}
     for i, lane in enumerate(lanes):
         if lane.role == "attention":
             continue
-        answered = None
+        gates[i] = per = {"combine": [-1] * len(position), "dispatch": [-1] * len(position)}
+        answered = -1
         for kind, r in order:
             if kind == "combine" and lane.experts[r.layer]:
-                answered = r.expert_task
-            elif answered is not None:
-                gate[i][(kind, r)] = answered
-    for r in sched.rounds:
+                answered = ids.get((i, r.expert_task), -1)
+            elif answered >= 0:
+                per[kind][position[r]] = answered
+    # A channel runs its rounds one at a time in this order, so a round need not wait for a
+    # lane's task that an earlier round on its channel already waits for (or for one before
+    # it: a lane's tasks run in order, added one after another). Only the first round after
+    # each new answer gets the edge: O(tasks) edges instead of O(lanes x rounds).
+    waited: dict[tuple[str, int], int] = {}
+
+    def gate_dep(chan: str, r: Round, i: int, on: int | None) -> None:
+        if on is None or on < 0 or (not every_gate and waited.get((chan, i), -1) >= on):
+            return
+        waited[(chan, i)] = on
+        tasks[ids[(chan, r)]].deps.append(on)
+
+    for k, r in enumerate(sched.rounds):
         for i in att:
             for t in emitters.get(r, ()):
                 dep(("a2e", r), (i, t))
                 if r in early:
                     for t2 in emitters.get(after[r], ()):
                         dep(("e2a", r), (i, t2))
+        # the next round's emitters, as every expert lane's late header names them
+        next_emitters = [ids[(a, t2)] for a in att for t2 in emitters.get(after[r], ())] if r in early else []
+        expert_task = r.expert_task
         for i, lane in enumerate(lanes):
             if lane.experts[r.layer]:
-                dep(("e2a", r), (i, r.expert_task))
-                if r in early and lane.role != "attention":
+                gate_dep("e2a", r, i, ids.get((i, expert_task)))
+                if next_emitters and lane.role != "attention":
                     # the next round's receive goes before r's experts only if its header is
                     # in by the time they could start: run_step_dag checks, once timed. A lane's
                     # tasks were added one after another in its order: its next task is mine + 1
-                    mine = ids[(i, r.expert_task)]
+                    mine = ids[(i, expert_task)]
                     follow = mine + 1 if mine + 1 < ids[(i, orders[i][0])] + len(orders[i]) else None
-                    late.append(LateHeader(mine, ids[("a2e", after[r])],
-                                           [ids[(a, t2)] for a in att for t2 in emitters.get(after[r], ())], follow))
-            elif ("combine", r) in gate[i]:
-                dep(("e2a", r), (i, gate[i][("combine", r)]))
-            if ("dispatch", r) in gate[i]:
-                dep(("a2e", r), (i, gate[i][("dispatch", r)]))
+                    late.append(LateHeader(mine, ids[("a2e", after[r])], list(next_emitters), follow))
+            elif i in gates:
+                gate_dep("e2a", r, i, gates[i]["combine"][k])
+            if i in gates:
+                gate_dep("a2e", r, i, gates[i]["dispatch"][k])
     for g, mbs in enumerate(sched.balance_groups):
         for l in range(L):
             for i in att:

@@ -114,10 +114,14 @@ def stuck_report(seen: list[Seen], bound_s: float, describe, complete: bool = Tr
     over = [s for s in seen if s.elapsed_s > bound_s]
     if not over:
         return None
-    computing = [s for s in over if not s.waiting]
+    # A rank inside a step but not inside a collective holds up the ones waiting past the
+    # bound, even if its own clock in the step is shorter: on a loaded host it may have
+    # entered the step seconds after them (the one asleep in its experts, found late).
+    computing = sorted((s for s in seen if s.elapsed_s >= 0 and not s.waiting),
+                       key=lambda s: (s.elapsed_s <= bound_s, s.issued, s.rank))
     if not computing and not complete:
         return None
-    culprit = min(computing or over, key=lambda s: (s.issued, s.rank))
+    culprit = computing[0] if computing else min(over, key=lambda s: (s.issued, s.rank))
     lines = []
     for s in sorted(seen, key=lambda s: s.rank):
         if s.elapsed_s < 0:
@@ -129,8 +133,10 @@ def stuck_report(seen: list[Seen], bound_s: float, describe, complete: bool = Tr
     why = ("not inside a collective while its peers wait" if not culprit.waiting else
            f"every rank past the bound waits in a collective; it issued the fewest ({culprit.issued}), so its peers "
            f"wait for its next one")
-    return culprit.rank, (f"in step {culprit.step} for {culprit.elapsed_s:.0f} s, past the bound of {bound_s:.0f} s "
-                          f"({why})\n" + "\n".join(lines))
+    past = (f"past the bound of {bound_s:.0f} s" if culprit.elapsed_s > bound_s else
+            f"while rank {', '.join(str(s.rank) for s in over)} waited past the bound of {bound_s:.0f} s")
+    return culprit.rank, (f"in step {culprit.step} for {culprit.elapsed_s:.0f} s, {past} ({why})\n"
+                          + "\n".join(lines))
 
 
 def _who(describe, rank: int) -> str:
