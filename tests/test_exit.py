@@ -135,7 +135,7 @@ else:
 def test_many_short_multi_process_jobs_exit_without_an_abort(tmp_path):
     script = tmp_path / "many_exits.py"
     script.write_text(MANY_EXITS)
-    runs = 16
+    runs = 12  # 24 rank exits: the old heartbeat aborted about 1 in 8, so 24 clean ones would be luck (3%)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(script), str(ROOT), str(runs), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=240)

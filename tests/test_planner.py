@@ -72,6 +72,35 @@ def test_asym_ea_handles_non_divisible_m_n(M, N):
     assert all(sorted(set(row)) <= list(range(M + N)) and len(row) == E for row in place)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_greedy_reusing_each_layers_chunk_moves_what_finding_every_chunk_afresh_moves(seed):
+    """Asym-EA's greedy keeps a layer's chunk while the layer's column and the attention
+    members' room (up to a chunk's size) stay as they were; on random members, speeds and
+    tight capacities (receivers fill up mid-way) it makes every move the reference does."""
+    import random
+
+    from lightning_hetermoe.plan.asym_ea import _base_counts, _offload, _side_times, forward_makespan
+
+    rng = random.Random(seed)
+    M, N, L, E = rng.randint(1, 5), rng.randint(1, 6), rng.randint(2, 8), rng.randint(2, 16)
+    acap = [rng.randint(0, L * E // max(M, 1)) for _ in range(M)]
+    ecap = [rng.randint(L * E // N // 2, L * E) for _ in range(N)]
+    if sum(ecap) + sum(acap) < L * E:
+        ecap[0] += L * E - sum(ecap) - sum(acap)
+    inp = AsymEAInput(L, E, [rng.uniform(0.2, 2) for _ in range(M)], [rng.uniform(0.05, 0.6) for _ in range(M)],
+                      [rng.uniform(0.1, 2) for _ in range(N)], acap, ecap, num_microbatches=rng.randint(1, 4))
+    runs = []
+    for reuse in (True, False):
+        counts, used, _ = _base_counts(inp)
+        chunks: list = []
+        t = _offload(inp, counts, used, inp.num_microbatches,
+                     forward_makespan(*_side_times(inp, counts), inp.num_microbatches), chunks, reuse=reuse)
+        runs.append((counts, used, chunks, t))
+    assert runs[0] == runs[1]
+    counts, used = runs[0][0], runs[0][1]
+    assert used == [sum(row) for row in counts] and all(u <= c for u, c in zip(used, acap + ecap))
+
+
 def test_gather_and_squeeze_chunk_is_one_per_expert_rank_and_n_over_m_per_attention_rank():
     # M=2 attention, N=4 expert ranks, 16 experts: a chunk takes one expert from each of the
     # 4 expert ranks and gives 4/2 = 2 to each attention rank (the printed formula swaps these)

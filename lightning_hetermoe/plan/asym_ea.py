@@ -214,31 +214,54 @@ def _chunk(inp: AsymEAInput, col: list[int], used: list[int], cap: list[int]
 
 
 def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int, current: float,
-             chunks: list[tuple[int, int]]) -> float:
+             chunks: list[tuple[int, int]], reuse: bool = True) -> float:
     """Greedily move the chunk that lowers the forward makespan most, until none does;
-    ``counts``, ``used`` and ``chunks`` are updated in place. Returns the final makespan."""
+    ``counts``, ``used`` and ``chunks`` are updated in place. Returns the final makespan.
+
+    A layer's chunk depends on its own column and on the attention members' room only
+    where the squeeze ran into it: a member that took ``g`` of the chunk and still had room
+    takes the same with any room >= ``g``; one that filled up, only with the same room.
+    Where the layer's column is unchanged and every member's room passes, the chunk is the
+    one found before (``reuse=False``: found afresh each round, the reference)."""
     L, M, N = inp.num_layers, len(inp.attn), len(inp.exp)
     cap = _capacity(inp)
     ta, te = _side_times(inp, counts)
+    found: dict[int, tuple] = {}
+
+    def still(took: list[int], full: list[bool], room: list[int]) -> bool:
+        return all(r == g if f else r >= g for g, f, r in zip(took, full, room))
+
     while True:
         best_move = None
+        room = [max(cap[i] - used[i], 0) for i in range(M)]
         for l in range(L):
-            moved = _chunk(inp, [counts[p][l] for p in range(M + N)], used, cap)
-            if moved is None:
+            before = [counts[p][l] for p in range(M + N)]
+            hit = found.get(l) if reuse else None
+            if hit is None or hit[0] != before or not still(hit[2], hit[3], room):
+                moved = _chunk(inp, before, used, cap)
+                entry, took, full = None, [0] * M, [r == 0 for r in room]
+                if moved is not None:
+                    col, _, n = moved
+                    took = [col[i] - before[i] for i in range(M)]
+                    full = [room[i] == took[i] for i in range(M)]
+                    entry = (col, n, max(inp.attn[i] + col[i] * inp.attn_exp[i] for i in range(M)),
+                             max(col[M + i] * inp.exp[i] for i in range(N)))
+                found[l] = (before, entry, took, full)
+            entry = found[l][1]
+            if entry is None:
                 continue
-            col, trial_used, n = moved
-            ta_l = max(inp.attn[i] + col[i] * inp.attn_exp[i] for i in range(M))
-            te_l = max(col[M + i] * inp.exp[i] for i in range(N))
+            col, n, ta_l, te_l = entry
             old = ta[l], te[l]
             ta[l], te[l] = ta_l, te_l
             t = forward_makespan(ta, te, R)
             ta[l], te[l] = old
             if t < current * (1 - 1e-9) and (best_move is None or t < best_move[0]):
-                best_move = (t, l, col, trial_used, n, ta_l, te_l)
+                best_move = (t, l, col, n, ta_l, te_l)
         if best_move is None:
             return current
-        current, l, col, used[:], n, ta[l], te[l] = best_move
+        current, l, col, n, ta[l], te[l] = best_move
         for p in range(M + N):
+            used[p] += col[p] - counts[p][l]  # each expert moved frees its source, fills its receiver
             counts[p][l] = col[p]
         chunks.append((l, n))
 

@@ -105,6 +105,7 @@ class _Search:
         self._per_kind: dict[tuple, Any] = {}
         self._caps: dict[tuple, int] = {}
         self._scored: dict[tuple, tuple[float, Plan] | None] = {}
+        self._groups: dict[tuple, tuple | None] = {}
 
     def _kind(self, what: str, dev: DeviceSpec, compute) -> Any:
         key = (what, dev)
@@ -171,10 +172,14 @@ class _Search:
                     out[i // per if by_node else i % G].append(r)
             return [sorted(x) for x in out] if by_node else out
 
-        a, e = split(attn), split(expert)
-        if a is None or e is None:
+        key = (tuple(attn), tuple(expert), G, by_node)  # each R of a split asks again
+        if key not in self._groups:
+            a, e = split(attn), split(expert)
+            self._groups[key] = None if a is None or e is None else (a, e)
+        if self._groups[key] is None:
             return None
-        return [ZPGroup(attention_ranks=a[g], expert_ranks=e[g]) for g in range(G)]
+        a, e = self._groups[key]
+        return [ZPGroup(attention_ranks=list(a[g]), expert_ranks=list(e[g])) for g in range(G)]
 
     def candidate(self, order: list[int], M: int, G: int, R: int) -> Plan | None:
         """A full plan for (M attention ranks, G groups, R micro-batches), or None if it does
@@ -197,7 +202,8 @@ class _Search:
             self.last_error = f"{self.total} sequences cannot feed {G} ZP groups"
             return None
         g0 = groups[0]
-        speeds = [ep_speed(devs[r], self.timer, m, S) for r in g0.attention_ranks]
+        speeds = [self._kind("ep_speed", devs[r], lambda: ep_speed(devs[r], self.timer, m, S))
+                  for r in g0.attention_ranks]
         member_seqs = apportion(group_seqs, speeds)
         if R > max(member_seqs):
             self.last_error = (f"a micro-batch needs a sequence: the busiest attention rank of {G} ZP group(s) "

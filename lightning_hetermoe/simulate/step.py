@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..cluster.spec import LinkConfig, slowest
 from ..cluster.devices import DeviceSpec
 from ..cluster.topology import Topology, as_topology
@@ -108,11 +110,23 @@ class StepSetup:
     _legs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _leg_time: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _node_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
         ranks += [r for reps in (self.replica_ranks or {}).values() for r in reps] + list(self.dense_ranks or [])
         self.topology = as_topology(self.link, max(ranks, default=0) + 1)
+
+    def lane_node_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """:meth:`lane_nodes` as rows (group, lane, node) in that order: each row's lane, node,
+        ranks, and its (group, node) place's index (and how many places)."""
+        if self._node_rows is None:
+            rows = [(g * self.topology.num_nodes + n, i, n, c) for g, placed in enumerate(self.lane_nodes())
+                    for i, at in enumerate(placed) for n, c in at.items()]
+            place, lane, node, count = (np.array(x) for x in zip(*rows))
+            _, where = np.unique(place, return_inverse=True)
+            self._node_rows = (lane, node, count.astype(float), where, int(where.max()) + 1)
+        return self._node_rows
 
     def lane_nodes(self) -> list[list[dict[int, int]]]:
         """Per group, per lane: how many of the lane's ranks (their counterparts in that
@@ -345,23 +359,22 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
     if topo.num_nodes == 1:
         worst = max((max(t * k * (1 - s), (group - t) * k * s) for t, s in zip(tokens, shares)), default=0.0)
         return [(worst, topo.links[0])], 0.0
-    intra = [0.0] * topo.num_nodes
-    out, inn = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
-    for placed in setup.lane_nodes():  # one group: per lane, {node: ranks of the lane there}
-        node_t, node_s = [0.0] * topo.num_nodes, [0.0] * topo.num_nodes
-        for i, where in enumerate(placed):
-            for n, c in where.items():
-                node_t[n] += c * tokens[i]
-                node_s[n] += c * shares[i]
-        for i, where in enumerate(placed):
-            t, s = tokens[i], shares[i]
-            for n, c in where.items():
-                intra[n] = max(intra[n], t * k * (node_s[n] - s), s * k * (node_t[n] - t))
-                out[n] += c * t * k * (1 - node_s[n])
-                inn[n] += c * s * k * (group - node_t[n])
-    legs = [(rows, topo.links[n]) for n, rows in enumerate(intra) if rows > 0]
-    legs += [(max(o, i), topo.network) for o, i in zip(out, inn, strict=True) if max(o, i) > 0]
-    return legs, sum(out)
+    # one row per (group, lane, node): the lane's ranks of that group on that node; each
+    # group's node sums of tokens and shares, then each row's traffic, in arrays (thousands
+    # of groups on thousands of nodes). bincount adds in row order, as a loop over groups,
+    # lanes and nodes would: the same sums to the last bit.
+    lane, node, count, where, n_places = setup.lane_node_rows()
+    t, s = np.asarray(tokens, dtype=float)[lane], np.asarray(shares, dtype=float)[lane]
+    node_t = np.bincount(where, weights=count * t, minlength=n_places)[where]
+    node_s = np.bincount(where, weights=count * s, minlength=n_places)[where]
+    intra = np.zeros(topo.num_nodes)
+    np.maximum.at(intra, node, np.maximum(t * k * (node_s - s), s * k * (node_t - t)))
+    out = np.bincount(node, weights=count * t * k * (1 - node_s), minlength=topo.num_nodes)
+    inn = np.bincount(node, weights=count * s * k * (group - node_t), minlength=topo.num_nodes)
+    legs = [(float(intra[n]), topo.links[n]) for n in np.flatnonzero(intra > 0)]
+    worst = np.maximum(out, inn)
+    legs += [(float(worst[n]), topo.network) for n in np.flatnonzero(worst > 0)]
+    return legs, sum(out.tolist())
 
 
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
