@@ -97,9 +97,7 @@ def builds_on_meta(cfg: DictConfig, model_cfg: ModelConfig) -> bool:
         raise ConfigError(f"init_on_meta={choice!r} is invalid: must be true, false or auto")
     from .profile.memory import MemoryModel, small_training_state
 
-    mem = MemoryModel(model_cfg)
-    params = mem.attention_stack_params() + model_cfg.n_layers * model_cfg.moe.num_experts * mem.expert_params()
-    return not small_training_state(params)
+    return not small_training_state(MemoryModel(model_cfg).model_params())
 
 
 def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningModule:

@@ -100,34 +100,28 @@ class _Search:
         self.last_error = ""
         self.errors: list[str] = []
         self.layouts: LayoutSearch | None = None  # set by plan_for_batch: the search when memory binds
-        # per device kind, not per rank: thousands of ranks share a few kinds
         self._total_gb = sum(d.memory_gb for d in self.devs)
-        self._per_kind: dict[tuple, Any] = {}
-        self._caps: dict[tuple, int] = {}
-        self._scored: dict[tuple, tuple[float, Plan] | None] = {}
-        self._groups: dict[tuple, tuple | None] = {}
+        self._memo: dict[tuple, Any] = {}
 
-    def _kind(self, what: str, dev: DeviceSpec, compute) -> Any:
-        key = (what, dev)
-        if key not in self._per_kind:
-            self._per_kind[key] = compute()
-        return self._per_kind[key]
+    def _once(self, key: tuple, compute) -> Any:
+        """``compute()`` once per key for the whole search: asked per device kind, not per
+        rank (thousands of ranks share a few kinds), and per layout, not per visit."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def holdable(self, r: int) -> bool:
         """Rank ``r`` can hold the attention stack and one sequence, with the dense optimizer
         state sharded over every rank where it is sharded at all (its smallest share)."""
         dev = self.devs[r]
         share = dev.memory_gb / self._total_gb if self.sharded and len(self.devs) > 1 else 1.0
-        return self._kind("holdable", dev, lambda: self.mem.attention_fits(
+        return self._once(("holdable", dev), lambda: self.mem.attention_fits(
             dev, tokens_in_flight=self.S, mb_tokens=self.S, optimizer_share=share))
 
     def capacity(self, dev: DeviceSpec, *, group_seqs: int, R: int, seqs: int | None, share: float = 1.0) -> int:
         """:func:`member_capacity`, asked once per device kind and shape."""
-        key = (dev, group_seqs, R, seqs, share)
-        if key not in self._caps:
-            self._caps[key] = member_capacity(self.mem, dev, seq_len=self.S, group_seqs=group_seqs, R=R, seqs=seqs,
-                                              share=share)
-        return self._caps[key]
+        return self._once(("capacity", dev, group_seqs, R, seqs, share), lambda: member_capacity(
+            self.mem, dev, seq_len=self.S, group_seqs=group_seqs, R=R, seqs=seqs, share=share))
 
     # ---- building blocks -----------------------------------------------------------------
     def role_order(self) -> list[int]:
@@ -148,7 +142,7 @@ class _Search:
         def rank_key(d: DeviceSpec) -> tuple[float, float]:
             return -affinity(d), -ep_speed(d, t, self.model, S)
 
-        key = {r: (*self._kind("order", self.devs[r], lambda: rank_key(self.devs[r])), r) for r in holdable}
+        key = {r: (*self._once(("order", self.devs[r]), lambda: rank_key(self.devs[r])), r) for r in holdable}
         rest = [r for r in range(len(self.devs)) if r not in key]
         return sorted(key, key=key.get) + rest
 
@@ -172,13 +166,10 @@ class _Search:
                     out[i // per if by_node else i % G].append(r)
             return [sorted(x) for x in out] if by_node else out
 
-        key = (tuple(attn), tuple(expert), G, by_node)  # each R of a split asks again
-        if key not in self._groups:
-            a, e = split(attn), split(expert)
-            self._groups[key] = None if a is None or e is None else (a, e)
-        if self._groups[key] is None:
+        # each R of a split asks again
+        a, e = self._once(("groups", tuple(attn), tuple(expert), G, by_node), lambda: (split(attn), split(expert)))
+        if a is None or e is None:
             return None
-        a, e = self._groups[key]
         return [ZPGroup(attention_ranks=list(a[g]), expert_ranks=list(e[g])) for g in range(G)]
 
     def candidate(self, order: list[int], M: int, G: int, R: int) -> Plan | None:
@@ -202,7 +193,7 @@ class _Search:
             self.last_error = f"{self.total} sequences cannot feed {G} ZP groups"
             return None
         g0 = groups[0]
-        speeds = [self._kind("ep_speed", devs[r], lambda: ep_speed(devs[r], self.timer, m, S))
+        speeds = [self._once(("ep_speed", devs[r]), lambda: ep_speed(devs[r], self.timer, m, S))
                   for r in g0.attention_ranks]
         member_seqs = apportion(group_seqs, speeds)
         if R > max(member_seqs):
@@ -335,17 +326,16 @@ class _Search:
     def scored(self, order: list[int], M: int, G: int, R: int) -> tuple[float, Plan] | None:
         """:meth:`score` of :meth:`candidate`, once per layout: the two passes (and the
         refinement of the role split) come back to the same ones."""
-        key = (tuple(order[:M]), G, R)
-        if key not in self._scored:
+        def build_and_score() -> tuple[float, Plan] | None:
             plan = self.candidate(order, M, G, R)
-            if plan is None:
-                if self.last_error:
-                    self.errors.append(self.last_error)
-                    self.last_error = ""
-                self._scored[key] = None
-            else:
-                self._scored[key] = self.score(plan)
-        return self._scored[key]
+            if plan is not None:
+                return self.score(plan)
+            if self.last_error:
+                self.errors.append(self.last_error)
+                self.last_error = ""
+            return None
+
+        return self._once(("scored", tuple(order[:M]), G, R), build_and_score)
 
     def group_counts(self, M: int, pinned: int | None) -> list[int]:
         W = len(self.devs)
@@ -369,8 +359,11 @@ class _Search:
             if M not in tried:
                 Gs = [pinned] if pinned else sorted({1, self.most_groups(order, M)} if wide else {1})
                 # one R per split: the probe, or where it does not fit the fewest micro-batches that do
-                got = self.best_for(order, M, Gs, probe) or next(
-                    (g for g in (self.best_for(order, M, Gs, [R]) for R in Rs if R > probe[0]) if g is not None), None)
+                got = None
+                for R in probe + [R for R in Rs if R > probe[0]]:
+                    got = self.best_for(order, M, Gs, [R])
+                    if got is not None:
+                        break
                 tried[M] = None if got is None else got[0]
             return tried[M]
 
@@ -609,9 +602,7 @@ def plan_for_batch(
 def _sharded(model: ModelConfig, shard_optimizer_state: bool | None) -> bool:
     if shard_optimizer_state is not None:
         return bool(shard_optimizer_state)
-    mem = MemoryModel(model)
-    params = mem.attention_stack_params() + model.n_layers * model.moe.num_experts * mem.expert_params()
-    return not small_training_state(params)
+    return not small_training_state(MemoryModel(model).model_params())
 
 
 def _layout_search(search: _Search, **pins: Any) -> LayoutSearch:
@@ -644,7 +635,7 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
 
 def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView) -> None:
     need_experts = model.n_layers * model.moe.num_experts * mem.expert_params() * mem.bytes_per_param
-    need = need_experts + mem.attention_stack_params() * mem.bytes_per_param
+    need = mem.model_params() * mem.bytes_per_param
     have = sum(d.usable_bytes for d in view.devices)
     if need > have:
         raise ValueError(

@@ -69,6 +69,10 @@ class MemoryModel:
         mats = 3 if m.moe.activation == "swiglu" else 2
         return mats * m.d_model * m.moe.d_ff
 
+    def model_params(self) -> float:
+        """The whole model: the attention stack and every layer's experts."""
+        return self.attention_stack_params() + self.model.n_layers * self.model.moe.num_experts * self.expert_params()
+
     # ---- bytes ---------------------------------------------------------------------------
     def grad_sync_bytes(self) -> float:
         """What zebra's dense gradient sync holds beside the gradients: one bucket, or the

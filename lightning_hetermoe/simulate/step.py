@@ -537,8 +537,8 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
     # each new answer gets the edge: O(tasks) edges instead of O(lanes x rounds).
     waited: dict[tuple[str, int], int] = {}
 
-    def gate_dep(chan: str, r: Round, i: int, on: int | None) -> None:
-        if on is None or on < 0 or (not every_gate and waited.get((chan, i), -1) >= on):
+    def gate_dep(chan: str, r: Round, i: int, on: int) -> None:
+        if on < 0 or (not every_gate and waited.get((chan, i), -1) >= on):
             return
         waited[(chan, i)] = on
         tasks[ids[(chan, r)]].deps.append(on)
@@ -555,7 +555,7 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
         expert_task = r.expert_task
         for i, lane in enumerate(lanes):
             if lane.experts[r.layer]:
-                gate_dep("e2a", r, i, ids.get((i, expert_task)))
+                gate_dep("e2a", r, i, ids.get((i, expert_task), -1))
                 if next_emitters and lane.role != "attention":
                     # the next round's receive goes before r's experts only if its header is
                     # in by the time they could start: run_step_dag checks, once timed. A lane's
