@@ -101,6 +101,26 @@ def test_the_greedy_reusing_each_layers_chunk_moves_what_finding_every_chunk_afr
     assert used == [sum(row) for row in counts] and all(u <= c for u, c in zip(used, acap + ecap))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_layers_change_priced_from_the_pipelines_state_there_equals_pricing_it_from_layer_0(seed):
+    """The greedy prices each trial move from the pipeline's state before the moved layer
+    instead of from layer 0: the same sums, so the same makespan to the last bit."""
+    import random
+
+    from lightning_hetermoe.plan.asym_ea import _finish, forward_makespan, pipeline_states
+
+    rng = random.Random(seed)
+    L, R = rng.randint(1, 12), rng.randint(1, 6)
+    ta, te = [rng.uniform(0.1, 2) for _ in range(L)], [rng.uniform(0.1, 2) for _ in range(L)]
+    states = pipeline_states(ta, te, R)
+    for l in range(L):
+        ta_l, te_l = rng.uniform(0.1, 2), rng.uniform(0.1, 2)
+        changed_a, changed_e = ta[:], te[:]
+        changed_a[l], changed_e[l] = ta_l, te_l
+        assert _finish(states[l], ta, te, R, l, ta_l, te_l) == forward_makespan(changed_a, changed_e, R)
+    assert _finish(states[0], ta, te, R, 0, ta[0], te[0]) == forward_makespan(ta, te, R)
+
+
 def test_gather_and_squeeze_chunk_is_one_per_expert_rank_and_n_over_m_per_attention_rank():
     # M=2 attention, N=4 expert ranks, 16 experts: a chunk takes one expert from each of the
     # 4 expert ranks and gives 4/2 = 2 to each attention rank (the printed formula swaps these)

@@ -88,17 +88,45 @@ def forward_makespan(ta: list[float], te: list[float], R: int) -> float:
     Attention runs (l, j) after its previous task and after the experts returned (l-1, j);
     experts run (l, j) after their previous task and after attention produced it.
     """
-    a_end = 0.0
-    e_end = 0.0
-    prev_e = [0.0] * R
-    for l in range(len(ta)):
-        a_done = []
-        for j in range(R):
-            a_end = max(a_end, prev_e[j]) + ta[l]
-            a_done.append(a_end)
-        for j in range(R):
-            e_end = max(e_end, a_done[j]) + te[l]
-            prev_e[j] = e_end
+    return _finish(_START, ta, te, R, 0, ta[0], te[0]) if ta else 0.0
+
+
+# the pipeline's state between layers: attention's and the experts' last end, and when each
+# micro-batch's experts returned
+_State = tuple[float, float, list[float]]
+_START: _State = (0.0, 0.0, [])
+
+
+def _layer(a_end: float, e_end: float, prev_e: list[float], ta_l: float, te_l: float) -> tuple[float, float]:
+    """One layer of :func:`forward_makespan`; ``prev_e`` is advanced in place."""
+    a_done = []
+    for back in prev_e:
+        a_end = max(a_end, back) + ta_l
+        a_done.append(a_end)
+    for j, a in enumerate(a_done):
+        e_end = max(e_end, a) + te_l
+        prev_e[j] = e_end
+    return a_end, e_end
+
+
+def pipeline_states(ta: list[float], te: list[float], R: int) -> list[_State]:
+    """The state before each layer, so that a change at layer ``l`` is priced from there
+    (:func:`_finish`) with the same sums as from layer 0."""
+    a_end, e_end, prev_e = 0.0, 0.0, [0.0] * R
+    out = []
+    for ta_l, te_l in zip(ta, te):
+        out.append((a_end, e_end, prev_e[:]))
+        a_end, e_end = _layer(a_end, e_end, prev_e, ta_l, te_l)
+    return out
+
+
+def _finish(state: _State, ta: list[float], te: list[float], R: int, l: int, ta_l: float, te_l: float) -> float:
+    """The forward makespan from ``state`` before layer ``l``, with layer ``l``'s side times
+    ``ta_l``/``te_l`` in place of ``ta[l]``/``te[l]``."""
+    a_end, e_end, prev_e = state[0], state[1], (state[2][:] if state[2] else [0.0] * R)
+    a_end, e_end = _layer(a_end, e_end, prev_e, ta_l, te_l)
+    for k in range(l + 1, len(ta)):
+        a_end, e_end = _layer(a_end, e_end, prev_e, ta[k], te[k])
     return e_end
 
 
@@ -226,35 +254,37 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
     L, M, N = inp.num_layers, len(inp.attn), len(inp.exp)
     cap = _capacity(inp)
     ta, te = _side_times(inp, counts)
+    cols = [[counts[p][l] for p in range(M + N)] for l in range(L)]
     found: dict[int, tuple] = {}
 
-    def still(took: list[int], full: list[bool], room: list[int]) -> bool:
-        return all(r == g if f else r >= g for g, f, r in zip(took, full, room))
+    # An attention member's room only shrinks here (chunks go from expert members to
+    # attention members), so a member that took none of a chunk takes none again: only
+    # those that took some are checked.
+    def still(took: list[tuple[int, int, bool]], room: list[int]) -> bool:
+        return all(room[i] == g if f else room[i] >= g for i, g, f in took)
 
     while True:
         best_move = None
         room = [max(cap[i] - used[i], 0) for i in range(M)]
+        states = pipeline_states(ta, te, R)
         for l in range(L):
-            before = [counts[p][l] for p in range(M + N)]
+            before = cols[l]
             hit = found.get(l) if reuse else None
-            if hit is None or hit[0] != before or not still(hit[2], hit[3], room):
+            if hit is None or hit[0] is not before or not still(hit[2], room):
                 moved = _chunk(inp, before, used, cap)
-                entry, took, full = None, [0] * M, [r == 0 for r in room]
+                entry, took = None, []
                 if moved is not None:
                     col, _, n = moved
-                    took = [col[i] - before[i] for i in range(M)]
-                    full = [room[i] == took[i] for i in range(M)]
+                    took = [(i, col[i] - before[i], room[i] == col[i] - before[i])
+                            for i in range(M) if col[i] > before[i]]
                     entry = (col, n, max(inp.attn[i] + col[i] * inp.attn_exp[i] for i in range(M)),
                              max(col[M + i] * inp.exp[i] for i in range(N)))
-                found[l] = (before, entry, took, full)
+                found[l] = (before, entry, took)
             entry = found[l][1]
             if entry is None:
                 continue
             col, n, ta_l, te_l = entry
-            old = ta[l], te[l]
-            ta[l], te[l] = ta_l, te_l
-            t = forward_makespan(ta, te, R)
-            ta[l], te[l] = old
+            t = _finish(states[l], ta, te, R, l, ta_l, te_l)
             if t < current * (1 - 1e-9) and (best_move is None or t < best_move[0]):
                 best_move = (t, l, col, n, ta_l, te_l)
         if best_move is None:
@@ -263,6 +293,7 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
         for p in range(M + N):
             used[p] += col[p] - counts[p][l]  # each expert moved frees its source, fills its receiver
             counts[p][l] = col[p]
+        cols[l] = col[:]  # a new object: the layer's chunk is found afresh
         chunks.append((l, n))
 
 

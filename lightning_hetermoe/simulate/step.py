@@ -423,6 +423,7 @@ class TaskTimes:
         self.group = [sum(len(lane.ranks) * self.tokens[i][j] for i, lane in enumerate(setup.lanes))
                       for j in range(setup.num_microbatches)]
         self._memo: dict[tuple, float] = {}
+        self._per_expert: dict[tuple, float] = {}  # keyed by the lanes' devices, alive as long as this
 
     def __call__(self, i: int, kind: str, layer: int, mb: int) -> float:
         expert = kind in ("expert_fwd", "expert_bwd")
@@ -442,8 +443,110 @@ class TaskTimes:
             else:
                 served = copies.expert_tokens(self.setup, i, layer, list(group)) if copied \
                     else self.setup.expert_tokens(lane, layer, self.group[mb])
-                self._memo[key] = sum(timer.expert(dev, x, backward=kind == "expert_bwd") for x in served)
+                self._memo[key] = sum(self._expert(dev, x, kind == "expert_bwd") for x in served)
         return self._memo[key]
+
+    def _expert(self, dev: DeviceSpec, tokens: float, backward: bool) -> float:
+        # under even routing every expert of a lane sees as many tokens: asked once
+        key = (id(dev), tokens, backward)
+        if key not in self._per_expert:
+            self._per_expert[key] = self.timer.expert(dev, tokens, backward=backward)
+        return self._per_expert[key]
+
+
+class _Shape:
+    """What a schedule's task graph looks like apart from its durations, for one pattern of
+    attention ranks holding experts: channel positions and every member's task list with
+    its dependencies as integer offsets. A planner's search builds thousands of graphs of a
+    few shapes, each with dozens of lanes that share a few member patterns; the structure is
+    worked out once per shape and member and only offset per lane."""
+
+    def __init__(self, sched: Schedule, attention_holds: tuple[bool, ...]) -> None:
+        from ..task_order import awaited_round, emitted_round
+
+        L = sched.num_layers
+        self.sched = sched
+        rounds = sched.rounds
+        self.n_rounds = nR = len(rounds)
+        self.position = position = {r: k for k, r in enumerate(rounds)}
+        self.count_rounds = sched.count_rounds()
+        # channel tasks, relative to the first: dispatches k, combines nR + k, counts 2 nR + c
+        self.count_at = {key: 2 * nR + c for c, key in enumerate(self.count_rounds)}
+        self.attention_index = {t: n for n, t in enumerate(sched.attention)}
+        early = sched.early_rounds(attention_holds)
+        self.early = [r in early for r in rounds]
+        emitters: dict[int, list[int]] = {}
+        for n, t in enumerate(sched.attention):
+            emitters.setdefault(position.get(emitted_round(t, L), -1), []).append(n)
+        self.emitters = [emitters.get(k, []) for k in range(nR)]
+        self.order = sched.issue_order(attention_holds)
+        self._awaited = awaited_round
+        self._members: dict[tuple, _Member] = {}
+
+    def member(self, has_attention: bool, holds: tuple[bool, ...]) -> "_Member":
+        key = (has_attention, holds)
+        if key not in self._members:
+            self._members[key] = _Member(self, has_attention, holds)
+        return self._members[key]
+
+
+class _Member:
+    """One member pattern's tasks in order: names, kinds, dependencies on the channels (as
+    offsets from the first channel task), where each round's expert task and each attention
+    task sit, and (expert members) the task each collective waits for."""
+
+    def __init__(self, shape: _Shape, has_attention: bool, holds: tuple[bool, ...]) -> None:
+        sched = shape.sched
+        L, nR = sched.num_layers, shape.n_rounds
+        self.tasks = sched.member_tasks(has_attention, holds)
+        self.names = [str(t) for t in self.tasks]
+        self.deps: list[list[int]] = []
+        self.expert_at = [-1] * nR  # round k's expert task's position here
+        self.attention_at = [-1] * len(sched.attention)
+        for pos, t in enumerate(self.tasks):
+            if t.kind in ("expert_fwd", "expert_bwd"):
+                k = shape.position[Round("fwd" if t.kind == "expert_fwd" else "bwd", t.layer, t.mb)]
+                self.expert_at[k] = pos
+                self.deps.append([k])
+                continue
+            self.attention_at[shape.attention_index[t]] = pos
+            deps = []
+            need = shape._awaited(t, L)
+            if need is not None and need in shape.position:
+                deps.append(nR + shape.position[need])
+            g = sched.balance_group(t.mb)
+            if g is not None and t.kind in ("attn_fwd", "head") and (t.kind == "head" or t.layer > 0):
+                c = shape.count_at.get((L - 1 if t.kind == "head" else t.layer - 1, g))
+                if c is not None:
+                    deps.append(c)
+            self.deps.append(deps)
+        # An expert rank takes part in a collective once its host reaches it: after the
+        # expert task of the last round it answered before that point in the issue order
+        self.gates: dict[str, list[int]] | None = None
+        if not has_attention:
+            self.gates = {"combine": [-1] * nR, "dispatch": [-1] * nR}
+            answered = -1
+            for kind, r in shape.order:
+                k = shape.position[r]
+                if kind == "combine" and holds[r.layer]:
+                    answered = self.expert_at[k]
+                elif answered >= 0:
+                    self.gates[kind][k] = answered
+
+
+_SHAPES: dict[tuple, _Shape] = {}
+
+
+def _shape(sched: Schedule, attention_holds: tuple[bool, ...]) -> _Shape:
+    """The schedule's :class:`_Shape`, kept while the schedule is the same object (the
+    simulator's schedules are shared and live on; a few shapes per search)."""
+    key = (id(sched), attention_holds)
+    got = _SHAPES.get(key)
+    if got is None or got.sched is not sched:
+        if len(_SHAPES) > 256:
+            _SHAPES.clear()
+        got = _SHAPES[key] = _Shape(sched, attention_holds)
+    return got
 
 
 def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
@@ -458,120 +561,91 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
     times = TaskTimes(setup, timer, forward_only=sched.kind == "forward")
     tok = times.tokens
     att = [i for i, lane in enumerate(lanes) if lane.role == "attention"]
+    attention_holds = tuple(any(lane.experts[l] for lane in lanes if lane.role == "attention") for l in range(L))
+    shape = _shape(sched, attention_holds)
+    members = [shape.member(lane.role == "attention", tuple(e > 0 for e in lane.experts)) for lane in lanes]
     tasks: list[Task] = []
-    ids: dict[tuple, int] = {}
-
-    def add(key, name, resource, duration, priority, kind, layer, mb) -> int:
-        tasks.append(Task(name, resource, duration, [], priority, kind, layer, mb))
-        ids[key] = len(tasks) - 1
-        return ids[key]
-
     policies: dict[str, str] = {}
-    orders = [sched.member_tasks(lane.role == "attention", [e > 0 for e in lane.experts]) for lane in lanes]
+    # each lane's tasks one after another: lane i's task at position p is base[i] + p
+    base = []
     for i, lane in enumerate(lanes):
         res = lane_resource(i, lane)
         policies[res] = "order"
-        for pos, t in enumerate(orders[i]):
-            add((i, t), str(t), res, times(i, t.kind, t.layer, t.mb), (pos,), t.kind, t.layer, t.mb)
+        base.append(len(tasks))
+        mem = members[i]
+        for pos, (t, name) in enumerate(zip(mem.tasks, mem.names)):
+            tasks.append(Task(name, res, times(i, t.kind, t.layer, t.mb), [], (pos,), t.kind, t.layer, t.mb))
+    first = len(tasks)  # the channels' tasks follow: see _Shape
+    nR = shape.n_rounds
     for chan, label in (("a2e", "D"), ("e2a", "C")):
         policies[chan] = "order"
         for pos, r in enumerate(sched.rounds):
             dur = round_transfer_time(setup, timer, r.layer, [tok[i][r.mb] for i in range(len(lanes))])
-            add((chan, r), f"{label}{r.phase[0]}{r.layer}.{r.mb}", chan, dur, (pos,),
-                "dispatch" if chan == "a2e" else "combine", r.layer, r.mb)
+            tasks.append(Task(f"{label}{r.phase[0]}{r.layer}.{r.mb}", chan, dur, [], (pos,),
+                              "dispatch" if chan == "a2e" else "combine", r.layer, r.mb))
     policies["dense"] = "order"
     count_bytes = E * 8
     dense_link = setup.dense_link()
-    for pos, (l, g) in enumerate(sched.count_rounds()):
-        add(("count", l, g), f"N{l}.{g}", "dense", timer.allreduce(count_bytes, setup.attention_dp, dense_link),
-            (pos,), "count", l, -1)
-
-    def dep(key, on) -> None:
-        if on in ids:
-            tasks[ids[key]].deps.append(ids[on])
-
-    from ..task_order import awaited_round, emitted_round
-
-    for i, lane in enumerate(lanes):
-        for t in orders[i]:
-            if t.kind in ("expert_fwd", "expert_bwd"):
-                dep((i, t), ("a2e", Round("fwd" if t.kind == "expert_fwd" else "bwd", t.layer, t.mb)))
-                continue
-            need = awaited_round(t, L)
-            if need is not None:
-                dep((i, t), ("e2a", need))
-            g = sched.balance_group(t.mb)
-            if g is not None and t.kind in ("attn_fwd", "head") and (t.kind == "head" or t.layer > 0):
-                dep((i, t), ("count", L - 1 if t.kind == "head" else t.layer - 1, g))
-    emitters: dict[Round, list[ScheduleTask]] = {}
-    for t in sched.attention:
-        emitters.setdefault(emitted_round(t, L), []).append(t)
+    for pos, (l, g) in enumerate(shape.count_rounds):
+        tasks.append(Task(f"N{l}.{g}", "dense", timer.allreduce(count_bytes, setup.attention_dp, dense_link),
+                          [], (pos,), "count", l, -1))
+    for i in range(len(lanes)):
+        b = base[i]
+        for pos, deps in enumerate(members[i].deps):
+            if deps:
+                tasks[b + pos].deps.extend(first + d for d in deps)
     # Every member issues the collectives in one order (Schedule.issue_order). An expert rank
     # takes part in one once its host reaches it, and the communication stream waits for the
     # compute queued by then: the expert task of the last round it answered before that
     # point. Where a round q is early, the next round's receive is issued before q's experts
     # are queued if it was emitted by then (else after them: run_step_dag settles which),
     # and the attention ranks post q's combine with the next round's dispatch.
-    attention_holds = [any(lane.experts[l] for lane in lanes if lane.role == "attention") for l in range(L)]
     late: list[LateHeader] = []
-    early = sched.early_rounds(attention_holds)
-    order = sched.issue_order(attention_holds)
-    after = dict(zip(sched.rounds, sched.rounds[1:]))
-    # per expert lane and channel, by round position: the lane's task (its id) that the round
-    # waits for (-1: none yet)
-    position = {r: k for k, r in enumerate(sched.rounds)}
-    gates: dict[int, dict[str, list[int]]] = {}
-    for i, lane in enumerate(lanes):
-        if lane.role == "attention":
-            continue
-        gates[i] = per = {"combine": [-1] * len(position), "dispatch": [-1] * len(position)}
-        answered = -1
-        for kind, r in order:
-            if kind == "combine" and lane.experts[r.layer]:
-                answered = ids.get((i, r.expert_task), -1)
-            elif answered >= 0:
-                per[kind][position[r]] = answered
     # A channel runs its rounds one at a time in this order, so a round need not wait for a
     # lane's task that an earlier round on its channel already waits for (or for one before
     # it: a lane's tasks run in order, added one after another). Only the first round after
     # each new answer gets the edge: O(tasks) edges instead of O(lanes x rounds).
-    waited: dict[tuple[str, int], int] = {}
+    waited = {"a2e": [-1] * len(lanes), "e2a": [-1] * len(lanes)}
 
-    def gate_dep(chan: str, r: Round, i: int, on: int) -> None:
-        if on < 0 or (not every_gate and waited.get((chan, i), -1) >= on):
+    def gate_dep(chan: str, k: int, i: int, on: int) -> None:
+        if on < 0 or (not every_gate and waited[chan][i] >= on):
             return
-        waited[(chan, i)] = on
-        tasks[ids[(chan, r)]].deps.append(on)
+        waited[chan][i] = on
+        tasks[first + (k if chan == "a2e" else nR + k)].deps.append(on)
 
+    held = [[lane.experts[l] > 0 for l in range(L)] for lane in lanes]
     for k, r in enumerate(sched.rounds):
+        early = shape.early[k]
+        nxt = shape.emitters[k + 1] if early else []
         for i in att:
-            for t in emitters.get(r, ()):
-                dep(("a2e", r), (i, t))
-                if r in early:
-                    for t2 in emitters.get(after[r], ()):
-                        dep(("e2a", r), (i, t2))
+            at, b = members[i].attention_at, base[i]
+            tasks[first + k].deps.extend(b + at[n] for n in shape.emitters[k])
+            if early:
+                tasks[first + nR + k].deps.extend(b + at[n] for n in nxt)
         # the next round's emitters, as every expert lane's late header names them
-        next_emitters = [ids[(a, t2)] for a in att for t2 in emitters.get(after[r], ())] if r in early else []
-        expert_task = r.expert_task
+        next_emitters = [base[a] + members[a].attention_at[n] for a in att for n in nxt]
         for i, lane in enumerate(lanes):
-            if lane.experts[r.layer]:
-                gate_dep("e2a", r, i, ids.get((i, expert_task), -1))
-                if next_emitters and lane.role != "attention":
+            mem = members[i]
+            if held[i][r.layer]:
+                mine = base[i] + mem.expert_at[k]
+                gate_dep("e2a", k, i, mine)
+                if next_emitters and mem.gates is not None:
                     # the next round's receive goes before r's experts only if its header is
-                    # in by the time they could start: run_step_dag checks, once timed. A lane's
-                    # tasks were added one after another in its order: its next task is mine + 1
-                    mine = ids[(i, expert_task)]
-                    follow = mine + 1 if mine + 1 < ids[(i, orders[i][0])] + len(orders[i]) else None
-                    late.append(LateHeader(mine, ids[("a2e", after[r])], list(next_emitters), follow))
-            elif i in gates:
-                gate_dep("e2a", r, i, gates[i]["combine"][k])
-            if i in gates:
-                gate_dep("a2e", r, i, gates[i]["dispatch"][k])
+                    # in by the time they could start: run_step_dag checks, once timed
+                    follow = mine + 1 if mine + 1 < base[i] + len(mem.tasks) else None
+                    late.append(LateHeader(mine, first + k + 1, list(next_emitters), follow))
+            elif mem.gates is not None:
+                g = mem.gates["combine"][k]
+                gate_dep("e2a", k, i, base[i] + g if g >= 0 else -1)
+            if mem.gates is not None:
+                g = mem.gates["dispatch"][k]
+                gate_dep("a2e", k, i, base[i] + g if g >= 0 else -1)
     for g, mbs in enumerate(sched.balance_groups):
         for l in range(L):
+            c = tasks[first + shape.count_at[(l, g)]]
             for i in att:
-                for j in mbs:
-                    dep(("count", l, g), (i, ScheduleTask("attn_fwd", l, j)))
+                at, b = members[i].attention_at, base[i]
+                c.deps.extend(b + at[shape.attention_index[ScheduleTask("attn_fwd", l, j)]] for j in mbs)
     return tasks, policies, late
 
 
