@@ -277,7 +277,8 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
                     col, _, n = moved
                     took = [(i, col[i] - before[i], room[i] == col[i] - before[i])
                             for i in range(M) if col[i] > before[i]]
-                    entry = (col, n, max(inp.attn[i] + col[i] * inp.attn_exp[i] for i in range(M)),
+                    # only receivers' attention side grows: the layer's max over the others stands
+                    entry = (col, n, max([ta[l]] + [inp.attn[i] + col[i] * inp.attn_exp[i] for i, _, _ in took]),
                              max(col[M + i] * inp.exp[i] for i in range(N)))
                 found[l] = (before, entry, took)
             entry = found[l][1]

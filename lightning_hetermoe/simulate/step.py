@@ -480,6 +480,11 @@ class _Shape:
             emitters.setdefault(position.get(emitted_round(t, L), -1), []).append(n)
         self.emitters = [emitters.get(k, []) for k in range(nR)]
         self.order = sched.issue_order(attention_holds)
+        # the issue order as (is a combine, round position, layer), and each round's expert task
+        self.issue = [(kind == "combine", position[r], r.layer) for kind, r in self.order]
+        self.round_layer = [r.layer for r in rounds]
+        self.round_task = [r.expert_task for r in rounds]
+        self.round_name = [str(t) for t in self.round_task]
         self._awaited = awaited_round
         self._members: dict[tuple, _Member] = {}
 
@@ -498,10 +503,21 @@ class _Member:
     def __init__(self, shape: _Shape, has_attention: bool, holds: tuple[bool, ...]) -> None:
         sched = shape.sched
         L, nR = sched.num_layers, shape.n_rounds
+        self.expert_at = [-1] * nR  # round k's expert task's position here
+        self._edges: dict[tuple, tuple[list, list, list]] = {}
+        if not has_attention:  # the rounds of the layers it holds, in round order
+            mine = [k for k in range(nR) if holds[shape.round_layer[k]]]
+            self.tasks = [shape.round_task[k] for k in mine]
+            self.names = [shape.round_name[k] for k in mine]
+            self.deps = [[k] for k in mine]
+            for pos, k in enumerate(mine):
+                self.expert_at[k] = pos
+            self.attention_at = []
+            self.gates = self._gates(shape, holds)
+            return
         self.tasks = sched.member_tasks(has_attention, holds)
         self.names = [str(t) for t in self.tasks]
         self.deps: list[list[int]] = []
-        self.expert_at = [-1] * nR  # round k's expert task's position here
         self.attention_at = [-1] * len(sched.attention)
         for pos, t in enumerate(self.tasks):
             if t.kind in ("expert_fwd", "expert_bwd"):
@@ -520,18 +536,52 @@ class _Member:
                 if c is not None:
                     deps.append(c)
             self.deps.append(deps)
-        # An expert rank takes part in a collective once its host reaches it: after the
-        # expert task of the last round it answered before that point in the issue order
         self.gates: dict[str, list[int]] | None = None
-        if not has_attention:
-            self.gates = {"combine": [-1] * nR, "dispatch": [-1] * nR}
-            answered = -1
-            for kind, r in shape.order:
-                k = shape.position[r]
-                if kind == "combine" and holds[r.layer]:
-                    answered = self.expert_at[k]
-                elif answered >= 0:
-                    self.gates[kind][k] = answered
+
+    def edges(self, shape: _Shape, holds: tuple[bool, ...], every_gate: bool) -> tuple[list, list, list]:
+        """The rounds' waits on this member's tasks, as (round, position) pairs per channel,
+        and its early rounds' late headers as (round, position, next position or None).
+
+        A channel runs its rounds one at a time in order, so a round need not wait for a
+        task that an earlier round on its channel already waits for (or for one before it:
+        a member's tasks run in order). Only the first round after each new answer gets the
+        edge: O(tasks) edges instead of O(lanes x rounds) (``every_gate``: all of them)."""
+        key = (holds, every_gate)
+        if key not in self._edges:
+            out: dict[str, list[tuple[int, int]]] = {"a2e": [], "e2a": []}
+            waited = {"a2e": -1, "e2a": -1}
+            late = []
+
+            def gate(chan: str, k: int, on: int) -> None:
+                if on >= 0 and (every_gate or waited[chan] < on):
+                    waited[chan] = on
+                    out[chan].append((k, on))
+
+            for k in range(shape.n_rounds):
+                if holds[shape.round_layer[k]]:
+                    mine = self.expert_at[k]
+                    gate("e2a", k, mine)
+                    if shape.early[k] and self.gates is not None:
+                        late.append((k, mine, mine + 1 if mine + 1 < len(self.tasks) else None))
+                elif self.gates is not None:
+                    gate("e2a", k, self.gates["combine"][k])
+                if self.gates is not None:
+                    gate("a2e", k, self.gates["dispatch"][k])
+            self._edges[key] = (out["e2a"], out["a2e"], late)
+        return self._edges[key]
+
+    def _gates(self, shape: _Shape, holds: tuple[bool, ...]) -> dict[str, list[int]]:
+        """An expert rank takes part in a collective once its host reaches it: after the
+        expert task of the last round it answered before that point in the issue order."""
+        gates = {"combine": [-1] * shape.n_rounds, "dispatch": [-1] * shape.n_rounds}
+        combine, dispatch = gates["combine"], gates["dispatch"]
+        answered = -1
+        for is_combine, k, layer in shape.issue:
+            if is_combine and holds[layer]:
+                answered = self.expert_at[k]
+            elif answered >= 0:
+                (combine if is_combine else dispatch)[k] = answered
+        return gates
 
 
 _SHAPES: dict[tuple, _Shape] = {}
@@ -563,7 +613,8 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
     att = [i for i, lane in enumerate(lanes) if lane.role == "attention"]
     attention_holds = tuple(any(lane.experts[l] for lane in lanes if lane.role == "attention") for l in range(L))
     shape = _shape(sched, attention_holds)
-    members = [shape.member(lane.role == "attention", tuple(e > 0 for e in lane.experts)) for lane in lanes]
+    holds = [tuple(e > 0 for e in lane.experts) for lane in lanes]
+    members = [shape.member(lane.role == "attention", h) for lane, h in zip(lanes, holds)]
     tasks: list[Task] = []
     policies: dict[str, str] = {}
     # each lane's tasks one after another: lane i's task at position p is base[i] + p
@@ -601,20 +652,8 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
     # are queued if it was emitted by then (else after them: run_step_dag settles which),
     # and the attention ranks post q's combine with the next round's dispatch.
     late: list[LateHeader] = []
-    # A channel runs its rounds one at a time in this order, so a round need not wait for a
-    # lane's task that an earlier round on its channel already waits for (or for one before
-    # it: a lane's tasks run in order, added one after another). Only the first round after
-    # each new answer gets the edge: O(tasks) edges instead of O(lanes x rounds).
-    waited = {"a2e": [-1] * len(lanes), "e2a": [-1] * len(lanes)}
-
-    def gate_dep(chan: str, k: int, i: int, on: int) -> None:
-        if on < 0 or (not every_gate and waited[chan][i] >= on):
-            return
-        waited[chan][i] = on
-        tasks[first + (k if chan == "a2e" else nR + k)].deps.append(on)
-
-    held = [[lane.experts[l] > 0 for l in range(L)] for lane in lanes]
-    for k, r in enumerate(sched.rounds):
+    next_emitters: dict[int, list[int]] = {}  # per early round, the next round's emitters' tasks
+    for k in range(nR):
         early = shape.early[k]
         nxt = shape.emitters[k + 1] if early else []
         for i in att:
@@ -622,24 +661,21 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
             tasks[first + k].deps.extend(b + at[n] for n in shape.emitters[k])
             if early:
                 tasks[first + nR + k].deps.extend(b + at[n] for n in nxt)
-        # the next round's emitters, as every expert lane's late header names them
-        next_emitters = [base[a] + members[a].attention_at[n] for a in att for n in nxt]
-        for i, lane in enumerate(lanes):
-            mem = members[i]
-            if held[i][r.layer]:
-                mine = base[i] + mem.expert_at[k]
-                gate_dep("e2a", k, i, mine)
-                if next_emitters and mem.gates is not None:
-                    # the next round's receive goes before r's experts only if its header is
-                    # in by the time they could start: run_step_dag checks, once timed
-                    follow = mine + 1 if mine + 1 < base[i] + len(mem.tasks) else None
-                    late.append(LateHeader(mine, first + k + 1, list(next_emitters), follow))
-            elif mem.gates is not None:
-                g = mem.gates["combine"][k]
-                gate_dep("e2a", k, i, base[i] + g if g >= 0 else -1)
-            if mem.gates is not None:
-                g = mem.gates["dispatch"][k]
-                gate_dep("a2e", k, i, base[i] + g if g >= 0 else -1)
+        if early:
+            next_emitters[k] = [base[a] + members[a].attention_at[n] for a in att for n in nxt]
+    for i, lane in enumerate(lanes):
+        b = base[i]
+        on_combine, on_dispatch, headers = members[i].edges(shape, holds[i], every_gate)
+        for k, pos in on_combine:
+            tasks[first + nR + k].deps.append(b + pos)
+        for k, pos in on_dispatch:
+            tasks[first + k].deps.append(b + pos)
+        # the next round's receive goes before round k's experts only if its header is in
+        # by the time they could start: run_step_dag checks, once timed
+        for k, pos, follow in headers:
+            if next_emitters.get(k):
+                late.append(LateHeader(b + pos, first + k + 1, list(next_emitters[k]),
+                                       None if follow is None else b + follow))
     for g, mbs in enumerate(sched.balance_groups):
         for l in range(L):
             c = tasks[first + shape.count_at[(l, g)]]
