@@ -243,6 +243,7 @@ def mixed_plan():
 def test_predict_step_prices_every_schedule_as_its_builder_does(mixed_plan):
     from lightning_hetermoe.simulate import PREDICTED, plan_setup, predict_step, simulate_plan
     from lightning_hetermoe.simulate.datacentric import datacentric_step_time
+    from lightning_hetermoe.simulate.predict import predict_step_time
 
     plan, view, model, timer = mixed_plan
     devs, topo, n = view.devices, view.topology, plan.total_seqs
@@ -252,6 +253,10 @@ def test_predict_step_prices_every_schedule_as_its_builder_does(mixed_plan):
 
     for s in ("zebra", "distep"):
         assert ask(s) == simulate_step(plan_setup(plan, devs, model, topo, schedule=s), timer).step_time
+        # what the planner's search compares: the step alone, without the per-rank breakdown
+        assert predict_step_time(s, devs, model, topo, timer, plan=plan) == ask(s)
+    with pytest.raises(ValueError, match="not disaggregated"):
+        predict_step_time("ep", devs, model, topo, timer, plan=plan)
     for s in ("ep", "ep_balanced"):
         assert ask(s) == simulate_ep(devs, model, seq_len=4096, total_seqs=n, link=topo, timer=timer,
                                      balanced=s == "ep_balanced").step_time
@@ -368,3 +373,41 @@ def test_the_gates_a_channels_order_implies_can_go_without_changing_any_time(sch
         (pruned, n_pruned), (full, n_full) = timelines
         assert n_pruned < n_full  # edges did go
         assert pruned.start == full.start and pruned.end == full.end
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fixed_order_graphs_timed_in_one_pass_equal_the_event_loop_to_the_last_bit(schedule, seed):
+    """Where every resource runs its tasks in a fixed order (zebra, DistEP), run_dag times the
+    graph in one topological pass; the event loop is the reference. Random durations, the
+    late headers' extra edges included, experts held in a few layers: every start and end equal."""
+    import random
+
+    from lightning_hetermoe.plan import as_cluster, make_plan
+    from lightning_hetermoe.simulate import plan_setup
+    from lightning_hetermoe.simulate.engine import _run_events, _run_ordered
+    from lightning_hetermoe.simulate.step import build_tasks
+
+    rng = random.Random(seed)
+    model = ModelConfig(name="sparse", vocab_size=1000, d_model=256, n_layers=5, n_heads=4, max_seq_len=2048,
+                        moe=MoEConfig(num_experts=4, top_k=2, d_ff=512))
+    view = as_cluster(["h100", "a40", "a40"] + ["v100"] * 6)
+    R = 1 + seed
+    plan = make_plan(view, model, seq_len=1024, global_batch_tokens=8 * R * 1024, num_microbatches=R,
+                     num_attention_ranks=2, num_zp_groups=1, schedules=(schedule,))
+    setup = plan_setup(plan, view.devices, model, view.topology, schedule=schedule)
+    tasks, policies, _, late = build_tasks(setup, make_timer(model, 1024))
+    for t in tasks:
+        t.duration *= rng.uniform(0.2, 3.0)
+    for h in late[::2]:  # as run_step_dag adds them where a header came late
+        tasks[h.dispatch].deps.append(h.expert)
+        if h.follow is not None:
+            tasks[h.follow].deps.extend(h.emitters)
+    assert set(policies.values()) == {"order"}
+    fast, events = _run_ordered(tasks), _run_events(tasks, policies)
+    assert fast.start == events.start and fast.end == events.end
+    assert run_dag(tasks, policies).end == events.end
+    with pytest.raises(ValueError, match="cycle"):  # an order the dependencies contradict
+        first = next(i for i, t in enumerate(tasks) if t.resource == tasks[-1].resource)
+        tasks[first].deps.append(len(tasks) - 1)
+        _run_ordered(tasks)

@@ -44,7 +44,7 @@ from ..profile.memory import MemoryModel, format_bytes, small_training_state
 from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
 from ..simulate.bound import throughput_bound
-from ..simulate.predict import predict_step
+from ..simulate.predict import predict_step, predict_step_time
 from ..simulate.schedules import SCHEDULES, ep_speed
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .fit import LayoutSearch, member_capacity, optimizer_shares
@@ -281,8 +281,8 @@ class _Search:
         simulated again when it is scored right after."""
         if self._chosen is not None and self._chosen[0] is plan:
             return self._chosen[1]
-        return predict_step("zebra", self.devs, self.model, self.view.topology, self.timer, plan=plan,
-                            expert_load=self.expert_load).step_time
+        return predict_step_time("zebra", self.devs, self.model, self.view.topology, self.timer, plan=plan,
+                                 expert_load=self.expert_load)
 
     def score(self, plan: Plan) -> tuple[float, Plan]:
         """Simulated zebra step time, and the plan to keep. Asym-EA's greedy scores forward

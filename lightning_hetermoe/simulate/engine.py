@@ -46,9 +46,14 @@ class Timeline:
 def run_dag(tasks: list[Task], policies: dict[str, str] | None = None) -> Timeline:
     """Simulate ``tasks``; ``policies`` maps resource -> "priority" (default) or "fifo"."""
     policies = policies or {}
-    n = len(tasks)
     if policies and all(policies.get(t.resource) == "order" for t in tasks):
         return _run_ordered(tasks)
+    return _run_events(tasks, policies)
+
+
+def _run_events(tasks: list[Task], policies: dict[str, str]) -> Timeline:
+    """:func:`run_dag` event by event: each free resource takes a ready task by its policy."""
+    n = len(tasks)
     indeg = [len(t.deps) for t in tasks]
     children: list[list[int]] = [[] for _ in range(n)]
     for i, t in enumerate(tasks):

@@ -19,7 +19,7 @@ from ..configs import ModelConfig
 from ..placement import Placement
 from .datacentric import datacentric_step_time
 from .schedules import SCHEDULES, plan_setup, simulate_ep, simulate_ep_ideal
-from .step import StepResult, simulate_step
+from .step import StepResult, simulate_step, simulate_step_time
 
 PREDICTED = SCHEDULES + ("datacentric",)
 
@@ -84,3 +84,12 @@ def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", ke
     """Predict one step of ``plan`` under ``schedule`` (see :func:`predict_step`)."""
     return predict_step(schedule, devs, model, link, timer, plan=plan, keep_timeline=keep_timeline,
                         expert_load=expert_load)
+
+
+def predict_step_time(schedule: str, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig | Topology,
+                      timer, *, plan, expert_load: list[list[float]] | None = None) -> float:
+    """The step time :func:`predict_step` gives ``plan`` under zebra or DistEP, without the
+    per-rank breakdown: a planner's search compares hundreds of them."""
+    if schedule not in ("zebra", "distep"):
+        raise ValueError(f"predict_step_time: {schedule!r} is not disaggregated; use predict_step")
+    return simulate_step_time(plan_setup(plan, devs, model, link, schedule=schedule, expert_load=expert_load), timer)

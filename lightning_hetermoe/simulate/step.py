@@ -742,6 +742,21 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list
     return tasks, policies, []
 
 
+def _disaggregated_step(tl: Timeline, tails: dict[str, float]) -> float:
+    # zebra and DistEP agree on the step's loss (an all-reduce over every rank) before any
+    # rank's gradient sync and optimizer: every tail starts when the last task ends
+    return tl.makespan + max(tails.values(), default=0.0)
+
+
+def simulate_step_time(setup: StepSetup, timer) -> float:
+    """:func:`simulate_step`'s step time alone, for a zebra or DistEP setup: what a
+    planner's search compares, without the per-rank breakdown it does not read."""
+    if setup.schedule is None:
+        raise ValueError("simulate_step_time: EP's step needs each rank's last task; use simulate_step")
+    tasks, policies, tails, late = build_tasks(setup, timer)
+    return _disaggregated_step(run_step_dag(tasks, policies, late), tails)
+
+
 def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
     """Simulate one step of ``setup``; times come from ``timer`` (a TaskTimer)."""
     tasks, policies, tails, late = build_tasks(setup, timer)
@@ -757,9 +772,7 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
         per_res_last[t.resource] = max(per_res_last.get(t.resource, 0.0), e)
     compute_end = tl.makespan
     if setup.schedule is not None:
-        # zebra and DistEP agree on the step's loss (an all-reduce over every rank) before
-        # any rank's gradient sync and optimizer: every tail starts when the last task ends
-        step = compute_end + max(tails.values(), default=0.0)
+        step = _disaggregated_step(tl, tails)
     else:
         step = max(compute_end, max((per_res_last.get(r, 0.0) + tail for r, tail in tails.items()), default=0.0))
     busy: dict[int, float] = {}
