@@ -268,6 +268,28 @@ def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():
     assert pruned.predicted["zebra"]["step_time_s"] <= full.predicted["zebra"]["step_time_s"] * 1.02
 
 
+@pytest.mark.slow
+def test_a_split_that_fits_only_with_fewer_groups_than_its_most_is_searched(monkeypatch):
+    """Mixtral on 10,000 mixed GPUs on nodes: most role splits fit neither as one ZP group nor
+    as their most groups (too small to hold the experts), so pass 1 ranked the few that fit as
+    one group over the whole cluster, and pass 2 on those planned a layout at 1.3% of the
+    bound. Pass 2 now also searches the best split at the most groups that fit: the same
+    search without that (the previous release's) plans a step more than twice as long."""
+    from lightning_hetermoe.plan import planner
+
+    m = workload_model("mixtral_8x7b")
+    counts = [("h100", 1250, "nvlink4"), ("a40", 3750, "pcie4"), ("v100", 5000, "nvlink2")]
+    nodes = [{"name": f"{name}{i}", "devices": [name] * min(8, c - 8 * i), "link": link}
+             for name, c, link in counts for i in range((c + 7) // 8)]
+    cluster = ClusterConfig(name="mix10000", nodes=nodes, network="ib_hdr")
+    kw = dict(seq_len=4096, global_batch_tokens=2 * cluster.world_size * 4096)
+    plan = make_plan(cluster, m, **kw)
+    monkeypatch.setattr(planner._Search, "most_groups_that_fit", lambda self, order, M, R: 1)
+    before = make_plan(cluster, m, **kw)
+    assert plan.predicted["zebra"]["step_time_s"] < before.predicted["zebra"]["step_time_s"] / 2
+    assert len(plan.zp_groups) > 1
+
+
 # ---- the emulated clock on several nodes -------------------------------------------------------
 def test_an_exchange_matrix_is_priced_link_by_link_and_each_rank_sees_its_own_part():
     from lightning_hetermoe.emulate.clock import Emulator

@@ -355,14 +355,20 @@ class _Search:
         return next((G for G in reversed(self.group_counts(M, None)) if self.groups(attn, expert, G) is not None), 1)
 
     def best(self, order: list[int], Ms: list[int], Rs: list[int], pinned: int | None) -> Plan:
-        """Pass 1 ranks the role splits (each with one ZP group and a small R); pass 2 searches
-        every group count and R on the two best."""
+        """Pass 1 ranks the role splits (each with one ZP group and a small R, and on wide
+        clusters its most groups too); pass 2 searches every group count and R on the two
+        best, and on the best of the splits that fit only with fewer groups than their most."""
         probe = [r for r in Rs if r <= 2][-1:] or Rs[:1]
         tried: dict[int, float | None] = {}
         # On many ranks or several nodes one ZP group over the whole cluster is the worst case
         # for the exchange (every token to every rank, across the network), which would rank
         # the role splits by that alone: such clusters also probe each split with its most groups.
         wide = self.view.topology.num_nodes > 1 or len(Ms) > MAX_SPLITS
+
+        # splits where neither one group nor the most fit at any R, priced at the most groups
+        # that do: kept apart from the ranking above, so that pass 2 looks at the best of
+        # them besides (never instead of) the splits it would take anyway
+        fitted: dict[int, float] = {}
 
         def split_time(M: int) -> float | None:
             if M not in tried:
@@ -374,24 +380,48 @@ class _Search:
                     if got is not None:
                         break
                 tried[M] = None if got is None else got[0]
+                if got is None and wide and not pinned:
+                    for R in probe + [R for R in Rs if R > probe[0]]:
+                        G = self.most_groups_that_fit(order, M, R)
+                        fit = self.best_for(order, M, [G], [R]) if G > 1 else None
+                        if fit is not None:
+                            fitted[M] = fit[0]
+                            break
             return tried[M]
 
         for M in role_splits(Ms, [self.devs[r].name for r in order]):
             split_time(M)
         if len(Ms) > MAX_SPLITS:
             refine_splits(Ms, tried, split_time)
-        first = sorted((t, M) for M, t in tried.items() if t is not None)
-        if not first:
-            return self.when_memory_binds(order, Rs)
+        first = [M for _, M in sorted((t, M) for M, t in tried.items() if t is not None)[:2]]
+        binds = not first
+        first += [M for _, M in sorted((t, M) for M, t in fitted.items())[:1] if M not in first]
         best = None
-        for _, M in first[:2]:
+        for M in first:
             got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs)
             if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
                 best = got
+        if binds:  # no split fits as pass 1 probes it: the layouts the memory check passes
+            try:
+                got = self.when_memory_binds(order, Rs)
+            except ValueError:
+                if best is None:
+                    raise
+            else:
+                if best is None or got[0] < best[0] * (1 - 1e-9):
+                    best = got
         assert best is not None
         return best[1]
 
-    def when_memory_binds(self, order: list[int], Rs: list[int]) -> Plan:
+    def most_groups_that_fit(self, order: list[int], M: int, R: int) -> int:
+        """The most ZP groups the split deals its device kinds into evenly and whose layout
+        at R micro-batches fits in memory (1 if none does): on thousands of ranks the most
+        groups can be too small to hold a large model's experts, while fewer, larger ones do."""
+        attn, expert = sorted(order[:M]), sorted(order[M:])
+        even = [G for G in reversed(self.group_counts(M, None)) if self.groups(attn, expert, G) is not None]
+        return next((G for G in even if self.scored(order, M, G, R) is not None), 1)
+
+    def when_memory_binds(self, order: list[int], Rs: list[int]) -> tuple[float, Plan]:
         """No split of the role order fits: every layout the plan format can express is
         checked for memory alone (any ranks of each kind attending, every group count, the
         most micro-batches allowed); the fastest of the feasible ones nearest to the role
@@ -420,7 +450,7 @@ class _Search:
             if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
                 best = got
         assert best is not None, "a layout the memory check passed did not plan"
-        return best[1]
+        return best
 
     def attention_of(self, a: tuple[int, ...], order: list[int]) -> list[int]:
         """``a`` ranks of each kind (kinds sorted by name): each kind's first in role order."""
