@@ -183,7 +183,6 @@ class _Search:
         plans = [p for p in (self._candidate(order, M, G, R, by_node) for by_node in ways) if p is not None]
         if len(plans) < 2:
             return plans[0] if plans else None
-        self._chosen = None
         self._chosen = min(((p, self._sim(p)) for p in plans), key=lambda pt: pt[1])
         return self._chosen[0]
 

@@ -42,7 +42,7 @@ from ..cluster.spec import LinkConfig, slowest
 from ..cluster.devices import DeviceSpec
 from ..cluster.topology import Topology, as_topology
 from ..configs import ModelConfig
-from ..task_order import Round, Schedule, Task as ScheduleTask
+from ..task_order import Round, Schedule, Task as ScheduleTask, awaited_round, emitted_round
 from . import copies
 from .engine import Task, Timeline, run_dag
 
@@ -462,8 +462,6 @@ class _Shape:
     worked out once per shape and member and only offset per lane."""
 
     def __init__(self, sched: Schedule, attention_holds: tuple[bool, ...]) -> None:
-        from ..task_order import awaited_round, emitted_round
-
         L = sched.num_layers
         self.sched = sched
         rounds = sched.rounds
@@ -479,13 +477,11 @@ class _Shape:
         for n, t in enumerate(sched.attention):
             emitters.setdefault(position.get(emitted_round(t, L), -1), []).append(n)
         self.emitters = [emitters.get(k, []) for k in range(nR)]
-        self.order = sched.issue_order(attention_holds)
         # the issue order as (is a combine, round position, layer), and each round's expert task
-        self.issue = [(kind == "combine", position[r], r.layer) for kind, r in self.order]
+        self.issue = [(kind == "combine", position[r], r.layer) for kind, r in sched.issue_order(attention_holds)]
         self.round_layer = [r.layer for r in rounds]
         self.round_task = [r.expert_task for r in rounds]
         self.round_name = [str(t) for t in self.round_task]
-        self._awaited = awaited_round
         self._members: dict[tuple, _Member] = {}
 
     def member(self, has_attention: bool, holds: tuple[bool, ...]) -> "_Member":
@@ -527,7 +523,7 @@ class _Member:
                 continue
             self.attention_at[shape.attention_index[t]] = pos
             deps = []
-            need = shape._awaited(t, L)
+            need = awaited_round(t, L)
             if need is not None and need in shape.position:
                 deps.append(nR + shape.position[need])
             g = sched.balance_group(t.mb)
