@@ -9,7 +9,7 @@ NICs together) and is shared by every GPU of the node that sends off the node at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from .spec import ClusterConfig, LinkConfig, slowest
@@ -23,6 +23,9 @@ class Topology:
     links: tuple[LinkConfig, ...]
     network: LinkConfig | None = None
     names: tuple[str, ...] = ()
+    # ring_link's answers: a planner's search asks for the same rings (every rank's replicas
+    # over the groups) in every layout it prices
+    _rings: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not self.node_of:
@@ -55,11 +58,14 @@ class Topology:
         """The slowest hop of a ring over ``ranks`` laid out node by node: inside one node
         that node's link; across nodes the slower of the network (each node's port carries
         one hop each way) and the nodes' own links."""
-        nodes = sorted(self.nodes_of(ranks)) or [0]
-        hops = [self.links[n] for n in nodes]
-        if len(nodes) > 1:
-            hops.append(self.network)
-        return slowest(hops)
+        key = tuple(ranks)
+        if key not in self._rings:
+            nodes = sorted(self.nodes_of(key)) or [0]
+            hops = [self.links[n] for n in nodes]
+            if len(nodes) > 1:
+                hops.append(self.network)
+            self._rings[key] = slowest(hops)
+        return self._rings[key]
 
     def matrix_legs(self, rows: Sequence[Sequence[float]],
                     groups: Sequence[Sequence[int]]) -> list[tuple[float, LinkConfig]]:

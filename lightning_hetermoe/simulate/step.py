@@ -624,10 +624,11 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
             tasks.append(Task(name, res, times(i, t.kind, t.layer, t.mb), [], (pos,), t.kind, t.layer, t.mb))
     first = len(tasks)  # the channels' tasks follow: see _Shape
     nR = shape.n_rounds
+    # a round's two legs move as many rows: priced once for both channels
+    legs = [round_transfer_time(setup, timer, r.layer, [t[r.mb] for t in tok]) for r in sched.rounds]
     for chan, label in (("a2e", "D"), ("e2a", "C")):
         policies[chan] = "order"
-        for pos, r in enumerate(sched.rounds):
-            dur = round_transfer_time(setup, timer, r.layer, [tok[i][r.mb] for i in range(len(lanes))])
+        for pos, (r, dur) in enumerate(zip(sched.rounds, legs)):
             tasks.append(Task(f"{label}{r.phase[0]}{r.layer}.{r.mb}", chan, dur, [], (pos,),
                               "dispatch" if chan == "a2e" else "combine", r.layer, r.mb))
     policies["dense"] = "order"
