@@ -117,8 +117,8 @@ def test_a_layers_change_priced_from_the_pipelines_state_there_equals_pricing_it
         ta_l, te_l = rng.uniform(0.1, 2), rng.uniform(0.1, 2)
         changed_a, changed_e = ta[:], te[:]
         changed_a[l], changed_e[l] = ta_l, te_l
-        assert _finish(states[l], ta, te, R, l, ta_l, te_l) == forward_makespan(changed_a, changed_e, R)
-    assert _finish(states[0], ta, te, R, 0, ta[0], te[0]) == forward_makespan(ta, te, R)
+        assert _finish(states[l], ta, te, l, ta_l, te_l) == forward_makespan(changed_a, changed_e, R)
+    assert _finish(states[0], ta, te, 0, ta[0], te[0]) == forward_makespan(ta, te, R)
 
 
 def test_gather_and_squeeze_chunk_is_one_per_expert_rank_and_n_over_m_per_attention_rank():

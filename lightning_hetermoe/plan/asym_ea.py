@@ -88,13 +88,12 @@ def forward_makespan(ta: list[float], te: list[float], R: int) -> float:
     Attention runs (l, j) after its previous task and after the experts returned (l-1, j);
     experts run (l, j) after their previous task and after attention produced it.
     """
-    return _finish(_START, ta, te, R, 0, ta[0], te[0]) if ta else 0.0
+    return _finish((0.0, 0.0, [0.0] * R), ta, te, 0, ta[0], te[0]) if ta else 0.0
 
 
 # the pipeline's state between layers: attention's and the experts' last end, and when each
 # micro-batch's experts returned
 _State = tuple[float, float, list[float]]
-_START: _State = (0.0, 0.0, [])
 
 
 def _layer(a_end: float, e_end: float, prev_e: list[float], ta_l: float, te_l: float) -> tuple[float, float]:
@@ -120,10 +119,10 @@ def pipeline_states(ta: list[float], te: list[float], R: int) -> list[_State]:
     return out
 
 
-def _finish(state: _State, ta: list[float], te: list[float], R: int, l: int, ta_l: float, te_l: float) -> float:
+def _finish(state: _State, ta: list[float], te: list[float], l: int, ta_l: float, te_l: float) -> float:
     """The forward makespan from ``state`` before layer ``l``, with layer ``l``'s side times
     ``ta_l``/``te_l`` in place of ``ta[l]``/``te[l]``."""
-    a_end, e_end, prev_e = state[0], state[1], (state[2][:] if state[2] else [0.0] * R)
+    a_end, e_end, prev_e = state[0], state[1], state[2][:]
     a_end, e_end = _layer(a_end, e_end, prev_e, ta_l, te_l)
     for k in range(l + 1, len(ta)):
         a_end, e_end = _layer(a_end, e_end, prev_e, ta[k], te[k])
@@ -285,7 +284,7 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
             if entry is None:
                 continue
             col, n, ta_l, te_l = entry
-            t = _finish(states[l], ta, te, R, l, ta_l, te_l)
+            t = _finish(states[l], ta, te, l, ta_l, te_l)
             if t < current * (1 - 1e-9) and (best_move is None or t < best_move[0]):
                 best_move = (t, l, col, n, ta_l, te_l)
         if best_move is None:

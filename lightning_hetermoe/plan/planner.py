@@ -369,23 +369,18 @@ class _Search:
         # them besides (never instead of) the splits it would take anyway
         fitted: dict[int, float] = {}
 
+        # one R per split: the probe, or where it does not fit the fewest micro-batches that do
+        R_order = probe + [R for R in Rs if R > probe[0]]
+
         def split_time(M: int) -> float | None:
             if M not in tried:
                 Gs = [pinned] if pinned else sorted({1, self.most_groups(order, M)} if wide else {1})
-                # one R per split: the probe, or where it does not fit the fewest micro-batches that do
-                got = None
-                for R in probe + [R for R in Rs if R > probe[0]]:
-                    got = self.best_for(order, M, Gs, [R])
-                    if got is not None:
-                        break
+                got = next((g for g in (self.best_for(order, M, Gs, [R]) for R in R_order) if g is not None), None)
                 tried[M] = None if got is None else got[0]
                 if got is None and wide and not pinned:
-                    for R in probe + [R for R in Rs if R > probe[0]]:
-                        G = self.most_groups_that_fit(order, M, R)
-                        fit = self.best_for(order, M, [G], [R]) if G > 1 else None
-                        if fit is not None:
-                            fitted[M] = fit[0]
-                            break
+                    fit = next((f for f in (self.most_groups_that_fit(order, M, R) for R in R_order) if f), None)
+                    if fit is not None:
+                        fitted[M] = fit[0]
             return tried[M]
 
         for M in role_splits(Ms, [self.devs[r].name for r in order]):
@@ -412,13 +407,14 @@ class _Search:
         assert best is not None
         return best[1]
 
-    def most_groups_that_fit(self, order: list[int], M: int, R: int) -> int:
-        """The most ZP groups the split deals its device kinds into evenly and whose layout
-        at R micro-batches fits in memory (1 if none does): on thousands of ranks the most
-        groups can be too small to hold a large model's experts, while fewer, larger ones do."""
+    def most_groups_that_fit(self, order: list[int], M: int, R: int) -> tuple[float, Plan] | None:
+        """The scored layout of the most ZP groups (more than one) the split deals its device
+        kinds into evenly and that fits in memory at R micro-batches: on thousands of ranks
+        the most groups can be too small to hold a large model's experts, while fewer, larger
+        ones do."""
         attn, expert = sorted(order[:M]), sorted(order[M:])
-        even = [G for G in reversed(self.group_counts(M, None)) if self.groups(attn, expert, G) is not None]
-        return next((G for G in even if self.scored(order, M, G, R) is not None), 1)
+        even = (G for G in reversed(self.group_counts(M, None)) if G > 1 and self.groups(attn, expert, G) is not None)
+        return next((got for got in (self.scored(order, M, G, R) for G in even) if got is not None), None)
 
     def when_memory_binds(self, order: list[int], Rs: list[int]) -> tuple[float, Plan]:
         """No split of the role order fits: every layout the plan format can express is

@@ -54,13 +54,7 @@ def run_dag(tasks: list[Task], policies: dict[str, str] | None = None) -> Timeli
 def _run_events(tasks: list[Task], policies: dict[str, str]) -> Timeline:
     """:func:`run_dag` event by event: each free resource takes a ready task by its policy."""
     n = len(tasks)
-    indeg = [len(t.deps) for t in tasks]
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i, t in enumerate(tasks):
-        for d in t.deps:
-            if not 0 <= d < n:
-                raise ValueError(f"task {t.name!r} depends on unknown task index {d}")
-            children[d].append(i)
+    children, indeg = _dependents(tasks)
     queues: dict[str, list] = {}
     busy: dict[str, bool] = {}
     start = [0.0] * n
@@ -132,9 +126,25 @@ def _run_events(tasks: list[Task], policies: dict[str, str]) -> Timeline:
                     push(c, now)
                     dirty.add(tasks[c].resource)
     if done != n:
-        stuck = [f"{tasks[i].name}@{tasks[i].resource}" for i in range(n) if not finished_flags[i]][:5]
-        raise ValueError(f"task graph has a cycle, unreachable tasks or an impossible fixed order, e.g. {stuck}")
+        raise _stuck(tasks, [i for i in range(n) if not finished_flags[i]])
     return Timeline(tasks, start, end)
+
+
+def _dependents(tasks: list[Task]) -> tuple[list[list[int]], list[int]]:
+    """Each task's dependents and its number of dependencies; an unknown index raises."""
+    n = len(tasks)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        for d in t.deps:
+            if not 0 <= d < n:
+                raise ValueError(f"task {t.name!r} depends on unknown task index {d}")
+            children[d].append(i)
+    return children, [len(t.deps) for t in tasks]
+
+
+def _stuck(tasks: list[Task], unfinished: list[int]) -> ValueError:
+    stuck = [f"{tasks[i].name}@{tasks[i].resource}" for i in unfinished[:5]]
+    return ValueError(f"task graph has a cycle, unreachable tasks or an impossible fixed order, e.g. {stuck}")
 
 
 def _run_ordered(tasks: list[Task]) -> Timeline:
@@ -143,14 +153,7 @@ def _run_ordered(tasks: list[Task]) -> Timeline:
     resource's previous task have ended, taken in a topological order instead of event by
     event. The same sums as the event loop's, so the same times to the last bit."""
     n = len(tasks)
-    children: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for i, t in enumerate(tasks):
-        for d in t.deps:
-            if not 0 <= d < n:
-                raise ValueError(f"task {t.name!r} depends on unknown task index {d}")
-            children[d].append(i)
-        indeg[i] = len(t.deps)
+    children, indeg = _dependents(tasks)
     sequence: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
         sequence.setdefault(t.resource, []).append(i)
@@ -181,6 +184,5 @@ def _run_ordered(tasks: list[Task]) -> Timeline:
             if indeg[c] == 0:
                 ready.append(c)
     if done != n:
-        stuck = [f"{tasks[i].name}@{tasks[i].resource}" for i in range(n) if indeg[i] > 0][:5]
-        raise ValueError(f"task graph has a cycle, unreachable tasks or an impossible fixed order, e.g. {stuck}")
+        raise _stuck(tasks, [i for i in range(n) if indeg[i] > 0])
     return Timeline(tasks, start, end)

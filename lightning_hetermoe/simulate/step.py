@@ -499,8 +499,9 @@ class _Member:
     def __init__(self, shape: _Shape, has_attention: bool, holds: tuple[bool, ...]) -> None:
         sched = shape.sched
         L, nR = sched.num_layers, shape.n_rounds
+        self.holds = holds
         self.expert_at = [-1] * nR  # round k's expert task's position here
-        self._edges: dict[tuple, tuple[list, list, list]] = {}
+        self._edges: dict[bool, tuple[list, list, list]] = {}
         if not has_attention:  # the rounds of the layers it holds, in round order
             mine = [k for k in range(nR) if holds[shape.round_layer[k]]]
             self.tasks = [shape.round_task[k] for k in mine]
@@ -509,7 +510,7 @@ class _Member:
             for pos, k in enumerate(mine):
                 self.expert_at[k] = pos
             self.attention_at = []
-            self.gates = self._gates(shape, holds)
+            self.gates = self._gates(shape)
             return
         self.tasks = sched.member_tasks(has_attention, holds)
         self.names = [str(t) for t in self.tasks]
@@ -534,7 +535,7 @@ class _Member:
             self.deps.append(deps)
         self.gates: dict[str, list[int]] | None = None
 
-    def edges(self, shape: _Shape, holds: tuple[bool, ...], every_gate: bool) -> tuple[list, list, list]:
+    def edges(self, shape: _Shape, every_gate: bool) -> tuple[list, list, list]:
         """The rounds' waits on this member's tasks, as (round, position) pairs per channel,
         and its early rounds' late headers as (round, position, next position or None).
 
@@ -542,8 +543,7 @@ class _Member:
         task that an earlier round on its channel already waits for (or for one before it:
         a member's tasks run in order). Only the first round after each new answer gets the
         edge: O(tasks) edges instead of O(lanes x rounds) (``every_gate``: all of them)."""
-        key = (holds, every_gate)
-        if key not in self._edges:
+        if every_gate not in self._edges:
             out: dict[str, list[tuple[int, int]]] = {"a2e": [], "e2a": []}
             waited = {"a2e": -1, "e2a": -1}
             late = []
@@ -554,7 +554,7 @@ class _Member:
                     out[chan].append((k, on))
 
             for k in range(shape.n_rounds):
-                if holds[shape.round_layer[k]]:
+                if self.holds[shape.round_layer[k]]:
                     mine = self.expert_at[k]
                     gate("e2a", k, mine)
                     if shape.early[k] and self.gates is not None:
@@ -563,17 +563,17 @@ class _Member:
                     gate("e2a", k, self.gates["combine"][k])
                 if self.gates is not None:
                     gate("a2e", k, self.gates["dispatch"][k])
-            self._edges[key] = (out["e2a"], out["a2e"], late)
-        return self._edges[key]
+            self._edges[every_gate] = (out["e2a"], out["a2e"], late)
+        return self._edges[every_gate]
 
-    def _gates(self, shape: _Shape, holds: tuple[bool, ...]) -> dict[str, list[int]]:
+    def _gates(self, shape: _Shape) -> dict[str, list[int]]:
         """An expert rank takes part in a collective once its host reaches it: after the
         expert task of the last round it answered before that point in the issue order."""
         gates = {"combine": [-1] * shape.n_rounds, "dispatch": [-1] * shape.n_rounds}
         combine, dispatch = gates["combine"], gates["dispatch"]
         answered = -1
         for is_combine, k, layer in shape.issue:
-            if is_combine and holds[layer]:
+            if is_combine and self.holds[layer]:
                 answered = self.expert_at[k]
             elif answered >= 0:
                 (combine if is_combine else dispatch)[k] = answered
@@ -609,8 +609,7 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
     att = [i for i, lane in enumerate(lanes) if lane.role == "attention"]
     attention_holds = tuple(any(lane.experts[l] for lane in lanes if lane.role == "attention") for l in range(L))
     shape = _shape(sched, attention_holds)
-    holds = [tuple(e > 0 for e in lane.experts) for lane in lanes]
-    members = [shape.member(lane.role == "attention", h) for lane, h in zip(lanes, holds)]
+    members = [shape.member(lane.role == "attention", tuple(e > 0 for e in lane.experts)) for lane in lanes]
     tasks: list[Task] = []
     policies: dict[str, str] = {}
     # each lane's tasks one after another: lane i's task at position p is base[i] + p
@@ -662,7 +661,7 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
             next_emitters[k] = [base[a] + members[a].attention_at[n] for a in att for n in nxt]
     for i, lane in enumerate(lanes):
         b = base[i]
-        on_combine, on_dispatch, headers = members[i].edges(shape, holds[i], every_gate)
+        on_combine, on_dispatch, headers = members[i].edges(shape, every_gate)
         for k, pos in on_combine:
             tasks[first + nR + k].deps.append(b + pos)
         for k, pos in on_dispatch:
