@@ -34,6 +34,14 @@ round ``r + 1``, so every member of the ZP group issues the exchange's collectiv
 one order (dispatch ``r``, combine ``r``, dispatch ``r + 1``, ...), which NCCL asks of
 communicators used side by side.
 
+**Layered** (:func:`answers_layered`: every member of the ZP group attends, the EP layout
+with zebra's overlap). Each rank holds experts beside its attention, so answering round
+``r`` before emitting ``r + 1`` would leave it idle through every dispatch of its own. A
+run of rounds (one phase and layer, emitted one after another: a layer's micro-batches)
+is answered back to back after its last emission, before the first attention task that
+waits for an answer; every member issues the run's dispatches, then its combines
+(:meth:`Schedule.combine_points`). DistEP's runs are single rounds: its order is unchanged.
+
 **Balance counts.** The load-balancing loss takes its expert fractions over every token
 computed together (see :mod:`lightning_hetermoe.moe.balance`): for zebra all micro-batches
 of a step, for DistEP (gradient accumulation) one micro-batch. A layer's counts are summed
@@ -109,6 +117,9 @@ class Schedule:
     rounds: list[Round] = field(default_factory=list)
     # micro-batch groups whose routing counts are summed for the balance loss (empty: none)
     balance_groups: list[tuple[int, ...]] = field(default_factory=list)
+    # holders answer a run of rounds back to back (see build_schedule): for ZP groups whose
+    # every member attends
+    layered: bool = False
     # member_tasks per (has_attention, holds), and the issue order per attention holdings: a
     # planner's search asks for the same few thousands of times
     _members: dict = field(default_factory=dict, repr=False, compare=False)
@@ -142,25 +153,44 @@ class Schedule:
                 if not key[1][q.layer] and emitter[nxt] < first_need.get(q, len(self.attention)))
         return self._members[key]
 
+    def combine_points(self, attention_holds: Sequence[bool]) -> list[int]:
+        """Per round (in round order), the index of the attention task before which its
+        combine is issued, and a holder on an attention rank runs its experts: right after
+        the emitting task, or after the next round's emitter where the round is early
+        (:meth:`early_rounds`). ``layered``: after the last emitter of its run (the rounds of
+        one phase and layer emitted one after another), before the first attention task after
+        it that waits for an answer."""
+        key = ("points", tuple(bool(h) for h in attention_holds))
+        if key not in self._members:
+            emitter, first_need = self._emission()
+            end = len(self.attention)
+            if self.layered:
+                needs = [i for i, t in enumerate(self.attention) if awaited_round(t, self.num_layers) is not None]
+                last = [emitter[r] for r in self.rounds]
+                for k in reversed(range(len(self.rounds) - 1)):
+                    r, nxt = self.rounds[k], self.rounds[k + 1]
+                    if (r.phase, r.layer) == (nxt.phase, nxt.layer):
+                        last[k] = last[k + 1]
+                points = [min(next((i for i in needs if i > at), end), first_need.get(r, end))
+                          for r, at in zip(self.rounds, last)]
+            else:
+                early = self.early_rounds(attention_holds)
+                after = dict(zip(self.rounds, self.rounds[1:]))
+                points = [emitter[after[r] if r in early else r] + 1 for r in self.rounds]
+            self._members[key] = points
+        return self._members[key]
+
     def issue_order(self, attention_holds: Sequence[bool]) -> list[tuple[str, Round]]:
         """Every member's order of the exchange's collectives over both communicators:
-        ``("dispatch", r)`` in round order, ``("combine", q)`` right after ``q``'s dispatch, or
-        after the next round's where ``q`` is early (:meth:`early_rounds`)."""
+        ``("dispatch", r)`` in round order as the attention ranks emit them, ``("combine", q)``
+        where its point comes (:meth:`combine_points`)."""
         key = ("order", tuple(bool(h) for h in attention_holds))
         if key not in self._members:
-            early = self.early_rounds(attention_holds)
-            out: list[tuple[str, Round]] = []
-            deferred = None
-            for r in self.rounds:
-                out.append(("dispatch", r))
-                if deferred is not None:
-                    out.append(("combine", deferred))
-                    deferred = None
-                if r in early:
-                    deferred = r
-                else:
-                    out.append(("combine", r))
-            self._members[key] = out
+            emitter, _ = self._emission()
+            points = self.combine_points(attention_holds)
+            events = [((emitter[r], 0, k), ("dispatch", r)) for k, r in enumerate(self.rounds)]
+            events += [((p - 1, 1, k), ("combine", r)) for k, (r, p) in enumerate(zip(self.rounds, points))]
+            self._members[key] = [e for _, e in sorted(events, key=lambda x: x[0])]
         return list(self._members[key])
 
     def _emission(self) -> tuple[dict[Round, int], dict[Round, int]]:
@@ -190,12 +220,12 @@ class Schedule:
         if not has_attention:
             return [r.expert_task for r in mine]
         attn = self.attention
-        emitter, first_need = self._emission()
+        point = dict(zip(self.rounds, self.combine_points(holds)))
         # slot[i]: expert tasks that run just before attention task i (len(attn): after all)
         slots: dict[int, list[Task]] = {}
         last = -1
         for r in mine:
-            at = min(emitter[r] + 1, first_need.get(r, len(attn)))
+            at = point[r]
             at = max(at, last)  # keep round order on this rank
             last = at
             slots.setdefault(at, []).append(r.expert_task)
@@ -207,8 +237,10 @@ class Schedule:
         return out
 
 
-def build_schedule(kind: str, num_layers: int, num_microbatches: int, *, balance: bool = True) -> Schedule:
-    """The schedule of one step; ``balance`` when the model has a load-balancing loss."""
+def build_schedule(kind: str, num_layers: int, num_microbatches: int, *, balance: bool = True,
+                   layered: bool = False) -> Schedule:
+    """The schedule of one step; ``balance`` when the model has a load-balancing loss;
+    ``layered`` (see :func:`answers_layered`): holders answer each run of rounds back to back."""
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"schedule kind {kind!r} is invalid: must be one of {SCHEDULE_KINDS}")
     L, R = num_layers, num_microbatches
@@ -229,7 +261,17 @@ def build_schedule(kind: str, num_layers: int, num_microbatches: int, *, balance
     rounds = [r for r in (emitted_round(t, L) for t in attention) if r is not None]
     if kind == "forward":
         rounds = [r for r in rounds if r.phase == "fwd"]
-    return Schedule(kind, L, R, attention, rounds, groups if balance else [])
+    return Schedule(kind, L, R, attention, rounds, groups if balance else [], layered=layered)
+
+
+def answers_layered(member_roles: Sequence[str]) -> bool:
+    """Whether a ZP group's schedule is ``layered``: where every member attends (the EP layout
+    with zebra's overlap) each rank holds experts beside its attention, and answering round
+    ``r`` before emitting ``r + 1`` would leave it idle through every dispatch. Layered, a
+    rank emits a layer's micro-batches, then answers them all: dispatch ``j`` moves while it
+    attends or answers ``j - 1``, combine ``j`` while it answers ``j + 1``. With expert ranks
+    the round-by-round order stays: their answer to ``r`` must not wait for ``r + 1``'s rows."""
+    return bool(member_roles) and all(role == "attention" for role in member_roles)
 
 
 def check_theorem1(order: Sequence[Task], num_layers: int, num_microbatches: int) -> list[str]:

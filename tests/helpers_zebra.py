@@ -70,6 +70,8 @@ class Holdings(L.Callback):
         # the state is sharded over the attention ranks)
         self.dense_state = sum(1 for p, s in opt.state.items() if id(p) not in experts and s)
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        last = getattr(trainer.strategy.backend, "last_step", None)
+        self.work = [str(t) for t in last.work] if last is not None else []  # the last step's tasks, as run
 
 
 class SyncBuffers:
@@ -113,7 +115,7 @@ def fit_cases(rank: int, world: int, cases: list[dict]) -> list | None:
             t.fit(model, datamodule=dm)
         zebra_backend.BUCKET_BYTES = default_bucket
         result = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "dense_numel": held.dense_numel,
-                  "dense_state": held.dense_state, "train_metrics": held.metrics,
+                  "dense_state": held.dense_state, "train_metrics": held.metrics, "work": held.work,
                   "sync": {"peak": buffers.peak, "calls": buffers.calls}}
         if case.get("validate"):
             result["val"] = t.validate(model, datamodule=dm, verbose=False)

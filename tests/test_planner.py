@@ -223,10 +223,17 @@ def test_plan_3_attention_4_expert():
 
 
 def test_three_tiers_newest_attend_oldest_serve_experts():
-    p = make_plan(cluster(("h100", 2), ("a40", 2), ("v100", 2)), model(), seq_len=8192, global_batch_tokens=32 * 8192)
+    """Where roles split, the newest attend and the oldest serve experts. Free to choose,
+    this small batch trains fastest with every rank attending (the EP layout, whose layered
+    order hides the exchange), and the prediction says by how much."""
+    c = cluster(("h100", 2), ("a40", 2), ("v100", 2))
+    p = make_plan(c, model(), seq_len=8192, global_batch_tokens=32 * 8192, require_expert_ranks=True)
     roles = dict(zip(p.devices, p.roles, strict=True))
     assert roles["h100"] == "attention" and roles["v100"] == "expert"
     check_placement(p, 2, 12)
+    free = make_plan(c, model(), seq_len=8192, global_batch_tokens=32 * 8192)
+    assert set(free.roles) == {"attention"}
+    assert free.predicted["zebra"]["tokens_per_s"] > p.predicted["zebra"]["tokens_per_s"]
 
 
 def test_zp_groups_are_identical_replicas():

@@ -411,3 +411,103 @@ def test_fixed_order_graphs_timed_in_one_pass_equal_the_event_loop_to_the_last_b
         first = next(i for i, t in enumerate(tasks) if t.resource == tasks[-1].resource)
         tasks[first].deps.append(len(tasks) - 1)
         _run_ordered(tasks)
+
+
+def _round_by_round_order(sched, attention_holds):
+    """The issue order before layered schedules existed, written out plainly: each dispatch,
+    then the combine of the round before it where that round was early, else its own."""
+    early = sched.early_rounds(attention_holds)
+    out, deferred = [], None
+    for r in sched.rounds:
+        out.append(("dispatch", r))
+        if deferred is not None:
+            out.append(("combine", deferred))
+            deferred = None
+        if r in early:
+            deferred = r
+        else:
+            out.append(("combine", r))
+    return out
+
+
+def _walk(sched, holds, attention_holds):
+    """An attention member walking its task list as the executor does: a dispatch at each
+    emission, its own combines as its experts answer, others' combines as soon as every
+    collective before them in the order was issued. Returns the collectives in the order it
+    issued them; raises where a task would wait for an answer that cannot have come."""
+    from lightning_hetermoe.task_order import awaited_round, emitted_round
+
+    order = sched.issue_order(attention_holds)
+    issued, cursor, answered = [], 0, set()
+
+    def took_part(event):
+        nonlocal cursor
+        assert order[cursor] == event, (order[cursor], event)
+        issued.append(event)
+        cursor += 1
+        while cursor < len(order) and order[cursor][0] == "combine" and not holds[order[cursor][1].layer]:
+            issued.append(order[cursor])
+            cursor += 1
+
+    for t in sched.member_tasks(True, holds):
+        if t.kind.startswith("expert"):
+            r = next(q for q in sched.rounds if q.expert_task == t)
+            assert ("dispatch", r) in issued, f"{t} runs before its rows were dispatched"
+            took_part(("combine", r))
+            continue
+        need = awaited_round(t, sched.num_layers)
+        if need is not None and need in sched.rounds:
+            assert ("combine", need) in issued, f"{t} waits for {need}, whose combine was never issued"
+        emitted = emitted_round(t, sched.num_layers)
+        if emitted in sched.rounds:
+            took_part(("dispatch", emitted))
+    assert issued == order
+    return issued
+
+
+@pytest.mark.parametrize("kind", ["zebra", "distep", "forward"])
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_layered_and_round_by_round_orders_are_walked_by_every_member_as_issued(kind, R):
+    """Every pattern of holdings walks its task list in the issue order, with each answer
+    issued before a task waits for it. Round by round, the order is the one written out
+    plainly above; layered, a run's combines come after its last dispatch and a holder
+    answers the run back to back (DistEP's runs are single rounds: its order is unchanged)."""
+    import itertools
+
+    L = 2
+    plain, layered = build_schedule(kind, L, R), build_schedule(kind, L, R, layered=True)
+    for holds in itertools.product([False, True], repeat=L):
+        assert plain.issue_order(holds) == _round_by_round_order(plain, holds)
+        _walk(plain, holds, holds)
+        everyone = (True,) * L  # layered: every member attends; some hold nothing of a layer
+        _walk(layered, holds, everyone)
+    if kind == "distep" or R == 1:
+        assert layered.issue_order((True,) * L) == plain.issue_order((True,) * L)
+    else:
+        tasks = [str(t) for t in layered.member_tasks(True, (True,) * L)]
+        head = [f"Af0.{j}" for j in range(R)] + [f"Xf0.{j}" for j in range(R)] + [f"Af1.{j}" for j in range(R)]
+        assert tasks[:3 * R] == head
+        order = layered.issue_order((True,) * L)
+        first = [e for e in order if e[1].layer == 0 and e[1].phase == "fwd"]
+        assert [k for k, _ in first] == ["dispatch"] * R + ["combine"] * R
+
+
+def test_a_layered_schedule_hides_the_exchange_an_ep_layout_waits_for():
+    """Every rank attends and holds experts: answering each round before emitting the next
+    leaves each rank idle through every dispatch; layered, the step is shorter, and the
+    simulator's graph is the one the executor walks (same member lists)."""
+    model = ModelConfig(name="t", vocab_size=1000, d_model=512, n_layers=3, n_heads=8, max_seq_len=4096,
+                        moe=MoEConfig(num_experts=4, top_k=2, d_ff=1024))
+    devs = [A40, V100]
+    link = LinkConfig(bandwidth_gbps=25.0, latency_us=10.0)
+    timer = make_timer(model, 2048)
+    R = 4
+
+    def step(layered):
+        lanes = [Lane(d, [i], seqs=[2] * R, experts=[2] * 3) for i, d in enumerate(devs)]
+        setup = StepSetup(lanes=lanes, model=model, seq_len=2048, num_microbatches=R, link=link,
+                          schedule=build_schedule("zebra", 3, R, layered=layered))
+        return simulate_step(setup, timer, "zebra", keep_timeline=False).step_time
+
+    plain, layered = step(False), step(True)
+    assert layered < 0.95 * plain, (layered, plain)

@@ -198,3 +198,25 @@ def test_logged_numbers_are_replayed_on_the_modules_device():
     assert item.value.device.type == "meta" and item.numeric
     cpu = _reduce("lr_scale", calls, [2, 6], None, torch.device("cpu"))
     assert float(cpu.value) == (0.5 * 2 + 1.5 * 6) / 8  # micro-batches weighted by their rows
+
+
+@pytest.mark.slow
+def test_every_rank_attends_and_answers_a_layers_micro_batches_back_to_back():
+    """The EP layout under zebra (every member attends and holds experts): the layered order,
+    where a rank emits all of a layer's micro-batches before it answers them. Rank 1 holds
+    no expert of layer 1 (it takes part in the rounds with empty shares and posts their
+    combines itself); still equal to one process, training and validation."""
+    per_rank = check(2, [
+        dict(plan=make_test_plan(2, [0, 1], R=2, placement=[[0, 1, 0, 1], [0, 0, 0, 0]])),
+        dict(plan=make_test_plan(2, [0, 1], R=3, placement=[[0, 0, 1, 1], [1, 0, 1, 0]]), validate=True,
+             trainer=dict(limit_val_batches=1.0)),
+        dict(plan=make_test_plan(2, [0, 1], R=2, placement=[[0, 0, 1, 1], [1, 1, 0, 0]]), mode="distep"),
+    ])
+    # what ran: a layer's micro-batches emitted, then answered back to back (rank 1 holds
+    # nothing of layer 1, so answers nothing there); DistEP answers each round at once
+    assert per_rank[0][0]["work"][:6] == ["Af0.0", "Af0.1", "Xf0.0", "Xf0.1", "Af1.0", "Af1.1"]
+    assert per_rank[0][1]["work"][:9] == ["Af0.0", "Af0.1", "Af0.2", "Xf0.0", "Xf0.1", "Xf0.2",
+                                          "Af1.0", "Af1.1", "Af1.2"]
+    assert per_rank[1][0]["work"][:6] == ["Af0.0", "Af0.1", "Xf0.0", "Xf0.1", "Af1.0", "Af1.1"]
+    assert "Xf1.0" not in per_rank[1][0]["work"]
+    assert per_rank[0][2]["work"][:4] == ["Af0.0", "Xf0.0", "Af1.0", "Xf1.0"]

@@ -26,6 +26,7 @@ from ..configs import ModelConfig
 from ..profile.memory import MemoryModel
 from ..apportion import apportion, split_microbatches
 from ..placement import Placement, contiguous_placement
+from ..task_order import answers_layered
 from .step import Lane, StepResult, StepSetup, simulate_step
 
 SCHEDULES = ("zebra", "distep", "ep", "ep_balanced", "ep_ideal")
@@ -165,12 +166,12 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer) -> StepR
 
 # ---- plans -----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=64)
-def shared_schedule(kind: str, num_layers: int, num_microbatches: int, balance: bool):
+def shared_schedule(kind: str, num_layers: int, num_microbatches: int, balance: bool, layered: bool = False):
     """One schedule per shape for every simulation (a search simulates thousands of plans of
     a few shapes; each schedule memoises its members' task lists). Read only."""
     from ..task_order import build_schedule
 
-    return build_schedule(kind, num_layers, num_microbatches, balance=balance)
+    return build_schedule(kind, num_layers, num_microbatches, balance=balance, layered=layered)
 
 
 def plan_setup(
@@ -188,7 +189,8 @@ def plan_setup(
     else:
         raise ValueError(f"plan_setup: schedule {schedule!r} is not disaggregated")
     placement = plan.placement_for(schedule)
-    steps = shared_schedule(schedule, L, R, model.moe.aux_loss_coef > 0)
+    steps = shared_schedule(schedule, L, R, model.moe.aux_loss_coef > 0,
+                            answers_layered([plan.roles[r] for r in group.members]))
     members = []
     held: list[dict[int, list[int]]] = []
     for l in range(L):

@@ -477,6 +477,10 @@ class _Shape:
         for n, t in enumerate(sched.attention):
             emitters.setdefault(position.get(emitted_round(t, L), -1), []).append(n)
         self.emitters = [emitters.get(k, []) for k in range(nR)]
+        # the attention task after which each round's combine is posted, where that is not
+        # its emitter (the combine then waits for it on every attention rank)
+        self.posted = [[p - 1] if p - 1 not in self.emitters[k] else []
+                       for k, p in enumerate(sched.combine_points(attention_holds))]
         # the issue order as (is a combine, round position, layer), and each round's expert task
         self.issue = [(kind == "combine", position[r], r.layer) for kind, r in sched.issue_order(attention_holds)]
         self.round_layer = [r.layer for r in rounds]
@@ -652,11 +656,11 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
     for k in range(nR):
         early = shape.early[k]
         nxt = shape.emitters[k + 1] if early else []
+        posted = shape.posted[k]
         for i in att:
             at, b = members[i].attention_at, base[i]
             tasks[first + k].deps.extend(b + at[n] for n in shape.emitters[k])
-            if early:
-                tasks[first + nR + k].deps.extend(b + at[n] for n in nxt)
+            tasks[first + nR + k].deps.extend(b + at[n] for n in posted)
         if early:
             next_emitters[k] = [base[a] + members[a].attention_at[n] for a in att for n in nxt]
     for i, lane in enumerate(lanes):

@@ -49,7 +49,7 @@ from ....moe.balance import balance_loss_from_counts, routed_counts
 from ....placement import Placement
 from ....plan import Plan
 from ....profile.memory import GRAD_BUCKET_BYTES
-from ....task_order import build_schedule
+from ....task_order import answers_layered, build_schedule
 from ....apportion import apportion, split_microbatches
 from ....materialize import Holding, Materializer
 from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
@@ -157,8 +157,9 @@ class ZebraBackend(ParallelBackend):
         self.layout = Layout.from_plan(plan, rank, plan.placement_for(mode))
         L = self.layout.num_layers
         self._R = (plan.distep_microbatches or 1) if mode == "distep" else plan.num_microbatches
-        self.train_schedule = build_schedule(mode, L, self._R, balance=balance)
-        self.forward_schedule = build_schedule("forward", L, self._R, balance=balance)
+        layered = answers_layered([plan.roles[r] for r in self.layout.members])
+        self.train_schedule = build_schedule(mode, L, self._R, balance=balance, layered=layered)
+        self.forward_schedule = build_schedule("forward", L, self._R, balance=balance, layered=layered)
         self.groups = ZebraGroups.build(self.layout)
         self._stripped: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._cuts: BlockCuts | None = None

@@ -22,17 +22,18 @@ member hangs the others, and two communicators issued in different orders can de
 where their kernels cannot run side by side). ``dispatch(r)`` before ``combine(r)``; where
 ``r`` is early (the attention ranks emit ``r + 1`` before they need ``r``'s answers, and
 no attention rank holds experts of ``r``'s layer) ``dispatch(r + 1)`` comes before
-``combine(r)``, else after it. An attention rank posts ``combine(r)``'s receive with the
-dispatch that precedes it, so the answer can land while it computes the next micro-batch
-(on CUDA the receive runs on the communication stream; nothing waits on it until the
-answer is used); a holder issues ``combine(r)`` once its experts ran (holders on attention
-ranks run them right after the emitting task, see
-:meth:`lightning_hetermoe.task_order.Schedule.member_tasks`, which keeps this order). An
-expert rank walks the order: it issues ``dispatch(r)`` when it reaches ``r``, and where
-``r`` is early also ``dispatch(r + 1)`` (waiting for its header) before ``r``'s experts
-are queued, so ``r + 1``'s rows move while they run: the communication stream waits for
-the compute queued before each issue, and ``r``'s is not queued yet. Nothing is waited for
-before it is needed; every handle is waited once.
+``combine(r)``, else after it; in a layered schedule (every member attends) a layer's
+combines come after the last dispatch of its run. An attention rank walks the order as it
+issues: its dispatches as it emits, the combines of rounds it holds once its experts ran
+(they are slotted where the order wants them, see
+:meth:`lightning_hetermoe.task_order.Schedule.member_tasks`), and the combines of rounds it
+holds nothing of at once after the collective before them, so the answer can land while it
+computes (on CUDA the receive runs on the communication stream; nothing waits on it until
+the answer is used). An expert rank walks the order too: it issues ``dispatch(r)`` when it
+reaches ``r``, and where ``r`` is early also ``dispatch(r + 1)`` (waiting for its header)
+before ``r``'s experts are queued, so ``r + 1``'s rows move while they run: the
+communication stream waits for the compute queued before each issue, and ``r``'s is not
+queued yet. Nothing is waited for before it is needed; every handle is waited once.
 
 Under emulation a transfer is padded at its receiver: it arrives at ``max(sent, link
 free) + modelled`` (one transfer at a time per direction), ``sent`` being the moment the
@@ -94,8 +95,7 @@ class Exchange:
         self._early = schedule.early_rounds(holds)
         self._after = dict(zip(schedule.rounds, schedule.rounds[1:]))
         self._position = {event: i for i, event in enumerate(self._order)}
-        self._cursor = 0  # expert ranks: the next collective of _order not yet issued
-        self._deferred: Round | None = None  # attention ranks: an early round's combine, issued after the next dispatch
+        self._cursor = 0  # the next collective of _order not yet issued here
         self.transfer_s: dict[tuple[str, Round], float] = {}
         # measured runs: each device transfer's span, from its issue (on the communication
         # stream) to its work's completion; read with the step's other stamps
@@ -152,13 +152,7 @@ class Exchange:
             self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
                 self.groups.dispatch, out, wire, recv, send, what="zebra.rows", async_op=True))
         self._post_ready(r)
-        if self._deferred is not None:  # an early round's combine comes after this dispatch
-            q, self._deferred = self._deferred, None
-            self._post_combine(q, None, leaves_at)
-        if r in self._early:
-            self._deferred = r
-        elif not holds:
-            self._post_combine(r, None, leaves_at)
+        self._took_part(("dispatch", r), leaves_at)
 
     def answers(self, r: Round) -> Tensor:
         """The experts' answer to round ``r`` (waited here: the compute stream follows it)."""
@@ -206,6 +200,7 @@ class Exchange:
         """This holder's answers to round ``r`` leave (``leaves_at``: on the modelled clock)."""
         if self.lay.is_attention:
             self._post_combine(r, answers, leaves_at)
+            self._took_part(("combine", r), leaves_at)
             return
         self._issue(("combine", r), inclusive=False, at=leaves_at)
         self._post_combine(r, answers, leaves_at)
@@ -216,6 +211,21 @@ class Exchange:
         # under emulation a GPU's communication stream would wait for this task's kernels
         # before the next round's receive: that is the end of the task's padding, so the
         # next rounds are taken part in when this rank reaches them (rows, finish)
+
+    def _took_part(self, event: tuple[str, Round], leaves_at: float | None) -> None:
+        """Attention ranks: ``event``, the next collective of the order, was just issued here;
+        the combines after it of rounds this rank holds nothing of follow at once (their
+        receive needs no work of its own), up to the next one it must issue itself."""
+        if self._order[self._cursor] != event:
+            raise RuntimeError(f"zebra exchange: {event[0]} of {event[1]} issued where the order has "
+                               f"{self._order[self._cursor]}; the schedule's issue order is broken")
+        self._cursor += 1
+        while self._cursor < len(self._order):
+            kind, r = self._order[self._cursor]
+            if kind == "dispatch" or self._member[r.layer][self.me]:
+                return
+            self._post_combine(r, None, leaves_at)
+            self._cursor += 1
 
     def _prefetch(self, r: Round, ready_to_run: Callable[[], bool]) -> None:
         """An expert rank about to run early round ``r``: issue the next round's receive
