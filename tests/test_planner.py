@@ -451,3 +451,52 @@ def test_scoring_a_plan_leaves_it_as_it_is_and_keeps_the_base_placement_where_th
     base = placement_from_counts(plan.base_counts, 8, 1)
     assert step(base) < step(plan.placement)  # the full step says the moves do not pay here
     assert t == step(base) and kept.placement == base
+
+
+def test_rebalanced_seqs_even_out_attention_and_hosted_experts_against_every_split():
+    """The water-filled shares against every split of a few sequences: the busiest member
+    (attention plus hosted experts) is within one sequence's attention of the best split,
+    every member keeps one sequence, and the shares add up."""
+    import itertools
+
+    from lightning_hetermoe.plan.planner import rebalanced_seqs
+
+    cases = [([1.0, 8.0, 8.0], [0.0, 20.0, 20.0], 12), ([1.0, 1.0], [5.0, 0.0], 9), ([2.0, 3.0, 5.0], [1.0, 1.0, 1.0], 10)]
+    for per_seq, hosted, total in cases:
+        got = rebalanced_seqs(total, per_seq, hosted)
+        assert sum(got) == total and min(got) >= 1, got
+
+        def busiest(seqs):
+            return max(a * n + h for a, n, h in zip(per_seq, seqs, hosted))
+
+        best = min(busiest(s) for s in itertools.product(range(1, total + 1), repeat=len(per_seq)) if sum(s) == total)
+        assert busiest(got) <= best + max(per_seq), (got, busiest(got), best)
+
+
+def test_evened_out_attention_shares_give_a_faster_plan_on_very_unequal_devices():
+    """Two L40S and six T4s (8x slower at both kinds of work): attention shares by speed
+    leave each T4 a whole expert per layer beside its share; shares that even out attention
+    and hosted experts plan a faster step, and no paper configuration gets slower."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from lightning_hetermoe.configs import from_cfg
+    from lightning_hetermoe.plan import planner
+    from lightning_hetermoe.profile import CostModel
+
+    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
+    c1 = from_cfg(ClusterConfig, OmegaConf.to_container(OmegaConf.load(os.path.join(conf, "cluster", "c1.yaml"))))
+    steps = {}
+    for cell in (("d1", 16384), ("d2", 4096)):
+        m = from_cfg(ModelConfig, OmegaConf.to_container(OmegaConf.load(os.path.join(conf, "model", f"{cell[0]}.yaml"))))
+        for gain in (planner.SHARES_GAIN, 0.0):  # 0: the evened-out shares are never tried
+            old, planner.SHARES_GAIN = planner.SHARES_GAIN, gain
+            try:
+                p = make_plan(c1, m, seq_len=cell[1], global_batch_tokens=1 << 20, shrink_to_fit=2,
+                              cost_model=CostModel(precision="16-mixed"), max_microbatches=16)
+            finally:
+                planner.SHARES_GAIN = old
+            steps[(cell, gain)] = p.predicted["zebra"]["step_time_s"]
+    assert steps[(("d1", 16384), planner.SHARES_GAIN)] < 0.9 * steps[(("d1", 16384), 0.0)], steps
+    assert steps[(("d2", 4096), planner.SHARES_GAIN)] <= steps[(("d2", 4096), 0.0)] * (1 + 1e-9), steps

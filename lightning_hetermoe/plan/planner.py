@@ -105,6 +105,8 @@ class _Search:
         self._total_gb = sum(d.memory_gb for d in self.devs)
         self._memo: dict[tuple, Any] = {}
         self._chosen: tuple[Plan, float] | None = None  # candidate()'s faster way and its step
+        # also try attention shares evened out over hosted experts (pass 2 on: see best())
+        self.even_shares = False
 
     def _once(self, key: tuple, compute) -> Any:
         """``compute()`` once per key for the whole search: asked per device kind, not per
@@ -177,25 +179,30 @@ class _Search:
 
     def candidate(self, order: list[int], M: int, G: int, R: int) -> Plan | None:
         """A full plan for (M attention ranks, G groups, R micro-batches), or None if it does
-        not fit. On several nodes the groups are dealt both ways (by turns and by nodes) and
-        the faster one, as the simulator prices the links, is kept."""
+        not fit. On several nodes the groups are dealt both ways (by turns and by nodes), and
+        attention shares are tried both ways (:meth:`_candidate`): the fastest, as the
+        simulator prices them, is kept."""
         ways = [False, True] if G > 1 and self.view.topology.num_nodes > 1 else [False]
-        plans = [p for p in (self._candidate(order, M, G, R, by_node) for by_node in ways) if p is not None]
+        plans = [p for by_node in ways for p in self._candidate(order, M, G, R, by_node)]
         if len(plans) < 2:
             return plans[0] if plans else None
         self._chosen = min(((p, self._sim(p)) for p in plans), key=lambda pt: pt[1])
         return self._chosen[0]
 
-    def _candidate(self, order: list[int], M: int, G: int, R: int, by_node: bool) -> Plan | None:
+    def _candidate(self, order: list[int], M: int, G: int, R: int, by_node: bool) -> list[Plan]:
+        """The plans of one layout (none where it does not fit): attention shares in
+        proportion to attention speed, and, where they differ, the shares that even out each
+        attention member's attention and hosted experts once Asym-EA placed them (with very
+        unequal devices a whole expert is a large part of a slow member's step)."""
         m, S, devs = self.model, self.S, self.devs
         attn, expert = sorted(order[:M]), sorted(order[M:])
         groups = self.groups(attn, expert, G, by_node)
         if groups is None:
-            return None
+            return []
         group_seqs = self.total // G
         if group_seqs < 1:
             self.last_error = f"{self.total} sequences cannot feed {G} ZP groups"
-            return None
+            return []
         g0 = groups[0]
         speeds = [self._once(("ep_speed", devs[r]), lambda: ep_speed(devs[r], self.timer, m, S))
                   for r in g0.attention_ranks]
@@ -203,22 +210,10 @@ class _Search:
         if R > max(member_seqs):
             self.last_error = (f"a micro-batch needs a sequence: the busiest attention rank of {G} ZP group(s) "
                                f"gets {max(member_seqs)}, so strategy.num_microbatches must be <= {max(member_seqs)}")
-            return None
+            return []
         k, E, L = m.moe.top_k, m.moe.num_experts, m.n_layers
         mb_group_tokens = group_seqs * S / R
         shares = optimizer_shares(devs, attn, self.sharded)
-        attn_cap, attn_t, attn_xt = [], [], []
-        for r, s in zip(g0.attention_ranks, member_seqs):
-            cap = self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
-            if cap < 0:
-                self.last_error = (
-                    f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations of "
-                    f"{s} sequences of {S} tokens"
-                )
-                return None
-            attn_cap.append(self.profile_cap(devs[r], cap, "attention"))
-            attn_t.append(self.timer.attention(devs[r], s * S / R))
-            attn_xt.append(self.timer.expert(devs[r], mb_group_tokens * k / E))
         exp_cap = [
             self.profile_cap(
                 devs[r], max(self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=None), 0),
@@ -226,14 +221,62 @@ class _Search:
             for r in g0.expert_ranks
         ]
         exp_t = [self.timer.expert(devs[r], mb_group_tokens * k / E) for r in g0.expert_ranks]
-        try:
-            res = assign_experts(
-                AsymEAInput(L, E, attn_t, attn_xt, exp_t, attn_cap, exp_cap, num_microbatches=min(R, 4)),
-                asym=self.asym,
-            )
-        except ValueError as err:
-            self.last_error = str(err)
-            return None
+        attn_xt = [self.timer.expert(devs[r], mb_group_tokens * k / E) for r in g0.attention_ranks]
+
+        def place(seqs: list[int]):
+            """Asym-EA's placement for these attention shares (None where they do not fit)."""
+            attn_cap, attn_t = [], []
+            for r, s in zip(g0.attention_ranks, seqs):
+                cap = self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
+                if cap < 0:
+                    self.last_error = (
+                        f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations of "
+                        f"{s} sequences of {S} tokens"
+                    )
+                    return None
+                attn_cap.append(self.profile_cap(devs[r], cap, "attention"))
+                attn_t.append(self.timer.attention(devs[r], s * S / R))
+            try:
+                return assign_experts(
+                    AsymEAInput(L, E, attn_t, attn_xt, exp_t, attn_cap, exp_cap, num_microbatches=min(R, 4)),
+                    asym=self.asym,
+                )
+            except ValueError as err:
+                self.last_error = str(err)
+                return None
+
+        res = place(member_seqs)
+        if res is None:
+            return []
+        tried = [(member_seqs, res)]
+        if self.even_shares and len(g0.attention_ranks) > 1:
+            # forward seconds per step: a sequence's attention, and each hosted expert
+            per_seq = [L * self.timer.attention(devs[r], S) for r in g0.attention_ranks]
+
+            def busiest(seqs: list[int], placed) -> float:
+                return max(a * n + R * sum(c) * x for a, n, c, x in zip(per_seq, seqs, placed.counts, attn_xt))
+
+            even, placed = member_seqs, res
+            for _ in range(EVEN_ROUNDS):  # the placement follows the shares: a round or two settle both
+                hosted = [R * sum(placed.counts[i]) * attn_xt[i] for i in range(len(per_seq))]
+                again = rebalanced_seqs(group_seqs, per_seq, hosted)
+                if again == even or R > max(again) or busiest(again, placed) >= SHARES_GAIN * busiest(even, placed):
+                    break
+                trial = place(again)
+                if trial is None:
+                    break
+                even, placed = again, trial
+            # simulated beside the first only where the members' sums say it is clearly better
+            # (a search prices thousands of layouts: most are even already)
+            if even != member_seqs and busiest(even, placed) < SHARES_GAIN * busiest(member_seqs, res):
+                tried.append((even, placed))
+        return [self._build(groups, attn, R, seqs, placed) for seqs, placed in tried]
+
+    def _build(self, groups: list[ZPGroup], attn: list[int], R: int, member_seqs: list[int], res) -> Plan:
+        """The plan of a layout at these attention shares and Asym-EA's placement for them."""
+        m, S, devs = self.model, self.S, self.devs
+        E = m.moe.num_experts
+        g0 = groups[0]
         M_g = len(g0.attention_ranks)
         attn_set = set(attn)
         roles = ["attention" if r in attn_set else "expert" for r in range(len(devs))]
@@ -391,6 +434,9 @@ class _Search:
         binds = not first
         first += [M for _, M in sorted((t, M) for M, t in fitted.items())[:1] if M not in first]
         best = None
+        # Pass 2 also tries each layout's evened-out attention shares (see _candidate): only
+        # here, where few layouts are left, since each costs placements and a simulation
+        self.even_shares = True
         for M in first:
             got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs)
             if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
@@ -493,6 +539,29 @@ FALLBACK_VECTORS = 4
 # device kinds, then a local search around the best (the step time varies smoothly with the
 # split between boundaries).
 MAX_SPLITS = 48
+
+
+# the evened-out attention shares are simulated too where their busiest member's sum is this
+# much of the first shares' (or less); placed again at most this many times
+SHARES_GAIN = 0.97
+EVEN_ROUNDS = 2
+
+
+def rebalanced_seqs(total: int, per_seq: list[float], hosted: list[float], lo: int = 1) -> list[int]:
+    """``total`` sequences over attention members so that each one's attention
+    (``per_seq`` seconds a sequence) plus the experts it hosts (``hosted`` seconds) comes out
+    even, at least ``lo`` each: the level is found by bisection, then apportioned."""
+    def seqs_at(level: float) -> list[float]:
+        return [max(float(lo), (level - h) / a) for a, h in zip(per_seq, hosted)]
+
+    low, high = 0.0, max(h + a * total for a, h in zip(per_seq, hosted))
+    for _ in range(60):
+        mid = (low + high) / 2
+        if sum(seqs_at(mid)) < total:
+            low = mid
+        else:
+            high = mid
+    return apportion(total, seqs_at(high))
 
 
 def role_splits(Ms: list[int], kinds_in_order: list[str]) -> list[int]:
