@@ -52,6 +52,7 @@ such wait.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -171,8 +172,9 @@ class Schedule:
                     r, nxt = self.rounds[k], self.rounds[k + 1]
                     if (r.phase, r.layer) == (nxt.phase, nxt.layer):
                         last[k] = last[k + 1]
-                points = [min(next((i for i in needs if i > at), end), first_need.get(r, end))
-                          for r, at in zip(self.rounds, last)]
+                after = [bisect.bisect_right(needs, at) for at in last]  # the first need past each
+                points = [min(needs[j] if j < len(needs) else end, first_need.get(r, end))
+                          for r, j in zip(self.rounds, after)]
             else:
                 early = self.early_rounds(attention_holds)
                 after = dict(zip(self.rounds, self.rounds[1:]))

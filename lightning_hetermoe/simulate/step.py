@@ -478,9 +478,12 @@ class _Shape:
             emitters.setdefault(position.get(emitted_round(t, L), -1), []).append(n)
         self.emitters = [emitters.get(k, []) for k in range(nR)]
         # the attention task after which each round's combine is posted, where that is not
-        # its emitter (the combine then waits for it on every attention rank)
-        self.posted = [[p - 1] if p - 1 not in self.emitters[k] else []
-                       for k, p in enumerate(sched.combine_points(attention_holds))]
+        # its emitter (the combine then waits for it on every attention rank); a round posted
+        # at the same point as the one before it needs no edge of its own: its channel runs
+        # the rounds in order
+        points = sched.combine_points(attention_holds)
+        self.posted = [[p - 1] if p - 1 not in self.emitters[k] and (k == 0 or points[k - 1] != p) else []
+                       for k, p in enumerate(points)]
         # the issue order as (is a combine, round position, layer), and each round's expert task
         self.issue = [(kind == "combine", position[r], r.layer) for kind, r in sched.issue_order(attention_holds)]
         self.round_layer = [r.layer for r in rounds]
@@ -590,6 +593,8 @@ _SHAPES: dict[tuple, _Shape] = {}
 def _shape(sched: Schedule, attention_holds: tuple[bool, ...]) -> _Shape:
     """The schedule's :class:`_Shape`, kept while the schedule is the same object (the
     simulator's schedules are shared and live on; a few shapes per search)."""
+    if sched.layered:  # its order does not depend on which layers attention ranks hold
+        attention_holds = (True,) * sched.num_layers
     key = (id(sched), attention_holds)
     got = _SHAPES.get(key)
     if got is None or got.sched is not sched:
