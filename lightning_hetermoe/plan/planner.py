@@ -253,13 +253,15 @@ class _Search:
             # forward seconds per step: a sequence's attention, and each hosted expert
             per_seq = [L * self.timer.attention(devs[r], S) for r in g0.attention_ranks]
 
+            def hosted(placed) -> list[float]:
+                return [R * sum(c) * x for c, x in zip(placed.counts, attn_xt)]
+
             def busiest(seqs: list[int], placed) -> float:
-                return max(a * n + R * sum(c) * x for a, n, c, x in zip(per_seq, seqs, placed.counts, attn_xt))
+                return max(a * n + h for a, n, h in zip(per_seq, seqs, hosted(placed)))
 
             even, placed = member_seqs, res
             for _ in range(EVEN_ROUNDS):  # the placement follows the shares: a round or two settle both
-                hosted = [R * sum(placed.counts[i]) * attn_xt[i] for i in range(len(per_seq))]
-                again = rebalanced_seqs(group_seqs, per_seq, hosted)
+                again = rebalanced_seqs(group_seqs, per_seq, hosted(placed))
                 if again == even or R > max(again) or busiest(again, placed) >= SHARES_GAIN * busiest(even, placed):
                     break
                 trial = place(again)

@@ -138,6 +138,7 @@ class Exchange:
     def emit(self, r: Round, rows: Tensor, expert_counts: Tensor | None, leaves_at: float | None = None) -> None:
         """Rows of round ``r`` leave (``expert_counts``: host, rows per expert id, forward
         rounds; ``leaves_at``: under emulation, when they leave on the modelled clock)."""
+        self._expect(("dispatch", r))
         key = (r.layer, r.mb)
         self._post_header(r, expert_counts, leaves_at)
         if r.phase == "fwd":
@@ -152,7 +153,7 @@ class Exchange:
             self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
                 self.groups.dispatch, out, wire, recv, send, what="zebra.rows", async_op=True))
         self._post_ready(r)
-        self._took_part(("dispatch", r), leaves_at)
+        self._took_part(leaves_at)
 
     def answers(self, r: Round) -> Tensor:
         """The experts' answer to round ``r`` (waited here: the compute stream follows it)."""
@@ -199,8 +200,9 @@ class Exchange:
     def reply(self, r: Round, answers: Tensor, leaves_at: float | None = None) -> None:
         """This holder's answers to round ``r`` leave (``leaves_at``: on the modelled clock)."""
         if self.lay.is_attention:
+            self._expect(("combine", r))
             self._post_combine(r, answers, leaves_at)
-            self._took_part(("combine", r), leaves_at)
+            self._took_part(leaves_at)
             return
         self._issue(("combine", r), inclusive=False, at=leaves_at)
         self._post_combine(r, answers, leaves_at)
@@ -212,13 +214,18 @@ class Exchange:
         # before the next round's receive: that is the end of the task's padding, so the
         # next rounds are taken part in when this rank reaches them (rows, finish)
 
-    def _took_part(self, event: tuple[str, Round], leaves_at: float | None) -> None:
-        """Attention ranks: ``event``, the next collective of the order, was just issued here;
-        the combines after it of rounds this rank holds nothing of follow at once (their
-        receive needs no work of its own), up to the next one it must issue itself."""
-        if self._order[self._cursor] != event:
-            raise RuntimeError(f"zebra exchange: {event[0]} of {event[1]} issued where the order has "
-                               f"{self._order[self._cursor]}; the schedule's issue order is broken")
+    def _expect(self, event: tuple[str, Round]) -> None:
+        """Attention ranks: ``event`` must be the next collective of the order, checked before
+        anything of it is issued (a collective out of order would hang the other members)."""
+        due = self._order[self._cursor] if self._cursor < len(self._order) else "the end of the order"
+        if due != event:
+            raise RuntimeError(f"zebra exchange: {event[0]} of {event[1]} about to be issued where the order has "
+                               f"{due}; the schedule's issue order is broken")
+
+    def _took_part(self, leaves_at: float | None) -> None:
+        """Attention ranks: the collective :meth:`_expect` checked was just issued here; the
+        combines after it of rounds this rank holds nothing of follow at once (their receive
+        needs no work of its own), up to the next one it must issue itself."""
         self._cursor += 1
         while self._cursor < len(self._order):
             kind, r = self._order[self._cursor]
