@@ -121,6 +121,23 @@ def test_a_layers_change_priced_from_the_pipelines_state_there_equals_pricing_it
     assert _finish(states[0], ta, te, 0, ta[0], te[0]) == forward_makespan(ta, te, R)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_every_layers_change_priced_at_once_equals_pricing_each_from_its_layer(seed):
+    """The greedy prices all layers' trial moves in one vectorised pass: each row is what
+    _finish gives from the pipeline's state at that layer, to the last bit."""
+    import random
+
+    from lightning_hetermoe.plan.asym_ea import _finish, finish_each, pipeline_states
+
+    rng = random.Random(seed)
+    L, R = rng.randint(1, 12), rng.randint(1, 6)
+    ta, te = [rng.uniform(0.1, 2) for _ in range(L)], [rng.uniform(0.1, 2) for _ in range(L)]
+    ta_c, te_c = [rng.uniform(0.1, 2) for _ in range(L)], [rng.uniform(0.1, 2) for _ in range(L)]
+    states = pipeline_states(ta, te, R)
+    assert finish_each(ta, te, ta_c, te_c, R).tolist() == [
+        _finish(states[l], ta, te, l, ta_c[l], te_c[l]) for l in range(L)]
+
+
 def test_gather_and_squeeze_chunk_is_one_per_expert_rank_and_n_over_m_per_attention_rank():
     # M=2 attention, N=4 expert ranks, 16 experts: a chunk takes one expert from each of the
     # 4 expert ranks and gives 4/2 = 2 to each attention rank (the printed formula swaps these)

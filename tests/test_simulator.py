@@ -511,3 +511,91 @@ def test_a_layered_schedule_hides_the_exchange_an_ep_layout_waits_for():
 
     plain, layered = step(False), step(True)
     assert layered < 0.95 * plain, (layered, plain)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed):
+    """The planner times a step with every lane of a role at once (simulate/lane_vectors.py).
+    Against the task graph, task by task: random clusters (flat and on nodes), models, role
+    splits and micro-batches, placements that put experts on attention ranks and leave
+    layers empty on some ranks, measured routing, zebra, DistEP and forward-only, every rank
+    attending (layered) or not. The same step time to the last bit, and late headers taken."""
+    import random
+
+    from lightning_hetermoe.cluster import ClusterConfig
+    from lightning_hetermoe.plan import as_cluster, make_plan
+    from lightning_hetermoe.simulate import lane_vectors, plan_setup
+    from lightning_hetermoe.simulate.step import _disaggregated_step, build_tasks, run_step_dag
+
+    moved = []
+    real_run = lane_vectors._run
+
+    def counting_run(prog, d, legs, dense, late_moved, late):
+        moved.append(bool(late_moved.any()))
+        return real_run(prog, d, legs, dense, late_moved, late)
+
+    lane_vectors._run = counting_run
+    try:
+        compared = 0
+        for case in range(6):
+            rng = random.Random(1000 * seed + case)
+            L, E = rng.randint(1, 5), rng.choice([1, 2, 3, 4, 8])
+            model = ModelConfig(name="m", vocab_size=1000, d_model=256, n_layers=L, n_heads=4, max_seq_len=2048,
+                                moe=MoEConfig(num_experts=E, top_k=rng.randint(1, min(2, E)), d_ff=512,
+                                              aux_loss_coef=rng.choice([0.0, 0.01])))
+            W = rng.randint(2, 9)
+            devs = [rng.choice(["h100", "a40", "v100", "l40s", "t4"]) for _ in range(W)]
+            cfg = ClusterConfig(name="c", devices=devs) if rng.random() < 0.5 else ClusterConfig(
+                name="c", nodes=[{"name": f"n{i}", "devices": devs[i:i + 2], "link": "nvlink2"} for i in range(0, W, 2)],
+                network="ib_hdr")
+            view = as_cluster(cfg)
+            R, M = rng.randint(1, 4), rng.choice([rng.randint(1, W), W])
+            try:
+                plan = make_plan(view, model, seq_len=1024, global_batch_tokens=rng.randint(1, 3) * M * R * 1024,
+                                 num_microbatches=R, num_attention_ranks=M, num_zp_groups=1, schedules=("zebra",))
+            except ValueError:
+                continue  # does not fit: another case
+            timer = make_timer(model, 1024)
+            n = len(plan.zp_groups[0].members)
+            for trial in range(3):
+                load = None
+                if trial:
+                    plan.placement = [[rng.randrange(n) for _ in range(E)] for _ in range(L)]
+                    plan.base_counts = []
+                if trial == 2:
+                    load = [[w / sum(ws) for w in ws] for ws in
+                            ([rng.random() + 0.05 for _ in range(E)] for _ in range(L))]
+                for kind in ("zebra", "distep", "forward"):
+                    fast = lane_vectors.step_time(
+                        plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
+                    tasks, policies, tails, late = build_tasks(
+                        plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
+                    graph = run_step_dag(tasks, policies, late)
+                    want = graph.makespan if kind == "forward" else _disaggregated_step(graph, tails)
+                    assert fast == want, (case, trial, kind)
+                    compared += 1
+    finally:
+        lane_vectors._run = real_run
+    assert compared >= 18
+    if seed in (0, 1):  # these seeds' cases take late headers: the passes that add them are compared too
+        assert any(moved)
+
+
+@pytest.mark.parametrize("kind", ["zebra", "distep", "forward"])
+@pytest.mark.parametrize("layered", [False, True])
+def test_an_attention_member_runs_the_full_list_less_the_layers_it_does_not_hold(kind, layered):
+    """What lets lane_vectors give every attention lane one list: for every holdings pattern
+    the member's task list is the list of a member holding every layer, less the expert
+    tasks of the layers it does not hold."""
+    import itertools
+
+    from lightning_hetermoe.simulate.lane_vectors import _Program
+    from lightning_hetermoe.simulate.step import _shape
+
+    for R in (1, 2, 3):
+        sched = build_schedule(kind, 3, R, layered=layered)
+        full = sched.member_tasks(True, (True,) * 3)
+        for holds in itertools.product([False, True], repeat=3):
+            mine = [t for t in full if t.kind not in ("expert_fwd", "expert_bwd") or holds[t.layer]]
+            assert sched.member_tasks(True, holds) == mine
+            assert _Program(_shape(sched, holds)).valid

@@ -26,6 +26,7 @@ class Topology:
     # ring_link's answers: a planner's search asks for the same rings (every rank's replicas
     # over the groups) in every layout it prices
     _rings: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+    _kinds: list = field(default_factory=list, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not self.node_of:
@@ -67,6 +68,21 @@ class Topology:
             self._rings[key] = slowest(hops)
         return self._rings[key]
 
+    def link_kinds(self) -> tuple["np.ndarray", list[LinkConfig]]:
+        """Each node's link as an index into the distinct links (thousands of nodes share a
+        few kinds: a leg's busiest node per kind is what prices it)."""
+        if not self._kinds:
+            import numpy as np
+
+            index: dict[tuple, int] = {}
+            links: list[LinkConfig] = []
+            for link in self.links:  # each node's own object: alike where their figures are
+                if _figures(link) not in index:
+                    index[_figures(link)] = len(links)
+                    links.append(link)
+            self._kinds.append((np.array([index[_figures(link)] for link in self.links], dtype=np.intp), links))
+        return self._kinds[0]
+
     def matrix_legs(self, rows: Sequence[Sequence[float]],
                     groups: Sequence[Sequence[int]]) -> list[tuple[float, LinkConfig]]:
         """The busiest rows on each link of one exchange leg: ``rows[s][d]`` are the rows
@@ -90,6 +106,10 @@ class Topology:
         legs = [(x, self.links[k]) for k, x in enumerate(intra) if x > 0]
         legs += [(max(o, i), self.network) for o, i in zip(out, inn, strict=True) if max(o, i) > 0]
         return legs
+
+
+def _figures(link: LinkConfig) -> tuple:
+    return link.bandwidth_gbps, link.latency_us, link.kind
 
 
 def cluster_topology(cluster: ClusterConfig) -> Topology:

@@ -44,6 +44,10 @@ from __future__ import annotations
 import heapq
 
 from dataclasses import dataclass, field
+from typing import Callable
+from operator import mul
+
+import numpy as np
 
 
 @dataclass
@@ -98,12 +102,10 @@ _State = tuple[float, float, list[float]]
 
 def _layer(a_end: float, e_end: float, prev_e: list[float], ta_l: float, te_l: float) -> tuple[float, float]:
     """One layer of :func:`forward_makespan`; ``prev_e`` is advanced in place."""
-    a_done = []
-    for back in prev_e:
-        a_end = max(a_end, back) + ta_l
-        a_done.append(a_end)
+    # ``y if y > x else x`` is ``max(x, y)`` (the first on ties) without the builtin's call
+    a_done = [(a_end := (back if back > a_end else a_end) + ta_l) for back in prev_e]
     for j, a in enumerate(a_done):
-        e_end = max(e_end, a) + te_l
+        e_end = (a if a > e_end else e_end) + te_l
         prev_e[j] = e_end
     return a_end, e_end
 
@@ -129,12 +131,46 @@ def _finish(state: _State, ta: list[float], te: list[float], l: int, ta_l: float
     return e_end
 
 
+def finish_each(ta: list[float], te: list[float], ta_c: list[float], te_c: list[float], R: int) -> np.ndarray:
+    """``out[c] = _finish(pipeline_states(ta, te, R)[c], ta, te, c, ta_c[c], te_c[c])`` for
+    every layer ``c`` at once, to the last bit.
+
+    Row ``c`` is the pipeline with layer ``c``'s side times changed; before layer ``c`` it
+    runs the base times, so it reaches layer ``c`` in ``states[c]`` without being started
+    there. Each step is :func:`_layer`'s IEEE operations in its order, elementwise (float64
+    ``maximum`` and ``+`` round as Python's floats do)."""
+    L = len(ta)
+    if not L:
+        return np.zeros(0)
+    diag = np.arange(L)
+    side_a = np.empty((L, L))
+    side_a[:] = np.asarray(ta, dtype=float)[:, None]
+    side_a[diag, diag] = ta_c
+    side_e = np.empty((L, L))
+    side_e[:] = np.asarray(te, dtype=float)[:, None]
+    side_e[diag, diag] = te_c
+    # done[j]: when attention finished micro-batch j of the layer; back[j]: when its experts
+    # returned. A row's attention end is done[R-1], its experts' end back[R-1], as in _layer.
+    done, back = list(np.zeros((R, L))), list(np.zeros((R, L)))
+    maximum, add = np.maximum, np.add
+    for ta_k, te_k in zip(side_a, side_e):
+        a = done[-1]
+        for d, b in zip(done, back):
+            a = add(maximum(a, b, out=d), ta_k, out=d)
+        e = back[-1]
+        for d, b in zip(done, back):
+            e = add(maximum(e, d, out=b), te_k, out=b)
+    return back[-1]
+
+
 def _side_times(inp: AsymEAInput, counts: list[list[int]]) -> tuple[list[float], list[float]]:
     M = len(inp.attn)
+    attn, attn_exp, exp = inp.attn, inp.attn_exp, inp.exp
     ta, te = [], []
     for l in range(inp.num_layers):
-        ta.append(max(inp.attn[i] + counts[i][l] * inp.attn_exp[i] for i in range(M)))
-        te.append(max((counts[M + i][l] * inp.exp[i] for i in range(len(inp.exp))), default=0.0))
+        col = [row[l] for row in counts]
+        ta.append(max([a + c * x for a, c, x in zip(attn, col, attn_exp)]))
+        te.append(max(map(mul, col[M:], exp), default=0.0))
     return ta, te
 
 
@@ -174,70 +210,95 @@ def _base_counts(inp: AsymEAInput) -> tuple[list[list[int]], list[int], int]:
             f"{sum(max(c, 0) for c in cap)} ({sum(max(c, 0) for c in inp.expert_capacity)} on expert ranks, "
             f"{sum(max(c, 0) for c in inp.attn_capacity)} on attention ranks); add ranks or use more memory-rich GPUs"
         )
-    # Per layer, a heap of each side's members by the time they would reach with one more
-    # expert; a member whose room ran out is dropped when it surfaces (room only shrinks here).
-    def cost(p: int, l: int) -> float:
-        return (counts[p][l] + 1) * inp.exp[p - M] if p >= M else inp.attn[p] + (counts[p][l] + 1) * inp.attn_exp[p]
+    # Per layer, each side's members are picked by the time they would reach with one more
+    # expert (a heap; a member whose room ran out is dropped when it surfaces, room only
+    # shrinks here). A member's times grow by its own holdings alone, so every layer's heap
+    # gives the members in one merged order, less those found full: one order per side
+    # (made as far as some layer needs it) and a place in it per layer.
+    exp, attn, attn_exp = inp.exp, inp.attn, inp.attn_exp
+    heapreplace = heapq.heapreplace
 
-    def heaps(members: range) -> list[list[tuple[float, int]]]:
-        out = []
-        for l in range(L):
-            h = [(cost(p, l), p) for p in members]
-            heapq.heapify(h)
-            out.append(h)
-        return out
+    def merged(members: range, cost) -> tuple[list[int], Callable[[], None]]:
+        heap = [(cost(p, 1), p) for p in members]
+        heapq.heapify(heap)
+        n = [1] * (M + N)
+        order: list[int] = []
 
-    def pop_with_room(h: list[tuple[float, int]]) -> int | None:
-        while h and used[h[0][1]] >= cap[h[0][1]]:
-            heapq.heappop(h)
-        return heapq.heappop(h)[1] if h else None
+        def more() -> None:
+            p = heap[0][1]
+            order.append(p)
+            c = n[p] = n[p] + 1
+            heapreplace(heap, (cost(p, c), p))
+
+        return order, more
+
+    def pick(order: list[int], more, at: list[int], l: int) -> int:
+        i = at[l]
+        while True:
+            if i == len(order):
+                more()
+            p = order[i]
+            i += 1
+            if used[p] < cap[p]:
+                at[l] = i
+                return p
 
     n_min = 0
-    on_experts, on_attention = heaps(range(M, M + N)), None
+    sides = {}  # per side: its merged order, how to make more, each layer's place in it
+    room = {"expert": sum(used[p] < cap[p] for p in range(M, M + N)), "attention": sum(used[p] < cap[p] for p in range(M))}
     for e in range(E):
         for l in range(L):
-            p = pop_with_room(on_experts[l])
-            if p is None:  # expert ranks are full: this expert must move (counts toward n_min)
+            side = "expert" if room["expert"] else "attention"
+            if side == "attention":  # expert ranks are full: this expert must move (counts toward n_min)
                 n_min += 1
-                on_attention = on_attention or heaps(range(M))
-                p = pop_with_room(on_attention[l])
-                if p is None:
+                if not room[side]:
                     raise ValueError(f"experts exceed total memory: no member of the ZP group has room for expert "
                                      f"{e} of layer {l}; add ranks or use more memory-rich GPUs")
+            if side not in sides:
+                made = (merged(range(M, M + N), lambda p, c: c * exp[p - M]) if side == "expert"
+                        else merged(range(M), lambda p, c: attn[p] + c * attn_exp[p]))
+                sides[side] = (*made, [0] * L)
+            p = pick(*sides[side], l)
             counts[p][l] += 1
             used[p] += 1
-            heapq.heappush(on_experts[l] if p >= M else on_attention[l], (cost(p, l), p))
+            if used[p] >= cap[p]:
+                room[side] -= 1
     return counts, used, n_min
 
 
-def _chunk(inp: AsymEAInput, col: list[int], used: list[int], cap: list[int]
-           ) -> tuple[list[int], list[int], int] | None:
+def _chunk(inp: AsymEAInput, col: list[int], used: list[int], cap: list[int]) -> tuple[list[int], int] | None:
     """One chunk of a layer moved (gather and squeeze) from the layer's member counts
-    ``col``: the new counts, members' room used, experts moved; ``None`` where the
-    attention members have no room for it."""
-    M, N = len(inp.attn), len(inp.exp)
-    col = col[:]
-    loads = [col[M + i] * inp.exp[i] for i in range(N)]
+    ``col``: the new counts and the experts moved; ``None`` where the attention members
+    have no room for it."""
+    M = len(inp.attn)
+    attn, attn_exp = inp.attn, inp.attn_exp
+    on_experts = col[M:]
+    loads = list(map(mul, on_experts, inp.exp))
     top = max(loads)
     if top <= 0:
         return None
-    gather = [M + i for i in range(N) if col[M + i] > 0 and loads[i] >= top * (1 - 1e-9)]
+    near = top * (1 - 1e-9)
+    gather = [M + i for i, (load, c) in enumerate(zip(loads, on_experts)) if load >= near and c > 0]
     # squeeze: each gathered expert to the attention member whose time grows least
-    # (a heap of the members with room: only the receiver's cost changes per move)
-    trial_used = used[:]
-    room = [(inp.attn[i] + (col[i] + 1) * inp.attn_exp[i], i) for i in range(M) if trial_used[i] < cap[i]]
+    # (a heap of the members with room: only the receiver's cost changes per move; it goes
+    # back by heapreplace, as the keys are distinct the pops do not depend on the arrangement)
+    col = col[:]
+    room = [(attn[i] + (col[i] + 1) * attn_exp[i], i) for i in range(M) if used[i] < cap[i]]
     heapq.heapify(room)
+    heappop, heapreplace = heapq.heappop, heapq.heapreplace
+    took: dict[int, int] = {}  # only receivers' room changes (they are attention members)
     for src in gather:
         if not room:
             return None
-        dst = heapq.heappop(room)[1]
+        dst = room[0][1]
         col[src] -= 1
-        col[dst] += 1
-        trial_used[src] -= 1
-        trial_used[dst] += 1
-        if trial_used[dst] < cap[dst]:
-            heapq.heappush(room, (inp.attn[dst] + (col[dst] + 1) * inp.attn_exp[dst], dst))
-    return col, trial_used, len(gather)
+        c = col[dst] = col[dst] + 1
+        t = took[dst] = took.get(dst, 0) + 1
+        if used[dst] + t < cap[dst]:
+            heapreplace(room, (attn[dst] + (c + 1) * attn_exp[dst], dst))
+        else:
+            heappop(room)
+    return col, len(gather)
 
 
 def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int, current: float,
@@ -260,12 +321,18 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
     # attention members), so a member that took none of a chunk takes none again: only
     # those that took some are checked.
     def still(took: list[tuple[int, int, bool]], room: list[int]) -> bool:
-        return all(room[i] == g if f else room[i] >= g for i, g, f in took)
+        for i, g, filled in took:
+            if (room[i] != g) if filled else (room[i] < g):
+                return False
+        return True
 
+    # Every layer's candidate is priced in one vectorised pass (finish_each); a layer without
+    # a chunk keeps the base times and is masked out.
+    exp = inp.exp
     while True:
-        best_move = None
         room = [max(cap[i] - used[i], 0) for i in range(M)]
-        states = pipeline_states(ta, te, R)
+        trial_a, trial_e = ta[:], te[:]
+        moves: list = [None] * L
         for l in range(L):
             before = cols[l]
             hit = found.get(l) if reuse else None
@@ -273,23 +340,27 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
                 moved = _chunk(inp, before, used, cap)
                 entry, took = None, []
                 if moved is not None:
-                    col, _, n = moved
+                    col, n = moved
                     took = [(i, col[i] - before[i], room[i] == col[i] - before[i])
                             for i in range(M) if col[i] > before[i]]
                     # only receivers' attention side grows: the layer's max over the others stands
                     entry = (col, n, max([ta[l]] + [inp.attn[i] + col[i] * inp.attn_exp[i] for i, _, _ in took]),
-                             max(col[M + i] * inp.exp[i] for i in range(N)))
+                             max(map(mul, col[M:], exp)))
                 found[l] = (before, entry, took)
             entry = found[l][1]
-            if entry is None:
-                continue
-            col, n, ta_l, te_l = entry
-            t = _finish(states[l], ta, te, l, ta_l, te_l)
-            if t < current * (1 - 1e-9) and (best_move is None or t < best_move[0]):
-                best_move = (t, l, col, n, ta_l, te_l)
-        if best_move is None:
+            if entry is not None:
+                moves[l] = entry
+                trial_a[l], trial_e[l] = entry[2], entry[3]
+        if not any(moves):
             return current
-        current, l, col, n, ta[l], te[l] = best_move
+        t = finish_each(ta, te, trial_a, trial_e, R)
+        t[[k for k in range(L) if moves[k] is None]] = np.inf
+        # argmin is the first smallest, as the strict ``<`` over layers in order picked it
+        l = int(np.argmin(t))
+        if not t[l] < current * (1 - 1e-9):
+            return current
+        current = float(t[l])
+        col, n, ta[l], te[l] = moves[l]
         for p in range(M + N):
             used[p] += col[p] - counts[p][l]  # each expert moved frees its source, fills its receiver
             counts[p][l] = col[p]
@@ -306,13 +377,16 @@ def placement_from_counts(counts: list[list[int]], num_experts: int, num_attenti
     n_members = len(counts)
     L = len(counts[0]) if counts else 0
     order = list(range(num_attention, n_members)) + list(range(num_attention))
+    ordered = [counts[p] for p in order]
     out = []
     for l in range(L):
-        placed = sum(counts[p][l] for p in range(n_members))
+        col = [c[l] for c in ordered]
+        placed = sum(col)
         if placed != num_experts:
             raise ValueError(f"layer {l}: counts place {placed} experts, expected {num_experts}")
         row: list[int] = []
-        for p in order:
-            row += [p] * counts[p][l]
+        for p, c in zip(order, col):
+            if c > 0:
+                row += [p] * c
         out.append(row)
     return out

@@ -115,6 +115,18 @@ class _Search:
             self._memo[key] = compute()
         return self._memo[key]
 
+    def kinds(self) -> tuple[list[int], list[DeviceSpec]]:
+        """Each rank's device as an index into the distinct devices."""
+        if "kinds" not in self._memo:
+            index: dict[int, int] = {}
+            kinds: list[DeviceSpec] = []
+            for d in self.devs:
+                if id(d) not in index:
+                    index[id(d)] = len(kinds)
+                    kinds.append(d)
+            self._memo["kinds"] = ([index[id(d)] for d in self.devs], kinds)
+        return self._memo["kinds"]
+
     def holdable(self, r: int) -> bool:
         """Rank ``r`` can hold the attention stack and one sequence, with the dense optimizer
         state sharded over every rank where it is sharded at all (its smallest share)."""
@@ -204,8 +216,16 @@ class _Search:
             self.last_error = f"{self.total} sequences cannot feed {G} ZP groups"
             return []
         g0 = groups[0]
-        speeds = [self._once(("ep_speed", devs[r]), lambda: ep_speed(devs[r], self.timer, m, S))
-                  for r in g0.attention_ranks]
+
+        kind_of, kinds = self.kinds()
+
+        def per_kind(ranks: list[int], value) -> list:
+            """``value(dev)`` for each rank, asked once per device kind (one group of
+            thousands of ranks has a few)."""
+            values = [value(d) for d in kinds]
+            return [values[kind_of[r]] for r in ranks]
+
+        speeds = per_kind(g0.attention_ranks, lambda d: self._once(("ep_speed", d), lambda: ep_speed(d, self.timer, m, S)))
         member_seqs = apportion(group_seqs, speeds)
         if R > max(member_seqs):
             self.last_error = (f"a micro-batch needs a sequence: the busiest attention rank of {G} ZP group(s) "
@@ -214,28 +234,29 @@ class _Search:
         k, E, L = m.moe.top_k, m.moe.num_experts, m.n_layers
         mb_group_tokens = group_seqs * S / R
         shares = optimizer_shares(devs, attn, self.sharded)
-        exp_cap = [
-            self.profile_cap(
-                devs[r], max(self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=None), 0),
-                "expert")
-            for r in g0.expert_ranks
-        ]
-        exp_t = [self.timer.expert(devs[r], mb_group_tokens * k / E) for r in g0.expert_ranks]
-        attn_xt = [self.timer.expert(devs[r], mb_group_tokens * k / E) for r in g0.attention_ranks]
+        exp_cap = per_kind(g0.expert_ranks, lambda d: self.profile_cap(
+            d, max(self.capacity(d, group_seqs=group_seqs, R=R, seqs=None), 0), "expert"))
+        exp_t = per_kind(g0.expert_ranks, lambda d: self.timer.expert(d, mb_group_tokens * k / E))
+        attn_xt = per_kind(g0.attention_ranks, lambda d: self.timer.expert(d, mb_group_tokens * k / E))
 
         def place(seqs: list[int]):
             """Asym-EA's placement for these attention shares (None where they do not fit)."""
             attn_cap, attn_t = [], []
+            alike: dict[tuple, tuple[int, float]] = {}  # per device, share and sequences
             for r, s in zip(g0.attention_ranks, seqs):
-                cap = self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
-                if cap < 0:
-                    self.last_error = (
-                        f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations of "
-                        f"{s} sequences of {S} tokens"
-                    )
-                    return None
-                attn_cap.append(self.profile_cap(devs[r], cap, "attention"))
-                attn_t.append(self.timer.attention(devs[r], s * S / R))
+                key = (id(devs[r]), s, shares[r])
+                if key not in alike:
+                    cap = self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
+                    if cap < 0:
+                        self.last_error = (
+                            f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations "
+                            f"of {s} sequences of {S} tokens"
+                        )
+                        return None
+                    alike[key] = (self.profile_cap(devs[r], cap, "attention"), self.timer.attention(devs[r], s * S / R))
+                cap, t = alike[key]
+                attn_cap.append(cap)
+                attn_t.append(t)
             try:
                 return assign_experts(
                     AsymEAInput(L, E, attn_t, attn_xt, exp_t, attn_cap, exp_cap, num_microbatches=min(R, 4)),
@@ -347,12 +368,26 @@ class _Search:
         return [r for r in R_CANDIDATES if r <= self.max_R] or [1]
 
     # ---- the search --------------------------------------------------------------------------
-    def best_for(self, order: list[int], M: int, Gs: list[int], R_list: list[int]) -> tuple[float, Plan] | None:
+    def best_for(self, order: list[int], M: int, Gs: list[int], R_list: list[int],
+                 bar: tuple[float, Plan] | None = None) -> tuple[float, Plan] | None:
         """The fastest plan with M attention ranks over the group counts ``Gs`` (in the order
-        given); R ascending, stopping once two larger R in a row do not help."""
+        given); R ascending, stopping once two larger R in a row do not help. ``bar``: the
+        search's best so far, the mark a group count is probed against on many ranks."""
         best = None
         worse_groups = 0
+        many = len(Gs) > MAX_GROUP_COUNTS
         for G in Gs:
+            ref = min((x for x in (best, bar) if x is not None), key=lambda x: x[0], default=None)
+            if len(self.devs) > MAX_SPLITS and ref is not None and ref[1].num_microbatches in R_list:
+                # Hundreds of ranks: a group count is first tried at the best plan's R, and
+                # searched over every R only where that comes within FAR_GROUPS of the best
+                # (R moves a layout's step by a few percent; group counts by tens)
+                probe = self.scored(order, M, G, ref[1].num_microbatches)
+                if probe is not None and probe[0] > ref[0] * (1 + FAR_GROUPS):
+                    worse_groups += 1
+                    if many and worse_groups >= 2:
+                        break
+                    continue
             local, worse = None, 0
             for R in R_list:
                 got = self.scored(order, M, G, R)
@@ -369,7 +404,7 @@ class _Search:
                     best = (t, plan)
             # many group counts (thousands of ranks): from the most groups down, stopping once
             # two in a row do not beat the best; fewer groups only widen the exchange further
-            if len(Gs) > MAX_GROUP_COUNTS:
+            if many:
                 if local is not None:  # a group count too small to fit is no evidence either way
                     worse_groups = 0 if best is not None and local <= best[0] else worse_groups + 1
                 if worse_groups >= 2:
@@ -440,7 +475,7 @@ class _Search:
         # here, where few layouts are left, since each costs placements and a simulation
         self.even_shares = True
         for M in first:
-            got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs)
+            got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs, bar=best)
             if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
                 best = got
         if binds:  # no split fits as pass 1 probes it: the layouts the memory check passes
@@ -533,6 +568,10 @@ class _Search:
 # Beyond this many group counts for a role split, pass 2 walks them from the most groups down
 # and stops once two in a row lose (a cluster of thousands of ranks has dozens of divisors).
 MAX_GROUP_COUNTS = 6
+
+# On more than MAX_SPLITS ranks, a group count whose step at the best plan's R is this much
+# slower than the best is not searched over every R.
+FAR_GROUPS = 0.10
 
 # Feasible attention-count vectors planned (simulated) when memory binds, nearest the role order first.
 FALLBACK_VECTORS = 4

@@ -137,13 +137,14 @@ class MemoryModel:
         micro-batch the largest: the group's largest is every member's first together, and
         every expert sees its share of that."""
         k, E = self.model.moe.top_k, self.model.moe.num_experts
+        alike = list(dict.fromkeys(members))  # hundreds of members, a few kinds: each checked once
         for R in range(1, max(s or 0 for _, s, _ in members) + 1):
-            first = [None if s is None else math.ceil(s / R) for _, s, _ in members]
-            per_expert = sum(n or 0 for n in first) * seq_len * k / E
+            per_expert = sum(0 if s is None else math.ceil(s / R) for _, s, _ in members) * seq_len * k / E
+            first = [None if s is None else math.ceil(s / R) for _, s, _ in alike]
             if all(self.expert_capacity(dev, tokens_in_flight_per_expert=per_expert, mb_tokens_per_expert=per_expert,
                                         attention_tokens_in_flight=(n or 0) * seq_len,
                                         attention_mb_tokens=(n or 0) * seq_len, holds_attention=n is not None)
-                   >= held for (dev, _, held), n in zip(members, first)):
+                   >= held for (dev, _, held), n in zip(alike, first)):
                 return R
         return None
 

@@ -19,6 +19,8 @@ import functools
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..cluster.spec import LinkConfig
 from ..cluster.topology import Topology
 from ..cluster.devices import DeviceSpec
@@ -195,19 +197,30 @@ def plan_setup(
     steps = shared_schedule(schedule, L, R, model.moe.aux_loss_coef > 0,
                             answers_layered([plan.roles[r] for r in group.members]))
     members = []
-    held: list[dict[int, list[int]]] = []
+    n = len(group.members)
+    # experts per member and layer, counted in arrays (a search sets up hundreds of groups of
+    # hundreds of members)
+    counts = np.zeros((n, L), dtype=np.intp)
     for l in range(L):
-        per: dict[int, list[int]] = {}
-        for e, q in enumerate(placement[l]):
-            per.setdefault(q, []).append(e)
-        held.append(per)
-    for p, rank in enumerate(group.members):
+        counts[:, l] = np.bincount(np.asarray(placement[l], dtype=np.intp), minlength=n)[:n]
+    held: list[dict[int, list[int]]] = []
+    if expert_load:
+        for l in range(L):
+            per: dict[int, list[int]] = {}
+            for e, q in enumerate(placement[l]):
+                per.setdefault(q, []).append(e)
+            held.append(per)
+    split: dict[int, list[int]] = {}
+    for p, (rank, experts) in enumerate(zip(group.members, counts.tolist())):
         role = plan.roles[rank]
-        seqs = split_microbatches(plan.seqs_per_rank[rank], R) if role == "attention" else []
-        ids = [held[l].get(p, []) for l in range(L)]
+        seqs = []
+        if role == "attention":
+            s = plan.seqs_per_rank[rank]
+            seqs = split.get(s) or split.setdefault(s, split_microbatches(s, R))
         # which experts matters only under measured routing: without it, ranks alike in
         # counts are one lane (the planner's search at thousands of ranks depends on it)
-        members.append((rank, devs[rank], role, seqs, [len(x) for x in ids], *([ids] if expert_load else [])))
+        ids = [[held[l].get(p, []) for l in range(L)]] if expert_load else []
+        members.append((rank, devs[rank], role, seqs, experts, *ids))
     return StepSetup(
         lanes=make_lanes(members),
         model=model,

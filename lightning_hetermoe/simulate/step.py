@@ -111,6 +111,7 @@ class StepSetup:
     _leg_time: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _node_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _share_rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
@@ -352,29 +353,45 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
     of a lane on one node behave alike: the sums run over (lane, node) pairs."""
     if copies.replicated(setup, layer):
         return copies.legs(setup, layer, tokens)
-    k = setup.model.moe.top_k
     topo = setup.topology
+    if topo.num_nodes == 1:
+        return [(_flat_rows(setup, layer, tokens), topo.links[0])], 0.0
+    intra, worst, out = _node_rows(setup, layer, tokens)
+    legs = [(float(intra[n]), topo.links[n]) for n in np.flatnonzero(intra > 0)]
+    legs += [(float(worst[n]), topo.network) for n in np.flatnonzero(worst > 0)]
+    return legs, sum(out.tolist())
+
+
+def _flat_rows(setup: StepSetup, layer: int, tokens: list[float]) -> float:
+    """One node: the busiest rank's rows sent or received."""
+    k = setup.model.moe.top_k
     shares = [setup.own_share(lane, layer) for lane in setup.lanes]
     group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
-    if topo.num_nodes == 1:
-        worst = max((max(t * k * (1 - s), (group - t) * k * s) for t, s in zip(tokens, shares)), default=0.0)
-        return [(worst, topo.links[0])], 0.0
-    # one row per (group, lane, node): the lane's ranks of that group on that node; each
-    # group's node sums of tokens and shares, then each row's traffic, in arrays (thousands
-    # of groups on thousands of nodes). bincount adds in row order, as a loop over groups,
-    # lanes and nodes would: the same sums to the last bit.
+    return max((max(t * k * (1 - s), (group - t) * k * s) for t, s in zip(tokens, shares)), default=0.0)
+
+
+def _node_rows(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per node: the busiest rank's rows to and from the node's other ranks, the node's rows
+    over the network (the larger way), and its rows out.
+
+    One row per (group, lane, node): the lane's ranks of that group on that node; each
+    group's node sums of tokens and shares, then each row's traffic, in arrays (thousands
+    of groups on thousands of nodes). bincount adds in row order, as a loop over groups,
+    lanes and nodes would: the same sums to the last bit."""
+    k = setup.model.moe.top_k
+    topo = setup.topology
+    group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
     lane, node, count, where, n_places = setup.lane_node_rows()
-    t, s = np.asarray(tokens, dtype=float)[lane], np.asarray(shares, dtype=float)[lane]
+    if layer not in setup._share_rows:  # a search asks each layer's once per micro-batch and phase
+        setup._share_rows[layer] = np.asarray([setup.own_share(x, layer) for x in setup.lanes], dtype=float)[lane]
+    t, s = np.asarray(tokens, dtype=float)[lane], setup._share_rows[layer]
     node_t = np.bincount(where, weights=count * t, minlength=n_places)[where]
     node_s = np.bincount(where, weights=count * s, minlength=n_places)[where]
     intra = np.zeros(topo.num_nodes)
     np.maximum.at(intra, node, np.maximum(t * k * (node_s - s), s * k * (node_t - t)))
     out = np.bincount(node, weights=count * t * k * (1 - node_s), minlength=topo.num_nodes)
     inn = np.bincount(node, weights=count * s * k * (group - node_t), minlength=topo.num_nodes)
-    legs = [(float(intra[n]), topo.links[n]) for n in np.flatnonzero(intra > 0)]
-    worst = np.maximum(out, inn)
-    legs += [(float(worst[n]), topo.network) for n in np.flatnonzero(worst > 0)]
-    return legs, sum(out.tolist())
+    return intra, np.maximum(out, inn), out
 
 
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
@@ -382,14 +399,26 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
     latency + its busiest rows over its bandwidth."""
     key = setup.leg_key(layer, tokens)
     if key not in setup._leg_time:
-        legs, _ = setup.exchange(layer, tokens)
-        # a leg's time grows with its rows: on thousands of nodes that share a few kinds of
-        # link, only each link's busiest leg can be the slowest
-        busiest: dict[int, tuple[float, LinkConfig]] = {}
-        for rows, link in legs:
-            if rows > busiest.get(id(link), (-1.0, link))[0]:
-                busiest[id(link)] = (rows, link)
-        setup._leg_time[key] = max((timer.transfer(rows, link) for rows, link in busiest.values()), default=0.0)
+        topo = setup.topology
+        if topo.num_nodes == 1 or copies.replicated(setup, layer):
+            legs, _ = setup.exchange(layer, tokens)
+            # a leg's time grows with its rows: only each link's busiest leg can be the slowest
+            busiest: dict[int, tuple[float, LinkConfig]] = {}
+            for rows, link in legs:
+                if rows > busiest.get(id(link), (-1.0, link))[0]:
+                    busiest[id(link)] = (rows, link)
+            setup._leg_time[key] = max((timer.transfer(rows, link) for rows, link in busiest.values()), default=0.0)
+        else:
+            # thousands of nodes share a few kinds of link: each kind's busiest node, in arrays
+            intra, worst, _ = _node_rows(setup, layer, tokens)
+            kind, links = topo.link_kinds()
+            busiest = np.zeros(len(links))
+            np.maximum.at(busiest, kind, intra)
+            times = [timer.transfer(float(rows), link) for rows, link in zip(busiest, links) if rows > 0]
+            top = float(worst.max(initial=0.0))
+            if top > 0:
+                times.append(timer.transfer(top, topo.network))
+            setup._leg_time[key] = max(times, default=0.0)
     return setup._leg_time[key]
 
 
@@ -755,9 +784,16 @@ def _disaggregated_step(tl: Timeline, tails: dict[str, float]) -> float:
 
 def simulate_step_time(setup: StepSetup, timer) -> float:
     """:func:`simulate_step`'s step time alone, for a zebra or DistEP setup: what a
-    planner's search compares, without the per-rank breakdown it does not read."""
+    planner's search compares, without the per-rank breakdown it does not read. Timed with
+    every lane of a role at once (:mod:`.lane_vectors`: the same time to the last bit, a
+    tenth of the work on hundreds of lanes); the task graph where that cannot be done."""
     if setup.schedule is None:
         raise ValueError("simulate_step_time: EP's step needs each rank's last task; use simulate_step")
+    from .lane_vectors import step_time  # it builds on this module
+
+    fast = step_time(setup, timer)
+    if fast is not None:
+        return fast
     tasks, policies, tails, late = build_tasks(setup, timer)
     return _disaggregated_step(run_step_dag(tasks, policies, late), tails)
 
