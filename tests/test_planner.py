@@ -517,3 +517,105 @@ def test_evened_out_attention_shares_give_a_faster_plan_on_very_unequal_devices(
             steps[(cell, gain)] = p.predicted["zebra"]["step_time_s"]
     assert steps[(("d1", 16384), planner.SHARES_GAIN)] < 0.9 * steps[(("d1", 16384), 0.0)], steps
     assert steps[(("d2", 4096), planner.SHARES_GAIN)] <= steps[(("d2", 4096), 0.0)] * (1 + 1e-9), steps
+
+
+def test_on_many_ranks_a_group_count_far_behind_is_not_searched_over_every_r(monkeypatch):
+    """On more than MAX_SPLITS ranks pass 2 first tries each group count at the best plan's
+    R and searches it over every R only where it comes within FAR_GROUPS of the best. On the
+    new user's mix of 64 GPUs: the same plan as searching every group count over every R,
+    from fewer layouts."""
+    import lightning_hetermoe.plan.planner as planner
+    from lightning_hetermoe.configs import workload_model
+
+    cluster = ClusterConfig(name="mix64", devices=["h100"] * 8 + ["a40"] * 24 + ["v100"] * 32)
+    model = workload_model("d1")
+    assert cluster.world_size > planner.MAX_SPLITS
+    scored, real = [], planner._Search.scored
+
+    def counting(self, order, M, G, R):
+        if ("scored", tuple(order[:M]), G, R) not in self._memo:
+            scored.append((M, G, R))
+        return real(self, order, M, G, R)
+
+    monkeypatch.setattr(planner._Search, "scored", counting)
+    plans, counts = [], []
+    for far in (float("inf"), planner.FAR_GROUPS):
+        monkeypatch.setattr(planner, "FAR_GROUPS", far)
+        scored.clear()
+        plans.append(make_plan(cluster, model, seq_len=8192, global_batch_tokens=4 * 64 * 8192))
+        counts.append(len(scored))
+    every, probed = plans
+    assert probed.to_dict() == every.to_dict()
+    assert probed.predicted["zebra"]["tokens_per_s"] == every.predicted["zebra"]["tokens_per_s"]
+    assert counts[1] < 0.9 * counts[0]
+
+
+def _base_counts_by_layer_heaps(inp):
+    """The base placement written plainly, the reference: expert e of every layer in turn to
+    the expert member whose layer time grows least and that has room (one heap per layer,
+    a full member dropped when it surfaces), else to such an attention member."""
+    import heapq
+
+    L, E, M, N = inp.num_layers, inp.num_experts, len(inp.attn), len(inp.exp)
+    counts = [[0] * L for _ in range(M + N)]
+    used = [0] * (M + N)
+    cap = list(inp.attn_capacity) + list(inp.expert_capacity)
+
+    def cost(p, l):
+        return (counts[p][l] + 1) * inp.exp[p - M] if p >= M else inp.attn[p] + (counts[p][l] + 1) * inp.attn_exp[p]
+
+    def heaps(members):
+        out = [[(cost(p, l), p) for p in members] for l in range(L)]
+        for h in out:
+            heapq.heapify(h)
+        return out
+
+    def pop_with_room(h):
+        while h and used[h[0][1]] >= cap[h[0][1]]:
+            heapq.heappop(h)
+        return heapq.heappop(h)[1] if h else None
+
+    n_min, on_experts, on_attention = 0, heaps(range(M, M + N)), None
+    for _ in range(E):
+        for l in range(L):
+            p = pop_with_room(on_experts[l])
+            if p is None:
+                n_min += 1
+                on_attention = on_attention or heaps(range(M))
+                p = pop_with_room(on_attention[l])
+                if p is None:
+                    return None
+            counts[p][l] += 1
+            used[p] += 1
+            heapq.heappush(on_experts[l] if p >= M else on_attention[l], (cost(p, l), p))
+    return counts, used, n_min
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_base_placement_from_one_merged_order_per_side_equals_a_heap_per_layer(seed):
+    """_base_counts walks one merged order of each side's members (a member's times grow by
+    its own holdings alone) with a place per layer; the reference keeps a heap per layer.
+    Random inputs with roomy, tight (experts forced onto attention members) and too small
+    capacities, ties included: the same counts, room used and n_min, or both refuse."""
+    import random
+
+    from lightning_hetermoe.plan.asym_ea import _base_counts
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        L, E, M, N = rng.randint(1, 10), rng.randint(1, 24), rng.randint(1, 6), rng.randint(0, 12)
+        total = L * E
+        tight = rng.random()
+        ecap = [rng.randint(0, max(1, total // max(N, 1)) * (1 if tight < 0.5 else 3)) for _ in range(N)]
+        acap = [rng.randint(0, max(1, total // M)) for _ in range(M)]
+        if tight < 0.8 and sum(acap) + sum(ecap) < total:
+            acap[0] += total - sum(acap) - sum(ecap)
+        q = (lambda a, b: round(rng.uniform(a, b), 1)) if rng.random() < 0.4 else rng.uniform  # ties
+        inp = AsymEAInput(L, E, [q(0.1, 3) for _ in range(M)], [max(q(0.01, 0.8), 0.05) for _ in range(M)],
+                          [max(q(0.05, 3), 0.05) for _ in range(N)], acap, ecap)
+        want = _base_counts_by_layer_heaps(inp)
+        if want is None or sum(max(c, 0) for c in acap + ecap) < total:
+            with pytest.raises(ValueError, match="experts exceed total memory"):
+                _base_counts(inp)
+            continue
+        assert _base_counts(inp) == want

@@ -16,8 +16,10 @@ Search, each candidate scored by the step simulator (zebra schedule):
 4. **Placement.** Experts per member and layer with Asym-EA (see ``asym_ea.py``).
 
 A cheap first pass (one R per role split: a small one, or the fewest that fit) keeps the
-two best splits; the full G × R search runs on those, from the most groups down. Each
-layout is built and simulated once per search. Where no split of the role order fits in
+two best splits; the full G × R search runs on those, from the most groups down (on
+hundreds of ranks a group count is searched over every R only where its step at the best
+plan's R comes within ``FAR_GROUPS`` of the best). Each layout is built and simulated once
+per search. Where no split of the role order fits in
 memory, every layout the plan format can express is checked by the memory model alone (``fit.py``): the fastest of
 the feasible ones is planned, or the refusal names the binding constraint and the largest
 batch that plans. Memory prices the dense optimizer state sharded over the attention
