@@ -177,14 +177,17 @@ def test_run_dag_rejects_cycles_and_honours_fifo():
 
 
 def test_bad_setups_raise():
-    s = zebra_setup()
-    s.lanes[1].experts = [0, 1]  # layer 0 expert placed nowhere
-    with pytest.raises(ValueError, match="layer 0"):
-        simulate_step(s, FakeTimer())
-    s = zebra_setup()
-    s.num_microbatches = 3
-    with pytest.raises(ValueError, match="micro-batch"):
-        simulate_step(s, FakeTimer())
+    from lightning_hetermoe.simulate.step import simulate_step_time
+
+    for simulate in (simulate_step, simulate_step_time):  # the task graph, and all lanes at once
+        s = zebra_setup()
+        s.lanes[1].experts = [0, 1]  # layer 0 expert placed nowhere
+        with pytest.raises(ValueError, match="layer 0"):
+            simulate(s, FakeTimer())
+        s = zebra_setup()
+        s.num_microbatches = 3
+        with pytest.raises(ValueError, match="micro-batch"):
+            simulate(s, FakeTimer())
 
 
 def realistic():
@@ -525,7 +528,7 @@ def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed
     from lightning_hetermoe.cluster import ClusterConfig
     from lightning_hetermoe.plan import as_cluster, make_plan
     from lightning_hetermoe.simulate import lane_vectors, plan_setup
-    from lightning_hetermoe.simulate.step import _disaggregated_step, build_tasks, run_step_dag
+    from lightning_hetermoe.simulate.step import disaggregated_step, build_tasks, run_step_dag
 
     moved = []
     real_run = lane_vectors._run
@@ -571,7 +574,7 @@ def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed
                     tasks, policies, tails, late = build_tasks(
                         plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
                     graph = run_step_dag(tasks, policies, late)
-                    want = graph.makespan if kind == "forward" else _disaggregated_step(graph, tails)
+                    want = graph.makespan if kind == "forward" else disaggregated_step(graph, tails)
                     assert fast == want, (case, trial, kind)
                     compared += 1
     finally:
@@ -590,7 +593,7 @@ def test_an_attention_member_runs_the_full_list_less_the_layers_it_does_not_hold
     import itertools
 
     from lightning_hetermoe.simulate.lane_vectors import _Program
-    from lightning_hetermoe.simulate.step import _shape
+    from lightning_hetermoe.simulate.step import graph_shape
 
     for R in (1, 2, 3):
         sched = build_schedule(kind, 3, R, layered=layered)
@@ -598,4 +601,4 @@ def test_an_attention_member_runs_the_full_list_less_the_layers_it_does_not_hold
         for holds in itertools.product([False, True], repeat=3):
             mine = [t for t in full if t.kind not in ("expert_fwd", "expert_bwd") or holds[t.layer]]
             assert sched.member_tasks(True, holds) == mine
-            assert _Program(_shape(sched, holds)).valid
+            assert _Program(graph_shape(sched, holds)).valid

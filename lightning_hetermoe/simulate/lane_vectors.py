@@ -24,7 +24,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..task_order import Round, Task as ScheduleTask, awaited_round, emitted_round
-from .step import StepSetup, TaskTimes, _disaggregated_step, _shape, lane_tail, round_transfer_time
+from .step import StepSetup, TaskTimes, check_setup, graph_shape, lane_tail, round_transfer_time
 
 # node kinds of a program, in the order a role's list or a channel holds them
 ATTN, ATTN_X, EXPERT, DISPATCH, COMBINE, COUNT = range(6)
@@ -151,12 +151,13 @@ def step_time(setup: StepSetup, timer) -> float | None:
     m = setup.model
     L, R, E = m.n_layers, setup.num_microbatches, m.moe.num_experts
     if sched is None or sched.num_layers != L or sched.num_microbatches != R:
-        return None
+        return None  # the task graph names what is wrong
+    check_setup(setup)
     lanes = setup.lanes
     att = [i for i, lane in enumerate(lanes) if lane.role == "attention"]
     exp = [i for i, lane in enumerate(lanes) if lane.role != "attention"]
     attention_holds = tuple(any(lanes[i].experts[l] for i in att) for l in range(L))
-    shape = _shape(sched, attention_holds)
+    shape = graph_shape(sched, attention_holds)
     prog = _program(shape)
     if not prog.valid:
         return None
@@ -245,7 +246,7 @@ class _Durations:
 
 
 def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: np.ndarray,
-         late: list[tuple[int, np.ndarray]]) -> tuple[float, dict[int, np.ndarray], list[float]]:
+         late: list[tuple[int, np.ndarray]]) -> tuple[float, dict[int, np.ndarray], np.ndarray]:
     """One pass over the program with these late headers (``moved[lane, round]``): the
     makespan, the start of each early round's experts per holder, each round's emission."""
     nR = prog.n_rounds

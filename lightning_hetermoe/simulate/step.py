@@ -243,7 +243,9 @@ class StepResult:
         }
 
 
-def _check(setup: StepSetup) -> None:
+def check_setup(setup: StepSetup) -> None:
+    """A setup every simulation can take: micro-batch sizes per lane, every expert placed,
+    some rank with tokens (a ValueError names what is not)."""
     m = setup.model
     R = setup.num_microbatches
     if R < 1:
@@ -274,7 +276,7 @@ def build_tasks(setup: StepSetup, timer, every_gate: bool = False
     the early rounds whose next receive depends on timing (:func:`run_step_dag` settles them).
     ``every_gate``: keep the edges a channel's order already implies (the reference the
     pruned graph is tested against)."""
-    _check(setup)
+    check_setup(setup)
     if setup.schedule is not None:
         tasks, policies, late = _schedule_tasks(setup, timer, every_gate)
     else:
@@ -619,7 +621,7 @@ class _Member:
 _SHAPES: dict[tuple, _Shape] = {}
 
 
-def _shape(sched: Schedule, attention_holds: tuple[bool, ...]) -> _Shape:
+def graph_shape(sched: Schedule, attention_holds: tuple[bool, ...]) -> _Shape:
     """The schedule's :class:`_Shape`, kept while the schedule is the same object (the
     simulator's schedules are shared and live on; a few shapes per search)."""
     if sched.layered:  # its order does not depend on which layers attention ranks hold
@@ -646,7 +648,7 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
     tok = times.tokens
     att = [i for i, lane in enumerate(lanes) if lane.role == "attention"]
     attention_holds = tuple(any(lane.experts[l] for lane in lanes if lane.role == "attention") for l in range(L))
-    shape = _shape(sched, attention_holds)
+    shape = graph_shape(sched, attention_holds)
     members = [shape.member(lane.role == "attention", tuple(e > 0 for e in lane.experts)) for lane in lanes]
     tasks: list[Task] = []
     policies: dict[str, str] = {}
@@ -776,7 +778,7 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list
     return tasks, policies, []
 
 
-def _disaggregated_step(tl: Timeline, tails: dict[str, float]) -> float:
+def disaggregated_step(tl: Timeline, tails: dict[str, float]) -> float:
     # zebra and DistEP agree on the step's loss (an all-reduce over every rank) before any
     # rank's gradient sync and optimizer: every tail starts when the last task ends
     return tl.makespan + max(tails.values(), default=0.0)
@@ -795,7 +797,7 @@ def simulate_step_time(setup: StepSetup, timer) -> float:
     if fast is not None:
         return fast
     tasks, policies, tails, late = build_tasks(setup, timer)
-    return _disaggregated_step(run_step_dag(tasks, policies, late), tails)
+    return disaggregated_step(run_step_dag(tasks, policies, late), tails)
 
 
 def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
@@ -813,7 +815,7 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
         per_res_last[t.resource] = max(per_res_last.get(t.resource, 0.0), e)
     compute_end = tl.makespan
     if setup.schedule is not None:
-        step = _disaggregated_step(tl, tails)
+        step = disaggregated_step(tl, tails)
     else:
         step = max(compute_end, max((per_res_last.get(r, 0.0) + tail for r, tail in tails.items()), default=0.0))
     busy: dict[int, float] = {}
