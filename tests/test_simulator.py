@@ -177,7 +177,7 @@ def test_run_dag_rejects_cycles_and_honours_fifo():
 
 
 def test_bad_setups_raise():
-    from lightning_hetermoe.simulate.step import simulate_step_time
+    from lightning_hetermoe.simulate.lane_vectors import simulate_step_time
 
     for simulate in (simulate_step, simulate_step_time):  # the task graph, and all lanes at once
         s = zebra_setup()

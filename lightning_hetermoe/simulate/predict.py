@@ -18,8 +18,9 @@ from ..cluster.topology import Topology
 from ..configs import ModelConfig
 from ..placement import Placement
 from .datacentric import datacentric_step_time
+from .lane_vectors import simulate_step_time
 from .schedules import SCHEDULES, plan_setup, simulate_ep, simulate_ep_ideal
-from .step import StepResult, simulate_step, simulate_step_time
+from .step import StepResult, simulate_step
 
 PREDICTED = SCHEDULES + ("datacentric",)
 

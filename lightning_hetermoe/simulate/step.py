@@ -784,22 +784,6 @@ def disaggregated_step(tl: Timeline, tails: dict[str, float]) -> float:
     return tl.makespan + max(tails.values(), default=0.0)
 
 
-def simulate_step_time(setup: StepSetup, timer) -> float:
-    """:func:`simulate_step`'s step time alone, for a zebra or DistEP setup: what a
-    planner's search compares, without the per-rank breakdown it does not read. Timed with
-    every lane of a role at once (:mod:`.lane_vectors`: the same time to the last bit, a
-    tenth of the work on hundreds of lanes); the task graph where that cannot be done."""
-    if setup.schedule is None:
-        raise ValueError("simulate_step_time: EP's step needs each rank's last task; use simulate_step")
-    from .lane_vectors import step_time  # it builds on this module
-
-    fast = step_time(setup, timer)
-    if fast is not None:
-        return fast
-    tasks, policies, tails, late = build_tasks(setup, timer)
-    return disaggregated_step(run_step_dag(tasks, policies, late), tails)
-
-
 def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
     """Simulate one step of ``setup``; times come from ``timer`` (a TaskTimer)."""
     tasks, policies, tails, late = build_tasks(setup, timer)
