@@ -351,3 +351,36 @@ def test_an_emulated_run_on_two_nodes_tracks_the_simulator_with_the_network_in_i
     assert summary["world_size"] == 4 and plan["nodes"] == [0, 0, 1, 1]
     assert "over the network" in proc.stdout
     assert abs(summary["step_time_rel_error"]) < 0.25, summary
+
+
+def test_a_round_on_nodes_is_priced_by_each_kind_of_links_busiest_node_as_its_legs_say():
+    """On nodes a round's leg is priced from arrays over the kinds of link (each node has its
+    own link object; alike where their figures are). The plain reference: every leg
+    exchange_legs lists, each priced, the slowest taken. Real and random placements, every
+    layer and micro-batch: equal to the last bit."""
+    from lightning_hetermoe.simulate.step import lane_tokens, round_transfer_time
+
+    model = workload_model("olmoe_1b_7b")
+    nodes = [{"name": f"{kind}{i}", "devices": [kind] * 4, "link": link}
+             for kind, n, link in (("h100", 1, "nvlink4"), ("a40", 2, "pcie4"), ("v100", 3, "nvlink2"))
+             for i in range(n)]
+    cluster = ClusterConfig(name="n24", nodes=nodes, network="ib_hdr")
+    view, timer = as_cluster(cluster), make_timer(model, 4096)
+    kind, links = view.topology.link_kinds()
+    assert len(links) == 3 and kind.tolist() == [0, 1, 1, 2, 2, 2]
+    plan = make_plan(cluster, model, seq_len=4096, global_batch_tokens=2 * 24 * 4096)
+    rng = random.Random(0)
+    compared = 0
+    for trial in range(3):
+        if trial:
+            members = len(plan.zp_groups[0].members)
+            plan.placement = [[rng.randrange(members) for _ in range(model.moe.num_experts)]
+                              for _ in range(model.n_layers)]
+        setup = plan_setup(plan, view.devices, model, view.topology)
+        for layer in range(model.n_layers):
+            for tokens in zip(*lane_tokens(setup)):
+                legs, _ = exchange_legs(setup, layer, list(tokens))
+                want = max((timer.transfer(rows, link) for rows, link in legs), default=0.0)
+                assert round_transfer_time(setup, timer, layer, list(tokens)) == want
+                compared += 1
+    assert compared >= 3 * model.n_layers

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import numpy as np
+
+from ..distinct import distinct
 from .spec import ClusterConfig, LinkConfig, slowest
 
 
@@ -68,19 +71,12 @@ class Topology:
             self._rings[key] = slowest(hops)
         return self._rings[key]
 
-    def link_kinds(self) -> tuple["np.ndarray", list[LinkConfig]]:
+    def link_kinds(self) -> tuple[np.ndarray, list[LinkConfig]]:
         """Each node's link as an index into the distinct links (thousands of nodes share a
         few kinds: a leg's busiest node per kind is what prices it)."""
-        if not self._kinds:
-            import numpy as np
-
-            index: dict[tuple, int] = {}
-            links: list[LinkConfig] = []
-            for link in self.links:  # each node's own object: alike where their figures are
-                if _figures(link) not in index:
-                    index[_figures(link)] = len(links)
-                    links.append(link)
-            self._kinds.append((np.array([index[_figures(link)] for link in self.links], dtype=np.intp), links))
+        if not self._kinds:  # each node has its own link object: alike where their figures are
+            codes, links = distinct(self.links, key=lambda link: (link.bandwidth_gbps, link.latency_us, link.kind))
+            self._kinds.append((np.array(codes, dtype=np.intp), links))
         return self._kinds[0]
 
     def matrix_legs(self, rows: Sequence[Sequence[float]],
@@ -106,10 +102,6 @@ class Topology:
         legs = [(x, self.links[k]) for k, x in enumerate(intra) if x > 0]
         legs += [(max(o, i), self.network) for o, i in zip(out, inn, strict=True) if max(o, i) > 0]
         return legs
-
-
-def _figures(link: LinkConfig) -> tuple:
-    return link.bandwidth_gbps, link.latency_us, link.kind
 
 
 def cluster_topology(cluster: ClusterConfig) -> Topology:

@@ -41,6 +41,7 @@ from ..cluster.spec import ClusterConfig, LinkConfig, resolve_cluster
 from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.topology import Topology, cluster_topology
 from ..configs import ModelConfig, from_cfg
+from ..distinct import distinct
 from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel, format_bytes, small_training_state
 from ..profile.profile import Profile
@@ -119,15 +120,7 @@ class _Search:
 
     def kinds(self) -> tuple[list[int], list[DeviceSpec]]:
         """Each rank's device as an index into the distinct devices."""
-        if "kinds" not in self._memo:
-            index: dict[int, int] = {}
-            kinds: list[DeviceSpec] = []
-            for d in self.devs:
-                if id(d) not in index:
-                    index[id(d)] = len(kinds)
-                    kinds.append(d)
-            self._memo["kinds"] = ([index[id(d)] for d in self.devs], kinds)
-        return self._memo["kinds"]
+        return self._once(("kinds",), lambda: distinct(self.devs))
 
     def holdable(self, r: int) -> bool:
         """Rank ``r`` can hold the attention stack and one sequence, with the dense optimizer

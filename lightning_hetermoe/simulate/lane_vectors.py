@@ -23,6 +23,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..distinct import distinct
 from ..task_order import Round, Task as ScheduleTask, awaited_round, emitted_round
 from .step import (StepSetup, TaskTimes, build_tasks, check_setup, disaggregated_step, graph_shape, lane_tail,
                    round_transfer_time, run_step_dag)
@@ -235,8 +236,8 @@ class _Durations:
             if not even:
                 return idx, [np.array([times(members[p], prog.round_kind[k], prog.round_layer[k], prog.round_mb[k])
                                        for p in idx[k]]) for k in range(nR)]
-            kinds: dict[int, int] = {}
-            code = np.array([kinds.setdefault(id(lanes[i].device), len(kinds)) for i in members], dtype=np.intp)
+            codes, kinds = distinct([lanes[i].device for i in members])
+            code = np.array(codes, dtype=np.intp)
             first = {}  # a lane and layer of each (device, experts held): where its times are asked
             for p, i in enumerate(members):
                 for l in range(L):
