@@ -517,7 +517,7 @@ def test_a_layered_schedule_hides_the_exchange_an_ep_layout_waits_for():
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed):
+def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed, monkeypatch):
     """The planner times a step with every lane of a role at once (simulate/lane_vectors.py).
     Against the task graph, task by task: random clusters (flat and on nodes), models, role
     splits and micro-batches, placements that put experts on attention ranks and leave
@@ -537,48 +537,45 @@ def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed
         moved.append(bool(late_moved.any()))
         return real_run(prog, d, legs, dense, late_moved, late)
 
-    lane_vectors._run = counting_run
-    try:
-        compared = 0
-        for case in range(6):
-            rng = random.Random(1000 * seed + case)
-            L, E = rng.randint(1, 5), rng.choice([1, 2, 3, 4, 8])
-            model = ModelConfig(name="m", vocab_size=1000, d_model=256, n_layers=L, n_heads=4, max_seq_len=2048,
-                                moe=MoEConfig(num_experts=E, top_k=rng.randint(1, min(2, E)), d_ff=512,
-                                              aux_loss_coef=rng.choice([0.0, 0.01])))
-            W = rng.randint(2, 9)
-            devs = [rng.choice(["h100", "a40", "v100", "l40s", "t4"]) for _ in range(W)]
-            cfg = ClusterConfig(name="c", devices=devs) if rng.random() < 0.5 else ClusterConfig(
-                name="c", nodes=[{"name": f"n{i}", "devices": devs[i:i + 2], "link": "nvlink2"} for i in range(0, W, 2)],
-                network="ib_hdr")
-            view = as_cluster(cfg)
-            R, M = rng.randint(1, 4), rng.choice([rng.randint(1, W), W])
-            try:
-                plan = make_plan(view, model, seq_len=1024, global_batch_tokens=rng.randint(1, 3) * M * R * 1024,
-                                 num_microbatches=R, num_attention_ranks=M, num_zp_groups=1, schedules=("zebra",))
-            except ValueError:
-                continue  # does not fit: another case
-            timer = make_timer(model, 1024)
-            n = len(plan.zp_groups[0].members)
-            for trial in range(3):
-                load = None
-                if trial:
-                    plan.placement = [[rng.randrange(n) for _ in range(E)] for _ in range(L)]
-                    plan.base_counts = []
-                if trial == 2:
-                    load = [[w / sum(ws) for w in ws] for ws in
-                            ([rng.random() + 0.05 for _ in range(E)] for _ in range(L))]
-                for kind in ("zebra", "distep", "forward"):
-                    fast = lane_vectors.step_time(
-                        plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
-                    tasks, policies, tails, late = build_tasks(
-                        plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
-                    graph = run_step_dag(tasks, policies, late)
-                    want = graph.makespan if kind == "forward" else disaggregated_step(graph, tails)
-                    assert fast == want, (case, trial, kind)
-                    compared += 1
-    finally:
-        lane_vectors._run = real_run
+    monkeypatch.setattr(lane_vectors, "_run", counting_run)
+    compared = 0
+    for case in range(6):
+        rng = random.Random(1000 * seed + case)
+        L, E = rng.randint(1, 5), rng.choice([1, 2, 3, 4, 8])
+        model = ModelConfig(name="m", vocab_size=1000, d_model=256, n_layers=L, n_heads=4, max_seq_len=2048,
+                            moe=MoEConfig(num_experts=E, top_k=rng.randint(1, min(2, E)), d_ff=512,
+                                          aux_loss_coef=rng.choice([0.0, 0.01])))
+        W = rng.randint(2, 9)
+        devs = [rng.choice(["h100", "a40", "v100", "l40s", "t4"]) for _ in range(W)]
+        cfg = ClusterConfig(name="c", devices=devs) if rng.random() < 0.5 else ClusterConfig(
+            name="c", nodes=[{"name": f"n{i}", "devices": devs[i:i + 2], "link": "nvlink2"} for i in range(0, W, 2)],
+            network="ib_hdr")
+        view = as_cluster(cfg)
+        R, M = rng.randint(1, 4), rng.choice([rng.randint(1, W), W])
+        try:
+            plan = make_plan(view, model, seq_len=1024, global_batch_tokens=rng.randint(1, 3) * M * R * 1024,
+                             num_microbatches=R, num_attention_ranks=M, num_zp_groups=1, schedules=("zebra",))
+        except ValueError:
+            continue  # does not fit: another case
+        timer = make_timer(model, 1024)
+        n = len(plan.zp_groups[0].members)
+        for trial in range(3):
+            load = None
+            if trial:
+                plan.placement = [[rng.randrange(n) for _ in range(E)] for _ in range(L)]
+                plan.base_counts = []
+            if trial == 2:
+                load = [[w / sum(ws) for w in ws] for ws in
+                        ([rng.random() + 0.05 for _ in range(E)] for _ in range(L))]
+            for kind in ("zebra", "distep", "forward"):
+                fast = lane_vectors.step_time(
+                    plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
+                tasks, policies, tails, late = build_tasks(
+                    plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
+                graph = run_step_dag(tasks, policies, late)
+                want = graph.makespan if kind == "forward" else disaggregated_step(graph, tails)
+                assert fast == want, (case, trial, kind)
+                compared += 1
     assert compared >= 18
     if seed in (0, 1):  # these seeds' cases take late headers: the passes that add them are compared too
         assert any(moved)
