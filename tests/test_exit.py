@@ -95,8 +95,11 @@ from lightning_hetermoe.strategy.progress import StepProgress
 def rank_main(rank, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    # with the progress watchdog on, each beat makes four store calls: more often in one
-    heartbeat.ensure(rank, 2, 0.3, lambda r: f"rank {r}", progress=StepProgress(60.0))
+    # with the progress watchdog on, each beat makes four store calls: more often in one. A
+    # beat every 0.05 s keeps a store call in flight at exit often; the 5 s silence bound
+    # keeps a rank that a loaded 2-core host leaves unscheduled for a moment from being
+    # called silent (at 0.3 s, CI once saw that: a false report, not the abort looked for)
+    heartbeat.ensure(rank, 2, 5.0, lambda r: f"rank {r}", progress=StepProgress(60.0), period_s=0.05)
     t = torch.ones(1000)
     for _ in range(10):
         dist.all_reduce(t)

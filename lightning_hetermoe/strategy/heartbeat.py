@@ -50,11 +50,13 @@ JOIN_S = 2.0  # how long stop() waits for the thread to leave a store call in fl
 
 class Heartbeat:
     def __init__(self, rank: int, world_size: int, timeout_s: float, describe: Callable[[int], str],
-                 host: str, port: int, on_silent: Callable[[], None] | None = None) -> None:
+                 host: str, port: int, on_silent: Callable[[], None] | None = None,
+                 period_s: float | None = None) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.host, self.port = host, port
         self.describe, self.on_silent = describe, on_silent or _exit_job
-        self.period_s = max(self.timeout_s / 6, 0.05)
+        # six beats to a timeout, so one late beat (a loaded host) is never a silence
+        self.period_s = max(self.timeout_s / 6, 0.05) if period_s is None else float(period_s)
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
                                     wait_for_workers=False)
         self._stop = threading.Event()
@@ -199,10 +201,12 @@ _at_exit_registered = False
 
 
 def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callable[[int], str],
-           on_silent: Callable[[], None] | None = None, progress: StepProgress | None = None) -> Heartbeat | None:
+           on_silent: Callable[[], None] | None = None, progress: StepProgress | None = None,
+           period_s: float | None = None) -> Heartbeat | None:
     """Start this process's heartbeat for the running job (once; a new job replaces it).
     ``on_silent`` ends the job (default: this process exits; a launcher also kills what it started);
-    ``progress``: this rank's steps, for the progress watchdog (None: no watchdog)."""
+    ``progress``: this rank's steps, for the progress watchdog (None: no watchdog);
+    ``period_s``: seconds between beats (default a sixth of the timeout)."""
     global _current
     if not timeout_s or world_size < 2:
         return None
@@ -212,7 +216,7 @@ def ensure(rank: int, world_size: int, timeout_s: float | None, describe: Callab
     if _current is None or (_current.host, _current.port) != (host, int(port)):
         stop()
         _register_at_exit()
-        _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port), on_silent).start()
+        _current = Heartbeat(rank, world_size, timeout_s, describe, host, int(port), on_silent, period_s).start()
     _current.progress = progress
     return _current
 
