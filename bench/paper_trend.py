@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         p = mix["plan"]
         print(f"== {s // 1024}K  V100/A40 time: expert {u['expert']:.2f}x, attention micro-batch {u['attention']:.2f}x;"
               f"  mix plan: roles {p.roles}, R={p.num_microbatches}, offloaded {sum(p.offloaded())}, "
-              f"batch {p.global_batch_tokens:,}")
+              f"batch {p.global_batch_tokens:,} in {p.waves} wave(s) (busy times below: one wave)")
         for label, b in (("zebra a40x2_v100x2", mix), ("ep a40x4", ref)):
             r = b["result"]
             print(f"  {label}: step {r.step_time:.3f} s, {r.tokens_per_s:,.0f} tok/s")

@@ -45,6 +45,7 @@ def main(cfg: DictConfig) -> dict:
         asym_ea=cfg.plan.asym_ea,
         num_microbatches=cfg.plan.num_microbatches,
         max_microbatches=cfg.plan.max_microbatches,
+        max_waves=cfg.plan.max_waves,
         num_attention_ranks=cfg.plan.num_attention_ranks,
         num_zp_groups=cfg.plan.num_zp_groups,
         require_expert_ranks=cfg.plan.require_expert_ranks,

@@ -139,11 +139,11 @@ def test_largest_batch_equals_the_brute_force(seed):
                       shard_optimizer_state=sharded)
         return
     plan = make_plan(cluster, model, seq_len=SEQ, global_batch_tokens=want * SEQ, max_microbatches=MAX_R,
-                     shard_optimizer_state=sharded)
+                     shard_optimizer_state=sharded, max_waves=1)
     assert plan_fits(plan, model, cluster, sharded)
     with pytest.raises(ValueError, match=rf"the largest batch that plans is {want} sequence"):
         make_plan(cluster, model, seq_len=SEQ, global_batch_tokens=(want + 1) * SEQ, max_microbatches=MAX_R,
-                  shard_optimizer_state=sharded)
+                  shard_optimizer_state=sharded, max_waves=1)
 
 
 @pytest.mark.parametrize("seed", range(8, 12))
@@ -153,7 +153,8 @@ def test_every_batch_the_brute_force_fits_plans_and_fits(seed):
     model, cluster, sharded = random_case(seed)
     want = brute_largest(model, cluster, sharded)
     for total in sorted({1, want // 2, want - 1, want, want + 1, want + 3} - {-1, 0}):
-        kw = dict(seq_len=SEQ, global_batch_tokens=total * SEQ, max_microbatches=MAX_R, shard_optimizer_state=sharded)
+        kw = dict(seq_len=SEQ, global_batch_tokens=total * SEQ, max_microbatches=MAX_R, shard_optimizer_state=sharded,
+                  max_waves=1)
         if brute_force_fits(model, cluster, total, sharded):
             assert plan_fits(make_plan(cluster, model, **kw), model, cluster, sharded)
         else:
@@ -174,7 +175,7 @@ def test_pinned_choices_bound_the_largest_batch_as_in_the_brute_force(seed, pins
     assert got == want
     if want:
         plan = make_plan(cluster, model, seq_len=SEQ, global_batch_tokens=want * SEQ, max_microbatches=MAX_R,
-                         shard_optimizer_state=sharded, **kw)
+                         shard_optimizer_state=sharded, max_waves=1, **kw)
         assert plan_fits(plan, model, cluster, sharded)
         assert kw["num_attention_ranks"] in (None, len(plan.attention_ranks))
         assert kw["num_microbatches"] in (None, plan.num_microbatches)
@@ -205,10 +206,14 @@ def test_the_issue_case_plans_up_to_its_largest_batch():
         model = from_cfg(ModelConfig, {**yaml.safe_load(f), "activation_checkpointing": True})
     cluster = ClusterConfig(name="a40x16_v100x16", devices=["a40"] * 16 + ["v100"] * 16)
     with pytest.raises(ValueError, match=r"binds; the largest batch that plans is (\d+) sequence") as err:
-        make_plan(cluster, model, seq_len=4096, global_batch_tokens=64 * 4096)
+        make_plan(cluster, model, seq_len=4096, global_batch_tokens=64 * 4096, max_waves=1)
     n = int(err.value.args[0].split("the largest batch that plans is ")[1].split(" ")[0])
     assert 32 < n < 64
     assert n == largest_batch(cluster, model, seq_len=4096)
-    plan = make_plan(cluster, model, seq_len=4096, global_batch_tokens=n * 4096)
+    plan = make_plan(cluster, model, seq_len=4096, global_batch_tokens=n * 4096, max_waves=1)
     assert plan.total_seqs == n
+    assert plan_fits(plan, model, cluster, sharded=True)
+    # in waves (gradient accumulation) the batch that was refused plans: two of 32 sequences
+    plan = make_plan(cluster, model, seq_len=4096, global_batch_tokens=64 * 4096)
+    assert (plan.waves, plan.total_seqs, plan.global_batch_tokens) == (2, 32, 64 * 4096)
     assert plan_fits(plan, model, cluster, sharded=True)

@@ -510,7 +510,7 @@ def test_evened_out_attention_shares_give_a_faster_plan_on_very_unequal_devices(
         for gain in (planner.SHARES_GAIN, 0.0):  # 0: the evened-out shares are never tried
             old, planner.SHARES_GAIN = planner.SHARES_GAIN, gain
             try:
-                p = make_plan(c1, m, seq_len=cell[1], global_batch_tokens=1 << 20, shrink_to_fit=2,
+                p = make_plan(c1, m, seq_len=cell[1], global_batch_tokens=1 << 20, shrink_to_fit=2, max_waves=1,
                               cost_model=CostModel(precision="16-mixed"), max_microbatches=16)
             finally:
                 planner.SHARES_GAIN = old
@@ -619,3 +619,94 @@ def test_the_base_placement_from_one_merged_order_per_side_equals_a_heap_per_lay
                 _base_counts(inp)
             continue
         assert _base_counts(inp) == want
+
+
+def _paper_cell(cluster_name: str, model_name: str):
+    import os
+
+    from omegaconf import OmegaConf
+
+    from lightning_hetermoe.configs import from_cfg
+
+    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
+
+    def load(group, name):
+        return OmegaConf.to_container(OmegaConf.load(os.path.join(conf, group, f"{name}.yaml")))
+
+    return from_cfg(ClusterConfig, load("cluster", cluster_name)), from_cfg(ModelConfig, load("model", model_name))
+
+
+def test_a_step_in_waves_is_the_plan_of_one_wave_run_that_many_times_with_one_tail():
+    """A plan of two waves against its reference, the plan of half the batch: the same
+    layout and placement, and a step of two of its forward-backward passes and one tail
+    (gradient sync, optimizer) from the task graph; every other schedule priced on the
+    whole batch."""
+    from lightning_hetermoe.plan import as_cluster
+    from lightning_hetermoe.plan.planner import plan_for_batch
+    from lightning_hetermoe.profile import CostModel
+    from lightning_hetermoe.simulate import plan_setup
+    from lightning_hetermoe.simulate.step import build_tasks, run_step_dag
+
+    c1, d1 = _paper_cell("c1", "d1")
+    cost = CostModel(precision="16-mixed")
+    pins = dict(num_microbatches=3, num_attention_ranks=8, num_zp_groups=1, cost_model=cost)
+    two = plan_for_batch(c1, d1, seq_len=4096, global_batch_tokens=256 * 4096, waves=2, **pins)
+    half = plan_for_batch(c1, d1, seq_len=4096, global_batch_tokens=128 * 4096, **pins)
+    assert (two.waves, two.total_seqs, two.global_batch_tokens) == (2, 128, 256 * 4096)
+    assert (two.seqs_per_rank, two.placement) == (half.seqs_per_rank, half.placement)
+    view = as_cluster(c1)
+    _, _, tails, late = build_tasks(plan_setup(half, view.devices, d1, view.topology), make_timer(d1, 4096, cost=cost))
+    tasks, policies, _, _ = build_tasks(plan_setup(half, view.devices, d1, view.topology),
+                                        make_timer(d1, 4096, cost=cost))
+    makespan, tail = run_step_dag(tasks, policies, late).makespan, max(tails.values())
+    assert two.predicted["zebra"]["step_time_s"] == pytest.approx(2 * makespan + tail, rel=1e-12)
+    assert half.predicted["zebra"]["step_time_s"] == pytest.approx(makespan + tail, rel=1e-12)
+    assert two.predicted["zebra"]["tokens_per_s"] == pytest.approx(256 * 4096 / (2 * makespan + tail), rel=1e-12)
+    # the schedules that accumulate on their own terms take the whole batch at once
+    for s in ("ep", "ep_ideal", "datacentric"):
+        whole = plan_for_batch(c1, d1, seq_len=4096, global_batch_tokens=256 * 4096, **pins)
+        assert two.predicted[s]["step_time_s"] == pytest.approx(whole.predicted[s]["step_time_s"], rel=1e-12), s
+    assert "2 waves of 128 sequences per step (trainer.accumulate_grad_batches=2)" in str(two)
+    assert Plan.from_json(two.to_json()).waves == 2
+
+
+def test_the_planner_splits_a_step_into_waves_only_where_activations_bind_and_it_pays(monkeypatch):
+    """L40S + T4 (16 GB) on the paper's D1 at 4K: the whole batch's activations crowd the
+    experts off the members, two waves of half the batch plan a faster step, and the
+    planner keeps them. A model with room to spare on A40s: one wave, and no second search."""
+    from lightning_hetermoe.plan import planner
+    from lightning_hetermoe.profile import CostModel
+
+    c1, d1 = _paper_cell("c1", "d1")
+    kw = dict(seq_len=4096, global_batch_tokens=1 << 20, cost_model=CostModel(precision="16-mixed"),
+              max_microbatches=16)
+    one = make_plan(c1, d1, max_waves=1, **kw)
+    assert one.waves == 1 and planner.activations_bind(one, c1, d1)
+    best = make_plan(c1, d1, **kw)
+    assert best.waves == 2 and best.global_batch_tokens == 1 << 20
+    rate = lambda p: p.predicted["zebra"]["tokens_per_s"]  # noqa: E731
+    assert rate(best) > 1.2 * rate(one)
+    # the reference: the fastest of the plans made with each number of waves
+    each = {w: planner.plan_for_batch(c1, d1, waves=w, **kw) for w in (1, 2, 4)}
+    assert rate(best) == max(rate(p) for p in each.values())
+
+    calls = []
+    real = planner.plan_for_batch
+    monkeypatch.setattr(planner, "plan_for_batch", lambda *a, **k: calls.append(k["waves"]) or real(*a, **k))
+    roomy = make_plan(cluster(("a40", 2), ("v100", 2)), model(), seq_len=1024, global_batch_tokens=16 * 1024)
+    assert roomy.waves == 1 and calls == [1]
+    assert not planner.activations_bind(roomy, cluster(("a40", 2), ("v100", 2)), model())
+
+
+def test_bad_wave_counts_are_named():
+    from lightning_hetermoe.plan.planner import plan_for_batch
+
+    c = cluster(("a40", 1), ("v100", 1))
+    with pytest.raises(ValueError, match="max_waves=0 is invalid: must be an integer >= 1"):
+        make_plan(c, model(), seq_len=1024, global_batch_tokens=8 * 1024, max_waves=0)
+    with pytest.raises(ValueError, match="waves=3 is invalid: must be an integer >= 1 that divides the batch's 8"):
+        plan_for_batch(c, model(), seq_len=1024, global_batch_tokens=8 * 1024, waves=3)
+    d = make_plan(c, model(), seq_len=1024, global_batch_tokens=8 * 1024).to_dict()
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="waves=.* must be an integer >= 1"):
+            Plan.from_dict({**d, "waves": bad})

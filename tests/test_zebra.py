@@ -4,6 +4,8 @@ must handle (plans written by hand so each case is exactly the one named)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import lightning as L
 import pytest
 import torch
@@ -78,8 +80,10 @@ def test_three_ranks_two_attention_and_asym_ea_experts_on_the_attention_rank():
     check(3, [
         # 2+1: val_loss reduced over 2 attention ranks
         dict(plan=make_test_plan(3, [0, 1], R=2), validate=True, trainer=dict(limit_val_batches=1.0)),
-        # Lightning's gradient accumulation and global-norm clipping, through the zebra executor
-        dict(plan=make_test_plan(3, [0, 1], R=2), trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+        # a plan of two waves: Lightning's gradient accumulation (two loader batches per
+        # optimizer step) and global-norm clipping, through the zebra executor
+        dict(plan=replace(make_test_plan(3, [0, 1], R=2), waves=2),
+             trainer=dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
         dict(plan=make_test_plan(3, [0], R=2, placement=asym)),
         dict(plan=make_test_plan(3, [0], R=3, placement=asym), moe=dict(top_k=1), exercises=["idle_experts"]),
         # capacity drops: each expert takes ceil(1.0 * tokens * k / E) choices per micro-batch
@@ -174,7 +178,7 @@ def _parse(name: str) -> tuple[str, int, int]:
 
 def test_a_plan_that_does_not_fit_is_rejected_with_one_error_per_mismatch():
     from lightning_hetermoe.configs import ConfigError
-    from lightning_hetermoe.strategy.arguments import check_plan
+    from lightning_hetermoe.strategy.arguments import check_plan, check_waves
 
     cfg = make_model(4).model_cfg
     plan = make_test_plan(2, [0], R=2)
@@ -186,6 +190,13 @@ def test_a_plan_that_does_not_fit_is_rejected_with_one_error_per_mismatch():
         check_plan(plan, make_model(6).model_cfg, 2)
     with pytest.raises(ConfigError, match="the plan is for 2 ranks, the trainer runs 4"):
         L.Trainer(strategy=HeterMoEStrategy(mode="zebra", plan=plan), accelerator="cpu", devices=4, logger=False)
+    waves = replace(plan, waves=2)
+    for accumulate in (1, 3):
+        with pytest.raises(ConfigError, match=rf"2 waves of 8 sequences: set trainer.accumulate_grad_batches=2 "
+                                              rf"\(it is {accumulate}\)"):
+            check_waves(waves, accumulate)
+    check_waves(waves, 2)
+    check_waves(plan, 3)  # one wave: accumulation is the user's own
 
 
 def test_logged_numbers_are_replayed_on_the_modules_device():

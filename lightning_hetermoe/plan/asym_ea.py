@@ -278,7 +278,8 @@ def _chunk(inp: AsymEAInput, col: list[int], used: list[int], cap: list[int]) ->
     if top <= 0:
         return None
     near = top * (1 - 1e-9)
-    gather = [M + i for i, (load, c) in enumerate(zip(loads, on_experts)) if load >= near and c > 0]
+    # (a member with a load this near the top holds an expert: times are positive)
+    gather = [M + i for i, load in enumerate(loads) if load >= near]
     # squeeze: each gathered expert to the attention member whose time grows least
     # (a heap of the members with room: only the receiver's cost changes per move; it goes
     # back by heapreplace, as the keys are distinct the pops do not depend on the arrangement)

@@ -34,7 +34,7 @@ class Plan(JsonDataclass):
     roles: list[str]
     zp_groups: list[ZPGroup]
     num_microbatches: int
-    # sequences per step on each global rank (0 on expert ranks)
+    # sequences per batch on each global rank (0 on expert ranks); a step is ``waves`` batches
     seqs_per_rank: list[int]
     # placement[layer][expert] -> member index within a ZP group
     placement: list[list[int]]
@@ -58,6 +58,9 @@ class Plan(JsonDataclass):
     # tokens/s no schedule can beat here: every device busy on the work it is fastest at, no
     # communication (simulate/bound.py); 0: not computed
     bound_tokens_per_s: float = 0.0
+    # batches per optimizer step (Lightning's accumulate_grad_batches): each runs the plan's
+    # micro-batches, the gradients sync once; more waves hold fewer activations at a time
+    waves: int = 1
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -94,6 +97,8 @@ class Plan(JsonDataclass):
                     raise ValueError(f"Plan: expert {e} of layer {l} is placed on member {p}, group has {size}")
         if self.num_microbatches < 1:
             raise ValueError(f"Plan: num_microbatches={self.num_microbatches} must be >= 1")
+        if isinstance(self.waves, bool) or not isinstance(self.waves, int) or self.waves < 1:
+            raise ValueError(f"Plan: waves={self.waves!r} must be an integer >= 1 (batches per optimizer step)")
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -110,11 +115,13 @@ class Plan(JsonDataclass):
 
     @property
     def total_seqs(self) -> int:
+        """Sequences per batch (one wave)."""
         return sum(self.seqs_per_rank)
 
     @property
     def global_batch_tokens(self) -> int:
-        return self.total_seqs * self.seq_len
+        """Tokens per optimizer step: every wave's batch."""
+        return self.waves * self.total_seqs * self.seq_len
 
     @property
     def num_layers(self) -> int:
@@ -171,16 +178,20 @@ class Plan(JsonDataclass):
         lines = [
             f"HeterMoE plan: model {self.model} on cluster {self.cluster} ({self.world_size} ranks), "
             f"schedule {self.schedule}",
-            f"  seq_len {self.seq_len}, {self.total_seqs} sequences/step ({self.global_batch_tokens:,} tokens), "
-            f"R = {self.num_microbatches} micro-batches, precision {self.precision}",
+            f"  seq_len {self.seq_len}, {self.waves * self.total_seqs} sequences/step ({self.global_batch_tokens:,} "
+            f"tokens), R = {self.num_microbatches} micro-batches, precision {self.precision}",
         ]
+        if self.waves > 1:
+            lines.append(f"  {self.waves} waves of {self.total_seqs} sequences per step (trainer.accumulate_grad_batches="
+                         f"{self.waves}): activations of one wave in memory at a time")
         if self.requested_tokens and self.global_batch_tokens * 2 <= self.requested_tokens:
             lines.append(f"  WARNING: the global batch was cut from {self.requested_tokens:,} to "
                          f"{self.global_batch_tokens:,} tokens so that activations fit in memory")
         elif self.requested_tokens > self.global_batch_tokens:
             left = (self.requested_tokens - self.global_batch_tokens) // self.seq_len
             lines.append(f"  note: {left} of the {self.requested_tokens // self.seq_len} sequences asked for are left "
-                         f"out so that the batch splits evenly over {len(self.zp_groups)} ZP group(s)")
+                         f"out so that the batch splits evenly over {len(self.zp_groups)} ZP group(s)"
+                         + (f" and {self.waves} waves" if self.waves > 1 else ""))
         if N == 0:
             lines.append(f"  {len(self.zp_groups)} ZP group(s) of {M} ranks, all attention: experts sharded over them "
                          f"(the EP layout, with zebra's micro-batch overlap)")

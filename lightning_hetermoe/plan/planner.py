@@ -54,6 +54,7 @@ from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .plan import Plan, ZPGroup
 
 R_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+MAX_WAVES = 4  # make_plan's default: at most this many batches accumulated per optimizer step
 
 
 @dataclass
@@ -94,8 +95,10 @@ class _Search:
         max_microbatches: int,
         expert_load: list[list[float]] | None = None,
         sharded: bool = False,
+        waves: int = 1,
     ):
         self.view, self.model, self.S, self.total = view, model, seq_len, total_seqs
+        self.waves = waves  # batches of total_seqs per optimizer step
         self.timer, self.asym, self.max_R = timer, asym, max_microbatches
         self.expert_load = expert_load
         self.mem = MemoryModel(model)
@@ -318,6 +321,7 @@ class _Search:
             base_counts=res.base_counts,
             distep_microbatches=self.distep_R(g0, member_seqs, res.base_counts),
             nodes=list(self.view.topology.node_of) if self.view.topology.num_nodes > 1 else [],
+            waves=self.waves,
         )
         return plan
 
@@ -637,19 +641,26 @@ def refine_splits(Ms: list[int], tried: dict[int, float | None], evaluate) -> No
 
 
 def make_plan(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_batch_tokens: int,
-              shrink_to_fit: int = 0, **kwargs: Any) -> Plan:
+              shrink_to_fit: int = 0, max_waves: int = MAX_WAVES, **kwargs: Any) -> Plan:
     """Plan ``model`` on ``cluster``; see :func:`plan_for_batch` for the arguments.
 
-    With ``shrink_to_fit=n``, a batch whose activations fit nowhere is halved up to ``n``
-    times; the plan then records the batch it was asked for (``requested_tokens``) and its
-    table warns that the batch was cut."""
+    Where activations bind (fewer sequences in flight would let a rank hold more experts, or
+    the batch fits nowhere at once), the step is also planned as 2, 4, ... waves (batches
+    accumulated per optimizer step, up to ``max_waves``): the fastest is kept, and the plan's
+    ``waves`` says how many (``trainer.accumulate_grad_batches``). With ``shrink_to_fit=n``,
+    a batch that fits in no number of waves is halved up to ``n`` times; the plan then
+    records the batch it was asked for (``requested_tokens``) and its table warns that the
+    batch was cut."""
+    if isinstance(max_waves, bool) or not isinstance(max_waves, int) or max_waves < 1:
+        raise ValueError(f"max_waves={max_waves!r} is invalid: must be an integer >= 1 (1: no gradient accumulation)")
     err: ValueError | None = None
     for halvings in range(shrink_to_fit + 1):
         tokens = global_batch_tokens >> halvings
         if halvings and tokens < seq_len:
             break  # halving went below one sequence: the first attempt's error stands
         try:
-            plan = plan_for_batch(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, **kwargs)
+            plan = _fastest_waves(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, max_waves=max_waves,
+                                  **kwargs)
         except ValueError as e:
             err = err or e
             continue
@@ -657,6 +668,100 @@ def make_plan(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_b
         return plan
     assert err is not None
     raise err
+
+
+def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_batch_tokens: int,
+                   max_waves: int, **kwargs: Any) -> Plan:
+    """The fastest plan of the batch in 1, 2, 4, ... waves. More waves are searched only where
+    the last count's activations bound its plan (each wave adds a pipeline fill and drain)
+    and only while they pay. On more than ``MAX_SPLITS`` ranks, where one search takes
+    seconds, the next count is searched only once the best layout so far, probed in that
+    many waves, is faster (a probe is one layout, not a second search)."""
+    view = as_cluster(cluster)
+    total = global_batch_tokens // seq_len if seq_len >= 1 else 0
+    best: Plan | None = None
+    err: ValueError | None = None
+    waves = 1
+    while waves == 1 or (waves <= max_waves and total >= waves and total % waves == 0):
+        if best is not None and len(view.devices) > MAX_SPLITS and not _probe_pays(
+                best, waves, view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens, **kwargs):
+            break
+        try:
+            plan = plan_for_batch(view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens,
+                                  waves=waves, **kwargs)
+        except ValueError as e:
+            if best is not None:
+                break
+            err = err or e  # nothing fits at once: fewer sequences in flight may
+            waves *= 2
+            continue
+        if best is not None and _zebra_rate(plan) <= _zebra_rate(best) * (1 + 1e-9):
+            break
+        best = plan
+        if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state")):
+            break
+        waves *= 2
+    if best is None:
+        assert err is not None
+        if max_waves > 1 and "the largest batch that plans is" in str(err):
+            raise ValueError(f"{err} (in one wave: a step of up to {max_waves} waves plans up to {max_waves} times "
+                             f"that, where the waves divide its sequences evenly)") from None
+        raise err
+    return best
+
+
+def _probe_pays(best: Plan, waves: int, cluster: Any, model: Any, **kwargs: Any) -> bool:
+    """``best``'s layout (attention ranks, groups, micro-batches; what the caller pinned stays
+    pinned) planned in ``waves`` waves is faster than ``best``."""
+    pins = {"num_attention_ranks": len(best.attention_ranks),
+            "num_zp_groups": len(best.zp_groups), "num_microbatches": best.num_microbatches}
+    for key, value in pins.items():
+        if kwargs.get(key) is None:
+            kwargs[key] = value
+    kwargs["schedules"] = ("zebra",)  # the baselines' predictions are not compared here
+    try:
+        probe = plan_for_batch(cluster, model, waves=waves, **kwargs)
+    except ValueError:
+        return False
+    return _zebra_rate(probe) > _zebra_rate(best) * (1 + 1e-9)
+
+
+def _zebra_rate(plan: Plan) -> float:
+    """Predicted tokens/s of the plan's own schedule (0 where none was predicted)."""
+    return (plan.predicted.get(plan.schedule) or {}).get("tokens_per_s") or 0.0
+
+
+def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_optimizer_state: bool | None = None
+                     ) -> bool:
+    """Whether half the sequences in flight would let some member of the plan's ZP group that
+    cannot hold every expert hold more of them: only then can splitting the step into more
+    waves pay (a member with room for all of them places nothing differently)."""
+    model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
+    devs = as_cluster(cluster).devices
+    mem = MemoryModel(model)
+    group_seqs = plan.total_seqs // len(plan.zp_groups)
+    if group_seqs < 2:
+        return False
+    shares = optimizer_shares(devs, plan.attention_ranks, _sharded(model, shard_optimizer_state))
+    R = plan.num_microbatches
+    everything = model.n_layers * model.moe.num_experts
+    seen = set()
+    for r in plan.zp_groups[0].members:
+        seqs = plan.seqs_per_rank[r] if plan.roles[r] == "attention" else None
+        key = (devs[r].name, seqs, shares.get(r, 1.0))
+        if key in seen:
+            continue
+        seen.add(key)
+
+        def capacity(n: int, attended: int | None) -> int:
+            return member_capacity(mem, devs[r], seq_len=plan.seq_len, group_seqs=n, R=R, seqs=attended,
+                                   share=shares.get(r, 1.0))
+
+        halved = None if seqs is None else max((seqs + 1) // 2, 1)
+        now = capacity(group_seqs, seqs)
+        if now < everything and capacity(group_seqs // 2, halved) > now:
+            return True
+    return False
 
 
 def plan_for_batch(
@@ -677,8 +782,10 @@ def plan_for_batch(
     timer: Any = None,
     expert_load: list[list[float]] | None = None,
     shard_optimizer_state: bool | None = None,
+    waves: int = 1,
 ) -> Plan:
-    """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``.
+    """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``,
+    run as ``waves`` batches of an equal number of sequences (gradient accumulation).
 
     ``profile`` (measured times) replaces the cost model when given; ``timer`` (any task
     timer, e.g. an emulated workload's clock) replaces both. ``num_microbatches``,
@@ -707,8 +814,12 @@ def plan_for_batch(
     total = global_batch_tokens // seq_len
     if total < 1:
         raise ValueError(f"global_batch_tokens={global_batch_tokens} is smaller than one sequence of {seq_len} tokens")
+    if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1 or total % waves:
+        raise ValueError(f"waves={waves!r} is invalid: must be an integer >= 1 that divides the batch's {total} "
+                         f"sequences")
     with _cycle_collector_paused():
-        return _plan(view, model, seq_len=seq_len, total=total, profile=profile, cost_model=cost_model,
+        return _plan(view, model, seq_len=seq_len, total=total // waves, waves=waves, profile=profile,
+                     cost_model=cost_model,
                      asym_ea=asym_ea, num_microbatches=num_microbatches, max_microbatches=max_microbatches,
                      num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
                      require_expert_ranks=require_expert_ranks, schedules=schedules, timer=timer,
@@ -729,14 +840,14 @@ def _cycle_collector_paused():
             gc.enable()
 
 
-def _plan(view, model: ModelConfig, *, seq_len: int, total: int, profile, cost_model, asym_ea: bool,
+def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, profile, cost_model, asym_ea: bool,
           num_microbatches: int | None, max_microbatches: int, num_attention_ranks: int | None,
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
           expert_load, shard_optimizer_state: bool | None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
-                     sharded=_sharded(model, shard_optimizer_state))
+                     sharded=_sharded(model, shard_optimizer_state), waves=waves)
     W = len(view.devices)
     mem = search.mem
     _check_total_memory(mem, model, view)

@@ -156,7 +156,7 @@ def simulate_step_time(setup: StepSetup, timer) -> float:
     if fast is not None:
         return fast
     tasks, policies, tails, late = build_tasks(setup, timer)
-    return disaggregated_step(run_step_dag(tasks, policies, late), tails)
+    return disaggregated_step(run_step_dag(tasks, policies, late).makespan, tails, setup.waves)
 
 
 def step_time(setup: StepSetup, timer) -> float | None:
@@ -202,7 +202,7 @@ def step_time(setup: StepSetup, timer) -> float | None:
     tails = {}
     if sched.kind != "forward":
         tails = {i: lane_tail(timer, setup, lane) for i, lane in enumerate(lanes)}
-    return makespan + max(tails.values(), default=0.0)
+    return disaggregated_step(makespan, tails, setup.waves)
 
 
 class _Durations:
@@ -238,18 +238,18 @@ class _Durations:
                                        for p in idx[k]]) for k in range(nR)]
             codes, kinds = distinct([lanes[i].device for i in members])
             code = np.array(codes, dtype=np.intp)
-            first = {}  # a lane and layer of each (device, experts held): where its times are asked
-            for p, i in enumerate(members):
-                for l in range(L):
-                    first.setdefault((code[p], counts[p, l]), (i, l))
             width = int(counts.max(initial=0)) + 1
+            # the first lane and layer (members in order, layers within) of each (device,
+            # experts held): where its times are asked
+            pair, at = np.unique((code[:, None] * width + counts).ravel(), return_index=True)
+            first = [(int(c), int(n), members[int(q) // L], int(q) % L)
+                     for c, n, q in zip(pair // width, pair % width, at) if n]
             tables = {}
             for kind in set(prog.round_kind):
                 for mb in range(R):
                     table = np.zeros((len(kinds), width))
-                    for (c, n), (i, l) in first.items():
-                        if n:
-                            table[c, n] = times(i, kind, l, mb)
+                    for c, n, i, l in first:
+                        table[c, n] = times(i, kind, l, mb)
                     tables[(kind, mb)] = table
             dur = [tables[(prog.round_kind[k], prog.round_mb[k])][code[idx[k]], counts[idx[k], prog.round_layer[k]]]
                    for k in range(nR)]

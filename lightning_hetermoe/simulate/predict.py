@@ -54,8 +54,8 @@ def predict_step(
     (:mod:`lightning_hetermoe.copy_routing`). Raises ``ValueError`` where the schedule does
     not fit in memory.
     """
-    if plan is not None:
-        seq_len, total_seqs = plan.seq_len, plan.total_seqs
+    if plan is not None:  # every wave's sequences: the schedules without waves take the step's batch
+        seq_len, total_seqs = plan.seq_len, plan.waves * plan.total_seqs
     if schedule in ("zebra", "distep"):
         if plan is None:
             raise ValueError(f"predict_step: {schedule} runs a plan; none was given")

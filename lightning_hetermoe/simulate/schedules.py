@@ -233,4 +233,5 @@ def plan_setup(
         expert_load=expert_load,
         replica_ranks={rank: [g.members[p] for g in plan.zp_groups] for p, rank in enumerate(group.members)},
         dense_ranks=list(plan.attention_ranks),
+        waves=1 if schedule == "forward" else plan.waves,  # an evaluation batch is one wave
     )

@@ -105,6 +105,9 @@ class StepSetup:
     replica_dispatch: str = "local_first"
     # EP with copies: per layer, the placement's route of each expert (None: the rule alone)
     copy_routes: list | None = None
+    # zebra / DistEP: batches per optimizer step (gradient accumulation), one after another;
+    # the gradient sync and optimizer (the tail) run once
+    waves: int = 1
     topology: Topology = field(init=False, repr=False, compare=False)
     _lane_nodes: list | None = field(default=None, init=False, repr=False, compare=False)
     _legs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -250,6 +253,8 @@ def check_setup(setup: StepSetup) -> None:
     R = setup.num_microbatches
     if R < 1:
         raise ValueError(f"num_microbatches={R} must be >= 1")
+    if setup.waves < 1:
+        raise ValueError(f"waves={setup.waves} must be >= 1")
     if not setup.lanes:
         raise ValueError("simulate: no ranks")
     for lane in setup.lanes:
@@ -778,10 +783,12 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list
     return tasks, policies, []
 
 
-def disaggregated_step(tl: Timeline, tails: dict[str, float]) -> float:
+def disaggregated_step(makespan: float, tails: dict, waves: int = 1) -> float:
     # zebra and DistEP agree on the step's loss (an all-reduce over every rank) before any
-    # rank's gradient sync and optimizer: every tail starts when the last task ends
-    return tl.makespan + max(tails.values(), default=0.0)
+    # rank's gradient sync and optimizer: every tail starts when the last task ends. Waves
+    # run one after another (the next batch starts once the last one's loss is agreed), the
+    # tail once after the last
+    return waves * makespan + max(tails.values(), default=0.0)
 
 
 def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timeline: bool = True) -> StepResult:
@@ -799,7 +806,7 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
         per_res_last[t.resource] = max(per_res_last.get(t.resource, 0.0), e)
     compute_end = tl.makespan
     if setup.schedule is not None:
-        step = disaggregated_step(tl, tails)
+        step = disaggregated_step(tl.makespan, tails, setup.waves)
     else:
         step = max(compute_end, max((per_res_last.get(r, 0.0) + tail for r, tail in tails.items()), default=0.0))
     busy: dict[int, float] = {}
@@ -818,10 +825,11 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
             gaps.append((cur, compute_end))
         bubbles[lane.name] = gaps
         for rank in lane.ranks:
-            busy[rank] = b
+            busy[rank] = setup.waves * b  # the bubbles and timeline are one wave's
             devices[rank] = lane.device.name
-    tokens = setup.replicas * sum(len(lane.ranks) * sum(lane.seqs) * setup.seq_len for lane in lanes if lane.seqs)
-    network = (network_rows(setup) * setup.model.d_model * timer.cost.dtype_bytes
+    tokens = setup.waves * setup.replicas * sum(len(lane.ranks) * sum(lane.seqs) * setup.seq_len
+                                                for lane in lanes if lane.seqs)
+    network = (setup.waves * network_rows(setup) * setup.model.d_model * timer.cost.dtype_bytes
                if setup.topology.num_nodes > 1 else 0.0)
     return StepResult(schedule, step, tokens, busy, devices, bubbles, [lane.name for lane in lanes],
                       setup.num_microbatches, tl if keep_timeline else None, network_bytes=network)

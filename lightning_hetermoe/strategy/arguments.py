@@ -337,6 +337,14 @@ def _builds_in_configure_model(model: Any) -> bool:
     return isinstance(model, L.LightningModule) and is_overridden("configure_model", model)
 
 
+def check_waves(plan: Any, accumulate_grad_batches: int) -> None:
+    """A plan of several waves runs each optimizer step as that many loader batches: the
+    trainer must accumulate exactly that many (a plan of one wave leaves accumulation to the user)."""
+    if plan.waves > 1 and plan.waves != accumulate_grad_batches:
+        raise ConfigError(f"the plan runs each step as {plan.waves} waves of {plan.total_seqs} sequences: set "
+                          f"trainer.accumulate_grad_batches={plan.waves} (it is {accumulate_grad_batches})")
+
+
 def check_plan(plan: Any, model_cfg: Any, world_size: int) -> None:
     """A plan must fit the world and the model; one clear error per mismatch."""
     if plan.world_size != world_size:

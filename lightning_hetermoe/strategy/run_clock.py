@@ -142,11 +142,12 @@ class RunClock:
         if self._bound is None:
             self._bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len)
         bound = self._bound
+        tokens = self.tokens_per_step * (sim.plan.waves if sim.plan is not None else 1)  # a plan's step is its waves
         return {"schedule": sim.schedule, "step_time_s": step * self.time_scale, "device_step_time_s": step,
-                "workload_tokens_per_step": self.tokens_per_step,
+                "workload_tokens_per_step": tokens,
                 # what no schedule beats on these devices, and this run's predicted share of it
                 "bound_tokens_per_s": bound,
-                "fraction_of_bound": self.tokens_per_step / step / bound if step > 0 and bound > 0 else None,
+                "fraction_of_bound": tokens / step / bound if step > 0 and bound > 0 else None,
                 "expert_load_max_over_mean": max(max(row) * len(row) for row in load) if load else 1.0}
 
     def expert_seconds(self, device: DeviceSpec, tokens: float) -> float:

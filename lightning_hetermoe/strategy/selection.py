@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ..cluster import ClusterConfig, DeviceSpec
 from ..configs import ConfigError, ModelConfig
 from ..model_contract import ModelContractError, describe_model
-from .arguments import DISAGGREGATED, check_plan
+from .arguments import DISAGGREGATED, check_plan, check_waves
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
 from ..materialize import built_on_meta
@@ -179,6 +179,8 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
             from ..plan import Plan
 
             plan = Plan.from_dict(plan)
+    if plan is not None:  # on every rank, once all have the plan
+        check_waves(plan, trainer.accumulate_grad_batches)
     backend = _build(args, clock, choice, plan, module, model, strategy.root_device, rank, world,
                      measure_busy=strategy.measure_busy)
     clock.prediction = clock.predict(backend.simulated())
@@ -248,7 +250,7 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
         if name in DISAGGREGATED:
             if plan is None:
                 continue
-            sim, tokens = Simulated(name, plan=plan), plan.total_seqs * clock.seq_len
+            sim, tokens = Simulated(name, plan=plan), plan.waves * plan.total_seqs * clock.seq_len
         else:
             if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
                 continue  # identical devices: the speed split is the equal split
@@ -301,7 +303,8 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
         plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
                          profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
                          require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
-                         expert_load=clock.expert_load, shard_optimizer_state=_zero_priced(args))
+                         expert_load=clock.expert_load, shard_optimizer_state=_zero_priced(args),
+                         max_waves=1)  # the loaders' batch is one wave: trainer.accumulate_grad_batches is the user's
     except ValueError as err:
         if required:
             raise ConfigError(f"mode={args.mode!r}: no plan fits: {err}") from None
