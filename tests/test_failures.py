@@ -13,10 +13,17 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Zebra and DistEP faults are injected into an expert rank and an attention rank: on two
+# identical CPUs the planner would let both attend, so these runs keep the paper's roles
+ROLES = "strategy.require_expert_ranks=true"
+
+
 def run_main_job(tmp_path, *overrides: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     t0 = time.monotonic()
     overrides = overrides if any(o.startswith("strategy.mode=") for o in overrides) else ("strategy.mode=ep",) + overrides
+    if any(o in ("strategy.mode=zebra", "strategy.mode=distep") for o in overrides):
+        overrides = (ROLES, *overrides)
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=50", "cluster=cpu2",
                            f"hydra.run.dir={tmp_path}", *overrides], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -65,7 +72,7 @@ def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
     The heartbeat names the stopped rank and ends the job, stopped rank included."""
     from harness import free_port
 
-    overrides = ["cluster=cpu2", "strategy.mode=zebra", "strategy.heartbeat_timeout_s=3", "trainer.max_steps=50",
+    overrides = ["cluster=cpu2", "strategy.mode=zebra", ROLES, "strategy.heartbeat_timeout_s=3", "trainer.max_steps=50",
                  "+callbacks.fault._target_=faults.StopInExperts", "+callbacks.fault.rank=1", "+callbacks.fault.step=1",
                  f"hydra.run.dir={tmp_path}"]
     script = str(ROOT / "recipes" / "train.py")

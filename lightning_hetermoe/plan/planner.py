@@ -14,6 +14,10 @@ Search, each candidate scored by the step simulator (zebra schedule):
    the micro-batch) up to the sequences an attention rank has (micro-batches hold whole
    sequences).
 4. **Placement.** Experts per member and layer with Asym-EA (see ``asym_ea.py``).
+5. **Waves.** Zebra keeps every micro-batch's activations until its backward; where they
+   crowd a member's experts, the step is also planned as 2, 4, ... batches of gradient
+   accumulation (``make_plan``'s ``max_waves``), each searched as above, and the fastest
+   count is kept.
 
 A cheap first pass (one R per role split: a small one, or the fewest that fit) keeps the
 two best splits; the full G × R search runs on those, from the most groups down (on
@@ -743,8 +747,12 @@ def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_
     if group_seqs < 2:
         return False
     shares = optimizer_shares(devs, plan.attention_ranks, _sharded(model, shard_optimizer_state))
-    R = plan.num_microbatches
     everything = model.n_layers * model.moe.num_experts
+
+    def capacity(r: int, group: int, attended: int | None) -> int:
+        return member_capacity(mem, devs[r], seq_len=plan.seq_len, group_seqs=group, R=plan.num_microbatches,
+                               seqs=attended, share=shares.get(r, 1.0))
+
     seen = set()
     for r in plan.zp_groups[0].members:
         seqs = plan.seqs_per_rank[r] if plan.roles[r] == "attention" else None
@@ -752,14 +760,8 @@ def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_
         if key in seen:
             continue
         seen.add(key)
-
-        def capacity(n: int, attended: int | None) -> int:
-            return member_capacity(mem, devs[r], seq_len=plan.seq_len, group_seqs=n, R=R, seqs=attended,
-                                   share=shares.get(r, 1.0))
-
-        halved = None if seqs is None else max((seqs + 1) // 2, 1)
-        now = capacity(group_seqs, seqs)
-        if now < everything and capacity(group_seqs // 2, halved) > now:
+        now = capacity(r, group_seqs, seqs)
+        if now < everything and capacity(r, group_seqs // 2, None if seqs is None else (seqs + 1) // 2) > now:
             return True
     return False
 
@@ -893,7 +895,8 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
                   num_zp_groups: int | None = None, require_expert_ranks: bool = False, timer: Any = None,
                   shard_optimizer_state: bool | None = None) -> int:
     """The most sequences of ``seq_len`` tokens per step that :func:`plan_for_batch` plans on
-    ``cluster`` (0: not one), by the memory model alone: doubling, then bisection over the
+    ``cluster`` in one wave (0: not one; :func:`make_plan` plans up to ``max_waves`` times as
+    many, in waves that divide them), by the memory model alone: doubling, then bisection over the
     batch, each batch checked over every layout (see ``fit.py``)."""
     model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
     view = as_cluster(cluster)

@@ -70,7 +70,7 @@ class HeterMoEStrategy(DDPStrategy):
         replica_dispatch: str = "local_first",
         num_microbatches: int | None = None,
         asym_ea: bool = True,
-        require_expert_ranks: bool = True,
+        require_expert_ranks: bool = False,
         profile: Any = None,
         heartbeat_timeout_s: float | None = 30.0,
         progress_timeout_s: float | None = 300.0,
