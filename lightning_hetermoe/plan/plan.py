@@ -119,9 +119,14 @@ class Plan(JsonDataclass):
         return sum(self.seqs_per_rank)
 
     @property
+    def step_seqs(self) -> int:
+        """Sequences per optimizer step: every wave's batch."""
+        return self.waves * self.total_seqs
+
+    @property
     def global_batch_tokens(self) -> int:
-        """Tokens per optimizer step: every wave's batch."""
-        return self.waves * self.total_seqs * self.seq_len
+        """Tokens per optimizer step."""
+        return self.step_seqs * self.seq_len
 
     @property
     def num_layers(self) -> int:
@@ -178,7 +183,7 @@ class Plan(JsonDataclass):
         lines = [
             f"HeterMoE plan: model {self.model} on cluster {self.cluster} ({self.world_size} ranks), "
             f"schedule {self.schedule}",
-            f"  seq_len {self.seq_len}, {self.waves * self.total_seqs} sequences/step ({self.global_batch_tokens:,} "
+            f"  seq_len {self.seq_len}, {self.step_seqs} sequences/step ({self.global_batch_tokens:,} "
             f"tokens), R = {self.num_microbatches} micro-batches, precision {self.precision}",
         ]
         if self.waves > 1:

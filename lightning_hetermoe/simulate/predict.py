@@ -55,7 +55,7 @@ def predict_step(
     not fit in memory.
     """
     if plan is not None:  # every wave's sequences: the schedules without waves take the step's batch
-        seq_len, total_seqs = plan.seq_len, plan.waves * plan.total_seqs
+        seq_len, total_seqs = plan.seq_len, plan.step_seqs
     if schedule in ("zebra", "distep"):
         if plan is None:
             raise ValueError(f"predict_step: {schedule} runs a plan; none was given")

@@ -250,7 +250,7 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
         if name in DISAGGREGATED:
             if plan is None:
                 continue
-            sim, tokens = Simulated(name, plan=plan), plan.waves * plan.total_seqs * clock.seq_len
+            sim, tokens = Simulated(name, plan=plan), plan.step_seqs * clock.seq_len
         else:
             if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
                 continue  # identical devices: the speed split is the equal split
