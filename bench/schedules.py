@@ -12,21 +12,22 @@ strategy and executor; only the clock is modelled (``lightning_hetermoe/emulate`
 tiny model runs with D1's 24 experts, top-2, on 4 layers (the clock is D1's widths on that
 depth), 12 sequences per step, 3 steps per run of which the first is warm-up.
 
-A cell is only kept when its emulation was faithful: if more than 5% of its emulated tasks
-overran their modelled time (the CPU work did not fit under the clock, so the run measured the
-machine, not the plan), the bench runs it again at twice the ``time_scale``, up to three
-times, and the table shows the scale that held (``x2`` beside the row); a cell that never
+A cell is only kept when its emulation was faithful: if a rank's emulated tasks ran more
+than 1% past their modelled time in all (``FAITHFUL_SLIP``: the CPU work did not fit under the
+clock, so the run measured the machine, not the plan), the bench runs it again at twice the
+``time_scale``, up to three times, and the table shows the scale that held (``x2`` beside the row); a cell that never
 holds is named in the JSON (``unfaithful_cells``) and left out of ``max_rel_error``. (The
 re-run's seconds are divided by its extra slowdown, so rows compare across the grid.) A
-faithful cell more than 10% from its prediction is run once more at twice the scale: the
+faithful cell more than 5% from its prediction is run once more at twice the scale: the
 CPU's cost outside the padded tasks (Python between tasks, thread switches, gloo's own
 latency, a fixed cost per round) halves there, a model error does not; the row keeps the
 slower clock's figures, the JSON both errors (``rerun_cells``).
 
 Per cell it prints the measured s/step, the simulator's s/step for the same plan (the
 routing of a warm-up batch, as planned) and its relative error, the simulator's s/step at the routing the run
-really had (the load monitor's counts) and that error, the share of emulated tasks that
-overran their modelled time, and zebra/ep measured beside zebra/ep predicted; then, per
+really had (the load monitor's counts) and that error, the worst rank's slip (how far its
+emulated tasks ran past their modelled time, a share of it) and the share of tasks that
+overran at all, and zebra/ep measured beside zebra/ep predicted; then, per
 mix and clock, the fastest schedule measured beside the one ``mode=auto`` would choose (the
 fastest predicted).
 
@@ -70,8 +71,7 @@ GLOBAL_BATCH = 12
 MODEL = ["model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2", "trainer.max_steps=3"]
 
 
-FAITHFUL = 0.05  # at most this share of emulated tasks may overrun their modelled time
-ACCURACY = 0.10  # a faithful cell further than this from its prediction is checked at a slower clock
+ACCURACY = 0.05  # a faithful cell further than this from its prediction is checked at a slower clock
 RETRIES = 3  # re-runs of an unfaithful cell, each at twice the last time_scale
 
 
@@ -105,13 +105,12 @@ def measure(mix: str, clock: str, schedule: str, extra: list[str] = ()) -> dict:
             if row[key] is not None:
                 row[key] /= slowdown
         row["time_scale_x"] = slowdown
-        row["faithful"] = row["overrun_fraction"] <= FAITHFUL
         if before is not None:
             row["rel_error_faster_clock"] = before
         if attempt == RETRIES:
             return row
         if not row["faithful"]:
-            why = f"{row['overrun_fraction']:.1%} of tasks overran"
+            why = f"a rank's tasks ran {row['slip_fraction']:.1%} past their modelled time"
         elif abs(row["rel_error"]) > ACCURACY and before is None:
             why, before = f"{row['rel_error']:+.1%} from its prediction", row["rel_error"]
         else:
@@ -127,7 +126,8 @@ def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdow
            "predicted_s": s["predicted_step_time_s"], "rel_error": s["step_time_rel_error"],
            "predicted_at_load_s": s.get("predicted_step_time_at_measured_load_s"),
            "rel_error_at_load": s.get("step_time_rel_error_at_measured_load"),
-           "overrun_fraction": s["emulation"]["overrun_fraction"], "wall_s": s["process_wall_s"]}
+           "overrun_fraction": s["emulation"]["overrun_fraction"], "slip_fraction": s["emulation"]["slip_fraction"],
+           "faithful": s["emulation"]["faithful"], "wall_s": s["process_wall_s"]}
     if "plan_json" in s and schedule in ("zebra", "distep"):
         p = s["plan_json"]
         row["R"] = p["num_microbatches"] if schedule == "zebra" else p["distep_microbatches"]
@@ -146,7 +146,7 @@ def print_row(r: dict) -> None:
     if not r.get("faithful", True):
         extra += "  UNFAITHFUL (left out of max_rel_error)"
     print(f"{r['mix']:13} {r['clock']:>4} {r['schedule']:9} {r['measured_s']:8.3f} {r['predicted_s']:8.3f} "
-          f"{r['rel_error']:+6.1%}  {load}  {r['overrun_fraction']:5.1%}{extra}", flush=True)
+          f"{r['rel_error']:+6.1%}  {load}  {r['slip_fraction']:5.1%} {r['overrun_fraction']:7.1%}{extra}", flush=True)
 
 
 def accuracy(rows: list[dict]) -> dict:
@@ -156,6 +156,7 @@ def accuracy(rows: list[dict]) -> dict:
                  "rerun_cells": {cell_name(r): {"x": r["time_scale_x"], "rel_error_faster_clock":
                                                 r.get("rel_error_faster_clock")}
                                  for r in rows if r["time_scale_x"] != 1.0},
+                 "max_slip_fraction": max((r["slip_fraction"] for r in faithful), default=None),
                  "max_overrun_fraction": max((r["overrun_fraction"] for r in faithful), default=None)}
     for key, suffix in (("rel_error", ""), ("rel_error_at_load", "_at_measured_load")):
         scored = [r for r in faithful if r[key] is not None]
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     grid = [("a40+v100 1+1", "16K", s) for s in ("ep", "zebra")] if args.quick else \
         [(m, c, s) for c in clocks for m in mixes for s in schedules]
     print(f"{'mix':13} {'clock':>4} {'schedule':9} {'meas s':>8} {'sim s':>8} {'error':>6}  "
-          f"{'sim@load':>7} {'error':>6}  {'overrun':>6}", flush=True)
+          f"{'sim@load':>7} {'error':>6}  {'slip':>5} {'overran':>7}", flush=True)
     rows = []
     for mix, clock, schedule in grid:
         rows.append(measure(mix, clock, schedule))

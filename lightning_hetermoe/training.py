@@ -20,6 +20,7 @@ from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .callbacks.progress import ProgressLog
 from .cluster import ClusterConfig
 from .configs import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
+from .emulate import FAITHFUL_SLIP
 from .model import MoELanguageModel, build_datamodule
 from .strategy import HeterMoEStrategy
 
@@ -194,18 +195,22 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         out["plan"] = "plan.json"
         out["num_microbatches"] = strategy.num_microbatches
     if emulation is not None:
-        frac = emulation["overrun_fraction"]
+        frac, slip = emulation["overrun_fraction"], emulation["slip_fraction"]
         out["emulation"] = {"padded_tasks": emulation["padded_tasks"], "overruns": emulation["overruns"],
-                            "overrun_fraction": frac, "faithful": frac <= 0.05,
+                            "overrun_fraction": frac, "slip_fraction": slip, "faithful": slip <= FAITHFUL_SLIP,
                             "needed_time_scale": max((r or {}).get("needed_time_scale", 0.0)
                                                      for r in emulation["ranks"]),
                             # where the clock slipped: rank -> task kind -> overrun count
                             "overruns_by_rank": {str(i): {k: t["overruns"] for k, t in r["tasks"].items()
                                                           if t["overruns"]}
-                                                 for i, r in enumerate(emulation["ranks"]) if r}}
-        if frac > 0.05:
-            out["emulation"]["warning"] = (f"{frac:.0%} of the emulated tasks overran their modelled time: the clock "
-                                           f"is not faithful; raise cluster.time_scale")
+                                                 for i, r in enumerate(emulation["ranks"]) if r},
+                            # and by how much: rank -> task kind -> seconds over the modelled times
+                            "slip_s_by_rank": {str(i): {k: t["slip_s"] for k, t in r["tasks"].items() if t["slip_s"]}
+                                               for i, r in enumerate(emulation["ranks"]) if r}}
+        if slip > FAITHFUL_SLIP:
+            out["emulation"]["warning"] = (f"a rank's emulated tasks ran {slip:.1%} past their modelled time "
+                                           f"({frac:.0%} of all tasks overran): the clock is not faithful; raise "
+                                           f"cluster.time_scale")
         if pred is not None and measured:
             # the workload's tokens per second on the cluster the run emulates (its clock / time_scale)
             out["workload_tokens_per_s"] = pred["workload_tokens_per_step"] / (measured / cluster.time_scale)

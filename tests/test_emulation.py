@@ -109,6 +109,32 @@ def test_pad_sleeps_the_modelled_time_less_what_the_task_already_took(virtual_cl
     assert clock.perf_counter() - started == pytest.approx(0.007)
     st = em.stats["attention"]
     assert (st.count, st.overruns) == (2, 1) and st.slept_s == pytest.approx(0.003)
+    assert st.slip_s == pytest.approx(0.002)  # how far the overrun went past its 5 ms
+
+
+def test_an_overrun_is_the_tasks_own_work_not_what_its_caller_did_after_it(virtual_clock):
+    """``done``: the task's work ended there; the caller then waited inside the modelled time
+    (zebra issues held-back sends while it pads): the pad sleeps what is left, no overrun. A
+    wait past the modelled time is not the task's overrun either; work past it is, by its slip."""
+    clock = virtual_clock(emulate_clock)
+    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=0)
+    started = clock.perf_counter()
+    clock.advance(0.002)
+    done = clock.perf_counter()
+    clock.advance(0.005)  # the caller's wait, inside the 10 ms
+    assert em.pad("attention", "a", started, 0.010, done=done) == pytest.approx(0.003)
+    started = clock.perf_counter()
+    clock.advance(0.002)
+    done = clock.perf_counter()
+    clock.advance(0.012)  # a wait past the modelled 10 ms
+    assert em.pad("attention", "a", started, 0.010, done=done) == 0.0
+    started = clock.perf_counter()
+    clock.advance(0.013)  # work past it
+    em.pad("attention", "a", started, 0.010, done=clock.perf_counter())
+    st = em.stats["attention"]
+    assert (st.count, st.overruns) == (3, 1) and st.slip_s == pytest.approx(0.003)
+    summary = em.summary()
+    assert summary["slip_s"] == pytest.approx(0.003) and summary["modelled_s"] == pytest.approx(0.030)
 
 
 @pytest.mark.filterwarnings("ignore::lightning_hetermoe.emulate.EmulationWarning")

@@ -35,7 +35,10 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     assert (tmp_path / "plan.json").is_file()
     # The emulated clock is honest about itself, and the real executor keeps to the
     # simulator's step time for the same plan (loose: CI machines are noisy).
-    assert summary["emulation"]["padded_tasks"] > 0 and "overrun_fraction" in summary["emulation"]
+    emulation = summary["emulation"]
+    assert emulation["padded_tasks"] > 0 and 0 <= emulation["overrun_fraction"] <= 1
+    assert emulation["faithful"] == (emulation["slip_fraction"] <= 0.01) and emulation["slip_fraction"] >= 0
+    assert ("warning" in emulation) != emulation["faithful"]
     assert abs(summary["step_time_rel_error"]) < 0.25, summary
 
 

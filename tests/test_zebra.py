@@ -4,6 +4,7 @@ must handle (plans written by hand so each case is exactly the one named)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import lightning as L
@@ -209,6 +210,39 @@ def test_logged_numbers_are_replayed_on_the_modules_device():
     assert item.value.device.type == "meta" and item.numeric
     cpu = _reduce("lr_scale", calls, [2, 6], None, torch.device("cpu"))
     assert float(cpu.value) == (0.5 * 2 + 1.5 * 6) / 8  # micro-batches weighted by their rows
+
+
+LATE_S = 0.3  # rank 1's attention forward, every micro-batch: far past rank 0's
+
+
+def fit_with_a_late_attention(rank: int, world: int) -> list[tuple[str, float]]:
+    from lightning_hetermoe.model.transformer import CausalSelfAttention
+
+    model = make_model(4)
+    if rank == 1:
+        for m in model.modules():
+            if isinstance(m, CausalSelfAttention):
+                m.register_forward_pre_hook(lambda *_: time.sleep(LATE_S) if torch.is_grad_enabled() else None)
+    strategy = HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0, 1], R=2,
+                                                                  placement=[[0, 1, 0, 1], [0, 1, 0, 1]]))
+    trainer(strategy, world, max_steps=2).fit(model, datamodule=data(world))
+    tasks, _ = strategy.backend.last_step.stamps.read()
+    return [(str(task), end - start) for task, start, end in tasks]
+
+
+@pytest.mark.slow
+def test_a_rank_that_holds_experts_does_not_wait_in_its_attention_for_a_late_member():
+    """Every member attends and holds experts: a round's rows need every member's header for
+    their receive sizes. Rank 1's attention is late by 0.3 s each micro-batch; rank 0 emits
+    and goes on to its next micro-batch's attention (the rows go once the headers are in),
+    so none of its forward attention tasks holds that wait (it did: each lasted until rank 1
+    had emitted the same round)."""
+    per_rank = run_ranks(2, fit_with_a_late_attention, 2)
+    fast = [d for name, d in per_rank[0] if name.startswith("Af")]
+    late = [d for name, d in per_rank[1] if name.startswith("Af")]
+    assert len(fast) == len(late) == 4, per_rank  # 2 layers x 2 micro-batches
+    assert min(late) >= LATE_S, late
+    assert max(fast) < LATE_S / 3, fast
 
 
 @pytest.mark.slow

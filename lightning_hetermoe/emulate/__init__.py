@@ -2,6 +2,7 @@
 and the same task boundaries measured on real devices (:class:`BusyMeter`)."""
 
 from .clock import (
+    FAITHFUL_SLIP,
     EmulatedWorkload,
     EmulationWarning,
     Emulator,
@@ -15,6 +16,7 @@ from .hooks import EmulationHandle, apply_emulation, install, installed
 from .meter import BusyMeter
 
 __all__ = [
+    "FAITHFUL_SLIP",
     "BusyMeter",
     "EmulatedWorkload",
     "EmulationHandle",

@@ -72,6 +72,13 @@ def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) ->
                                                               cost=emulation_cost_model(precision=precision)))
 
 
+# A run's clock is faithful when no rank's padded tasks ran more than this share past their
+# modelled time, summed: their slip is what the measured step can have absorbed. (A count of
+# overruns was the rule before: a few-microsecond overrun of a tiny task counted as much as
+# one of many milliseconds.)
+FAITHFUL_SLIP = 0.01
+
+
 class EmulationWarning(UserWarning):
     """Real CPU compute took longer than the modelled device time: the clock is not faithful."""
 
@@ -83,6 +90,9 @@ class TaskStats:
     modelled_s: float = 0.0  # scaled modelled time (what the task should take)
     slept_s: float = 0.0
     overruns: int = 0  # calls whose real time exceeded the modelled time
+    # seconds the overruns added beyond their modelled times: how far the clock slipped, which
+    # a count of overruns cannot tell (1 us over and 100 ms over count alike)
+    slip_s: float = 0.0
     worst_ratio: float = 0.0  # max real / modelled
 
     def as_dict(self) -> dict[str, float]:
@@ -184,13 +194,17 @@ class Emulator:
         return time.perf_counter()
 
     def pad(self, task: str, key: Any, started: float, modelled: float, *, already: float = 0.0,
-            earlier: Sequence[tuple[float, float]] = ()) -> float:
+            earlier: Sequence[tuple[float, float]] = (), done: float | None = None) -> float:
         """Sleep until ``started + modelled - already``; record and warn on overrun.
 
         ``already`` is task time spent in earlier segments (the task was interrupted), or
-        ``earlier`` lists those segments as ``(start, end)`` stamps. Returns the seconds slept."""
-        real = time.perf_counter() - started + already + sum(e - s for s, e in earlier)
-        rest = modelled - real
+        ``earlier`` lists those segments as ``(start, end)`` stamps. ``done``: when the task's
+        own work ended, if the caller did something else since inside its modelled time (an
+        overrun is the work's, not that). Returns the seconds slept."""
+        before = already + sum(e - s for s, e in earlier)
+        now = time.perf_counter()
+        real = (now if done is None else min(done, now)) - started + before
+        rest = modelled - (now - started + before)
         if rest > 0:
             self._sleep(rest)
         slept = max(rest, 0.0)
@@ -205,6 +219,7 @@ class Emulator:
                 st.worst_ratio = max(st.worst_ratio, real / modelled)
             if real > modelled and modelled > 0:
                 st.overruns += 1
+                st.slip_s += real - modelled
                 if seen > self.warmup_calls:
                     self._overrun(task, key, real, modelled)
         return slept
@@ -248,6 +263,7 @@ class Emulator:
         overruns = sum(s.overruns for s in padded)
         return {"device": self.device.name, "time_scale": self.time_scale, "token_scale": self.token_scale,
                 "needed_time_scale": self._needed_scale, "padded_tasks": tasks, "overruns": overruns,
+                "slip_s": sum(s.slip_s for s in padded), "modelled_s": sum(s.modelled_s for s in padded),
                 "tasks": {k: v.as_dict() for k, v in self.stats.items()}}
 
 

@@ -611,8 +611,11 @@ class HeterMoEStrategy(DDPStrategy):
             return None
         tasks = sum(e["padded_tasks"] for e in everyone if e)
         overruns = sum(e["overruns"] for e in everyone if e)
+        # the worst rank's slip against its own modelled time: ranks run side by side, so how
+        # far the slowest clock stretched is what the step time can have absorbed
+        slip = max((e["slip_s"] / e["modelled_s"] for e in everyone if e and e["modelled_s"] > 0), default=0.0)
         return {"ranks": everyone, "padded_tasks": tasks, "overruns": overruns,
-                "overrun_fraction": overruns / tasks if tasks else 0.0}
+                "overrun_fraction": overruns / tasks if tasks else 0.0, "slip_fraction": slip}
 
     # -- placement-independent state ------------------------------------------------------
     @property

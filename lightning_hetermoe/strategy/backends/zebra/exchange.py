@@ -29,7 +29,11 @@ issues: its dispatches as it emits, the combines of rounds it holds once its exp
 :meth:`lightning_hetermoe.task_order.Schedule.member_tasks`), and the combines of rounds it
 holds nothing of at once after the collective before them, so the answer can land while it
 computes (on CUDA the receive runs on the communication stream; nothing waits on it until
-the answer is used). An expert rank walks the order too: it issues ``dispatch(r)`` when it
+the answer is used). Where it holds experts of the round's layer itself, its dispatch needs
+every member's header (its receive sizes): the dispatch and what follows it in the order
+are held back until the header is in, issued between and during its next tasks
+(:meth:`pump`), so a member late to emit the same round does not stall its attention. An
+expert rank walks the order too: it issues ``dispatch(r)`` when it
 reaches ``r``, and where ``r`` is early also ``dispatch(r + 1)`` (waiting for its header)
 before ``r``'s experts are queued, so ``r + 1``'s rows move while they run: the
 communication stream waits for the compute queued before each issue, and ``r``'s is not
@@ -64,6 +68,7 @@ from .records import Dispatched
 
 
 PREFETCH_POLL_S = 50e-6  # how often an expert rank looks for the next round's header while it waits
+PUMP_POLL_S = 200e-6  # how often an emulated attention rank looks for held-back headers while it pads
 
 
 class Exchange:
@@ -96,6 +101,9 @@ class Exchange:
         self._after = dict(zip(schedule.rounds, schedule.rounds[1:]))
         self._position = {event: i for i, event in enumerate(self._order)}
         self._cursor = 0  # the next collective of _order not yet issued here
+        # attention ranks: collectives of the order not issued yet, each with the round whose
+        # headers it waits for (see emit)
+        self._held: list[tuple[Round | None, Callable[[], None], tuple[Tensor, ...]]] = []
         self.transfer_s: dict[tuple[str, Round], float] = {}
         # measured runs: each device transfer's span, from its issue (on the communication
         # stream) to its work's completion; read with the step's other stamps
@@ -111,6 +119,7 @@ class Exchange:
 
     def finish(self) -> None:
         """Wait for everything still in flight (the last sends), and book the transfers."""
+        self.pump(block=True)
         if not self.lay.is_attention:
             self._issue()  # the rounds after this rank's last one, now that its last task ended
         for pending in [*self._headers.values(), *self._dispatch.values(), *self._combine.values(), *self._sends,
@@ -132,31 +141,65 @@ class Exchange:
         out: list[Tensor] = []
         for p in [*self._dispatch.values(), *self._combine.values(), *self._sends]:
             out += [t for t in p.keep if isinstance(t, Tensor)]
-        return out
+        return out + [t for _, _, keep in self._held for t in keep]
 
     # -- attention ranks ------------------------------------------------------------------
     def emit(self, r: Round, rows: Tensor, expert_counts: Tensor | None, leaves_at: float | None = None) -> None:
         """Rows of round ``r`` leave (``expert_counts``: host, rows per expert id, forward
-        rounds; ``leaves_at``: under emulation, when they leave on the modelled clock)."""
-        self._expect(("dispatch", r))
+        rounds; ``leaves_at``: under emulation, when they leave on the modelled clock).
+
+        The header goes now. Where this rank holds experts of the round's layer (every
+        member attends), the rows' all-to-all needs every member's header for its receive
+        sizes: it is held back until they are in (:meth:`pump`), so the rank goes on to its
+        next task instead of waiting for the slowest member to emit the same round."""
         key = (r.layer, r.mb)
         self._post_header(r, expert_counts, leaves_at)
         if r.phase == "fwd":
             holders = self.lay.by_group_rank(r.layer)
             self._my_splits[key] = [int(expert_counts[h].sum()) if h else 0 for h in holders]
-        send = self._my_splits[key]
+        wire = rows.to(self.wire).contiguous()
         holds = bool(self.lay.mine(r.layer))
+        self._hold_back(Round("fwd", r.layer, r.mb) if holds else None,
+                        lambda: self._send_rows(r, wire, holds, leaves_at), keep=(wire,))
+
+    def _send_rows(self, r: Round, wire: Tensor, holds: bool, leaves_at: float | None) -> None:
+        self._expect(("dispatch", r))
+        send = self._my_splits[(r.layer, r.mb)]
         recv = self._column(r) if holds else [0] * self.G
         out = torch.empty((sum(recv), self.d), dtype=self.wire, device=self.device)
-        wire = rows.to(self.wire).contiguous()
         with comm.issuing(after=[wire]):
             self._dispatch[r] = self._timed("dispatch", r, lambda: comm.all_to_all(
                 self.groups.dispatch, out, wire, recv, send, what="zebra.rows", async_op=True))
         self._post_ready(r)
         self._took_part(leaves_at)
 
+    def _hold_back(self, header: Round | None, issue: Callable[[], None], keep: tuple[Tensor, ...] = ()) -> None:
+        """Attention ranks: issue the next collective of the order once ``header`` (a round
+        whose every header it needs) is in, after those held back before it (``keep``: the
+        tensors it will send, held meanwhile)."""
+        self._held.append((header, issue, keep))
+        self.pump()
+
+    def pump(self, *, block: bool = False) -> bool:
+        """Attention ranks: issue the collectives held back, in the order, as far as their
+        headers are in (``block``: waiting for them). Whether any is still held."""
+        while self._held:
+            header, issue, _ = self._held[0]
+            if header is not None and not block and not self._headers[header].completed:
+                return True
+            self._held.pop(0)
+            issue()
+        return False
+
+    def pump_until(self, deadline: float) -> None:
+        """Emulation: pump while a task's padding runs, until ``deadline`` (``perf_counter``)
+        or nothing is held, as a GPU's host would issue while the device computes."""
+        while self.pump() and time.perf_counter() < deadline:
+            time.sleep(min(PUMP_POLL_S, max(deadline - time.perf_counter(), 0.0)))
+
     def answers(self, r: Round) -> Tensor:
         """The experts' answer to round ``r`` (waited here: the compute stream follows it)."""
+        self.pump(block=True)
         if r not in self._combine:
             raise RuntimeError(f"zebra exchange: the answers of {r} are needed before its combine was issued; "
                                f"the schedule's issue order is broken (Schedule.early_rounds)")
@@ -182,6 +225,7 @@ class Exchange:
         """What round ``r`` brings this holder (forward: :class:`Dispatched`; backward: the
         gradient of its answers)."""
         self._reap()
+        self.pump(block=True)
         early = not self.lay.is_attention and r in self._early
         if not self.lay.is_attention:
             self._issue(("dispatch", r))  # an expert rank takes part in a round when it reaches it
@@ -200,9 +244,7 @@ class Exchange:
     def reply(self, r: Round, answers: Tensor, leaves_at: float | None = None) -> None:
         """This holder's answers to round ``r`` leave (``leaves_at``: on the modelled clock)."""
         if self.lay.is_attention:
-            self._expect(("combine", r))
-            self._post_combine(r, answers, leaves_at)
-            self._took_part(leaves_at)
+            self._hold_back(None, lambda: self._answer(r, answers, leaves_at), keep=(answers,))
             return
         self._issue(("combine", r), inclusive=False, at=leaves_at)
         self._post_combine(r, answers, leaves_at)
@@ -213,6 +255,11 @@ class Exchange:
         # under emulation a GPU's communication stream would wait for this task's kernels
         # before the next round's receive: that is the end of the task's padding, so the
         # next rounds are taken part in when this rank reaches them (rows, finish)
+
+    def _answer(self, r: Round, answers: Tensor, leaves_at: float | None) -> None:
+        self._expect(("combine", r))
+        self._post_combine(r, answers, leaves_at)
+        self._took_part(leaves_at)
 
     def _expect(self, event: tuple[str, Round]) -> None:
         """Attention ranks: ``event`` must be the next collective of the order, checked before

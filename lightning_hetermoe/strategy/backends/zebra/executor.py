@@ -261,6 +261,7 @@ class StepRun:
     def _collect(self, task: Task) -> Any:
         """Wait for what ``task`` needs (not part of its time)."""
         ex, j, l = self.exchange, task.mb, task.layer
+        ex.pump()  # what the last tasks held back and can go now, before this task's work is queued
         if task.kind == "attn_fwd" and l > 0 or task.kind == "head":
             prev = l - 1 if task.kind == "attn_fwd" else self.L - 1
             answer = ex.answers(Round("fwd", prev, j))
@@ -401,9 +402,11 @@ class StepRun:
             return
         name, seconds = modelled
         self.out.tasks += 1
-        if time.perf_counter() - t0 > seconds > 0:
+        done = time.perf_counter()
+        if done - t0 > seconds > 0:
             self.out.overruns += 1
-        self.clock.pad(name, (task.kind, task.layer), t0, seconds)
+        self.exchange.pump_until(t0 + seconds)
+        self.clock.pad(name, (task.kind, task.layer), t0, seconds, done=done)
 
 
 def loss_of(result: Any, mb: int) -> Tensor:
