@@ -167,3 +167,11 @@ def test_stopping_the_heartbeat_joins_its_thread_and_says_the_rank_finished(monk
     assert not beat.running, "stop() returns only once the thread has left the store"
     assert not heartbeat.running()
     assert int(store.get("hetermoe/heartbeat/1")) == -1  # peers stop expecting its beats
+
+
+@pytest.mark.parametrize("period", [0.0, -1.0, 0.3, 5.0])
+def test_a_heartbeat_period_that_cannot_beat_within_the_timeout_is_refused(period):
+    from lightning_hetermoe.strategy.heartbeat import Heartbeat
+
+    with pytest.raises(ValueError, match=rf"period_s={period!r} is invalid: must be > 0 and under heartbeat_timeout_s=0.3"):
+        Heartbeat(0, 2, 0.3, lambda r: f"rank {r}", "127.0.0.1", 1, period_s=period)

@@ -73,10 +73,10 @@ def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) ->
 
 
 # A run's clock is faithful when no rank's padded tasks ran more than this share past their
-# modelled time, summed: their slip is what the measured step can have absorbed. (A count of
-# overruns was the rule before: a few-microsecond overrun of a tiny task counted as much as
-# one of many milliseconds.)
-FAITHFUL_SLIP = 0.01
+# modelled time, summed: their slip is what the measured step can have absorbed, and 2% leaves
+# most of a 5% prediction error to the model. (A count of overruns was the rule before: a
+# few-microsecond overrun of a tiny task counted as much as one of many milliseconds.)
+FAITHFUL_SLIP = 0.02
 
 
 class EmulationWarning(UserWarning):
@@ -248,8 +248,10 @@ class Emulator:
             return
         self._warned = True
         msg = (f"emulated {self.device.name}: real CPU compute of {task} {key} took {real * 1e3:.2f} ms, more than its "
-               f"modelled {modelled * 1e3:.2f} ms at cluster.time_scale={self.time_scale:g}; the emulated clock is "
-               f"not faithful: set cluster.time_scale >= {math.ceil(needed):d} (warned once)")
+               f"modelled {modelled * 1e3:.2f} ms at cluster.time_scale={self.time_scale:g}; the emulated clock slipped "
+               f"there (cluster.time_scale >= {math.ceil(needed):d} would have covered it; warned once). Whether the "
+               f"run stayed faithful, summed over its tasks: summary.json's emulation.slip_fraction <= "
+               f"{FAITHFUL_SLIP:g}")
         warnings.warn(msg, EmulationWarning, stacklevel=3)
 
     @property

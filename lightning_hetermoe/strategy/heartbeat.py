@@ -52,6 +52,9 @@ class Heartbeat:
     def __init__(self, rank: int, world_size: int, timeout_s: float, describe: Callable[[int], str],
                  host: str, port: int, on_silent: Callable[[], None] | None = None,
                  period_s: float | None = None) -> None:
+        if period_s is not None and not 0 < period_s < timeout_s:
+            raise ValueError(f"heartbeat period_s={period_s!r} is invalid: must be > 0 and under heartbeat_timeout_s="
+                             f"{timeout_s!r} (a beat at least once per timeout)")
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self.host, self.port = host, port
         self.describe, self.on_silent = describe, on_silent or _exit_job
