@@ -212,7 +212,7 @@ def test_logged_numbers_are_replayed_on_the_modules_device():
     assert float(cpu.value) == (0.5 * 2 + 1.5 * 6) / 8  # micro-batches weighted by their rows
 
 
-LATE_S = 0.2  # rank 1's attention forward, every micro-batch: far past rank 0's
+LATE_S = 0.4  # rank 1's attention forward, every micro-batch: far past rank 0's
 
 
 def fit_with_a_late_attention(rank: int, world: int) -> list[tuple[str, float]]:
@@ -233,7 +233,7 @@ def fit_with_a_late_attention(rank: int, world: int) -> list[tuple[str, float]]:
 @pytest.mark.slow
 def test_a_rank_that_holds_experts_does_not_wait_in_its_attention_for_a_late_member():
     """Every member attends and holds experts: a round's rows need every member's header for
-    their receive sizes. Rank 1's attention is late by 0.2 s each micro-batch; rank 0 emits
+    their receive sizes. Rank 1's attention is late by 0.4 s each micro-batch; rank 0 emits
     and goes on to its next micro-batch's attention (the rows go once the headers are in),
     so none of its forward attention tasks holds that wait (it did: each lasted until rank 1
     had emitted the same round)."""
@@ -242,7 +242,7 @@ def test_a_rank_that_holds_experts_does_not_wait_in_its_attention_for_a_late_mem
     late = [d for name, d in per_rank[1] if name.startswith("Af")]
     assert len(fast) == len(late) == 4, per_rank  # 2 layers x 2 micro-batches
     assert min(late) >= LATE_S, late
-    assert max(fast) < LATE_S / 3, fast
+    assert max(fast) < LATE_S / 2, fast  # a loaded host may delay a task; never by a whole late emit
 
 
 @pytest.mark.slow
