@@ -203,7 +203,7 @@ class Emulator:
         overrun is the work's, not that). Returns the seconds slept."""
         before = already + sum(e - s for s, e in earlier)
         now = time.perf_counter()
-        real = (now if done is None else min(done, now)) - started + before
+        real = (now if done is None else done) - started + before
         rest = modelled - (now - started + before)
         if rest > 0:
             self._sleep(rest)

@@ -180,16 +180,18 @@ class Exchange:
         self._held.append((header, issue, keep))
         self.pump()
 
-    def pump(self, *, block: bool = False) -> bool:
+    def pump(self, *, block: bool = False, until: Callable[[], bool] | None = None) -> bool:
         """Attention ranks: issue the collectives held back, in the order, as far as their
-        headers are in (``block``: waiting for them). Whether any is still held."""
-        while self._held:
+        headers are in (``block``: waiting for them, until ``until()`` holds, by default until
+        none is held: a later round's header is not waited for where an earlier collective is
+        all that is needed). Whether any is still held."""
+        while self._held and not (block and until is not None and until()):
             header, issue, _ = self._held[0]
             if header is not None and not block and not self._headers[header].completed:
                 return True
             self._held.pop(0)
             issue()
-        return False
+        return bool(self._held)
 
     def pump_until(self, deadline: float) -> None:
         """Emulation: pump while a task's padding runs, until ``deadline`` (``perf_counter``)
@@ -199,7 +201,7 @@ class Exchange:
 
     def answers(self, r: Round) -> Tensor:
         """The experts' answer to round ``r`` (waited here: the compute stream follows it)."""
-        self.pump(block=True)
+        self.pump(block=True, until=lambda: r in self._combine)
         if r not in self._combine:
             raise RuntimeError(f"zebra exchange: the answers of {r} are needed before its combine was issued; "
                                f"the schedule's issue order is broken (Schedule.early_rounds)")
@@ -225,7 +227,7 @@ class Exchange:
         """What round ``r`` brings this holder (forward: :class:`Dispatched`; backward: the
         gradient of its answers)."""
         self._reap()
-        self.pump(block=True)
+        self.pump(block=True, until=lambda: r in self._dispatch)
         early = not self.lay.is_attention and r in self._early
         if not self.lay.is_attention:
             self._issue(("dispatch", r))  # an expert rank takes part in a round when it reaches it
