@@ -23,9 +23,10 @@ CPU's cost outside the padded tasks (Python between tasks, thread switches, gloo
 latency, a fixed cost per round) halves there, a model error does not; the row keeps the
 slower clock's figures, the JSON both errors (``rerun_cells``).
 
-Per cell it prints the measured s/step, the simulator's s/step for the same plan (the
-routing of a warm-up batch, as planned) and its relative error, the simulator's s/step at the routing the run
-really had (the load monitor's counts) and that error, the worst rank's slip (how far its
+Per cell it prints the measured s/step, the simulator's s/step for the same plan (as
+planned: the mean over held-out warm-up batches, each at its own routing) and its relative
+error, the simulator's s/step at the routing the run's timed steps really had (the load
+monitor's counts, step by step) and that error, the worst rank's slip (how far its
 emulated tasks ran past their modelled time, a share of it) and the share of tasks that
 overran at all, and zebra/ep measured beside zebra/ep predicted; then, per
 mix and clock, the fastest schedule measured beside the one ``mode=auto`` would choose (the

@@ -84,7 +84,7 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 
 # Above SMALL_STATE_BYTES of training state (profile/memory.py), the recipe builds the model
 # on the meta device by default: each process then allocates only its share at set-up. Below
-# it, the model is built whole: small, and the planner gets the routing of a warm-up batch
+# it, the model is built whole: small, and the planner gets the routing of warm-up batches
 # through it (a model on the meta device plans with even routing). The strategy's
 # checkpoint_format: auto draws the same line.
 
@@ -177,18 +177,19 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
     if pred is not None:
         out["predicted_schedule"] = pred["schedule"]
         out["predicted_step_time_s"] = pred["step_time_s"]
-        # the routing the prediction assumed: measured on a warm-up batch at set-up
+        # the routing the prediction assumed, measured on sampled batches at set-up: the
+        # busiest expert's share over the mean, batch by batch (averaged)
         out["predicted_expert_load_max_over_mean"] = pred["expert_load_max_over_mean"]
         out["bound_tokens_per_s"] = pred["bound_tokens_per_s"]
         out["predicted_fraction_of_bound"] = pred["fraction_of_bound"]
         if measured:
             out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
-        load = monitor.mean_share(skip=summary.get("timing_warmup_steps", 1)) if monitor is not None else None
-        if load is not None:
-            # the same prediction with the routing this run really had (the simulator assumes even routing)
-            at_load = strategy.predict(expert_load=load)["step_time_s"]
-            out["predicted_step_time_at_measured_load_s"] = at_load
-            out["expert_load_max_over_mean"] = max(max(row) * len(row) for row in load)
+        steps = monitor.step_shares(skip=summary.get("timing_warmup_steps", 1)) if monitor is not None else None
+        if steps is not None:
+            # the same prediction with the routing this run's timed steps really had, step by step
+            seen = strategy.predict(batch_loads=steps)
+            at_load = out["predicted_step_time_at_measured_load_s"] = seen["step_time_s"]
+            out["expert_load_max_over_mean"] = seen["expert_load_max_over_mean"]
             if measured and at_load:
                 out["step_time_rel_error_at_measured_load"] = (measured - at_load) / at_load
     if strategy.schedule in ("zebra", "distep"):

@@ -309,7 +309,9 @@ def test_routing_warm_up_runs_on_the_torch_loop_under_the_run_autocast(monkeypat
     shares = warmup_routing(model, fake_trainer(samples), 2, 4, Precision())
     for h in hooks:
         h.remove()
-    assert shares is not None and len(shares) == 2 and all(abs(sum(s) - 1) < 1e-9 for s in shares)
+    # one batch of the 4 samples (16 tokens: far fewer than the warm-up wants, all there are)
+    assert shares is not None and len(shares) == 1
+    assert len(shares[0]) == 2 and all(abs(sum(s) - 1) < 1e-9 for s in shares[0])
     assert seen and all(backend == "torch" and autocast for backend, autocast in seen)
     assert all(m.experts.backend == "triton" for m in model.modules() if isinstance(m, MoELayer)), "restored"
 
@@ -320,7 +322,7 @@ def selection_run(monkeypatch, world: int, mode: str):
     from lightning_hetermoe.strategy import selection
 
     calls = []
-    monkeypatch.setattr(selection, "warmup_routing", lambda *a, **k: calls.append(a) or [[0.25] * 4] * 2)
+    monkeypatch.setattr(selection, "warmup_routing", lambda *a, **k: calls.append(a) or [[[0.25] * 4] * 2])
     monkeypatch.setattr(selection, "loader_batch_shape", lambda trainer: (4, 16))
     monkeypatch.setattr(selection, "run_topology", lambda cluster, device: None)
     built = []
@@ -389,3 +391,21 @@ def test_strategy_set_up_warms_what_warm_up_keys_says(monkeypatch):
         assert set_up("zebra", "32-true") == [((*shape, torch.float32), [1024, 2048], 2)]
     finally:
         matmul.fp32_precision = before
+
+
+def test_warm_up_batches_hold_the_token_budget_in_disjoint_global_batches():
+    from lightning_hetermoe.strategy.selection import (WARMUP_BATCHES, WARMUP_TOKENS, pooled_share, split_routing,
+                                                        warmup_batches)
+
+    small = warmup_batches(1000, 12, 64)  # 768 tokens a batch: the cap binds
+    assert len(small) == WARMUP_BATCHES and all(len(b) == 12 for b in small)
+    flat = [i for b in small for i in b]
+    assert len(set(flat)) == len(flat) and flat != sorted(flat), "disjoint, and drawn as a shuffle would"
+    assert len(warmup_batches(1000, 64, 512)) == -(-WARMUP_TOKENS // (64 * 512))  # the budget binds
+    assert len(warmup_batches(10_000, 512, 4096)) == 1  # one batch past the budget is enough
+    assert len(warmup_batches(30, 12, 64)) == 2  # the dataset binds: whole batches only
+    assert sorted(warmup_batches(5, 12, 64)[0]) == list(range(5))  # fewer samples than a batch: all of them
+    a, b, c = [[0.5, 0.5]], [[1.0, 0.0]], [[0.0, 1.0]]
+    assert split_routing([a, b, c]) == ([[0.5, 0.5]], [b, c])  # plan on the first half, predict on the rest
+    assert split_routing([b]) == ([[1.0, 0.0]], [b])
+    assert split_routing(None) == (None, None) and pooled_share([b, c]) == [[0.5, 0.5]]

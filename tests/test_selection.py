@@ -1,5 +1,7 @@
 """What the strategy decides at set-up: the routing the predictions assume is the one the
-freshly initialised routers give a warm-up batch, measured without disturbing training."""
+freshly initialised routers give sampled warm-up batches (the planner places experts at
+half of them pooled, predictions average the step over the other half), measured without
+disturbing training."""
 
 from __future__ import annotations
 
@@ -22,34 +24,60 @@ def fit_predicted(rank: int, world: int) -> dict:
     strategy = HeterMoEStrategy(mode="ep", cluster={"name": "two", "devices": ["a40", "v100"]})
     trainer(strategy, world, max_steps=STEPS).fit(model, datamodule=data(world))
     even = [[0.25] * 4] * 2
-    return {"load": strategy.clock.expert_load, "prediction": strategy.prediction,
-            "even": strategy.predict(expert_load=even), "state": model.state_dict()}
+    return {"load": strategy.clock.expert_load, "batches": strategy.clock.batch_loads,
+            "prediction": strategy.prediction, "even": strategy.predict(expert_load=even),
+            "each": [strategy.predict(expert_load=b) for b in strategy.clock.batch_loads or []],
+            "state": model.state_dict()}
 
 
-def test_predictions_assume_the_routing_of_the_initial_routers_on_a_warm_up_batch():
-    got = run_ranks(2, fit_predicted, 2)
-    assert got[0]["load"] == got[1]["load"], "rank 0 measures, every rank predicts with the same routing"
-    # by hand: rank 0's initial model (every rank starts from it), eval mode, the global
-    # batch's worth of samples in dataset order
-    model = make_model(4, seed=0, optim=OptimConfig())
-    initial = copy.deepcopy(model.state_dict())
-    dataset = data(1, 8).train_set
-    tokens = torch.stack([dataset[i][0] for i in range(8)])
+def shares_by_hand(model, tokens) -> list[list[float]]:
     counts = []
     hooks = [m.register_forward_hook(lambda mod, args, out: counts.append(out[1].tokens_per_expert.double()))
              for m in model.modules() if isinstance(m, MoELayer)]
-    model.eval()
     with torch.no_grad():
         model(tokens)
     for h in hooks:
         h.remove()
-    by_hand = [(c / c.sum()).tolist() for c in counts]
-    for measured, expected in zip(got[0]["load"], by_hand, strict=True):
-        assert measured == torch.tensor(expected).tolist() or torch.allclose(torch.tensor(measured),
-                                                                               torch.tensor(expected))
-    skew = max(max(row) * len(row) for row in by_hand)
-    assert skew > 1.05, f"the initial routers are uneven (max/mean {skew:.3f}): the test would be vacuous"
-    assert got[0]["prediction"]["expert_load_max_over_mean"] == skew
+    return [(c / c.sum()).tolist() for c in counts]
+
+
+def close(a, b) -> bool:
+    return torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+
+
+def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_up_batches():
+    from lightning_hetermoe.strategy.selection import WARMUP_BATCHES, WARMUP_TOKENS
+
+    got = run_ranks(2, fit_predicted, 2)
+    assert got[0]["load"] == got[1]["load"] and got[0]["batches"] == got[1]["batches"], \
+        "rank 0 measures, every rank predicts with the same routing"
+    # by hand: rank 0's initial model (every rank starts from it), eval mode, global batches
+    # of 8 samples drawn from a seeded permutation of the dataset, as many as hold the
+    # warm-up's tokens (at most WARMUP_BATCHES, as the dataset allows)
+    model = make_model(4, seed=0, optim=OptimConfig())
+    initial = copy.deepcopy(model.state_dict())
+    dataset = data(1, 8).train_set
+    seq_len = dataset[0][0].shape[0]
+    want = min(WARMUP_BATCHES, -(-WARMUP_TOKENS // (8 * seq_len)), len(dataset) // 8)
+    assert want >= 2, "the test needs batches to plan on and batches to predict on"
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    model.eval()
+    by_hand = [shares_by_hand(model, torch.stack([dataset[i][0] for i in order[b * 8:(b + 1) * 8]]))
+               for b in range(want)]
+    half = want // 2
+    # the planner places at the pooled shares of the first half ...
+    pooled = [[sum(b[l][e] for b in by_hand[:half]) / half for e in range(4)] for l in range(2)]
+    assert close(got[0]["load"], pooled)
+    # ... and every prediction is the mean over the other half, each batch at its own routing
+    assert len(got[0]["batches"]) == want - half
+    for measured, expected in zip(got[0]["batches"], by_hand[half:], strict=True):
+        assert close(measured, expected)
+    each = [p["step_time_s"] for p in got[0]["each"]]
+    assert got[0]["prediction"]["step_time_s"] == pytest.approx(sum(each) / len(each), rel=1e-12)
+    assert len(set(each)) > 1, "the batches route differently: the mean is over something"
+    skews = [max(max(row) * len(row) for row in b) for b in by_hand[half:]]
+    assert min(skews) > 1.05, f"the initial routers are uneven (max/mean {min(skews):.3f}): the test would be vacuous"
+    assert got[0]["prediction"]["expert_load_max_over_mean"] == pytest.approx(sum(skews) / len(skews), rel=1e-12)
     # uneven routing makes the busiest expert rank the step's bottleneck: a slower prediction
     assert got[0]["prediction"]["step_time_s"] > got[0]["even"]["step_time_s"]
     # measuring it changed nothing: the run is still one process's training

@@ -171,6 +171,15 @@ class ExpertLoadMonitor(L.Callback):
         total = torch.tensor(steps, dtype=torch.float64, device="cpu").sum(0)
         return (total / total.sum(1, keepdim=True).clamp(min=1)).tolist()
 
+    def step_shares(self, skip: int = 1) -> list[list[list[float]]] | None:
+        """Each recorded step's own routing (after ``skip``), per layer each expert's share:
+        ``[step][layer][expert]``."""
+        steps = self.history[skip:] or self.history
+        if not steps:
+            return None
+        counts = torch.tensor(steps, dtype=torch.float64, device="cpu")
+        return (counts / counts.sum(2, keepdim=True).clamp(min=1)).tolist()
+
     # -- plots ----------------------------------------------------------------------------
     def on_fit_end(self, trainer, pl_module) -> None:
         if not self.plots or trainer.global_rank != 0 or not self.history:

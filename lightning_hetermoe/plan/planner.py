@@ -798,7 +798,7 @@ def plan_for_batch(
     The returned plan carries the predicted step time and tokens/s of every schedule in
     ``schedules`` (``None`` plus an ``error`` where a baseline does not fit in memory).
     ``expert_load`` (per layer, each expert's share of the routing; e.g. what a freshly
-    initialised router does on a warm-up batch) replaces even routing in the search and
+    initialised router does on warm-up batches) replaces even routing in the search and
     the predictions. ``shard_optimizer_state`` prices the dense optimizer state sharded over
     the attention ranks (ZeRO-1, the strategy's ``shard_optimizer_state``); ``None``: as the
     strategy's defaults do, sharded unless the model's training state is small.

@@ -575,15 +575,16 @@ class HeterMoEStrategy(DDPStrategy):
         travel with their expert. Returns the expert copies that moved."""
         return ExpertState(self.backend, self.lightning_module).move(new, self.optimizers)
 
-    def predict(self, placement: Placement | None = None,
-                expert_load: list[list[float]] | None = None) -> dict[str, Any] | None:
+    def predict(self, placement: Placement | None = None, expert_load: list[list[float]] | None = None,
+                batch_loads: list[list[list[float]]] | None = None) -> dict[str, Any] | None:
         """The simulator's step of this run (``step_time_s`` in wall seconds, scaled like
         the emulated clock; ``device_step_time_s`` on the devices), with another
-        ``placement`` and measured ``expert_load`` (per layer, each expert's share) if given;
+        ``placement`` and measured ``expert_load`` (per layer, each expert's share) or
+        ``batch_loads`` (several steps' routing, the step averaged over them) if given;
         ``None`` without a cluster config or before set-up."""
         if self.backend is None:
             return None
-        return self.clock.predict(self.backend.simulated(placement), expert_load)
+        return self.clock.predict(self.backend.simulated(placement), expert_load, batch_loads)
 
     @property
     def num_microbatches(self) -> int | None:

@@ -40,8 +40,10 @@ class RunClock:
         # which link each transfer crosses: the cluster config's, or detected from the
         # ranks' hostnames on GPUs without one (None: one node on the default link)
         self.topology: Any = None
-        # the routing the predictions assume: per layer, each expert's share, measured at
-        # set-up on a warm-up batch through the freshly initialised routers (None: even)
+        # the routing the predictions assume, measured at set-up on a few sampled global
+        # batches through the freshly initialised routers (None: even): each batch's, per
+        # layer each expert's share, and their pooled shares (what the planner searches at)
+        self.batch_loads: list[list[list[float]]] | None = None
         self.expert_load: list[list[float]] | None = None
         self.prediction: dict[str, Any] | None = None
         self.last_step_s: float | None = None
@@ -118,27 +120,39 @@ class RunClock:
                 Topology.flat(ClusterConfig().link, max(self.world_size, len(self.devices), 1))
         return self._links
 
-    def step_time(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> float:
-        """The simulator's device seconds per step for ``sim``, at ``expert_load`` (default:
-        the routing measured at set-up, or even routing). Without a plan the batch is the
-        run's, every rank's sequences in one micro-batch."""
+    def loads(self, expert_load: list[list[float]] | None = None,
+              batch_loads: list[list[list[float]]] | None = None) -> list[list[list[float]] | None]:
+        """The routings a prediction averages over: ``expert_load`` alone if given, else
+        ``batch_loads`` (each batch's), else the batches measured at set-up, else even
+        routing (``[None]``)."""
+        if expert_load is not None:
+            return [expert_load]
+        return list(batch_loads or self.batch_loads or [self.expert_load])
+
+    def step_time(self, sim: Simulated, expert_load: list[list[float]] | None = None,
+                  batch_loads: list[list[list[float]]] | None = None) -> float:
+        """The simulator's device seconds per step for ``sim``: the mean over the routings of
+        :meth:`loads` of the step at each (a step's time follows its own batch's routing, and
+        the busiest expert's share is higher batch by batch than pooled). Without a plan
+        the batch is the run's, every rank's sequences in one micro-batch."""
         from ..simulate import predict_step
 
-        expert_load = expert_load if expert_load is not None else self.expert_load
-        return predict_step(sim.schedule, self.devices, self.model, self.links(), self.timer, plan=sim.plan,
-                            seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, num_microbatches=1,
-                            placement=sim.placement, ep_size=sim.ep_size, expert_load=expert_load,
-                            replica_dispatch=sim.replica_dispatch).step_time
+        loads = self.loads(expert_load, batch_loads)
+        return sum(predict_step(sim.schedule, self.devices, self.model, self.links(), self.timer, plan=sim.plan,
+                                seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, num_microbatches=1,
+                                placement=sim.placement, ep_size=sim.ep_size, expert_load=load,
+                                replica_dispatch=sim.replica_dispatch).step_time for load in loads) / len(loads)
 
-    def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None) -> dict[str, Any] | None:
+    def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None,
+                batch_loads: list[list[list[float]]] | None = None) -> dict[str, Any] | None:
         """The predicted step of this very run, in wall seconds (scaled like the emulated
-        clock); ``None`` without a cluster config (no device names to predict for)."""
+        clock), at the routings of :meth:`loads`; ``None`` without a cluster config (no
+        device names to predict for)."""
         if self.cluster is None or not self.bound:
             return None
         from ..simulate.bound import throughput_bound
 
-        step = self.step_time(sim, expert_load)
-        load = expert_load if expert_load is not None else self.expert_load
+        step = self.step_time(sim, expert_load, batch_loads)
         if self._bound is None:
             self._bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len)
         bound = self._bound
@@ -148,7 +162,7 @@ class RunClock:
                 # what no schedule beats on these devices, and this run's predicted share of it
                 "bound_tokens_per_s": bound,
                 "fraction_of_bound": tokens / step / bound if step > 0 and bound > 0 else None,
-                "expert_load_max_over_mean": max(max(row) * len(row) for row in load) if load else 1.0}
+                "expert_load_max_over_mean": max_over_mean(self.loads(expert_load, batch_loads))}
 
     def expert_seconds(self, device: DeviceSpec, tokens: float) -> float:
         """One expert on ``tokens`` (clock tokens) on ``device``."""
@@ -230,3 +244,10 @@ class RunClock:
 
     def emulation_summary(self) -> dict[str, Any] | None:
         return self.emulator.summary() if self.emulator is not None else None
+
+
+def max_over_mean(loads: list[list[list[float]] | None]) -> float:
+    """The busiest expert's share over the mean share, in its layer, of each routing in
+    ``loads`` (``None``: even, 1), averaged: how uneven a step's own routing is."""
+    worst = [max(max(row) * len(row) for row in load) if load else 1.0 for load in loads]
+    return sum(worst) / len(worst)

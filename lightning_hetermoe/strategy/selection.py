@@ -7,9 +7,9 @@ predicted throughput: ``zebra`` and ``distep`` on the planner's plan, ``ep``,
 differ) and ``datacentric`` (HEXA-MoE's experts-to-the-tokens). One device trains as a plain single device. The choice and the runner-up are
 printed; a plan, when one runs, is printed as a table and written to ``plan.json``.
 
-Routing is never even: before planning, a warm-up batch goes through the freshly
-initialised model and each layer's expert shares become the routing every prediction
-assumes (:func:`warmup_routing`).
+Routing is never even: before planning, a few sampled global batches go through the freshly
+initialised model; the planner searches at their pooled expert shares, and every
+prediction is the mean of the step at each batch's own routing (:func:`warmup_routing`).
 
 Rank 0 decides and broadcasts, so every rank builds the same backend from the same plan.
 """
@@ -54,14 +54,26 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
             "mode='ep'") from None
 
 
+# A step's time follows its own batch's routing, and a small global batch routes unevenly
+# from one batch to the next: on the tiny model a dozen sequences put 3.2-5.1x the mean on
+# the hottest expert, batch by batch at the same weights, and the step at the pooled shares
+# was 4-8% short of what the steps took. So the warm-up samples several batches, until
+# they hold WARMUP_TOKENS (a batch that large routes alike from batch to batch: one is
+# enough), and splits them (:func:`split_routing`).
+WARMUP_TOKENS = 65536
+WARMUP_BATCHES = 16  # the most batches the warm-up runs (each a forward of a global batch)
+
+
 def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
-                   precision: Any = None) -> list[list[float]] | None:
-    """Each MoE layer's expert shares on a warm-up batch (the first ``sequences`` samples of
-    the stage's dataset, run ``chunk`` at a time: the memory of one rank's share) through
-    the model as initialised: what the routers do at the start, which the planner and the
-    predictions take instead of even routing. A global batch, not one rank's share: few
-    tokens exaggerate the hottest expert. Forward only, in eval mode, with the RNG state
-    preserved (training sees no difference), under the run's autocast (``precision``, the
+                   precision: Any = None) -> list[list[list[float]]] | None:
+    """Each sampled batch's routing, per layer each expert's share (``[batch][layer][expert]``),
+    through the model as initialised: what the routers do at the start, which the planner
+    and the predictions take instead of even routing. Each batch is a global batch
+    (``sequences`` samples: few tokens exaggerate the hottest expert, one rank's share more
+    so), drawn as a shuffling loader would (a fixed seed, the run's RNG untouched); as many
+    batches as hold :data:`WARMUP_TOKENS` (at most :data:`WARMUP_BATCHES`, at least one,
+    as the dataset allows). Run ``chunk`` samples at a time (the memory of one rank's
+    share), forward only, in eval mode, under the run's autocast (``precision``, the
     precision plugin: its ``forward_context``), and on the torch expert loop: only the
     routing is read, and the Triton kernels would compile (or tune) for row counts no step
     launches. ``None`` when the model cannot be run on the batch's first tensor alone."""
@@ -86,20 +98,25 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
     backends = [getattr(layer.experts, "backend", None) for layer in layers]
     was_training = module.training
     context = precision.forward_context() if precision is not None else contextlib.nullcontext()
+    batches: list[list[list[float]]] = []
     try:
         loader = loop._data_source.dataloader()
         loader = loader[0] if isinstance(loader, (list, tuple)) else loader
         dataset = loader.dataset
-        total = min(sequences, len(dataset))
         module.eval()
         for layer, backend in zip(layers, backends, strict=True):
             if backend is not None:
                 layer.experts.backend = "torch"
-        with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
-                context:
-            for start in range(0, total, max(chunk, 1)):
-                samples = [dataset[i] for i in range(start, min(start + chunk, total))]
-                module(tensors(loader.collate_fn(samples))[0].to(module.device))
+        for indices in warmup_batches(len(dataset), sequences, int(tensors(dataset[0])[0].shape[0])):
+            counts.clear()
+            with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
+                    context:
+                for start in range(0, len(indices), max(chunk, 1)):
+                    samples = [dataset[i] for i in indices[start:start + max(chunk, 1)]]
+                    module(tensors(loader.collate_fn(samples))[0].to(module.device))
+            if len(counts) != len(layers):
+                return None
+            batches.append([(c / c.sum().clamp(min=1)).tolist() for c in (counts[l] for l in range(len(layers)))])
     except Exception:
         return None  # a forward that needs more than the tokens: plan with even routing
     finally:
@@ -109,9 +126,41 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
                 layer.experts.backend = backend
         for h in handles:
             h.remove()
-    if len(counts) != len(layers):
+    return batches or None
+
+
+def warmup_batches(n_samples: int, sequences: int, seq_len: int) -> list[list[int]]:
+    """The samples of each warm-up batch (see :func:`warmup_routing`): a fixed permutation of
+    the dataset cut into batches of ``sequences``, as many as hold :data:`WARMUP_TOKENS`
+    (``seq_len`` tokens each), between one and :data:`WARMUP_BATCHES`."""
+    per = max(1, min(sequences, n_samples))
+    want = min(WARMUP_BATCHES, max(1, -(-WARMUP_TOKENS // max(per * seq_len, 1))), max(1, n_samples // per))
+    order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(0)).tolist()
+    return [order[b * per:(b + 1) * per] for b in range(want)]
+
+
+def split_routing(batches: list[list[list[float]]] | None
+                  ) -> tuple[list[list[float]] | None, list[list[list[float]]] | None]:
+    """The warm-up's batches as ``(planned_on, predicted_on)``: the planner places experts
+    at the pooled shares of the first half; every prediction is the mean of the step over
+    the other half, each batch at its own routing. A placement fitted to some batches
+    balances exactly those batches better than the next ones (on the tiny model the
+    step at the batches it was fitted to was 5% short of the steps' own), so it is priced
+    on batches it has not seen, as training's are. One batch does both."""
+    if not batches:
+        return None, None
+    if len(batches) == 1:
+        return pooled_share(batches), batches
+    half = len(batches) // 2
+    return pooled_share(batches[:half]), batches[half:]
+
+
+def pooled_share(batches: list[list[list[float]]] | None) -> list[list[float]] | None:
+    """The batches' routing pooled (batches of one size: the mean of their shares)."""
+    if not batches:
         return None
-    return [(c / c.sum().clamp(min=1)).tolist() for c in (counts[l] for l in range(len(layers)))]
+    return [[sum(b[l][e] for b in batches) / len(batches) for e in range(len(batches[0][l]))]
+            for l in range(len(batches[0]))]
 
 
 def run_devices(cluster: ClusterConfig | None, device: torch.device, world_size: int) -> list[DeviceSpec]:
@@ -167,14 +216,14 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     single = world == 1 and args.mode == "auto"
     if clock.bound and rank == 0 and not built_on_meta(module) and not single:
         # a model on the meta device cannot run yet: it plans with even routing
-        clock.expert_load = warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world,
-                                           strategy.precision_plugin)
+        clock.expert_load, clock.batch_loads = split_routing(
+            warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world, strategy.precision_plugin))
     if single:
         choice, plan = "single", None
     else:
         choice, plan = _decide(args, clock, world, module, model) if rank == 0 else (None, None)
-        choice, plan, clock.expert_load = strategy.broadcast(
-            (choice, None if plan is None else plan.to_dict(), clock.expert_load), src=0)
+        choice, plan, clock.expert_load, clock.batch_loads = strategy.broadcast(
+            (choice, None if plan is None else plan.to_dict(), clock.expert_load, clock.batch_loads), src=0)
         if plan is not None:
             from ..plan import Plan
 
