@@ -168,6 +168,9 @@ def fit_data_and_model(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Da
     return data_cfg, model_cfg
 
 
+AT_LOAD_STEPS = 64  # the most timed steps whose routing the at-load prediction averages over
+
+
 def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster: ClusterConfig,
                    emulation: dict[str, Any] | None, monitor: ExpertLoadMonitor | None = None) -> dict[str, Any]:
     """Measured beside predicted, and the emulated clock's honesty."""
@@ -186,6 +189,8 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
             out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
         steps = monitor.step_shares(skip=summary.get("timing_warmup_steps", 1)) if monitor is not None else None
         if steps is not None:
+            # a simulation per step: a long run's steps, evenly thinned to AT_LOAD_STEPS
+            steps = steps[::-(-len(steps) // AT_LOAD_STEPS)]
             # the same prediction with the routing this run's timed steps really had, step by step
             seen = strategy.predict(batch_loads=steps)
             at_load = out["predicted_step_time_at_measured_load_s"] = seen["step_time_s"]

@@ -20,13 +20,20 @@ STEPS = 3
 
 
 def fit_predicted(rank: int, world: int) -> dict:
+    from lightning_hetermoe import ExpertLoadMonitor
+    from lightning_hetermoe.training import timing_summary
+
     model = make_model(4, seed=rank, optim=OptimConfig())
     strategy = HeterMoEStrategy(mode="ep", cluster={"name": "two", "devices": ["a40", "v100"]})
-    trainer(strategy, world, max_steps=STEPS).fit(model, datamodule=data(world))
+    monitor = ExpertLoadMonitor(plots=False)
+    trainer(strategy, world, max_steps=STEPS, callbacks=[monitor]).fit(model, datamodule=data(world))
     even = [[0.25] * 4] * 2
+    timed = monitor.step_shares(skip=1)
     return {"load": strategy.clock.expert_load, "batches": strategy.clock.batch_loads,
             "prediction": strategy.prediction, "even": strategy.predict(expert_load=even),
             "each": [strategy.predict(expert_load=b) for b in strategy.clock.batch_loads or []],
+            "timed": timed, "each_timed": [strategy.predict(expert_load=b)["step_time_s"] for b in timed],
+            "summary": timing_summary({"step_time_s": 1.0, "timing_warmup_steps": 1}, strategy, None, None, monitor),
             "state": model.state_dict()}
 
 
@@ -80,6 +87,15 @@ def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_
     assert got[0]["prediction"]["expert_load_max_over_mean"] == pytest.approx(sum(skews) / len(skews), rel=1e-12)
     # uneven routing makes the busiest expert rank the step's bottleneck: a slower prediction
     assert got[0]["prediction"]["step_time_s"] > got[0]["even"]["step_time_s"]
+    # measured beside it: the timed steps' own routing (the warm-up step left out), the
+    # step averaged over them
+    timed, summary = got[0]["timed"], got[0]["summary"]
+    assert len(timed) == STEPS - 1 and timed[0] != timed[1]
+    assert summary["predicted_step_time_at_measured_load_s"] == pytest.approx(
+        sum(got[0]["each_timed"]) / len(timed), rel=1e-12)
+    assert summary["expert_load_max_over_mean"] == pytest.approx(
+        sum(max(max(row) * len(row) for row in t) for t in timed) / len(timed), rel=1e-12)
+    assert summary["step_time_rel_error"] == pytest.approx(1.0 / got[0]["prediction"]["step_time_s"] - 1)
     # measuring it changed nothing: the run is still one process's training
     model.train()
     assert_same_params(got[0]["state"], reference_fit(make_model(4, seed=0, optim=OptimConfig()), STEPS), initial)
