@@ -165,20 +165,23 @@ class ExpertLoadMonitor(L.Callback):
 
     def mean_share(self, skip: int = 1) -> list[list[float]] | None:
         """Each expert's share of its layer's routing over the recorded steps (after ``skip``)."""
-        steps = self.history[skip:] or self.history
-        if not steps:
+        counts = self._counts(skip)
+        if counts is None:
             return None
-        total = torch.tensor(steps, dtype=torch.float64, device="cpu").sum(0)
+        total = counts.sum(0)
         return (total / total.sum(1, keepdim=True).clamp(min=1)).tolist()
 
     def step_shares(self, skip: int = 1) -> list[list[list[float]]] | None:
         """Each recorded step's own routing (after ``skip``), per layer each expert's share:
         ``[step][layer][expert]``."""
+        counts = self._counts(skip)
+        return None if counts is None else (counts / counts.sum(2, keepdim=True).clamp(min=1)).tolist()
+
+    def _counts(self, skip: int) -> torch.Tensor | None:
+        """The recorded steps' tokens ``[S, L, E]`` after the first ``skip`` (all of them where
+        no more were recorded)."""
         steps = self.history[skip:] or self.history
-        if not steps:
-            return None
-        counts = torch.tensor(steps, dtype=torch.float64, device="cpu")
-        return (counts / counts.sum(2, keepdim=True).clamp(min=1)).tolist()
+        return torch.tensor(steps, dtype=torch.float64, device="cpu") if steps else None
 
     # -- plots ----------------------------------------------------------------------------
     def on_fit_end(self, trainer, pl_module) -> None:

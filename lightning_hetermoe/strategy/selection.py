@@ -107,16 +107,17 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
         for layer, backend in zip(layers, backends, strict=True):
             if backend is not None:
                 layer.experts.backend = "torch"
-        for indices in warmup_batches(len(dataset), sequences, int(tensors(dataset[0])[0].shape[0])):
-            counts.clear()
-            with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
-                    context:
-                for start in range(0, len(indices), max(chunk, 1)):
-                    samples = [dataset[i] for i in indices[start:start + max(chunk, 1)]]
+        step = max(chunk, 1)
+        with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
+                context:
+            for indices in warmup_batches(len(dataset), sequences, int(tensors(dataset[0])[0].shape[0])):
+                counts.clear()
+                for start in range(0, len(indices), step):
+                    samples = [dataset[i] for i in indices[start:start + step]]
                     module(tensors(loader.collate_fn(samples))[0].to(module.device))
-            if len(counts) != len(layers):
-                return None
-            batches.append([(c / c.sum().clamp(min=1)).tolist() for c in (counts[l] for l in range(len(layers)))])
+                if len(counts) != len(layers):
+                    return None
+                batches.append([(c / c.sum().clamp(min=1)).tolist() for c in (counts[l] for l in range(len(layers)))])
     except Exception:
         return None  # a forward that needs more than the tokens: plan with even routing
     finally:
