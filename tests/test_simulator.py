@@ -162,6 +162,27 @@ def test_every_tail_starts_after_the_last_task_of_any_rank():
     assert simulate_step(zebra_setup(), SlowOptimizer()).step_time == pytest.approx(25.0)
 
 
+def test_an_ep_ranks_optimizer_waits_for_the_slowest_ranks_backward():
+    class SlowA40Optimizer(FakeTimer):
+        def optimizer(self, dev, n):
+            return 10.0 if dev.name == "a40" else 0.0
+
+    # the EP step by hand above: the V100's last task (its first layer's attention backward)
+    # ends at 18, the A40's at 16. Every rank holds the dense weights and their gradient
+    # all-reduce (DDP's) ends only once the V100 joins: the A40's optimizer runs from 18
+    # (28), not from its own 16 (26)
+    lanes = [Lane(A40, [0], seqs=[1], experts=[1, 1], role="ep"), Lane(V100, [1], seqs=[1], experts=[1, 1], role="ep")]
+    setup = StepSetup(lanes=lanes, model=tiny_model(experts=2), seq_len=4, num_microbatches=1, link=LinkConfig())
+    res = simulate_step(setup, SlowA40Optimizer(attn={"v100": 2.0}), "ep", keep_timeline=True)
+    tl = res.timeline
+    ends = {}
+    for t, e in zip(tl.tasks, tl.end, strict=True):
+        if ":" in t.resource:  # a rank's own tasks (the exchanges run on their channels)
+            ends[t.resource[0]] = max(ends.get(t.resource[0], 0.0), e)
+    assert ends == {"0": pytest.approx(16.0), "1": pytest.approx(18.0)}
+    assert res.step_time == pytest.approx(28.0)
+
+
 def test_run_dag_rejects_cycles_and_honours_fifo():
     with pytest.raises(ValueError, match="cycle"):
         run_dag([Task("a", "r", 1.0, [1]), Task("b", "r", 1.0, [0])])
