@@ -639,3 +639,30 @@ def to_device(t: Tensor, device: torch.device | None = None) -> Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+# -- device to host ---------------------------------------------------------------------
+class HostCopy:
+    """A device tensor's values on their way to the host, to be read later: the copy is
+    queued on the current stream (into pinned memory, ``non_blocking``, an event after it),
+    so making it waits for nothing, and reading it (:meth:`get`) waits only for the work
+    queued before the copy, long finished when it is read a step later. Off CUDA the copy
+    is made at once."""
+
+    __slots__ = ("host", "_event", "_source")
+
+    def __init__(self, t: Tensor) -> None:
+        if t.device.type != "cuda":
+            self.host, self._event, self._source = t.detach().to("cpu"), None, None
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        self.host.copy_(t.detach(), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._source = t  # alive until the copy is read
+
+    def get(self) -> Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = self._source = None
+        return self.host

@@ -19,7 +19,7 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
 from harness import run_ranks
-from lightning_hetermoe import HeterMoEStrategy, comm, standin
+from lightning_hetermoe import ExpertLoadMonitor, HeterMoEStrategy, comm, standin
 from lightning_hetermoe.selfcheck.host_syncs import is_sync_warning
 
 LAYERS = 2
@@ -54,6 +54,9 @@ SIGTERM = _site(_TrainingEpochLoop._broadcast_sigterm_tensor)
 # host-to-device copies the stand-in sees as blocking, that on a GPU are not: comm.to_device
 # copies from pinned memory, non_blocking (ordered on the stream, no host sync)
 ASYNC_ON_GPU = _site(comm.to_device)
+# device-to-host copies the stand-in sees as reads, that on a GPU are not: comm.HostCopy
+# queues the copy into pinned memory with an event after it, and the host reads it a step later
+READ_LATER = _site(comm.HostCopy.__init__)
 
 
 class CountSyncs(L.Callback):
@@ -95,9 +98,12 @@ def one_step(rank: int, world: int, mode: str, R: int) -> dict:
 
             model.training_step = training_step.__get__(model)
         counter = CountSyncs()
-        t = trainer(HeterMoEStrategy(**kwargs), world, max_steps=4, callbacks=[counter])
+        # the load monitor of the recipes' default callbacks: its per-step counts read no device value
+        monitor = ExpertLoadMonitor(plots=False)
+        t = trainer(HeterMoEStrategy(**kwargs), world, max_steps=4, callbacks=[counter, monitor])
         t.fit(model, datamodule=data(world))
-        return {"syncs": [tuple(s) for s in counter.syncs[2]], "device": str(t.strategy.root_device)}
+        return {"syncs": [tuple(s) for s in counter.syncs[2]], "device": str(t.strategy.root_device),
+                "monitored_steps": len(monitor.history)}
     finally:
         os.environ.pop(standin.ENV, None)
 
@@ -123,12 +129,14 @@ CASES = [  # mode, ranks, micro-batches per step
 def budget(got: dict, world: int, R: int) -> dict[str, list]:
     """One rank's syncs in one step, sorted by what allows them."""
     out: dict[str, list] = {"lightning_progress_bar": [], "lightning_sigterm": [], "reads": [], "host_lists": [],
-                            "async_on_gpu": [], "blocking_copies": []}
+                            "async_on_gpu": [], "read_later": [], "blocking_copies": []}
     for kind, where, op, callers in got["syncs"]:
         if kind == "item" and _within(callers, PROGRESS_BAR):
             out["lightning_progress_bar"].append(where)
         elif world > 1 and kind in ("item", "h2d_list") and _within(callers, SIGTERM):
             out["lightning_sigterm"].append(where)
+        elif kind == "to_host" and _within(callers, READ_LATER):
+            out["read_later"].append(where)
         elif kind in standin.READS:
             out["reads"].append(f"{kind} {op} at {where}")
         elif kind == "h2d_list":
@@ -152,6 +160,7 @@ def test_one_host_read_per_layer_and_microbatch_and_no_host_list_copies(mode, wo
     print(f"{mode}: {LAYERS} layers x {R} micro-batches\n{report}")
     for rank, got in enumerate(per_rank):
         assert got["device"] == "standin:0"
+        assert got["monitored_steps"] == 4, "the monitor recorded every step, the last at the end of training"
         b = budget(got, world, R)
         print(f"rank {rank}: " + ", ".join(f"{k} {len(v)}" for k, v in b.items()))
         assert len(b["reads"]) <= LAYERS * R, (f"rank {rank}: {len(b['reads'])} host reads in a step of {LAYERS} "
@@ -161,6 +170,7 @@ def test_one_host_read_per_layer_and_microbatch_and_no_host_list_copies(mode, wo
         assert not b["blocking_copies"], f"rank {rank}: blocking host-to-device copies\n{report}"
         assert len(b["lightning_progress_bar"]) <= 1, f"rank {rank}: more progress-bar reads than metrics\n{report}"
         assert len(b["lightning_sigterm"]) <= 2, f"rank {rank}: more than Lightning's SIGTERM broadcast\n{report}"
+        assert len(b["read_later"]) <= 1, f"rank {rank}: more than the monitor's counts read later\n{report}"
     # the counter sees the rounds at all: the ranks that route tokens read their split sizes
     assert any(budget(got, world, R)["reads"] for got in per_rank), report
 

@@ -3,7 +3,10 @@
 * **Expert load.** Every MoE layer's kept routing choices per expert, summed over the
   global batch of each optimizer step (all micro-batches, accumulation batches and ranks;
   a forward hook reads them from the layer's ``MoEAux``). A moving average of each
-  expert's share is what :class:`~.rebalancer.ExpertRebalancer` balances.
+  expert's share is what :class:`~.rebalancer.ExpertRebalancer` balances. A step's counts
+  reach the host while the next step runs and are recorded at its end (at the end of
+  training, before a checkpoint, and when the rebalancer looks, at once): reading them at
+  once would make the host wait for the whole step's device work every step.
 * **Rank load.** Each rank's time in the step, split into attention, experts,
   communication and idle (:meth:`HeterMoEStrategy.rank_busy`: the zebra executor's trace,
   the emulated clock, or under EP on real devices each task's measured span, CUDA events
@@ -53,6 +56,8 @@ class ExpertLoadMonitor(L.Callback):
         self._layers = 0
         self._hooks: list[Any] = []
         self._seen_step = -1
+        # the last step's counts on their way to the host, its step and busy split
+        self._queued: tuple[comm.HostCopy | None, int, dict[str, float] | None] | None = None
 
     # -- collection -----------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -64,6 +69,7 @@ class ExpertLoadMonitor(L.Callback):
             return
         self._layers = len(layers)
         self._step_counts = None  # on the layers' device, made at the first forward
+        self._queued = None
 
         def hook(l: int):
             def record(module, args, output):
@@ -93,24 +99,48 @@ class ExpertLoadMonitor(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if not self._hooks or trainer.global_step == self._seen_step:
             return  # no MoE layer, or still accumulating gradients
-        self._seen_step = trainer.global_step
-        E = next(layer for _, layer in moe_layers(pl_module)).num_experts
-        counts = self._step_counts.cpu() if self._step_counts is not None else \
-            torch.zeros(self._layers, E, dtype=torch.long, device="cpu")  # a rank that routes nothing (an expert rank)
+        step = self._seen_step = trainer.global_step
+        busy = self._busy(trainer) if step % self.log_every_n_steps == 0 else None  # this step's, read now
+        # This step's counts start for the host now and are read at the end of the next step,
+        # long arrived: reading them here would make the host wait for the whole step's
+        # device work (a sync per step) before it could queue the next step's.
+        copy = comm.HostCopy(self._step_counts) if self._step_counts is not None else None
         self._step_counts = None
+        previous, self._queued = self._queued, (copy, step, busy)
+        if previous is not None:
+            self._record(trainer, pl_module, *previous)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.flush(trainer, pl_module)
+
+    def flush(self, trainer, pl_module) -> None:
+        """Record the last step, whose counts are otherwise read at the end of the next one
+        (every rank calls it at the same point: the counts are summed over the ranks)."""
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            self._record(trainer, pl_module, *queued)
+
+    def _record(self, trainer, pl_module, copy: comm.HostCopy | None, step: int,
+                busy: dict[str, float] | None) -> None:
+        E = next(layer for _, layer in moe_layers(pl_module)).num_experts
+        # a rank that routes nothing (an expert rank) adds zeros
+        counts = copy.get() if copy is not None else torch.zeros(self._layers, E, dtype=torch.long, device="cpu")
         if dist.is_available() and dist.is_initialized():
-            # every rank's share of the global batch (expert ranks add zeros)
+            # every rank's share of the global batch
             comm.host_all_reduce(comm.world(), counts, what="monitor.counts")
         self.last_counts = counts
         share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
         self.ema = share if self.ema is None else self.ema_decay * self.ema + (1 - self.ema_decay) * share
         self.history.append(counts.tolist())
         del self.history[:-self.max_history]
-        if trainer.global_step % self.log_every_n_steps == 0:
-            self._log(trainer, counts)
+        if step % self.log_every_n_steps == 0:
+            self._log(trainer, counts, step, busy)
 
-    def _log(self, trainer, counts: torch.Tensor) -> None:
-        busy = trainer.strategy.rank_busy() if hasattr(trainer.strategy, "rank_busy") else None
+    @staticmethod
+    def _busy(trainer) -> dict[str, float] | None:
+        return trainer.strategy.rank_busy() if hasattr(trainer.strategy, "rank_busy") else None
+
+    def _log(self, trainer, counts: torch.Tensor, step: int, busy: dict[str, float] | None) -> None:
         if dist.is_available() and dist.is_initialized():
             everyone = comm.gather_objects(comm.world(), busy, what="monitor.busy")
         else:
@@ -121,7 +151,7 @@ class ExpertLoadMonitor(L.Callback):
         metrics = self.figures(counts, everyone)
         metrics.update(self.bias_figures(trainer.lightning_module))
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)
         self.last_metrics = metrics
 
     # -- figures --------------------------------------------------------------------------
@@ -251,6 +281,13 @@ class ExpertLoadMonitor(L.Callback):
         return path
 
     # -- resume ---------------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        # The checkpoint holds the step just taken too (Lightning read state_dict() before
+        # this hook, on every rank, as it calls this one).
+        if self._queued is not None:
+            self.flush(trainer, pl_module)
+            checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
         return {"ema": None if self.ema is None else self.ema.tolist(), "history": self.history,
                 "busy_history": self.busy_history, "seen_step": self._seen_step}

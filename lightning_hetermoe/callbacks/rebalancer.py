@@ -99,6 +99,7 @@ class ExpertRebalancer(L.Callback):
         if step == self._checked or step < self.warmup_steps or (step - self.warmup_steps) % self.every_n_steps:
             return
         self._checked = step
+        self._monitor(trainer).flush(trainer, pl_module)  # this step's routing too (every rank: they are summed)
         decision = self.decide(trainer) if trainer.global_rank == 0 else None
         decision = trainer.strategy.broadcast(decision, src=0)
         if decision is None:
