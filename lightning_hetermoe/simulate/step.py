@@ -784,10 +784,13 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list
 
 
 def disaggregated_step(makespan: float, tails: dict, waves: int = 1) -> float:
-    # zebra and DistEP agree on the step's loss (an all-reduce over every rank) before any
-    # rank's gradient sync and optimizer: every tail starts when the last task ends. Waves
-    # run one after another (the next batch starts once the last one's loss is agreed), the
-    # tail once after the last
+    # Every tail starts when the last task of any rank ends: zebra and DistEP agree on the
+    # step's loss (an all-reduce over every rank) before any rank's gradient sync and
+    # optimizer, and under EP every rank holds the dense weights, whose gradient all-reduce
+    # (DDP's) completes only once the slowest rank's backward has ended (each rank's own
+    # last task plus its tail came out short: on A40+V100 at 4K the faster rank waited 45 ms
+    # of a 1.78 s step). Waves run one after another (the next batch starts once the last
+    # one's loss is agreed), the tail once after the last
     return waves * makespan + max(tails.values(), default=0.0)
 
 
@@ -803,11 +806,7 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
             per_res_busy[t.resource] = per_res_busy.get(t.resource, 0.0) + (e - s)
             per_res_spans.setdefault(t.resource, []).append((s, e))
     compute_end = tl.makespan
-    # EP too: every rank holds the dense weights, and their gradient all-reduce (DDP's)
-    # completes only once the slowest rank's backward has ended; no rank's optimizer runs
-    # before it. (Each rank's own last task plus its tail came out short by the gap between
-    # ranks: on A40+V100 at 4K the faster rank waited 45 ms of a 1.78 s step.)
-    step = disaggregated_step(tl.makespan, tails, setup.waves if setup.schedule is not None else 1)
+    step = disaggregated_step(compute_end, tails, setup.waves if setup.schedule is not None else 1)
     busy: dict[int, float] = {}
     devices: dict[int, str] = {}
     bubbles: dict[str, list[tuple[float, float]]] = {}
