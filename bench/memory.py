@@ -156,7 +156,7 @@ def show(rows1: list[dict], rows2: list[dict]) -> None:
                   f"{r['held_gb']:6.3f} {r['predicted_gb'] or math.nan:6.3f} {r['peak_gb']:6.3f} "
                   f"{r['peak_over_predicted'] or math.nan:7.2f} {r['total_gb']:6.3f} {r['ideal_gb']:6.3f} "
                   f"{r['total_over_ideal']:9.2f}")
-    print("\nPart 2: real models on the shipped GPU mixes (16-mixed, 4K tokens per sequence, AdamW: 16 B/param)")
+    print("\nPart 2: real models on the shipped GPU mixes (16-mixed, 4K tokens per sequence, AdamW: 16 B/param, 4 more at its step)")
     for r in rows2:
         head = f"{r['model']:17} {r['params_b']:5.1f}B on {r['mix']:13} ({r['gpus']:2} GPUs, {r['usable_gb']:5.0f} GB)"
         if not r["modes"]:

@@ -82,3 +82,78 @@ def test_the_zebra_gradient_sync_is_priced_at_one_bucket_beside_the_state():
     for mode, want in (("zebra", GRAD_BUCKET_BYTES), ("distep", GRAD_BUCKET_BYTES), ("ep", 10 ** 9), ("single", 0)):
         assert working_bytes(mode, layer_expert_bytes=0, local_layer_expert_bytes=0, dense_bytes=10 ** 9) == want, mode
     assert working_bytes("zebra", layer_expert_bytes=0, local_layer_expert_bytes=0, dense_bytes=1000) == 1000
+
+
+def _step_high_water(optimizer, n_params: int) -> float:
+    """Bytes per parameter the second step of ``optimizer`` raised the process's resident
+    high-water mark by (the first allocates the state)."""
+    import gc
+
+    from lightning_hetermoe.strategy.memory_watch import return_freed_memory, rss_bytes
+
+    return_freed_memory()
+    optimizer.step()
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the resident set now
+    except OSError as err:
+        pytest.skip(f"this kernel cannot reset the resident high-water mark: {err}")
+    before = rss_bytes("VmRSS")
+    optimizer.step()
+    return (rss_bytes("VmHWM") - before) / n_params
+
+
+@pytest.mark.parametrize("path", ["foreach", "fused", "single"])
+def test_the_optimizer_steps_temporaries_are_what_the_memory_model_prices(path):
+    """AdamW's step allocates beside its state: the multi-tensor path (torch's default on a
+    GPU) the square root of every parameter's second moment at once, 4 bytes per parameter;
+    the fused one nothing; the per-parameter one (the CPU's default) a few tensors the size
+    of the largest parameter. Measured here, priced by ``optimizer_step_bytes``."""
+    import torch
+
+    from lightning_hetermoe.profile.memory import FOREACH_STEP_BYTES
+    from lightning_hetermoe.strategy.memory_watch import optimizer_step_bytes
+
+    n, pieces = 20_000_000, 10
+    params = [torch.nn.Parameter(torch.randn(n // pieces)) for _ in range(pieces)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    kw = {"foreach": dict(foreach=True), "fused": dict(fused=True), "single": dict(foreach=False)}[path]
+    opt = torch.optim.AdamW(params, lr=1e-3, **kw)
+    measured = _step_high_water(opt, n)
+    priced = optimizer_step_bytes([opt]) / n
+    expected = {"foreach": FOREACH_STEP_BYTES, "fused": 0.0, "single": 3 * 4 / pieces}[path]
+    assert priced == pytest.approx(expected)
+    # within 0.2 bytes per parameter (a page-granular resident set; allocator slack)
+    assert measured == pytest.approx(priced, abs=0.2), (path, measured, priced)
+    # plain SGD steps in place
+    assert optimizer_step_bytes([torch.optim.SGD(params, lr=0.1, foreach=True)]) == 0.0
+
+
+def test_an_expert_rank_must_fit_its_optimizer_step_as_well_as_its_tokens_in_flight():
+    """At the optimizer step the activations are gone and the step's temporaries are there:
+    an expert rank, whose state is nearly all it holds, fits 16/20 as many experts as its
+    state alone would allow; a rank's total is its state plus the larger of the two peaks."""
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+
+    cfg = ModelConfig(d_model=2048, n_layers=8, moe=MoEConfig(num_experts=8, d_ff=8192))
+    v100 = get_device("v100")
+    fused, default = MemoryModel(cfg, optimizer_step_bytes_per_param=0.0), MemoryModel(cfg)
+    per_expert = default.expert_params()
+    by_state = int(v100.usable_bytes // (per_expert * 16))
+    assert fused.expert_capacity(v100, tokens_in_flight_per_expert=0, mb_tokens_per_expert=0) == by_state
+    assert default.expert_capacity(v100, tokens_in_flight_per_expert=0, mb_tokens_per_expert=0) == \
+        int(v100.usable_bytes // (per_expert * 20)) < by_state
+    # enough tokens in flight that their saved inputs (2 fp16 rows each) outweigh the step's
+    # 4 bytes per parameter: the flight binds, with or without the step's temporaries
+    flight = 2 * per_expert / cfg.d_model
+    live = default.expert_bytes(tokens_in_flight_per_expert=flight)
+    assert live == pytest.approx(per_expert * (16 + 8))
+    for mem in (default, fused):
+        assert mem.expert_capacity(v100, tokens_in_flight_per_expert=flight, mb_tokens_per_expert=0) == \
+            int(v100.usable_bytes // live) > 0
+    rank = RankMemory.of(dense_params=0, expert_params=100, activations=100, working=50)
+    assert rank.step == 400 and rank.total == 1600 + 400
+    assert RankMemory.of(dense_params=0, expert_params=100, activations=500).total == 1600 + 500
+    assert RankMemory.of(dense_params=100, expert_params=100, dense_shards=4).step == (25 + 100) * 4

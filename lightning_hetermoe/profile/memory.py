@@ -6,6 +6,13 @@ input (and the MoE input, the boundary tensor of the expert round trip) for ever
 still in flight, plus the working set of the one task being (re)computed. In zebra every
 micro-batch's forward finishes before its backward starts, so all of a rank's tokens are
 in flight at once; in EP/DistEP (gradient accumulation) only one micro-batch is.
+
+The optimizer step has a peak of its own: the activations are gone, every gradient is
+there, and the optimizer's temporaries are allocated beside them. torch's AdamW on a GPU
+takes its multi-tensor path by default, which forms the square root of the second moment
+for every parameter of a group at once: 4 bytes per parameter stepped (measured on CPU
+under ``foreach=True``: 4.0; ``fused=True``: none). An expert rank, whose state is nearly all
+it holds, peaks there: 20 bytes per expert parameter, not 16.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ GRAD_SYNC_ELEMENT_BYTES = 4
 # sharded, every rank its part.
 SMALL_STATE_BYTES = 2e9
 TRAINING_BYTES_PER_PARAM = 16
+# Adam's multi-tensor step: one fp32 square root of the second moment per parameter stepped.
+FOREACH_STEP_BYTES = 4.0
 
 
 def small_training_state(params: float) -> bool:
@@ -50,6 +59,9 @@ class MemoryModel:
     # Of ``bytes_per_param``, AdamW's two fp32 moments: the part ZeRO-1 shards over the ranks
     # that hold the dense weights alike (strategy/zero.py).
     optimizer_bytes_per_param: float = 8.0
+    # The optimizer step's temporaries per parameter it steps (see the module docstring):
+    # torch's default AdamW on a GPU.
+    optimizer_step_bytes_per_param: float = FOREACH_STEP_BYTES
 
     # ---- parameter counts ----------------------------------------------------------------
     def attention_stack_params(self) -> float:
@@ -101,11 +113,23 @@ class MemoryModel:
     def expert_working_bytes(self, mb_tokens_per_expert: float) -> float:
         return mb_tokens_per_expert * self.model.moe.d_ff * self.act_bytes * 3
 
+    def dense_step_bytes(self, optimizer_share: float = 1.0) -> float:
+        """An attention rank at its optimizer step: the attention stack's state (the part of
+        the optimizer state it keeps) and the step's temporaries over the weights it steps
+        (ZeRO: its range alone)."""
+        return (self.attention_bytes(tokens_in_flight=0, mb_tokens=0, optimizer_share=optimizer_share)
+                + self.attention_stack_params() * optimizer_share * self.optimizer_step_bytes_per_param)
+
+    def expert_step_bytes(self) -> float:
+        """One expert (one layer) at the optimizer step: its state and the step's temporaries."""
+        return self.expert_params() * (self.bytes_per_param + self.optimizer_step_bytes_per_param)
+
     # ---- capacities ----------------------------------------------------------------------
     def attention_fits(self, dev: DeviceSpec, *, tokens_in_flight: float, mb_tokens: float,
                        optimizer_share: float = 1.0) -> bool:
-        return self.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens,
-                                    optimizer_share=optimizer_share) <= dev.usable_bytes
+        return max(self.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens,
+                                        optimizer_share=optimizer_share),
+                   self.dense_step_bytes(optimizer_share)) <= dev.usable_bytes
 
     def expert_capacity(
         self,
@@ -118,14 +142,20 @@ class MemoryModel:
         holds_attention: bool = False,
         optimizer_share: float = 1.0,
     ) -> int:
-        """Whole experts that fit on ``dev`` (n_max on attention ranks); -1 if even the rest does not fit."""
+        """Whole experts that fit on ``dev`` (n_max on attention ranks); -1 if even the rest does
+        not fit. They must fit twice: while the tokens are in flight (their saved inputs, the
+        working sets), and at the optimizer step (no activations; the step's temporaries over
+        everything the rank steps)."""
         free = dev.usable_bytes - self.expert_working_bytes(mb_tokens_per_expert)
+        at_step = dev.usable_bytes
         if holds_attention:
             free -= self.attention_bytes(tokens_in_flight=attention_tokens_in_flight, mb_tokens=attention_mb_tokens,
                                          optimizer_share=optimizer_share)
-        if free < 0:
+            at_step -= self.dense_step_bytes(optimizer_share)
+        if free < 0 or at_step < 0:
             return -1
-        return int(free // self.expert_bytes(tokens_in_flight_per_expert=tokens_in_flight_per_expert))
+        return int(min(free // self.expert_bytes(tokens_in_flight_per_expert=tokens_in_flight_per_expert),
+                       at_step // self.expert_step_bytes()))
 
     def fewest_microbatches(self, members: Sequence[tuple[DeviceSpec, int | None, int]], seq_len: int) -> int | None:
         """Fewest micro-batches with which every member fits, one micro-batch in flight
@@ -170,6 +200,8 @@ class RankMemory:
     activations: float
     working: float
     layer: float = 0.0  # one MoE layer's experts, whole (what data-centric gathers to compute); not added
+    # the optimizer step's temporaries: a peak of their own, once the activations are gone
+    step: float = 0.0
 
 
     @property
@@ -178,22 +210,24 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.state + self.activations + self.working
+        return self.state + max(self.activations + self.working, self.step)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "state": self.state, "total": self.total}
 
     @classmethod
     def of(cls, *, dense_params: float, expert_params: float, dense_shards: int = 1, param_bytes: float = 4.0,
-           optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0, layer: float = 0.0
-           ) -> "RankMemory":
+           optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0, layer: float = 0.0,
+           step_bytes: float = FOREACH_STEP_BYTES, step: float | None = None) -> "RankMemory":
         """From parameter counts: fp32 weights and gradients, the optimizer's
         ``optimizer_bytes`` per parameter (AdamW: 8), the dense part's split over
-        ``dense_shards`` replicas (sharded optimizer state)."""
+        ``dense_shards`` replicas (sharded optimizer state), and the optimizer step's
+        ``step_bytes`` per parameter stepped (or ``step``, its bytes as known)."""
         held = dense_params + expert_params
-        return cls(weights=held * param_bytes, gradients=held * param_bytes,
-                   optimizer=(dense_params / max(dense_shards, 1) + expert_params) * optimizer_bytes,
-                   activations=activations, working=working, layer=layer)
+        stepped = dense_params / max(dense_shards, 1) + expert_params
+        return cls(weights=held * param_bytes, gradients=held * param_bytes, optimizer=stepped * optimizer_bytes,
+                   activations=activations, working=working, layer=layer,
+                   step=stepped * step_bytes if step is None else step)
 
 
 def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float

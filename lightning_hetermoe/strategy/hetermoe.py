@@ -47,7 +47,8 @@ from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
-from .memory_watch import MemoryWatch, optimizer_bytes_per_param, predict_rank, return_freed_memory
+from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
+                           return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import agree_on_overflow, precision_name
 from .progress import StepProgress
@@ -308,7 +309,7 @@ class HeterMoEStrategy(DDPStrategy):
         shards = self._sharding.group.size if self._sharding is not None else 1
         return predict_rank(self.lightning_module, self.backend.expert_pieces, mode=self.backend.schedule,
                             dense_shards=shards, optimizer_bytes=optimizer_bytes_per_param(self.optimizers),
-                            activations=act)
+                            activations=act, step=optimizer_step_bytes(self.optimizers))
 
     def check_memory(self, at: str) -> None:
         """This rank's peak against its budget (a :class:`MemoryBudgetError` past it)."""

@@ -117,8 +117,40 @@ def optimizer_bytes_per_param(optimizers: list) -> float:
     return most
 
 
+def optimizer_step_bytes(optimizers: list) -> float:
+    """Bytes of temporaries an optimizer step allocates beside the state, as torch steps
+    these optimizers where their parameters are: a fused step none; a multi-tensor one (the
+    default on a GPU) the square root of the second moment of every parameter of a group at
+    once, 4 bytes each; a per-parameter one a few tensors the size of the largest parameter
+    (measured on CPU: 3). Priced as Adam, as :func:`optimizer_bytes_per_param` prices
+    unknown optimizers; plain SGD allocates none."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    from ..profile.memory import FOREACH_STEP_BYTES
+
+    most = 0.0
+    for opt in optimizers:
+        inner = getattr(opt, "_optimizer", opt)
+        if type(inner).__name__ == "SGD" and not any(g.get("momentum", 0) for g in inner.param_groups):
+            continue
+        step = 0.0
+        for group in inner.param_groups:
+            params = [p for p in group["params"] if p is not None]
+            if not params or group.get("fused"):
+                continue
+            foreach = group.get("foreach")
+            if foreach is None:  # torch's default: multi-tensor where every parameter's device has the kernels
+                foreach = all(p.device.type in _get_foreach_kernels_supported_devices() for p in params)
+            if foreach:
+                step += FOREACH_STEP_BYTES * sum(p.numel() for p in params)
+            else:
+                step = max(step, 3.0 * max(p.numel() * 4 for p in params))
+        most = max(most, step)
+    return most
+
+
 def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense_shards: int,
-                 optimizer_bytes: float, activations: float) -> Any:
+                 optimizer_bytes: float, activations: float, step: float | None = None) -> Any:
     """This rank's :class:`~lightning_hetermoe.profile.memory.RankMemory` from what it holds."""
     from ..model_contract import moe_layers
     from ..profile.memory import RankMemory, working_bytes
@@ -139,7 +171,7 @@ def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense
                             dense_bytes=dense_bytes)
     return RankMemory.of(dense_params=dense, expert_params=experts, dense_shards=dense_shards,
                          param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, activations=activations,
-                         working=working, layer=full_layer)
+                         working=working, layer=full_layer, step=step)
 
 
 class MemoryWatch:
