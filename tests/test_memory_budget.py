@@ -36,7 +36,10 @@ def test_rank_state_prices_sharded_optimizer_state_and_memory_proportional_share
 def test_a_mode_that_cannot_fit_is_refused_before_launch_with_what_would_fit():
     cluster = {"name": "small", "devices": ["cpu", "cpu"], "memory_scale": 2e-6}
     t = trainer(HeterMoEStrategy(mode="ep", cluster=cluster), 2)
-    with pytest.raises(ConfigError, match=r"mode='ep' does not fit: rank \d \(cpu.*What would fit.*such devices"):
+    # with more than one layer of experts, the optimizer step's temporaries outweigh DDP's
+    # buckets and one layer's expert gradients: the message names the step
+    with pytest.raises(ConfigError, match=r"mode='ep' does not fit: rank \d \(cpu.*of temporaries at its optimizer "
+                                          r"step\. What would fit.*such devices"):
         t.fit(make_model(4), datamodule=data(2))
 
 
@@ -157,3 +160,27 @@ def test_an_expert_rank_must_fit_its_optimizer_step_as_well_as_its_tokens_in_fli
     assert rank.step == 400 and rank.total == 1600 + 400
     assert RankMemory.of(dense_params=0, expert_params=100, activations=500).total == 1600 + 500
     assert RankMemory.of(dense_params=100, expert_params=100, dense_shards=4).step == (25 + 100) * 4
+
+
+def test_data_centric_ranks_must_also_fit_their_optimizer_step():
+    """A data-centric rank computes with two gathered layers beside its state and steps with
+    the step's temporaries instead: a device between the two needs is refused, naming the step."""
+    from lightning_hetermoe.cluster import LinkConfig
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+    from lightning_hetermoe.profile import CostModel, make_timer
+    from lightning_hetermoe.simulate.datacentric import datacentric_step_time, layer_weight_bytes
+
+    cfg = ModelConfig(d_model=1024, n_layers=16, vocab_size=32000, max_seq_len=4096,
+                      moe=MoEConfig(num_experts=16, d_ff=4096))
+    timer = make_timer(cfg, 4096, cost=CostModel(precision="16-mixed"))
+    mem = MemoryModel(cfg)
+    params = (cfg.n_layers * cfg.moe.num_experts * mem.expert_params()) / 2 + mem.attention_stack_params()
+    computing = params * 16 + 2 * layer_weight_bytes(cfg, timer)
+    stepping = params * 20
+    assert computing < stepping  # sixteen layers' 4 bytes per parameter outweigh two gathered layers
+    between = dataclasses.replace(get_device("a40"), memory_gb=(computing + stepping) / 2 / 1e9)
+    roomy = dataclasses.replace(between, memory_gb=stepping * 1.01 / 1e9)
+    kw = dict(seq_len=4096, total_seqs=4, link=LinkConfig(), timer=timer)
+    assert datacentric_step_time([roomy, roomy], cfg, **kw) > 0
+    with pytest.raises(ValueError, match="at the optimizer step"):
+        datacentric_step_time([between, between], cfg, **kw)

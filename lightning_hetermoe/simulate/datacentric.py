@@ -51,7 +51,7 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
                           link: LinkConfig | Topology, timer, expert_load: list[list[float]] | None = None) -> float:
     """Device seconds of one step; raises ``ValueError`` where a rank's memory cannot hold
     its shard of the experts (with their optimizer state), the dense model and two layers
-    of full experts."""
+    of full experts, or the shard and the dense model with the optimizer step's temporaries."""
     W = len(devs)
     if W == 0:
         raise ValueError("the data-centric mode needs at least one rank")
@@ -62,11 +62,16 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
     total_memory = sum(d.memory_gb for d in devs)
     kinds = set(devs)  # ranks of one device kind hold and run alike: price each kind once
     for d in kinds:
-        held = (L * E * mem.expert_params() * mem.bytes_per_param * d.memory_gb / total_memory
-                + mem.attention_stack_params() * mem.bytes_per_param + 2 * weights)
+        params = L * E * mem.expert_params() * d.memory_gb / total_memory + mem.attention_stack_params()
+        held = params * mem.bytes_per_param + 2 * weights
         if held > d.memory_gb * 1e9:
             raise ValueError(f"data-centric: {d.name} cannot hold its expert shard, the dense model and two layers "
                              f"of full experts ({held / 1e9:.1f} GB > {d.memory_gb} GB)")
+        # at the optimizer step the gathered layers are gone and the step's temporaries are there
+        at_step = params * (mem.bytes_per_param + mem.optimizer_step_bytes_per_param)
+        if at_step > d.memory_gb * 1e9:
+            raise ValueError(f"data-centric: {d.name} cannot hold its expert shard and the dense model at the "
+                             f"optimizer step ({at_step / 1e9:.1f} GB > {d.memory_gb} GB with the step's temporaries)")
     # ring collectives: each rank moves W - 1 chunks, padded to the largest range
     fraction = max(d.memory_gb for d in devs) / total_memory * (W - 1)
     move = weight_move_seconds(model, timer, link, fraction)

@@ -297,7 +297,9 @@ class StrategyArguments:
             f"strategy mode={self.mode!r} does not fit: rank {r} ({d.name}, {format_bytes(d.usable_bytes)} usable"
             f"{', memory_scale ' + format(self.cluster.memory_scale, 'g') if self.cluster.memory_scale else ''}) "
             f"would hold {format_bytes(m.state)} of weights, gradients and optimizer state and "
-            f"{format_bytes(m.working)} of transients before any activation. What would fit: "
+            f"{format_bytes(max(m.working, m.step))} of "
+            + ("temporaries at its optimizer step" if m.step > m.working else "transients before any activation")
+            + ". What would fit: "
             + (f"mode={other!r}; " if fits_other else "")
             + ("shard_optimizer_state=true; " if not self.shard_optimizer_state else "")
             + ("checkpoint_format='sharded' (optimizer state sharded over replicas needs it); " if not sharded else "")
