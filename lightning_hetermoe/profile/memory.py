@@ -218,16 +218,17 @@ class RankMemory:
     @classmethod
     def of(cls, *, dense_params: float, expert_params: float, dense_shards: int = 1, param_bytes: float = 4.0,
            optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0, layer: float = 0.0,
-           step_bytes: float = FOREACH_STEP_BYTES, step: float | None = None) -> "RankMemory":
+           step: float | None = None) -> "RankMemory":
         """From parameter counts: fp32 weights and gradients, the optimizer's
         ``optimizer_bytes`` per parameter (AdamW: 8), the dense part's split over
         ``dense_shards`` replicas (sharded optimizer state), and the optimizer step's
-        ``step_bytes`` per parameter stepped (or ``step``, its bytes as known)."""
+        temporaries: ``step`` bytes where the optimizer is known, else torch's default
+        multi-tensor step over every parameter stepped."""
         held = dense_params + expert_params
         stepped = dense_params / max(dense_shards, 1) + expert_params
         return cls(weights=held * param_bytes, gradients=held * param_bytes, optimizer=stepped * optimizer_bytes,
                    activations=activations, working=working, layer=layer,
-                   step=stepped * step_bytes if step is None else step)
+                   step=stepped * FOREACH_STEP_BYTES if step is None else step)
 
 
 def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float
