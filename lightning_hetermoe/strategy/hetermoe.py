@@ -47,6 +47,7 @@ from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
+from .grad_norm import scale_
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
@@ -548,9 +549,7 @@ class HeterMoEStrategy(DDPStrategy):
                                               self._sharding.grad_sq_norm(self.root_device)).sqrt()
         else:
             total = self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
-        coef = (clip_val / (total + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+        scale_([p.grad for p in params], (clip_val / (total + 1e-6)).clamp(max=1.0))
 
     # -- placement while training runs (the rebalancer's API) ----------------------------
     @property

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 import lightning_hetermoe.comm as comm
 from ..comm import Group
 from ..apportion import apportion
+from .grad_norm import squared_norm
 
 # optimizers whose update of an element reads only that element's state and gradient
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD")
@@ -109,10 +110,7 @@ class OptimizerSharding:
     def grad_sq_norm(self, device: torch.device) -> Tensor:
         """Squared norm of the replicated gradients, each element once: the owned ranges
         summed over the replicas."""
-        sq = torch.zeros((), dtype=torch.float64, device=device)
-        for v in self.mine:
-            if v.shard.grad is not None:
-                sq = sq + v.shard.grad.detach().double().square().sum()
+        sq = squared_norm((v.shard.grad for v in self.mine), device)
         comm.all_reduce(self.group, sq, what="zero.clip")
         return sq
 

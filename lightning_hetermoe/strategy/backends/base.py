@@ -36,6 +36,7 @@ from ...ckpt.pieces import Pieces
 from ...placement import Placement
 from ..batch import flat_mask, gather_global_batch, ignore_index_of, local_tokens, split_sizes, take
 from ..expert_state import expert_tensor_names, restore_local
+from ..grad_norm import squared_norm
 from ...materialize import Materializer
 
 StepFn = Callable[..., Any]
@@ -321,8 +322,7 @@ class DenseDDPBackend(ParallelBackend):
         """The dense half of the global norm: DDP left every rank the same dense gradients
         (``dense_sq``: already summed over the ranges of sharded optimizer state)."""
         expert_ids = {id(p) for layer in self._layers for p in layer.experts.parameters()}
-        own = sum((p.grad.detach().double().square().sum() for p in params if id(p) not in expert_ids
-                   and p.grad is not None), torch.zeros((), dtype=torch.float64, device=self.device))
+        own = squared_norm((p.grad for p in params if id(p) not in expert_ids), self.device)
         return own if dense_sq is None else own + dense_sq
 
     def dense_replicas(self) -> Any:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ...model_contract import moe_layers
 from ...materialize import Holding, Materializer
+from ..grad_norm import squared_norm
 from .base import ParallelBackend, Simulated
 
 
@@ -35,8 +36,7 @@ class SingleDeviceBackend(ParallelBackend):
             self._emulation = None
 
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
-        return sum((p.grad.detach().double().square().sum() for p in params),
-                   torch.zeros((), dtype=torch.float64, device=self.device))
+        return squared_norm((p.grad for p in params), self.device)
 
     def simulated(self, placement=None) -> Simulated:
         return Simulated("ep", ep_size=1)  # the simulator's EP on one device is a single device

@@ -43,6 +43,7 @@ from ....model_contract import moe_layers
 from ....moe.balance import GlobalBalance
 from ....ckpt.pieces import Pieces
 from ....materialize import Holding, Materializer
+from ...grad_norm import squared_norm
 from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, global_balance_counts
 from .dispatcher import DataCentricDispatcher
 from .gather import Gathered
@@ -189,9 +190,7 @@ class DataCentricBackend(DenseDDPBackend):
 
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
         dense = self.dense_grad_sq_norm(params, dense_sq)
-        experts = sum((p.grad.detach().double().square().sum() for layer in self._layers
-                       for p in layer.experts.parameters() if p.grad is not None),
-                      torch.zeros((), dtype=torch.float64, device=self.device))
+        experts = squared_norm((p.grad for layer in self._layers for p in layer.experts.parameters()), self.device)
         comm.all_reduce(self.group, experts, what="datacentric.clip")  # the ranges partition every expert
         return dense + experts
 

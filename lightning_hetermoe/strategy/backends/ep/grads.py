@@ -9,6 +9,7 @@ from torch import Tensor, nn
 import lightning_hetermoe.comm as comm
 from ....comm import Group
 from ....model_contract import moe_layers
+from ...grad_norm import squared_row_norms
 from .groups import ExpertParallelGroups
 
 
@@ -63,7 +64,6 @@ def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups, device:
                                              device="cpu"), device)
         for p in layer.experts.parameters(recurse=False):
             if p.grad is not None and p.numel():
-                per_slot = p.grad.detach().double().square().reshape(p.shape[0], -1).sum(1)
-                local = local + (per_slot * weight).sum()
+                local = local + (squared_row_norms(p.grad) * weight).sum()
     comm.all_reduce(groups.ep_group, local, what="ep.clip")
     return local

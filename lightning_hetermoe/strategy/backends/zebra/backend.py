@@ -56,6 +56,7 @@ from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_who
                     zero_missing_grads)
 from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, split_sizes, take
 from ...expert_state import gather_experts, restore_local, slice_experts
+from ...grad_norm import squared_norm
 from . import outputs
 from .cuts import BlockCuts
 from .exchange import Exchange
@@ -455,18 +456,13 @@ class ZebraBackend(ParallelBackend):
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
         """Every expert once, the dense part once (from the group's first attention rank),
         summed within the ZP group (groups are identical)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         expert_ids = self._expert_param_ids()
-        for layer in self.layers:
-            for p in layer.experts.parameters(recurse=False):
-                if p.grad is not None:
-                    sq = sq + p.grad.detach().double().square().sum()
+        grads = [p.grad for layer in self.layers for p in layer.experts.parameters(recurse=False)]
         if self.layout.rank == self.layout.attention_members[0]:
-            for p in params:
-                if id(p) not in expert_ids and p.grad is not None:
-                    sq = sq + p.grad.detach().double().square().sum()
-            if dense_sq is not None:
-                sq = sq + dense_sq
+            grads += [p.grad for p in params if id(p) not in expert_ids]
+        sq = squared_norm(grads, self.device)
+        if self.layout.rank == self.layout.attention_members[0] and dense_sq is not None:
+            sq = sq + dense_sq
         comm.all_reduce(self.groups.zp, sq, what="zebra.clip")
         return sq
 
