@@ -80,6 +80,8 @@ class OptimizerSharding:
         self.mine = [v for v in self.views if v.owner == self.me]
         for v in self.mine:
             v.shard = nn.Parameter(v.param.data.view(-1)[v.lo:v.hi], requires_grad=v.param.requires_grad)
+        # the clip asks of every parameter at every step: a set, not a scan of the views
+        self._shard_ids = {id(v.shard) for v in self.mine}
         self.replaced = {id(p) for _, p in params}
         by_param: dict[int, list[nn.Parameter]] = {}
         for v in self.mine:
@@ -115,7 +117,7 @@ class OptimizerSharding:
         return sq
 
     def is_shard(self, p: Tensor) -> bool:
-        return any(p is v.shard for v in self.mine)
+        return id(p) in self._shard_ids
 
     # -- checkpoints ---------------------------------------------------------------------
     def shard_full_state(self, state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
