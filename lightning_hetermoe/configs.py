@@ -214,6 +214,9 @@ class OptimConfig:
     momentum: float = 0.0  # sgd only
     nesterov: bool = False  # sgd only; needs momentum > 0
     warmup_steps: int = 10
+    # torch's fused step: one kernel over the parameters and no temporaries (the default
+    # multi-tensor Adam step allocates 4 bytes per parameter at once on a GPU)
+    fused: bool = False
 
     def __post_init__(self) -> None:
         _require(self.name in OPTIMIZERS, "optim.name", self.name, f"must be one of {OPTIMIZERS}")

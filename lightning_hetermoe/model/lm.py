@@ -83,11 +83,13 @@ class MoELanguageModel(L.LightningModule):
         o = self.optim_cfg
         if o.name == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
-                                  nesterov=o.nesterov)
+                                  nesterov=o.nesterov, fused=o.fused or None)
         elif o.name == "adam":
-            opt = torch.optim.Adam(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+            opt = torch.optim.Adam(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+                                   fused=o.fused or None)
         else:
-            opt = torch.optim.AdamW(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+            opt = torch.optim.AdamW(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+                                    fused=o.fused or None)
         if o.warmup_steps == 0:
             return opt
         warmup = o.warmup_steps

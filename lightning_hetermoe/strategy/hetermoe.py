@@ -51,7 +51,7 @@ from .grad_norm import scale_
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
-from .precision import agree_on_overflow, precision_name
+from .precision import agree_on_overflow, clip_fused_too, precision_name
 from .progress import StepProgress
 from .shared_metrics import SharedCallbackMetrics
 from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, register_exit_hook,
@@ -241,6 +241,7 @@ class HeterMoEStrategy(DDPStrategy):
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])
         agree_on_overflow(self.precision_plugin)
+        clip_fused_too(self.precision_plugin)
         self._tune_kernels()
         if fitting:
             if self.backend.wraps_ddp:

@@ -6,6 +6,12 @@ hardware has it.
   ranks hold gradients no other rank sees, so an overflow can show on one rank only; the
   scaler here max-reduces the inf/nan flags over the world after unscaling, so every rank
   skips the same steps and moves the scale the same way.
+* **Fused optimizers under 16-mixed with clipping.** Lightning refuses to clip for an
+  optimizer that unscales inside its own step (``fused=True``): the clip would read
+  gradients still multiplied by the loss scale. torch's ``GradScaler`` also takes an
+  explicit ``unscale_`` for such an optimizer (its step then skips its own unscaling and
+  keeps the overflow check), so here the gradients are unscaled first, with every rank's
+  verdict, and clipped as for any other optimizer.
 * **bf16** needs compute capability 8.0 (Ampere) or newer; on a V100 or T4 PyTorch only
   emulates it, far below the fp16 speed the planner assumes. A cluster with such a device
   and a bf16 precision is a config error before launch, unless the user asks for the
@@ -18,6 +24,9 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 import lightning_hetermoe.comm as comm
 
@@ -80,3 +89,22 @@ def agree_on_overflow(plugin: Any) -> None:
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, AgreedGradScaler):
         plugin.scaler = AgreedGradScaler.like(scaler, plugin.device)
+
+
+def clip_fused_too(plugin: Any) -> None:
+    """Let ``plugin`` (16-mixed, with a scaler) clip for a fused optimizer (once)."""
+    if getattr(plugin, "scaler", None) is None or getattr(plugin, "_clips_fused", False):
+        return
+    refusing = plugin.clip_gradients
+
+    def clip_gradients(optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
+        if not clip_val or not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return refusing(optimizer, clip_val, gradient_clip_algorithm)
+        # a step whose backward was skipped has no gradients and takes no scaler step: its
+        # unscale_ would stand until the next step's and be refused there
+        if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            plugin.scaler.unscale_(optimizer)
+        return Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
+
+    plugin.clip_gradients = clip_gradients
+    plugin._clips_fused = True
