@@ -109,3 +109,17 @@ def test_scale_multiplies_in_place_in_each_tensors_dtype():
             continue
         assert t.dtype == b.dtype
         assert torch.equal(t, b * coef.to(b.dtype))
+
+
+def test_a_torch_without_the_norms_dtype_argument_upcasts_16_bit_gradients(monkeypatch):
+    ts = grads(torch.bfloat16)
+    want = squared_norm(ts, "cpu").item()
+    real = torch._foreach_norm
+
+    def without_dtype(tensors, ord=2, **kwargs):
+        if kwargs:
+            raise TypeError("_foreach_norm() got an unexpected keyword argument 'dtype'")
+        return real(tensors, ord)
+
+    monkeypatch.setattr(torch, "_foreach_norm", without_dtype)
+    assert squared_norm(ts, "cpu").item() == pytest.approx(want, rel=1e-6)

@@ -51,6 +51,16 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _norms(group: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """Each tensor's 2-norm, accumulated (and returned) in :func:`_accumulator`'s dtype."""
+    if dtype in (torch.float32, torch.float64):
+        return list(torch._foreach_norm(group, 2))  # accumulated in their own precision
+    try:
+        return list(torch._foreach_norm(group, 2, dtype=torch.float32))
+    except TypeError:  # a torch whose multi-tensor norm has no dtype argument: 16-bit gradients upcast, a copy each
+        return list(torch._foreach_norm([t.float() for t in group], 2))
+
+
 def squared_norm(tensors: Iterable[Tensor | None], device: torch.device | str) -> Tensor:
     """Sum of the squares of every element of ``tensors`` (``None`` and empty ones skipped):
     a 0-d float64 tensor on ``device``."""
@@ -60,8 +70,7 @@ def squared_norm(tensors: Iterable[Tensor | None], device: torch.device | str) -
         return total
     norms = []
     for (_, dtype), group in _by_device_and_dtype(present).items():
-        norms += [n.to(device=device, dtype=torch.float64)
-                  for n in torch._foreach_norm(group, 2, dtype=_accumulator(dtype))]
+        norms += [n.to(device=device, dtype=torch.float64) for n in _norms(group, dtype)]
     return total + torch.stack(norms).square().sum()
 
 
