@@ -1,13 +1,14 @@
 """Gradient clipping's global norm: the float64 copies the backends took before, beside the
 per-tensor fp32 norms they take now (``strategy/grad_norm.py``) and Lightning's own clip.
 
-    python bench/clip_norm.py                           # OLMoE-1B-7B's attention rank, about a minute
+    python bench/clip_norm.py                           # OLMoE-1B-7B's attention rank, about 2 minutes
     python bench/clip_norm.py --model d1 --expert-layers 2
+    python bench/clip_norm.py --device cuda --json clip.json   # on a GPU (bench/gpu.py runs this)
 
 The gradients are an attention rank's of a shipped model at full size (every dense
 parameter of ``conf/model/<model>``, built on the meta device for their shapes, then
 filled at random), plus ``--expert-layers`` layers' stacked experts. For each contender,
-in this process, on this CPU: the median seconds of a norm and a scaling by ``clip / norm``
+in this process, on ``--device`` (the CPU by default; CUDA synchronised around each timing): the median seconds of a norm and a scaling by ``clip / norm``
 over ``--repeats``, the largest tensor any operation allocated (a dispatch mode watching
 every aten call: the transient memory of the clip), the bytes the operations read and
 wrote (every tensor argument and result: the memory traffic a GPU would stream), and the
@@ -77,7 +78,7 @@ def _tensors(values) -> list[torch.Tensor]:
 def float64_copies(grads: list[torch.Tensor]) -> torch.Tensor:
     """The backends' norm before: each gradient copied to float64, squared, summed; then
     one multiply per gradient."""
-    sq = sum((g.double().square().sum() for g in grads), torch.zeros((), dtype=torch.float64))
+    sq = sum((g.double().square().sum() for g in grads), torch.zeros((), dtype=torch.float64, device=grads[0].device))
     coef = (CLIP / (sq.sqrt() + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coef.to(dtype=g.dtype))
@@ -86,7 +87,7 @@ def float64_copies(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def fp32_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """Now: one fp32 norm per tensor, their squares summed in float64, one multi-tensor multiply."""
-    sq = squared_norm(grads, "cpu")
+    sq = squared_norm(grads, grads[0].device)
     scale_(grads, (CLIP / (sq.sqrt() + 1e-6)).clamp(max=1.0))
     return sq
 
@@ -109,7 +110,7 @@ CONTENDERS = {"float64 copies (before)": (list, float64_copies), "fp32 norms (no
               "lightning clip_grad_norm_": (as_params, lightning)}
 
 
-def gradients(model_name: str, expert_layers: int, seed: int) -> list[torch.Tensor]:
+def gradients(model_name: str, expert_layers: int, seed: int, device: str = "cpu") -> list[torch.Tensor]:
     cfg = from_cfg(ModelConfig, OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{model_name}.yaml"),
                                                       resolve=True))
     with torch.device("meta"):
@@ -117,9 +118,9 @@ def gradients(model_name: str, expert_layers: int, seed: int) -> list[torch.Tens
     expert_params = {id(p): l for l, (_, layer) in enumerate(moe_layers(module)) for p in layer.experts.parameters()}
     shapes = [p.shape for p in module.parameters() if expert_params.get(id(p), 0) < expert_layers or
               id(p) not in expert_params]
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     # gradients large enough that clipping scales them (norm above CLIP)
-    return [torch.randn(s, generator=g) * 1e-3 for s in shapes]
+    return [torch.randn(s, generator=g, device=device) * 1e-3 for s in shapes]
 
 
 def main() -> None:
@@ -127,20 +128,28 @@ def main() -> None:
     ap.add_argument("--model", default="olmoe_1b_7b")
     ap.add_argument("--expert-layers", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--json", help="also write the last line's JSON here")
     args = ap.parse_args()
     torch.manual_seed(0)
-    base = gradients(args.model, args.expert_layers, seed=0)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    base = gradients(args.model, args.expert_layers, seed=0, device=args.device)
     n = sum(g.numel() for g in base)
     print(f"{args.model}: {len(base)} gradients, {n / 1e6:.1f}M elements ({n * 4 / 2**30:.2f} GiB fp32), "
-          f"the largest {max(g.numel() for g in base) / 1e6:.1f}M; {torch.get_num_threads()} threads", flush=True)
+          f"the largest {max(g.numel() for g in base) / 1e6:.1f}M; "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}",
+          flush=True)
     exact = float(sum(g.double().square().sum() for g in base))
     rows = {}
     for name, (hand, fn) in CONTENDERS.items():
         times = []
         for _ in range(args.repeats):
             grads = hand([g.clone() for g in base])
+            sync()
             t0 = time.perf_counter()
             sq = fn(grads)
+            sync()
             times.append(time.perf_counter() - t0)
             del grads
         grads = hand([g.clone() for g in base])
@@ -158,7 +167,11 @@ def main() -> None:
               "largest_alloc_old_bytes": old["largest_alloc_bytes"], "largest_alloc_new_bytes": new["largest_alloc_bytes"]}
     print(f"before/now: {ratios['time_old_over_new']:.2f}x the time, {ratios['traffic_old_over_new']:.2f}x the bytes "
           f"moved, {old['largest_alloc_bytes'] / 2**20:.0f} MiB against {new['largest_alloc_bytes']} B allocated at once")
-    print(json.dumps({"model": args.model, "elements": n, "rows": rows, **ratios}))
+    result = {"model": args.model, "device": str(device), "elements": n, "rows": rows, **ratios,
+              "work_done_at": time.time()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
