@@ -123,3 +123,14 @@ def test_a_torch_without_the_norms_dtype_argument_upcasts_16_bit_gradients(monke
 
     monkeypatch.setattr(torch, "_foreach_norm", without_dtype)
     assert squared_norm(ts, "cpu").item() == pytest.approx(want, rel=1e-6)
+
+
+def test_a_sparse_gradient_counts_its_summed_rows():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2, 2, 7])).pow(2).sum().backward()  # row 2 twice: uncoalesced
+    g = emb.weight.grad
+    assert g.is_sparse and not g.is_coalesced()
+    want = float(g.to_dense().double().square().sum())
+    assert squared_norm([g, torch.ones(3)], "cpu").item() == pytest.approx(want + 3, rel=1e-6)
+    scale_([g], torch.tensor(0.5, dtype=torch.float64))
+    assert float(g.to_dense().double().square().sum()) == pytest.approx(want / 4, rel=1e-6)

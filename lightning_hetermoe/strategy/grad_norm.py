@@ -33,6 +33,8 @@ CPU_CHUNK = 1 << 16
 
 
 def _pieces(t: Tensor) -> list[Tensor]:
+    if t.is_sparse:  # a sparse embedding's gradient: its summed rows are what it holds
+        t = t.coalesce().values()
     if t.device.type != "cpu" or t.numel() <= CPU_CHUNK or not t.is_contiguous():
         return [t]
     return list(t.view(-1).split(CPU_CHUNK))
