@@ -8,8 +8,9 @@ per-tensor fp32 norms they take now (``strategy/grad_norm.py``) and Lightning's 
 The gradients are an attention rank's of a shipped model at full size (every dense
 parameter of ``conf/model/<model>``, built on the meta device for their shapes, then
 filled at random), plus ``--expert-layers`` layers' stacked experts. For each contender,
-in this process, on ``--device`` (the CPU by default; CUDA synchronised around each timing): the median seconds of a norm and a scaling by ``clip / norm``
-over ``--repeats``, the largest tensor any operation allocated (a dispatch mode watching
+in this process, on ``--device`` (the CPU by default; CUDA synchronised around each
+timing): the median seconds of a norm and a scaling by ``clip / norm`` over
+``--repeats``, the largest tensor any operation allocated (a dispatch mode watching
 every aten call: the transient memory of the clip), the bytes the operations read and
 wrote (every tensor argument and result: the memory traffic a GPU would stream), and the
 squared norm against a float64 reference (relative). Then the ratios old/new. The last
@@ -163,10 +164,13 @@ def main() -> None:
               flush=True)
         del grads
     old, new = rows["float64 copies (before)"], rows["fp32 norms (now)"]
-    ratios = {"time_old_over_new": old["s"] / new["s"], "traffic_old_over_new": old["traffic_bytes"] / new["traffic_bytes"],
-              "largest_alloc_old_bytes": old["largest_alloc_bytes"], "largest_alloc_new_bytes": new["largest_alloc_bytes"]}
+    ratios = {"time_old_over_new": old["s"] / new["s"],
+              "traffic_old_over_new": old["traffic_bytes"] / new["traffic_bytes"],
+              "largest_alloc_old_bytes": old["largest_alloc_bytes"],
+              "largest_alloc_new_bytes": new["largest_alloc_bytes"]}
     print(f"before/now: {ratios['time_old_over_new']:.2f}x the time, {ratios['traffic_old_over_new']:.2f}x the bytes "
-          f"moved, {old['largest_alloc_bytes'] / 2**20:.0f} MiB against {new['largest_alloc_bytes']} B allocated at once")
+          f"moved, {old['largest_alloc_bytes'] / 2**20:.0f} MiB against {new['largest_alloc_bytes']} B allocated "
+          f"at once")
     result = {"model": args.model, "device": str(device), "elements": n, "rows": rows, **ratios,
               "work_done_at": time.time()}
     if args.json:

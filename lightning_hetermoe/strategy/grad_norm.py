@@ -13,7 +13,8 @@ are squared and summed in float64, over tensors and then over ranks, so that how
 tensors are cut moves the sum by no more than fp32 rounding of a 65,536-element chunk
 (``CPU_CHUNK``), relatively ~1e-7.
 
-No host sync: every result stays a device tensor until the optimizer reads it.
+No host sync (a sparse gradient's coalescing aside): every result stays a device tensor
+until the optimizer reads it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _norms(group: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
         return list(torch._foreach_norm(group, 2))  # accumulated in their own precision
     try:
         return list(torch._foreach_norm(group, 2, dtype=torch.float32))
-    except TypeError:  # a torch whose multi-tensor norm has no dtype argument: 16-bit gradients upcast, a copy each
+    except TypeError:  # a torch whose multi-tensor norm has no dtype argument: upcast, a copy each
         return list(torch._foreach_norm([t.float() for t in group], 2))
 
 
