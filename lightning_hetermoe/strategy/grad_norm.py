@@ -56,7 +56,7 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
 
 def _norms(group: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
     """Each tensor's 2-norm, accumulated (and returned) in :func:`_accumulator`'s dtype."""
-    if dtype in (torch.float32, torch.float64):
+    if _accumulator(dtype) == dtype:
         return list(torch._foreach_norm(group, 2))  # accumulated in their own precision
     try:
         return list(torch._foreach_norm(group, 2, dtype=torch.float32))
@@ -68,13 +68,12 @@ def squared_norm(tensors: Iterable[Tensor | None], device: torch.device | str) -
     """Sum of the squares of every element of ``tensors`` (``None`` and empty ones skipped):
     a 0-d float64 tensor on ``device``."""
     present = [piece for t in tensors if t is not None and t.numel() for piece in _pieces(t.detach())]
-    total = torch.zeros((), dtype=torch.float64, device=device)
     if not present:
-        return total
-    norms = []
-    for (_, dtype), group in _by_device_and_dtype(present).items():
-        norms += [n.to(device=device, dtype=torch.float64) for n in _norms(group, dtype)]
-    return total + torch.stack(norms).square().sum()
+        return torch.zeros((), dtype=torch.float64, device=device)
+    # one stack and one cast per device and dtype, not a cast per tensor (hundreds of launches)
+    norms = [torch.stack(_norms(group, dtype)).to(device=device, dtype=torch.float64)
+             for (_, dtype), group in _by_device_and_dtype(present).items()]
+    return torch.cat(norms).square().sum()
 
 
 def squared_row_norms(tensor: Tensor) -> Tensor:
@@ -82,8 +81,9 @@ def squared_row_norms(tensor: Tensor) -> Tensor:
     squares of its elements: float64, shape ``[tensor.shape[0]]``."""
     rows = tensor.detach().reshape(tensor.shape[0], -1)
     width = CPU_CHUNK if rows.device.type == "cpu" else rows.shape[1] or 1
-    return sum(torch.linalg.vector_norm(part, 2, dim=1, dtype=_accumulator(rows.dtype)).double().square()
-               for part in rows.split(width, dim=1))
+    parts = [torch.linalg.vector_norm(part, 2, dim=1, dtype=_accumulator(rows.dtype))
+             for part in rows.split(width, dim=1)]
+    return torch.stack(parts).double().square().sum(0)
 
 
 def scale_(tensors: Iterable[Tensor | None], coef: Tensor) -> None:

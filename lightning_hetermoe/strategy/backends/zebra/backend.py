@@ -456,12 +456,13 @@ class ZebraBackend(ParallelBackend):
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
         """Every expert once, the dense part once (from the group's first attention rank),
         summed within the ZP group (groups are identical)."""
-        expert_ids = self._expert_param_ids()
+        counts_dense = self.layout.rank == self.layout.attention_members[0]
         grads = [p.grad for layer in self.layers for p in layer.experts.parameters(recurse=False)]
-        if self.layout.rank == self.layout.attention_members[0]:
+        if counts_dense:
+            expert_ids = self._expert_param_ids()
             grads += [p.grad for p in params if id(p) not in expert_ids]
         sq = squared_norm(grads, self.device)
-        if self.layout.rank == self.layout.attention_members[0] and dense_sq is not None:
+        if counts_dense and dense_sq is not None:
             sq = sq + dense_sq
         comm.all_reduce(self.groups.zp, sq, what="zebra.clip")
         return sq
