@@ -211,6 +211,7 @@ def plan_setup(
                 per.setdefault(q, []).append(e)
             held.append(per)
     split: dict[int, list[int]] = {}
+    groups = [g.members for g in plan.zp_groups]  # (each call builds its list)
     for p, (rank, experts) in enumerate(zip(group.members, counts.tolist())):
         role = plan.roles[rank]
         seqs = []
@@ -231,7 +232,7 @@ def plan_setup(
         replicas=len(plan.zp_groups),
         attention_dp=len(plan.attention_ranks),
         expert_load=expert_load,
-        replica_ranks={rank: [g.members[p] for g in plan.zp_groups] for p, rank in enumerate(group.members)},
+        replica_ranks={rank: [m[p] for m in groups] for p, rank in enumerate(group.members)},
         dense_ranks=list(plan.attention_ranks),
         waves=1 if schedule == "forward" else plan.waves,  # an evaluation batch is one wave
     )

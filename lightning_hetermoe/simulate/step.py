@@ -115,6 +115,7 @@ class StepSetup:
     _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _node_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _share_rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lane_shares: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
@@ -191,6 +192,14 @@ class StepSetup:
             load, n = self.expert_load[layer], self.copies(layer)
             return [group_tokens * k * load[e] / n[e] for e in lane.expert_ids[layer]]
         return [group_tokens * k / E] * lane.experts[layer]
+
+    def lane_shares(self, layer: int) -> list[float]:
+        """:meth:`own_share` of every lane at ``layer``, found once per layer (a search asks
+        each layer's once per micro-batch and phase)."""
+        shares = self._lane_shares.get(layer)
+        if shares is None:
+            shares = self._lane_shares[layer] = [self.own_share(lane, layer) for lane in self.lanes]
+        return shares
 
     def own_share(self, lane: Lane, layer: int) -> float:
         """The share of every token's routed choices that lands on this lane's experts."""
@@ -372,7 +381,7 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
 def _flat_rows(setup: StepSetup, layer: int, tokens: list[float]) -> float:
     """One node: the busiest rank's rows sent or received."""
     k = setup.model.moe.top_k
-    shares = [setup.own_share(lane, layer) for lane in setup.lanes]
+    shares = setup.lane_shares(layer)
     group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
     return max((max(t * k * (1 - s), (group - t) * k * s) for t, s in zip(tokens, shares)), default=0.0)
 
@@ -389,8 +398,8 @@ def _node_rows(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[np.nd
     topo = setup.topology
     group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
     lane, node, count, where, n_places = setup.lane_node_rows()
-    if layer not in setup._share_rows:  # a search asks each layer's once per micro-batch and phase
-        setup._share_rows[layer] = np.asarray([setup.own_share(x, layer) for x in setup.lanes], dtype=float)[lane]
+    if layer not in setup._share_rows:
+        setup._share_rows[layer] = np.asarray(setup.lane_shares(layer), dtype=float)[lane]
     t, s = np.asarray(tokens, dtype=float)[lane], setup._share_rows[layer]
     node_t = np.bincount(where, weights=count * t, minlength=n_places)[where]
     node_s = np.bincount(where, weights=count * s, minlength=n_places)[where]
