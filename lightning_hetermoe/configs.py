@@ -15,6 +15,7 @@ ACTIVATIONS = ("gelu", "swiglu")
 EXPERT_BACKENDS = ("auto", "triton", "grouped_mm", "torch")
 ROUTER_DTYPES = ("float32", "input")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+FUSED = (True, False, "auto")
 ARCHITECTURES = ("pack", "hf_mixtral")
 CORPORA = ("pydoc_topics", "tokenized")
 
@@ -215,8 +216,10 @@ class OptimConfig:
     nesterov: bool = False  # sgd only; needs momentum > 0
     warmup_steps: int = 10
     # torch's fused step: one kernel over the parameters and no temporaries (the default
-    # multi-tensor Adam step allocates 4 bytes per parameter at once on a GPU)
-    fused: bool = False
+    # multi-tensor Adam step allocates 4 bytes per parameter at once on a GPU and moves 84
+    # bytes per fp32 parameter against the fused step's 32). auto: fused where every
+    # parameter is on a GPU and the run can clip for it (resolve_fused)
+    fused: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.name in OPTIMIZERS, "optim.name", self.name, f"must be one of {OPTIMIZERS}")
@@ -224,6 +227,7 @@ class OptimConfig:
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         _require(0 <= self.momentum < 1, "optim.momentum", self.momentum, "must be in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.fused in FUSED, "optim.fused", self.fused, "must be true, false or auto")
         _require(not self.nesterov or (self.name == "sgd" and self.momentum > 0), "optim.nesterov", self.nesterov,
                  "Nesterov needs name=sgd and momentum > 0")
         _require(len(tuple(self.betas)) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas,

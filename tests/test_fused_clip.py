@@ -15,6 +15,8 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
+from lightning_hetermoe.configs import ConfigError
+from lightning_hetermoe.model.lm import MoELanguageModel, resolve_fused
 from lightning_hetermoe.strategy.precision import clip_fused_too
 from reference import data, make_model, relative_gap, trainer
 from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
@@ -87,3 +89,79 @@ def test_fused_sgd_clipped_under_fp16_lands_where_unfused_sgd_lands_in_ep_and_ze
         assert relative_gap(fused["state"], unfused["state"], initial) < 1e-3, mode
         # and the clip is what moved them: without it SGD lands far from both
         assert relative_gap(unclipped["state"], unfused["state"], initial) > 0.1, mode
+
+
+# ---- optim.fused=auto: the fused step where it runs and can be clipped ----------------------
+
+def cpu_params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+
+
+def test_auto_takes_the_fused_step_only_where_every_parameter_is_on_a_gpu():
+    params = cpu_params()
+    assert resolve_fused("auto", params) is None  # CPU tensors: torch's own default
+    # the same rule with the CPU counted as a fused device: every parameter qualifies
+    assert resolve_fused("auto", params, devices=("cpu",)) is True
+    # one parameter elsewhere (not yet materialised) is enough to keep torch's default
+    assert resolve_fused("auto", params + [torch.nn.Parameter(torch.empty(2, device="meta"))],
+                         devices=("cpu",)) is None
+    assert resolve_fused(True, params) is True and resolve_fused(False, params) is None
+
+
+def test_auto_keeps_torch_s_step_where_the_precision_plugin_would_refuse_to_clip_it():
+    params = cpu_params()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    # Lightning's own 16-mixed with clipping refuses a fused optimizer (the test above)
+    assert resolve_fused("auto", params, plugin, 1.0, devices=("cpu",)) is None
+    assert resolve_fused("auto", params, plugin, None, devices=("cpu",)) is True  # no clip: nothing to refuse
+    assert resolve_fused("auto", params, MixedPrecision("bf16-mixed", "cpu"), 1.0, devices=("cpu",)) is True
+    clip_fused_too(plugin)  # what HeterMoEStrategy does to its plugin at set-up
+    assert plugin.clips_fused
+    assert resolve_fused("auto", params, plugin, 1.0, devices=("cpu",)) is True
+
+
+def test_a_fused_setting_other_than_true_false_or_auto_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"optim\.fused='yes' is invalid: must be true, false or auto"):
+        OptimConfig(fused="yes")
+
+
+@pytest.mark.parametrize("setting, fused", [(True, True), ("auto", None), (False, None)])
+def test_the_model_builds_its_optimizer_from_the_setting(setting, fused):
+    model = make_model(4, optim=OptimConfig(fused=setting))  # outside a Trainer, on the CPU
+    got = model.configure_optimizers()
+    opt = got["optimizer"] if isinstance(got, dict) else got
+    assert opt.defaults["fused"] is fused
+
+
+class Recorder(MoELanguageModel):
+    """Records what ``optim.fused=auto`` would choose, were the CPU a fused device, at the
+    moment Lightning builds the optimizers (the plugin as the strategy left it)."""
+
+    def configure_optimizers(self):
+        t = self.trainer
+        self.auto = resolve_fused("auto", list(self.parameters()), t.precision_plugin, t.gradient_clip_val,
+                                  devices=("cpu",))
+        return super().configure_optimizers()
+
+
+def auto_under(strategy) -> bool | None:
+    model = make_model(4)
+    model.__class__ = Recorder
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    t = trainer(strategy, 1, max_steps=1, plugins=[plugin], gradient_clip_val=1.0)
+    t.fit(model, datamodule=data(1))
+    return model.auto
+
+
+def auto_under_hetermoe(rank: int) -> bool | None:
+    return auto_under(HeterMoEStrategy())
+
+
+def test_under_the_strategy_auto_sees_a_plugin_that_clips_for_a_fused_optimizer():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    # clip_fused_too runs before the optimizers are built: auto may take the fused step
+    # (its own process: the strategy leaves a process group behind)
+    assert run_ranks(1, auto_under_hetermoe)[0] is True
+    # Lightning's own strategy leaves the plugin refusing: auto keeps torch's step
+    assert auto_under(SingleDeviceStrategy("cpu")) is None

@@ -29,6 +29,24 @@ def unpack_batch(batch) -> tuple[Tensor, Tensor, Tensor | None]:
     return batch[0], batch[1], batch[2] if len(batch) == 3 else None
 
 
+def resolve_fused(setting: bool | str, params: list[Tensor], plugin: Any = None, clip_val: float | None = None,
+                  devices: tuple[str, ...] = ("cuda",)) -> bool | None:
+    """The optimizer's ``fused`` argument for ``optim.fused``: ``True`` or ``False`` as given
+    (``False`` leaves torch its own choice: ``None``); ``auto``: ``True`` where every
+    parameter is a floating-point tensor on one of ``devices`` (GPUs), unless the
+    precision ``plugin`` has a loss scaler, the trainer clips, and the plugin cannot clip
+    for an optimizer that unscales in its own step (Lightning's own 16-mixed refuses to:
+    ``HeterMoEStrategy`` unscales first and says so with ``clips_fused``). Elsewhere
+    ``None``: torch's default (its multi-tensor step on a GPU)."""
+    if setting != "auto":
+        return True if setting else None
+    if not params or not all(p.device.type in devices and p.is_floating_point() for p in params):
+        return None
+    refuses = (getattr(plugin, "scaler", None) is not None and bool(clip_val)
+               and not getattr(plugin, "clips_fused", False))
+    return None if refuses else True
+
+
 class MoELanguageModel(L.LightningModule):
     def __init__(self, model: ModelConfig | dict | None = None, optim: OptimConfig | dict | None = None) -> None:
         super().__init__()
@@ -81,15 +99,21 @@ class MoELanguageModel(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # a module outside a Trainer (configured by hand)
+            trainer = None
+        fused = resolve_fused(o.fused, list(self.parameters()), trainer.precision_plugin if trainer else None,
+                              trainer.gradient_clip_val if trainer else None)
         if o.name == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
-                                  nesterov=o.nesterov, fused=o.fused or None)
+                                  nesterov=o.nesterov, fused=fused)
         elif o.name == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
-                                   fused=o.fused or None)
+                                   fused=fused)
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
-                                    fused=o.fused or None)
+                                    fused=fused)
         if o.warmup_steps == 0:
             return opt
         warmup = o.warmup_steps

@@ -92,8 +92,9 @@ def agree_on_overflow(plugin: Any) -> None:
 
 
 def clip_fused_too(plugin: Any) -> None:
-    """Let ``plugin`` (16-mixed, with a scaler) clip for a fused optimizer (once)."""
-    if getattr(plugin, "scaler", None) is None or getattr(plugin, "_clips_fused", False):
+    """Let ``plugin`` (16-mixed, with a scaler) clip for a fused optimizer (once); it then
+    says so in ``plugin.clips_fused``."""
+    if getattr(plugin, "scaler", None) is None or getattr(plugin, "clips_fused", False):
         return
     refusing = plugin.clip_gradients
 
@@ -107,4 +108,5 @@ def clip_fused_too(plugin: Any) -> None:
         return Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
 
     plugin.clip_gradients = clip_gradients
-    plugin._clips_fused = True
+    # read by optim.fused=auto (model/lm.py): such a plugin can clip for a fused optimizer
+    plugin.clips_fused = True
