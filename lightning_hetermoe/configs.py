@@ -218,7 +218,7 @@ class OptimConfig:
     # torch's fused step: one kernel over the parameters and no temporaries (the default
     # multi-tensor Adam step allocates 4 bytes per parameter at once on a GPU and moves 84
     # bytes per fp32 parameter against the fused step's 32). auto: fused where every
-    # parameter is on a GPU and the run can clip for it (resolve_fused)
+    # parameter is on a GPU or the CPU and the run can clip for it (model.lm.resolve_fused)
     fused: bool | str = "auto"
 
     def __post_init__(self) -> None:

@@ -97,14 +97,12 @@ def cpu_params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
 
 
-def test_auto_takes_the_fused_step_only_where_every_parameter_is_on_a_gpu():
+def test_auto_takes_the_fused_step_only_where_every_parameter_is_on_a_device_that_has_it():
     params = cpu_params()
-    assert resolve_fused("auto", params) is None  # CPU tensors: torch's own default
-    # the same rule with the CPU counted as a fused device: every parameter qualifies
-    assert resolve_fused("auto", params, devices=("cpu",)) is True
+    assert resolve_fused("auto", params) is True  # the CPU has torch's fused step, as GPUs do
+    assert resolve_fused("auto", params, devices=("cuda",)) is None  # a device without it: torch's own default
     # one parameter elsewhere (not yet materialised) is enough to keep torch's default
-    assert resolve_fused("auto", params + [torch.nn.Parameter(torch.empty(2, device="meta"))],
-                         devices=("cpu",)) is None
+    assert resolve_fused("auto", params + [torch.nn.Parameter(torch.empty(2, device="meta"))]) is None
     assert resolve_fused(True, params) is True and resolve_fused(False, params) is None
 
 
@@ -112,12 +110,12 @@ def test_auto_keeps_torch_s_step_where_the_precision_plugin_would_refuse_to_clip
     params = cpu_params()
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     # Lightning's own 16-mixed with clipping refuses a fused optimizer (the test above)
-    assert resolve_fused("auto", params, plugin, 1.0, devices=("cpu",)) is None
-    assert resolve_fused("auto", params, plugin, None, devices=("cpu",)) is True  # no clip: nothing to refuse
-    assert resolve_fused("auto", params, MixedPrecision("bf16-mixed", "cpu"), 1.0, devices=("cpu",)) is True
+    assert resolve_fused("auto", params, plugin, 1.0) is None
+    assert resolve_fused("auto", params, plugin, None) is True  # no clip: nothing to refuse
+    assert resolve_fused("auto", params, MixedPrecision("bf16-mixed", "cpu"), 1.0) is True
     clip_fused_too(plugin)  # what HeterMoEStrategy does to its plugin at set-up
     assert plugin.clips_fused
-    assert resolve_fused("auto", params, plugin, 1.0, devices=("cpu",)) is True
+    assert resolve_fused("auto", params, plugin, 1.0) is True
 
 
 def test_a_fused_setting_other_than_true_false_or_auto_is_refused_naming_the_field():
@@ -125,7 +123,7 @@ def test_a_fused_setting_other_than_true_false_or_auto_is_refused_naming_the_fie
         OptimConfig(fused="yes")
 
 
-@pytest.mark.parametrize("setting, fused", [(True, True), ("auto", None), (False, None)])
+@pytest.mark.parametrize("setting, fused", [(True, True), ("auto", True), (False, None)])
 def test_the_model_builds_its_optimizer_from_the_setting(setting, fused):
     model = make_model(4, optim=OptimConfig(fused=setting))  # outside a Trainer, on the CPU
     got = model.configure_optimizers()
@@ -134,14 +132,13 @@ def test_the_model_builds_its_optimizer_from_the_setting(setting, fused):
 
 
 class Recorder(MoELanguageModel):
-    """Records what ``optim.fused=auto`` would choose, were the CPU a fused device, at the
-    moment Lightning builds the optimizers (the plugin as the strategy left it)."""
+    """Records the optimizer ``optim.fused=auto`` built, with the plugin as the strategy
+    left it when Lightning builds the optimizers."""
 
     def configure_optimizers(self):
-        t = self.trainer
-        self.auto = resolve_fused("auto", list(self.parameters()), t.precision_plugin, t.gradient_clip_val,
-                                  devices=("cpu",))
-        return super().configure_optimizers()
+        got = super().configure_optimizers()
+        self.auto = got["optimizer"].defaults["fused"]
+        return got
 
 
 def auto_under(strategy) -> bool | None:
