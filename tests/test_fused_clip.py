@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.plugins import MixedPrecision, Precision
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
@@ -112,10 +112,14 @@ def test_auto_keeps_torch_s_step_where_the_precision_plugin_would_refuse_to_clip
     # Lightning's own 16-mixed with clipping refuses a fused optimizer (the test above)
     assert resolve_fused("auto", params, plugin, 1.0) is None
     assert resolve_fused("auto", params, plugin, None) is True  # no clip: nothing to refuse
-    assert resolve_fused("auto", params, MixedPrecision("bf16-mixed", "cpu"), 1.0) is True
-    clip_fused_too(plugin)  # what HeterMoEStrategy does to its plugin at set-up
-    assert plugin.clips_fused
-    assert resolve_fused("auto", params, plugin, 1.0) is True
+    # Lightning's bf16-mixed has no scaler and refuses all the same
+    bf16 = MixedPrecision("bf16-mixed", "cpu")
+    assert resolve_fused("auto", params, bf16, 1.0) is None
+    assert resolve_fused("auto", params, Precision(), 1.0) is True  # 32-true clips any optimizer
+    for p in (plugin, bf16):
+        clip_fused_too(p)  # what HeterMoEStrategy does to its plugin at set-up
+        assert p.clips_fused
+        assert resolve_fused("auto", params, p, 1.0) is True
 
 
 def test_a_fused_setting_other_than_true_false_or_auto_is_refused_naming_the_field():
@@ -141,24 +145,29 @@ class Recorder(MoELanguageModel):
         return got
 
 
-def auto_under(strategy) -> bool | None:
+def auto_under(strategy, precision: str) -> tuple[bool | None, int]:
+    """What auto built, and the steps a clipped fit then took (a refused clip raises)."""
     model = make_model(4)
     model.__class__ = Recorder
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    t = trainer(strategy, 1, max_steps=1, plugins=[plugin], gradient_clip_val=1.0)
+    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    t = trainer(strategy, 1, max_steps=2, plugins=[MixedPrecision(precision, "cpu", scaler=scaler)],
+                gradient_clip_val=1.0)
     t.fit(model, datamodule=data(1))
-    return model.auto
+    return model.auto, t.global_step
 
 
-def auto_under_hetermoe(rank: int) -> bool | None:
-    return auto_under(HeterMoEStrategy())
+def auto_under_hetermoe(rank: int) -> list[tuple[bool | None, int]]:
+    return [auto_under(HeterMoEStrategy(), precision) for precision in ("16-mixed", "bf16-mixed")]
 
 
 def test_under_the_strategy_auto_sees_a_plugin_that_clips_for_a_fused_optimizer():
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    # clip_fused_too runs before the optimizers are built: auto may take the fused step
-    # (its own process: the strategy leaves a process group behind)
-    assert run_ranks(1, auto_under_hetermoe)[0] is True
-    # Lightning's own strategy leaves the plugin refusing: auto keeps torch's step
-    assert auto_under(SingleDeviceStrategy("cpu")) is None
+    # clip_fused_too runs before the optimizers are built: auto takes the fused step, and
+    # the clip runs under both mixed precisions (its own process: the strategy leaves a
+    # process group behind)
+    assert run_ranks(1, auto_under_hetermoe)[0] == [(True, 2), (True, 2)]
+    # Lightning's own strategy leaves the plugin refusing: auto keeps torch's step, and the
+    # clipped fit trains
+    for precision in ("16-mixed", "bf16-mixed"):
+        assert auto_under(SingleDeviceStrategy("cpu"), precision) == (None, 2)

@@ -6,12 +6,13 @@ hardware has it.
   ranks hold gradients no other rank sees, so an overflow can show on one rank only; the
   scaler here max-reduces the inf/nan flags over the world after unscaling, so every rank
   skips the same steps and moves the scale the same way.
-* **Fused optimizers under 16-mixed with clipping.** Lightning refuses to clip for an
-  optimizer that unscales inside its own step (``fused=True``): the clip would read
-  gradients still multiplied by the loss scale. torch's ``GradScaler`` also takes an
-  explicit ``unscale_`` for such an optimizer (its step then skips its own unscaling and
-  keeps the overflow check), so here the gradients are unscaled first, with every rank's
-  verdict, and clipped as for any other optimizer.
+* **Fused optimizers under mixed precision with clipping.** Lightning refuses to clip for
+  an optimizer that unscales inside its own step (``fused=True``), under 16-mixed and
+  bf16-mixed alike: the clip would read gradients still multiplied by the loss scale.
+  torch's ``GradScaler`` also takes an explicit ``unscale_`` for such an optimizer (its step
+  then skips its own unscaling and keeps the overflow check), so here the gradients are
+  unscaled first, with every rank's verdict, and clipped as for any other optimizer (bf16
+  has no scale: clipped as they are).
 * **bf16** needs compute capability 8.0 (Ampere) or newer; on a V100 or T4 PyTorch only
   emulates it, far below the fp16 speed the planner assumes. A cluster with such a device
   and a bf16 precision is a config error before launch, unless the user asks for the
@@ -25,7 +26,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 import lightning_hetermoe.comm as comm
@@ -92,9 +93,10 @@ def agree_on_overflow(plugin: Any) -> None:
 
 
 def clip_fused_too(plugin: Any) -> None:
-    """Let ``plugin`` (16-mixed, with a scaler) clip for a fused optimizer (once); it then
-    says so in ``plugin.clips_fused``."""
-    if getattr(plugin, "scaler", None) is None or getattr(plugin, "clips_fused", False):
+    """Let ``plugin`` (Lightning's mixed precision, 16-mixed or bf16-mixed: it refuses to
+    clip for a fused optimizer even without a scaler) clip for one (once); it then says so
+    in ``plugin.clips_fused``."""
+    if not isinstance(plugin, MixedPrecision) or getattr(plugin, "clips_fused", False):
         return
     refusing = plugin.clip_gradients
 
@@ -103,7 +105,8 @@ def clip_fused_too(plugin: Any) -> None:
             return refusing(optimizer, clip_val, gradient_clip_algorithm)
         # a step whose backward was skipped has no gradients and takes no scaler step: its
         # unscale_ would stand until the next step's and be refused there
-        if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        if plugin.scaler is not None and any(p.grad is not None for g in optimizer.param_groups
+                                             for p in g["params"]):
             plugin.scaler.unscale_(optimizer)
         return Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
 
