@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from harness import run_ranks
-from lightning_hetermoe import HeterMoEStrategy, OptimConfig
+from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel, OptimConfig
 from reference import data, make_model, trainer
 from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
 
@@ -65,6 +66,64 @@ def test_checkpoint_top_k_early_stopping_and_lr_monitor_behave_as_under_ddp_in_e
         assert got["score"] == pytest.approx(per_rank[0]["ep"]["score"], rel=1e-4), (mode, got["score"])
     logged = (tmp_path / "zebra" / "log" / "version_0" / "metrics.csv").read_text()
     assert "lr-AdamW" in logged.splitlines()[0] and "val_loss" in logged.splitlines()[0]
+
+
+class PlateauOn(MoELanguageModel):
+    """AdamW under ReduceLROnPlateau watching a training loss logged with ``sync_dist`` (as
+    under DDP, where a rank's own loss would cut each rank's LR apart), per step or per
+    epoch; no patience, and an improvement must beat the best by 1e9: it cuts each time it
+    is asked after the first (which finds the first best)."""
+
+    interval = "step"
+
+    def training_step(self, batch, batch_idx):
+        out = self.losses(batch)
+        self.log("synced_ce", out["ce"], sync_dist=True, on_step=True, on_epoch=True)
+        return out["loss"]
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=1e9,
+                                                           threshold_mode="abs")
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval,
+                                                   "monitor": "synced_ce_step" if self.interval == "step"
+                                                   else "synced_ce_epoch"}}
+
+
+class LRs(L.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def plateau_fit(rank: int, world: int) -> dict:
+    out = {}
+    for mode in MODES:
+        for interval in ("step", "epoch"):
+            model = make_model(4, seed=rank, optim=OptimConfig())
+            model.__class__ = PlateauOn
+            model.interval = interval
+            seen = LRs()
+            t = trainer(_strategy(mode, world), world, max_epochs=3, limit_train_batches=2, callbacks=[seen])
+            t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+            out[(mode, interval)] = seen.lrs
+    return out
+
+
+@pytest.mark.slow
+def test_reduce_lr_on_plateau_watching_a_training_metric_steps_alike_on_every_rank_in_every_mode():
+    # under zebra and distep the expert ranks log nothing: the monitored metric is shared
+    # with them before Lightning steps the scheduler there
+    per_rank = run_ranks(2, plateau_fit, 2)
+    for (mode, interval), lrs in per_rank[0].items():
+        assert per_rank[1][(mode, interval)] == lrs, (mode, interval)
+        assert lrs == per_rank[0][("ep", interval)], (mode, interval)
+    # asked after every step from the first: cut from the third step's LR on
+    assert per_rank[0][("ep", "step")] == [1e-3, 1e-3, 5e-4, 2.5e-4, 1.25e-4, 6.25e-5]
+    # asked after epochs 1 and 2 of 3 (two steps each): cut once, for the third
+    assert per_rank[0][("ep", "epoch")] == [1e-3] * 4 + [5e-4] * 2
 
 
 @pytest.mark.slow

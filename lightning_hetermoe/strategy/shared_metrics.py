@@ -14,7 +14,9 @@ sharing reads the values on the host once more, so a training batch after which 
 checkpoint checks shares nothing. They are shared at the end of validation (the monitored
 ``val_loss``), at the end of a training epoch where a checkpoint or early stopping callback
 runs, and after a training batch only where a ``ModelCheckpoint`` checks at that step
-(``every_n_train_steps``; ``train_time_interval`` checks the time after every batch). A
+(``every_n_train_steps``; ``train_time_interval`` checks the time after every batch); and
+after every training batch (or epoch) where a ``ReduceLROnPlateau`` steps per step (or
+epoch): Lightning steps it on every rank from the monitored metric. A
 callback of the user's own that reads metrics after every training batch sees those of
 the last share on the ranks that do not log.
 """
@@ -50,16 +52,23 @@ class SharedCallbackMetrics(L.Callback):
                 {k: values[i].to(dtypes.get(k, torch.float32)) for i, k in enumerate(numbers)})
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        if any(_checks_after_batch(c, trainer) for c in trainer.callbacks):
+        if _plateau(trainer, "step") or any(_checks_after_batch(c, trainer) for c in trainer.callbacks):
             self._share(trainer)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if any(isinstance(c, (ModelCheckpoint, EarlyStopping)) for c in trainer.callbacks):
+        if _plateau(trainer, "epoch") or any(isinstance(c, (ModelCheckpoint, EarlyStopping)) for c in trainer.callbacks):
             self._share(trainer)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._share(trainer)
+
+
+def _plateau(trainer: Any, interval: str) -> bool:
+    """Whether a scheduler that reads a monitored metric (``ReduceLROnPlateau``) steps per
+    ``interval``: Lightning steps it after the training batch's (or epoch's) callbacks, on
+    every rank, from the callback metrics."""
+    return any(c.reduce_on_plateau and c.interval == interval for c in trainer.lr_scheduler_configs)
 
 
 def _checks_after_batch(callback: Any, trainer: Any) -> bool:
