@@ -126,6 +126,63 @@ def test_reduce_lr_on_plateau_watching_a_training_metric_steps_alike_on_every_ra
     assert per_rank[0][("ep", "epoch")] == [1e-3] * 4 + [5e-4] * 2
 
 
+class ReturnsExtras(MoELanguageModel):
+    """A training step that returns a dict: the loss, a detached scalar and a per-row tensor."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.losses(batch)
+        return {"loss": out["loss"], "ce": out["ce"].detach(), "rows": batch[0][:, 0].float()}
+
+
+class Outputs(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.append({k: float(v) for k, v in outputs.items() if k != "rows"} | {"keys": sorted(outputs)})
+
+
+def outputs_fit(rank: int, world: int) -> dict:
+    out = {}
+    for mode in MODES:
+        model = make_model(4, seed=0, optim=OptimConfig())
+        model.__class__ = ReturnsExtras
+        seen = Outputs()
+        t = trainer(_strategy(mode, world), world, max_steps=3, callbacks=[seen])
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[mode] = seen.seen
+    return out
+
+
+@pytest.mark.slow
+def test_a_training_step_s_extra_scalars_reach_on_train_batch_end_in_every_mode():
+    per_rank = run_ranks(2, outputs_fit, 2)
+    ep = [per_rank[0]["ep"], per_rank[1]["ep"]]
+    assert [s["keys"] for s in ep[0]] == [["ce", "loss", "rows"]] * 3  # as under DDP: each rank's own
+    for mode in ("zebra", "distep"):
+        mine = per_rank[0][mode]
+        assert per_rank[1][mode] == mine, mode  # the expert rank too, though it ran no training_step
+        # the global batch's means (one sequence per micro-batch, equal token counts): the
+        # mean of ep's two ranks' own, step by step (every mode trains the same model);
+        # per-row tensors have no global mean and are left out (said once)
+        assert [s["keys"] for s in mine] == [["ce", "loss"]] * 3, mode
+        for step, got in enumerate(mine):
+            for key in ("ce", "loss"):
+                assert got[key] == pytest.approx((ep[0][step][key] + ep[1][step][key]) / 2, rel=1e-4), (mode, step)
+
+
+def test_the_extras_of_a_training_step_are_its_scalars_and_must_not_change():
+    from lightning_hetermoe.strategy.backends.zebra.executor import ZebraContractError
+    from lightning_hetermoe.strategy.backends.zebra.train_outputs import extra_values, extras_of
+
+    result = {"loss": torch.tensor(1.0), "b": torch.tensor([2.0]), "a": 3, "rows": torch.ones(4), "on": True}
+    assert extras_of(result) == (["a", "b"], ["on", "rows"])
+    assert extras_of(torch.tensor(1.0)) == ([], [])
+    assert [float(v) for v in extra_values(result, ["a", "b"], 0)] == [3.0, 2.0]
+    with pytest.raises(ZebraContractError, match=r"micro-batch 1 returned the extra scalars \['a', 'b'\].*\['a'\]"):
+        extra_values(result, ["a"], 1)
+
+
 @pytest.mark.slow
 def test_gradient_clipping_by_value_equals_one_process_in_every_mode():
     from helpers_zebra import check

@@ -35,6 +35,7 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import ExitStack, nullcontext
 from typing import Any, Callable
 
@@ -57,7 +58,7 @@ from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_who
 from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, split_sizes, take
 from ...expert_state import gather_experts, restore_local, slice_experts
 from ...grad_norm import squared_norm
-from . import outputs
+from . import outputs, train_outputs
 from .cuts import BlockCuts
 from .exchange import Exchange
 from .executor import StepInput, StepOutput, StepRun, ZebraContractError, loss_of
@@ -177,6 +178,7 @@ class ZebraBackend(ParallelBackend):
         self._blocks: list[nn.Module] = []
         self.bucket_bytes = BUCKET_BYTES  # the dense gradient sync's bucket size
         self.last_buckets = 0  # buckets the last dense gradient sync issued
+        self._train_extras: list[str] | None = None  # see _extra_keys
 
     @property
     def num_microbatches(self) -> int:
@@ -335,13 +337,36 @@ class ZebraBackend(ParallelBackend):
         with context():
             return comm.wire_dtype_of(self.device, self.dtype)
 
-    def _result(self, out: StepOutput, step: StepInput) -> Tensor:
-        """A training step's value on every rank: the global mean loss."""
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+    def _result(self, out: StepOutput, step: StepInput) -> Tensor | dict[str, Tensor]:
+        """A training step's value on every rank: the global mean loss, and beside it the
+        global mean of each extra scalar the user's step returns (see :mod:`.train_outputs`)."""
+        keys = self._extra_keys(out)
+        values = torch.zeros(1 + len(keys), dtype=torch.float64, device=self.device)
         for j, result in out.results.items():
-            loss = loss + loss_of(result, j).detach().double() * step.fractions[j]
-        comm.all_reduce(comm.world(), loss, what="zebra.loss")
-        return loss.float()
+            row = [loss_of(result, j).detach()] + train_outputs.extra_values(result, keys, j)
+            values += torch.stack([torch.as_tensor(v, device=self.device).double().reshape(()) for v in row]) \
+                * step.fractions[j]
+        comm.all_reduce(comm.world(), values, what="zebra.loss")
+        values = values.float()
+        if not keys:
+            return values[0]
+        return {"loss": values[0], **{k: values[i + 1] for i, k in enumerate(keys)}}
+
+    def _extra_keys(self, out: StepOutput) -> list[str]:
+        """The extra scalars of the first attention rank's first training step, learnt
+        once (every rank takes part: the expert ranks cannot know them)."""
+        if self._train_extras is None:
+            mine = None
+            if self.layout.rank == self.plan.attention_ranks[0] and out.results:
+                mine = train_outputs.extras_of(out.results[min(out.results)])
+            scalars, left_out = comm.gather_objects(comm.world(), mine, what="zebra.train_outputs")[
+                self.plan.attention_ranks[0]]
+            if left_out and self.layout.rank == self.plan.attention_ranks[0]:
+                warnings.warn(f"{self.schedule}: training_step returns {left_out} beside 'loss', which are not "
+                               f"scalars: on_train_batch_end receives the global batch's mean loss and the means of "
+                               f"{scalars or 'no other value'}, not these")
+            self._train_extras = scalars
+        return self._train_extras
 
     def _evaluated(self, hook: str, out: StepOutput, step: StepInput, logs: MicrobatchLogs, full: GlobalBatch) -> Any:
         """An evaluation step's value on every rank, as under DDP: the outputs of the rows
