@@ -183,6 +183,37 @@ def test_the_extras_of_a_training_step_are_its_scalars_and_must_not_change():
         extra_values(result, ["a"], 1)
 
 
+class LogsPerEpoch(MoELanguageModel):
+    def training_step(self, batch, batch_idx):
+        out = self.losses(batch)
+        self.log("ce_epoch", out["ce"], on_step=False, on_epoch=True, sync_dist=True)
+        return out["loss"]
+
+
+def epoch_metric_fit(rank: int, world: int, root: str) -> dict:
+    out = {}
+    two = dict(plan=make_test_plan(world, [0, 1], R=2, placement=[[0, 0, 1, 1], [0, 0, 1, 1]]))
+    for mode, kwargs in (("ep", {}), ("zebra", two), ("distep", two), ("auto", {})):
+        model = make_model(4, seed=0, optim=OptimConfig())
+        model.__class__ = LogsPerEpoch
+        t = trainer(HeterMoEStrategy(mode=mode, **kwargs), world, max_steps=2, enable_checkpointing=True,
+                    default_root_dir=os.path.join(root, mode))
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[mode] = float(t.callback_metrics["ce_epoch"])
+    return out
+
+
+@pytest.mark.slow
+def test_an_epoch_metric_synced_over_two_attention_ranks_ends_the_epoch_in_every_mode(tmp_path):
+    # a checkpoint callback (Lightning's default) shares the metrics at the epoch's end: the
+    # first read of a sync_dist epoch metric reduces it over the attention ranks, which every
+    # one of them must join (it hung when only the first read it)
+    per_rank = run_ranks(2, epoch_metric_fit, 2, str(tmp_path), timeout=150)
+    assert per_rank[0] == per_rank[1]
+    for mode, value in per_rank[0].items():
+        assert value == pytest.approx(per_rank[0]["ep"], rel=1e-5), mode
+
+
 @pytest.mark.slow
 def test_gradient_clipping_by_value_equals_one_process_in_every_mode():
     from helpers_zebra import check

@@ -40,7 +40,11 @@ class SharedCallbackMetrics(L.Callback):
 
     def _share(self, trainer: Any) -> None:
         mine = trainer.global_rank == self.source
-        described = _host_numbers(trainer.callback_metrics) if mine else None
+        # Read on every rank: the first read of an epoch's metrics logged with sync_dist runs
+        # their reduce over the attention ranks, which every attention rank must join (read
+        # on the source alone, it waited there for peers already in the gather below)
+        metrics = trainer.callback_metrics
+        described = _host_numbers(metrics) if mine else None
         numbers, dtypes = comm.gather_objects(comm.world(), described, what="strategy.callback_metrics")[self.source]
         if not mine and numbers:
             # the connector's own store: its callback_metrics property adds this rank's (none) on
