@@ -121,14 +121,14 @@ def fit_fp16_sgd(rank: int, world: int, cases: list[dict]) -> list[dict]:
     return out
 
 
-def test_fp16_sgd_lands_where_one_process_lands_under_ep_and_zebra():
+def test_fp16_sgd_lands_where_one_process_lands_under_ep_zebra_and_datacentric():
     """fp16 by the plugin (dynamic loss scaling from 2**16), SGD with momentum: after 10 steps
     each rank's model is within 2% of the parameters' move (norm over all of them) of one
     process on the same global batches, having skipped the same steps. SGD passes gradient
     scale errors and skipped steps straight into the weights (AdamW normalises them away).
 
-    Under ep each rank backpropagates its share of the global loss, so its fp16 values are
-    the ones one process computes (before: its own mean, every gradient world-size times
+    Under ep and datacentric each rank backpropagates its share of the global loss, so its
+    fp16 values are the ones one process computes (before: its own mean, every gradient world-size times
     one process's, overflowing where one process does not); the routers compute in fp32
     under autocast (before: fp16, and the aux losses with them, where 2**16 overflows); the
     rows go out in fp16. The gap of one seed is noisy (fp16 rounding now and then flips a
@@ -138,13 +138,13 @@ def test_fp16_sgd_lands_where_one_process_lands_under_ep_and_zebra():
     that noise floor, measured here on the same reference; a scale error or a skipped step
     moves the weights by far more. bench/fp16_parity.py measures over seeds."""
     plan = make_test_plan(2, [0], R=2)
-    cases = [dict(mode="ep"), dict(mode="zebra", plan=plan)]
+    cases = [dict(mode="ep"), dict(mode="zebra", plan=plan), dict(mode="datacentric")]
     per_rank = run_ranks(2, fit_fp16_sgd, 2, cases)
     for c, case in enumerate(cases):
         model = make_model(4, seed=0, optim=OptimConfig(**SGD))
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         scaler = ScaleHistory("cpu")
-        cut = pieces(plan, case["mode"]) if case["mode"] != "ep" else None
+        cut = pieces(plan, case["mode"]) if case["mode"] in ("zebra", "distep") else None
         expected = reference_fit(model, SGD_STEPS, global_batch=GLOBAL[2], windows=WINDOWS[2], pieces=cut,
                                  scaler=scaler)
         floor = relative_gap(perturbed_fit(model, SGD_STEPS, global_batch=GLOBAL[2], windows=WINDOWS[2], pieces=cut,

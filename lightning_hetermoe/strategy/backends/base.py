@@ -255,10 +255,24 @@ class DenseDDPBackend(ParallelBackend):
 
     def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
                  module: nn.Module) -> Tensor:
+        # Each rank backpropagates its share of the global mean loss (n_r / N of it), not its
+        # own mean, and the gradients are summed over the ranks (:meth:`sum_dense_grads`, the
+        # experts' own sync). Every value of a rank's backward is then the one one process
+        # computes for those rows: under fp16 the loss-scaled gradients overflow where one
+        # process's do, not at 1 / world of its threshold (which skipped steps one process
+        # takes), and round alike.
         try:
-            return default(closure_loss * self._loss_weight)
+            return default(closure_loss * self._loss_weight / self.world_size)
         finally:
             self._real = None  # kept through the backward: checkpointed blocks recompute in it
+
+    def sum_dense_grads(self, module: nn.Module) -> None:
+        """DDP averaged the dense gradients of the ranks' shares: their sum."""
+        if self.world_size > 1:
+            experts = {id(p) for layer in self._layers for p in layer.experts.parameters()}
+            dense = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in experts]
+            if dense:
+                torch._foreach_mul_(dense, float(self.world_size))
 
     @property
     def spread(self) -> bool:

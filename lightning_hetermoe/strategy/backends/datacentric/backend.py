@@ -171,7 +171,11 @@ class DataCentricBackend(DenseDDPBackend):
     def reduce_scatter(self, shard: Shard, grad: Tensor) -> Tensor:
         out = grad.new_empty(shard.chunk)
         comm.reduce_scatter(self.group, out, shard.spread(grad.contiguous()), what="datacentric.grads")
-        return out[: shard.sizes[self.rank]].div_(self.world_size)
+        # each rank backpropagated its share of the global mean loss (see backward): the sum
+        return out[: shard.sizes[self.rank]]
+
+    def sync_grads(self, module: nn.Module) -> None:
+        self.sum_dense_grads(module)
 
     # -- the step -----------------------------------------------------------------------
     def step(self, module: nn.Module, hook: str, default: StepFn, precision: Any, args: tuple,

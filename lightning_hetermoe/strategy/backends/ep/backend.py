@@ -10,7 +10,7 @@ placement-independent state.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -103,21 +103,8 @@ class ExpertParallelBackend(DenseDDPBackend):
              kwargs: dict) -> Any:
         return default(*self.step_args(module, hook, args, speed=self.balanced), **kwargs)
 
-    def backward(self, closure_loss: Tensor, default: Callable[[Tensor], Tensor], precision: Any,
-                 module: nn.Module) -> Tensor:
-        # Each rank backpropagates its share of the global mean loss (n_r / N of it), not its
-        # own mean, and the gradients are summed over the ranks (:meth:`sync_grads`). Every
-        # value of a rank's backward is then the one one process computes for those rows: under
-        # fp16 the loss-scaled gradients overflow where one process's overflow, not at
-        # 1 / world of its threshold (which skipped steps one process takes), and round alike.
-        return super().backward(closure_loss / self.world_size, default, precision, module)
-
     def sync_grads(self, module: nn.Module) -> None:
-        if self.world_size > 1:  # DDP averaged the dense gradients of the shares: their sum
-            experts = {id(p) for layer in self._layers for p in layer.experts.parameters()}
-            dense = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in experts]
-            if dense:
-                torch._foreach_mul_(dense, float(self.world_size))
+        self.sum_dense_grads(module)
         if self._sharded:
             reduce_expert_grads(module, self.groups)
 
