@@ -27,6 +27,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -124,23 +125,43 @@ def gradients(model_name: str, expert_layers: int, seed: int, device: str = "cpu
     return [torch.randn(s, generator=g, device=device) * 1e-3 for s in shapes]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="olmoe_1b_7b")
+def rank_state_parser(doc: str, model: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments of a benchmark over a rank's state (this one and ``optimizer_step.py``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--model", default=model)
     ap.add_argument("--expert-layers", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", help="also write the last line's JSON here")
-    args = ap.parse_args()
-    torch.manual_seed(0)
+    return ap
+
+
+def rank_state(args: argparse.Namespace, noun: str) -> tuple[torch.device, Callable[[], None], list[torch.Tensor]]:
+    """``args``' device, how to wait for it, and the rank's tensors (:func:`gradients`), said
+    in one line."""
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     base = gradients(args.model, args.expert_layers, seed=0, device=args.device)
     n = sum(g.numel() for g in base)
-    print(f"{args.model}: {len(base)} gradients, {n / 1e6:.1f}M elements ({n * 4 / 2**30:.2f} GiB fp32), "
+    print(f"{args.model}: {len(base)} {noun}, {n / 1e6:.1f}M elements ({n * 4 / 2**30:.2f} GiB fp32), "
           f"the largest {max(g.numel() for g in base) / 1e6:.1f}M; "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}",
           flush=True)
+    return device, sync, base
+
+
+def emit(result: dict, path: str | None) -> None:
+    """The last line's JSON, also written to ``path`` where given."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+
+
+def main() -> None:
+    args = rank_state_parser(__doc__, "olmoe_1b_7b", 5).parse_args()
+    torch.manual_seed(0)
+    device, sync, base = rank_state(args, "gradients")
+    n = sum(g.numel() for g in base)
     exact = float(sum(g.double().square().sum() for g in base))
     rows = {}
     for name, (hand, fn) in CONTENDERS.items():
@@ -173,9 +194,7 @@ def main() -> None:
           f"at once")
     result = {"model": args.model, "device": str(device), "elements": n, "rows": rows, **ratios,
               "work_done_at": time.time()}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

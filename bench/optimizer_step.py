@@ -19,15 +19,12 @@ The last line is JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from clip_norm import Traffic, gradients
+from clip_norm import Traffic, emit, rank_state, rank_state_parser
 from lightning_hetermoe.configs import OptimConfig
 
 IMPLEMENTATIONS = {"per parameter (foreach=False)": {"foreach": False}, "multi-tensor (foreach=True)": {"foreach": True},
@@ -45,20 +42,9 @@ def make(base: list[torch.Tensor], how: dict) -> tuple[torch.optim.Optimizer, li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="d1")
-    ap.add_argument("--expert-layers", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--json", help="also write the last line's JSON here")
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    base = gradients(args.model, args.expert_layers, seed=0, device=args.device)
+    args = rank_state_parser(__doc__, "d1", 3).parse_args()
+    device, sync, base = rank_state(args, "parameters")
     n = sum(g.numel() for g in base)
-    print(f"{args.model}: {len(base)} parameters, {n / 1e6:.1f}M elements ({n * 4 / 2**30:.2f} GiB fp32), "
-          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}",
-          flush=True)
     rows, reference = {}, None
     for name, how in IMPLEMENTATIONS.items():
         opt, params = make(base, how)
@@ -89,9 +75,7 @@ def main() -> None:
         print(f"  {name:30} {q['time_over_fused']:.2f}x the fused step's time, {q['bytes_over_fused']:.2f}x its bytes")
     result = {"model": args.model, "device": str(device), "elements": n, "rows": rows, "over_fused": ratios,
               "work_done_at": time.time()}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

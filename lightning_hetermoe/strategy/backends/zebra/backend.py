@@ -344,8 +344,9 @@ class ZebraBackend(ParallelBackend):
         values = torch.zeros(1 + len(keys), dtype=torch.float64, device=self.device)
         for j, result in out.results.items():
             row = [loss_of(result, j).detach()] + train_outputs.extra_values(result, keys, j)
-            values += torch.stack([torch.as_tensor(v, device=self.device).double().reshape(()) for v in row]) \
-                * step.fractions[j]
+            for i, v in enumerate(row):
+                # a tensor added on its device, a number as the add's scalar (no copy to the device)
+                values[i] += (v.double().reshape(()) if isinstance(v, Tensor) else v) * step.fractions[j]
         comm.all_reduce(comm.world(), values, what="zebra.loss")
         values = values.float()
         if not keys:
@@ -356,12 +357,12 @@ class ZebraBackend(ParallelBackend):
         """The extra scalars of the first attention rank's first training step, learnt
         once (every rank takes part: the expert ranks cannot know them)."""
         if self._train_extras is None:
+            first = self.plan.attention_ranks[0]
             mine = None
-            if self.layout.rank == self.plan.attention_ranks[0] and out.results:
+            if self.layout.rank == first and out.results:
                 mine = train_outputs.extras_of(out.results[min(out.results)])
-            scalars, left_out = comm.gather_objects(comm.world(), mine, what="zebra.train_outputs")[
-                self.plan.attention_ranks[0]]
-            if left_out and self.layout.rank == self.plan.attention_ranks[0]:
+            scalars, left_out = comm.gather_objects(comm.world(), mine, what="zebra.train_outputs")[first]
+            if left_out and self.layout.rank == first:
                 warnings.warn(f"{self.schedule}: training_step returns {left_out} beside 'loss', which are not "
                                f"scalars: on_train_batch_end receives the global batch's mean loss and the means of "
                                f"{scalars or 'no other value'}, not these")
