@@ -14,7 +14,17 @@ bytes every aten call read and wrote (per parameter: the memory traffic a GPU st
 at its bandwidth), and the largest tensor one allocated (the step's temporaries). Then
 each over the fused step. ``optim.fused=auto`` takes the fused step on a GPU; the cost
 model prices a step at 36 bytes per parameter (``CostModel.optimizer_bytes_per_param``).
-The last line is JSON.
+
+Then the fused step behind gradient clipping at 1.0 (it binds: the gradients' norm is in
+the hundreds), as the strategy clips: the global norm (``strategy/grad_norm.py``), then
+either every gradient scaled by ``clip / norm`` before the step (Lightning's way, and the
+strategy's under a loss scaler) or the coefficient handed to the fused step as its
+gradient divisor (``fold_into_step``: the strategy's way without one). Both leave the same
+clipped gradients behind; the parameters are compared. The byte count takes every tensor
+an operation may write as written: the fused step's gradients count as written with or
+without a divisor, though without one the step leaves them alone (on a GPU: 28 bytes per
+parameter, so the scaled clip moves 40 where the count says 44; the folded clip's 36 are
+what it moves). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -24,8 +34,9 @@ import time
 
 import torch
 
-from clip_norm import Traffic, emit, rank_state, rank_state_parser
+from clip_norm import CLIP, Traffic, emit, rank_state, rank_state_parser
 from lightning_hetermoe.configs import OptimConfig
+from lightning_hetermoe.strategy.grad_norm import clip_coefficient, fold_into_step, scale_, squared_norm, unfold
 
 IMPLEMENTATIONS = {"per parameter (foreach=False)": {"foreach": False}, "multi-tensor (foreach=True)": {"foreach": True},
                    "fused (fused=True)": {"fused": True}}
@@ -41,26 +52,65 @@ def make(base: list[torch.Tensor], how: dict) -> tuple[torch.optim.Optimizer, li
     return opt, params
 
 
+def clipped(fold: bool):
+    """The clip, then the fused step: the gradients scaled first, or the clip folded in."""
+    def step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], base: list[torch.Tensor]) -> None:
+        for p, g in zip(params, base):
+            p.grad.copy_(g)  # the same unclipped gradients at every step (outside the timing)
+        yield
+        coef = clip_coefficient(squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP)
+        if fold:
+            fold_into_step(opt, coef)
+        else:
+            scale_([p.grad for p in params], coef)
+        opt.step()
+        unfold(opt)
+    return step
+
+
+def plain(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], base: list[torch.Tensor]):
+    yield
+    opt.step()
+
+
+CLIPPED = {"fused, clip scaled first": clipped(False), "fused, clip folded in": clipped(True)}
+
+
+def timed(opt, params, base, step, repeats: int, sync) -> tuple[float, Traffic]:
+    """Median seconds of ``step`` over ``repeats``, and one more step's traffic (each
+    ``step`` a generator: what comes before its ``yield`` is set-up, not timed)."""
+    times = []
+    for _ in range(repeats):
+        run = step(opt, params, base)
+        next(run)
+        sync()
+        t0 = time.perf_counter()
+        next(run, None)
+        sync()
+        times.append(time.perf_counter() - t0)
+    run = step(opt, params, base)
+    next(run)
+    with Traffic() as traffic:
+        next(run, None)
+    return statistics.median(times), traffic
+
+
 def main() -> None:
     args = rank_state_parser(__doc__, "d1", 3).parse_args()
     device, sync, base = rank_state(args, "parameters")
     n = sum(g.numel() for g in base)
     rows, reference = {}, None
-    for name, how in IMPLEMENTATIONS.items():
+    cases = [(name, how, plain) for name, how in IMPLEMENTATIONS.items()]
+    cases += [(name, {"fused": True}, step) for name, step in CLIPPED.items()]
+    for name, how, step in cases:
+        if name == next(iter(CLIPPED)):
+            reference = None  # the clipped steps land elsewhere: compared with each other
         opt, params = make(base, how)
-        times = []
-        for _ in range(args.repeats):
-            sync()
-            t0 = time.perf_counter()
-            opt.step()
-            sync()
-            times.append(time.perf_counter() - t0)
-        with Traffic() as traffic:
-            opt.step()
+        seconds, traffic = timed(opt, params, base, step, args.repeats, sync)
         # every implementation steps the same parameters from the same start, the same times
         landed = torch.cat([p.detach().flatten()[:4096].double() for p in params])
         reference = landed if reference is None else reference
-        rows[name] = {"s": statistics.median(times), "bytes_per_param": traffic.bytes / n,
+        rows[name] = {"s": seconds, "bytes_per_param": traffic.bytes / n,
                       "largest_alloc_bytes": traffic.largest,
                       "max_abs_diff_from_first": float((landed - reference).abs().max())}
         r = rows[name]
@@ -73,8 +123,13 @@ def main() -> None:
                      "bytes_over_fused": r["bytes_per_param"] / fused["bytes_per_param"]} for name, r in rows.items()}
     for name, q in ratios.items():
         print(f"  {name:30} {q['time_over_fused']:.2f}x the fused step's time, {q['bytes_over_fused']:.2f}x its bytes")
+    scaled, folded = (rows[name] for name in CLIPPED)
+    fold = {"time_scaled_over_folded": scaled["s"] / folded["s"],
+            "bytes_scaled_over_folded": scaled["bytes_per_param"] / folded["bytes_per_param"]}
+    print(f"  the clip scaled first: {fold['time_scaled_over_folded']:.2f}x the folded clip's time, "
+          f"{fold['bytes_scaled_over_folded']:.2f}x its bytes")
     result = {"model": args.model, "device": str(device), "elements": n, "rows": rows, "over_fused": ratios,
-              "work_done_at": time.time()}
+              "clip": CLIP, "clip_fold": fold, "work_done_at": time.time()}
     emit(result, args.json)
 
 

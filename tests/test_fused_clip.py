@@ -171,3 +171,110 @@ def test_under_the_strategy_auto_sees_a_plugin_that_clips_for_a_fused_optimizer(
     # clipped fit trains
     for precision in ("16-mixed", "bf16-mixed"):
         assert auto_under(SingleDeviceStrategy("cpu"), precision) == (None, 2)
+
+
+# ---- the clip folded into the fused step (no loss scaler) -----------------------------------
+
+def clipped_step(fold: bool, clip: float | None, optimizer: str) -> tuple[torch.Tensor, list[torch.Tensor], object]:
+    """One clipped step of a fused ``optimizer`` on two parameters: the gradients scaled by
+    ``clip / norm`` first, or the coefficient folded into the step (``clip=None``: no clip)."""
+    from lightning_hetermoe.strategy.grad_norm import clip_coefficient, fold_into_step, scale_, squared_norm, unfold
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(6, 5))]
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt = cls(params, lr=0.1, weight_decay=0.1, fused=True, **({"momentum": 0.9} if optimizer == "sgd" else {}))
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * 3  # a norm near 20: a clip at 1.0 bites
+        if clip is not None:
+            coef = clip_coefficient(squared_norm((p.grad for p in params), "cpu").sqrt(), clip)
+            if fold:
+                fold_into_step(opt, coef)
+            else:
+                scale_([p.grad for p in params], coef)
+        opt.step()
+        unfold(opt)
+    return torch.cat([p.detach().flatten() for p in params]), [p.grad.clone() for p in params], opt
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_clip_folded_into_a_fused_step_lands_where_scaling_first_lands(optimizer):
+    folded, folded_grads, opt = clipped_step(True, 1.0, optimizer)
+    scaled, scaled_grads, _ = clipped_step(False, 1.0, optimizer)
+    unclipped, _, _ = clipped_step(False, None, optimizer)
+    # a division where the scaling multiplied: fp32 rounding apart
+    torch.testing.assert_close(folded, scaled, rtol=1e-6, atol=1e-6)
+    # the step leaves the clipped gradients behind, as the scaling does
+    for f, s in zip(folded_grads, scaled_grads, strict=True):
+        torch.testing.assert_close(f, s, rtol=1e-6, atol=1e-7)
+    assert float(torch.cat([g.flatten() for g in folded_grads]).norm()) == pytest.approx(1.0, rel=1e-5)
+    # the clip is what moved them, and no divisor outlives the step
+    assert (unclipped - scaled).abs().max() > 1e-2
+    assert getattr(opt, "grad_scale", None) is None
+
+
+def test_only_a_fused_step_without_a_divisor_of_its_own_takes_the_clip():
+    from lightning_hetermoe.strategy.grad_norm import step_takes_scale
+
+    assert step_takes_scale(torch.optim.AdamW(cpu_params(), fused=True))
+    assert not step_takes_scale(torch.optim.AdamW(cpu_params(), foreach=True))
+    assert not step_takes_scale(torch.optim.AdamW(cpu_params()))
+    taken = torch.optim.SGD(cpu_params(), lr=0.1, fused=True)
+    taken.grad_scale = torch.tensor(8.0)  # a loss scaler's, for its own step
+    assert not step_takes_scale(taken)
+
+
+class SeesTheDivisor(MoELanguageModel):
+    """Records the gradient divisor the optimizer's step reads, step by step."""
+
+    def configure_optimizers(self):
+        got = super().configure_optimizers()
+        opt, step = got["optimizer"], got["optimizer"].step
+        self.divisors = []
+
+        def look() -> None:
+            divisor = getattr(opt, "grad_scale", None)
+            self.divisors.append(None if divisor is None else float(divisor))
+
+        def recording(closure=None):
+            if closure is None:  # a loss scaler ran the closure first, and set its own divisor
+                look()
+                return step()
+
+            def closure_then_look():
+                out = closure()  # the backward and the clip: the divisor is set by now
+                look()
+                return out
+            return step(closure_then_look)
+
+        opt.step = recording
+        return got
+
+
+def clipped_fit(strategy, plugins: list) -> tuple[dict, list]:
+    model = make_model(4)
+    model.__class__ = SeesTheDivisor
+    t = trainer(strategy, 1, max_steps=4, plugins=plugins, gradient_clip_val=0.05)
+    t.fit(model, datamodule=data(1))
+    return {k: v.clone() for k, v in model.state_dict().items()}, model.divisors
+
+
+def clipped_fits_under_hetermoe(rank: int) -> list[tuple[dict, list]]:
+    return [clipped_fit(HeterMoEStrategy(), []),
+            clipped_fit(HeterMoEStrategy(), [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])]
+
+
+def test_the_strategy_folds_its_clip_into_the_default_fused_step_and_lands_where_lightning_does():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    (folded, divisors), (_, under_scaler) = run_ranks(1, clipped_fits_under_hetermoe)[0]
+    reference, lightning_divisors = clipped_fit(SingleDeviceStrategy("cpu"), [])
+    initial = {k: v.clone() for k, v in make_model(4).state_dict().items()}
+    # the default AdamW's fused step divided by norm / clip: the clip binds at every step
+    assert len(divisors) == 4 and all(d is not None and d > 1.0 for d in divisors), divisors
+    # Lightning scales the gradients first (no divisor), and lands in the same place
+    assert lightning_divisors == [None] * 4
+    assert relative_gap(folded, reference, initial) < 1e-5
+    # under a loss scaler the scaler owns the step's divisor: the clip scales first there
+    assert under_scaler == [None] * 4

@@ -74,8 +74,10 @@ class CostModel:
     causal: bool = True
     # Backward of a kernel relative to its forward (dgrad + wgrad).
     backward_factor: float = 2.0
-    # Adam in mixed precision streams ~36 bytes per parameter (fp32 master, m, v read and
-    # written, fp16 weight written, fp16 grad read).
+    # The clipped AdamW step streams 36 bytes per fp32 parameter: the clip's norm reads the
+    # gradient (4), torch's fused step reads weight, gradient, m and v and writes all four
+    # (32: the gradient divided by the clip's coefficient, which the strategy folds into the
+    # step; scaling the gradients first would add a pass of 8). bench/optimizer_step.py.
     optimizer_bytes_per_param: float = 36.0
 
     def __post_init__(self) -> None:

@@ -47,7 +47,7 @@ from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
-from .grad_norm import scale_
+from .grad_norm import clip_coefficient, fold_into_step, scale_, step_takes_scale, unfold
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
@@ -519,7 +519,10 @@ class HeterMoEStrategy(DDPStrategy):
                 self._sharding.prepare_grads()
             return result
 
-        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        try:
+            out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        finally:
+            unfold(optimizer)  # the clip's divisor is this step's only
         if self._sharding is not None:
             self._sharding.share_updates()
         if self._expert_bias is not None:
@@ -550,7 +553,12 @@ class HeterMoEStrategy(DDPStrategy):
                                               self._sharding.grad_sq_norm(self.root_device)).sqrt()
         else:
             total = self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
-        scale_([p.grad for p in params], (clip_val / (total + 1e-6)).clamp(max=1.0))
+        coef = clip_coefficient(total, clip_val)
+        # a loss scaler sets the step's divisor itself (to none, once it has unscaled)
+        if getattr(self.precision_plugin, "scaler", None) is None and step_takes_scale(optimizer):
+            fold_into_step(optimizer, coef)
+        else:
+            scale_([p.grad for p in params], coef)
 
     # -- placement while training runs (the rebalancer's API) ----------------------------
     @property
