@@ -161,6 +161,9 @@ class ModelConfig:
     # Recompute each decoder block's forward in its backward instead of storing its
     # activations (what long sequences need); every parallel mode supports it.
     activation_checkpointing: bool = False
+    # The LM head's cross-entropy runs this many tokens at a time (the pack's model): its fp32
+    # logits never exist for more at once (model/loss.py); the memory model plans with it.
+    loss_chunk_tokens: int = 4096
     # pack: this pack's MoETransformer; hf_mixtral: a transformers MixtralForCausalLM of this
     # shape, converted (to_hetermoe) and trained as HFMoELanguageModel (the `hf` extra)
     architecture: str = "pack"
@@ -181,6 +184,9 @@ class ModelConfig:
             f"must be a positive multiple of n_heads={self.n_heads}",
         )
         _require(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "must be >= 1")
+        _require(isinstance(self.loss_chunk_tokens, int) and not isinstance(self.loss_chunk_tokens, bool)
+                 and self.loss_chunk_tokens >= 1, "model.loss_chunk_tokens", self.loss_chunk_tokens,
+                 "must be an integer >= 1 (tokens per chunk of the loss)")
         _require(
             self.n_kv_heads is None or (isinstance(self.n_kv_heads, int) and not isinstance(self.n_kv_heads, bool)
                                         and 1 <= self.n_kv_heads <= self.n_heads

@@ -31,13 +31,13 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cluster import ClusterConfig
 from .cluster.devices import DeviceSpec, detect_cuda_devices, get_device, match_device_name
 from .configs import ModelConfig, from_cfg
 from .emulate import Emulator, emulation_cost_model, install
+from .model.loss import linear_cross_entropy
 from .model.transformer import DecoderBlock, RMSNorm
 from .profile.cost_model import CostModel
 from .profile.memory import MemoryModel
@@ -143,9 +143,8 @@ def measure_device(
             if emulator is None:
                 tgt = torch.randint(0, cfg.vocab_size, (n, seq_len), generator=gen).to(device)
 
-                def lm_head(x=x, tgt=tgt) -> Tensor:
-                    logits = head(x)
-                    return F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), tgt.reshape(-1))
+                def lm_head(x=x, tgt=tgt) -> Tensor:  # as the pack's model runs it, a chunk at a time
+                    return linear_cross_entropy(head[0](x), head[1].weight, tgt, chunk=cfg.loss_chunk_tokens)
 
                 hf, hb = _fwd_bwd_times(lm_head, list(head.parameters()) + [x], device, repeats, warmup)
                 head_s[n * seq_len] = hf + hb

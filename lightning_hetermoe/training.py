@@ -122,7 +122,7 @@ def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningMo
     options = dict(capacity_factor=moe.capacity_factor, z_loss_coef=moe.z_loss_coef, expert_backend=moe.expert_backend,
                    recompute_activation=moe.recompute_activation, jitter_eps=moe.jitter_eps,
                    expert_bias=moe.expert_bias, bias_update_rate=moe.bias_update_rate)
-    return HFMoELanguageModel(to_hetermoe(hf, **options), optim_cfg)
+    return HFMoELanguageModel(to_hetermoe(hf, **options), optim_cfg, loss_chunk_tokens=model_cfg.loss_chunk_tokens)
 
 
 def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = "popen") -> HeterMoEStrategy:

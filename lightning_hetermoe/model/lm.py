@@ -9,11 +9,11 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.plugins.precision import MixedPrecision
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..configs import ModelConfig, OptimConfig, from_cfg
 from ..moe import gate_losses
+from .loss import linear_cross_entropy
 from .transformer import MoETransformer
 
 # Targets with this value take no part in the loss (cross_entropy's default ignore_index):
@@ -75,11 +75,11 @@ class MoELanguageModel(L.LightningModule):
         return self.model(tokens, segments)[0]
 
     def losses(self, batch) -> dict[str, Tensor]:
-        """``ce``: the mean over the targets that are not ``IGNORE_INDEX``."""
+        """``ce``: the mean over the targets that are not ``IGNORE_INDEX``, the head run
+        with it ``model.loss_chunk_tokens`` tokens at a time (its logits never whole)."""
         tokens, targets, segments = unpack_batch(batch)
-        logits, auxes = self.model(tokens, segments)
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                             ignore_index=IGNORE_INDEX)
+        hidden, auxes = self.model.features(tokens, segments)
+        ce = linear_cross_entropy(hidden, self.model.head.weight, targets, IGNORE_INDEX, self.model_cfg.loss_chunk_tokens)
         moe = self.model_cfg.moe
         balance = torch.stack([a.balance_loss for a in auxes]).sum()
         z = torch.stack([a.z_loss for a in auxes]).sum()

@@ -147,7 +147,13 @@ class MoETransformer(nn.Module):
         fill_normal_(self.head.weight, 1.0 / math.sqrt(self.cfg.d_model), gen)
 
     def forward(self, tokens: Tensor, segments: Tensor | None = None) -> tuple[Tensor, list[MoEAux]]:
-        """``segments`` ``[batch, seq]``: each token's document in a packed row (see
+        """The logits and every MoE layer's aux (see :meth:`features`)."""
+        x, auxes = self.features(tokens, segments)
+        return self.head(x), auxes
+
+    def features(self, tokens: Tensor, segments: Tensor | None = None) -> tuple[Tensor, list[MoEAux]]:
+        """What the head reads (the final norm's output) and every MoE layer's aux.
+        ``segments`` ``[batch, seq]``: each token's document in a packed row (see
         :func:`document_layout`); attention then stays inside a document and rotary
         positions restart at each document's first token, so every document's logits are
         the ones it would get alone. ``None``: each row is one sequence."""
@@ -166,4 +172,4 @@ class MoETransformer(nn.Module):
             else:
                 x, aux = block(x, mask, positions)
             auxes.append(aux)
-        return self.head(self.norm(x)), auxes
+        return self.norm(x), auxes

@@ -53,9 +53,6 @@ class MemoryModel:
     act_bytes: int = 2
     # Live [tokens, d] tensors while one attention block is recomputed and backpropagated.
     attention_working_tensors: int = 20
-    # The loss is computed over chunks of this many tokens (fp16 logits + fp32 softmax and
-    # its gradient: 6 bytes per vocabulary entry), so long micro-batches still fit.
-    loss_chunk_tokens: int = 4096
     # Of ``bytes_per_param``, AdamW's two fp32 moments: the part ZeRO-1 shards over the ranks
     # that hold the dense weights alike (strategy/zero.py).
     optimizer_bytes_per_param: float = 8.0
@@ -100,7 +97,9 @@ class MemoryModel:
         state = self.attention_stack_params() * per_param + self.grad_sync_bytes()
         ckpt = tokens_in_flight * m.n_layers * m.d_model * self.act_bytes * 2
         work = mb_tokens * self.attention_working_tensors * m.d_model * self.act_bytes
-        work += min(mb_tokens, self.loss_chunk_tokens) * m.vocab_size * 6
+        # the loss, model.loss_chunk_tokens at a time (model/loss.py): the head's 16-bit output
+        # beside its fp32 copy, which becomes the softmax's gradient in place
+        work += min(mb_tokens, m.loss_chunk_tokens) * m.vocab_size * 6
         return state + ckpt + work
 
     def expert_bytes(self, *, tokens_in_flight_per_expert: float) -> float:

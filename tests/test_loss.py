@@ -1,0 +1,149 @@
+"""The LM head's cross-entropy a chunk of tokens at a time (``model/loss.py``), against the
+naive ``F.cross_entropy(F.linear(h, W).float(), t)``: the value and both gradients, in fp32,
+under bf16 autocast and under an fp16 loss scale; and what it holds at once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_hetermoe.configs import ConfigError, ModelConfig
+from lightning_hetermoe.model.loss import linear_cross_entropy
+from reference import make_model
+
+V, D = 50, 16
+
+
+def case(seed: int = 0, shape=(3, 20), ignored: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*shape, D, generator=g).requires_grad_()
+    w = (torch.randn(V, D, generator=g) / 4).requires_grad_()
+    t = torch.randint(0, V, shape, generator=g)
+    t.view(-1)[:ignored] = -100
+    return h, w, t
+
+
+def naive(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float().reshape(-1, V), t.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 60, 1000])
+def test_every_chunking_gives_the_naive_loss_and_both_gradients_in_fp32(chunk):
+    h, w, t = case()
+    want = naive(h, w, t)
+    gh, gw = torch.autograd.grad(want * 2.5, [h, w])
+    got = linear_cross_entropy(h, w, t, chunk=chunk)
+    gh2, gw2 = torch.autograd.grad(got * 2.5, [h, w])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh2, gh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw2, gw, rtol=1e-5, atol=1e-7)
+
+
+def test_under_bf16_autocast_it_stays_with_the_naive_loss_and_the_fp32_truth():
+    h, w, t = case(1)
+    truth = naive(h, w, t)
+    gh, gw = torch.autograd.grad(truth, [h, w])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = naive(h, w, t)
+        got = linear_cross_entropy(h, w, t, chunk=16)
+    rh, rw = torch.autograd.grad(ref, [h, w])
+    bh, bw = torch.autograd.grad(got, [h, w])
+    assert got.dtype == torch.float32 and bh.dtype == h.dtype and bw.dtype == w.dtype
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    # as close to the fp32 truth as the naive bf16 path is (bf16 rounding at other points)
+    assert abs(float(got.detach() - truth.detach())) < 1e-2 and abs(float(ref.detach() - truth.detach())) < 1e-2
+    for mine, theirs, true in ((bh, rh, gh), (bw, rw, gw)):
+        assert rel(mine, true) < 1e-2 and rel(mine, theirs) < 1e-2, (rel(mine, true), rel(theirs, true))
+
+
+def test_a_loss_scale_reaches_the_gradients_as_the_naive_path_gives_them():
+    # fp16 loss scaling: the gradients kept are unscaled, the backward multiplies them
+    h, w, t = case(2)
+    scale = 2.0 ** 16
+    gh, gw = torch.autograd.grad(naive(h, w, t) * scale, [h, w])
+    sh, sw = torch.autograd.grad(linear_cross_entropy(h, w, t, chunk=9) * scale, [h, w])
+    torch.testing.assert_close(sh, gh, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(sw, gw, rtol=1e-5, atol=1e-3)
+
+
+def test_only_the_inputs_that_want_a_gradient_get_one_and_no_grad_only_computes_the_loss():
+    h, w, t = case(3)
+    frozen = w.detach()
+    (gh,) = torch.autograd.grad(linear_cross_entropy(h, frozen, t, chunk=8), [h])
+    (want,) = torch.autograd.grad(naive(h, frozen, t), [h])
+    torch.testing.assert_close(gh, want, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        value = linear_cross_entropy(h, w, t, chunk=8)
+    assert not value.requires_grad
+    torch.testing.assert_close(value, naive(h, w, t).detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_every_target_ignored_gives_nan_as_cross_entropy_does():
+    h, w, t = case(4)
+    t.fill_(-100)
+    assert math.isnan(float(linear_cross_entropy(h, w, t))) and math.isnan(float(naive(h, w, t)))
+
+
+def test_bad_arguments_are_refused_naming_them():
+    h, w, t = case()
+    with pytest.raises(ValueError, match="chunk=0"):
+        linear_cross_entropy(h, w, t, chunk=0)
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(h, w, t[:, :-1])
+    with pytest.raises(ConfigError, match="model.loss_chunk_tokens"):
+        ModelConfig(loss_chunk_tokens=0)
+
+
+class Largest(TorchDispatchMode):
+    """The largest tensor any operation allocated (bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(o, torch.Tensor):
+                self.largest = max(self.largest, o.numel() * o.element_size())
+        return out
+
+
+def test_no_tensor_holds_more_than_one_chunk_of_logits():
+    g = torch.Generator().manual_seed(5)
+    n, vocab, chunk = 2048, 512, 128
+    h = torch.randn(n, D, generator=g).requires_grad_()
+    w = (torch.randn(vocab, D, generator=g) / 4).requires_grad_()
+    t = torch.randint(0, vocab, (n,), generator=g)
+    with Largest() as chunked:
+        linear_cross_entropy(h, w, t, chunk=chunk).backward()
+    with Largest() as whole:
+        F.cross_entropy(F.linear(h, w).float(), t).backward()
+    assert whole.largest >= n * vocab * 4  # every token's fp32 logits at once
+    # one chunk's fp32 logits, or the head's own gradient (the weight's size), at most
+    assert chunked.largest <= max(chunk * vocab * 4, vocab * D * 4), chunked.largest
+
+
+def test_the_model_s_loss_is_the_naive_loss_of_its_logits_with_every_gradient():
+    model = make_model(4)
+    tokens = torch.randint(0, model.model_cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    targets = tokens.roll(-1, 1)
+    targets[0, :3] = -100
+    torch.manual_seed(7)  # the routers' jitter draws alike in both forwards
+    out = model.losses((tokens, targets))
+    mine = torch.autograd.grad(out["ce"], list(model.parameters()), allow_unused=True)
+    torch.manual_seed(7)
+    logits, _ = model.model(tokens)
+    want = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    theirs = torch.autograd.grad(want, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(out["ce"], want, rtol=1e-6, atol=1e-6)
+    for (name, _), a, b in zip(model.named_parameters(), mine, theirs, strict=True):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()), msg=name)
