@@ -147,3 +147,4 @@ def test_the_model_s_loss_is_the_naive_loss_of_its_logits_with_every_gradient():
         assert (a is None) == (b is None), name
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()), msg=name)
+

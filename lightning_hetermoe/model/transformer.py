@@ -97,13 +97,13 @@ class CausalSelfAttention(nn.Module):
         k, v = (t.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         cos, sin = rotary_tables(s, self.head_dim, x.device, self.rope_theta, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            group = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        # grouped-query attention inside the attention kernel: copies of each key/value head
+        # per query head would be written, and saved for the backward, by every layer
+        gqa = self.n_kv_heads != self.n_heads
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.proj(out.transpose(1, 2).reshape(b, s, d))
 
 
