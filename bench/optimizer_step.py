@@ -24,7 +24,11 @@ clipped gradients behind; the parameters are compared. The byte count takes ever
 an operation may write as written: the fused step's gradients count as written with or
 without a divisor, though without one the step leaves them alone (on a GPU: 28 bytes per
 parameter, so the scaled clip moves 40 where the count says 44; the folded clip's 36 are
-what it moves). The last line is JSON.
+what it moves). Then the same under 16-mixed's loss scale (the gradients scaled by
+2^16): unscaled (``GradScaler.unscale_``: a pass with the overflow check), scaled by the
+clip and stepped, beside all of it in the fused step (``AgreedGradScaler.unscale_in_step_``:
+the norm of the scaled gradients gives the clip and the overflow verdict). The last line is
+JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from clip_norm import CLIP, Traffic, emit, rank_state, rank_state_parser
 from lightning_hetermoe.configs import OptimConfig
 from lightning_hetermoe.strategy.grad_norm import clip_coefficient, fold_into_step, scale_, squared_norm, unfold
+from lightning_hetermoe.strategy.precision import AgreedGradScaler
 
 IMPLEMENTATIONS = {"per parameter (foreach=False)": {"foreach": False}, "multi-tensor (foreach=True)": {"foreach": True},
                    "fused (fused=True)": {"fused": True}}
@@ -68,12 +73,37 @@ def clipped(fold: bool):
     return step
 
 
+LOSS_SCALE = 2.0 ** 16
+
+
+def loss_scaled(fold: bool):
+    """16-mixed: the gradients carry the loss scale; unscaled, clipped by scaling and stepped
+    (``unscale_`` first, as Lightning's clip needs), or unscaled and clipped in the fused step
+    (``AgreedGradScaler.unscale_in_step_``). The scaler's ``step`` and ``update`` each time."""
+    def step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], base: list[torch.Tensor]) -> None:
+        scaler = AgreedGradScaler(params[0].device.type, init_scale=LOSS_SCALE)
+        scaler.scale(torch.zeros((), device=params[0].device))  # the scale exists, as after a scaled backward
+        for p, g in zip(params, base):
+            p.grad.copy_(g).mul_(LOSS_SCALE)  # as a scaled backward leaves them (outside the timing)
+        yield
+        if fold:
+            scaler.unscale_in_step_(opt, squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP)
+        else:
+            scaler.unscale_(opt)
+            scale_([p.grad for p in params],
+                   clip_coefficient(squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP))
+        scaler.step(opt)
+        scaler.update()
+    return step
+
+
 def plain(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], base: list[torch.Tensor]):
     yield
     opt.step()
 
 
 CLIPPED = {"fused, clip scaled first": clipped(False), "fused, clip folded in": clipped(True)}
+SCALED = {"16-mixed: unscale, scale, step": loss_scaled(False), "16-mixed: all in the step": loss_scaled(True)}
 
 
 def timed(opt, params, base, step, repeats: int, sync) -> tuple[float, Traffic]:
@@ -101,9 +131,9 @@ def main() -> None:
     n = sum(g.numel() for g in base)
     rows, reference = {}, None
     cases = [(name, how, plain) for name, how in IMPLEMENTATIONS.items()]
-    cases += [(name, {"fused": True}, step) for name, step in CLIPPED.items()]
+    cases += [(name, {"fused": True}, step) for name, step in {**CLIPPED, **SCALED}.items()]
     for name, how, step in cases:
-        if name == next(iter(CLIPPED)):
+        if name in (next(iter(CLIPPED)), next(iter(SCALED))):
             reference = None  # the clipped steps land elsewhere: compared with each other
         opt, params = make(base, how)
         seconds, traffic = timed(opt, params, base, step, args.repeats, sync)
@@ -123,13 +153,15 @@ def main() -> None:
                      "bytes_over_fused": r["bytes_per_param"] / fused["bytes_per_param"]} for name, r in rows.items()}
     for name, q in ratios.items():
         print(f"  {name:30} {q['time_over_fused']:.2f}x the fused step's time, {q['bytes_over_fused']:.2f}x its bytes")
-    scaled, folded = (rows[name] for name in CLIPPED)
-    fold = {"time_scaled_over_folded": scaled["s"] / folded["s"],
-            "bytes_scaled_over_folded": scaled["bytes_per_param"] / folded["bytes_per_param"]}
-    print(f"  the clip scaled first: {fold['time_scaled_over_folded']:.2f}x the folded clip's time, "
-          f"{fold['bytes_scaled_over_folded']:.2f}x its bytes")
+    folds = {}
+    for what, pair in (("clip", CLIPPED), ("16-mixed", SCALED)):
+        first, folded = (rows[name] for name in pair)
+        folds[what] = {"time_first_over_folded": first["s"] / folded["s"],
+                       "bytes_first_over_folded": first["bytes_per_param"] / folded["bytes_per_param"]}
+        print(f"  {what}: the separate passes take {folds[what]['time_first_over_folded']:.2f}x the folded step's "
+              f"time, {folds[what]['bytes_first_over_folded']:.2f}x its bytes")
     result = {"model": args.model, "device": str(device), "elements": n, "rows": rows, "over_fused": ratios,
-              "clip": CLIP, "clip_fold": fold, "work_done_at": time.time()}
+              "clip": CLIP, "loss_scale": LOSS_SCALE, "folds": folds, "work_done_at": time.time()}
     emit(result, args.json)
 
 

@@ -269,6 +269,7 @@ def test_the_strategy_folds_its_clip_into_the_default_fused_step_and_lands_where
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     (folded, divisors), (_, under_scaler) = run_ranks(1, clipped_fits_under_hetermoe)[0]
+    scale = 2.0 ** 16  # GradScaler's initial scale (no overflow in 4 steps of this model)
     reference, lightning_divisors = clipped_fit(SingleDeviceStrategy("cpu"), [])
     initial = {k: v.clone() for k, v in make_model(4).state_dict().items()}
     # the default AdamW's fused step divided by norm / clip: the clip binds at every step
@@ -276,5 +277,48 @@ def test_the_strategy_folds_its_clip_into_the_default_fused_step_and_lands_where
     # Lightning scales the gradients first (no divisor), and lands in the same place
     assert lightning_divisors == [None] * 4
     assert relative_gap(folded, reference, initial) < 1e-5
-    # under a loss scaler the scaler owns the step's divisor: the clip scales first there
-    assert under_scaler == [None] * 4
+    # under a loss scaler the step unscales and clips: its divisor is the scale over the clip's
+    # coefficient (the gradients still carry the scale when the norm reads them)
+    assert len(under_scaler) == 4 and all(d is not None and d > scale for d in under_scaler), under_scaler
+
+
+def scaled_clipped_steps(folded: bool, overflow_at: int | None = None) -> tuple[torch.Tensor, list, float]:
+    """Three fp16-style steps of a fused AdamW under the agreeing scaler, clipped at 1.0:
+    unscaled, clipped and stepped in the fused step (``unscale_in_step_``), or unscaled,
+    scaled by the clip and stepped as Lightning does; step ``overflow_at`` overflows."""
+    from lightning_hetermoe.strategy.grad_norm import clip_coefficient, scale_, squared_norm
+    from lightning_hetermoe.strategy.precision import AgreedGradScaler
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(6, 5))]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+    scaler = AgreedGradScaler("cpu", init_scale=SCALE)
+    scaler.scale(torch.zeros(()))  # what the loss's scaling does first: the scale exists from here
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * 3 * scaler.get_scale()  # as backward leaves them under the scale
+        if step == overflow_at:
+            params[1].grad[2, 3] = float("inf")
+        if folded:
+            scaler.unscale_in_step_(opt, squared_norm((p.grad for p in params), "cpu").sqrt(), 1.0)
+        else:
+            scaler.unscale_(opt)
+            scale_([p.grad for p in params], clip_coefficient(squared_norm((p.grad for p in params), "cpu").sqrt(), 1.0))
+        scaler.step(opt)
+        scaler.update()
+    return torch.cat([p.detach().flatten() for p in params]), [p.grad.clone() for p in params], scaler.get_scale()
+
+
+@pytest.mark.parametrize("overflow_at", [None, 1])
+def test_the_fused_step_unscales_and_clips_where_unscaling_and_scaling_first_land(overflow_at):
+    folded, folded_grads, folded_scale = scaled_clipped_steps(True, overflow_at)
+    first, first_grads, first_scale = scaled_clipped_steps(False, overflow_at)
+    torch.testing.assert_close(folded, first, rtol=1e-6, atol=1e-6)
+    # an overflow skips the same step and backs the scale off alike
+    assert folded_scale == first_scale == (SCALE if overflow_at is None else SCALE / 2)
+    if overflow_at is None:  # the gradients left behind: unscaled and clipped, both ways
+        for f, s in zip(folded_grads, first_grads, strict=True):
+            torch.testing.assert_close(f, s, rtol=1e-5, atol=1e-7)
+    # and the clip is what moved them: unclipped, the first step alone lands elsewhere
+    unclipped = scaled_clipped_steps(True, overflow_at=0)[0]  # overflow at the first: one step fewer
+    assert (unclipped - folded).abs().max() > 1e-3

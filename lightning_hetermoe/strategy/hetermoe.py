@@ -51,7 +51,7 @@ from .grad_norm import clip_coefficient, fold_into_step, scale_, step_takes_scal
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
-from .precision import agree_on_overflow, clip_fused_too, precision_name
+from .precision import AgreedGradScaler, agree_on_overflow, clip_fused_too, precision_name
 from .progress import StepProgress
 from .shared_metrics import SharedCallbackMetrics
 from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, register_exit_hook,
@@ -553,12 +553,15 @@ class HeterMoEStrategy(DDPStrategy):
                                               self._sharding.grad_sq_norm(self.root_device)).sqrt()
         else:
             total = self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
-        coef = clip_coefficient(total, clip_val)
-        # a loss scaler sets the step's divisor itself (to none, once it has unscaled)
-        if getattr(self.precision_plugin, "scaler", None) is None and step_takes_scale(optimizer):
-            fold_into_step(optimizer, coef)
-        else:
-            scale_([p.grad for p in params], coef)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if step_takes_scale(optimizer):
+            # the clip as the fused step's divisor, with the loss scale's where the gradients
+            # still carry it (precision.clip_fused_too left them so)
+            if scaler is None:
+                return fold_into_step(optimizer, clip_coefficient(total, clip_val))
+            if isinstance(scaler, AgreedGradScaler) and scaler.holds_scaled(optimizer):
+                return scaler.unscale_in_step_(optimizer, total, clip_val)
+        scale_([p.grad for p in params], clip_coefficient(total, clip_val))
 
     # -- placement while training runs (the rebalancer's API) ----------------------------
     @property

@@ -12,7 +12,13 @@ hardware has it.
   torch's ``GradScaler`` also takes an explicit ``unscale_`` for such an optimizer (its step
   then skips its own unscaling and keeps the overflow check), so here the gradients are
   unscaled first, with every rank's verdict, and clipped as for any other optimizer (bf16
-  has no scale: clipped as they are).
+  has no scale: clipped as they are). Clipping by norm does better: the global norm of the
+  still-scaled gradients, over every rank, is the clip's norm times the scale and says
+  whether any rank overflowed, so ``AgreedGradScaler.unscale_in_step_`` records what
+  ``unscale_`` would (that verdict, the stage) and hands the fused step ``scale / coef`` as
+  its divisor: the unscaling, the overflow check and the clip's scaling, three passes over
+  every gradient (24 bytes per fp32 parameter), become the norm's one read and the step's
+  write-back of the divided gradient (8).
 * **bf16** needs compute capability 8.0 (Ampere) or newer; on a V100 or T4 PyTorch only
   emulates it, far below the fp16 speed the planner assumes. A cluster with such a device
   and a bf16 precision is a config error before launch, unless the user asks for the
@@ -24,12 +30,15 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+from torch import Tensor
 import torch.distributed as dist
 
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 import lightning_hetermoe.comm as comm
+
+from .grad_norm import clip_coefficient, fold_into_step, step_takes_scale
 
 from ..configs import ConfigError
 
@@ -84,6 +93,33 @@ class AgreedGradScaler(torch.amp.GradScaler):
             flag.copy_(agreed.to(flag.device))
         return per_device
 
+    def holds_scaled(self, optimizer) -> bool:
+        """Whether ``optimizer``'s gradients still carry the loss scale (not unscaled yet this
+        step)."""
+        from torch.amp.grad_scaler import OptState
+
+        return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
+
+    def unscale_in_step_(self, optimizer, total_norm: Tensor, clip_val: float) -> None:
+        """``unscale_`` and the clip by the global norm, both left to ``optimizer``'s fused
+        step (see the module docstring): ``total_norm`` is the norm of the still-scaled
+        gradients over every rank, so it says whether any rank overflowed (the verdict
+        every rank shares) and, over the scale, the norm the clip needs. Recorded as
+        ``unscale_`` records it: ``step`` then hands the optimizer the divisor given here
+        and the verdict, and skips the update on an overflow."""
+        from torch.amp.grad_scaler import OptState
+
+        self._check_scale_growth_tracker("unscale_in_step_")  # as unscale_: the loss was scaled first
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            raise RuntimeError("unscale_in_step_() after unscale_() or step() on this optimizer since the last update()")
+        scale = self._scale.double()
+        coef = clip_coefficient(total_norm.to(scale.device, torch.float64) / scale, clip_val)
+        found_inf = (~torch.isfinite(total_norm)).to(device=self._scale.device, dtype=torch.float32)
+        fold_into_step(optimizer, coef / scale)  # the step divides by scale / coef
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.UNSCALED
+
 
 def agree_on_overflow(plugin: Any) -> None:
     """Make a mixed-precision plugin's scaler decide with every rank (once)."""
@@ -105,8 +141,13 @@ def clip_fused_too(plugin: Any) -> None:
             return refusing(optimizer, clip_val, gradient_clip_algorithm)
         # a step whose backward was skipped has no gradients and takes no scaler step: its
         # unscale_ would stand until the next step's and be refused there
-        if plugin.scaler is not None and any(p.grad is not None for g in optimizer.param_groups
-                                             for p in g["params"]):
+        stepping = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+        if plugin.scaler is not None and stepping:
+            if (gradient_clip_algorithm == GradClipAlgorithmType.NORM and isinstance(plugin.scaler, AgreedGradScaler)
+                    and step_takes_scale(optimizer)):
+                # the norm reads the scaled gradients; the step unscales and clips (clip_grad_by_norm
+                # sees them still scaled: the strategy's hands them to unscale_in_step_)
+                return plugin.clip_grad_by_norm(optimizer, clip_val)
             plugin.scaler.unscale_(optimizer)
         return Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
 
