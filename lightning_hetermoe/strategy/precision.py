@@ -16,9 +16,9 @@ hardware has it.
   still-scaled gradients, over every rank, is the clip's norm times the scale and says
   whether any rank overflowed, so ``AgreedGradScaler.unscale_in_step_`` records what
   ``unscale_`` would (that verdict, the stage) and hands the fused step ``scale / coef`` as
-  its divisor: the unscaling, the overflow check and the clip's scaling, three passes over
-  every gradient (24 bytes per fp32 parameter), become the norm's one read and the step's
-  write-back of the divided gradient (8).
+  its divisor: the unscaling (with its overflow check) and the clip's scaling, two passes
+  over every gradient (16 bytes per fp32 parameter), are gone, for the step's write-back of
+  the divided gradient (4): the clipped step moves 36 bytes per parameter instead of 48.
 * **bf16** needs compute capability 8.0 (Ampere) or newer; on a V100 or T4 PyTorch only
   emulates it, far below the fp16 speed the planner assumes. A cluster with such a device
   and a bf16 precision is a config error before launch, unless the user asks for the
