@@ -40,7 +40,7 @@ import torch
 
 from clip_norm import CLIP, Traffic, emit, rank_state, rank_state_parser
 from lightning_hetermoe.configs import OptimConfig
-from lightning_hetermoe.strategy.grad_norm import clip_coefficient, fold_into_step, scale_, squared_norm, unfold
+from lightning_hetermoe.strategy.grad_norm import clip_, squared_norm, unfold
 from lightning_hetermoe.strategy.precision import AgreedGradScaler
 
 IMPLEMENTATIONS = {"per parameter (foreach=False)": {"foreach": False}, "multi-tensor (foreach=True)": {"foreach": True},
@@ -63,11 +63,7 @@ def clipped(fold: bool):
         for p, g in zip(params, base):
             p.grad.copy_(g)  # the same unclipped gradients at every step (outside the timing)
         yield
-        coef = clip_coefficient(squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP)
-        if fold:
-            fold_into_step(opt, coef)
-        else:
-            scale_([p.grad for p in params], coef)
+        clip_(opt, [p.grad for p in params], squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP, fold)
         opt.step()
         unfold(opt)
     return step
@@ -90,8 +86,8 @@ def loss_scaled(fold: bool):
             scaler.unscale_in_step_(opt, squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP)
         else:
             scaler.unscale_(opt)
-            scale_([p.grad for p in params],
-                   clip_coefficient(squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP))
+            clip_(opt, [p.grad for p in params], squared_norm((p.grad for p in params), params[0].device).sqrt(), CLIP,
+                  fold=False)
         scaler.step(opt)
         scaler.update()
     return step

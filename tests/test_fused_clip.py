@@ -178,7 +178,7 @@ def test_under_the_strategy_auto_sees_a_plugin_that_clips_for_a_fused_optimizer(
 def clipped_step(fold: bool, clip: float | None, optimizer: str) -> tuple[torch.Tensor, list[torch.Tensor], object]:
     """One clipped step of a fused ``optimizer`` on two parameters: the gradients scaled by
     ``clip / norm`` first, or the coefficient folded into the step (``clip=None``: no clip)."""
-    from lightning_hetermoe.strategy.grad_norm import clip_coefficient, fold_into_step, scale_, squared_norm, unfold
+    from lightning_hetermoe.strategy.grad_norm import clip_, squared_norm, unfold
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(6, 5))]
@@ -188,11 +188,7 @@ def clipped_step(fold: bool, clip: float | None, optimizer: str) -> tuple[torch.
         for p in params:
             p.grad = torch.randn_like(p) * 3  # a norm near 20: a clip at 1.0 bites
         if clip is not None:
-            coef = clip_coefficient(squared_norm((p.grad for p in params), "cpu").sqrt(), clip)
-            if fold:
-                fold_into_step(opt, coef)
-            else:
-                scale_([p.grad for p in params], coef)
+            clip_(opt, [p.grad for p in params], squared_norm((p.grad for p in params), "cpu").sqrt(), clip, fold)
         opt.step()
         unfold(opt)
     return torch.cat([p.detach().flatten() for p in params]), [p.grad.clone() for p in params], opt
@@ -286,7 +282,7 @@ def scaled_clipped_steps(folded: bool, overflow_at: int | None = None) -> tuple[
     """Three fp16-style steps of a fused AdamW under the agreeing scaler, clipped at 1.0:
     unscaled, clipped and stepped in the fused step (``unscale_in_step_``), or unscaled,
     scaled by the clip and stepped as Lightning does; step ``overflow_at`` overflows."""
-    from lightning_hetermoe.strategy.grad_norm import clip_coefficient, scale_, squared_norm
+    from lightning_hetermoe.strategy.grad_norm import clip_, squared_norm
     from lightning_hetermoe.strategy.precision import AgreedGradScaler
 
     torch.manual_seed(0)
@@ -303,7 +299,7 @@ def scaled_clipped_steps(folded: bool, overflow_at: int | None = None) -> tuple[
             scaler.unscale_in_step_(opt, squared_norm((p.grad for p in params), "cpu").sqrt(), 1.0)
         else:
             scaler.unscale_(opt)
-            scale_([p.grad for p in params], clip_coefficient(squared_norm((p.grad for p in params), "cpu").sqrt(), 1.0))
+            clip_(opt, [p.grad for p in params], squared_norm((p.grad for p in params), "cpu").sqrt(), 1.0, fold=False)
         scaler.step(opt)
         scaler.update()
     return torch.cat([p.detach().flatten() for p in params]), [p.grad.clone() for p in params], scaler.get_scale()

@@ -4,7 +4,7 @@
 output (2 bytes per token and vocabulary entry under mixed precision), its fp32 copy (4),
 the log-softmax the backward keeps (4) and, in the backward, the fp32 gradient and its
 cast (6). For a 16K-token micro-batch of a 32K vocabulary that is over 7 GB, growing with
-the micro-batch; the memory model (``MemoryModel.loss_chunk_tokens``) plans with one chunk
+the micro-batch; the memory model plans with one chunk (``ModelConfig.loss_chunk_tokens``)
 of 6 bytes per entry. :func:`linear_cross_entropy` keeps to that: for ``chunk`` tokens at a
 time it forms the logits and, in one pass from them, their fp32 log-probabilities (the
 loss reads the targets' entries) and, where a gradient is wanted, the softmax minus the
@@ -17,11 +17,11 @@ token and vocabulary entry here against the whole-logits loss's 38 under bf16 on
 whose log-softmax copies its 16-bit input to fp32 first (CUDA's reads it as it is: 6
 fewer here, none fewer there, where the whole-logits loss copies the logits itself).
 
-The gradients are kept unscaled (``softmax - onehot``, entries within [-1, 1], exact in
-fp16) and multiplied in the backward by the incoming gradient over the number of targets:
+The gradients are kept unscaled (``softmax - onehot``, entries within [-1, 1], well inside
+fp16's range) and multiplied in the backward by the incoming gradient over the number of targets:
 under fp16 loss scaling the values the GEMMs see are those of an unscaled loss, neither
-underflowing nor scaled into overflow. The GEMMs run under the caller's autocast, as the
-head's own ``nn.Linear`` would.
+underflowing nor scaled into overflow. The GEMMs run in the caller's autocast dtype (the
+weight cast once per call), as the head's own ``nn.Linear`` would.
 """
 
 from __future__ import annotations

@@ -124,6 +124,17 @@ def fold_into_step(optimizer, coef: Tensor) -> None:
     opt.grad_scale = coef.reciprocal().to(torch.float32)
 
 
+def clip_(optimizer, grads: list[Tensor | None], total_norm: Tensor, clip_val: float, fold: bool = True) -> None:
+    """Clip ``grads`` (``optimizer``'s, their global norm ``total_norm``) at ``clip_val``:
+    the coefficient folded into the optimizer's next step where ``fold`` and the step takes
+    one (:func:`step_takes_scale`), else every gradient scaled by it."""
+    coef = clip_coefficient(total_norm, clip_val)
+    if fold and step_takes_scale(optimizer):
+        fold_into_step(optimizer, coef)
+    else:
+        scale_(grads, coef)
+
+
 def unfold(optimizer) -> None:
     """Take back a divisor :func:`fold_into_step` left (a step that never ran included)."""
     getattr(optimizer, "_optimizer", optimizer).__dict__.pop("grad_scale", None)

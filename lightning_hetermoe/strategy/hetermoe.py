@@ -47,7 +47,7 @@ from .backends.base import ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
-from .grad_norm import clip_coefficient, fold_into_step, scale_, step_takes_scale, unfold
+from .grad_norm import clip_, step_takes_scale, unfold
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
@@ -554,14 +554,12 @@ class HeterMoEStrategy(DDPStrategy):
         else:
             total = self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
         scaler = getattr(self.precision_plugin, "scaler", None)
-        if step_takes_scale(optimizer):
-            # the clip as the fused step's divisor, with the loss scale's where the gradients
-            # still carry it (precision.clip_fused_too left them so)
-            if scaler is None:
-                return fold_into_step(optimizer, clip_coefficient(total, clip_val))
-            if isinstance(scaler, AgreedGradScaler) and scaler.holds_scaled(optimizer):
-                return scaler.unscale_in_step_(optimizer, total, clip_val)
-        scale_([p.grad for p in params], clip_coefficient(total, clip_val))
+        # the loss scale's divisor joins the clip's where the gradients still carry it
+        # (precision.clip_fused_too left them so for a fused step)
+        if isinstance(scaler, AgreedGradScaler) and step_takes_scale(optimizer) and scaler.holds_scaled(optimizer):
+            return scaler.unscale_in_step_(optimizer, total, clip_val)
+        # a loss scaler sets the step's own divisor (to none, once it has unscaled)
+        clip_(optimizer, [p.grad for p in params], total, clip_val, fold=scaler is None)
 
     # -- placement while training runs (the rebalancer's API) ----------------------------
     @property
