@@ -4,9 +4,12 @@
   global batch of each optimizer step (all micro-batches, accumulation batches and ranks;
   a forward hook reads them from the layer's ``MoEAux``). A moving average of each
   expert's share is what :class:`~.rebalancer.ExpertRebalancer` balances. A step's counts
-  reach the host while the next step runs and are recorded at its end (at the end of
-  training, before a checkpoint, and when the rebalancer looks, at once): reading them at
-  once would make the host wait for the whole step's device work every step.
+  reach the host while the next step runs, are summed over the ranks while the one after
+  runs, and are recorded at its end (at the end of training, before a checkpoint, and when
+  the rebalancer looks, at once): reading them at once would make the host wait for the
+  whole step's device work every step, and waiting for their sum at once would hold every
+  rank at the step's end until the slowest got there (a barrier per step: under zebra on
+  the emulated clock, the attention ranks through the expert ranks' optimizer step).
 * **Rank load.** Each rank's time in the step, split into attention, experts,
   communication and idle (:meth:`HeterMoEStrategy.rank_busy`: the zebra executor's trace,
   the emulated clock, or under EP on real devices each task's measured span, CUDA events
@@ -58,6 +61,8 @@ class ExpertLoadMonitor(L.Callback):
         self._seen_step = -1
         # the last step's counts on their way to the host, its step and busy split
         self._queued: tuple[comm.HostCopy | None, int, dict[str, float] | None] | None = None
+        # the step before: its counts being summed over the ranks, its step and busy split
+        self._summing: tuple[comm.Pending | None, torch.Tensor, int, dict[str, float] | None] | None = None
 
     # -- collection -----------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -69,7 +74,7 @@ class ExpertLoadMonitor(L.Callback):
             return
         self._layers = len(layers)
         self._step_counts = None  # on the layers' device, made at the first forward
-        self._queued = None
+        self._queued = self._summing = None
 
         def hook(l: int):
             def record(module, args, output):
@@ -103,12 +108,15 @@ class ExpertLoadMonitor(L.Callback):
         busy = self._busy(trainer) if step % self.log_every_n_steps == 0 else None  # this step's, read now
         # This step's counts start for the host now and are read at the end of the next step,
         # long arrived: reading them here would make the host wait for the whole step's
-        # device work (a sync per step) before it could queue the next step's.
+        # device work (a sync per step) before it could queue the next step's. Their sum over
+        # the ranks is waited for a step later still, when it is long in: a blocking sum here
+        # would be a barrier at every step's end.
         copy = comm.HostCopy(self._step_counts) if self._step_counts is not None else None
         self._step_counts = None
         previous, self._queued = self._queued, (copy, step, busy)
         if previous is not None:
-            self._record(trainer, pl_module, *previous)
+            self._record(trainer)
+            self._summing = self._sum(pl_module, *previous)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.flush(trainer, pl_module)
@@ -116,18 +124,31 @@ class ExpertLoadMonitor(L.Callback):
     def flush(self, trainer, pl_module) -> None:
         """Record the last step, whose counts are otherwise read at the end of the next one
         (every rank calls it at the same point: the counts are summed over the ranks)."""
+        self._record(trainer)
         queued, self._queued = self._queued, None
         if queued is not None:
-            self._record(trainer, pl_module, *queued)
+            self._summing = self._sum(pl_module, *queued)
+            self._record(trainer)
 
-    def _record(self, trainer, pl_module, copy: comm.HostCopy | None, step: int,
-                busy: dict[str, float] | None) -> None:
+    def _sum(self, pl_module, copy: comm.HostCopy | None, step: int, busy: dict[str, float] | None
+             ) -> tuple[comm.Pending | None, torch.Tensor, int, dict[str, float] | None]:
+        """Start summing a step's counts over the ranks (every rank's share of the global batch)."""
         E = next(layer for _, layer in moe_layers(pl_module)).num_experts
         # a rank that routes nothing (an expert rank) adds zeros
         counts = copy.get() if copy is not None else torch.zeros(self._layers, E, dtype=torch.long, device="cpu")
+        pending = None
         if dist.is_available() and dist.is_initialized():
-            # every rank's share of the global batch
-            comm.host_all_reduce(comm.world(), counts, what="monitor.counts")
+            pending = comm.host_all_reduce(comm.world(), counts, what="monitor.counts", async_op=True)
+        return pending, counts, step, busy
+
+    def _record(self, trainer) -> None:
+        """Record the step whose counts are being summed, once the sum is in."""
+        summing, self._summing = self._summing, None
+        if summing is None:
+            return
+        pending, counts, step, busy = summing
+        if pending is not None:
+            pending.wait()
         self.last_counts = counts
         share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
         self.ema = share if self.ema is None else self.ema_decay * self.ema + (1 - self.ema_decay) * share
@@ -284,7 +305,7 @@ class ExpertLoadMonitor(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         # The checkpoint holds the step just taken too (Lightning read state_dict() before
         # this hook, on every rank, as it calls this one).
-        if self._queued is not None:
+        if self._queued is not None or self._summing is not None:
             self.flush(trainer, pl_module)
             checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
 
