@@ -608,6 +608,14 @@ def gather_objects(group: Group, obj: Any, *, what: str) -> list[Any]:
 
 
 @_watched
+def host_broadcast(group: Group, t: Tensor, src: int, *, what: str) -> None:
+    """A CPU tensor from global rank ``src`` to every member, over the host side."""
+    pg = _check(group, HOST, what, t)
+    _note(group, HOST, "broadcast", what, t)
+    dist.broadcast(t, src=src, group=pg)
+
+
+@_watched
 def host_barrier(group: Group, *, what: str) -> None:
     pg = _check(group, HOST, what)
     _note(group, HOST, "barrier", what, None)

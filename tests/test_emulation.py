@@ -137,6 +137,32 @@ def test_an_overrun_is_the_tasks_own_work_not_what_its_caller_did_after_it(virtu
     assert summary["slip_s"] == pytest.approx(0.003) and summary["modelled_s"] == pytest.approx(0.030)
 
 
+def test_a_deferred_tail_holds_the_next_task_not_the_host(virtual_clock):
+    """A zebra rank's tail (its optimizer step) runs on the device while the host goes on into
+    the next step: ``defer`` sleeps nothing; the next task's ``settle`` waits for what is left
+    of it, and nothing once it is over; its own work is what an overrun is counted against."""
+    clock = virtual_clock(emulate_clock)
+    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=0)
+    started = clock.perf_counter()
+    clock.advance(0.002)  # the optimizer's own work on the host
+    em.defer("tail", "tail", started, 0.010)
+    assert clock.perf_counter() - started == pytest.approx(0.002)  # the host went on
+    clock.advance(0.003)  # the next step's start: the batch gathered, the first rows in
+    assert em.settle() == pytest.approx(0.005)  # the first task waits for the rest of the tail
+    assert clock.perf_counter() - started == pytest.approx(0.010)
+    assert em.settle() == 0.0  # settled once
+    # a tail already over when the next task comes: no wait, and no overrun (the host's time
+    # after the tail's own work is not the tail's)
+    started = clock.perf_counter()
+    clock.advance(0.001)
+    em.defer("tail", "tail", started, 0.010)
+    clock.advance(0.050)
+    assert em.settle() == 0.0
+    st = em.stats["tail"]
+    assert (st.count, st.overruns) == (2, 0) and st.modelled_s == pytest.approx(0.020)
+    assert st.slept_s == pytest.approx(0.005)
+
+
 @pytest.mark.filterwarnings("ignore::lightning_hetermoe.emulate.EmulationWarning")
 def test_emulation_changes_the_clock_not_the_math():
     ref, emu, b = tiny_model(), tiny_model(), batch()

@@ -667,12 +667,15 @@ def test_a_step_in_waves_is_the_plan_of_one_wave_run_that_many_times_with_one_ta
     assert (two.waves, two.total_seqs, two.global_batch_tokens) == (2, 128, 256 * 4096)
     assert (two.seqs_per_rank, two.placement) == (half.seqs_per_rank, half.placement)
     view = as_cluster(c1)
-    _, _, tails, late = build_tasks(plan_setup(half, view.devices, d1, view.topology), make_timer(d1, 4096, cost=cost))
-    tasks, policies, _, _ = build_tasks(plan_setup(half, view.devices, d1, view.topology),
-                                        make_timer(d1, 4096, cost=cost))
+    wave = plan_setup(half, view.devices, d1, view.topology)
+    wave.waves = 2  # one wave of two: the tail comes after the last, none is carried into it
+    tasks, policies, tails, late = build_tasks(wave, make_timer(d1, 4096, cost=cost))
     makespan, tail = run_step_dag(tasks, policies, late).makespan, max(tails.values())
     assert two.predicted["zebra"]["step_time_s"] == pytest.approx(2 * makespan + tail, rel=1e-12)
-    assert half.predicted["zebra"]["step_time_s"] == pytest.approx(makespan + tail, rel=1e-12)
+    # in one wave each rank's tail of the step before is carried into the step: no longer
+    # than the wave and its tail one after the other, no shorter than the wave
+    one = half.predicted["zebra"]["step_time_s"]
+    assert makespan <= one <= makespan + tail
     assert two.predicted["zebra"]["tokens_per_s"] == pytest.approx(256 * 4096 / (2 * makespan + tail), rel=1e-12)
     # the schedules that accumulate on their own terms take the whole batch at once
     for s in ("ep", "ep_ideal", "datacentric"):

@@ -158,8 +158,22 @@ def test_every_tail_starts_after_the_last_task_of_any_rank():
 
     # the by-hand step above: the expert rank's last task ends at 13, the attention rank's at
     # 15; the step's loss is agreed on every rank first, so the expert rank's optimizer runs
-    # from 15, not from 13
-    assert simulate_step(zebra_setup(), SlowOptimizer()).step_time == pytest.approx(25.0)
+    # from 15, not from 13. In several waves it ends the step: 2 x 15 + 10
+    waves = zebra_setup()
+    waves.waves = 2
+    assert simulate_step(waves, SlowOptimizer()).step_time == pytest.approx(40.0)
+    # In one wave each rank goes on into the next step when its own tail ends: the attention
+    # rank at once, the expert rank 10 later. A: Af(0,0)[0,1] Af(0,1)[1,2]  X: Xf(0,0)[10,11]
+    # Xf(0,1)[11,12]  A: Af(1,0)[11,12] Af(1,1)[12,13]  X: Xf(1,0)[12,13] Xf(1,1)[13,14]
+    # Xb(1,0)[14,16] Xb(1,1)[16,18]  A: Ab(1,0)[16,18] Ab(1,1)[18,20]  X: Xb(0,0)[18,20]
+    # Xb(0,1)[20,22]  A: Ab(0,0)[20,22] Ab(0,1)[22,24]: 24 after the last step's end, not 25
+    res = simulate_step(zebra_setup(), SlowOptimizer(), keep_timeline=True)
+    assert res.step_time == pytest.approx(24.0)
+    start = starts(res)
+    assert start[("Af0.0", "0")] == pytest.approx(0.0) and start[("Xf0.0", "1")] == pytest.approx(10.0)
+    # its tail is its work, not a bubble: it waits only from 22 to 24
+    assert res.summary()["bubble_s"]["e:v100[1]"] == pytest.approx(24.0 - 10.0 - 12.0)
+    assert simulate_step(zebra_setup(), FakeTimer()).step_time == pytest.approx(15.0)  # no tail: as before
 
 
 def test_an_ep_ranks_optimizer_waits_for_the_slowest_ranks_backward():
@@ -549,14 +563,14 @@ def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed
     from lightning_hetermoe.cluster import ClusterConfig
     from lightning_hetermoe.plan import as_cluster, make_plan
     from lightning_hetermoe.simulate import lane_vectors, plan_setup
-    from lightning_hetermoe.simulate.step import disaggregated_step, build_tasks, run_step_dag
+    from lightning_hetermoe.simulate.step import build_tasks, carries_tails, disaggregated_step, run_step_dag
 
     moved = []
     real_run = lane_vectors._run
 
-    def counting_run(prog, d, legs, dense, late_moved, late):
+    def counting_run(prog, d, legs, dense, late_moved, late, free):
         moved.append(bool(late_moved.any()))
-        return real_run(prog, d, legs, dense, late_moved, late)
+        return real_run(prog, d, legs, dense, late_moved, late, free)
 
     monkeypatch.setattr(lane_vectors, "_run", counting_run)
     compared = 0
@@ -592,10 +606,11 @@ def test_lanes_timed_at_once_give_the_task_graphs_step_time_to_the_last_bit(seed
             for kind in ("zebra", "distep", "forward"):
                 fast = lane_vectors.step_time(
                     plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
-                tasks, policies, tails, late = build_tasks(
-                    plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load), timer)
+                setup = plan_setup(plan, view.devices, model, view.topology, schedule=kind, expert_load=load)
+                tasks, policies, tails, late = build_tasks(setup, timer)
                 graph = run_step_dag(tasks, policies, late)
-                want = graph.makespan if kind == "forward" else disaggregated_step(graph.makespan, tails, plan.waves)
+                want = graph.makespan if kind == "forward" else disaggregated_step(graph.makespan, tails, plan.waves,
+                                                                                  carries_tails(setup))
                 assert fast == want, (case, trial, kind)
                 compared += 1
     assert compared >= 18

@@ -125,6 +125,7 @@ class Emulator:
         self._warned = False
         self._needed_scale = 0.0
         self._lock = threading.Lock()
+        self._deferred: tuple[str, Any, float, float, float] | None = None  # see defer
 
     # -- modelled durations (scaled) -----------------------------------------------------
     def attention(self, tokens: float, backward: bool = False) -> float:
@@ -223,6 +224,23 @@ class Emulator:
                 if seen > self.warmup_calls:
                     self._overrun(task, key, real, modelled)
         return slept
+
+    def defer(self, task: str, key: Any, started: float, modelled: float) -> None:
+        """Work of ``modelled`` seconds from ``started`` that the device runs while the host
+        goes on, as a GPU runs the kernels a host queued: the next task waits for it
+        (:meth:`settle`), whatever the host does meanwhile does not. Its real work is done by
+        now (an overrun is counted against that, not against the wait)."""
+        self.settle()
+        self._deferred = (task, key, started, modelled, time.perf_counter())
+
+    def settle(self) -> float:
+        """Before a task starts: wait for deferred work to end on the modelled clock (the
+        device runs in order). Returns the seconds slept."""
+        if self._deferred is None:
+            return 0.0
+        task, key, started, modelled, done = self._deferred
+        self._deferred = None
+        return self.pad(task, key, started, modelled, done=done)
 
     def arrive(self, task: str, key: Any, at: float, modelled: float) -> None:
         """Something of ``modelled`` seconds that arrives at ``at`` (a :meth:`now` stamp): wait

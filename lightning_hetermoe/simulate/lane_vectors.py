@@ -25,7 +25,8 @@ import numpy as np
 
 from ..distinct import distinct
 from ..task_order import Round, Task as ScheduleTask, awaited_round, emitted_round
-from .step import (StepSetup, TaskTimes, build_tasks, check_setup, disaggregated_step, graph_shape, lane_tail,
+from .step import (StepSetup, TaskTimes, build_tasks, carries_tails, check_setup, disaggregated_step, graph_shape,
+                   lane_tail,
                    round_transfer_time, run_step_dag)
 
 # node kinds of a program, in the order a role's list or a channel holds them
@@ -156,7 +157,7 @@ def simulate_step_time(setup: StepSetup, timer) -> float:
     if fast is not None:
         return fast
     tasks, policies, tails, late = build_tasks(setup, timer)
-    return disaggregated_step(run_step_dag(tasks, policies, late).makespan, tails, setup.waves)
+    return disaggregated_step(run_step_dag(tasks, policies, late).makespan, tails, setup.waves, carries_tails(setup))
 
 
 def step_time(setup: StepSetup, timer) -> float | None:
@@ -188,7 +189,13 @@ def step_time(setup: StepSetup, timer) -> float | None:
     late = [(k, durations.exp_holders[k]) for k in range(prog.n_rounds - 1)
             if prog.early[k] and len(durations.exp_holders[k]) and att and prog.emitter[k + 1] >= 0]
     moved = np.zeros((len(exp), prog.n_rounds), dtype=bool)
-    makespan, starts, emitted = _run(prog, durations, legs, dense, moved, late)
+    tails = {}
+    if sched.kind != "forward":
+        tails = {i: lane_tail(timer, setup, lane) for i, lane in enumerate(lanes)}
+    carried = carries_tails(setup)
+    # where each lane starts: the end of its own tail of the step before, where carried
+    free = (np.array([tails[i] if carried else 0.0 for i in att]), np.array([tails[i] if carried else 0.0 for i in exp]))
+    makespan, starts, emitted = _run(prog, durations, legs, dense, moved, late, free)
     for _ in range(LATE_PASSES):
         came = False
         for k, idx in late:
@@ -198,11 +205,8 @@ def step_time(setup: StepSetup, timer) -> float | None:
                 came = True
         if not came:
             break
-        makespan, starts, emitted = _run(prog, durations, legs, dense, moved, late)
-    tails = {}
-    if sched.kind != "forward":
-        tails = {i: lane_tail(timer, setup, lane) for i, lane in enumerate(lanes)}
-    return disaggregated_step(makespan, tails, setup.waves)
+        makespan, starts, emitted = _run(prog, durations, legs, dense, moved, late, free)
+    return disaggregated_step(makespan, tails, setup.waves, carried)
 
 
 class _Durations:
@@ -261,12 +265,15 @@ class _Durations:
 
 
 def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: np.ndarray,
-         late: list[tuple[int, np.ndarray]]) -> tuple[float, dict[int, np.ndarray], np.ndarray]:
-    """One pass over the program with these late headers (``moved[lane, round]``): the
-    makespan, the start of each early round's experts per holder, each round's emission."""
+         late: list[tuple[int, np.ndarray]], free: tuple[np.ndarray, np.ndarray]
+         ) -> tuple[float, dict[int, np.ndarray], np.ndarray]:
+    """One pass over the program with these late headers (``moved[lane, round]``), each
+    attention and expert lane free from ``free``'s time: the makespan, the start of each
+    early round's experts per holder, each round's emission."""
     nR = prog.n_rounds
-    busy = np.zeros(d.n_att)  # each attention lane's last end
-    last = np.zeros(d.n_exp)  # each expert lane's last expert task's end
+    busy = free[0].copy()  # each attention lane's last end
+    last = np.zeros(d.n_exp)  # each expert lane's last expert task's end (what its collectives wait for)
+    free_exp = free[1]  # ... and when its first may start
     # a late header's wait for the lane's next task: the round whose emission it waits for
     # (nR: none; read when that task starts, once the emission is timed)
     hold = np.full(d.n_exp, nR, dtype=np.intp)
@@ -300,7 +307,7 @@ def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: 
         elif kind == EXPERT:
             idx = d.exp_holders[i]
             if len(idx):
-                start = np.maximum(last[idx], dispatch[i])
+                start = np.maximum(np.maximum(last[idx], free_exp[idx]), dispatch[i])
                 if any_moved:
                     start = np.maximum(start, emitted[hold[idx]])
                 done = start + d.exp_expert[i]
@@ -343,5 +350,5 @@ def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: 
     if d.n_att:
         ends.append(busy.max())
     if d.n_exp:
-        ends.append(last.max())
+        ends.append(max(last.max(), free_exp.max()))
     return float(max(ends)), starts, emitted

@@ -298,7 +298,22 @@ def build_tasks(setup: StepSetup, timer, every_gate: bool = False
     tails = {}
     if setup.schedule is None or setup.schedule.kind != "forward":
         tails = {lane_resource(i, lane): lane_tail(timer, setup, lane) for i, lane in enumerate(setup.lanes)}
+    if carries_tails(setup):
+        # the step before's tail, each rank's own, ahead of its first task (appended: the
+        # other tasks' indices stay; first in its resource's order by priority)
+        tasks += [Task(f"T.{res}", res, tail, [], (-1,), "tail") for res, tail in tails.items()]
     return tasks, policies, tails, late
+
+
+def carries_tails(setup: StepSetup) -> bool:
+    """Whether a step's graph starts each rank at the end of its own tail of the step before
+    (zebra and DistEP in one wave): the ranks agree on the loss and the gradients' norm when
+    the last task of any ends, then each runs its own gradient sync and optimizer step and
+    goes on into the next step, whose first collectives wait only for what they carry. So an
+    attention rank's first layer of the next step runs while the expert ranks still step their
+    experts, and the step's time is the graph's makespan, measured from the previous compute
+    end. Several waves keep the tail after the last (the next wave waits for the loss)."""
+    return setup.schedule is not None and setup.schedule.kind != "forward" and setup.waves == 1
 
 
 @dataclass
@@ -792,7 +807,9 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list
     return tasks, policies, []
 
 
-def disaggregated_step(makespan: float, tails: dict, waves: int = 1) -> float:
+def disaggregated_step(makespan: float, tails: dict, waves: int = 1, carried: bool = False) -> float:
+    if carried:  # the tails are in the graph (carries_tails)
+        return makespan
     # Every tail starts when the last task of any rank ends: zebra and DistEP agree on the
     # step's loss (an all-reduce over every rank) before any rank's gradient sync and
     # optimizer, and under EP every rank holds the dense weights, whose gradient all-reduce
@@ -813,9 +830,11 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
     for t, s, e in zip(tl.tasks, tl.start, tl.end, strict=True):
         if t.kind in COMPUTE_KINDS:
             per_res_busy[t.resource] = per_res_busy.get(t.resource, 0.0) + (e - s)
+        if t.kind in COMPUTE_KINDS or t.kind == "tail":  # a carried tail is the rank's work, not a bubble
             per_res_spans.setdefault(t.resource, []).append((s, e))
     compute_end = tl.makespan
-    step = disaggregated_step(compute_end, tails, setup.waves if setup.schedule is not None else 1)
+    step = disaggregated_step(compute_end, tails, setup.waves if setup.schedule is not None else 1,
+                              carries_tails(setup))
     busy: dict[int, float] = {}
     devices: dict[int, str] = {}
     bubbles: dict[str, list[tuple[float, float]]] = {}

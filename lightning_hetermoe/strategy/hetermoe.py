@@ -41,7 +41,7 @@ from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from .. import standin
-from . import heartbeat
+from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
 from .backends.base import ParallelBackend
 from .expert_state import ExpertState
@@ -413,6 +413,25 @@ class HeterMoEStrategy(DDPStrategy):
         return super()._setup_model(model)
 
     # -- the step -----------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # before every batch Lightning asks rank 0 about SIGTERM on the device, which on a GPU
+        # waits for every rank's queued optimizer step: asked on the host instead
+        sigterm.ask_on_the_host(self.lightning_module.trainer, self.world_size)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Zebra and DistEP keep the batch on the host: every rank's rows go to the attention
+        ranks over the host side, and each moves the micro-batches it computes to its device.
+        Moved first, an expert rank's rows would queue behind its optimizer step on its
+        stream, and so would the device gather of the next batch: the attention ranks would
+        wait through the expert ranks' tail instead of starting the next step's first layer
+        (simulate.step.carries_tails). The module's transfer hooks run as ever, to the host."""
+        if self.backend is not None and self.backend.batch_on_host and self.root_device.type != "cpu":
+            device = torch.device("cpu")
+        return super().batch_to_device(batch, device, dataloader_idx)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.clock.step_started(self.root_device)

@@ -197,12 +197,16 @@ class RunClock:
             self._step_stamp = self.meter.now()
 
     def step_ended(self, tail_started: float | None, tail: TailShape) -> None:
-        """After the optimizer: pad the tail (emulation), record the step's time and busy split."""
+        """After the optimizer: pad the tail (emulation; a carried one when the next step's
+        first task starts), record the step's time and busy split."""
         if tail_started is not None and self.emulator is not None:
             modelled = self.emulator.tail(experts_held=tail.experts_held, has_attention=tail.has_attention,
                                           replicas=tail.replicas, attention_dp=tail.attention_dp,
                                           replica_ranks=tail.replica_ranks, dense_ranks=tail.dense_ranks)
-            self.emulator.pad("tail", "tail", tail_started, modelled)
+            if tail.carried:  # the next step's first task waits for it, the host does not
+                self.emulator.defer("tail", "tail", tail_started, modelled)
+            else:
+                self.emulator.pad("tail", "tail", tail_started, modelled)
         if self._step_started is None:
             return
         self.last_step_s = time.perf_counter() - self._step_started

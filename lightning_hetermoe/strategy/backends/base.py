@@ -61,6 +61,9 @@ class TailShape:
     # the global ranks of the rings: this rank's experts' replicas, the dense replicas
     replica_ranks: tuple[int, ...] = ()
     dense_ranks: tuple[int, ...] = ()
+    # the rank goes on into the next step while its device runs the tail (zebra and DistEP in
+    # one wave: simulate.step.carries_tails); else the next step starts after it
+    carried: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class Simulated:
 
 class ParallelBackend(ABC):
     schedule: str = ""  # the simulator's name for what this backend runs
+    # whether a step takes its batch on the host (it gathers the global batch there and moves
+    # the rows it computes to the device): see HeterMoEStrategy.batch_to_device
+    batch_on_host: bool = False
 
     # -- set-up and restore -------------------------------------------------------------
     @abstractmethod

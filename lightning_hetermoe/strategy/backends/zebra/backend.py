@@ -55,7 +55,7 @@ from ....apportion import apportion, split_microbatches
 from ....materialize import Holding, Materializer
 from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
                     zero_missing_grads)
-from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, split_sizes, take
+from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, map_batch, split_sizes, take
 from ...expert_state import gather_experts, restore_local, slice_experts
 from ...grad_norm import squared_norm
 from . import outputs, train_outputs
@@ -150,6 +150,7 @@ class ZebraRealTokens:
 
 
 class ZebraBackend(ParallelBackend):
+    batch_on_host = True
     def __init__(self, plan: Plan, mode: str, rank: int, *, balance: bool, device: torch.device,
                  clock: Any = None) -> None:
         if mode not in ("zebra", "distep"):
@@ -263,7 +264,7 @@ class ZebraBackend(ParallelBackend):
         start, count = self.shares(full.size)[self.plan.attention_ranks.index(self.layout.rank)]
         sizes = split_microbatches(count, R)
         pieces = [(start + at, n) for at, n in split_sizes(count, sizes)]
-        mbs = [take(full.batch, at, n) if n else None for at, n in pieces]
+        mbs = [on_device(take(full.batch, at, n), self.device) if n else None for at, n in pieces]
         fractions = [full.fraction(at, n) for at, n in pieces]
         padded = full.padded
         masks = [full.mask(at, n, self.device) if n else None for at, n in pieces] if padded else None
@@ -564,7 +565,7 @@ class ZebraBackend(ParallelBackend):
                          has_attention=lay.is_attention, replicas=len(self.plan.zp_groups),
                          attention_dp=len(self.plan.attention_ranks),
                          replica_ranks=tuple(ranks[lay.my_group_rank] for ranks in lay.every_group_ranks()),
-                         dense_ranks=tuple(self.plan.attention_ranks))
+                         dense_ranks=tuple(self.plan.attention_ranks), carried=self.plan.waves == 1)
 
     def simulated(self, placement: Placement | None = None) -> Simulated:
         return Simulated(self.schedule, plan=self.plan, placement=placement)
@@ -586,3 +587,9 @@ def _copy_back(pending: comm.Pending, params: list[nn.Parameter]) -> None:
         n = p.numel()
         p.grad.copy_(flat[at:at + n].view_as(p.grad))
         at += n
+
+
+def on_device(batch: Any, device: torch.device) -> Any:
+    """A micro-batch of a batch kept on the host on the compute device (pinned, no host
+    sync); one already there as it is."""
+    return map_batch(batch, lambda t: comm.to_device(t, device) if t.device != device else t)

@@ -224,6 +224,8 @@ class StepRun:
         try:
             for task in tasks:
                 inputs = self._collect(task)
+                if self.clock is not None:  # the step before's tail runs first on the device
+                    self.clock.settle()
                 t0, wall = self._watch.now(), time.perf_counter()
                 with self.task_context():
                     self._compute(task, inputs)
