@@ -532,10 +532,16 @@ class HeterMoEStrategy(DDPStrategy):
 
         def closure_then_sync() -> Any:
             result = closure()
+            first = not tail_started
             tail_started.append(time.perf_counter())
             self.backend.sync_grads(self.lightning_module)
             if self._sharding is not None:
                 self._sharding.prepare_grads()
+            if first and self._expert_bias is not None:
+                # the routers' biases move by the step's load before the update is queued: a
+                # collective after it would, on a GPU, wait for every rank's optimizer step
+                # (the tail zebra carries into the next step)
+                self._expert_bias.update(self._sum_over_ranks)
             return result
 
         try:
@@ -544,8 +550,6 @@ class HeterMoEStrategy(DDPStrategy):
             unfold(optimizer)  # the clip's divisor is this step's only
         if self._sharding is not None:
             self._sharding.share_updates()
-        if self._expert_bias is not None:
-            self._expert_bias.update(self._sum_over_ranks)
         self.clock.step_ended(tail_started[0] if tail_started else None, self.backend.tail_shape())
         self.check_memory(f"in training step {self.lightning_module.trainer.global_step}")
         if self.progress is not None:
