@@ -158,8 +158,11 @@ def test_each_rank_runs_theorem_one_order_and_the_simulator_runs_the_same_lists(
     res = simulate_step(plan_setup(plan, devs, model, LinkConfig()), make_timer(model, SEQ))
     for rank in range(3):
         lane = next(t.resource for t in res.timeline.tasks if t.resource.endswith(f"[{rank}]"))
-        simulated = [t.name for t, s in sorted(((t, s) for t, s in zip(res.timeline.tasks, res.timeline.start, strict=True)
-                                                if t.resource == lane), key=lambda x: x[1])]
+        on_lane = [t for t, s in sorted(((t, s) for t, s in zip(res.timeline.tasks, res.timeline.start, strict=True)
+                                         if t.resource == lane), key=lambda x: (x[1], x[0].kind != "tail"))]
+        # the step before's tail first (carried into this step), then the executor's list
+        assert on_lane[0].kind == "tail", on_lane[0]
+        simulated = [t.name for t in on_lane[1:]]
         assert simulated == orders[rank], f"rank {rank}: executor {orders[rank]} vs simulator {simulated}"
 
     # a broken executor (two backward tasks of the first layer swapped, which the exchange
