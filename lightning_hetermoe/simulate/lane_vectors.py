@@ -26,8 +26,7 @@ import numpy as np
 from ..distinct import distinct
 from ..task_order import Round, Task as ScheduleTask, awaited_round, emitted_round
 from .step import (StepSetup, TaskTimes, build_tasks, carries_tails, check_setup, disaggregated_step, graph_shape,
-                   lane_tail,
-                   round_transfer_time, run_step_dag)
+                   lane_tail, round_transfer_time, run_step_dag)
 
 # node kinds of a program, in the order a role's list or a channel holds them
 ATTN, ATTN_X, EXPERT, DISPATCH, COMBINE, COUNT = range(6)

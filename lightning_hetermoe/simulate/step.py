@@ -313,7 +313,13 @@ def carries_tails(setup: StepSetup) -> bool:
     attention rank's first layer of the next step runs while the expert ranks still step their
     experts, and the step's time is the graph's makespan, measured from the previous compute
     end. Several waves keep the tail after the last (the next wave waits for the loss)."""
-    return setup.schedule is not None and setup.schedule.kind != "forward" and setup.waves == 1
+    return setup.schedule is not None and tail_carried(setup.schedule.kind, setup.waves)
+
+
+def tail_carried(schedule: str, waves: int) -> bool:
+    """The rule of :func:`carries_tails` for a schedule kind and a step's waves (the zebra
+    backend's emulated clock asks it too, so that the two agree)."""
+    return schedule in ("zebra", "distep") and waves == 1
 
 
 @dataclass

@@ -360,9 +360,9 @@ def global_order(counts: list[int]) -> list[tuple[int, int]]:
 def gather_global_batch(batch: Any, ignore_index: int = IGNORE_INDEX, *, uneven_rows: bool = False) -> GlobalBatch:
     """All ranks' batches as one, in global sample order (see :func:`global_order`), padded to
     one sequence length where the ranks' differ. The batch is on the device (Lightning moved
-    it there) or on the host (every rank's: gathered over the host side). ``uneven_rows``: the ranks may hold different numbers of rows (evaluation: a
-    short last batch that Lightning's predict sampler deals without padding); refused
-    otherwise (training). One host gather of the shapes tells every rank both the sequence
+    it there) or on the host (every rank's: gathered over the host side). ``uneven_rows``:
+    the ranks may hold different numbers of rows (evaluation: a short last batch that
+    Lightning's predict sampler deals without padding); refused otherwise (training). One host gather of the shapes tells every rank both the sequence
     lengths and the row counts (:attr:`GlobalBatch.counts`)."""
     world = comm.world()
     shapes = gather_shapes(batch)
@@ -374,17 +374,20 @@ def gather_global_batch(batch: Any, ignore_index: int = IGNORE_INDEX, *, uneven_
     most = max(counts)
     order = global_order(counts)
     # where each sample of the global order sits among the padded rows ([most, W] row-major)
-    index = torch.tensor([i * world.size + r for r, i in order], dtype=torch.long, device="cpu") if uneven else None
-    on_host = [t.device.type == "cpu" for t in tensors(batch, strict=True)]
-    keep = index if index is None or all(on_host) else comm.to_device(index)
+    on_host = all(t.device.type == "cpu" for t in tensors(batch, strict=True))
+    # a batch kept on the host off a CPU run (zebra: HeterMoEStrategy.batch_to_device) goes
+    # over the host side: it waits for no rank's device work
+    host_side = on_host and comm.compute_device().type != "cpu"
+    keep = None
+    if uneven:
+        keep = torch.tensor([i * world.size + r for r, i in order], dtype=torch.long, device="cpu")
+        keep = keep if on_host else comm.to_device(keep)
 
     def gather(t: Tensor) -> Tensor:
         if uneven:  # all_gather needs one shape: pad to the longest rank's rows, drop them after
             t = torch.cat([t, t.new_zeros((most - t.shape[0],) + tuple(t.shape[1:]))])
         parts = [torch.empty_like(t) for _ in range(world.size)]
-        if t.device.type == "cpu" and comm.compute_device().type != "cpu":
-            # a batch kept on the host (zebra: HeterMoEStrategy.batch_to_device) goes over the
-            # host side: it waits for no rank's device work
+        if host_side:
             comm.host_all_gather(world, parts, t.contiguous(), what="batch.gather.host")
         else:
             comm.all_gather(world, parts, t.contiguous(), what="batch.gather")

@@ -50,6 +50,7 @@ from ....moe.balance import balance_loss_from_counts, routed_counts
 from ....placement import Placement
 from ....plan import Plan
 from ....profile.memory import GRAD_BUCKET_BYTES
+from ....simulate.step import tail_carried
 from ....task_order import answers_layered, build_schedule
 from ....apportion import apportion, split_microbatches
 from ....materialize import Holding, Materializer
@@ -151,6 +152,7 @@ class ZebraRealTokens:
 
 class ZebraBackend(ParallelBackend):
     batch_on_host = True
+
     def __init__(self, plan: Plan, mode: str, rank: int, *, balance: bool, device: torch.device,
                  clock: Any = None) -> None:
         if mode not in ("zebra", "distep"):
@@ -565,7 +567,8 @@ class ZebraBackend(ParallelBackend):
                          has_attention=lay.is_attention, replicas=len(self.plan.zp_groups),
                          attention_dp=len(self.plan.attention_ranks),
                          replica_ranks=tuple(ranks[lay.my_group_rank] for ranks in lay.every_group_ranks()),
-                         dense_ranks=tuple(self.plan.attention_ranks), carried=self.plan.waves == 1)
+                         dense_ranks=tuple(self.plan.attention_ranks),
+                         carried=tail_carried(self.schedule, self.plan.waves))
 
     def simulated(self, placement: Placement | None = None) -> Simulated:
         return Simulated(self.schedule, plan=self.plan, placement=placement)
