@@ -46,7 +46,8 @@ def winners(capability, dtype, smem) -> dict[tuple[str, int], "object"]:
         votes: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         for key, cfg in launch.autotuner(fn, which, capability, dtype, smem).cache.items():
             kw = cfg.kwargs
-            votes[int(key[2])][Tile(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], cfg.num_stages, cfg.num_warps)] += 1
+            votes[int(key[2])][Tile(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], cfg.num_stages, cfg.num_warps,
+                                    kw["GROUP"])] += 1
         for bucket, counter in votes.items():
             out[(which, bucket)] = counter.most_common(1)[0][0]
     return out

@@ -71,11 +71,11 @@ def _kernel(fn, which: str, device: torch.device, dtype: torch.dtype, bucket: in
     """(launchable, fixed kwargs): interpreted with fixed blocks on CPU; on CUDA the plain
     kernel with one config's blocks and launch options, or the autotuner when asked for."""
     if device.type != "cuda":
-        return _interpreted(fn), dict(tuning.INTERPRET_BLOCKS)
+        return _interpreted(fn), tuning.with_group(dict(tuning.INTERPRET_BLOCKS))
     capability, smem = _device(device.index if device.index is not None else torch.cuda.current_device())
     if tuning.autotune_enabled():
         return autotuner(fn, which, capability, dtype, smem), {}
-    return jitted(fn), _tile(capability, dtype, which, bucket, smem).launch_kwargs()
+    return jitted(fn), tuning.with_group(_tile(capability, dtype, which, bucket, smem).launch_kwargs())
 
 
 def input_precision(dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None, tf32: bool) -> str:

@@ -65,7 +65,31 @@ def tuning_buckets() -> list[int]:
 
 # Under TRITON_INTERPRET every program is numpy on the CPU: fewer, mid-sized tiles are
 # fastest, and 16 keeps test shapes that are not multiples of the block meaningful.
-INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+# GROUP 2 there: the grouped launch order, with groups that straddle experts, runs in every
+# interpreted test.
+INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP": 2}
+
+_GROUP: list[int | None] = [None]  # launch_group's setting; None: each config's own
+
+
+@contextlib.contextmanager
+def launch_group(group: int) -> Iterator[None]:
+    """Launches in the block take ``group`` row tiles side by side instead of their config's
+    (1: one row tile at a time, the order before grouping), interpreted or compiled, not
+    under the autotuner. For side-by-side benchmarks and tests of the order."""
+    if not isinstance(group, int) or isinstance(group, bool) or not 1 <= group <= tiles.MAX_GROUP:
+        raise ValueError(f"launch_group({group!r}) is invalid: must be an integer in [1, {tiles.MAX_GROUP}]")
+    previous = _GROUP[0]
+    _GROUP[0] = group
+    try:
+        yield
+    finally:
+        _GROUP[0] = previous
+
+
+def with_group(blocks: dict[str, int]) -> dict[str, int]:
+    """A launch's constexprs with :func:`launch_group`'s setting, where one is set."""
+    return blocks if _GROUP[0] is None else {**blocks, "GROUP": _GROUP[0]}
 
 # ---- autotuning on request ----------------------------------------------------------------
 ENV = "HETERMOE_AUTOTUNE"
@@ -225,5 +249,5 @@ def autotune_candidates(capability: tuple[int, int], dtype: torch.dtype, kernel:
 def as_config(t: Tile) -> "triton.Config":  # noqa: F821
     import triton
 
-    return triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
+    return triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP": t.group},
                          num_stages=t.num_stages, num_warps=t.num_warps)

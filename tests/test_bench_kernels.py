@@ -49,7 +49,7 @@ def test_every_column_computes_the_same(bench, monkeypatch, top_k, experts):
     upstream = torch.randn(case.tokens, case.d_model, generator=torch.Generator().manual_seed(1))
     kinds = ["grouped_mm", "hf_grouped_mm", "hf_eager"]
     if importlib.util.find_spec("triton") is not None:
-        kinds.append("triton")
+        kinds += ["triton", *bench.ORDER_COLUMNS]
     want = bench.case_outputs("loop", prob, upstream)
     # the loop against a naive per-token reference: each token through its k experts
     y = torch.zeros(case.tokens, case.d_model)

@@ -52,7 +52,7 @@ def test_default_cuda_launch_is_a_plain_kernel_with_one_config(which, monkeypatc
     assert isinstance(fn, JITFunction) and not isinstance(fn, Autotuner)
     want = tuning.tile_for((9, 0), torch.bfloat16, which, 4096, H100_SMEM)
     assert kwargs == want.launch_kwargs()
-    assert set(kwargs) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+    assert set(kwargs) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP", "num_warps", "num_stages"}
 
 
 def test_autotuning_only_on_request(monkeypatch):
@@ -134,6 +134,16 @@ def test_the_shipped_table_is_read_lazily_and_a_missing_one_falls_back(monkeypat
         tuning.default_tile((9, 0), torch.bfloat16, "wgrad", 512)
 
 
+def test_a_table_entry_may_name_its_launch_order():
+    entry = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+    assert tiles.parse(entry) == Tile(64, 128, 64, 4, 4, tiles.DEFAULT_GROUP)
+    assert tiles.parse({**entry, "GROUP": 1}) == Tile(64, 128, 64, 4, 4, 1)
+    for bad in (0, tiles.MAX_GROUP + 1, "8", True, 2.5):
+        assert tiles.parse({**entry, "GROUP": bad}) is None, bad
+    tile = Tile(64, 128, 64, 4, 4, 16)
+    assert tiles.parse(tile.to_json()) == tile and tuning.as_config(tile).kwargs["GROUP"] == 16
+
+
 def test_written_entries_keep_other_kinds():
     table = {"_about": "x", "cuda:sm80": {"bf16": {"gemm": {"256": Tile(64, 64, 32, 2, 4).to_json()}}}}
     out = tiles.with_entries(table, "cuda:sm90", {("bf16", "gemm", 512): Tile(64, 128, 64, 4, 4)})
@@ -199,7 +209,8 @@ def test_expert_count_is_not_part_of_the_specialisation(which):
         for E in (1, 2, 16):
             args = {p.name: (t if p.name.endswith("_ptr") else 64) for p in kernel.params if not p.is_constexpr}
             args["E"] = E
-            consts = dict(HAS_IDX=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, INPUT_PRECISION="tf32", UPCAST=False)
+            consts = dict(HAS_IDX=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP=8, INPUT_PRECISION="tf32",
+                          UPCAST=False)
             if which == "gemm":
                 consts |= dict(HAS_BIAS=True, HAS_OUT_IDX=False, HAS_SCALE=False)
             _, spec, _ = binder(**args, **consts)

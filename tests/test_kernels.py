@@ -157,6 +157,51 @@ def test_gemm_epilogues_scale_and_scatter():
     assert_close(dw[2], x[12:].T @ dy[12:], "wgrad expert 2", 1e-5)
 
 
+def test_launch_order_changes_no_result():
+    """Row tiles launched side by side (GROUP) compute every tile as one row tile at a time
+    does, to the bit, and as the per-expert products: ragged and empty experts, groups that
+    straddle experts, a short last group, groups larger than the grid."""
+    from lightning_hetermoe.kernels import tuning
+
+    torch.manual_seed(2)
+    # 16-row tiles: 0, 3, 1, 0, 4, 1 of them, 15 row tiles launched (9 real, 6 surplus)
+    counts = torch.tensor([0, 37, 5, 0, 50, 16])
+    E, K, N, tokens = len(counts), 100, 70, 61
+    rows = int(counts.sum())
+    x = torch.randn(tokens, K)
+    idx = torch.randint(0, tokens, (rows,))
+    w = torch.randn(E, K, N)
+    bias = torch.randn(E, N)
+    dy = torch.randn(rows, N)
+    owner = torch.repeat_interleave(torch.arange(E), counts)
+    want_y = torch.einsum("mk,mkn->mn", x[idx], w[owner]) + bias[owner]
+    want_dw = torch.stack([x[idx][owner == e].T @ dy[owner == e] for e in range(E)])
+    got = {}
+    for group in (1, 2, 3, 4, 8, 64):
+        with tuning.launch_group(group):
+            got[group] = (grouped_gemm(x, w, counts, gather_idx=idx, bias=bias),
+                          grouped_wgrad(x, dy, counts, gather_idx=idx))
+        assert_close(got[group][0], want_y, f"gemm, GROUP={group}", 1e-5)
+        assert_close(got[group][1], want_dw, f"wgrad, GROUP={group}", 1e-5)
+        assert torch.equal(got[group][0], got[1][0]) and torch.equal(got[group][1], got[1][1]), group
+
+
+def test_launch_group_is_checked_and_put_back():
+    from lightning_hetermoe.kernels import tuning
+
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(ValueError, match="launch_group"):
+            with tuning.launch_group(bad):
+                pass
+    blocks = {"BLOCK_M": 16, "GROUP": 8}
+    with tuning.launch_group(1):
+        assert tuning.with_group(blocks) == {"BLOCK_M": 16, "GROUP": 1}
+        with tuning.launch_group(4):
+            assert tuning.with_group(blocks)["GROUP"] == 4
+        assert tuning.with_group(blocks)["GROUP"] == 1
+    assert tuning.with_group(blocks) is blocks
+
+
 def layer_pair(cfg: MoEConfig, d_model=24, seed=0):
     torch.manual_seed(seed)
     tri = MoELayer(d_model, cfg)

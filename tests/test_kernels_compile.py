@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import shutil
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from lightning_hetermoe.kernels import launch, triton_src, tuning  # noqa: E402
+from lightning_hetermoe.kernels.tiles import Tile  # noqa: E402
 
 FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr"}
 
@@ -97,3 +99,15 @@ def test_hopper_autotune_candidates_compile_to_cubin(tmp_path, monkeypatch):
     cands = {which: tuning.autotune_candidates((9, 0), torch.bfloat16, which) for which in ("gemm", "wgrad")}
     assert all(1 <= len(c) <= tuning.MAX_CANDIDATES for c in cands.values())
     assert compile_tiles(90, torch.bfloat16, cands)
+
+
+def test_the_grouped_launch_order_reaches_the_compiled_gemm(tmp_path, monkeypatch):
+    """GROUP is compiled in: the grouped order reads the grid's size (the row tiles of the
+    last, short group), the one-row-tile-at-a-time order does not."""
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    tile = tuning.default_tile((9, 0), torch.bfloat16, "gemm", tuning.M_BUCKET_MAX)
+    assert tile.group > 1
+    grouped, plain = compile_tiles(90, torch.bfloat16, {"gemm": [tile, Tile(*astuple(tile)[:5], 1)]})
+    assert "tt.get_num_programs" in grouped.asm["ttir"]
+    assert "tt.get_num_programs" not in plain.asm["ttir"]
