@@ -6,11 +6,13 @@ token rows through their top-k experts' SwiGLU MLPs, weighted and summed per tok
 - ``loop``:          ``grouped_mlp_torch``, one torch matmul per expert (``expert_backend=torch``).
 - ``grouped_mm``:    PyTorch's grouped GEMM, ``torch._grouped_mm`` (``expert_backend=grouped_mm``).
 - ``triton``:        the gather-GEMM Triton kernels (``expert_backend=triton``); CUDA only.
-- ``triton_group1``: (``--orders``) the same kernels launched one row tile at a time
-                     (``GROUP=1``, the order before the grouped launch order;
-                     ``bench/tile_order.py`` models the memory traffic of both): what the
-                     order buys, in one run. CUDA only; off by default, as its kernels
-                     compile again (``bench/gpu.py``'s deadline counts on one set).
+- ablations (``--ablations``, CUDA only; off by default: their kernels compile again, and
+  ``bench/gpu.py``'s deadline counts on one set), each a column of this pack beside the
+  backend it takes apart, as ``<ablation>/<backend>`` (> 1: what was taken out pays):
+  ``triton_group1``, the Triton kernels launched one row tile at a time (``GROUP=1``, the
+  order before the grouped launch order; ``bench/tile_order.py`` models both orders'
+  memory traffic); ``grouped_mm_unfused``, grouped_mm with SwiGLU on torch's ops instead
+  of the fused kernels (``kernels/swiglu.py``).
 - ``hf_grouped_mm``: transformers' experts module (``MixtralExperts``) with
                      ``config._experts_implementation="grouped_mm"``, loaded with the same
                      weights: the path issue #39 measured at 464 TFLOP/s on an H100. Not a
@@ -76,9 +78,10 @@ MEASURED = ROOT / "kernels" / FILE
 BACKEND_OF = {"loop": "torch", "grouped_mm": "grouped_mm", "triton": "triton"}
 PACK_FN = {"triton": grouped_mlp, "grouped_mm": grouped_mlp_grouped_mm, "loop": grouped_mlp_torch}
 HF_IMPL = {"hf_grouped_mm": "grouped_mm", "hf_eager": "eager"}
-# Columns of the Triton backend at another launch order (row tiles side by side): not a
-# backend of their own, so never the fastest backend nor written to measured.json.
-ORDER_COLUMNS = {"triton_group1": 1}
+# Columns that take one of this pack's backends apart: (the backend's column, what it
+# runs under). Not backends of their own, so never the fastest nor written to measured.json.
+ABLATIONS = {"triton_group1": ("triton", "one row tile at a time"),
+             "grouped_mm_unfused": ("grouped_mm", "SwiGLU on torch's ops")}
 
 
 class Case(NamedTuple):
@@ -200,7 +203,7 @@ def column_forward(kind: str, prob: Problem, hf_module: torch.nn.Module | None =
     if kind in HF_IMPL:
         module = hf_module if hf_module is not None else hf_experts(prob, HF_IMPL[kind])
         return lambda: module(prob.x, prob.choice, prob.weights)
-    fn = grouped_mlp if kind in ORDER_COLUMNS else PACK_FN[kind]
+    fn = PACK_FN[ABLATIONS[kind][0] if kind in ABLATIONS else kind]
     # The torch loop reads counts on the host; the others take them on the device.
     c = prob.counts.cpu() if kind == "loop" else prob.counts
 
@@ -210,12 +213,16 @@ def column_forward(kind: str, prob: Problem, hf_module: torch.nn.Module | None =
     return pack
 
 
-def launch_order(kind: str):
-    """The launch order column ``kind`` runs its kernels in (forward and backward alike)."""
-    if kind in ORDER_COLUMNS:
+def ablated(kind: str):
+    """What column ``kind`` runs under, forward and backward alike (nothing for a backend)."""
+    if kind == "triton_group1":
         from lightning_hetermoe.kernels import tuning
 
-        return tuning.launch_group(ORDER_COLUMNS[kind])
+        return tuning.launch_group(1)
+    if kind == "grouped_mm_unfused":
+        from lightning_hetermoe.kernels import swiglu
+
+        return swiglu.fused(False)
     return contextlib.nullcontext()
 
 
@@ -224,7 +231,7 @@ def step_fn(kind: str, prob: Problem):
     forward = column_forward(kind, prob)
 
     def run():
-        with launch_order(kind):
+        with ablated(kind):
             y = forward()
             y.backward(torch.ones_like(y))
     return run
@@ -234,7 +241,7 @@ def case_outputs(kind: str, prob: Problem, upstream: torch.Tensor) -> dict[str, 
     """Column ``kind``'s output and its gradients to the input and to both expert weights
     (in the pack's layout) under ``upstream``: what the columns must agree on."""
     hf = hf_experts(prob, HF_IMPL[kind]) if kind in HF_IMPL else None
-    with launch_order(kind):
+    with ablated(kind):
         y = column_forward(kind, prob, hf)()
         if hf is not None:
             w_up, w_down = hf.gate_up_proj, hf.down_proj
@@ -335,9 +342,9 @@ def case_row(case: Case, secs: dict[str, float], peak_of: dict, kinds: list[str]
         for kind in kinds:
             if kind != "dense":
                 row[f"{kind}/dense"] = round(secs["dense"] / secs[kind], 3)
-    for kind in ORDER_COLUMNS:  # > 1: the grouped launch order is faster
-        if kind in kinds and "triton" in kinds:
-            row[f"{kind}/triton"] = round(secs[kind] / secs["triton"], 3)
+    for kind, (base, _) in ABLATIONS.items():  # > 1: what the ablation took out pays
+        if kind in kinds and base in kinds:
+            row[f"{kind}/{base}"] = round(secs[kind] / secs[base], 3)
     contenders = [k for k in kinds if k in BACKEND_OF]
     fastest = min(contenders, key=lambda k: secs[k])
     row["fastest"] = BACKEND_OF[fastest]
@@ -375,12 +382,12 @@ def write_measured(path: Path, kind: str, entry: dict) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def columns(device: torch.device, quick: bool, dense: bool, hf_eager: bool, orders: bool = False) -> list[str]:
+def columns(device: torch.device, quick: bool, dense: bool, hf_eager: bool, ablations: bool = False) -> list[str]:
     """The columns that run here, each skipped one with its reason printed."""
     kinds = []
     # The interpreter would take minutes on these shapes; on CPU it is for tests only.
     if device.type == "cuda" and triton_available(device):
-        kinds += ["triton", *(ORDER_COLUMNS if orders else ())]
+        kinds.append("triton")
     else:
         print("# triton column skipped: " + ("no CUDA device (the CPU interpreter is for tests)"
                                              if device.type != "cuda" else "triton unavailable"))
@@ -388,6 +395,8 @@ def columns(device: torch.device, quick: bool, dense: bool, hf_eager: bool, orde
         kinds.append("grouped_mm")
     else:
         print(f"# grouped_mm column skipped: torch._grouped_mm cannot run on {device}")
+    if ablations and device.type == "cuda":
+        kinds += [k for k, (base, _) in ABLATIONS.items() if base in kinds]
     kinds.append("loop")
     reason = hf_unavailable_reason(device)
     if reason:
@@ -404,7 +413,7 @@ def columns(device: torch.device, quick: bool, dense: bool, hf_eager: bool, orde
 def print_table(results: list[dict], kinds: list[str], cuda: bool) -> None:
     ratios = ([f"loop/{k}" for k in kinds if k not in ("loop", "dense")]
               + [f"{k}/dense" for k in kinds if "dense" in kinds and k != "dense"]
-              + [f"{k}/triton" for k in ORDER_COLUMNS if k in kinds and "triton" in kinds])
+              + [f"{k}/{b}" for k, (b, _) in ABLATIONS.items() if k in kinds and b in kinds])
     head = (f"{'case':<22} {'d':>5} {'f':>6} {'E':>4} {'k':>2} {'tokens':>6} | "
             + " ".join(f"{k + ' ms':>16}" for k in kinds) + " | " + " ".join(f"{k + ' TF/s':>18}" for k in kinds)
             + " | " + " ".join(f"{r:>20}" for r in ratios) + " | fastest")
@@ -452,8 +461,8 @@ def main(argv=None) -> dict:
                     help="sweeps over the grid (default 1 on CUDA, 3 on CPU, 2 on CPU with --quick)")
     ap.add_argument("--dense", action="store_true", help="time the dense ceiling on CPU's default grid too")
     ap.add_argument("--hf-eager", action="store_true", help="time transformers' eager experts loop too")
-    ap.add_argument("--orders", action="store_true",
-                    help="time the Triton kernels one row tile at a time too (triton_group1; CUDA)")
+    ap.add_argument("--ablations", action="store_true",
+                    help="time the ablation columns too (" + ", ".join(ABLATIONS) + "; CUDA)")
     ap.add_argument("--write", nargs="?", const=str(MEASURED), default=None, metavar="PATH",
                     help=f"record the fastest backend for this device kind (default file: {MEASURED})")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the summary (the JSON line) here")
@@ -466,7 +475,7 @@ def main(argv=None) -> dict:
     shapes = QUICK_SHAPES if args.quick else (model_cases() if device.type == "cuda" else CPU_SHAPES)
     kind_name = device_kind(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    kinds = columns(device, args.quick, args.dense, args.hf_eager, args.orders)
+    kinds = columns(device, args.quick, args.dense, args.hf_eager, args.ablations)
     print(f"# device={name} kind={kind_name} dtype={str(dtype).replace('torch.', '')} torch={torch.__version__} "
           f"fwd+bwd SwiGLU expert MLP; contenders: {', '.join(kinds)}; "
           f"{'median' if device.type == 'cuda' else 'minimum'} of {reps * passes} reps ({passes} passes); "

@@ -4,7 +4,8 @@ Importing this package is cheap and never fails on a CPU-only machine: triton an
 kernel modules load on first use. Modules, one job each:
 
 - ``availability``: whether each backend can run on a device, and why not.
-- ``triton_src``: the Triton kernels (gather-GEMM with epilogues, grouped weight gradient).
+- ``triton_src``: the Triton kernels (gather-GEMM with epilogues, grouped weight gradient,
+  the row tile map, SwiGLU forward and backward).
 - ``tuning``: which tile config each launch takes (the shipped table, else a heuristic per
   GPU generation; no autotuning unless ``HETERMOE_AUTOTUNE=1`` or ``enable_autotune()``),
   row-count buckets, interpreter blocks.
@@ -15,6 +16,8 @@ kernel modules load on first use. Modules, one job each:
 - ``launch``: Python launchers (variant per device, sync-free grids, TF32 per torch's
   setting; ``E`` not specialised, so a new expert count does not recompile).
 - ``activation``: GELU/SwiGLU and their derivatives.
+- ``swiglu``: SwiGLU and its gradient as fused Triton kernels behind custom ops, which
+  ``activation`` takes on CUDA (``runs_fused``).
 - ``algorithm``: the expert MLP, forward and backward, written once over a small set of
   grouped GEMMs (``Gemms``); each backend below is one such set.
 - ``mlp``: on the Triton kernels, as custom ops with autograd (the ``triton`` backend,

@@ -1,7 +1,8 @@
 """The expert MLP on PyTorch's own grouped GEMM, ``torch._grouped_mm`` (the ``grouped_mm`` backend).
 
 Each GEMM of the MLP, forward and backward, is one ``_grouped_mm`` call over all experts
-instead of one matmul per expert from Python. Pure torch: nothing here imports triton.
+instead of one matmul per expert from Python. Pure torch: nothing here imports triton
+(the SwiGLU between the GEMMs takes the fused kernels on CUDA, see ``swiglu``).
 
 What ``torch._grouped_mm(a, b, offs=...)`` accepts (checked on CPU with torch 2.13; the
 CUDA side from ``aten/native/cuda/GroupedBlas.cpp``):

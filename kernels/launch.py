@@ -28,8 +28,11 @@ from .availability import TENSOR_CORE_CAPABILITY, tf32_enabled
 
 _GEMM_KEY = ["N", "K", "M_BUCKET"]
 _WGRAD_KEY = ["K", "N", "M_BUCKET"]
-# Integer arguments that change between layers, ranks and launches of one model.
-NO_SPECIALIZE = ("E", "M_BUCKET")
+# Integer arguments that change between layers, ranks and launches of one model (the row
+# tile map's tile count and the activations' row count change every step).
+NO_SPECIALIZE = ("E", "M_BUCKET", "M_TILES", "M")
+# The row tile map's block: experts hold a few row tiles each, the surplus at most E + 1.
+MAP_BLOCK = 64
 
 
 @functools.cache
@@ -41,7 +44,10 @@ def _interpreted(fn):
 def jitted(fn) -> JITFunction:
     """The compiled kernel as launched on CUDA (one per kernel function, its compile cache
     shared by every config)."""
-    return JITFunction(fn, do_not_specialize=NO_SPECIALIZE)
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return JITFunction(fn, do_not_specialize=[name for name in NO_SPECIALIZE if name in params])
 
 
 @functools.cache
@@ -121,6 +127,34 @@ def _offsets(counts: Tensor) -> Tensor:
     return torch.cumsum(counts, 0) - counts
 
 
+class RowTiles:
+    """The row tiles of GEMMs over rows grouped by ``counts``: each tile's expert and each
+    expert's first tile (``row_tile_map_kernel``: one small launch on the device, nothing
+    read on the host), built once per (``BLOCK_M``, row count) and shared by every launch
+    over the same rows (the MLP's up and down GEMMs, and its backward's two)."""
+
+    def __init__(self, counts: Tensor) -> None:
+        self.counts = counts.contiguous()
+        self._maps: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+
+    def map(self, block_m: int, rows: int) -> tuple[Tensor, Tensor]:
+        """``(tile_expert [cdiv(rows, block_m) + E], tile_first [E])``, int32."""
+        key = (block_m, rows)
+        if key not in self._maps:
+            E = self.counts.shape[0]
+            m_tiles = triton.cdiv(rows, block_m) + E
+            tile_expert = torch.empty(m_tiles, dtype=torch.int32, device=self.counts.device)
+            tile_first = torch.empty(E, dtype=torch.int32, device=self.counts.device)
+            if self.counts.device.type == "cuda":
+                fn, launch_kwargs = jitted(triton_src.row_tile_map_kernel), {"num_warps": 1}
+            else:
+                fn, launch_kwargs = _interpreted(triton_src.row_tile_map_kernel), {}
+            fn[(1,)](self.counts, tile_expert, tile_first, E, m_tiles, BLOCK_M=block_m, BLOCK=MAP_BLOCK,
+                     **launch_kwargs)
+            self._maps[key] = (tile_expert, tile_first)
+        return self._maps[key]
+
+
 def grouped_gemm(
     x: Tensor,
     w: Tensor,
@@ -132,6 +166,7 @@ def grouped_gemm(
     out_rows: int | None = None,
     scale: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    row_tiles: RowTiles | None = None,
 ) -> Tensor:
     """Row ``m`` (grouped by expert per ``counts``) is ``x[gather_idx[m]] @ w[e(m)] (+ bias[e(m)])``.
 
@@ -139,6 +174,8 @@ def grouped_gemm(
     without a copy. Without ``gather_idx`` the rows of ``x`` are already grouped. Epilogues:
     ``scale [M]`` multiplies each row, ``out_idx [M]`` writes row ``m`` to ``out[out_idx[m]]``
     of a zero-initialised ``[out_rows, N]`` result (``out_idx`` must not repeat).
+    ``row_tiles`` (of these ``counts``) shares its row tile maps with other launches over
+    the same rows; without it the launch builds its own.
     """
     E, K, N = w.shape
     M = gather_idx.shape[0] if gather_idx is not None else x.shape[0]
@@ -154,10 +191,17 @@ def grouped_gemm(
     fn, blocks = _kernel(triton_src.grouped_gemm_kernel, "gemm", x.device, x.dtype, bucket)
     counts = counts.contiguous()
     dummy = counts  # never read: the matching HAS_* flag is off
+    # Under the autotuner BLOCK_M is unknown until it picks: each program finds its tile's
+    # expert itself (see the kernel); otherwise from the map built for the launch's blocks.
+    tile_map = "BLOCK_M" in blocks
+    if tile_map:
+        tile_expert, tile_first = (row_tiles if row_tiles is not None else RowTiles(counts)).map(blocks["BLOCK_M"], M)
+    else:
+        tile_expert = tile_first = dummy
     grid = lambda meta: gemm_grid(M, N, E, meta["BLOCK_M"], meta["BLOCK_N"])  # noqa: E731
     fn[grid](
-        x, gather_idx.contiguous() if gather_idx is not None else dummy, counts, _offsets(counts), w,
-        bias if bias is not None else dummy, out,
+        x, gather_idx.contiguous() if gather_idx is not None else dummy, counts, _offsets(counts),
+        tile_expert, tile_first, w, bias if bias is not None else dummy, out,
         out_idx.contiguous() if out_idx is not None else dummy,
         scale.contiguous() if scale is not None else dummy,
         N, K, E, bucket,
@@ -166,7 +210,7 @@ def grouped_gemm(
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         out.stride(0), out.stride(1),
         HAS_IDX=gather_idx is not None, HAS_BIAS=bias is not None,
-        HAS_OUT_IDX=out_idx is not None, HAS_SCALE=scale is not None,
+        HAS_OUT_IDX=out_idx is not None, HAS_SCALE=scale is not None, TILE_MAP=tile_map,
         INPUT_PRECISION=_precision(x.dtype, x.device), UPCAST=_upcast(x.dtype, x.device),
         **blocks,
     )
@@ -212,3 +256,43 @@ def segment_sum(rows: Tensor, counts: Tensor) -> Tensor:
     E = counts.shape[0]
     owner = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=rows.shape[0])
     return rows.new_zeros(E, rows.shape[1], dtype=torch.float32).index_add_(0, owner, rows.float())
+
+
+# The SwiGLU kernels' blocks: 4096 elements a program, 32 per thread of 4 warps; in the
+# interpreter small ones, so that test shapes cross block edges.
+ELEMENTWISE = {"BLOCK_M": 32, "BLOCK_F": 128, "num_warps": 4}
+INTERPRET_ELEMENTWISE = {"BLOCK_M": 8, "BLOCK_F": 16}
+
+
+def _elementwise(fn, device: torch.device):
+    if device.type != "cuda":
+        return _interpreted(fn), dict(INTERPRET_ELEMENTWISE)
+    return jitted(fn), dict(ELEMENTWISE)
+
+
+def _rows_with_unit_columns(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def swiglu(h: Tensor) -> Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]`` (``[M, 2F]`` -> ``[M, F]``), one pass."""
+    h = _rows_with_unit_columns(h)
+    M, F = h.shape[0], h.shape[1] // 2
+    out = h.new_empty(M, F)
+    if out.numel():
+        fn, blocks = _elementwise(triton_src.swiglu_forward_kernel, h.device)
+        grid = (triton.cdiv(M, blocks["BLOCK_M"]), triton.cdiv(F, blocks["BLOCK_F"]))
+        fn[grid](h, out, M, F, h.stride(0), out.stride(0), **blocks)
+    return out
+
+
+def swiglu_backward(h: Tensor, grad: Tensor) -> Tensor:
+    """``[d_gate | d_up]`` (``h``'s shape and dtype) of ``silu(gate) * up`` under ``grad``, one pass."""
+    h, grad = _rows_with_unit_columns(h), _rows_with_unit_columns(grad)
+    M, F = h.shape[0], h.shape[1] // 2
+    out = torch.empty_like(h, memory_format=torch.contiguous_format)
+    if out.numel():
+        fn, blocks = _elementwise(triton_src.swiglu_backward_kernel, h.device)
+        grid = (triton.cdiv(M, blocks["BLOCK_M"]), triton.cdiv(F, blocks["BLOCK_F"]))
+        fn[grid](h, grad, out, M, F, h.stride(0), grad.stride(0), out.stride(0), **blocks)
+    return out

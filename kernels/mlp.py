@@ -16,25 +16,27 @@ from torch import Tensor
 from . import algorithm
 from .availability import tf32_enabled, triton_runs_dtype
 from .contract import fake_mlp, prepare
-from .launch import grouped_gemm, grouped_wgrad, segment_sum
+from .launch import RowTiles, grouped_gemm, grouped_wgrad, segment_sum
 
 _NS = "lightning_hetermoe"
 
 
 class TritonGemms:
-    """:class:`~.algorithm.Gemms` on the Triton kernels: gathers and biases fused."""
+    """:class:`~.algorithm.Gemms` on the Triton kernels: gathers and biases fused; the GEMMs
+    over the same rows share one row tile map."""
 
     def __init__(self, counts: Tensor) -> None:
         self.counts = counts
+        self.row_tiles = RowTiles(counts)
 
     def up(self, x, gather_idx, w_up, b_up):
-        return grouped_gemm(x, w_up, self.counts, gather_idx=gather_idx, bias=b_up)
+        return grouped_gemm(x, w_up, self.counts, gather_idx=gather_idx, bias=b_up, row_tiles=self.row_tiles)
 
     def down(self, a, w_down, b_down):
-        return grouped_gemm(a, w_down, self.counts, bias=b_down)
+        return grouped_gemm(a, w_down, self.counts, bias=b_down, row_tiles=self.row_tiles)
 
     def grad_rows(self, g, w_t, out_dtype):
-        return grouped_gemm(g, w_t, self.counts, out_dtype=out_dtype)
+        return grouped_gemm(g, w_t, self.counts, out_dtype=out_dtype, row_tiles=self.row_tiles)
 
     def grad_weight(self, a, g, gather_idx, out_dtype):
         return grouped_wgrad(a, g, self.counts, gather_idx=gather_idx, out_dtype=out_dtype)

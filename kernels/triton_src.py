@@ -24,14 +24,40 @@ computes on the device). No launch reads ``counts`` on the host.
 import triton.language as tl
 
 
+def row_tile_map_kernel(counts_ptr, tile_expert_ptr, tile_first_ptr, E, M_TILES,
+                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: ``tile_expert[t]``, the expert of row tile ``t`` (``E`` for the surplus
+    tiles of the launch bound, ``M_TILES`` of them in all), and ``tile_first[e]``, expert
+    ``e``'s first row tile, for tiles of ``BLOCK_M`` rows.
+
+    Built once per set of GEMMs over the same rows, so that each GEMM program finds its
+    expert with two loads; scanning the E counts in every program instead costs a
+    dependent load per expert (128 of them at Qwen3's shape) before the first product.
+    """
+    offs = tl.arange(0, BLOCK)
+    start = tl.program_id(0) * 0  # int32 scalars: loop-carried values need a fixed type
+    for e in range(0, E):
+        n = (tl.load(counts_ptr + e).to(tl.int32) + BLOCK_M - 1) // BLOCK_M
+        tl.store(tile_first_ptr + e, start)
+        for j in range(0, (n + BLOCK - 1) // BLOCK):
+            t = j * BLOCK + offs
+            tl.store(tile_expert_ptr + start + t, offs * 0 + e, mask=t < n)
+        start += n
+    for j in range(0, (M_TILES - start + BLOCK - 1) // BLOCK):
+        t = start + j * BLOCK + offs
+        tl.store(tile_expert_ptr + t, offs * 0 + E, mask=t < M_TILES)
+
+
 def grouped_gemm_kernel(
-    x_ptr, idx_ptr, counts_ptr, offsets_ptr, w_ptr, b_ptr, out_ptr, out_idx_ptr, scale_ptr,
+    x_ptr, idx_ptr, counts_ptr, offsets_ptr, tile_expert_ptr, tile_first_ptr, w_ptr, b_ptr, out_ptr, out_idx_ptr,
+    scale_ptr,
     N, K, E, M_BUCKET,
     stride_xm, stride_xk,
     stride_we, stride_wk, stride_wn,
     stride_be, stride_bn,
     stride_om, stride_on,
     HAS_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OUT_IDX: tl.constexpr, HAS_SCALE: tl.constexpr,
+    TILE_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -62,20 +88,24 @@ def grouped_gemm_kernel(
         tile = pid // n_tiles
         pid_n = pid % n_tiles
 
-    # The expert of this tile is the number of experts whose tiles all come before it;
-    # tile counts depend on BLOCK_M, which the launch picks (the tile table, the heuristic
-    # or the autotuner), so they are derived here.
-    # E scalar loads per program: negligible next to the K loop.
-    e = tl.program_id(0) * 0  # int32 scalars: loop-carried values need a fixed type
-    first_tile = e
-    tiles_seen = e
-    for i in range(0, E):
-        tiles_seen += (tl.load(counts_ptr + i).to(tl.int32) + BLOCK_M - 1) // BLOCK_M
-        before = tiles_seen <= tile
-        e += before.to(tl.int32)
-        first_tile = tl.where(before, tiles_seen, first_tile)
-    if e >= E:
-        return  # surplus tile of the upper-bound grid
+    if TILE_MAP:  # the launch built the map for its BLOCK_M (row_tile_map_kernel)
+        e = tl.load(tile_expert_ptr + tile).to(tl.int32)
+        if e >= E:
+            return  # surplus tile of the upper-bound grid
+        first_tile = tl.load(tile_first_ptr + e).to(tl.int32)
+    else:
+        # Under the autotuner BLOCK_M is the config's, unknown to the launch: the expert of
+        # this tile is the number of experts whose tiles all come before it, E scalar loads.
+        e = tl.program_id(0) * 0  # int32 scalars: loop-carried values need a fixed type
+        first_tile = e
+        tiles_seen = e
+        for i in range(0, E):
+            tiles_seen += (tl.load(counts_ptr + i).to(tl.int32) + BLOCK_M - 1) // BLOCK_M
+            before = tiles_seen <= tile
+            e += before.to(tl.int32)
+            first_tile = tl.where(before, tiles_seen, first_tile)
+        if e >= E:
+            return  # surplus tile of the upper-bound grid
     seg_start = tl.load(offsets_ptr + e).to(tl.int64)
     seg_count = tl.load(counts_ptr + e).to(tl.int32)
 
@@ -186,3 +216,40 @@ def grouped_wgrad_kernel(
 
     w_ptrs = dw_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     tl.store(w_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+def swiglu_forward_kernel(h_ptr, out_ptr, M, F, stride_hm, stride_om,
+                          BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """``out[m, j] = silu(h[m, j]) * h[m, F + j]`` (gate columns first, then up), formed in
+    fp32 and rounded once: one read of ``h``, one write of ``out``."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    h = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+    gate = tl.load(h, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h + F, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def swiglu_backward_kernel(h_ptr, g_ptr, out_ptr, M, F, stride_hm, stride_gm, stride_om,
+                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The gradient of ``silu(gate) * up`` at ``h`` under ``g`` (``[M, F]``), written as
+    ``[d_gate | d_up]`` (``[M, 2F]``): ``d_gate = g * up * s * (1 + gate * (1 - s))``
+    (``s = sigmoid(gate)``), ``d_up = g * silu(gate)``, in fp32, one read of ``h`` and
+    ``g`` and one write."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    r = rows.to(tl.int64)[:, None]
+    h = h_ptr + r * stride_hm + cols[None, :]
+    gate = tl.load(h, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h + F, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-gate))
+    d_gate = g * up * s * (1.0 + gate * (1.0 - s))
+    d_up = g * gate * s
+    out = out_ptr + r * stride_om + cols[None, :]
+    tl.store(out, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + F, d_up.to(out_ptr.dtype.element_ty), mask=mask)

@@ -49,7 +49,8 @@ def test_every_column_computes_the_same(bench, monkeypatch, top_k, experts):
     upstream = torch.randn(case.tokens, case.d_model, generator=torch.Generator().manual_seed(1))
     kinds = ["grouped_mm", "hf_grouped_mm", "hf_eager"]
     if importlib.util.find_spec("triton") is not None:
-        kinds += ["triton", *bench.ORDER_COLUMNS]
+        kinds.append("triton")
+    kinds += [k for k, (base, _) in bench.ABLATIONS.items() if base in kinds]
     want = bench.case_outputs("loop", prob, upstream)
     # the loop against a naive per-token reference: each token through its k experts
     y = torch.zeros(case.tokens, case.d_model)
@@ -95,3 +96,15 @@ def test_quick_table_and_json(bench, monkeypatch, tmp_path):
                 "grouped_mm/dense", "fastest/hf_grouped_mm"):
         assert key in row, key
     assert row["fastest"] in ("torch", "grouped_mm")
+
+
+def test_ablations_are_ratios_beside_their_backend_never_the_fastest(bench):
+    """An ablation column (e.g. GROUP=1) is set against the backend it takes apart and never
+    counts as a backend, however fast."""
+    case = bench.Case("c", 64, 128, 4, 2, 100)
+    kinds = ["triton", "grouped_mm", *bench.ABLATIONS, "loop"]
+    secs = {"triton": 2.0, "grouped_mm": 3.0, "triton_group1": 1.0, "grouped_mm_unfused": 4.5, "loop": 5.0}
+    row = bench.case_row(case, secs, {}, kinds, 2)
+    assert row["triton_group1/triton"] == 0.5 and row["grouped_mm_unfused/grouped_mm"] == 1.5
+    assert row["fastest"] == "triton"
+    assert set(bench.summarise([row], kinds)) == {"triton", "grouped_mm", "torch"}

@@ -186,6 +186,35 @@ def test_launch_order_changes_no_result():
         assert torch.equal(got[group][0], got[1][0]) and torch.equal(got[group][1], got[1][1]), group
 
 
+def test_row_tile_map_and_the_autotuners_scan_find_the_same_experts():
+    """Each GEMM program finds its tile's expert from the row tile map the launch built
+    (``RowTiles``), or, under the autotuner, by scanning the counts itself: both give the
+    per-expert products, ragged, with empty experts and surplus tiles; the map by hand."""
+    from lightning_hetermoe.kernels import launch, triton_src, tuning
+
+    torch.manual_seed(3)
+    counts = torch.tensor([0, 37, 5, 0, 50, 16, 0])
+    E, K, N, rows = len(counts), 40, 50, int(counts.sum())
+    tile_expert, tile_first = launch.RowTiles(counts).map(16, rows)
+    # 16-row tiles: 0, 3, 1, 0, 4, 1, 0 of them; cdiv(108, 16) + 7 = 14 launched
+    assert tile_expert.tolist() == [1, 1, 1, 2, 4, 4, 4, 4, 5] + [E] * 5
+    assert tile_first.tolist() == [0, 0, 3, 4, 4, 8, 9]
+    x, w, bias = torch.randn(rows, K), torch.randn(E, K, N), torch.randn(E, N)
+    owner = torch.repeat_interleave(torch.arange(E), counts)
+    want = torch.einsum("mk,mkn->mn", x, w[owner]) + bias[owner]
+    assert_close(grouped_gemm(x, w, counts, bias=bias), want, "gemm on the map", 1e-5)
+
+    scanned = torch.empty(rows, N)
+    blocks = dict(tuning.INTERPRET_BLOCKS)
+    launch._interpreted(triton_src.grouped_gemm_kernel)[
+        (launch.gemm_grid(rows, N, E, blocks["BLOCK_M"], blocks["BLOCK_N"]))](
+        x, counts, counts, launch._offsets(counts), counts, counts, w, bias, scanned, counts, counts,
+        N, K, E, 0, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), bias.stride(0), bias.stride(1),
+        scanned.stride(0), scanned.stride(1), HAS_IDX=False, HAS_BIAS=True, HAS_OUT_IDX=False, HAS_SCALE=False,
+        TILE_MAP=False, INPUT_PRECISION="ieee", UPCAST=False, **blocks)
+    assert_close(scanned, want, "gemm scanning the counts", 1e-5)
+
+
 def test_launch_group_is_checked_and_put_back():
     from lightning_hetermoe.kernels import tuning
 
@@ -457,3 +486,89 @@ def test_row_counts_past_the_largest_tuned_bucket_take_its_tiles():
     finally:
         tuning.tuned_up_to(None)
     assert tuning.m_bucket(100_000) == tuning.M_BUCKET_MAX
+
+
+def swiglu_reference(h: torch.Tensor, grad: torch.Tensor):
+    """``silu(gate) * up`` and its gradient by torch's autograd, in float64."""
+    h64 = h.double().requires_grad_()
+    gate, up = h64.chunk(2, dim=-1)
+    a = torch.nn.functional.silu(gate) * up
+    (dh,) = torch.autograd.grad(a, h64, grad.double())
+    return a.detach(), dh
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_swiglu_matches_autograd(dtype):
+    """The fused SwiGLU kernels (forward and gradient) against torch's autograd in float64
+    and against the torch ops the CPU runs, on shapes that cross every block edge, a
+    row-strided input and no rows at all."""
+    from lightning_hetermoe.kernels import activation, launch
+
+    torch.manual_seed(4)
+    M, F = 37, 45
+    wide = (torch.randn(M, 2 * F + 6) * 3).to(dtype)
+    for h in (wide[:, :2 * F].contiguous(), wide[:, :2 * F]):  # the second: row stride 96
+        grad = torch.randn(M, F).to(dtype)
+        want_a, want_dh = swiglu_reference(h, grad)
+        a, dh = launch.swiglu(h), launch.swiglu_backward(h, grad)
+        assert a.dtype == dh.dtype == dtype and dh.shape == h.shape
+        assert_close(a, want_a, f"swiglu {dtype}", RTOL[dtype])
+        assert_close(dh, want_dh, f"swiglu backward {dtype}", RTOL[dtype])
+        assert_close(a, activation.forward(h, "swiglu"), f"swiglu against torch's ops {dtype}", RTOL[dtype])
+        assert_close(dh, activation.backward(h, grad, "swiglu"), f"gradient against torch's ops {dtype}",
+                     RTOL[dtype])
+    empty = torch.empty(0, 2 * F, dtype=dtype)
+    assert launch.swiglu(empty).shape == (0, F) and launch.swiglu_backward(empty, empty[:, :F]).shape == (0, 2 * F)
+
+
+def test_fused_swiglu_runs_only_where_it_should():
+    """CUDA only (the interpreter is for tests), never under an autograd recording through
+    its input (the shared expert's MLP), and off inside ``fused(False)``."""
+    from lightning_hetermoe.kernels import swiglu
+
+    h = torch.randn(4, 8)
+    assert not swiglu.runs_fused(h)  # on CPU even with TRITON_INTERPRET=1
+    meta_cuda = torch.empty(4, 8, device="meta")
+    assert not swiglu.runs_fused(meta_cuda)
+    torch.library.opcheck(swiglu.swiglu, (h,), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(swiglu.swiglu_backward, (h, torch.randn(4, 4)), test_utils=("test_schema", "test_faketensor"))
+    with swiglu.fused(False):
+        assert not swiglu._ON[0]
+        with swiglu.fused(True):
+            assert swiglu._ON[0]
+        assert not swiglu._ON[0]
+    assert swiglu._ON[0]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_every_backend_on_the_fused_swiglu(monkeypatch, recompute):
+    """With the fused activation taken wherever it may be (here the CPU, through the
+    interpreter, as CUDA takes it), the Triton, grouped_mm and loop backends still match
+    the per-token reference: outputs and every gradient; the shared expert's MLP, which
+    torch differentiates, keeps torch's ops."""
+    from lightning_hetermoe.kernels import grouped_mlp_grouped_mm, grouped_mm_available, swiglu
+
+    calls = []
+
+    def cpu_too(h):
+        fused = not (h.requires_grad and torch.is_grad_enabled())
+        calls.append(fused)
+        return fused
+
+    monkeypatch.setattr(swiglu, "runs_fused", cpu_too)
+    layer, x, idx, counts = make_case([7, 0, 19, 11], activation="swiglu", bias=True)
+    upstream = torch.randn(int(counts.sum()), x.shape[1])
+    want = reference_rows(layer, x, idx, counts, upstream)
+    backends = {"triton": grouped_mlp, "torch": grouped_mlp_torch}
+    if grouped_mm_available("cpu"):
+        backends["grouped_mm"] = grouped_mlp_grouped_mm
+    for name, fn in backends.items():
+        calls.clear()
+        compare(run(fn, x, idx, counts, params(layer), "swiglu", upstream, recompute), want, torch.float32, name)
+        assert calls and all(calls), (name, calls)  # forward, backward (and the recomputed forward)
+    calls.clear()
+    h = torch.randn(3, 8, requires_grad=True)
+    from lightning_hetermoe.kernels.activation import forward
+
+    forward(h, "swiglu").sum().backward()
+    assert calls == [False] and h.grad is not None

@@ -18,16 +18,18 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from lightning_hetermoe.kernels import launch, triton_src, tuning  # noqa: E402
 from lightning_hetermoe.kernels.tiles import Tile  # noqa: E402
 
-FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr"}
+FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr", "h_ptr", "g_ptr"}
 
 
-GEMM_FLAGS = dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True)
+GEMM_FLAGS = dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True, TILE_MAP=True)
 WGRAD_FLAGS = dict(HAS_IDX=True)
 TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags: dict, precision: str = "ieee"):
-    consts = {**config.kwargs, **flags, "INPUT_PRECISION": precision, "UPCAST": False}
+    params = inspect.signature(fn).parameters
+    consts = {k: v for k, v in {**config.kwargs, **flags, "INPUT_PRECISION": precision, "UPCAST": False}.items()
+              if k in params}
     sig = {}
     for name in inspect.signature(fn).parameters:
         if name in consts:
@@ -36,6 +38,8 @@ def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags:
             sig[name] = f"*{dtype}"
         elif name == "scale_ptr":
             sig[name] = "*fp32"
+        elif name.startswith("tile_"):
+            sig[name] = "*i32"
         elif name.endswith("_ptr"):
             sig[name] = "*i64"
         else:
@@ -111,3 +115,27 @@ def test_the_grouped_launch_order_reaches_the_compiled_gemm(tmp_path, monkeypatc
     grouped, plain = compile_tiles(90, torch.bfloat16, {"gemm": [tile, Tile(*astuple(tile)[:5], 1)]})
     assert "tt.get_num_programs" in grouped.asm["ttir"]
     assert "tt.get_num_programs" not in plain.asm["ttir"]
+
+
+def test_the_row_tile_map_and_the_autotuners_scan_compile(tmp_path, monkeypatch):
+    """The map's one-program kernel, and the GEMM without a map (under the autotuner)."""
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for capability in (70, 90):
+        kernel = compile_for(triton_src.row_tile_map_kernel, "i64", capability,
+                             triton.Config({"BLOCK_M": 128, "BLOCK": launch.MAP_BLOCK}, num_warps=1, num_stages=1), {})
+        assert kernel.asm.get("cubin")
+    tile = tuning.default_tile((9, 0), torch.bfloat16, "gemm", tuning.M_BUCKET_MAX)
+    scan = compile_for(triton_src.grouped_gemm_kernel, "bf16", 90, tuning.as_config(tile),
+                       {**GEMM_FLAGS, "TILE_MAP": False}, "tf32")
+    assert scan.asm.get("cubin")
+
+
+@pytest.mark.parametrize("capability,dtype", [(70, "fp16"), (90, "bf16"), (90, "fp32")])
+def test_the_fused_swiglu_compiles(capability, dtype, tmp_path, monkeypatch):
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    blocks = {k: v for k, v in launch.ELEMENTWISE.items() if k != "num_warps"}
+    config = triton.Config(blocks, num_warps=launch.ELEMENTWISE["num_warps"], num_stages=1)
+    for fn in (triton_src.swiglu_forward_kernel, triton_src.swiglu_backward_kernel):
+        assert compile_for(fn, dtype, capability, config, {}).asm.get("cubin")
