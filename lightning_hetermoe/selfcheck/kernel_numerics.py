@@ -1,5 +1,7 @@
 """The Triton expert MLP against the pure-torch path in fp32/bf16/fp16 (output and every
-gradient), and one grouped GEMM over 4.5M rows against torch."""
+gradient), and one grouped GEMM over 4.5M rows against torch. The Triton path takes the
+fused SwiGLU kernels where it runs them (CUDA); the reference keeps torch's ops, so those
+kernels are checked too."""
 
 from __future__ import annotations
 
@@ -91,15 +93,16 @@ def _compare_case(case: KernelCase, shapes: KernelShapes, dtype: torch.dtype, ct
                   ) -> tuple[float, float, list[str]]:
     """The case's worst relative error, the torch path's own in ``dtype`` (what rounding alone
     costs, for scale), and what broke the contract outright."""
-    from ..kernels import grouped_mlp
+    from ..kernels import grouped_mlp, swiglu
     from ..moe import grouped_mlp_torch
 
     tensors, gather_idx, counts, upstream = _kernel_inputs(case, shapes, dtype, ctx.device, seed)
     got_y, got_grads = _forward_backward(grouped_mlp, tensors, gather_idx, counts, upstream, case.activation)
-    want_y, want_grads = _forward_backward(grouped_mlp_torch, [t.float() for t in tensors], gather_idx, counts,
-                                           upstream.float(), case.activation)
-    torch_y, torch_grads = _forward_backward(grouped_mlp_torch, tensors, gather_idx, counts, upstream,
-                                             case.activation)
+    with swiglu.fused(False):  # the reference on torch's ops alone
+        want_y, want_grads = _forward_backward(grouped_mlp_torch, [t.float() for t in tensors], gather_idx, counts,
+                                               upstream.float(), case.activation)
+        torch_y, torch_grads = _forward_backward(grouped_mlp_torch, tensors, gather_idx, counts, upstream,
+                                                 case.activation)
     expected = [want_y, *want_grads]
     own = max(_relative_error(a, b) for a, b in zip([torch_y, *torch_grads], expected) if a is not None)
     problems, worst = [], 0.0
