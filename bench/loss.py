@@ -8,7 +8,9 @@ One micro-batch's head and cross-entropy, forward and backward, on random hidden
 targets at the model's width and vocabulary (``conf/model/<model>``), two ways, side by
 side in this process on ``--device``: ``F.cross_entropy(F.linear(h, W).float(), t)`` (the
 pack's loss until 2026-11-28, and what most training code runs) and
-``linear_cross_entropy`` at the model's ``loss_chunk_tokens``. For each: the median seconds
+``linear_cross_entropy`` at the model's ``loss_chunk_tokens``; on CUDA, where each chunk's
+rows run on one Triton kernel (``kernels/cross_entropy.py``), a third row runs the chunked
+loss on torch's ops instead (``chunked, torch's ops``: what the kernel saves). For each: the median seconds
 over ``--repeats`` (CUDA synchronised), the largest tensor any operation allocated, the
 bytes every aten call read and wrote apart from the GEMMs' (the elementwise traffic a GPU
 streams at its bandwidth; the GEMMs are the same FLOPs both ways; a gather, a scatter or
@@ -53,8 +55,13 @@ def _nll_backward(args, out):  # writes the whole gradient (zeros), then one ent
 
 # Operations that touch some entries of a large tensor: what they touch, not the tensor
 # (``Traffic`` counts every argument whole, right for the elementwise ones).
+def _rows(args, out):  # the cross-entropy kernel: reads the logits twice, writes them once for the gradient
+    return args[0].numel() * args[0].element_size() * (3 if args[2] else 2)
+
+
 INDEXED = {"aten.gather.default": _gather, "aten.scatter_add_.default": _scatter, "aten.scatter_add.default": _scatter,
-           "aten.nll_loss_forward.default": _nll, "aten.nll_loss_backward.default": _nll_backward}
+           "aten.nll_loss_forward.default": _nll, "aten.nll_loss_backward.default": _nll_backward,
+           "lightning_hetermoe.cross_entropy_rows.default": _rows}
 
 
 class ElementwiseTraffic(Traffic):
@@ -83,7 +90,15 @@ def chunked(h, w, t, chunk):
     return linear_cross_entropy(h, w, t, -100, chunk)
 
 
+def chunked_on_ops(h, w, t, chunk):
+    from lightning_hetermoe.kernels import cross_entropy
+
+    with cross_entropy.fused(False):
+        return linear_cross_entropy(h, w, t, -100, chunk)
+
+
 CONTENDERS = {"whole logits (F.cross_entropy)": whole, "chunked (linear_cross_entropy)": chunked}
+ON_CUDA = {"chunked, torch's ops": chunked_on_ops}  # where the kernel runs: the ops beside it
 
 
 def main() -> None:
@@ -114,7 +129,8 @@ def main() -> None:
         return loss.detach(), h.grad, w.grad
 
     rows, first = {}, None
-    for name, fn in CONTENDERS.items():
+    contenders = {**CONTENDERS, **(ON_CUDA if device.type == "cuda" else {})}
+    for name, fn in contenders.items():
         run(fn)  # warm-up
         times = []
         for _ in range(args.repeats):
@@ -139,13 +155,19 @@ def main() -> None:
               f"{r['elementwise_bytes_per_logit']:5.1f} B per logit besides the GEMMs   gradients "
               f"{max(r['grad_h_rel_diff_from_first'], r['grad_w_rel_diff_from_first']):.1e} from the first's",
               flush=True)
-    a, b = rows.values()
+    a, b = list(rows.values())[:2]
     ratios = {"time_whole_over_chunked": a["s"] / b["s"],
               "largest_alloc_whole_over_chunked": a["largest_alloc_bytes"] / b["largest_alloc_bytes"],
               "elementwise_bytes_whole_over_chunked": a["elementwise_bytes_per_logit"] / b["elementwise_bytes_per_logit"]}
     print(f"  whole logits: {ratios['time_whole_over_chunked']:.2f}x the chunked loss's time, "
           f"{ratios['largest_alloc_whole_over_chunked']:.1f}x its largest allocation, "
           f"{ratios['elementwise_bytes_whole_over_chunked']:.2f}x its elementwise bytes")
+    if "chunked, torch's ops" in rows:
+        c = rows["chunked, torch's ops"]
+        ratios["time_ops_over_kernel"] = c["s"] / b["s"]
+        ratios["elementwise_bytes_ops_over_kernel"] = c["elementwise_bytes_per_logit"] / b["elementwise_bytes_per_logit"]
+        print(f"  chunked on torch's ops: {ratios['time_ops_over_kernel']:.2f}x the kernel's time, "
+              f"{ratios['elementwise_bytes_ops_over_kernel']:.2f}x its elementwise bytes")
     emit({"model": args.model, "tokens": args.tokens, "dtype": args.dtype, "device": str(device),
           "loss_chunk_tokens": cfg.loss_chunk_tokens, "rows": rows, "ratios": ratios, "work_done_at": time.time()},
          args.json)

@@ -7,7 +7,9 @@ interpreted for CPU tensors), so one process can run both and the env var is onl
 when deciding availability. For the same reason the kernels call no ``@jit`` helper,
 including those of ``triton.language`` written in Triton itself (``tl.sum``, ``tl.zeros``,
 ``tl.cumsum``, ``tl.cdiv``): they were bound to one mode when triton was imported.
-Only builtins are used.
+Only builtins are used, and ``tl.reduce`` over the combine functions below, which are
+made ``JITFunction`` explicitly (not by ``triton.jit``, which would read the env var):
+the compiler takes them as such, and the interpreter calls their ``.fn``.
 
 ``UPCAST`` exists for the interpreter alone: it keeps bf16 as raw uint16 and its ``tl.dot``
 multiplies those bit patterns as integers. bf16 -> fp32 is exact and the GPU forms bf16
@@ -22,6 +24,19 @@ computes on the device). No launch reads ``counts`` on the host.
 """
 
 import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+def _add(a, b):
+    return a + b
+
+
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+ADD = JITFunction(_add)
+LARGER = JITFunction(_larger)
 
 
 def row_tile_map_kernel(counts_ptr, tile_expert_ptr, tile_first_ptr, E, M_TILES,
@@ -253,3 +268,38 @@ def swiglu_backward_kernel(h_ptr, g_ptr, out_ptr, M, F, stride_hm, stride_gm, st
     out = out_ptr + r * stride_om + cols[None, :]
     tl.store(out, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + F, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row,
+                              WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Row ``r`` (one program): ``loss[r] = logsumexp(logits[r]) - logits[r, targets[r]]`` in
+    fp32; with ``WRITE_GRAD`` the row is then overwritten, in its own dtype, by
+    ``softmax(logits[r]) - onehot(targets[r])``. Two reads of the row and one write, where
+    torch's ops (an fp32 log-softmax, its exponential, a cast) move it five times over.
+
+    The first pass keeps a running maximum and sum of exponentials per lane (the online
+    softmax); lanes that have seen only masked columns stay at -inf and add nothing."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    s = tl.full((BLOCK_V,), 0.0, tl.float32)
+    for b in range(0, (V + BLOCK_V - 1) // BLOCK_V):
+        cols = b * BLOCK_V + offs
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        seen = m_new != float("-inf")
+        s = tl.where(seen, s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
+        m = m_new
+    row_max = tl.reduce(m, 0, LARGER)
+    # log-probabilities as (x - max) - log(sum), as torch's log-softmax forms them: x - max is
+    # exact where x is near the maximum, x - logsumexp would round at the logits' magnitude
+    log_sum = tl.log(tl.reduce(s * tl.exp(m - row_max), 0, ADD))
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    tl.store(loss_ptr + row, log_sum - (tl.load(base + target).to(tl.float32) - row_max))
+    if WRITE_GRAD:
+        for b in range(0, (V + BLOCK_V - 1) // BLOCK_V):
+            cols = b * BLOCK_V + offs
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = tl.exp((x - row_max) - log_sum) - tl.where(cols == target, 1.0, 0.0)
+            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)

@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from lightning_hetermoe.kernels import launch, triton_src, tuning  # noqa: E402
 from lightning_hetermoe.kernels.tiles import Tile  # noqa: E402
 
-FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr", "h_ptr", "g_ptr"}
+FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr", "h_ptr", "g_ptr", "logits_ptr"}
 
 
 GEMM_FLAGS = dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True, TILE_MAP=True)
@@ -36,7 +36,7 @@ def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags:
             sig[name] = "constexpr"
         elif name in FLOAT_PTRS:
             sig[name] = f"*{dtype}"
-        elif name == "scale_ptr":
+        elif name in ("scale_ptr", "loss_ptr"):
             sig[name] = "*fp32"
         elif name.startswith("tile_"):
             sig[name] = "*i32"
@@ -139,3 +139,15 @@ def test_the_fused_swiglu_compiles(capability, dtype, tmp_path, monkeypatch):
     config = triton.Config(blocks, num_warps=launch.ELEMENTWISE["num_warps"], num_stages=1)
     for fn in (triton_src.swiglu_forward_kernel, triton_src.swiglu_backward_kernel):
         assert compile_for(fn, dtype, capability, config, {}).asm.get("cubin")
+
+
+@pytest.mark.parametrize("capability,dtype", [(70, "fp16"), (90, "bf16")])
+def test_the_cross_entropy_rows_compile(capability, dtype, tmp_path, monkeypatch):
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    config = triton.Config({"BLOCK_V": launch.CROSS_ENTROPY["BLOCK_V"]}, num_warps=launch.CROSS_ENTROPY["num_warps"],
+                           num_stages=1)
+    for write_grad in (True, False):
+        kernel = compile_for(triton_src.cross_entropy_rows_kernel, dtype, capability, config,
+                             {"WRITE_GRAD": write_grad})
+        assert kernel.asm.get("cubin")

@@ -148,3 +148,88 @@ def test_the_model_s_loss_is_the_naive_loss_of_its_logits_with_every_gradient():
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()), msg=name)
 
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The cross-entropy kernel wherever the loss runs (the CPU here, through Triton's
+    interpreter), as CUDA takes it."""
+    pytest.importorskip("triton")
+    from lightning_hetermoe.kernels import cross_entropy
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+
+    def everywhere(logits):
+        calls.append(logits.shape)
+        return True
+
+    monkeypatch.setattr(cross_entropy, "runs_fused", everywhere)
+    return calls
+
+
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_the_cross_entropy_kernel_gives_the_naive_loss_and_both_gradients(fused_on_cpu, chunk):
+    """On the kernel (each row's loss, softmax - onehot in place of the logits): the naive
+    loss and both gradients in fp32, over a vocabulary that spans the kernel's blocks and
+    a partial one, ignored targets and chunks with a short last one; no-grad too."""
+    h, w, t = case(5, shape=(3, 20))
+    want = naive(h, w, t)
+    gh, gw = torch.autograd.grad(want * 2.5, [h, w])
+    got = linear_cross_entropy(h, w, t, chunk=chunk)
+    gh2, gw2 = torch.autograd.grad(got * 2.5, [h, w])
+    assert fused_on_cpu, "the kernel ran"
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh2, gh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw2, gw, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk=chunk), want.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_cross_entropy_kernel_under_bf16_autocast(fused_on_cpu):
+    """bf16 logits: the kernel forms everything in fp32 from them and rounds the gradient
+    once; as close to the fp32 truth as torch's ops on the same logits are."""
+    from lightning_hetermoe.kernels import cross_entropy
+
+    h, w, t = case(6)
+    truth = naive(h, w, t)
+    gh, gw = torch.autograd.grad(truth, [h, w])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, w, t, chunk=16)
+    bh, bw = torch.autograd.grad(got, [h, w])
+    with cross_entropy.fused(False), torch.autocast("cpu", dtype=torch.bfloat16):
+        ops = linear_cross_entropy(h, w, t, chunk=16)
+    oh, ow = torch.autograd.grad(ops, [h, w])
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    assert abs(float(got.detach() - ops.detach())) < 1e-5  # the same bf16 logits, fp32 after
+    for mine, theirs, true in ((bh, oh, gh), (bw, ow, gw)):
+        assert rel(mine, true) < 1e-2 and rel(mine, theirs) < 1e-2
+
+
+def test_the_cross_entropy_rows_by_hand(monkeypatch):
+    """The kernel itself: each row's logsumexp - logit[target] and, in place, softmax -
+    onehot; large logits (no overflow: the running maximum) and a row of one column."""
+    pytest.importorskip("triton")
+    from lightning_hetermoe.kernels import launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.tensor([[1.0, 2.0, 3.0] + [0.0] * 40, [500.0, -500.0, 499.0] + [-1e4] * 40])
+    targets = torch.tensor([2, 0])
+    want_loss = torch.logsumexp(logits, 1) - logits[[0, 1], targets]
+    want_grad = torch.softmax(logits, 1) - F.one_hot(targets, logits.shape[1])
+    got = logits.clone()
+    loss = launch.cross_entropy_rows(got, targets, write_grad=True)
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(got, want_grad, rtol=1e-6, atol=1e-7)
+    kept = logits.clone()
+    torch.testing.assert_close(launch.cross_entropy_rows(kept, targets, write_grad=False), want_loss)
+    assert torch.equal(kept, logits)
+    one = torch.tensor([[3.0]])
+    assert float(launch.cross_entropy_rows(one, torch.tensor([0]), True)) == 0.0 and float(one) == 0.0
+    from lightning_hetermoe.kernels import cross_entropy
+
+    assert not cross_entropy.runs_fused(logits)  # the CPU keeps torch's ops
+    torch.library.opcheck(cross_entropy.cross_entropy_rows, (logits.clone(), targets, True),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -17,6 +17,10 @@ token and vocabulary entry here against the whole-logits loss's 38 under bf16 on
 whose log-softmax copies its 16-bit input to fp32 first (CUDA's reads it as it is: 6
 fewer here, none fewer there, where the whole-logits loss copies the logits itself).
 
+On a CUDA device each chunk's rows (their loss, then the softmax minus the one-hot target
+in place of the logits) run on one Triton kernel (``kernels/cross_entropy.py``): two
+reads of the logits and one write, 6 bytes at 16 bits, beside the GEMM's write of them.
+
 The gradients are kept unscaled (``softmax - onehot``, entries within [-1, 1], well inside
 fp16's range) and multiplied in the backward by the incoming gradient over the number of targets:
 under fp16 loss scaling the values the GEMMs see are those of an unscaled loss, neither
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..kernels import cross_entropy
 
 
 DEFAULT_LOSS_CHUNK = 4096  # ModelConfig.loss_chunk_tokens's default
@@ -73,15 +79,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):  # the dtypes are explicit from here
             for lo in range(0, h.shape[0], chunk):
                 hc, tc, kc = h[lo:lo + chunk].to(compute), safe[lo:lo + chunk], kept[lo:lo + chunk]
-                # one pass from the head's output to fp32 log-probabilities (no fp32 copy of the logits)
-                logp = torch.log_softmax(torch.mm(hc, w.t()), dim=-1, dtype=torch.float32)
-                total -= (logp.gather(1, tc[:, None]).squeeze(1) * kc).sum()
-                if not wants_grad:
-                    continue
-                # softmax - onehot, in place of the log-probabilities; an ignored row's share is
-                # taken out of the GEMMs' [chunk, d] operands, not out of this [chunk, V] one
-                g = logp.exp_().scatter_add_(1, tc[:, None], torch.full_like(logp[:, :1], -1.0)).to(compute)
-                del logp
+                logits = torch.mm(hc, w.t())
+                if cross_entropy.runs_fused(logits):
+                    # each row's loss and, in place of the logits, softmax - onehot: one kernel
+                    total += (cross_entropy.cross_entropy_rows(logits, tc, wants_grad) * kc).sum()
+                    if not wants_grad:
+                        continue
+                    g = logits
+                else:
+                    # one pass from the head's output to fp32 log-probabilities (no fp32 copy of the logits)
+                    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+                    del logits
+                    total -= (logp.gather(1, tc[:, None]).squeeze(1) * kc).sum()
+                    if not wants_grad:
+                        continue
+                    # softmax - onehot, in place of the log-probabilities
+                    g = logp.exp_().scatter_add_(1, tc[:, None], torch.full_like(logp[:, :1], -1.0)).to(compute)
+                    del logp
+                # an ignored row's share is taken out of the GEMMs' [chunk, d] operands, not out
+                # of this [chunk, V] one
                 keep = kc[:, None].to(compute)
                 if grad_h is not None:
                     grad_h[lo:lo + chunk] = torch.mm(g, w) * keep

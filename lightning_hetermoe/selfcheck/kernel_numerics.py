@@ -180,3 +180,36 @@ def check_large_gemm(ctx: Context) -> str:
     if not worst <= KERNEL_TOL[torch.float16]:
         raise Failed(detail)
     return detail
+
+
+def check_cross_entropy(ctx: Context) -> str:
+    """The LM head's cross-entropy kernel (each row's loss, then softmax - onehot over the
+    logits in their own dtype) against torch's fp32 log-softmax of the same logits: a
+    chunk of D1's shape on a GPU (2048 tokens of a 32K vocabulary, bf16 where the device
+    has it), a small one in the interpreter."""
+    from ..kernels import unavailable_reason
+    from ..kernels.launch import cross_entropy_rows
+
+    why = unavailable_reason(ctx.device)
+    if why:
+        raise Skip(why)
+    rows, vocab = (2048, 32768) if ctx.cuda else (24, 1000)
+    dtype = torch.bfloat16 if not ctx.cuda or torch.cuda.get_device_capability(ctx.device) >= (8, 0) \
+        else torch.float16
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    logits = (torch.randn(rows, vocab, device=ctx.device, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), device=ctx.device, generator=g)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    want_loss = -logp.gather(1, targets[:, None]).squeeze(1)
+    want_grad = logp.exp().scatter_add_(1, targets[:, None], torch.full_like(logp[:, :1], -1.0))
+    got = logits.clone()
+    loss = cross_entropy_rows(got, targets, write_grad=True)
+    loss_err = _relative_error(loss, want_loss)
+    grad_err = float((got.float() - want_grad).norm() / want_grad.norm())
+    rounding = float((want_grad.to(dtype).float() - want_grad).norm() / want_grad.norm())
+    detail = (f"{rows} x {vocab} {DTYPE_NAMES[dtype]} logits: loss {loss_err:.1e} from torch's fp32 log-softmax "
+              f"(tol 1e-5), softmax - onehot {grad_err:.1e} (its {DTYPE_NAMES[dtype]} rounding {rounding:.1e}; tol "
+              f"{KERNEL_TOL[dtype]:.0e})")
+    if not (loss_err <= 1e-5 and grad_err <= KERNEL_TOL[dtype]):  # also catches NaN
+        raise Failed(detail)
+    return detail

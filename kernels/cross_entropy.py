@@ -1,0 +1,59 @@
+"""The LM head's cross-entropy rows as one Triton kernel on CUDA, behind a custom op.
+
+:func:`lightning_hetermoe.model.loss.linear_cross_entropy` forms a chunk's logits with a
+GEMM, then needs each row's loss and, for the backward, ``softmax - onehot`` in place of
+the logits. On torch's ops that is an fp32 log-softmax of the 16-bit logits, its
+exponential in place and a cast back: some 18 bytes moved per token and vocabulary entry
+on CUDA beside the GEMM's own write. ``triton_src.cross_entropy_rows_kernel`` reads each
+row twice and writes it once (6 bytes at 16 bits): for D1's 32K vocabulary and a 16K-token
+micro-batch, 6 GB less a micro-batch (arithmetic, not a measurement; some 9 ms on an
+A40's 696 GB/s). The cost model prices 12 bytes (``CostModel.head_time``).
+
+It runs where the logits are on a CUDA device that runs Triton; on CPU torch's ops run
+(the interpreter is for tests). The custom op keeps the launch opaque to ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from .availability import triton_available
+
+_NS = "lightning_hetermoe"
+_ON: list[bool] = [True]  # fused(False): torch's ops everywhere, for side-by-side benchmarks
+
+
+@contextlib.contextmanager
+def fused(on: bool) -> Iterator[None]:
+    """Inside the block the rows run on the kernel where they can (``True``, the default) or
+    on torch's ops everywhere (``False``)."""
+    previous = _ON[0]
+    _ON[0] = bool(on)
+    try:
+        yield
+    finally:
+        _ON[0] = previous
+
+
+def runs_fused(logits: Tensor) -> bool:
+    """Whether the rows of ``logits`` run on the kernel (CUDA with Triton, 16-bit or fp32)."""
+    return (_ON[0] and logits.device.type == "cuda"
+            and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available(logits.device))
+
+
+@torch.library.custom_op(f"{_NS}::cross_entropy_rows", mutates_args=("logits",))
+def cross_entropy_rows(logits: Tensor, targets: Tensor, write_grad: bool) -> Tensor:
+    """Each row's ``logsumexp - logit[target]`` in fp32 (``[n]``); with ``write_grad`` the
+    logits become ``softmax - onehot(target)`` in place."""
+    from .launch import cross_entropy_rows as launch_rows
+
+    return launch_rows(logits, targets, write_grad)
+
+
+@cross_entropy_rows.register_fake
+def _(logits: Tensor, targets: Tensor, write_grad: bool) -> Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
