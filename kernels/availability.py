@@ -14,10 +14,28 @@ per-group loop that reads the offsets on the host elsewhere).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from typing import Iterator
 
 import torch
+
+
+class Switch:
+    """A fused path's on/off (on by default): ``with switch(False):`` runs torch's ops
+    instead inside the block, for side-by-side benchmarks and independent references."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+    @contextlib.contextmanager
+    def __call__(self, on: bool) -> Iterator[None]:
+        previous, self.on = self.on, bool(on)
+        try:
+            yield
+        finally:
+            self.on = previous
 
 
 def _interpret_requested() -> bool:

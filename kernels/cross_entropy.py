@@ -15,33 +15,18 @@ It runs where the logits are on a CUDA device that runs Triton; on CPU torch's o
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 from torch import Tensor
 
-from .availability import triton_available
+from .availability import Switch, triton_available
 
 _NS = "lightning_hetermoe"
-_ON: list[bool] = [True]  # fused(False): torch's ops everywhere, for side-by-side benchmarks
-
-
-@contextlib.contextmanager
-def fused(on: bool) -> Iterator[None]:
-    """Inside the block the rows run on the kernel where they can (``True``, the default) or
-    on torch's ops everywhere (``False``)."""
-    previous = _ON[0]
-    _ON[0] = bool(on)
-    try:
-        yield
-    finally:
-        _ON[0] = previous
+fused = Switch()  # fused(False): torch's ops everywhere, for side-by-side benchmarks
 
 
 def runs_fused(logits: Tensor) -> bool:
     """Whether the rows of ``logits`` run on the kernel (CUDA with Triton, 16-bit or fp32)."""
-    return (_ON[0] and logits.device.type == "cuda"
+    return (fused.on and logits.device.type == "cuda"
             and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available(logits.device))
 
 

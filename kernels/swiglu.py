@@ -18,34 +18,19 @@ torch's ops run: the interpreter is for tests. The custom ops keep them opaque t
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 from torch import Tensor
 
-from .availability import triton_available
+from .availability import Switch, triton_available
 
 _NS = "lightning_hetermoe"
-_ON: list[bool] = [True]  # fused(False): torch's ops everywhere, for side-by-side benchmarks
-
-
-@contextlib.contextmanager
-def fused(on: bool) -> Iterator[None]:
-    """Inside the block the activation runs fused where it can (``True``, the default) or
-    on torch's ops everywhere (``False``)."""
-    previous = _ON[0]
-    _ON[0] = bool(on)
-    try:
-        yield
-    finally:
-        _ON[0] = previous
+fused = Switch()  # fused(False): torch's ops everywhere, for side-by-side benchmarks
 
 
 def runs_fused(h: Tensor) -> bool:
     """Whether the SwiGLU of ``h`` runs on the fused kernels (CUDA with Triton, 16-bit or
     fp32, outside any autograd recording through ``h``)."""
-    return (_ON[0] and h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (fused.on and h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and not (h.requires_grad and torch.is_grad_enabled()) and triton_available(h.device))
 
 

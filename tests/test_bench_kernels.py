@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers_bench import load_bench
+
 TOL = 1e-5
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernels")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -19,11 +19,9 @@ Tolerances, as max |a - b| / max |b| per tensor:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,8 +32,8 @@ from lightning_hetermoe.configs import MoEConfig
 from lightning_hetermoe.kernels import grouped_mlp_grouped_mm, measured
 from lightning_hetermoe.moe import MoELayer, grouped_mlp_torch, resolve_backend
 from lightning_hetermoe.kernels import chooser
+from helpers_bench import load_bench
 
-ROOT = Path(__file__).resolve().parents[1]
 FP32_TOL = 1e-6
 BF16_TOL = 2e-2
 NAMES = ["y", "x", "w_up", "b_up", "w_down", "b_down"]
@@ -302,9 +300,7 @@ def test_shipped_measurements_drive_auto_on_cpu(monkeypatch):
 def test_bench_records_winner_per_device_kind(tmp_path, monkeypatch):
     """bench/kernels.py --write on a tiny grid: every backend timed, the winner recorded
     under this device kind, other kinds kept."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("kernels")
     monkeypatch.setattr(bench, "QUICK_SHAPES", [bench.Case("a", 16, 32, 4, 2, 24), bench.Case("b", 16, 32, 8, 3, 40)])
     out = tmp_path / "measured.json"
     out.write_text(json.dumps({"cuda:sm90": {"best": "triton"}}))

@@ -4,10 +4,8 @@ what the routers route; a checkpoint taken after a move resumes anywhere."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import itertools
 from fractions import Fraction
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -21,12 +19,11 @@ from lightning_hetermoe.placement import Placement
 from lightning_hetermoe.model_contract import moe_layers
 from reference import MoveAt, assert_same_params, data, global_batches, make_model, reference_fit, trainer, whole_checkpoint
 from helpers_zebra import make_test_plan
+from helpers_bench import load_bench
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 # the rebalancing benchmark's skewed router: a fixed offset on hot experts' logits
-_spec = importlib.util.spec_from_file_location("bench_skew", Path(__file__).resolve().parents[1] / "bench" / "skew.py")
-SKEW = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(SKEW)
+SKEW = load_bench("skew")
 
 STEPS = 6
 SGD = dict(name="sgd", lr=0.1, momentum=0.9, warmup_steps=0)

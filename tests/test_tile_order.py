@@ -8,22 +8,18 @@ every tile once, and the cache model counts by hand on small cases.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers_bench import load_bench
+
 
 
 @pytest.fixture(scope="module")
 def order():
-    spec = importlib.util.spec_from_file_location("bench_tile_order", ROOT / "bench" / "tile_order.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("tile_order")
 
 
 @pytest.mark.parametrize("m_tiles,n_tiles", [(1, 1), (7, 3), (16, 5), (9, 224), (3, 1)])
