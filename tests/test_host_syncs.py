@@ -288,6 +288,35 @@ def stopped_by_sigterm(rank: int, world: int) -> dict:
     return {"raised": False, "step": t.global_step}
 
 
+class HandlerOfItsOwn(L.Callback):
+    """Rank 1 replaces Lightning's SIGTERM handler with one of its own before training."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 1:
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+
+def one_rank_without_lightnings_handler(rank: int, world: int) -> dict:
+    from helpers_zebra import make_test_plan
+    from reference import data, make_model, trainer
+
+    strategy = HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2, layers=LAYERS))
+    t = trainer(strategy, world, max_steps=3, callbacks=[HandlerOfItsOwn()])
+    lightnings = type(t.fit_loop.epoch_loop)._broadcast_sigterm_tensor
+    t.fit(make_model(4, n_layers=LAYERS), datamodule=data(world))
+    asked = t.fit_loop.epoch_loop._broadcast_sigterm_tensor
+    return {"step": t.global_step, "lightnings_own": getattr(asked, "__func__", None) is lightnings}
+
+
+@pytest.mark.slow
+def test_ranks_agree_to_keep_lightnings_question_where_one_has_no_handler_of_lightnings():
+    """One rank's SIGTERM handler is the user's: no rank moves the question to the host (one
+    asking on the host and one on the device would wait for each other); the run trains on."""
+    per_rank = run_ranks(2, one_rank_without_lightnings_handler, 2)
+    assert [r["step"] for r in per_rank] == [3, 3], per_rank
+    assert [r["lightnings_own"] for r in per_rank] == [True, True], per_rank
+
+
 @pytest.mark.slow
 def test_rank_zeros_sigterm_still_stops_every_rank_before_the_next_batch():
     """The strategy asks Lightning's SIGTERM question over the host side (its handler's

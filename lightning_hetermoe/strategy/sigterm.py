@@ -30,14 +30,22 @@ log = logging.getLogger(__name__)
 def ask_on_the_host(trainer: Any, world_size: int) -> bool:
     """Replace ``trainer``'s two SIGTERM broadcasts with host ones (a collective: every rank
     calls it at the same point, before the first training batch). ``False`` where there is
-    nothing to replace: one process, or a Lightning without the per-batch question or the
-    composed SIGTERM handler."""
+    nothing to replace on some rank: one process, or a Lightning without the per-batch
+    question or the composed SIGTERM handler (a handler of the user's own in its place, say):
+    then every rank keeps Lightning's own, as one rank asking on the host while another
+    asked on the device would wait for each other forever. The ranks agree with one host
+    all-reduce."""
+    if world_size < 2:
+        return False
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     connector = getattr(trainer, "_signal_connector", None)
     handlers = signal.getsignal(signal.SIGTERM)
     notifier = getattr(connector, "_sigterm_notifier_fn", None)
-    if (world_size < 2 or not callable(getattr(loop, "_broadcast_sigterm_tensor", None)) or notifier is None
-            or notifier not in getattr(handlers, "signal_handlers", ())):
+    here = (callable(getattr(loop, "_broadcast_sigterm_tensor", None)) and notifier is not None
+            and notifier in getattr(handlers, "signal_handlers", ()))
+    votes = torch.tensor([int(here)], dtype=torch.int64)
+    comm.host_all_reduce(comm.world(), votes, what="lightning.sigterm.agree")
+    if int(votes[0]) != world_size:
         return False
     group = comm.new_group("sigterm", range(world_size), device=False, host=True)
 
