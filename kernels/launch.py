@@ -30,7 +30,7 @@ _GEMM_KEY = ["N", "K", "M_BUCKET"]
 _WGRAD_KEY = ["K", "N", "M_BUCKET"]
 # Integer arguments that change between layers, ranks and launches of one model (the row
 # tile map's tile count and the activations' row count change every step).
-NO_SPECIALIZE = ("E", "M_BUCKET", "M_TILES", "M")
+NO_SPECIALIZE = ("E", "M_BUCKET", "M_TILES", "M", "ROWS", "ROWS_PER")
 # The row tile map's block: experts hold a few row tiles each, the surplus at most E + 1.
 MAP_BLOCK = 64
 
@@ -71,6 +71,14 @@ def _device(index: int) -> tuple[tuple[int, int], int | None]:
 @functools.cache
 def _tile(capability: tuple[int, int], dtype: torch.dtype, which: str, bucket: int, smem: int | None):
     return tuning.tile_for(capability, dtype, which, bucket, smem)
+
+
+def _one_config(fn, device: torch.device, on_cuda: dict, interpreted: dict | None = None):
+    """(launchable, fixed kwargs) of a kernel with one config: compiled with ``on_cuda``'s
+    options on CUDA, interpreted with ``interpreted``'s (blocks only) elsewhere."""
+    if device.type == "cuda":
+        return jitted(fn), dict(on_cuda)
+    return _interpreted(fn), dict(interpreted or {})
 
 
 def _kernel(fn, which: str, device: torch.device, dtype: torch.dtype, bucket: int):
@@ -145,10 +153,7 @@ class RowTiles:
             m_tiles = triton.cdiv(rows, block_m) + E
             tile_expert = torch.empty(m_tiles, dtype=torch.int32, device=self.counts.device)
             tile_first = torch.empty(E, dtype=torch.int32, device=self.counts.device)
-            if self.counts.device.type == "cuda":
-                fn, launch_kwargs = jitted(triton_src.row_tile_map_kernel), {"num_warps": 1}
-            else:
-                fn, launch_kwargs = _interpreted(triton_src.row_tile_map_kernel), {}
+            fn, launch_kwargs = _one_config(triton_src.row_tile_map_kernel, self.counts.device, {"num_warps": 1})
             fn[(1,)](self.counts, tile_expert, tile_first, E, m_tiles, BLOCK_M=block_m, BLOCK=MAP_BLOCK,
                      **launch_kwargs)
             self._maps[key] = (tile_expert, tile_first)
@@ -265,9 +270,7 @@ INTERPRET_ELEMENTWISE = {"BLOCK_M": 8, "BLOCK_F": 16}
 
 
 def _elementwise(fn, device: torch.device):
-    if device.type != "cuda":
-        return _interpreted(fn), dict(INTERPRET_ELEMENTWISE)
-    return jitted(fn), dict(ELEMENTWISE)
+    return _one_config(fn, device, ELEMENTWISE, INTERPRET_ELEMENTWISE)
 
 
 def _rows_with_unit_columns(t: Tensor) -> Tensor:
@@ -313,9 +316,45 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, write_grad: bool) -> Ten
     n, V = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        if logits.device.type == "cuda":
-            fn, blocks = jitted(triton_src.cross_entropy_rows_kernel), dict(CROSS_ENTROPY)
-        else:
-            fn, blocks = _interpreted(triton_src.cross_entropy_rows_kernel), dict(INTERPRET_CROSS_ENTROPY)
+        fn, blocks = _one_config(triton_src.cross_entropy_rows_kernel, logits.device, CROSS_ENTROPY,
+                                 INTERPRET_CROSS_ENTROPY)
         fn[(n,)](logits, targets.contiguous(), loss, V, logits.stride(0), WRITE_GRAD=write_grad, **blocks)
     return loss
+
+
+def _norm_warps(block_d: int) -> int:
+    return 4 if block_d <= 1024 else 8 if block_d <= 4096 else 16
+
+
+NORM_PROGRAMS = 1024  # the backward's programs at most: each sums its rows' weight gradient
+
+
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(y, rstd)`` of :func:`triton_src.rms_norm_forward_kernel` over the rows of ``x``
+    (``[rows, D]``, unit column stride)."""
+    rows, D = x.shape
+    y = torch.empty(rows, D, dtype=out_dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(D)
+        fn, launch_kwargs = _one_config(triton_src.rms_norm_forward_kernel, x.device,
+                                        {"num_warps": _norm_warps(block)})
+        fn[(rows,)](x, weight, y, rstd, D, x.stride(0), y.stride(0), eps, ROUND=x.dtype != torch.float32,
+                    BLOCK_D=block, **launch_kwargs)
+    return y, rstd
+
+
+def rms_norm_backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` of :func:`rms_norm_forward` under ``g`` (``y``'s shape); ``dw`` in fp32."""
+    rows, D = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    programs = max(1, min(NORM_PROGRAMS, rows))
+    per = triton.cdiv(rows, programs) if rows else 0
+    parts = torch.zeros(programs, D, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(D)
+        fn, launch_kwargs = _one_config(triton_src.rms_norm_backward_kernel, x.device,
+                                        {"num_warps": _norm_warps(block)})
+        fn[(programs,)](g, x, weight, rstd, dx, parts, rows, D, per, g.stride(0), x.stride(0), dx.stride(0),
+                        ROUND=x.dtype != torch.float32, BLOCK_D=block, **launch_kwargs)
+    return dx, parts.sum(0)

@@ -303,3 +303,51 @@ def cross_entropy_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row,
             x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
             g = tl.exp((x - row_max) - log_sum) - tl.where(cols == target, 1.0, 0.0)
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+
+
+def rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, stride_x, stride_y, eps,
+                            ROUND: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row ``r`` (one program): ``n = x * rsqrt(mean(x^2) + eps)`` in fp32, rounded to
+    ``x``'s dtype (``ROUND``, as the model's ``.to(x.dtype)``), times the weight, stored in
+    ``y``'s dtype; ``rstd[r]`` kept for the backward. One read of ``x``, one write of ``y``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.reduce(x * x, 0, ADD) / D + eps)
+    n = x * r
+    if ROUND:
+        n = n.to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (n * w).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, r)
+
+
+def rms_norm_backward_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, ROWS, D, ROWS_PER,
+                             stride_g, stride_x, stride_dx, ROUND: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``[p * ROWS_PER, (p + 1) * ROWS_PER)`` of program ``p``: ``dx`` of each, and the
+    program's part of the weight's gradient (``dw_part[p]``, fp32; the parts are summed
+    after). The gradient autograd forms through the forward: ``ga = g * w``, rounded to
+    ``x``'s dtype where the forward rounded ``n`` (``ROUND``), then
+    ``dx = r * ga - r^3 / D * x * sum(ga * x)``; ``dw += g * n`` (``n`` rounded alike)."""
+    p = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.full((BLOCK_D,), 0.0, tl.float32)
+    for i in range(0, ROWS_PER):
+        row = (p * ROWS_PER + i).to(tl.int64)
+        m = mask & (cols * 0 + row < ROWS)  # a vector mask: the last program's rows past the end
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(rstd_ptr + tl.where(row < ROWS, row, 0))  # past the end: x and g are 0, r unused
+        n = x * r
+        ga = g * w
+        if ROUND:
+            n = n.to(x_ptr.dtype.element_ty).to(tl.float32)
+            ga = ga.to(x_ptr.dtype.element_ty).to(tl.float32)
+        dw += g * n
+        dot = tl.reduce(ga * x, 0, ADD)
+        dx = r * ga - (r * r * r / D) * x * dot
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_part_ptr + p.to(tl.int64) * D + cols, dw, mask=mask)

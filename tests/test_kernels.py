@@ -572,3 +572,99 @@ def test_every_backend_on_the_fused_swiglu(monkeypatch, recompute):
 
     forward(h, "swiglu").sum().backward()
     assert calls == [False] and h.grad is not None
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_fused_rms_norm_matches_torchs_ops(monkeypatch, x_dtype, w_dtype):
+    """The model's RMSNorm on the kernels (the CPU here, through the interpreter, as CUDA
+    takes them) against torch's ops: the output (its dtype the product's) and the gradients
+    of the input and the weight, at a width that is no power of two and rows that do not
+    fill the backward's programs evenly."""
+    from lightning_hetermoe.kernels import rms_norm
+    from lightning_hetermoe.model.transformer import RMSNorm
+
+    torch.manual_seed(5)
+    norm = RMSNorm(40, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(40) + 0.5)
+    norm = norm.to(w_dtype)
+    x = (torch.randn(3, 7, 40) * 2).to(x_dtype)
+    up = torch.randn(3, 7, 40)
+
+    def run():
+        xx = x.clone().requires_grad_()
+        norm.weight.grad = None
+        y = norm(xx)
+        y.backward(up.to(y.dtype))
+        return y.detach(), xx.grad, norm.weight.grad.clone()
+
+    want = run()
+    monkeypatch.setattr(rms_norm, "runs_fused", lambda x, w: True)
+    monkeypatch.setattr(launch_module(), "NORM_PROGRAMS", 4)  # 21 rows over 4 programs: 6, 6, 6, 3
+    got = run()
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[x_dtype]
+    for name, a, b in zip(("output", "input gradient", "weight gradient"), got, want, strict=True):
+        assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+        assert_close(a, b, f"{name} {x_dtype}/{w_dtype}", tol)
+    torch.library.opcheck(rms_norm.rms_norm, (x.float(), norm.weight.detach().float(), 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def launch_module():
+    from lightning_hetermoe.kernels import launch
+
+    return launch
+
+
+def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
+    """The language model with its RMSNorms, expert SwiGLU and head's cross-entropy on the
+    fused kernels (through the interpreter, as CUDA takes them) against torch's ops: the
+    loss and every parameter's gradient, then three AdamW steps on one trajectory."""
+    from lightning_hetermoe.configs import ModelConfig, OptimConfig
+    from lightning_hetermoe.kernels import cross_entropy, rms_norm, swiglu
+    from lightning_hetermoe.model.lm import MoELanguageModel
+
+    def build():
+        torch.manual_seed(0)
+        moe = MoEConfig(num_experts=4, top_k=2, d_ff=16, activation="swiglu", jitter_eps=0.0, expert_backend="torch")
+        cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
+        return MoELanguageModel(cfg, OptimConfig(lr=1e-2, warmup_steps=0))
+
+    fused, ref = build(), build()
+    ran = {"norm": 0, "swiglu": 0, "rows": 0}
+
+    def count(name, when=lambda *a: True):
+        def decide(*args):
+            ok = when(*args)
+            ran[name] += ok
+            return ok
+        return decide
+
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (fused, ref)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        tokens = torch.randint(0, 64, (2, 9), generator=gen)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        losses = []
+        for model, opt in zip((fused, ref), opts, strict=True):
+            with monkeypatch.context() as m:
+                if model is fused:
+                    m.setattr(rms_norm, "runs_fused", count("norm"))
+                    m.setattr(swiglu, "runs_fused", count("swiglu", lambda h: not (h.requires_grad
+                                                                                 and torch.is_grad_enabled())))
+                    m.setattr(cross_entropy, "runs_fused", count("rows"))
+                opt.zero_grad()
+                loss = model.losses(batch)["loss"]
+                loss.backward()
+            losses.append(loss.detach())
+            if step == 0:
+                model._first_grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+        assert_close(losses[0], losses[1], f"step {step} loss", 1e-5)
+        if step == 0:
+            for (name, _), g, h in zip(fused.named_parameters(), fused._first_grads, ref._first_grads, strict=True):
+                assert_close(g, h, f"{name}'s gradient", 1e-4)
+    assert all(ran.values()), ran
+    for (name, p), q in zip(fused.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p.detach(), q.detach(), f"{name} after 3 steps", 1e-4)

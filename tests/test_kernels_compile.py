@@ -18,7 +18,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from lightning_hetermoe.kernels import launch, triton_src, tuning  # noqa: E402
 from lightning_hetermoe.kernels.tiles import Tile  # noqa: E402
 
-FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr", "h_ptr", "g_ptr", "logits_ptr"}
+FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr", "h_ptr", "g_ptr", "logits_ptr", "y_ptr",
+              "dx_ptr"}
 
 
 GEMM_FLAGS = dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True, TILE_MAP=True)
@@ -36,12 +37,14 @@ def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags:
             sig[name] = "constexpr"
         elif name in FLOAT_PTRS:
             sig[name] = f"*{dtype}"
-        elif name in ("scale_ptr", "loss_ptr"):
+        elif name in ("scale_ptr", "loss_ptr", "rstd_ptr", "dw_part_ptr"):
             sig[name] = "*fp32"
         elif name.startswith("tile_"):
             sig[name] = "*i32"
         elif name.endswith("_ptr"):
             sig[name] = "*i64"
+        elif name == "eps":
+            sig[name] = "fp32"
         else:
             sig[name] = "i32"
     # the kernel as the launcher wraps it (E and the row bucket not specialised)
@@ -151,3 +154,12 @@ def test_the_cross_entropy_rows_compile(capability, dtype, tmp_path, monkeypatch
         kernel = compile_for(triton_src.cross_entropy_rows_kernel, dtype, capability, config,
                              {"WRITE_GRAD": write_grad})
         assert kernel.asm.get("cubin")
+
+
+@pytest.mark.parametrize("capability,dtype,block", [(70, "fp16", 1024), (90, "bf16", 4096), (90, "fp32", 16384)])
+def test_the_rms_norm_kernels_compile(capability, dtype, block, tmp_path, monkeypatch):
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    config = triton.Config({"BLOCK_D": block}, num_warps=launch._norm_warps(block), num_stages=1)
+    for fn in (triton_src.rms_norm_forward_kernel, triton_src.rms_norm_backward_kernel):
+        assert compile_for(fn, dtype, capability, config, {"ROUND": dtype != "fp32"}).asm.get("cubin")

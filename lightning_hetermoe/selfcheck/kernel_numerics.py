@@ -182,21 +182,27 @@ def check_large_gemm(ctx: Context) -> str:
     return detail
 
 
+def _sixteen_bits(ctx: Context) -> tuple[torch.dtype, torch.Generator]:
+    """A fused kernel's check: skipped where the kernels cannot run; its dtype (bf16, or
+    fp16 below sm80) and a seeded generator on the device."""
+    from ..kernels import unavailable_reason
+
+    why = unavailable_reason(ctx.device)
+    if why:
+        raise Skip(why)
+    old_gpu = ctx.cuda and torch.cuda.get_device_capability(ctx.device) < (8, 0)
+    return (torch.float16 if old_gpu else torch.bfloat16), torch.Generator(device=ctx.device).manual_seed(0)
+
+
 def check_cross_entropy(ctx: Context) -> str:
     """The LM head's cross-entropy kernel (each row's loss, then softmax - onehot over the
     logits in their own dtype) against torch's fp32 log-softmax of the same logits: a
     chunk of D1's shape on a GPU (2048 tokens of a 32K vocabulary, bf16 where the device
     has it), a small one in the interpreter."""
-    from ..kernels import unavailable_reason
     from ..kernels.launch import cross_entropy_rows
 
-    why = unavailable_reason(ctx.device)
-    if why:
-        raise Skip(why)
+    dtype, g = _sixteen_bits(ctx)
     rows, vocab = (2048, 32768) if ctx.cuda else (24, 1000)
-    dtype = torch.bfloat16 if not ctx.cuda or torch.cuda.get_device_capability(ctx.device) >= (8, 0) \
-        else torch.float16
-    g = torch.Generator(device=ctx.device).manual_seed(0)
     logits = (torch.randn(rows, vocab, device=ctx.device, generator=g) * 4).to(dtype)
     targets = torch.randint(0, vocab, (rows,), device=ctx.device, generator=g)
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -211,5 +217,40 @@ def check_cross_entropy(ctx: Context) -> str:
               f"(tol 1e-5), softmax - onehot {grad_err:.1e} (its {DTYPE_NAMES[dtype]} rounding {rounding:.1e}; tol "
               f"{KERNEL_TOL[dtype]:.0e})")
     if not (loss_err <= 1e-5 and grad_err <= KERNEL_TOL[dtype]):  # also catches NaN
+        raise Failed(detail)
+    return detail
+
+
+def check_rms_norm(ctx: Context) -> str:
+    """The model's RMSNorm on its kernels against torch's ops (the output and the gradients
+    of the input and the weight): 16K tokens of width 1024 in bf16 with an fp32 weight, as
+    under bf16-mixed, on a GPU; a small case in the interpreter."""
+    from ..kernels import rms_norm
+    from ..model.transformer import RMSNorm
+
+    dtype, g = _sixteen_bits(ctx)
+    rows, width = (16384, 1024) if ctx.cuda else (21, 40)
+    norm = RMSNorm(width).to(ctx.device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(width, device=ctx.device, generator=g) + 0.5)
+    x = (torch.randn(rows, width, device=ctx.device, generator=g) * 2).to(dtype)
+    up = torch.randn(rows, width, device=ctx.device, generator=g)
+
+    def run(fused: bool):
+        xx = x.clone().requires_grad_()
+        norm.weight.grad = None
+        with rms_norm.fused(fused):
+            if fused and not ctx.cuda:  # the interpreter: the kernels where CUDA would take them
+                y = rms_norm.rms_norm(xx, norm.weight, norm.eps)[0]
+            else:
+                y = norm(xx)
+        y.backward(up.to(y.dtype))
+        return [y.detach(), xx.grad, norm.weight.grad.clone()]
+
+    got, want = run(True), run(False)
+    errs = [_relative_error(a, b) for a, b in zip(got, want)]
+    detail = (f"{rows} x {width} {DTYPE_NAMES[dtype]}, fp32 weight: output {errs[0]:.1e}, input gradient "
+              f"{errs[1]:.1e}, weight gradient {errs[2]:.1e} from torch's ops (tol {KERNEL_TOL[dtype]:.0e})")
+    if not all(e <= KERNEL_TOL[dtype] for e in errs) or got[0].dtype != want[0].dtype:
         raise Failed(detail)
     return detail

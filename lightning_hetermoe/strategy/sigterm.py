@@ -43,7 +43,7 @@ def ask_on_the_host(trainer: Any, world_size: int) -> bool:
     notifier = getattr(connector, "_sigterm_notifier_fn", None)
     here = (callable(getattr(loop, "_broadcast_sigterm_tensor", None)) and notifier is not None
             and notifier in getattr(handlers, "signal_handlers", ()))
-    votes = torch.tensor([int(here)], dtype=torch.int64)
+    votes = torch.tensor([int(here)], dtype=torch.int64, device="cpu")
     comm.host_all_reduce(comm.world(), votes, what="lightning.sigterm.agree")
     if int(votes[0]) != world_size:
         return False
