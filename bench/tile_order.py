@@ -182,7 +182,8 @@ def kernels_bench():
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", default=f"1,{DEFAULT_GROUP}",
-                    help=f"launch orders to compare (row tiles side by side; default 1 and the shipped {DEFAULT_GROUP})")
+                    help=f"launch orders to compare (row tiles side by side; default 1 and the shipped "
+                         f"{DEFAULT_GROUP})")
     ap.add_argument("--sms", type=int, default=H100["sms"], help="programs running at once")
     ap.add_argument("--l2-mb", type=float, default=H100["l2_mb"], help="the L2 cache, MiB")
     ap.add_argument("--bandwidth", type=float, default=H100["bandwidth_tbs"], help="memory bandwidth, TB/s")

@@ -6,8 +6,9 @@ derivative, ``silu``, another product and two copies into the result's halves: 1
 read and written at Mixtral-8x7B's layer shape (16,384 rows, d_ff 14,336, bf16), where one
 read of ``h`` and of the incoming gradient and one write of the result move 2.35 GB; the
 forward (run twice: in the backward again, for the down weight's gradient) moves 2.35 GB
-against 1.41. On an H100 that is some 5 ms of memory traffic per layer beside the GEMMs. The kernels (``triton_src.swiglu_forward_kernel``,
-``swiglu_backward_kernel``) form everything in fp32 and round once.
+against 1.41. On an H100 that is some 5 ms of memory traffic per layer beside the GEMMs.
+The kernels (``triton_src.swiglu_forward_kernel``, ``swiglu_backward_kernel``) form
+everything in fp32 and round once.
 
 They run where the activation's input is on a CUDA device that runs Triton and no autograd
 graph is being recorded through them (the backends call them inside their own forward and
