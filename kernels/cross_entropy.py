@@ -2,12 +2,13 @@
 
 :func:`lightning_hetermoe.model.loss.linear_cross_entropy` forms a chunk's logits with a
 GEMM, then needs each row's loss and, for the backward, ``softmax - onehot`` in place of
-the logits. On torch's ops that is an fp32 log-softmax of the 16-bit logits, its
-exponential in place and a cast back: some 18 bytes moved per token and vocabulary entry
-on CUDA beside the GEMM's own write. ``triton_src.cross_entropy_rows_kernel`` reads each
-row twice and writes it once (6 bytes at 16 bits): for D1's 32K vocabulary and a 16K-token
-micro-batch, 6 GB less a micro-batch (arithmetic, not a measurement; some 9 ms on an
-A40's 696 GB/s). The cost model prices 12 bytes (``CostModel.head_time``).
+the logits. On torch's ops that is an fp32 log-softmax of the 16-bit logits (reading
+them two or three times, writing 4 bytes), its exponential in place (8) and a cast back
+(6): about 24 bytes moved per token and vocabulary entry on CUDA beside the GEMM's own
+write. ``triton_src.cross_entropy_rows_kernel`` reads each row twice and writes it once (6
+bytes at 16 bits): for D1's 32K vocabulary and a 16K-token micro-batch, about 10 GB less
+(arithmetic, not a measurement; some 14 ms on an A40's 696 GB/s). The cost model prices 12
+bytes (``CostModel.head_time``).
 
 It runs where the logits are on a CUDA device that runs Triton; on CPU torch's ops run
 (the interpreter is for tests). The custom op keeps the launch opaque to ``torch.compile``.
