@@ -5,7 +5,7 @@ kernel modules load on first use. Modules, one job each:
 
 - ``availability``: whether each backend can run on a device, and why not.
 - ``triton_src``: the Triton kernels (gather-GEMM with epilogues, grouped weight gradient,
-  the row tile map, SwiGLU forward and backward, the cross-entropy rows, RMSNorm).
+  the row tile map, SwiGLU forward and backward, the cross-entropy rows, RMSNorm, rotary embedding).
 - ``tuning``: which tile config each launch takes (the shipped table, else a heuristic per
   GPU generation; no autotuning unless ``HETERMOE_AUTOTUNE=1`` or ``enable_autotune()``),
   row-count buckets, interpreter blocks.
@@ -22,6 +22,8 @@ kernel modules load on first use. Modules, one job each:
   as one Triton kernel behind a custom op, which ``model/loss.py`` takes on CUDA.
 - ``rms_norm``: RMSNorm forward and backward as Triton kernels behind a custom op with
   autograd, which the pack's ``RMSNorm`` takes on CUDA.
+- ``rotary``: the rotary position embedding as one Triton kernel (its gradient the same
+  kernel rotating back) behind a custom op, which the pack's attention takes on CUDA.
 - ``algorithm``: the expert MLP, forward and backward, written once over a small set of
   grouped GEMMs (``Gemms``); each backend below is one such set.
 - ``mlp``: on the Triton kernels, as custom ops with autograd (the ``triton`` backend,

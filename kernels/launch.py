@@ -30,7 +30,7 @@ _GEMM_KEY = ["N", "K", "M_BUCKET"]
 _WGRAD_KEY = ["K", "N", "M_BUCKET"]
 # Integer arguments that change between layers, ranks and launches of one model (the row
 # tile map's tile count and the activations' row count change every step).
-NO_SPECIALIZE = ("E", "M_BUCKET", "M_TILES", "M", "ROWS", "ROWS_PER")
+NO_SPECIALIZE = ("E", "M_BUCKET", "M_TILES", "M", "ROWS", "ROWS_PER", "S_BLOCKS")
 # The row tile map's block: experts hold a few row tiles each, the surplus at most E + 1.
 MAP_BLOCK = 64
 
@@ -358,3 +358,25 @@ def rms_norm_backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tup
         fn[(programs,)](g, x, weight, rstd, dx, parts, rows, D, per, g.stride(0), x.stride(0), dx.stride(0),
                         ROUND=x.dtype != torch.float32, BLOCK_D=block, **launch_kwargs)
     return dx, parts.sum(0)
+
+
+ROTARY = {"BLOCK_S": 16, "num_warps": 4}
+INTERPRET_ROTARY = {"BLOCK_S": 4}
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """:func:`triton_src.rotary_kernel` over ``x`` ``[B, H, S, D]`` (unit last stride), into a
+    contiguous result of ``x``'s dtype; ``cos``/``sin`` fp32 ``[S, D/2]`` or ``[B, 1, S, D/2]``."""
+    B, H, S, D = x.shape
+    half = D // 2
+    out = torch.empty(B, H, S, D, dtype=x.dtype, device=x.device)
+    if out.numel():
+        cos, sin = cos.contiguous(), sin.contiguous()
+        per_sequence = cos.dim() == 4
+        fn, blocks = _one_config(triton_src.rotary_kernel, x.device, ROTARY, INTERPRET_ROTARY)
+        s_blocks = triton.cdiv(S, blocks["BLOCK_S"])
+        fn[(B * H * s_blocks,)](x, cos, sin, out, S, H, half, s_blocks, x.stride(0), x.stride(1), x.stride(2),
+                                out.stride(0), out.stride(1), out.stride(2),
+                                cos.stride(0) if per_sequence else 0, cos.stride(-2),
+                                SIGN=-1.0 if inverse else 1.0, BLOCK_HALF=triton.next_power_of_2(half), **blocks)
+    return out

@@ -351,3 +351,29 @@ def rms_norm_backward_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
         dx = r * ga - (r * r * r / D) * x * dot
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
     tl.store(dw_part_ptr + p.to(tl.int64) * D + cols, dw, mask=mask)
+
+
+def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, H, HALF, S_BLOCKS,
+                  stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os, stride_cb, stride_cs,
+                  SIGN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotary position embedding of ``x`` ``[B, H, S, 2 * HALF]`` (any strides but the last):
+    ``[x1 * cos - x2 * sin, x1 * sin + x2 * cos]`` in fp32, rounded once to ``out``'s dtype;
+    ``cos``/``sin`` ``[S, HALF]`` or one table per sequence (``stride_cb``). ``SIGN=-1``
+    rotates back: the gradient. One program is ``BLOCK_S`` positions of one (sequence,
+    head); all on grid axis 0."""
+    pid = tl.program_id(0)
+    bh = pid // S_BLOCKS
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    s = ((pid % S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    mask = (s < S)[:, None] & (j < HALF)[None, :]
+    x = x_ptr + b * stride_xb + h * stride_xh + s[:, None] * stride_xs + j[None, :]
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    table = b * stride_cb + s[:, None] * stride_cs + j[None, :]
+    c = tl.load(cos_ptr + table, mask=mask, other=0.0)
+    sn = tl.load(sin_ptr + table, mask=mask, other=0.0) * SIGN
+    out = out_ptr + b * stride_ob + h * stride_oh + s[:, None] * stride_os + j[None, :]
+    tl.store(out, (x1 * c - x2 * sn).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (x1 * sn + x2 * c).to(out_ptr.dtype.element_ty), mask=mask)

@@ -618,11 +618,11 @@ def launch_module():
 
 
 def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
-    """The language model with its RMSNorms, expert SwiGLU and head's cross-entropy on the
-    fused kernels (through the interpreter, as CUDA takes them) against torch's ops: the
+    """The language model with its RMSNorms, rotary embeddings, expert SwiGLU and head's
+    cross-entropy on the fused kernels (through the interpreter, as CUDA takes them) against torch's ops: the
     loss and every parameter's gradient, then three AdamW steps on one trajectory."""
     from lightning_hetermoe.configs import ModelConfig, OptimConfig
-    from lightning_hetermoe.kernels import cross_entropy, rms_norm, swiglu
+    from lightning_hetermoe.kernels import cross_entropy, rms_norm, rotary, swiglu
     from lightning_hetermoe.model.lm import MoELanguageModel
 
     def build():
@@ -632,7 +632,7 @@ def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
         return MoELanguageModel(cfg, OptimConfig(lr=1e-2, warmup_steps=0))
 
     fused, ref = build(), build()
-    ran = {"norm": 0, "swiglu": 0, "rows": 0}
+    ran = {"norm": 0, "swiglu": 0, "rows": 0, "rotary": 0}
 
     def count(name, when=lambda *a: True):
         def decide(*args):
@@ -654,6 +654,7 @@ def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
                     m.setattr(swiglu, "runs_fused", count("swiglu", lambda h: not (h.requires_grad
                                                                                  and torch.is_grad_enabled())))
                     m.setattr(cross_entropy, "runs_fused", count("rows"))
+                    m.setattr(rotary, "runs_fused", count("rotary"))
                 opt.zero_grad()
                 loss = model.losses(batch)["loss"]
                 loss.backward()
@@ -668,3 +669,34 @@ def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
     assert all(ran.values()), ran
     for (name, p), q in zip(fused.named_parameters(), ref.parameters(), strict=True):
         assert_close(p.detach(), q.detach(), f"{name} after 3 steps", 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_rotary_matches_torchs_ops(monkeypatch, dtype, packed):
+    """Rotary embedding on its kernel (the CPU here, through the interpreter) against torch's
+    ops: queries laid out as the attention lays them ([B, H, S, D] from [B, S, H, D], not
+    contiguous), one table for every row or one per packed row; the output and the gradient."""
+    from lightning_hetermoe.kernels import rotary
+    from lightning_hetermoe.model.transformer import apply_rotary, rotary_tables
+
+    torch.manual_seed(6)
+    B, S, H, D = 2, 11, 3, 12
+    positions = torch.randint(0, S, (B, S)) if packed else None
+    cos, sin = rotary_tables(S, D, torch.device("cpu"), positions=positions)
+    x = torch.randn(B, S, H, D).to(dtype)
+    up = torch.randn(B, H, S, D)
+
+    def run():
+        xx = x.clone().requires_grad_()
+        y = apply_rotary(xx.transpose(1, 2), cos, sin)
+        y.backward(up.to(y.dtype))
+        return y.detach(), xx.grad
+
+    want = run()
+    monkeypatch.setattr(rotary, "runs_fused", lambda x, cos: True)
+    got = run()
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    for name, a, b in zip(("output", "gradient"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, f"rotary {name} {dtype}", tol)

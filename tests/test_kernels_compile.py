@@ -37,7 +37,7 @@ def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags:
             sig[name] = "constexpr"
         elif name in FLOAT_PTRS:
             sig[name] = f"*{dtype}"
-        elif name in ("scale_ptr", "loss_ptr", "rstd_ptr", "dw_part_ptr"):
+        elif name in ("scale_ptr", "loss_ptr", "rstd_ptr", "dw_part_ptr", "cos_ptr", "sin_ptr"):
             sig[name] = "*fp32"
         elif name.startswith("tile_"):
             sig[name] = "*i32"
@@ -163,3 +163,13 @@ def test_the_rms_norm_kernels_compile(capability, dtype, block, tmp_path, monkey
     config = triton.Config({"BLOCK_D": block}, num_warps=launch._norm_warps(block), num_stages=1)
     for fn in (triton_src.rms_norm_forward_kernel, triton_src.rms_norm_backward_kernel):
         assert compile_for(fn, dtype, capability, config, {"ROUND": dtype != "fp32"}).asm.get("cubin")
+
+
+@pytest.mark.parametrize("capability,dtype", [(70, "fp16"), (90, "bf16")])
+def test_the_rotary_kernel_compiles(capability, dtype, tmp_path, monkeypatch):
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    config = triton.Config({"BLOCK_S": launch.ROTARY["BLOCK_S"], "BLOCK_HALF": 64},
+                           num_warps=launch.ROTARY["num_warps"], num_stages=1)
+    for sign in (1.0, -1.0):
+        assert compile_for(triton_src.rotary_kernel, dtype, capability, config, {"SIGN": sign}).asm.get("cubin")

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..configs import ModelConfig
-from ..kernels import rms_norm
+from ..kernels import rms_norm, rotary
 from ..moe import MoEAux, MoELayer
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise, seed_scope
 
@@ -66,6 +66,8 @@ def document_layout(segments: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    if rotary.runs_fused(x, cos):  # on a GPU: one kernel each way, the same rounding
+        return rotary.rotary(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 

@@ -18,7 +18,8 @@ from .collectives import check_collectives
 from .environment import check_environment
 from .grad_sync import check_grad_sync
 from .host_syncs import check_host_syncs
-from .kernel_numerics import DTYPE_NAMES, check_cross_entropy, check_kernels, check_large_gemm, check_rms_norm
+from .kernel_numerics import (DTYPE_NAMES, check_cross_entropy, check_kernels, check_large_gemm, check_rms_norm,
+                              check_rotary)
 from .memory import check_memory
 from .memory_in_r import check_memory_in_r
 from .receive_order import check_receive_order
@@ -37,6 +38,7 @@ CHECKS: list[Check] = [
     Check("kernels 4.5M rows", check_large_gemm, cuda_only=True, timeout_s=KERNEL_TIMEOUT_S),
     Check("cross-entropy kernel", check_cross_entropy, timeout_s=KERNEL_TIMEOUT_S),
     Check("rms norm kernels", check_rms_norm, timeout_s=KERNEL_TIMEOUT_S),
+    Check("rotary kernel", check_rotary, timeout_s=KERNEL_TIMEOUT_S),
     Check("receive order", check_receive_order, cuda_only=True),
     Check("host syncs", check_host_syncs, cuda_only=True),
     Check("collectives ep", check_collectives("ep")),

@@ -254,3 +254,32 @@ def check_rms_norm(ctx: Context) -> str:
     if not all(e <= KERNEL_TOL[dtype] for e in errs) or got[0].dtype != want[0].dtype:
         raise Failed(detail)
     return detail
+
+
+def check_rotary(ctx: Context) -> str:
+    """The attention's rotary embedding on its kernel against torch's ops (the output and
+    the gradient): 8 sequences of 2048 positions, 16 heads of 64, bf16, laid out as the
+    attention lays them, on a GPU; a small case in the interpreter."""
+    from ..kernels import rotary
+    from ..model.transformer import apply_rotary, rotary_tables
+
+    dtype, g = _sixteen_bits(ctx)
+    B, S, H, D = (8, 2048, 16, 64) if ctx.cuda else (2, 11, 3, 12)
+    cos, sin = rotary_tables(S, D, ctx.device)
+    x = torch.randn(B, S, H, D, device=ctx.device, generator=g).to(dtype)
+    up = torch.randn(B, H, S, D, device=ctx.device, generator=g)
+
+    def run(fused: bool):
+        xx = x.clone().requires_grad_()
+        with rotary.fused(fused):
+            q = xx.transpose(1, 2)
+            y = rotary.rotary(q, cos, sin) if fused and not ctx.cuda else apply_rotary(q, cos, sin)
+        y.backward(up.to(y.dtype))
+        return [y.detach(), xx.grad]
+
+    errs = [_relative_error(a, b) for a, b in zip(run(True), run(False))]
+    detail = (f"[{B}, {H}, {S}, {D}] {DTYPE_NAMES[dtype]}: output {errs[0]:.1e}, gradient {errs[1]:.1e} from "
+              f"torch's ops (tol {KERNEL_TOL[dtype]:.0e})")
+    if not all(e <= KERNEL_TOL[dtype] for e in errs):
+        raise Failed(detail)
+    return detail
