@@ -20,8 +20,15 @@ empty directory, as on a new machine):
 4. ``profile``: ``recipes/profile_devices.py`` on this GPU, each task kind's measured time
    over the cost model's for the same task (how far the datasheet-derived row is off).
 
+``--extras`` then runs, each with its own deadline (under 5 minutes more in all), what was
+measured on the CPU and waits for a GPU: ``ablations`` (``bench/kernels.py --ablations``: the
+Triton GEMMs one row tile at a time, grouped_mm with SwiGLU on torch's ops), ``loss``
+(``bench/loss.py``: the head's loss whole, chunked on the cross-entropy kernel and on
+torch's ops), ``optimizer step`` and ``clip norm`` (``bench/optimizer_step.py``,
+``bench/clip_norm.py``). Where the session has time left after the main steps, one command.
+
 The JSON is rewritten after every step (nothing is lost if a later one hangs or the
-machine is taken back). Budget: the deadlines add up to under 8 minutes on one GPU.
+machine is taken back). Budget: the main steps' deadlines add up to under 8 minutes on one GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # seconds per step on a GPU; --quick (CPU) runs get more where the interpreter is slow
 DEADLINES = {"selfcheck": 150, "kernels": 120, "train": 55, "profile": 45}
 QUICK_DEADLINES = {"selfcheck": 400, "kernels": 150, "train": 120, "profile": 120}
+EXTRA_DEADLINES = {"ablations": 150, "loss": 50, "optimizer step": 50, "clip norm": 40}
 
 
 def _python() -> list[str]:
@@ -150,12 +158,36 @@ def steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Path | N
     return out
 
 
+def extra_steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Path | None]]:
+    """``--extras``: the side-by-side runs measured on the CPU that wait for a GPU (on the
+    CPU with ``--quick``, small)."""
+    py, bench = _python(), ROOT / "bench"
+    device = "cpu" if quick else "cuda"
+    small = ["--model", "tiny", "--repeats", "1"] if quick else []
+    cmds = {
+        "ablations": [str(bench / "kernels.py"), "--ablations", *(["--quick", "--reps", "1", "--passes", "1"]
+                                                                   if quick else [])],
+        "loss": [str(bench / "loss.py"), "--device", device, "--dtype", "bf16", "--tokens",
+                 "256" if quick else "16384", "--repeats", "1" if quick else "3"],
+        "optimizer step": [str(bench / "optimizer_step.py"), "--device", device, *small],
+        "clip norm": [str(bench / "clip_norm.py"), "--device", device, *small],
+    }
+    out = []
+    for name, cmd in cmds.items():
+        result = work / f"{name.replace(' ', '_')}.json"
+        deadline = QUICK_DEADLINES["kernels"] if quick else EXTRA_DEADLINES[name]
+        out.append((name, [*py, *cmd, "--json", str(result)], deadline, result))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Measure this pack on one GPU: one JSON (see the module docstring).")
     p.add_argument("--out", required=True, help="the JSON to write (e.g. docs/gpu/<device>-<date>.json)")
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: tries every step without a GPU")
     p.add_argument("--warm-cache", action="store_true", help="keep Triton's own cache (default: a fresh empty one)")
     p.add_argument("--only", help="run only the steps whose name starts with this")
+    p.add_argument("--extras", action="store_true",
+                   help="then the side-by-side runs that wait for a GPU (ablations, loss, optimizer step, clip norm)")
     args = p.parse_args(argv)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             env["TRITON_CACHE_DIR"] = str(work / "triton-cache")  # a cold start, as on a new machine
         report["triton_cache"] = "warm (the user's)" if args.warm_cache else "empty at start"
         started = time.time()
-        for name, cmd, deadline, result in steps(args.quick, work):
+        for name, cmd, deadline, result in [*steps(args.quick, work),
+                                            *(extra_steps(args.quick, work) if args.extras else [])]:
             if args.only and not name.startswith(args.only):
                 continue
             report["steps"][name] = run_step(name, cmd, deadline, result, env)
