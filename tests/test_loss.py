@@ -5,6 +5,7 @@ under bf16 autocast and under an fp16 loss scale; and what it holds at once."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -233,3 +234,39 @@ def test_the_cross_entropy_rows_by_hand(monkeypatch):
     assert not cross_entropy.runs_fused(logits)  # the CPU keeps torch's ops
     torch.library.opcheck(cross_entropy.cross_entropy_rows, (logits.clone(), targets, True),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+class HeadSized(TorchDispatchMode):
+    """The most bytes that tensors of the head weight's shape held at once (results of
+    operations, alive at the time: the weight's copies and its gradient's)."""
+
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.shape, self.alive, self.most = tuple(shape), [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape:
+                self.alive.append(weakref.ref(t))
+        self.alive = [r for r in self.alive if r() is not None]
+        held = {r().untyped_storage().data_ptr(): r().untyped_storage().nbytes() for r in self.alive}
+        self.most = max(self.most, sum(held.values()))
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_memory_model_prices_every_head_sized_tensor_the_loss_holds(autocast):
+    """The head's loss holds tensors of the head weight's size (its 16-bit cast, the fp32
+    gradient it sums and each chunk's share before it is added, that gradient scaled): at
+    no point more than the memory model's HEAD_GRAD_BYTES per entry."""
+    from lightning_hetermoe.profile.memory import HEAD_GRAD_BYTES
+
+    h, w, t = case(7)
+    assert tuple(w.shape) == (V, D) and D != 7  # no chunk-sized [V, chunk] tensor takes the head's shape
+    with HeadSized(w.shape) as seen, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = linear_cross_entropy(h, w, t, chunk=7)
+    with HeadSized(w.shape) as seen_backward:
+        loss.backward()
+    most = max(seen.most, seen_backward.most)
+    assert w.numel() * 4 <= most <= w.numel() * HEAD_GRAD_BYTES, (most, w.numel())

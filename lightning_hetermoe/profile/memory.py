@@ -27,6 +27,11 @@ from ..configs import ModelConfig
 # Bytes of dense gradients per all-reduce in zebra's gradient sync (DDP's default bucket
 # size); the strategy syncs in buckets of this size and the memory model prices one.
 GRAD_BUCKET_BYTES = 25 * 2**20
+# The head's loss (model/loss.py) sums the head weight's gradient in fp32 through the loss's
+# forward, beside the weight in the compute dtype and each chunk's share before it is added
+# (4 + 2 + 2 bytes per entry under 16-bit autocast, 4 + 4 in fp32), and in its backward
+# returns it scaled, a second fp32 copy (4 + 4): a transient of the head's size.
+HEAD_GRAD_BYTES = 8
 # The dense gradients are fp32 (the weights' own width) whatever the autocast dtype.
 GRAD_SYNC_ELEMENT_BYTES = 4
 
@@ -98,8 +103,11 @@ class MemoryModel:
         ckpt = tokens_in_flight * m.n_layers * m.d_model * self.act_bytes * 2
         work = mb_tokens * self.attention_working_tensors * m.d_model * self.act_bytes
         # the loss, model.loss_chunk_tokens at a time (model/loss.py): the head's 16-bit output
-        # beside its fp32 copy, which becomes the softmax's gradient in place
+        # beside its fp32 copy, which becomes the softmax's gradient in place; and, whatever
+        # the batch, the head weight's gradient it sums in fp32 (beside the weight cast to the
+        # compute dtype in the forward, then beside its scaled copy in the backward)
         work += min(mb_tokens, m.loss_chunk_tokens) * m.vocab_size * 6
+        work += m.vocab_size * m.d_model * HEAD_GRAD_BYTES
         return state + ckpt + work
 
     def expert_bytes(self, *, tokens_in_flight_per_expert: float) -> float:
