@@ -37,7 +37,8 @@ says "timed out after N s"; one whose process dies is a FAIL row with its exit c
 the tail of its stderr. In every case the others still run.
 """
 
-from .command import CHECKS, main, parse_args, run
+from .command import main, parse_args, run
+from .registry import CHECKS
 from .report import FAIL, OK, SKIPPED, Check, Context, Failed, Row, Skip
 from .autotuning import Tuning, judge_autotuning, listening
 from .grad_sync import judge_sync_peak

@@ -118,7 +118,7 @@ def _child(conn: Any, ref: str | Check, device_choice: str, quick: bool, workdir
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         os.environ.clear()
         os.environ.update(env)
-        from .command import CHECKS, resolve_device
+        from .registry import CHECKS, resolve_device
 
         check = ref if isinstance(ref, Check) else next(c for c in CHECKS if c.name == ref)
         device = resolve_device(device_choice)

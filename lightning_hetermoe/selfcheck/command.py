@@ -1,4 +1,4 @@
-"""The registry of checks and the command line."""
+"""The command line: which checks run (``registry``), each in its child process, and the report."""
 
 from __future__ import annotations
 
@@ -11,46 +11,9 @@ from typing import Sequence
 
 import torch
 
-from .autotuning import check_autotuning
 from .child import run_in_child, start_server
-from .clocks import check_clocks
-from .collectives import check_collectives
-from .environment import check_environment
-from .grad_sync import check_grad_sync
-from .host_syncs import check_host_syncs
-from .kernel_numerics import (DTYPE_NAMES, check_cross_entropy, check_kernels, check_large_gemm, check_rms_norm,
-                              check_rotary)
-from .memory import check_memory
-from .memory_in_r import check_memory_in_r
-from .receive_order import check_receive_order
+from .registry import CHECKS, KERNEL_TIMEOUT_S, resolve_device
 from .report import DEFAULT_TIMEOUT_S, SKIPPED, Check, Row, exit_code, header, line, summary, width_for
-from .streams import check_streams
-from .wire_dtype import check_wire_dtype
-
-
-# Triton compiles (and on CUDA autotunes) every kernel from an empty cache on a first run
-KERNEL_TIMEOUT_S = 180.0
-
-CHECKS: list[Check] = [
-    Check("environment", check_environment),
-    *(Check(f"kernels {name}", check_kernels(dtype), timeout_s=KERNEL_TIMEOUT_S)
-      for dtype, name in DTYPE_NAMES.items()),
-    Check("kernels 4.5M rows", check_large_gemm, cuda_only=True, timeout_s=KERNEL_TIMEOUT_S),
-    Check("cross-entropy kernel", check_cross_entropy, timeout_s=KERNEL_TIMEOUT_S),
-    Check("rms norm kernels", check_rms_norm, timeout_s=KERNEL_TIMEOUT_S),
-    Check("rotary kernel", check_rotary, timeout_s=KERNEL_TIMEOUT_S),
-    Check("receive order", check_receive_order, cuda_only=True),
-    Check("host syncs", check_host_syncs, cuda_only=True),
-    Check("collectives ep", check_collectives("ep")),
-    Check("collectives zebra", check_collectives("zebra")),
-    Check("wire dtype", check_wire_dtype),
-    Check("streams", check_streams, cuda_only=True),
-    Check("clocks", check_clocks, cuda_only=True),
-    Check("memory", check_memory),
-    Check("memory in R", check_memory_in_r),
-    Check("gradient sync memory", check_grad_sync),
-    Check("autotuning", check_autotuning, cuda_only=True),
-]
 
 
 def select(checks: Sequence[Check], only: str | None) -> list[Check]:
@@ -69,14 +32,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="every check's deadline (default: each check's own, "
                         f"{DEFAULT_TIMEOUT_S:g} s or {KERNEL_TIMEOUT_S:g} s for the kernels)")
     return p.parse_args(argv)
-
-
-def resolve_device(choice: str) -> torch.device:
-    """The device a check runs on (in its child process: this initialises CUDA)."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device("cuda", torch.cuda.current_device()) if choice == "cuda" and torch.cuda.is_available() \
-        else torch.device(choice)
 
 
 def _device_kind(choice: str) -> str:
