@@ -20,11 +20,12 @@ empty directory, as on a new machine):
 4. ``profile``: ``recipes/profile_devices.py`` on this GPU, each task kind's measured time
    over the cost model's for the same task (how far the datasheet-derived row is off).
 
-``--extras`` then runs, each with its own deadline (under 5 minutes more in all), what was
+``--extras`` then runs, each with its own deadline (under 6 minutes more in all), what was
 measured on the CPU and waits for a GPU: ``ablations`` (``bench/kernels.py --ablations``: the
 Triton GEMMs one row tile at a time, grouped_mm with SwiGLU on torch's ops), ``loss``
 (``bench/loss.py``: the head's loss whole, chunked on the cross-entropy kernel and on
-torch's ops), ``optimizer step`` and ``clip norm`` (``bench/optimizer_step.py``,
+torch's ops), ``norm rotary`` (``bench/norm_rotary.py``: RMSNorm and the rotary embedding on
+their kernels beside torch's ops), ``optimizer step`` and ``clip norm`` (``bench/optimizer_step.py``,
 ``bench/clip_norm.py``). Where the session has time left after the main steps, one command.
 
 The JSON is rewritten after every step (nothing is lost if a later one hangs or the
@@ -49,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # seconds per step on a GPU; --quick (CPU) runs get more where the interpreter is slow
 DEADLINES = {"selfcheck": 150, "kernels": 120, "train": 55, "profile": 45}
 QUICK_DEADLINES = {"selfcheck": 400, "kernels": 150, "train": 120, "profile": 120}
-EXTRA_DEADLINES = {"ablations": 150, "loss": 50, "optimizer step": 50, "clip norm": 40}
+EXTRA_DEADLINES = {"ablations": 150, "loss": 50, "norm rotary": 40, "optimizer step": 50, "clip norm": 40}
 
 
 def _python() -> list[str]:
@@ -169,6 +170,8 @@ def extra_steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Pa
                                                                    if quick else [])],
         "loss": [str(bench / "loss.py"), "--device", device, "--dtype", "bf16", "--tokens",
                  "256" if quick else "16384", "--repeats", "1" if quick else "3"],
+        "norm rotary": [str(bench / "norm_rotary.py"), "--device", device,
+                        *(["--tokens", "512", "--seq-len", "256", "--repeats", "1"] if quick else [])],
         "optimizer step": [str(bench / "optimizer_step.py"), "--device", device, *small],
         "clip norm": [str(bench / "clip_norm.py"), "--device", device, *small],
     }
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-cache", action="store_true", help="keep Triton's own cache (default: a fresh empty one)")
     p.add_argument("--only", help="run only the steps whose name starts with this")
     p.add_argument("--extras", action="store_true",
-                   help="then the side-by-side runs that wait for a GPU (ablations, loss, optimizer step, clip norm)")
+                   help="then the side-by-side runs that wait for a GPU (" + ", ".join(EXTRA_DEADLINES) + ")")
     args = p.parse_args(argv)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
