@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -31,8 +32,30 @@ START_METHOD = "forkserver"
 mp.set_forkserver_preload(["torch", "lightning", "lightning_hetermoe", "harness", "reference"])
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port rank 0's store can listen on: a free one below the kernel's ephemeral range.
+    A port the kernel hands out (binding port 0) is in that range, where every outgoing
+    connection takes its local port, gloo's among them: in the seconds before the rank
+    binds it, another test's connection could take it (EADDRINUSE, seen once in CI)."""
+    low = _ephemeral_low()
+    rng = random.Random()  # os.urandom's seed: parallel test workers draw apart
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
