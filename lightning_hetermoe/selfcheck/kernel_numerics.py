@@ -89,15 +89,16 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).abs().max() / scale)
 
 
-def _compare_case(case: KernelCase, shapes: KernelShapes, dtype: torch.dtype, ctx: Context, seed: int
-                  ) -> tuple[float, float, list[str]]:
+def _compare_case(case: KernelCase, shapes: KernelShapes, dtype: torch.dtype, ctx: Context, seed: int,
+                  backend: str = "triton") -> tuple[float, float, list[str]]:
     """The case's worst relative error, the torch path's own in ``dtype`` (what rounding alone
     costs, for scale), and what broke the contract outright."""
-    from ..kernels import grouped_mlp, swiglu
+    from ..kernels import grouped_mlp, grouped_mlp_grouped_mm, swiglu
     from ..moe import grouped_mlp_torch
 
     tensors, gather_idx, counts, upstream = _kernel_inputs(case, shapes, dtype, ctx.device, seed)
-    got_y, got_grads = _forward_backward(grouped_mlp, tensors, gather_idx, counts, upstream, case.activation)
+    subject = grouped_mlp if backend == "triton" else grouped_mlp_grouped_mm
+    got_y, got_grads = _forward_backward(subject, tensors, gather_idx, counts, upstream, case.activation)
     with swiglu.fused(False):  # the reference on torch's ops alone
         want_y, want_grads = _forward_backward(grouped_mlp_torch, [t.float() for t in tensors], gather_idx, counts,
                                                upstream.float(), case.activation)
@@ -126,11 +127,13 @@ def _compare_case(case: KernelCase, shapes: KernelShapes, dtype: torch.dtype, ct
     return worst, own, problems
 
 
-def check_kernels(dtype: torch.dtype) -> Callable[[Context], str]:
+def check_kernels(dtype: torch.dtype, backend: str = "triton") -> Callable[[Context], str]:
+    """The ``backend``'s expert MLP (``triton``, or ``grouped_mm``: what ``auto`` takes on an
+    H100) against the torch loop on torch's ops."""
     def check(ctx: Context) -> str:
-        from ..kernels import unavailable_reason
+        from ..kernels import grouped_mm_unavailable_reason, unavailable_reason
 
-        why = unavailable_reason(ctx.device)
+        why = unavailable_reason(ctx.device) if backend == "triton" else grouped_mm_unavailable_reason(ctx.device)
         if why:
             raise Skip(why)
         if dtype == torch.bfloat16 and ctx.cuda and torch.cuda.get_device_capability(ctx.device) < (8, 0):
@@ -138,9 +141,9 @@ def check_kernels(dtype: torch.dtype) -> Callable[[Context], str]:
         shapes = kernel_shapes(ctx)
         worst, own, problems = 0.0, 0.0, []
         for seed, case in enumerate(shapes.cases):
-            err, torch_err, found = _compare_case(case, shapes, dtype, ctx, seed)
+            err, torch_err, found = _compare_case(case, shapes, dtype, ctx, seed, backend)
             worst, own, problems = max(worst, err), max(own, torch_err), problems + found
-        where = "GPU" if ctx.cuda else "interpreter"
+        where = "GPU" if ctx.cuda else "interpreter" if backend == "triton" else "CPU"
         detail = (f"{len(shapes.cases)} cases ({', '.join(c.name for c in shapes.cases)}), d_model "
                   f"{shapes.d_model}, d_ff {shapes.d_ff}, {where}: worst error {worst:.1e} vs fp32 "
                   f"(tol {KERNEL_TOL[dtype]:.0e}; torch path in {DTYPE_NAMES[dtype]}: {own:.1e})")

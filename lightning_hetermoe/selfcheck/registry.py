@@ -29,6 +29,7 @@ CHECKS: list[Check] = [
     *(Check(f"kernels {name}", check_kernels(dtype), timeout_s=KERNEL_TIMEOUT_S)
       for dtype, name in DTYPE_NAMES.items()),
     Check("kernels 4.5M rows", check_large_gemm, cuda_only=True, timeout_s=KERNEL_TIMEOUT_S),
+    Check("grouped_mm bf16", check_kernels(torch.bfloat16, "grouped_mm"), timeout_s=KERNEL_TIMEOUT_S),
     Check("cross-entropy kernel", check_cross_entropy, timeout_s=KERNEL_TIMEOUT_S),
     Check("rms norm kernels", check_rms_norm, timeout_s=KERNEL_TIMEOUT_S),
     Check("rotary kernel", check_rotary, timeout_s=KERNEL_TIMEOUT_S),
