@@ -482,6 +482,9 @@ def main(argv=None) -> dict:
           f"TF/s = 6 * tokens * top_k * d_model * d_ff * 3 / time")
     if not args.quick and device.type == "cuda":
         print(f"# shapes: the MoE layers of {', '.join(MODELS)} from conf/model/*.yaml, {MODEL_TOKENS} tokens")
+    for kind in kinds:
+        if kind in ABLATIONS:
+            print(f"# {kind}: {ABLATIONS[kind][0]} with {ABLATIONS[kind][1]}")
     results = bench_shapes(shapes, dtype, device, reps, passes, kinds)
     print_table(results, kinds, device.type == "cuda")
     speedup = summarise(results, kinds)
