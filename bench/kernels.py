@@ -64,11 +64,12 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, ContextManager, NamedTuple
 
 import torch
 
-from lightning_hetermoe.kernels import grouped_mlp, grouped_mlp_grouped_mm, grouped_mm_available, triton_available
+from lightning_hetermoe.kernels import (grouped_mlp, grouped_mlp_grouped_mm, grouped_mm_available, swiglu,
+                                        triton_available, tuning)
 from lightning_hetermoe.kernels.measured import FILE, device_kind
 from lightning_hetermoe.moe.experts import grouped_mlp_torch
 
@@ -78,10 +79,18 @@ MEASURED = ROOT / "kernels" / FILE
 BACKEND_OF = {"loop": "torch", "grouped_mm": "grouped_mm", "triton": "triton"}
 PACK_FN = {"triton": grouped_mlp, "grouped_mm": grouped_mlp_grouped_mm, "loop": grouped_mlp_torch}
 HF_IMPL = {"hf_grouped_mm": "grouped_mm", "hf_eager": "eager"}
-# Columns that take one of this pack's backends apart: (the backend's column, what it
-# runs under). Not backends of their own, so never the fastest nor written to measured.json.
-ABLATIONS = {"triton_group1": ("triton", "one row tile at a time"),
-             "grouped_mm_unfused": ("grouped_mm", "SwiGLU on torch's ops")}
+
+
+class Ablation(NamedTuple):
+    base: str  # the backend's column it takes apart
+    what: str
+    under: Callable[[], ContextManager]  # what its forward and backward run under
+
+
+# Columns that take one of this pack's backends apart. Not backends of their own, so never
+# the fastest nor written to measured.json.
+ABLATIONS = {"triton_group1": Ablation("triton", "one row tile at a time", lambda: tuning.launch_group(1)),
+             "grouped_mm_unfused": Ablation("grouped_mm", "SwiGLU on torch's ops", lambda: swiglu.fused(False))}
 
 
 class Case(NamedTuple):
@@ -203,7 +212,7 @@ def column_forward(kind: str, prob: Problem, hf_module: torch.nn.Module | None =
     if kind in HF_IMPL:
         module = hf_module if hf_module is not None else hf_experts(prob, HF_IMPL[kind])
         return lambda: module(prob.x, prob.choice, prob.weights)
-    fn = PACK_FN[ABLATIONS[kind][0] if kind in ABLATIONS else kind]
+    fn = PACK_FN[ABLATIONS[kind].base if kind in ABLATIONS else kind]
     # The torch loop reads counts on the host; the others take them on the device.
     c = prob.counts.cpu() if kind == "loop" else prob.counts
 
@@ -213,17 +222,9 @@ def column_forward(kind: str, prob: Problem, hf_module: torch.nn.Module | None =
     return pack
 
 
-def ablated(kind: str):
+def ablated(kind: str) -> ContextManager:
     """What column ``kind`` runs under, forward and backward alike (nothing for a backend)."""
-    if kind == "triton_group1":
-        from lightning_hetermoe.kernels import tuning
-
-        return tuning.launch_group(1)
-    if kind == "grouped_mm_unfused":
-        from lightning_hetermoe.kernels import swiglu
-
-        return swiglu.fused(False)
-    return contextlib.nullcontext()
+    return ABLATIONS[kind].under() if kind in ABLATIONS else contextlib.nullcontext()
 
 
 def step_fn(kind: str, prob: Problem):
@@ -342,9 +343,9 @@ def case_row(case: Case, secs: dict[str, float], peak_of: dict, kinds: list[str]
         for kind in kinds:
             if kind != "dense":
                 row[f"{kind}/dense"] = round(secs["dense"] / secs[kind], 3)
-    for kind, (base, _) in ABLATIONS.items():  # > 1: what the ablation took out pays
-        if kind in kinds and base in kinds:
-            row[f"{kind}/{base}"] = round(secs[kind] / secs[base], 3)
+    for kind, ab in ABLATIONS.items():  # > 1: what the ablation took out pays
+        if kind in kinds and ab.base in kinds:
+            row[f"{kind}/{ab.base}"] = round(secs[kind] / secs[ab.base], 3)
     contenders = [k for k in kinds if k in BACKEND_OF]
     fastest = min(contenders, key=lambda k: secs[k])
     row["fastest"] = BACKEND_OF[fastest]
@@ -396,7 +397,7 @@ def columns(device: torch.device, quick: bool, dense: bool, hf_eager: bool, abla
     else:
         print(f"# grouped_mm column skipped: torch._grouped_mm cannot run on {device}")
     if ablations and device.type == "cuda":
-        kinds += [k for k, (base, _) in ABLATIONS.items() if base in kinds]
+        kinds += [k for k, ab in ABLATIONS.items() if ab.base in kinds]
     kinds.append("loop")
     reason = hf_unavailable_reason(device)
     if reason:
@@ -413,7 +414,7 @@ def columns(device: torch.device, quick: bool, dense: bool, hf_eager: bool, abla
 def print_table(results: list[dict], kinds: list[str], cuda: bool) -> None:
     ratios = ([f"loop/{k}" for k in kinds if k not in ("loop", "dense")]
               + [f"{k}/dense" for k in kinds if "dense" in kinds and k != "dense"]
-              + [f"{k}/{b}" for k, (b, _) in ABLATIONS.items() if k in kinds and b in kinds])
+              + [f"{k}/{ab.base}" for k, ab in ABLATIONS.items() if k in kinds and ab.base in kinds])
     head = (f"{'case':<22} {'d':>5} {'f':>6} {'E':>4} {'k':>2} {'tokens':>6} | "
             + " ".join(f"{k + ' ms':>16}" for k in kinds) + " | " + " ".join(f"{k + ' TF/s':>18}" for k in kinds)
             + " | " + " ".join(f"{r:>20}" for r in ratios) + " | fastest")
@@ -484,7 +485,7 @@ def main(argv=None) -> dict:
         print(f"# shapes: the MoE layers of {', '.join(MODELS)} from conf/model/*.yaml, {MODEL_TOKENS} tokens")
     for kind in kinds:
         if kind in ABLATIONS:
-            print(f"# {kind}: {ABLATIONS[kind][0]} with {ABLATIONS[kind][1]}")
+            print(f"# {kind}: {ABLATIONS[kind].base} with {ABLATIONS[kind].what}")
     results = bench_shapes(shapes, dtype, device, reps, passes, kinds)
     print_table(results, kinds, device.type == "cuda")
     speedup = summarise(results, kinds)

@@ -17,25 +17,26 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 
-class Switch:
-    """A fused path's on/off (on by default): ``with switch(False):`` runs torch's ops
-    instead inside the block, for side-by-side benchmarks and independent references."""
+class Setting:
+    """A process-wide setting read as ``setting.value``; ``with setting(value):`` changes it
+    for the block and puts the previous one back after (the fused paths' on/off, the
+    launch order's row group, autotuning on request)."""
 
-    def __init__(self) -> None:
-        self.on = True
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
     @contextlib.contextmanager
-    def __call__(self, on: bool) -> Iterator[None]:
-        previous, self.on = self.on, bool(on)
+    def __call__(self, value: Any) -> Iterator[None]:
+        previous, self.value = self.value, value
         try:
             yield
         finally:
-            self.on = previous
+            self.value = previous
 
 
 def _interpret_requested() -> bool:

@@ -19,15 +19,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .availability import Switch, triton_available
+from .availability import Setting, triton_available
 
 _NS = "lightning_hetermoe"
-fused = Switch()  # fused(False): torch's ops everywhere, for side-by-side benchmarks
+fused = Setting(True)  # fused(False): torch's ops everywhere, for side-by-side benchmarks
 
 
 def runs_fused(logits: Tensor) -> bool:
     """Whether the rows of ``logits`` run on the kernel (CUDA with Triton, 16-bit or fp32)."""
-    return (fused.on and logits.device.type == "cuda"
+    return (fused.value and logits.device.type == "cuda"
             and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available(logits.device))
 
 

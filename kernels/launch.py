@@ -273,13 +273,15 @@ def _elementwise(fn, device: torch.device):
     return _one_config(fn, device, ELEMENTWISE, INTERPRET_ELEMENTWISE)
 
 
-def _rows_with_unit_columns(t: Tensor) -> Tensor:
+def _unit_last_stride(t: Tensor) -> Tensor:
+    """``t``, or a contiguous copy where its last dimension is strided (the elementwise
+    kernels index that dimension by position)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def swiglu(h: Tensor) -> Tensor:
     """``silu(gate) * up`` of ``h = [gate | up]`` (``[M, 2F]`` -> ``[M, F]``), one pass."""
-    h = _rows_with_unit_columns(h)
+    h = _unit_last_stride(h)
     M, F = h.shape[0], h.shape[1] // 2
     out = h.new_empty(M, F)
     if out.numel():
@@ -291,7 +293,7 @@ def swiglu(h: Tensor) -> Tensor:
 
 def swiglu_backward(h: Tensor, grad: Tensor) -> Tensor:
     """``[d_gate | d_up]`` (``h``'s shape and dtype) of ``silu(gate) * up`` under ``grad``, one pass."""
-    h, grad = _rows_with_unit_columns(h), _rows_with_unit_columns(grad)
+    h, grad = _unit_last_stride(h), _unit_last_stride(grad)
     M, F = h.shape[0], h.shape[1] // 2
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
     if out.numel():
@@ -331,7 +333,8 @@ NORM_PROGRAMS = 1024  # the backward's programs at most: each sums its rows' wei
 
 def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(y, rstd)`` of :func:`triton_src.rms_norm_forward_kernel` over the rows of ``x``
-    (``[rows, D]``, unit column stride)."""
+    (``[rows, D]``)."""
+    x = _unit_last_stride(x)
     rows, D = x.shape
     y = torch.empty(rows, D, dtype=out_dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -346,6 +349,7 @@ def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dty
 
 def rms_norm_backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """``(dx, dw)`` of :func:`rms_norm_forward` under ``g`` (``y``'s shape); ``dw`` in fp32."""
+    g, x = _unit_last_stride(g), _unit_last_stride(x)
     rows, D = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs = max(1, min(NORM_PROGRAMS, rows))
@@ -365,8 +369,9 @@ INTERPRET_ROTARY = {"BLOCK_S": 4}
 
 
 def rotary(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
-    """:func:`triton_src.rotary_kernel` over ``x`` ``[B, H, S, D]`` (unit last stride), into a
-    contiguous result of ``x``'s dtype; ``cos``/``sin`` fp32 ``[S, D/2]`` or ``[B, 1, S, D/2]``."""
+    """:func:`triton_src.rotary_kernel` over ``x`` ``[B, H, S, D]``, into a contiguous result of
+    ``x``'s dtype; ``cos``/``sin`` fp32 ``[S, D/2]`` or ``[B, 1, S, D/2]``."""
+    x = _unit_last_stride(x)
     B, H, S, D = x.shape
     half = D // 2
     out = torch.empty(B, H, S, D, dtype=x.dtype, device=x.device)

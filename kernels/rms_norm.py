@@ -22,23 +22,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .availability import Switch, triton_available
+from .availability import Setting, triton_available
 
 _NS = "lightning_hetermoe"
 MAX_WIDTH = 16384  # one row in one block of registers
-fused = Switch()  # fused(False): torch's ops everywhere, for side-by-side benchmarks
+fused = Setting(True)  # fused(False): torch's ops everywhere, for side-by-side benchmarks
 
 
 def runs_fused(x: Tensor, weight: Tensor) -> bool:
     """Whether the RMSNorm of ``x`` by ``weight`` runs on the kernels."""
-    return (fused.on and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (fused.value and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and weight.dtype in (torch.float32, x.dtype) and weight.dim() == 1 and x.shape[-1] == weight.shape[0]
             and 0 < x.shape[-1] <= MAX_WIDTH and triton_available(x.device))
 
 
 def _rows(t: Tensor) -> Tensor:
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return t.reshape(-1, t.shape[-1])
 
 
 @torch.library.custom_op(f"{_NS}::rms_norm", mutates_args=())

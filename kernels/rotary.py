@@ -18,16 +18,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .availability import Switch, triton_available
+from .availability import Setting, triton_available
 
 _NS = "lightning_hetermoe"
 MAX_HEAD_DIM = 512
-fused = Switch()  # fused(False): torch's ops everywhere, for side-by-side benchmarks
+fused = Setting(True)  # fused(False): torch's ops everywhere, for side-by-side benchmarks
 
 
 def runs_fused(x: Tensor, cos: Tensor) -> bool:
     """Whether the rotation of ``x`` (``[B, H, S, D]``) by ``cos``'s table runs on the kernel."""
-    return (fused.on and x.device.type == "cuda" and x.dim() == 4 and x.stride(-1) == 1
+    return (fused.value and x.device.type == "cuda" and x.dim() == 4 and x.stride(-1) == 1
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and cos.dtype == torch.float32
             and x.shape[-1] % 2 == 0 and 0 < x.shape[-1] <= MAX_HEAD_DIM and triton_available(x.device))
 
@@ -50,7 +50,7 @@ def rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The gradient of :func:`rotary`: ``grad`` rotated back."""
     from .launch import rotary as launch_rotary
 
-    return launch_rotary(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, inverse=True)
+    return launch_rotary(grad, cos, sin, inverse=True)
 
 
 @rotary_backward.register_fake

@@ -22,16 +22,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .availability import Switch, triton_available
+from .availability import Setting, triton_available
 
 _NS = "lightning_hetermoe"
-fused = Switch()  # fused(False): torch's ops everywhere, for side-by-side benchmarks
+fused = Setting(True)  # fused(False): torch's ops everywhere, for side-by-side benchmarks
 
 
 def runs_fused(h: Tensor) -> bool:
     """Whether the SwiGLU of ``h`` runs on the fused kernels (CUDA with Triton, 16-bit or
     fp32, outside any autograd recording through ``h``)."""
-    return (fused.on and h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (fused.value and h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and not (h.requires_grad and torch.is_grad_enabled()) and triton_available(h.device))
 
 

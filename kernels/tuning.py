@@ -21,13 +21,13 @@ lets the config follow its size without a new key per M.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterator
+from typing import ContextManager
 
 import torch
 
 from . import tiles
+from .availability import Setting
 from .tiles import Tile
 
 # Below 256 rows every config is launch-bound; from 16K rows on, every candidate fills
@@ -69,57 +69,45 @@ def tuning_buckets() -> list[int]:
 # interpreted test.
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP": 2}
 
-_GROUP: list[int | None] = [None]  # launch_group's setting; None: each config's own
+_GROUP = Setting(None)  # launch_group's setting; None: each config's own
 
 
-@contextlib.contextmanager
-def launch_group(group: int) -> Iterator[None]:
+def launch_group(group: int) -> ContextManager[None]:
     """Launches in the block take ``group`` row tiles side by side instead of their config's
     (1: one row tile at a time, the order before grouping), interpreted or compiled, not
     under the autotuner. For side-by-side benchmarks and tests of the order."""
     if not isinstance(group, int) or isinstance(group, bool) or not 1 <= group <= tiles.MAX_GROUP:
         raise ValueError(f"launch_group({group!r}) is invalid: must be an integer in [1, {tiles.MAX_GROUP}]")
-    previous = _GROUP[0]
-    _GROUP[0] = group
-    try:
-        yield
-    finally:
-        _GROUP[0] = previous
+    return _GROUP(group)
 
 
 def with_group(blocks: dict[str, int]) -> dict[str, int]:
     """A launch's constexprs with :func:`launch_group`'s setting, where one is set."""
-    return blocks if _GROUP[0] is None else {**blocks, "GROUP": _GROUP[0]}
+    return blocks if _GROUP.value is None else {**blocks, "GROUP": _GROUP.value}
 
 # ---- autotuning on request ----------------------------------------------------------------
 ENV = "HETERMOE_AUTOTUNE"
 MAX_CANDIDATES = 3
-_AUTOTUNE: list[bool | None] = [None]  # enable_autotune's setting; None: the env var decides
+_AUTOTUNE = Setting(None)  # enable_autotune's setting; None: the env var decides
 
 
 def enable_autotune(on: bool | None = True) -> None:
     """Autotune the Triton kernels (``on=True``), launch the table's or the heuristic's
     config (``False``), or follow ``HETERMOE_AUTOTUNE`` again (``None``)."""
-    _AUTOTUNE[0] = on
+    _AUTOTUNE.value = on
 
 
 def autotune_enabled() -> bool:
     """Whether launches autotune: :func:`enable_autotune`'s setting, else ``HETERMOE_AUTOTUNE``
     (read at each call)."""
-    if _AUTOTUNE[0] is not None:
-        return _AUTOTUNE[0]
+    if _AUTOTUNE.value is not None:
+        return _AUTOTUNE.value
     return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-@contextlib.contextmanager
-def autotuning(on: bool = True) -> Iterator[None]:
+def autotuning(on: bool = True) -> ContextManager[None]:
     """:func:`enable_autotune` for the block, the previous setting put back after."""
-    previous = _AUTOTUNE[0]
-    _AUTOTUNE[0] = on
-    try:
-        yield
-    finally:
-        _AUTOTUNE[0] = previous
+    return _AUTOTUNE(on)
 
 
 # ---- shared memory ------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_every_column_computes_the_same(bench, monkeypatch, top_k, experts):
     kinds = ["grouped_mm", "hf_grouped_mm", "hf_eager"]
     if importlib.util.find_spec("triton") is not None:
         kinds.append("triton")
-    kinds += [k for k, (base, _) in bench.ABLATIONS.items() if base in kinds]
+    kinds += [k for k, ab in bench.ABLATIONS.items() if ab.base in kinds]
     want = bench.case_outputs("loop", prob, upstream)
     # the loop against a naive per-token reference: each token through its k experts
     y = torch.zeros(case.tokens, case.d_model)

@@ -533,11 +533,11 @@ def test_fused_swiglu_runs_only_where_it_should():
     torch.library.opcheck(swiglu.swiglu, (h,), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(swiglu.swiglu_backward, (h, torch.randn(4, 4)), test_utils=("test_schema", "test_faketensor"))
     with swiglu.fused(False):
-        assert not swiglu.fused.on
+        assert not swiglu.fused.value
         with swiglu.fused(True):
-            assert swiglu.fused.on
-        assert not swiglu.fused.on
-    assert swiglu.fused.on
+            assert swiglu.fused.value
+        assert not swiglu.fused.value
+    assert swiglu.fused.value
 
 
 @pytest.mark.parametrize("recompute", [False, True])
