@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 from typing import Any, Iterator
 
 import torch
@@ -62,6 +63,39 @@ def _triton_import_error() -> str | None:
     return _IMPORT_ERROR[0]
 
 
+# Triton's interpreter before 3.7 takes a scalar argument's index as int() of a 1-element
+# array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+# scalars"): every kernel loop over a runtime bound fails. The compiler is not affected.
+INTERPRETER_NUMPY_FIXED = (3, 7)
+NUMPY_STRICT_INDEX = (2, 4)
+_INTERPRETER_ERROR: list[str | None] = []  # memoised by hand, as _IMPORT_ERROR
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = re.findall(r"\d+", version)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
+def _interpreter_error() -> str | None:
+    if not _INTERPRETER_ERROR:
+        import triton
+
+        try:
+            import numpy
+        except ImportError:
+            _INTERPRETER_ERROR.append("Triton's interpreter needs numpy, which is not installed")
+            return _INTERPRETER_ERROR[0]
+        t, n = _major_minor(triton.__version__), _major_minor(numpy.__version__)
+        if t < INTERPRETER_NUMPY_FIXED and n >= NUMPY_STRICT_INDEX:
+            _INTERPRETER_ERROR.append(
+                f"Triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} (it passes "
+                "scalar arguments as 1-element arrays, which numpy 2.4 no longer converts to an index): "
+                "install triton>=3.7 or numpy<2.4")
+        else:
+            _INTERPRETER_ERROR.append(None)
+    return _INTERPRETER_ERROR[0]
+
+
 def unavailable_reason(device: torch.device | str) -> str:
     """Why the kernels cannot run on ``device``; empty when they can."""
     device = torch.device(device)
@@ -73,7 +107,7 @@ def unavailable_reason(device: torch.device | str) -> str:
         if not _interpret_requested():
             return ("Triton kernels run on CUDA devices; on CPU only through Triton's interpreter, "
                     "which TRITON_INTERPRET=1 enables (slow, meant for tests)")
-        return _triton_import_error() or ""
+        return _triton_import_error() or _interpreter_error() or ""
     return f"Triton kernels support CUDA (and CPU through TRITON_INTERPRET=1), not {device.type!r}"
 
 

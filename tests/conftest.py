@@ -21,3 +21,17 @@ def virtual_clock(monkeypatch):
         return clock
 
     return install
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton's interpreter on for the test (``TRITON_INTERPRET=1``, per test: other modules
+    keep seeing the kernels as unavailable on CPU); skipped, with the reason, where triton is
+    missing or its interpreter cannot run in this environment."""
+    pytest.importorskip("triton")
+    from lightning_hetermoe.kernels.availability import unavailable_reason
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    why = unavailable_reason("cpu")
+    if why:
+        pytest.skip(why)

@@ -23,8 +23,8 @@ RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpreter(triton_interpreter):
+    """Every test here runs the kernels through Triton's interpreter (conftest)."""
 
 
 def assert_close(actual, expected, what, rtol):

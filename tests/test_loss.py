@@ -152,13 +152,11 @@ def test_the_model_s_loss_is_the_naive_loss_of_its_logits_with_every_gradient():
 
 
 @pytest.fixture
-def fused_on_cpu(monkeypatch):
+def fused_on_cpu(monkeypatch, triton_interpreter):
     """The cross-entropy kernel wherever the loss runs (the CPU here, through Triton's
     interpreter), as CUDA takes it."""
-    pytest.importorskip("triton")
     from lightning_hetermoe.kernels import cross_entropy
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
 
     def everywhere(logits):
@@ -209,13 +207,11 @@ def test_the_cross_entropy_kernel_under_bf16_autocast(fused_on_cpu):
         assert rel(mine, true) < 1e-2 and rel(mine, theirs) < 1e-2
 
 
-def test_the_cross_entropy_rows_by_hand(monkeypatch):
+def test_the_cross_entropy_rows_by_hand(triton_interpreter):
     """The kernel itself: each row's logsumexp - logit[target] and, in place, softmax -
     onehot; large logits (no overflow: the running maximum) and a row of one column."""
-    pytest.importorskip("triton")
     from lightning_hetermoe.kernels import launch
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     logits = torch.tensor([[1.0, 2.0, 3.0] + [0.0] * 40, [500.0, -500.0, 499.0] + [-1e4] * 40])
     targets = torch.tensor([2, 0])
     want_loss = torch.logsumexp(logits, 1) - logits[[0, 1], targets]

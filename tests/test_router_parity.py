@@ -128,13 +128,12 @@ def interpreter_truncates() -> bool:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
-def test_bf16_output_within_bound_at_identical_routing(arch, backend, monkeypatch):
+def test_bf16_output_within_bound_at_identical_routing(arch, backend, request):
     """Every CPU backend's bf16 output against the fp32 reference on the tokens routed as it
     routes them, for both router dtypes; with input also against transformers' bf16 block."""
     tokens, bound = TOKENS, BOUND
     if backend == "triton":
-        pytest.importorskip("triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        request.getfixturevalue("triton_interpreter")
         tokens = 64  # the interpreter runs every program in Python
         bound = 2 * BOUND if interpreter_truncates() else BOUND
     if backend == "grouped_mm" and not grouped_mm_available("cpu"):
