@@ -22,7 +22,8 @@ empty directory, as on a new machine):
 
 ``--extras`` then runs, each with its own deadline (under 6 minutes more in all), what was
 measured on the CPU and waits for a GPU: ``ablations`` (``bench/kernels.py --ablations``: the
-Triton GEMMs one row tile at a time, grouped_mm with SwiGLU on torch's ops), ``loss``
+Triton GEMMs one row tile at a time and with TMA loads, grouped_mm with SwiGLU on torch's
+ops), ``loss``
 (``bench/loss.py``: the head's loss whole, chunked on the cross-entropy kernel and on
 torch's ops), ``norm rotary`` (``bench/norm_rotary.py``: RMSNorm and the rotary embedding on
 their kernels beside torch's ops), ``optimizer step`` and ``clip norm`` (``bench/optimizer_step.py``,

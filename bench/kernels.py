@@ -87,10 +87,12 @@ class Ablation(NamedTuple):
     under: Callable[[], ContextManager]  # what its forward and backward run under
 
 
-# Columns that take one of this pack's backends apart. Not backends of their own, so never
-# the fastest nor written to measured.json.
+# Columns that take one of this pack's backends apart (or try a change on it before it is
+# the default). Not backends of their own, so never the fastest nor written to measured.json.
 ABLATIONS = {"triton_group1": Ablation("triton", "one row tile at a time", lambda: tuning.launch_group(1)),
-             "grouped_mm_unfused": Ablation("grouped_mm", "SwiGLU on torch's ops", lambda: swiglu.fused(False))}
+             "grouped_mm_unfused": Ablation("grouped_mm", "SwiGLU on torch's ops", lambda: swiglu.fused(False)),
+             "triton_tma": Ablation("triton", "operands by TMA descriptor (sm90+; off by default until this says)",
+                                    lambda: tuning.tma_loads(True))}
 
 
 class Case(NamedTuple):

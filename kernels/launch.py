@@ -92,6 +92,59 @@ def _kernel(fn, which: str, device: torch.device, dtype: torch.dtype, bucket: in
     return jitted(fn), tuning.with_group(_tile(capability, dtype, which, bucket, smem).launch_kwargs())
 
 
+# ---- TMA descriptors (tuning.tma_loads) ----------------------------------------------------
+_MAX_EXTENT = 0x7FFF0000  # the two leading dimensions of a ragged descriptor: never a bound
+_MAX_BOX = 256  # the copy engine's largest box side (a tile table may hold larger blocks)
+
+
+def _tma(device: torch.device) -> bool:
+    capability = _device(device.index if device.index is not None else torch.cuda.current_device())[0] \
+        if device.type == "cuda" else None
+    return tuning.uses_tma(device.type, capability)
+
+
+def _tma_layout_ok(t: Tensor, *box: int) -> bool:
+    """A descriptor's rules: last dimension contiguous, base and every other stride on 16
+    bytes, no empty dimension, box sides of at most 256."""
+    elem = t.element_size()
+    return (t.dim() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * elem % 16 == 0 for s in t.stride()[:-1]) and all(n > 0 for n in t.shape)
+            and all(b <= _MAX_BOX for b in box))
+
+
+def weight_descriptor(w: Tensor, block_k: int, block_n: int):
+    """A TMA descriptor of ``w [E, K, N]`` whose boxes are one expert's ``[block_k, block_n]``
+    tile; ``None`` where its layout does not allow one (a transposed view: last stride not 1)."""
+    if not _tma_layout_ok(w, block_k, block_n):
+        return None
+    return _descriptor(w, list(w.shape), list(w.stride()), [1, block_k, block_n])
+
+
+def ragged_rows_descriptor(x: Tensor, block_rows: int, block_cols: int):
+    """A TMA descriptor of ``x [M, C]`` read one expert's segment of rows at a time, boxes
+    ``[block_rows, block_cols]``; ``None`` where the layout does not allow one.
+
+    The segment ``[start, start + count)`` is addressed as the last ``count`` rows of a
+    dimension of ``triton_src.RAGGED_ROWS`` (coordinates ``(RAGGED_ROWS, start + count,
+    RAGGED_ROWS - count + row, col)``); the two leading dimensions' strides make the
+    address come out at ``start + row`` modulo 2**64, and the bounds check on the third
+    stops every box at the segment's end. Triton's ``tools/ragged_tma.py`` does the same."""
+    ragged = int(triton_src.RAGGED_ROWS)
+    if x.dim() != 2 or x.shape[0] > ragged or not _tma_layout_ok(x, block_rows, block_cols):
+        return None
+    s = x.stride(0)
+    return _descriptor(x, [_MAX_EXTENT, _MAX_EXTENT, ragged, x.shape[1]], [2**34 - s, s, s, 1],
+                       [1, 1, block_rows, block_cols])
+
+
+def _descriptor(t: Tensor, shape: list[int], strides: list[int], box: list[int]):
+    try:  # host-side descriptors: triton >= 3.3
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor(t, shape, strides, box)
+
+
 def input_precision(dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None, tf32: bool) -> str:
     """``tl.dot``'s ``input_precision``. On CUDA: ``"tf32"`` for fp32 inputs on a device with
     TF32 tensor cores (sm80+) when torch allows TF32 (so both backends round alike), and
@@ -203,12 +256,18 @@ def grouped_gemm(
         tile_expert, tile_first = (row_tiles if row_tiles is not None else RowTiles(counts)).map(blocks["BLOCK_M"], M)
     else:
         tile_expert = tile_first = dummy
+    x_desc = w_desc = None  # the block shapes are the descriptors' boxes: not under the autotuner
+    if tile_map and _tma(x.device):
+        if gather_idx is None:
+            x_desc = ragged_rows_descriptor(x, blocks["BLOCK_M"], blocks["BLOCK_K"])
+        w_desc = weight_descriptor(w, blocks["BLOCK_K"], blocks["BLOCK_N"])
     grid = lambda meta: gemm_grid(M, N, E, meta["BLOCK_M"], meta["BLOCK_N"])  # noqa: E731
     fn[grid](
         x, gather_idx.contiguous() if gather_idx is not None else dummy, counts, _offsets(counts),
         tile_expert, tile_first, w, bias if bias is not None else dummy, out,
         out_idx.contiguous() if out_idx is not None else dummy,
         scale.contiguous() if scale is not None else dummy,
+        x_desc if x_desc is not None else dummy, w_desc if w_desc is not None else dummy,
         N, K, E, bucket,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
@@ -216,6 +275,7 @@ def grouped_gemm(
         out.stride(0), out.stride(1),
         HAS_IDX=gather_idx is not None, HAS_BIAS=bias is not None,
         HAS_OUT_IDX=out_idx is not None, HAS_SCALE=scale is not None, TILE_MAP=tile_map,
+        X_DESC=x_desc is not None, W_DESC=w_desc is not None,
         INPUT_PRECISION=_precision(x.dtype, x.device), UPCAST=_upcast(x.dtype, x.device),
         **blocks,
     )
@@ -239,14 +299,20 @@ def grouped_wgrad(
     bucket = tuning.m_bucket(dy.shape[0])
     fn, blocks = _kernel(triton_src.grouped_wgrad_kernel, "wgrad", dy.device, dy.dtype, bucket)
     counts = counts.contiguous()
+    x_desc = dy_desc = None
+    if "BLOCK_M" in blocks and _tma(dy.device):
+        if gather_idx is None:
+            x_desc = ragged_rows_descriptor(x, blocks["BLOCK_M"], blocks["BLOCK_K"])
+        dy_desc = ragged_rows_descriptor(dy, blocks["BLOCK_M"], blocks["BLOCK_N"])
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     fn[grid](
         x, gather_idx.contiguous() if gather_idx is not None else counts, dy, counts, _offsets(counts), dw,
+        x_desc if x_desc is not None else counts, dy_desc if dy_desc is not None else counts,
         K, N, E, bucket,
         x.stride(0), x.stride(1),
         dy.stride(0), dy.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
-        HAS_IDX=gather_idx is not None,
+        HAS_IDX=gather_idx is not None, X_DESC=x_desc is not None, DY_DESC=dy_desc is not None,
         INPUT_PRECISION=_precision(dy.dtype, dy.device), UPCAST=_upcast(dy.dtype, dy.device),
         **blocks,
     )

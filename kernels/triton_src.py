@@ -38,6 +38,11 @@ def _larger(a, b):
 ADD = JITFunction(_add)
 LARGER = JITFunction(_larger)
 
+# A ragged TMA descriptor's row bound (``launch.ragged_rows_descriptor``): an expert's rows
+# are addressed as the last ``seg_count`` of this many, so the hardware's bounds check
+# stops every tile at the expert's last row and fills the rest with zeros.
+RAGGED_ROWS = tl.constexpr(1 << 30)
+
 
 def row_tile_map_kernel(counts_ptr, tile_expert_ptr, tile_first_ptr, E, M_TILES,
                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
@@ -65,14 +70,14 @@ def row_tile_map_kernel(counts_ptr, tile_expert_ptr, tile_first_ptr, E, M_TILES,
 
 def grouped_gemm_kernel(
     x_ptr, idx_ptr, counts_ptr, offsets_ptr, tile_expert_ptr, tile_first_ptr, w_ptr, b_ptr, out_ptr, out_idx_ptr,
-    scale_ptr,
+    scale_ptr, x_desc, w_desc,
     N, K, E, M_BUCKET,
     stride_xm, stride_xk,
     stride_we, stride_wk, stride_wn,
     stride_be, stride_bn,
     stride_om, stride_on,
     HAS_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OUT_IDX: tl.constexpr, HAS_SCALE: tl.constexpr,
-    TILE_MAP: tl.constexpr,
+    TILE_MAP: tl.constexpr, X_DESC: tl.constexpr, W_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -89,6 +94,10 @@ def grouped_gemm_kernel(
     few weight tiles and a few row tiles, both in L2; one row tile at a time (``GROUP=1``)
     would read each expert's whole weight from memory once per row tile (Mixtral's
     up-projection: 30 GB a step on an H100's L2 against 3.9 GB, ``bench/tile_order.py``).
+
+    ``X_DESC`` / ``W_DESC`` (Hopper on, see ``launch.tma_loads``): the rows (grouped, not
+    gathered) and the weight tiles come by TMA descriptor instead of pointers: no per-element
+    addresses or masks, the bounds checked by the copy engine (zeros past them).
     """
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
@@ -141,11 +150,21 @@ def grouped_gemm_kernel(
     w_base = w_ptr + e.to(tl.int64) * stride_we
     b_ptrs = w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
 
+    if X_DESC:  # the tile's rows as the last of RAGGED_ROWS rows ending at the expert's end
+        seg_end = (seg_start + seg_count).to(tl.int32)
+        x_row = RAGGED_ROWS - seg_count + (tile - first_tile) * BLOCK_M
+
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         k_mask = offs_k < K - k0 * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if X_DESC:
+            a = tl.reshape(x_desc.load([RAGGED_ROWS, seg_end, x_row, k0 * BLOCK_K]), (BLOCK_M, BLOCK_K))
+        else:
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_DESC:
+            b = tl.reshape(w_desc.load([e, k0 * BLOCK_K, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -168,12 +187,12 @@ def grouped_gemm_kernel(
 
 
 def grouped_wgrad_kernel(
-    x_ptr, idx_ptr, dy_ptr, counts_ptr, offsets_ptr, dw_ptr,
+    x_ptr, idx_ptr, dy_ptr, counts_ptr, offsets_ptr, dw_ptr, x_desc, dy_desc,
     K, N, E, M_BUCKET,
     stride_xm, stride_xk,
     stride_dym, stride_dyn,
     stride_we, stride_wk, stride_wn,
-    HAS_IDX: tl.constexpr,
+    HAS_IDX: tl.constexpr, X_DESC: tl.constexpr, DY_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -186,6 +205,9 @@ def grouped_wgrad_kernel(
     One expert's tiles on axis 0, in the gemm's grouped order: ``GROUP`` row blocks of
     ``x^T`` side by side, their column blocks of ``dy`` in turn, so the programs running
     at once stream the expert's rows of a few blocks of each from L2.
+
+    ``X_DESC`` (rows not gathered) / ``DY_DESC``: the expert's rows by ragged TMA descriptor,
+    as in the gemm kernel; past the expert's last row the copy engine gives zeros.
     """
     pid = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
@@ -210,20 +232,29 @@ def grouped_wgrad_kernel(
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
 
+    seg_end = (seg_start + seg_count).to(tl.int32)  # the ragged descriptors' coordinates (gemm kernel)
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     for m0 in range(0, (seg_count + BLOCK_M - 1) // BLOCK_M):
         local = m0 * BLOCK_M + offs_m
         row_mask = local < seg_count
         rows = seg_start + local
-        if HAS_IDX:
-            src = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        ragged_row = RAGGED_ROWS - seg_count + m0 * BLOCK_M
+        if X_DESC:
+            xt = tl.trans(tl.reshape(x_desc.load([RAGGED_ROWS, seg_end, ragged_row, pid_k * BLOCK_K]),
+                                     (BLOCK_M, BLOCK_K)))
         else:
-            src = rows
-        # x is loaded already transposed ([K, M]) so the product needs no tl.trans.
-        xt = tl.load(x_ptr + src[None, :] * stride_xm + offs_k[:, None] * stride_xk,
-                     mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
-                     mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+            if HAS_IDX:
+                src = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            else:
+                src = rows
+            # x is loaded already transposed ([K, M]) so the product needs no tl.trans.
+            xt = tl.load(x_ptr + src[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                         mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        if DY_DESC:
+            dy = tl.reshape(dy_desc.load([RAGGED_ROWS, seg_end, ragged_row, pid_n * BLOCK_N]), (BLOCK_M, BLOCK_N))
+        else:
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                         mask=row_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
             dy = dy.to(tl.float32)

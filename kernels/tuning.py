@@ -85,6 +85,29 @@ def with_group(blocks: dict[str, int]) -> dict[str, int]:
     """A launch's constexprs with :func:`launch_group`'s setting, where one is set."""
     return blocks if _GROUP.value is None else {**blocks, "GROUP": _GROUP.value}
 
+# ---- TMA operand loads -------------------------------------------------------------------
+# From Hopper on, a copy engine (TMA) loads a whole tile by descriptor, bounds checked in
+# hardware: no per-element address arithmetic or masks in the kernel's main loop, the
+# operands straight to shared memory for wgmma. Off until a GPU has timed it beside the
+# pointer loads (`bench/kernels.py --ablations`, column `triton_tma`).
+TMA_CAPABILITY = (9, 0)
+_TMA = Setting(False)  # tma_loads's setting
+
+
+def tma_loads(on: bool = True) -> ContextManager[None]:
+    """Launches in the block load their operands by TMA descriptor where they can: on a
+    device with TMA (sm90+), and in the interpreter (tests); weights whose last dimension is
+    contiguous, rows grouped by expert (not gathered), 16-byte aligned; not under the
+    autotuner."""
+    return _TMA(bool(on))
+
+
+def uses_tma(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether a launch on this device loads by descriptor (:func:`tma_loads`)."""
+    if not _TMA.value:
+        return False
+    return device_type != "cuda" or (capability is not None and tuple(capability) >= TMA_CAPABILITY)
+
 # ---- autotuning on request ----------------------------------------------------------------
 ENV = "HETERMOE_AUTOTUNE"
 MAX_CANDIDATES = 3

@@ -100,8 +100,10 @@ def test_ablations_are_ratios_beside_their_backend_never_the_fastest(bench):
     counts as a backend, however fast."""
     case = bench.Case("c", 64, 128, 4, 2, 100)
     kinds = ["triton", "grouped_mm", *bench.ABLATIONS, "loop"]
-    secs = {"triton": 2.0, "grouped_mm": 3.0, "triton_group1": 1.0, "grouped_mm_unfused": 4.5, "loop": 5.0}
+    secs = {"triton": 2.0, "grouped_mm": 3.0, "triton_group1": 1.0, "grouped_mm_unfused": 4.5, "triton_tma": 1.6,
+            "loop": 5.0}
     row = bench.case_row(case, secs, {}, kinds, 2)
     assert row["triton_group1/triton"] == 0.5 and row["grouped_mm_unfused/grouped_mm"] == 1.5
+    assert row["triton_tma/triton"] == 0.8
     assert row["fastest"] == "triton"
     assert set(bench.summarise([row], kinds)) == {"triton", "grouped_mm", "torch"}

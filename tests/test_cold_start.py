@@ -212,7 +212,10 @@ def test_expert_count_is_not_part_of_the_specialisation(which):
             consts = dict(HAS_IDX=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP=8, INPUT_PRECISION="tf32",
                           UPCAST=False)
             if which == "gemm":
-                consts |= dict(HAS_BIAS=True, HAS_OUT_IDX=False, HAS_SCALE=False, TILE_MAP=True)
+                consts |= dict(HAS_BIAS=True, HAS_OUT_IDX=False, HAS_SCALE=False, TILE_MAP=True, X_DESC=False,
+                               W_DESC=False)
+            else:
+                consts |= dict(X_DESC=False, DY_DESC=False)
             _, spec, _ = binder(**args, **consts)
             out.append(tuple(map(str, spec)))
         return out

@@ -186,6 +186,59 @@ def test_launch_order_changes_no_result():
         assert torch.equal(got[group][0], got[1][0]) and torch.equal(got[group][1], got[1][1]), group
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tma_loads_change_no_result(dtype, monkeypatch):
+    """Operands by TMA descriptor (``tuning.tma_loads``) compute what the pointer loads do, to
+    the bit: rows grouped by expert on ragged descriptors (ragged and empty experts; every
+    tile, the K tail and the N tail past a bound, where the copy gives zeros), weights on a
+    3-D one; gathered rows and transposed weights keep their pointers. The descriptors are
+    counted: each launch that can take one does."""
+    from lightning_hetermoe.kernels import launch, tuning
+
+    made = []
+    for name in ("ragged_rows_descriptor", "weight_descriptor"):
+        real = getattr(launch, name)
+
+        def counted(t, *blocks, real=real, name=name):
+            desc = real(t, *blocks)
+            made.append((name, tuple(t.shape), desc is not None))
+            return desc
+
+        monkeypatch.setattr(launch, name, counted)
+    torch.manual_seed(4)
+    counts = torch.tensor([0, 37, 5, 0, 50, 16])
+    E, K, N, tokens = len(counts), 72, 40, 61  # K, N: not multiples of the blocks (32)
+    rows = int(counts.sum())
+    x = torch.randn(tokens, K).to(dtype)
+    grouped_x = torch.randn(rows, K).to(dtype)
+    idx = torch.randint(0, tokens, (rows,))
+    w = torch.randn(E, K, N).to(dtype)
+    w_t = torch.randn(E, N, K).to(dtype).transpose(1, 2)  # as grad_rows passes it
+    dy = torch.randn(rows, N).to(dtype)
+
+    def every_launch():
+        return (grouped_gemm(x, w, counts, gather_idx=idx), grouped_gemm(grouped_x, w, counts),
+                grouped_gemm(grouped_x, w_t, counts), grouped_wgrad(x, dy, counts, gather_idx=idx),
+                grouped_wgrad(grouped_x, dy, counts))
+
+    pointers = every_launch()
+    assert not made, "no descriptor outside tma_loads"
+    with tuning.tma_loads(True):
+        by_tma = every_launch()
+    for i, (a, b) in enumerate(zip(pointers, by_tma, strict=True)):
+        assert torch.equal(a, b), f"launch {i}"
+    owner = torch.repeat_interleave(torch.arange(E), counts)
+    want = torch.einsum("mk,mkn->mn", grouped_x.double(), w[owner].double())
+    assert_close(by_tma[1], want, "down-style gemm by TMA", RTOL[dtype])
+    built = [(name, shape) for name, shape, ok in made if ok]
+    assert built == [("weight_descriptor", (E, K, N)),  # the up GEMM: rows gathered
+                     ("ragged_rows_descriptor", (rows, K)), ("weight_descriptor", (E, K, N)),
+                     ("ragged_rows_descriptor", (rows, K)),  # transposed weights: pointers
+                     ("ragged_rows_descriptor", (rows, N)),  # wgrad with gathered x: dy only
+                     ("ragged_rows_descriptor", (rows, K)), ("ragged_rows_descriptor", (rows, N))], made
+    assert ("weight_descriptor", (E, K, N), False) in made  # the transposed view refused
+
+
 def test_row_tile_map_and_the_autotuners_scan_find_the_same_experts():
     """Each GEMM program finds its tile's expert from the row tile map the launch built
     (``RowTiles``), or, under the autotuner, by scanning the counts itself: both give the
@@ -208,10 +261,10 @@ def test_row_tile_map_and_the_autotuners_scan_find_the_same_experts():
     blocks = dict(tuning.INTERPRET_BLOCKS)
     launch._interpreted(triton_src.grouped_gemm_kernel)[
         (launch.gemm_grid(rows, N, E, blocks["BLOCK_M"], blocks["BLOCK_N"]))](
-        x, counts, counts, launch._offsets(counts), counts, counts, w, bias, scanned, counts, counts,
+        x, counts, counts, launch._offsets(counts), counts, counts, w, bias, scanned, counts, counts, counts, counts,
         N, K, E, 0, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), bias.stride(0), bias.stride(1),
         scanned.stride(0), scanned.stride(1), HAS_IDX=False, HAS_BIAS=True, HAS_OUT_IDX=False, HAS_SCALE=False,
-        TILE_MAP=False, INPUT_PRECISION="ieee", UPCAST=False, **blocks)
+        TILE_MAP=False, X_DESC=False, W_DESC=False, INPUT_PRECISION="ieee", UPCAST=False, **blocks)
     assert_close(scanned, want, "gemm scanning the counts", 1e-5)
 
 

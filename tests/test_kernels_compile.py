@@ -22,12 +22,17 @@ FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr", "h_ptr",
               "dx_ptr"}
 
 
-GEMM_FLAGS = dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True, TILE_MAP=True)
-WGRAD_FLAGS = dict(HAS_IDX=True)
+GEMM_FLAGS = dict(HAS_IDX=True, HAS_BIAS=True, HAS_OUT_IDX=True, HAS_SCALE=True, TILE_MAP=True, X_DESC=False,
+                  W_DESC=False)
+WGRAD_FLAGS = dict(HAS_IDX=True, X_DESC=False, DY_DESC=False)
 TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags: dict, precision: str = "ieee"):
+def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags: dict, precision: str = "ieee",
+                descriptors: dict | None = None):
+    """``descriptors``: the TMA descriptor arguments passed (name -> box shape); the others
+    are placeholders the kernel's flags leave unread."""
+    descriptors = descriptors or {}
     params = inspect.signature(fn).parameters
     consts = {k: v for k, v in {**config.kwargs, **flags, "INPUT_PRECISION": precision, "UPCAST": False}.items()
               if k in params}
@@ -35,6 +40,8 @@ def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags:
     for name in inspect.signature(fn).parameters:
         if name in consts:
             sig[name] = "constexpr"
+        elif name in descriptors:
+            sig[name] = f"tensordesc<{dtype}{list(descriptors[name])}>"
         elif name in FLOAT_PTRS:
             sig[name] = f"*{dtype}"
         elif name in ("scale_ptr", "loss_ptr", "rstd_ptr", "dw_part_ptr", "cos_ptr", "sin_ptr"):
@@ -173,3 +180,33 @@ def test_the_rotary_kernel_compiles(capability, dtype, tmp_path, monkeypatch):
                            num_warps=launch.ROTARY["num_warps"], num_stages=1)
     for sign in (1.0, -1.0):
         assert compile_for(triton_src.rotary_kernel, dtype, capability, config, {"SIGN": sign}).asm.get("cubin")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tma_loads_compile_for_hopper(dtype, tmp_path, monkeypatch):
+    """Every descriptor combination the launches pass on sm90 (the up GEMM gathers its rows:
+    weights only; the down GEMM and the gradient GEMMs: rows and weights; the weight
+    gradient: its rows and dy), on the large-bucket tiles, down to cubins whose PTX copies
+    by TMA (``cp.async.bulk.tensor``)."""
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    name = TRITON_DTYPE[dtype]
+    precision = launch.input_precision(dtype, "cuda", (9, 0), tf32=True)
+    gemm = tuning.default_tile((9, 0), dtype, "gemm", tuning.M_BUCKET_MAX)
+    wgrad = tuning.default_tile((9, 0), dtype, "wgrad", tuning.M_BUCKET_MAX)
+    rows_box = [1, 1, gemm.block_m, gemm.block_k]
+    w_box = [1, gemm.block_k, gemm.block_n]
+    cases = [
+        (triton_src.grouped_gemm_kernel, gemm, {**GEMM_FLAGS, "W_DESC": True}, {"w_desc": w_box}),
+        (triton_src.grouped_gemm_kernel, gemm, {**GEMM_FLAGS, "HAS_IDX": False, "X_DESC": True, "W_DESC": True},
+         {"x_desc": rows_box, "w_desc": w_box}),
+        (triton_src.grouped_wgrad_kernel, wgrad, {**WGRAD_FLAGS, "DY_DESC": True},
+         {"dy_desc": [1, 1, wgrad.block_m, wgrad.block_n]}),
+        (triton_src.grouped_wgrad_kernel, wgrad, {**WGRAD_FLAGS, "HAS_IDX": False, "X_DESC": True, "DY_DESC": True},
+         {"x_desc": [1, 1, wgrad.block_m, wgrad.block_k], "dy_desc": [1, 1, wgrad.block_m, wgrad.block_n]}),
+    ]
+    for fn, tile, flags, descriptors in cases:
+        kernel = compile_for(fn, name, 90, tuning.as_config(tile), flags, precision, descriptors)
+        assert kernel.asm.get("cubin"), (fn.__name__, flags)
+        assert "cp.async.bulk.tensor" in kernel.asm["ptx"], (fn.__name__, flags)
+        assert kernel.metadata.shared <= tuning.smem_budget((9, 0)), (fn.__name__, kernel.metadata.shared)

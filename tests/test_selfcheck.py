@@ -61,11 +61,12 @@ def test_the_cpu_run_passes_and_reports_every_check(cpu_run):
     # triton ships with the dev environment: the interpreter ran the kernels on every dtype,
     # or, where this triton's interpreter cannot run, the rows say why
     interpreter = interpreter_reason()
-    for name in ("kernels fp32", "kernels bf16", "kernels fp16"):
+    for name in ("kernels fp32", "kernels bf16", "kernels fp16", "kernels tma bf16"):
         if interpreter:
             assert rows[name]["result"] == "skipped" and rows[name]["detail"] == interpreter, rows[name]
         else:
             assert rows[name]["result"] == "ok", rows[name]
+    assert rows["kernels tma bf16"]["detail"].startswith("TMA loads: ") or interpreter
     assert "selfcheck passed" in proc.stdout
     assert proc.exit_after_s < EXIT_S and "terminate called" not in proc.stdout
     for row in report["rows"]:  # the table printed each row

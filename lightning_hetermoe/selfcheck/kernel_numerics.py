@@ -154,6 +154,18 @@ def check_kernels(dtype: torch.dtype, backend: str = "triton") -> Callable[[Cont
     return check
 
 
+def check_kernels_tma(ctx: Context) -> str:
+    """The Triton expert MLP in bf16 with its operands loaded by TMA descriptor
+    (``kernels.tuning.tma_loads``: off by default until a GPU has timed it) against the
+    torch loop: the ragged descriptors' bounds on this GPU's copy engine."""
+    from ..kernels import tuning
+
+    if ctx.cuda and torch.cuda.get_device_capability(ctx.device) < tuning.TMA_CAPABILITY:
+        raise Skip("TMA needs compute capability >= 9.0")
+    with tuning.tma_loads(True):
+        return "TMA loads: " + check_kernels(torch.bfloat16)(ctx)
+
+
 LARGE_ROWS = 4_500_000  # past 65535 row tiles of 64: where a grid axis other than 0 stops launching
 
 

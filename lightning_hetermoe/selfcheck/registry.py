@@ -11,8 +11,8 @@ from .collectives import check_collectives
 from .environment import check_environment
 from .grad_sync import check_grad_sync
 from .host_syncs import check_host_syncs
-from .kernel_numerics import (DTYPE_NAMES, check_cross_entropy, check_kernels, check_large_gemm, check_rms_norm,
-                              check_rotary)
+from .kernel_numerics import (DTYPE_NAMES, check_cross_entropy, check_kernels, check_kernels_tma, check_large_gemm,
+                              check_rms_norm, check_rotary)
 from .memory import check_memory
 from .memory_in_r import check_memory_in_r
 from .receive_order import check_receive_order
@@ -28,6 +28,7 @@ CHECKS: list[Check] = [
     Check("environment", check_environment),
     *(Check(f"kernels {name}", check_kernels(dtype), timeout_s=KERNEL_TIMEOUT_S)
       for dtype, name in DTYPE_NAMES.items()),
+    Check("kernels tma bf16", check_kernels_tma, timeout_s=KERNEL_TIMEOUT_S),
     Check("kernels 4.5M rows", check_large_gemm, cuda_only=True, timeout_s=KERNEL_TIMEOUT_S),
     Check("grouped_mm bf16", check_kernels(torch.bfloat16, "grouped_mm"), timeout_s=KERNEL_TIMEOUT_S),
     Check("cross-entropy kernel", check_cross_entropy, timeout_s=KERNEL_TIMEOUT_S),
