@@ -233,6 +233,13 @@ def grouped_wgrad_kernel(
     offs_m = tl.arange(0, BLOCK_M)
 
     seg_end = (seg_start + seg_count).to(tl.int32)  # the ragged descriptors' coordinates (gemm kernel)
+    # Gathered rows: each block's row indices are loaded one iteration ahead. Loaded in the
+    # iteration that reads the rows, they made the rows' load indirect within the iteration,
+    # and Triton's pipeliner then kept two buffers and waited on every copy each iteration
+    # (half the shared memory of the same kernel without the gather, sm80 and sm90 alike;
+    # tests/test_kernels_compile.py compiles both as a launch does and compares).
+    if HAS_IDX:
+        src_next = tl.load(idx_ptr + seg_start + offs_m, mask=offs_m < seg_count, other=0).to(tl.int64)
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     for m0 in range(0, (seg_count + BLOCK_M - 1) // BLOCK_M):
         local = m0 * BLOCK_M + offs_m
@@ -244,7 +251,9 @@ def grouped_wgrad_kernel(
                                      (BLOCK_M, BLOCK_K)))
         else:
             if HAS_IDX:
-                src = tl.load(idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+                src = src_next
+                ahead = local + BLOCK_M
+                src_next = tl.load(idx_ptr + seg_start + ahead, mask=ahead < seg_count, other=0).to(tl.int64)
             else:
                 src = rows
             # x is loaded already transposed ([K, M]) so the product needs no tl.trans.

@@ -210,3 +210,80 @@ def test_tma_loads_compile_for_hopper(dtype, tmp_path, monkeypatch):
         assert kernel.asm.get("cubin"), (fn.__name__, flags)
         assert "cp.async.bulk.tensor" in kernel.asm["ptx"], (fn.__name__, flags)
         assert kernel.metadata.shared <= tuning.smem_budget((9, 0)), (fn.__name__, kernel.metadata.shared)
+
+
+def compile_as_launched(capability: int, launches, monkeypatch) -> list:
+    """Each kernel launch the ``launches`` callable makes, compiled for ``capability`` exactly
+    as Triton's JIT would compile it on that GPU: the launch code runs on CPU tensors with the
+    generation's heuristic tiles, the kernel call is recorded instead of run, and Triton's own
+    binder specialises the recorded arguments (alignment, strides of 1, divisibility)."""
+    from triton.compiler import make_backend
+    from triton.runtime import jit as triton_jit
+
+    if not hasattr(triton_jit, "create_function_from_signature") or not hasattr(triton_jit.JITFunction, "_pack_args"):
+        pytest.skip(f"triton {triton.__version__}'s JIT binds arguments differently")
+    cap = (capability // 10, capability % 10)
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
+
+    monkeypatch.setattr(launch, "_kernel", lambda fn, which, device, dtype, bucket: (
+        Recorder(fn), tuning.with_group(tuning.default_tile(cap, dtype, which, bucket).launch_kwargs())))
+    monkeypatch.setattr(launch, "_precision", lambda dtype, device: "tf32")
+    monkeypatch.setattr(launch, "_upcast", lambda dtype, device: False)
+    monkeypatch.setattr(launch, "_tma", lambda device: tuning.uses_tma("cuda", cap))
+    launches()
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    out = []
+    for fn, args, kwargs in calls:
+        jitted = launch.jitted(fn)
+        binder = triton_jit.create_function_from_signature(jitted.signature, jitted.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = jitted._pack_args(backend, kwargs, bound, specialization, options)
+        src = triton.compiler.ASTSource(jitted, signature, constexprs, attrs)
+        out.append(triton.compile(src, target=target, options=options.__dict__))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability,tma", [(80, False), (90, False), (90, True)])
+def test_gathered_rows_keep_the_pipeline_depth(capability, tma, tmp_path, monkeypatch):
+    """The GEMM and the weight gradient over gathered rows (the up-projection's) are pipelined
+    as deep as over rows already grouped (the down-projection's): the same shared memory, the
+    tile's stages of operands, and copies issued ahead (cp.async, or TMA). Before the
+    weight gradient loaded its row indices an iteration ahead it had half: two buffers."""
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    counts = torch.tensor([700, 0, 1348])  # 2048 rows: the large-bucket tiles
+    rows, K, N = int(counts.sum()), 256, 512
+    x, grouped_x = torch.empty(rows, K, dtype=torch.bfloat16), torch.empty(rows, K, dtype=torch.bfloat16)
+    idx = torch.zeros(rows, dtype=torch.long)
+    w, dy = torch.empty(3, K, N, dtype=torch.bfloat16), torch.empty(rows, N, dtype=torch.bfloat16)
+
+    def launches():
+        with tuning.tma_loads(tma):
+            launch.grouped_gemm(x, w, counts, gather_idx=idx)
+            launch.grouped_gemm(grouped_x, w, counts)
+            launch.grouped_wgrad(x, dy, counts, gather_idx=idx)
+            launch.grouped_wgrad(grouped_x, dy, counts)
+
+    gathered_gemm, gemm, gathered_wgrad, wgrad = compile_as_launched(capability, launches, monkeypatch)
+    # the same operand buffers; a TMA-loaded operand adds its barriers (8 bytes a stage)
+    assert abs(gathered_gemm.metadata.shared - gemm.metadata.shared) < 256
+    assert abs(gathered_wgrad.metadata.shared - wgrad.metadata.shared) < 256, (gathered_wgrad.metadata.shared,
+                                                                               wgrad.metadata.shared)
+    cap = (capability // 10, capability % 10)
+    for kernel, which in ((gathered_gemm, "gemm"), (gemm, "gemm"), (gathered_wgrad, "wgrad"), (wgrad, "wgrad")):
+        tile = tuning.default_tile(cap, torch.bfloat16, which, 2048)
+        per_stage = tile.smem_bytes(which, 2) // tile.num_stages
+        # Ampere's pipeline buffers stages - 1 tiles of operands, Hopper's all of them
+        assert kernel.metadata.shared >= per_stage * (tile.num_stages - (capability < 90)), (which, kernel.metadata.shared)
+        assert "cp.async" in kernel.asm["ptx"], which
+    if tma:
+        assert "cp.async.bulk.tensor" in gemm.asm["ptx"] and "cp.async.bulk.tensor" in gathered_wgrad.asm["ptx"]
