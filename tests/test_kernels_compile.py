@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import shutil
+import tempfile
 from dataclasses import astuple
 from pathlib import Path
 
@@ -251,39 +252,71 @@ def compile_as_launched(capability: int, launches, monkeypatch) -> list:
     return out
 
 
+def resource_usage(kernel) -> dict[str, int]:
+    """``REG``, ``STACK``, ``SHARED``, ``LOCAL`` of a compiled kernel's cubin, as the CUDA tools
+    shipped with triton read them (``cuobjdump --dump-resource-usage``)."""
+    import re
+    import subprocess
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("no cuobjdump shipped with this triton")
+    cubin = Path(tempfile.mkdtemp()) / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                         check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+
+
+MLP_LAUNCHES = ("up (gathered)", "down", "down's weight gradient", "down's input gradient (w^T)",
+                "up's weight gradient (gathered)", "up's input gradient (w^T)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("capability,tma", [(80, False), (90, False), (90, True)])
-def test_gathered_rows_keep_the_pipeline_depth(capability, tma, tmp_path, monkeypatch):
-    """The GEMM and the weight gradient over gathered rows (the up-projection's) are pipelined
-    as deep as over rows already grouped (the down-projection's): the same shared memory, the
-    tile's stages of operands, and copies issued ahead (cp.async, or TMA). Before the
-    weight gradient loaded its row indices an iteration ahead it had half: two buffers."""
+def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, tmp_path, monkeypatch):
+    """The six GEMMs of the expert MLP's forward and backward in bf16 (``TritonGemms``, as
+    ``algorithm`` calls them), compiled as launched on the large-bucket tiles: every one
+    pipelined as deep as the others (the same shared memory, copies issued ahead: cp.async,
+    or TMA), none spilling registers. Before the weight gradient over gathered rows loaded
+    its row indices an iteration ahead it had half the buffers; before Ampere's 128x128
+    GEMM tile took 8 warps, four of the six spilled (255 registers)."""
+    from lightning_hetermoe.kernels.mlp import TritonGemms
+
     need_ptxas()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     counts = torch.tensor([700, 0, 1348])  # 2048 rows: the large-bucket tiles
-    rows, K, N = int(counts.sum()), 256, 512
-    x, grouped_x = torch.empty(rows, K, dtype=torch.bfloat16), torch.empty(rows, K, dtype=torch.bfloat16)
-    idx = torch.zeros(rows, dtype=torch.long)
-    w, dy = torch.empty(3, K, N, dtype=torch.bfloat16), torch.empty(rows, N, dtype=torch.bfloat16)
+    rows, T, D, F = int(counts.sum()), 1024, 256, 512
+    x, idx = torch.empty(T, D, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.long)
+    w_up, w_down = torch.empty(3, D, 2 * F, dtype=torch.bfloat16), torch.empty(3, F, D, dtype=torch.bfloat16)
+    a, dy = torch.empty(rows, F, dtype=torch.bfloat16), torch.empty(rows, D, dtype=torch.bfloat16)
+    dh = torch.empty(rows, 2 * F, dtype=torch.bfloat16)
 
     def launches():
+        gemms = TritonGemms(counts)
         with tuning.tma_loads(tma):
-            launch.grouped_gemm(x, w, counts, gather_idx=idx)
-            launch.grouped_gemm(grouped_x, w, counts)
-            launch.grouped_wgrad(x, dy, counts, gather_idx=idx)
-            launch.grouped_wgrad(grouped_x, dy, counts)
+            gemms.up(x, idx, w_up, None)
+            gemms.down(a, w_down, None)
+            gemms.grad_weight(a, dy, None, torch.bfloat16)
+            gemms.grad_rows(dy, w_down.transpose(1, 2), torch.bfloat16)
+            gemms.grad_weight(x, dh, idx, torch.bfloat16)
+            gemms.grad_rows(dh, w_up.transpose(1, 2), torch.float32)
 
-    gathered_gemm, gemm, gathered_wgrad, wgrad = compile_as_launched(capability, launches, monkeypatch)
-    # the same operand buffers; a TMA-loaded operand adds its barriers (8 bytes a stage)
-    assert abs(gathered_gemm.metadata.shared - gemm.metadata.shared) < 256
-    assert abs(gathered_wgrad.metadata.shared - wgrad.metadata.shared) < 256, (gathered_wgrad.metadata.shared,
-                                                                               wgrad.metadata.shared)
+    kernels = dict(zip(MLP_LAUNCHES, compile_as_launched(capability, launches, monkeypatch), strict=True))
+    shared = {name: k.metadata.shared for name, k in kernels.items()}
+    # the same operand buffers everywhere (the tiles are the same size); a TMA-loaded
+    # operand adds its barriers, 8 bytes a stage
+    assert max(shared.values()) - min(shared.values()) < 256, shared
     cap = (capability // 10, capability % 10)
-    for kernel, which in ((gathered_gemm, "gemm"), (gemm, "gemm"), (gathered_wgrad, "wgrad"), (wgrad, "wgrad")):
+    for name, kernel in kernels.items():
+        which = "wgrad" if "weight gradient" in name else "gemm"
         tile = tuning.default_tile(cap, torch.bfloat16, which, 2048)
         per_stage = tile.smem_bytes(which, 2) // tile.num_stages
         # Ampere's pipeline buffers stages - 1 tiles of operands, Hopper's all of them
-        assert kernel.metadata.shared >= per_stage * (tile.num_stages - (capability < 90)), (which, kernel.metadata.shared)
-        assert "cp.async" in kernel.asm["ptx"], which
-    if tma:
-        assert "cp.async.bulk.tensor" in gemm.asm["ptx"] and "cp.async.bulk.tensor" in gathered_wgrad.asm["ptx"]
+        assert kernel.metadata.shared >= per_stage * (tile.num_stages - (capability < 90)), (name, shared)
+        assert "cp.async" in kernel.asm["ptx"], name
+        usage = resource_usage(kernel)
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (name, usage)
+    if tma:  # the down GEMM's rows and weights, the gathered weight gradient's dy
+        assert "cp.async.bulk.tensor" in kernels["down"].asm["ptx"]
+        assert "cp.async.bulk.tensor" in kernels["up's weight gradient (gathered)"].asm["ptx"]
