@@ -235,6 +235,8 @@ def compile_as_launched(capability: int, launches, monkeypatch) -> list:
 
     monkeypatch.setattr(launch, "_kernel", lambda fn, which, device, dtype, bucket: (
         Recorder(fn), tuning.with_group(tuning.default_tile(cap, dtype, which, bucket).launch_kwargs())))
+    monkeypatch.setattr(launch, "_one_config", lambda fn, device, on_cuda, interpreted=None: (
+        Recorder(fn), dict(on_cuda)))
     monkeypatch.setattr(launch, "_precision", lambda dtype, device: "tf32")
     monkeypatch.setattr(launch, "_upcast", lambda dtype, device: False)
     monkeypatch.setattr(launch, "_tma", lambda device: tuning.uses_tma("cuda", cap))
@@ -320,3 +322,36 @@ def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, t
     if tma:  # the down GEMM's rows and weights, the gathered weight gradient's dy
         assert "cp.async.bulk.tensor" in kernels["down"].asm["ptx"]
         assert "cp.async.bulk.tensor" in kernels["up's weight gradient (gathered)"].asm["ptx"]
+
+
+@pytest.mark.slow
+def test_the_elementwise_kernels_move_16_bytes_an_access(tmp_path, monkeypatch):
+    """The memory-bound kernels beside the GEMMs (SwiGLU both ways, the cross-entropy rows,
+    RMSNorm both ways, the rotary embedding), compiled for sm90 in bf16 as launched at model
+    widths: their rows move in 128-bit loads and stores (a narrower access would multiply
+    the memory transactions of a kernel whose whole cost is its bytes), no register spills."""
+    import re
+
+    need_ptxas()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    bf16 = torch.bfloat16
+    rows, F, D, V = 4096, 1024, 4096, 32768
+    h, g = torch.empty(rows, 2 * F, dtype=bf16), torch.empty(rows, F, dtype=bf16)
+    x, w = torch.empty(rows, D, dtype=bf16), torch.empty(D, dtype=torch.float32)
+    q, cos = torch.empty(2, 16, 2048, 128, dtype=bf16), torch.empty(2048, 64)
+
+    def launches():
+        launch.swiglu(h)
+        launch.swiglu_backward(h, g)
+        launch.cross_entropy_rows(torch.empty(64, V, dtype=bf16), torch.zeros(64, dtype=torch.long), True)
+        launch.rms_norm_forward(x, w, 1e-6, bf16)
+        launch.rms_norm_backward(x, x, w, torch.empty(rows))
+        launch.rotary(q, cos, cos)
+
+    names = ("swiglu", "swiglu backward", "cross-entropy", "rms norm", "rms norm backward", "rotary")
+    for name, kernel in zip(names, compile_as_launched(90, launches, monkeypatch), strict=True):
+        ptx = kernel.asm["ptx"]
+        loads, stores = re.findall(r"ld\.global[\w.]*", ptx), re.findall(r"st\.global[\w.]*", ptx)
+        assert any(".v4.b32" in op for op in loads) and any(".v4.b32" in op for op in stores), (name, loads, stores)
+        usage = resource_usage(kernel)
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (name, usage)
