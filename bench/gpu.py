@@ -2,6 +2,7 @@
 
     python bench/gpu.py --out docs/gpu/h100-2026-11-27.json      # on one GPU, empty Triton cache
     python bench/gpu.py --quick --out /tmp/gpu.json              # tries every step on the CPU
+    bash bench/device_session.sh run                             # on a lent machine, offline (see there)
 
 Each step runs in a process of its own with its own deadline, so one slow or hung step
 costs its deadline and no more, and every step's process is timed from the end of its work
@@ -58,14 +59,20 @@ def _python() -> list[str]:
     return [sys.executable, "-X", "faulthandler"]
 
 
-def run_step(name: str, cmd: list[str], deadline: float, out_file: Path | None, env: dict[str, str]) -> dict[str, Any]:
+def run_step(name: str, cmd: list[str], deadline: float, out_file: Path | None, env: dict[str, str],
+             cwd: Path) -> dict[str, Any]:
     """Run one step's process; its result file (JSON) if it wrote one, its seconds, and how
     long it took to exit after its work ended (the result file's ``work_done_at``, else the
-    file's modification time)."""
+    file's modification time).
+
+    ``cwd``: outside the checkout (every path in a step is absolute), so that ``python -m
+    lightning_hetermoe...`` imports the installed package: from the checkout's root the
+    source tree's ``lightning_hetermoe/`` would shadow a wheel installed with ``--target``
+    (``bench/device_session.sh``), and it lacks the kernels and configs the wheel maps in."""
     print(f"[gpu] {name}: {' '.join(cmd[3:])} (deadline {deadline:.0f} s)", flush=True)
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline)
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=deadline)
         rc, stdout, stderr, timed_out = proc.returncode, proc.stdout, proc.stderr, False
     except subprocess.TimeoutExpired as err:
         rc, timed_out = None, True
@@ -207,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                                             *(extra_steps(args.quick, work) if args.extras else [])]:
             if args.only and not name.startswith(args.only):
                 continue
-            report["steps"][name] = run_step(name, cmd, deadline, result, env)
+            report["steps"][name] = run_step(name, cmd, deadline, result, env, work)
             report["train_goals"] = train_ratios(report["steps"])
             if name == "profile" and isinstance(report["steps"][name].get("result"), dict):
                 report["profile_measured_over_cost_model"] = profile_ratios(report["steps"][name]["result"])

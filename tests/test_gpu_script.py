@@ -79,6 +79,30 @@ def test_the_extras_name_scripts_that_exist_with_their_arguments(tmp_path):
     assert sum(gpu.EXTRA_DEADLINES.values()) <= 6 * 60
 
 
+def test_every_path_a_step_passes_is_absolute(tmp_path):
+    """Steps run outside the checkout (so that a wheel installed with --target is what they
+    import, not the source tree): every script, result file and run directory they name
+    is an absolute path."""
+    for quick in (True, False):
+        for name, cmd, _, result in [*gpu.steps(quick, tmp_path), *gpu.extra_steps(quick, tmp_path)]:
+            paths = [c.split("=", 1)[-1] for c in cmd if c.endswith((".py", ".json")) or "dir=" in c]
+            paths += [cmd[i + 1] for i, c in enumerate(cmd) if c == "--json"]
+            assert paths and all(Path(p).is_absolute() for p in paths), (name, cmd)
+            assert result is None or result.is_absolute()
+
+
+def test_the_device_session_script_says_what_it_needs(tmp_path):
+    """``bench/device_session.sh``: no command, or ``run`` before ``prepare`` made wheels,
+    ends with exit 2 and says what to do (``prepare`` itself needs PyPI: not run here)."""
+    script = ROOT / "bench" / "device_session.sh"
+    env = {"PATH": "/usr/bin:/bin", "HETERMOE_DEVICE_DIR": str(tmp_path / "device")}
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
+    assert usage.returncode == 2 and "prepare | run" in usage.stderr
+    run = subprocess.run(["bash", str(script), "run", "--quick"], capture_output=True, text=True, env=env, timeout=30)
+    assert run.returncode == 2 and "run 'bash bench/device_session.sh prepare' first" in run.stderr
+    assert str(tmp_path / "device") in run.stderr
+
+
 @pytest.mark.slow
 def test_a_training_step_runs_on_the_cpu_and_its_process_exits_promptly(tmp_path):
     out = tmp_path / "gpu.json"

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The first minutes of a lent GPU machine, prepared on this one.
+#
+#   bash bench/device_session.sh prepare        # here, with PyPI: wheels into .device/ (git-ignored)
+#   bash bench/device_session.sh run [ARGS...]  # there, offline: install them, then bench/gpu.py ARGS
+#
+# The GPU machine's image has torch, triton, lightning and transformers but not hydra-core,
+# omegaconf or antlr4 (an sdist: wheeled here), and reaches no index. `prepare` puts those
+# three and this project's own wheel in .device/wheels; carry `.device` to the machine.
+# `run` installs them with --no-index --no-deps --target .device/site (the image's packages
+# are left alone), puts that on PYTHONPATH and runs `python bench/gpu.py` with ARGS
+# (default `--out docs/gpu/<device>-<date>.json`; e.g. `--extras --only ablations --out ...`).
+# bench/gpu.py runs its steps outside the checkout, so the wheel is what they import.
+# `run --quick --out /tmp/gpu.json` rehearses it on a CPU machine. HETERMOE_DEVICE_DIR
+# names another folder than .device.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${HETERMOE_DEVICE_DIR:-.device}
+WHEELS=$DIR/wheels
+SITE=$DIR/site
+
+case "${1:-}" in
+prepare)
+  rm -rf "$DIR"
+  mkdir -p "$WHEELS"
+  version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+  python -m pip download -q --no-deps -d "$WHEELS" "hydra-core==$(version hydra-core)" \
+    "omegaconf==$(version omegaconf)"
+  python -m pip wheel -q --no-deps -w "$WHEELS" "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
+  python -m pip wheel -q --no-deps -w "$WHEELS" .
+  ls -l "$WHEELS"
+  ;;
+run)
+  shift
+  if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    echo "no wheels in $WHEELS: run 'bash bench/device_session.sh prepare' first and carry $DIR" >&2
+    exit 2
+  fi
+  rm -rf "$SITE"
+  python -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
+  site=$(cd "$SITE" && pwd)
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  if [[ " $* " != *" --out "* ]]; then
+    kind=$(cd /tmp && python -c "
+import torch
+from lightning_hetermoe.cluster.devices import match_device_name
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
+print(match_device_name(name) or name.lower().replace(' ', '_'))")
+    set -- "$@" --out "docs/gpu/${kind}-$(date +%F).json"
+  fi
+  python bench/gpu.py "$@"
+  ;;
+*)
+  echo "usage: bash bench/device_session.sh prepare | run [bench/gpu.py arguments]" >&2
+  exit 2
+  ;;
+esac
