@@ -53,7 +53,7 @@ DEFAULT_EXPERT_TOKENS = (32, 128, 512, 2048)
 class _NoExperts:
     """A dispatcher that skips the experts: the block then runs attention + router only."""
 
-    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
         return x.new_zeros(indices.numel(), x.shape[-1])
 
 

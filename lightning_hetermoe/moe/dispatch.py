@@ -2,7 +2,11 @@
 
 A dispatcher takes tokens ``x [T, d]``, the routing choices ``indices [T, k]`` with their
 ``keep`` mask, and the :class:`~.experts.Experts` module, and returns one output row per
-routing choice, ``[T * k, d]`` (zero where a choice was dropped). The layer weights and
+routing choice, ``[T * k, d]`` (zero where a choice was dropped). ``keep`` is ``None`` where
+the layer knows without reading the device that every choice is kept (a router that never
+declines one, no capacity limit, no padding): then how many rows the experts get is known
+on the host, and a dispatcher that needs no split sizes (:class:`LocalDispatcher`) runs
+without a host sync. The layer weights and
 sums them. :class:`LocalDispatcher` runs every expert here; a parallel strategy swaps in
 its own from outside (expert parallelism's all-to-all, the zebra executor's rounds), built
 on the sorting helpers below.
@@ -38,6 +42,20 @@ def sort_choices(indices: Tensor, keep: Tensor, expert_position: Tensor) -> Sort
     return sort_by_position(position, keep, expert_position.numel(), kept=int(counts.sum()), counts=counts)
 
 
+def sort_every_choice(indices: Tensor, expert_position: Tensor) -> SortedChoices:
+    """:func:`sort_choices` when every choice is kept: their number is ``indices.numel()``,
+    so nothing is read back from the device (``counts`` stays there)."""
+    position = expert_position[indices.reshape(-1)].view_as(indices)
+    every = torch.ones_like(position, dtype=torch.bool)
+    counts = position_counts(position, every, expert_position.numel())
+    return sort_by_position(position, every, expert_position.numel(), kept=position.numel(), counts=counts)
+
+
+def keep_mask(indices: Tensor, keep: Tensor | None) -> Tensor:
+    """``keep``, or every choice kept where it is ``None`` (see the module docstring)."""
+    return torch.ones_like(indices, dtype=torch.bool) if keep is None else keep
+
+
 def position_counts(position: Tensor, keep: Tensor, num_positions: int) -> Tensor:
     """Kept choices per slot position, long ``[num_positions]``, on the device without a host
     sync (scatter_add over the known number of positions, not bincount)."""
@@ -50,8 +68,8 @@ def sort_by_position(position: Tensor, keep: Tensor, num_positions: int, kept: i
     """Group kept choices by their own slot position ``position [T, k]`` (stable: token order kept).
 
     ``kept``: how many choices are kept, which the caller read on the host (the dispatch's
-    one sync): every choice is sorted with the dropped ones last and the first ``kept``
-    taken, with no further sync. ``counts``: the caller's :func:`position_counts`."""
+    one sync) or knew there: every choice is sorted with the dropped ones last and the first
+    ``kept`` taken, with no further sync. ``counts``: the caller's :func:`position_counts`."""
     k = position.shape[1]
     flat, live = position.reshape(-1), keep.reshape(-1)
     slot = torch.argsort(torch.where(live, flat, num_positions), stable=True)[:kept]
@@ -95,11 +113,15 @@ def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
 
 
 class LocalDispatcher:
-    """Every expert lives here: no communication. One host sync per call, the kept counts
-    (:func:`sort_choices`)."""
+    """Every expert lives here: no communication. No host sync where every choice is kept
+    (``keep`` ``None``) and the experts take their counts on the device (the kernels), else
+    one, the kept counts (:func:`sort_choices`)."""
 
-    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
         positions = torch.arange(experts.num_local_experts, device=x.device)
-        sc = sort_choices(indices, keep, positions)
+        if keep is None and experts.counts_on_device(x.device):
+            sc = sort_every_choice(indices, positions)
+        else:  # the torch loop reads the counts on the host anyway: once, here
+            sc = sort_choices(indices, keep_mask(indices, keep), positions)
         out = experts(x, sc.token, sc.counts)
         return scatter_to_slots(out, sc.slot, indices.numel())

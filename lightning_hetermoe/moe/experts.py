@@ -87,11 +87,20 @@ class Experts(nn.Module):
         for b in (self.b_up, self.b_down):
             fill_(b, 0.0)
 
+    def counts_on_device(self, device: torch.device) -> bool:
+        """Whether the backend on ``device`` takes ``counts`` where they were computed (the
+        kernels), not on the host (the torch loop reads its segment bounds there)."""
+        return resolve_backend(self.backend, device) is not grouped_mlp_torch
+
     def forward(self, x: Tensor, gather_idx: Tensor, counts: Tensor) -> Tensor:
         """``counts`` may be on the host (the torch path reads it there without a sync; the
-        kernels get a copy from pinned memory, ordered on the stream)."""
+        kernels get a copy from pinned memory, ordered on the stream) or on the device (the
+        kernels take it there; the torch path reads it to the host once, here, not again in
+        its backward)."""
         fn = resolve_backend(self.backend, x.device)
-        if fn is not grouped_mlp_torch and counts.device != x.device:
+        if fn is grouped_mlp_torch:
+            counts = counts.cpu()
+        elif counts.device != x.device:
             counts = counts.pin_memory().to(x.device, non_blocking=True) if x.device.type == "cuda" \
                 else counts.to(x.device)
         return fn(x, gather_idx, counts, self.w_up, self.b_up, self.w_down, self.b_down,

@@ -141,7 +141,9 @@ class MoELayer(nn.Module):
         r = self.route(x, real)
         # before the dispatch: under zebra the shared expert runs while the routed rows are away
         shared = self.shared_expert(x) if self.shared_expert is not None else None
-        slots = self.dispatcher(x, r.indices, r.keep, self.experts)
+        # every choice kept, known here: the dispatcher need not read the count back
+        every_kept = real is None and self.cfg.capacity_factor <= 0 and not self.router.declines
+        slots = self.dispatcher(x, r.indices, None if every_kept else r.keep, self.experts)
         weights = (r.weights * r.keep).to(slots.dtype)
         y = (slots.view(x.shape[0], self.top_k, slots.shape[-1]) * weights.unsqueeze(-1)).sum(1)
         if shared is not None:

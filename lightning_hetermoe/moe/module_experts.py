@@ -110,6 +110,10 @@ class ModuleExperts(nn.Module):
     def num_local_experts(self) -> int:
         return getattr(self, self.names[0].replace(".", SEPARATOR)).shape[0]
 
+    def counts_on_device(self, device: torch.device) -> bool:
+        """No: the experts run one by one, over segment bounds read on the host."""
+        return False
+
     def __getstate__(self) -> dict:
         # a factory that cannot be pickled (a lambda) stays behind: the values travel anyway
         state = dict(self.__dict__)

@@ -77,7 +77,14 @@ class Router(nn.Module):
     ``bias_update_rate`` set (not ``None``): aux-loss-free balancing. The router keeps a
     per-expert ``expert_bias`` buffer (saved in checkpoints) that subclasses add to the
     scores they *choose* by (:meth:`for_choice`), never to the combine weights; the
-    strategy moves it once per optimizer step (:meth:`update_expert_bias`)."""
+    strategy moves it once per optimizer step (:meth:`update_expert_bias`).
+
+    ``declines``: whether ``keep`` can come back with a choice cleared (GShard's second
+    expert). A router that never declines one says so (``False``), and a layer without a
+    capacity limit or padding then dispatches without reading how many choices it kept
+    (a host sync on a GPU); a gate of the user's own keeps the safe ``True``."""
+
+    declines = True
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None,
                  router_dtype: str = "float32") -> None:
@@ -149,6 +156,8 @@ class TopKRouter(Router):
     """Softmax over all experts, keep the top k, renormalise the kept weights to sum to 1
     (``normalize=False``: keep the softmax probabilities as they are)."""
 
+    declines = False
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True,
                  bias_update_rate: float | None = None, router_dtype: str = "float32") -> None:
         super().__init__(d_model, num_experts, top_k, bias_update_rate, router_dtype)
@@ -168,6 +177,8 @@ class SwitchRouter(Router):
 
     While training, the router input is multiplied by uniform noise in [1-eps, 1+eps].
     """
+
+    declines = False
 
     def __init__(self, d_model: int, num_experts: int, jitter_eps: float, bias_update_rate: float | None = None,
                  router_dtype: str = "float32") -> None:
@@ -213,6 +224,8 @@ class NoisyTopKRouter(Router):
     """Shazeer et al. 2017: logits + N(0,1) * softplus(x W_noise) while training; softmax
     over the k largest noisy logits."""
 
+    declines = False
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float | None = None,
                  router_dtype: str = "float32") -> None:
         super().__init__(d_model, num_experts, top_k, bias_update_rate, router_dtype)
@@ -240,6 +253,8 @@ class SigmoidGroupRouter(Router):
     ``topk_group`` best groups; combine weights are the unbiased scores of the chosen
     experts, renormalised (``normalize``) and times ``scaling``. The balance loss reads
     the scores normalised per token."""
+
+    declines = False
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, n_group: int, topk_group: int,
                  scaling: float, normalize: bool = True, bias_update_rate: float | None = None,

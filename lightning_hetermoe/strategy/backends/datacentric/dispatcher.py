@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from ....moe.dispatch import scatter_to_slots, sort_choices
+from ....moe.dispatch import keep_mask, scatter_to_slots, sort_choices
 from .shards import Shard
 
 
@@ -44,9 +44,11 @@ class DataCentricDispatcher:
     def reduce_scatter(self, shard: Shard, grad: Tensor) -> Tensor:
         return self.backend.reduce_scatter(shard, grad)
 
-    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
         E = self.backend.num_experts[self.layer]
-        sc = sort_choices(indices, keep, torch.arange(E, device=x.device))  # every expert runs here
+        # every expert runs here; the counts read to the host once, as the checkpoint's
+        # recompute would read device counts again in the backward
+        sc = sort_choices(indices, keep_mask(indices, keep), torch.arange(E, device=x.device))
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         parts = [p for _, p in experts.named_parameters(recurse=False)]
 

@@ -22,7 +22,8 @@ from torch import Tensor
 import lightning_hetermoe.comm as comm
 from ....comm import Group
 from ....copy_routing import holders_of, source_split
-from ....moe.dispatch import SHARE_UNITS, position_counts, scatter_to_slots, sort_by_position, split_over_copies
+from ....moe.dispatch import (SHARE_UNITS, keep_mask, position_counts, scatter_to_slots, sort_by_position,
+                              split_over_copies)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -104,7 +105,8 @@ class AllToAllDispatcher:
         """Differentiable uneven all-to-all; backward runs the reverse exchange."""
         return _AllToAll.apply(x, send_splits, recv_splits, self.group)
 
-    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
+        keep = keep_mask(indices, keep)  # the split sizes are read on the host either way
         mine = self.experts_per_rank[self.rank]
         if experts.num_local_experts != mine:
             raise RuntimeError(f"rank {self.rank} holds {experts.num_local_experts} experts, placement says {mine}")

@@ -47,6 +47,7 @@ from ....model_contract import find_blocks
 
 from ....emulate.meter import uncovered
 from ....moe.balance import balance_loss_from_counts, routed_counts
+from ....moe.dispatch import keep_mask
 from ....placement import Placement
 from ....plan import Plan
 from ....profile.memory import GRAD_BUCKET_BYTES
@@ -118,7 +119,8 @@ class ZebraDispatcher:
     def __init__(self, layer: int, backend: "ZebraBackend") -> None:
         self.layer, self.backend = layer, backend
 
-    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor, experts) -> Tensor:
+    def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
+        keep = keep_mask(indices, keep)  # the rounds read their split sizes on the host either way
         run = self.backend.running
         if run is None:
             raise ZebraContractError("the model ran outside the zebra executor while the strategy owns it; run "
