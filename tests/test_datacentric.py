@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning as L
 
 from harness import run_ranks
+from lightning_hetermoe.kernels import grouped_mm_available, grouped_mm_unavailable_reason
 from lightning_hetermoe.emulate.hooks import installed
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, mixed_cluster, reference_fit, trainer, whole_checkpoint
@@ -49,6 +50,26 @@ def test_three_ranks_unequal_shares_equal_one_process_with_two_layers_of_experts
     one = max(got["layer_bytes"])
     assert one <= got["peak"] <= 2 * one, f"peak {got['peak']} bytes of full experts, one layer is {one}"
     assert_same_params(got["state"], expected, initial)
+
+
+def fit_on_kernels(rank: int, world: int) -> dict | None:
+    m = make_model(4, seed=rank, optim=OptimConfig(), expert_backend="grouped_mm")
+    trainer(HeterMoEStrategy(mode="datacentric", cluster=mixed_cluster(world)), world, max_steps=STEPS).fit(
+        m, datamodule=data(world))
+    return m.state_dict() if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_experts_on_the_grouped_kernels_keep_their_counts_on_the_device_and_equal_one_process():
+    """With experts that take their counts on the device (grouped_mm), every choice kept: the
+    dispatch sorts without reading the counts back (both the data-centric one and, in the
+    reference, the single-process one), and two ranks still equal one process."""
+    if not grouped_mm_available("cpu"):
+        pytest.skip(grouped_mm_unavailable_reason("cpu"))
+    got = run_ranks(2, fit_on_kernels, 2)[0]
+    m = make_model(4, seed=0, optim=OptimConfig(), expert_backend="grouped_mm")
+    initial = copy.deepcopy(m.state_dict())
+    assert_same_params(got, reference_fit(m, STEPS), initial)
 
 
 def fits_and_resumes(rank: int, world: int, ckpt_dir: str) -> dict | None:

@@ -51,6 +51,18 @@ def sort_every_choice(indices: Tensor, expert_position: Tensor) -> SortedChoices
     return sort_by_position(position, every, expert_position.numel(), kept=position.numel(), counts=counts)
 
 
+def sort_for_experts_here(indices: Tensor, keep: Tensor | None, num_experts: int, experts,
+                          device: torch.device) -> SortedChoices:
+    """The choices sorted for ``experts``, all ``num_experts`` of them run on ``device``:
+    without a host sync where every choice is kept (``keep`` ``None``) and the experts take
+    their counts on the device (the kernels); else :func:`sort_choices`'s one read, whose
+    host counts the torch loop needs anyway."""
+    positions = torch.arange(num_experts, device=device)
+    if keep is None and experts.counts_on_device(device):
+        return sort_every_choice(indices, positions)
+    return sort_choices(indices, keep_mask(indices, keep), positions)
+
+
 def keep_mask(indices: Tensor, keep: Tensor | None) -> Tensor:
     """``keep``, or every choice kept where it is ``None`` (see the module docstring)."""
     return torch.ones_like(indices, dtype=torch.bool) if keep is None else keep
@@ -118,10 +130,6 @@ class LocalDispatcher:
     one, the kept counts (:func:`sort_choices`)."""
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
-        positions = torch.arange(experts.num_local_experts, device=x.device)
-        if keep is None and experts.counts_on_device(x.device):
-            sc = sort_every_choice(indices, positions)
-        else:  # the torch loop reads the counts on the host anyway: once, here
-            sc = sort_choices(indices, keep_mask(indices, keep), positions)
+        sc = sort_for_experts_here(indices, keep, experts.num_local_experts, experts, x.device)
         out = experts(x, sc.token, sc.counts)
         return scatter_to_slots(out, sc.slot, indices.numel())

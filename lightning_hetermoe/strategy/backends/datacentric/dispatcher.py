@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from ....moe.dispatch import keep_mask, scatter_to_slots, sort_choices
+from ....moe.dispatch import scatter_to_slots, sort_for_experts_here
 from .shards import Shard
 
 
@@ -45,10 +45,9 @@ class DataCentricDispatcher:
         return self.backend.reduce_scatter(shard, grad)
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
-        E = self.backend.num_experts[self.layer]
-        # every expert runs here; the counts read to the host once, as the checkpoint's
-        # recompute would read device counts again in the backward
-        sc = sort_choices(indices, keep_mask(indices, keep), torch.arange(E, device=x.device))
+        # every expert runs here (its weights gathered); the kernels' counts stay on the device
+        # (the checkpoint's recompute reuses them), the torch loop's are read to the host once
+        sc = sort_for_experts_here(indices, keep, self.backend.num_experts[self.layer], experts, x.device)
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         parts = [p for _, p in experts.named_parameters(recurse=False)]
 
