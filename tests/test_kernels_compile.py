@@ -183,6 +183,7 @@ def test_the_rotary_kernel_compiles(capability, dtype, tmp_path, monkeypatch):
         assert compile_for(triton_src.rotary_kernel, dtype, capability, config, {"SIGN": sign}).asm.get("cubin")
 
 
+@pytest.mark.slow
 def test_tma_loads_compile_for_hopper_in_tf32(tmp_path, monkeypatch):
     """Every descriptor combination the launches pass on sm90 (the up GEMM gathers its rows:
     weights only; the down GEMM and the gradient GEMMs: rows and weights; the weight
