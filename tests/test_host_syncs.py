@@ -16,6 +16,7 @@ from collections import Counter
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
@@ -224,6 +225,21 @@ def test_the_gpu_self_check_counts_cuda_sync_warnings_only():
     for other in ("This is a prototype feature: its synchronization may change",
                   "torch.cuda.synchronize() is deprecated in this context", "Synchronizing streams"):
         assert not is_sync_warning(UserWarning(other)), other
+
+
+def test_the_gpu_self_checks_step_runs_and_attributes_syncs_by_file(tmp_path):
+    """The self-check's ``host syncs`` row on the CPU as far as it goes there: its single-device
+    step (mode auto on one device) trains through its run (nothing to count off CUDA), and a
+    sync is attributed to the file whose line made it."""
+    from types import SimpleNamespace
+
+    from lightning_hetermoe.selfcheck import Context
+    from lightning_hetermoe.selfcheck.host_syncs import _step_syncs, syncs_in
+
+    ctx = Context(device=torch.device("cpu"), quick=True, workdir=str(tmp_path))
+    assert _step_syncs(ctx, "syncs-single", "auto", None, 2) == []
+    made = [SimpleNamespace(filename="/x/lightning_hetermoe/moe/dispatch.py"), SimpleNamespace(filename="/y/layer.py")]
+    assert syncs_in(made, "dispatch.py") == 1 and syncs_in(made, "experts.py") == 0
 
 
 @pytest.mark.slow
