@@ -44,6 +44,7 @@ def test_the_cpu_run_passes_and_reports_every_check(cpu_run):
     proc, report = cpu_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report is not None, proc.stdout + proc.stderr
+    assert report["complete"] is True  # written after each row (complete False) and at the end
     rows = {r["check"]: r for r in report["rows"]}
     assert list(rows) == [c.name for c in selfcheck.CHECKS]
     for check in selfcheck.CHECKS:

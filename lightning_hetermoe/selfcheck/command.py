@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from dataclasses import asdict
@@ -67,12 +68,21 @@ def run(args: argparse.Namespace, checks: Sequence[Check] = CHECKS) -> int:
         for check in chosen:
             rows.append(_run_one(check, args, kind, workdir))
             print(line(rows[-1], width), flush=True)
+            _write_json(args, kind, rows, complete=False)  # a run killed later keeps its rows so far
     print(summary(rows), flush=True)
-    if args.json:
-        device = torch.device("cuda", 0) if kind == "cuda" and torch.cuda.is_available() else torch.device(kind)
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "quick": args.quick, "rows": [asdict(r) for r in rows]}, f, indent=2)
+    _write_json(args, kind, rows, complete=True)
     return exit_code(rows)
+
+
+def _write_json(args: argparse.Namespace, kind: str, rows: list[Row], complete: bool) -> None:
+    if not args.json:
+        return
+    device = torch.device("cuda", 0) if kind == "cuda" and torch.cuda.is_available() else torch.device(kind)
+    report = {"device": str(device), "quick": args.quick, "complete": complete, "rows": [asdict(r) for r in rows]}
+    tmp = f"{args.json}.part"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, args.json)  # a reader never sees half a file
 
 
 def main(argv: Sequence[str] | None = None) -> int:
