@@ -13,6 +13,7 @@ import inspect
 import os
 import signal
 from collections import Counter
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -237,7 +238,11 @@ def test_the_gpu_self_checks_step_runs_and_attributes_syncs_by_file(tmp_path):
     from lightning_hetermoe.selfcheck.host_syncs import _step_syncs, syncs_in
 
     ctx = Context(device=torch.device("cpu"), quick=True, workdir=str(tmp_path))
-    assert _step_syncs(ctx, "syncs-single", "auto", None, 2) == []
+    # in this process (the self-check runs it in a child): Lightning's rendezvous variables
+    # must not reach the processes later tests start
+    with mock.patch.dict(os.environ):
+        assert _step_syncs(ctx, "syncs-single", "auto", None, 2) == []
+    assert not torch.distributed.is_initialized()
     made = [SimpleNamespace(filename="/x/lightning_hetermoe/moe/dispatch.py"), SimpleNamespace(filename="/y/layer.py")]
     assert syncs_in(made, "dispatch.py") == 1 and syncs_in(made, "experts.py") == 0
 
