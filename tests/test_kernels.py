@@ -8,6 +8,7 @@ modules keep seeing ``expert_backend='triton'`` as unavailable on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -328,35 +329,48 @@ def test_moe_layer_triton_backend(top_k, activation, bias, capacity_factor):
         assert_close(g, gt, f"grad {name} vs torch backend", 1e-5)
 
 
-def test_full_model_backends_agree_over_training_steps():
-    """The language model trained a few AdamW steps on each backend stays on one trajectory."""
+def tiny_lm(backend: str):
+    """The language model both trajectory tests train: SwiGLU experts on ``backend``."""
     from lightning_hetermoe.configs import ModelConfig, OptimConfig
     from lightning_hetermoe.model.lm import MoELanguageModel
 
-    def build(backend):
-        torch.manual_seed(0)
-        moe = MoEConfig(num_experts=4, top_k=2, d_ff=16, activation="swiglu", jitter_eps=0.0,
-                        expert_backend=backend)
-        cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
-        return MoELanguageModel(cfg, OptimConfig(lr=1e-2, warmup_steps=0))
+    torch.manual_seed(0)
+    moe = MoEConfig(num_experts=4, top_k=2, d_ff=16, activation="swiglu", jitter_eps=0.0, expert_backend=backend)
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
+    return MoELanguageModel(cfg, OptimConfig(lr=1e-2, warmup_steps=0))
 
-    tri, ref = build("triton"), build("torch")
-    ref.load_state_dict(tri.state_dict())
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (tri, ref)]
+
+def assert_one_trajectory(model, ref, during=lambda model: contextlib.nullcontext(), steps: int = 3):
+    """``model`` and ``ref`` trained ``steps`` AdamW steps on the same batches (each forward
+    and backward under ``during(model)``): the same loss at every step, every parameter's
+    gradient at the first, every parameter after the last."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     gen = torch.Generator().manual_seed(1)
-    for step in range(3):
+    for step in range(steps):
         tokens = torch.randint(0, 64, (2, 9), generator=gen)
         batch = (tokens[:, :-1], tokens[:, 1:])
-        losses = []
-        for model, opt in zip((tri, ref), opts, strict=True):
-            opt.zero_grad()
-            loss = model.losses(batch)["loss"]
-            loss.backward()
-            opt.step()
+        losses, grads = [], []
+        for m, opt in zip((model, ref), opts, strict=True):
+            with during(m):
+                opt.zero_grad()
+                loss = m.losses(batch)["loss"]
+                loss.backward()
             losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in m.parameters()])
+            opt.step()
         assert_close(losses[0], losses[1], f"step {step} loss", 1e-5)
-    for (name, p), q in zip(tri.named_parameters(), ref.parameters(), strict=True):
-        assert_close(p.detach(), q.detach(), f"{name} after 3 steps", 1e-4)
+        if step == 0:
+            for (name, _), g, h in zip(model.named_parameters(), *grads, strict=True):
+                assert_close(g, h, f"{name}'s gradient", 1e-4)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p.detach(), q.detach(), f"{name} after {steps} steps", 1e-4)
+
+
+def test_full_model_backends_agree_over_training_steps():
+    """The language model trained a few AdamW steps on each backend stays on one trajectory."""
+    tri, ref = tiny_lm("triton"), tiny_lm("torch")
+    ref.load_state_dict(tri.state_dict())
+    assert_one_trajectory(tri, ref)
 
 
 def test_backend_resolution(monkeypatch):
@@ -674,17 +688,9 @@ def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
     """The language model with its RMSNorms, rotary embeddings, expert SwiGLU and head's
     cross-entropy on the fused kernels (through the interpreter, as CUDA takes them) against torch's ops: the
     loss and every parameter's gradient, then three AdamW steps on one trajectory."""
-    from lightning_hetermoe.configs import ModelConfig, OptimConfig
     from lightning_hetermoe.kernels import cross_entropy, rms_norm, rotary, swiglu
-    from lightning_hetermoe.model.lm import MoELanguageModel
 
-    def build():
-        torch.manual_seed(0)
-        moe = MoEConfig(num_experts=4, top_k=2, d_ff=16, activation="swiglu", jitter_eps=0.0, expert_backend="torch")
-        cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
-        return MoELanguageModel(cfg, OptimConfig(lr=1e-2, warmup_steps=0))
-
-    fused, ref = build(), build()
+    fused, ref = tiny_lm("torch"), tiny_lm("torch")
     ran = {"norm": 0, "swiglu": 0, "rows": 0, "rotary": 0}
 
     def count(name, when=lambda *a: True):
@@ -694,34 +700,19 @@ def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
             return ok
         return decide
 
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (fused, ref)]
-    gen = torch.Generator().manual_seed(1)
-    for step in range(3):
-        tokens = torch.randint(0, 64, (2, 9), generator=gen)
-        batch = (tokens[:, :-1], tokens[:, 1:])
-        losses = []
-        for model, opt in zip((fused, ref), opts, strict=True):
-            with monkeypatch.context() as m:
-                if model is fused:
-                    m.setattr(rms_norm, "runs_fused", count("norm"))
-                    m.setattr(swiglu, "runs_fused", count("swiglu", lambda h: not (h.requires_grad
-                                                                                 and torch.is_grad_enabled())))
-                    m.setattr(cross_entropy, "runs_fused", count("rows"))
-                    m.setattr(rotary, "runs_fused", count("rotary"))
-                opt.zero_grad()
-                loss = model.losses(batch)["loss"]
-                loss.backward()
-            losses.append(loss.detach())
-            if step == 0:
-                model._first_grads = [p.grad.clone() for p in model.parameters()]
-            opt.step()
-        assert_close(losses[0], losses[1], f"step {step} loss", 1e-5)
-        if step == 0:
-            for (name, _), g, h in zip(fused.named_parameters(), fused._first_grads, ref._first_grads, strict=True):
-                assert_close(g, h, f"{name}'s gradient", 1e-4)
+    @contextlib.contextmanager
+    def on_kernels(model):
+        with monkeypatch.context() as m:
+            if model is fused:
+                m.setattr(rms_norm, "runs_fused", count("norm"))
+                m.setattr(swiglu, "runs_fused", count("swiglu", lambda h: not (h.requires_grad
+                                                                             and torch.is_grad_enabled())))
+                m.setattr(cross_entropy, "runs_fused", count("rows"))
+                m.setattr(rotary, "runs_fused", count("rotary"))
+            yield
+
+    assert_one_trajectory(fused, ref, on_kernels)
     assert all(ran.values()), ran
-    for (name, p), q in zip(fused.named_parameters(), ref.parameters(), strict=True):
-        assert_close(p.detach(), q.detach(), f"{name} after 3 steps", 1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
