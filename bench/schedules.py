@@ -21,7 +21,12 @@ re-run's seconds are divided by its extra slowdown, so rows compare across the g
 faithful cell more than 5% from its prediction is run once more at twice the scale: the
 CPU's cost outside the padded tasks (Python between tasks, thread switches, gloo's own
 latency, a fixed cost per round) halves there, a model error does not; the row keeps the
-slower clock's figures, the JSON both errors (``rerun_cells``).
+slower clock's figures, the JSON both errors (``rerun_cells``). A cell still more than 5%
+off then runs once more with the weights all but frozen (``optim.lr=1e-12``: the same
+steps, updates too small to move a router): what is left there is the simulator's error,
+and what went away was the routing drifting as the model trained (the prediction is made
+at set-up, from the freshly initialised model's routing); the JSON names each such cell's
+error with frozen weights (``frozen_weights_rel_error``).
 
 Per cell it prints the measured s/step, the simulator's s/step for the same plan (as
 planned: the mean over held-out warm-up batches, each at its own routing) and its relative
@@ -74,6 +79,9 @@ MODEL = ["model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2", "t
 
 ACCURACY = 0.05  # a faithful cell further than this from its prediction is checked at a slower clock
 RETRIES = 3  # re-runs of an unfaithful cell, each at twice the last time_scale
+# The control run of a cell still off at the slower clock: the same job whose updates cannot
+# move the routers (the learning rate must be > 0), so its routing stays the set-up's.
+FROZEN_WEIGHTS = ["optim.lr=1e-12"]
 
 
 def cell_overrides(mix: str, clock: str, schedule: str, extra: list[str] = (), slowdown: float = 1.0) -> list[str]:
@@ -114,11 +122,26 @@ def measure(mix: str, clock: str, schedule: str, extra: list[str] = ()) -> dict:
             why = f"a rank's tasks ran {row['slip_fraction']:.1%} past their modelled time"
         elif abs(row["rel_error"]) > ACCURACY and before is None:
             why, before = f"{row['rel_error']:+.1%} from its prediction", row["rel_error"]
+        elif abs(row["rel_error"]) > ACCURACY:
+            return frozen_weights_control(row, mix, clock, schedule, extra, slowdown)
         else:
             return row
         print(f"  ({cell_name(row)}: {why} at x{slowdown:g}; again at x{2 * slowdown:g})", flush=True)
         slowdown *= 2
     raise AssertionError("unreachable")
+
+
+def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra: list[str],
+                           slowdown: float) -> dict:
+    """``row`` with ``frozen_weights_rel_error``: the cell's error in the same job with
+    :data:`FROZEN_WEIGHTS` (at ``slowdown``, faithful or ``None``). Small there while the
+    cell is off: the steps' routing moved away from the one the set-up sampled, the
+    simulator did not miss."""
+    control = _measure_once(mix, clock, schedule, [*extra, *FROZEN_WEIGHTS], slowdown)
+    row["frozen_weights_rel_error"] = control["rel_error"] if control["faithful"] else None
+    print(f"  ({cell_name(row)}: {row['rel_error']:+.1%} at x{slowdown:g}; the same job with frozen weights: "
+          f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'})", flush=True)
+    return row
 
 
 def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdown: float) -> dict:
@@ -155,7 +178,9 @@ def accuracy(rows: list[dict]) -> dict:
     faithful = [r for r in rows if r["faithful"]]
     out: dict = {"unfaithful_cells": [cell_name(r) for r in rows if not r["faithful"]],
                  "rerun_cells": {cell_name(r): {"x": r["time_scale_x"], "rel_error_faster_clock":
-                                                r.get("rel_error_faster_clock")}
+                                                r.get("rel_error_faster_clock"),
+                                                **({"frozen_weights_rel_error": r["frozen_weights_rel_error"]}
+                                                   if "frozen_weights_rel_error" in r else {})}
                                  for r in rows if r["time_scale_x"] != 1.0},
                  "max_slip_fraction": max((r["slip_fraction"] for r in faithful), default=None),
                  "max_overrun_fraction": max((r["overrun_fraction"] for r in faithful), default=None)}

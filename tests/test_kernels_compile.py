@@ -284,7 +284,8 @@ def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, t
     """The six GEMMs of the expert MLP's forward and backward in bf16 (``TritonGemms``, as
     ``algorithm`` calls them), compiled as launched on the large-bucket tiles: every one
     pipelined as deep as the others (the same shared memory, copies issued ahead: cp.async,
-    or TMA), none spilling registers. Before the weight gradient over gathered rows loaded
+    or TMA), on the generation's tensor-core instruction (wgmma on Hopper, overlapped), none
+    spilling registers. Before the weight gradient over gathered rows loaded
     its row indices an iteration ahead it had half the buffers; before Ampere's 128x128
     GEMM tile took 8 warps, four of the six spilled (255 registers)."""
     from lightning_hetermoe.kernels.mlp import TritonGemms
@@ -322,6 +323,12 @@ def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, t
         # Ampere's pipeline buffers stages - 1 tiles of operands, Hopper's all of them
         assert kernel.metadata.shared >= per_stage * (tile.num_stages - (capability < 90)), (name, shared)
         assert "cp.async" in kernel.asm["ptx"], name
+        # Hopper's asynchronous warpgroup MMA, one group left in flight while the next issues
+        # (Ampere's mma.sync there would cap the GEMM well under the card's peak)
+        tensor_core = "wgmma.mma_async" if capability >= 90 else "mma.sync"
+        assert tensor_core in kernel.asm["ptx"], name
+        if capability >= 90:
+            assert "wgmma.wait_group.sync.aligned 1" in kernel.asm["ptx"], name
         usage = resource_usage(kernel)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (name, usage)
     if tma:  # the down GEMM's rows and weights, the gathered weight gradient's dy

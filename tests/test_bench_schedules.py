@@ -1,0 +1,46 @@
+"""``bench/schedules.py``'s verdict per cell: re-run at a slower clock, then the control run
+with frozen weights that tells routing drift from a simulator error. The runs themselves
+are real jobs (minutes each); here one cell's run is replaced by its figures."""
+
+from __future__ import annotations
+
+from helpers_bench import BENCH, load_bench
+
+
+def schedules_bench(monkeypatch, errors: dict[tuple[bool, float], float]):
+    """The bench with each run answering ``errors[(frozen weights, slowdown)]``; the calls made."""
+    monkeypatch.syspath_prepend(str(BENCH))  # its scripts import their shared module by name
+    bench = load_bench("schedules")
+    calls = []
+
+    def run_once(mix, clock, schedule, extra, slowdown):
+        frozen = all(o in extra for o in bench.FROZEN_WEIGHTS)
+        calls.append((frozen, slowdown))
+        err = errors[(frozen, slowdown)]
+        return {"mix": mix, "clock": clock, "schedule": schedule, "measured_s": slowdown * (1 + err),
+                "predicted_s": slowdown * 1.0, "rel_error": err, "predicted_at_load_s": None,
+                "rel_error_at_load": None, "overrun_fraction": 0.0, "slip_fraction": 0.0, "faithful": True,
+                "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "_measure_once", run_once)
+    return bench, calls
+
+
+def test_a_cell_still_off_at_the_slower_clock_gets_its_frozen_weights_control(monkeypatch):
+    bench, calls = schedules_bench(monkeypatch, {(False, 1.0): 0.061, (False, 2.0): 0.055, (True, 2.0): 0.016})
+    row = bench.measure("l40s+t4 1+3", "16K", "zebra")
+    assert calls == [(False, 1.0), (False, 2.0), (True, 2.0)]
+    # the verdict stays the trained run's, at the slower clock; the control stands beside it
+    assert row["rel_error"] == 0.055 and row["time_scale_x"] == 2.0 and row["measured_s"] == 1.055
+    assert row["rel_error_faster_clock"] == 0.061 and row["frozen_weights_rel_error"] == 0.016
+    summary = bench.accuracy([row])
+    assert summary["max_rel_error"] == 0.055
+    assert summary["rerun_cells"]["l40s+t4 1+3 16K zebra"]["frozen_weights_rel_error"] == 0.016
+
+
+def test_a_cell_within_reach_at_the_slower_clock_runs_no_control(monkeypatch):
+    bench, calls = schedules_bench(monkeypatch, {(False, 1.0): 0.061, (False, 2.0): 0.03})
+    row = bench.measure("l40s+t4 1+3", "16K", "zebra")
+    assert calls == [(False, 1.0), (False, 2.0)]
+    assert row["rel_error"] == 0.03 and "frozen_weights_rel_error" not in row
+    assert "frozen_weights_rel_error" not in bench.accuracy([row])["rerun_cells"]["l40s+t4 1+3 16K zebra"]
