@@ -35,3 +35,22 @@ def triton_interpreter(monkeypatch):
     why = unavailable_reason("cpu")
     if why:
         pytest.skip(why)
+
+
+@pytest.fixture(autouse=True)
+def quick_tests_start_no_process(request, monkeypatch):
+    """The quick loop (``-m "not slow"``) is the tests that start no process: one that does
+    (gloo ranks, a recipe, a compiler's subprocess) fails here, naming the mark it lacks."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    import subprocess
+
+    import torch.multiprocessing as torch_mp
+
+    def refuse(what):
+        def start(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} starts a process ({what}): mark it @pytest.mark.slow")
+        return start
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess"))
+    monkeypatch.setattr(torch_mp, "start_processes", refuse("torch.multiprocessing"))

@@ -160,6 +160,7 @@ def auto_under_hetermoe(rank: int) -> list[tuple[bool | None, int]]:
     return [auto_under(HeterMoEStrategy(), precision) for precision in ("16-mixed", "bf16-mixed")]
 
 
+@pytest.mark.slow
 def test_under_the_strategy_auto_sees_a_plugin_that_clips_for_a_fused_optimizer():
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -261,6 +262,7 @@ def clipped_fits_under_hetermoe(rank: int) -> list[tuple[dict, list]]:
             clipped_fit(HeterMoEStrategy(), [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])]
 
 
+@pytest.mark.slow
 def test_the_strategy_folds_its_clip_into_the_default_fused_step_and_lands_where_lightning_does():
     from lightning.pytorch.strategies import SingleDeviceStrategy
 

@@ -91,6 +91,7 @@ def test_every_path_a_step_passes_is_absolute(tmp_path):
             assert result is None or result.is_absolute()
 
 
+@pytest.mark.slow
 def test_the_device_session_script_says_what_it_needs(tmp_path):
     """``bench/device_session.sh``: no command, or ``run`` before ``prepare`` made wheels,
     ends with exit 2 and says what to do (``prepare`` itself needs PyPI: not run here)."""

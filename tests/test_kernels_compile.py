@@ -1,6 +1,7 @@
 """The compiled (GPU) path of the kernels, checked without a GPU: Triton's compiler runs
 on the CPU down to a cubin for a chosen target. The interpreter tests cover the numbers;
-this covers what the interpreter forgives (loop-carried types, constexpr flags, layouts)."""
+this covers what the interpreter forgives (loop-carried types, constexpr flags, layouts).
+Every test here runs the CUDA tools (ptxas, cuobjdump) as processes: the full suite's."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from lightning_hetermoe.kernels import launch, triton_src, tuning  # noqa: E402
 from lightning_hetermoe.kernels.tiles import Tile  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 FLOAT_PTRS = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "dy_ptr", "dw_ptr", "h_ptr", "g_ptr", "logits_ptr", "y_ptr",
               "dx_ptr"}
@@ -183,7 +186,6 @@ def test_the_rotary_kernel_compiles(capability, dtype, tmp_path, monkeypatch):
         assert compile_for(triton_src.rotary_kernel, dtype, capability, config, {"SIGN": sign}).asm.get("cubin")
 
 
-@pytest.mark.slow
 def test_tma_loads_compile_for_hopper_in_tf32(tmp_path, monkeypatch):
     """Every descriptor combination the launches pass on sm90 (the up GEMM gathers its rows:
     weights only; the down GEMM and the gradient GEMMs: rows and weights; the weight
@@ -278,7 +280,6 @@ MLP_LAUNCHES = ("up (gathered)", "down", "down's weight gradient", "down's input
                 "up's weight gradient (gathered)", "up's input gradient (w^T)")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("capability,tma", [(80, False), (90, False), (90, True)])
 def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, tmp_path, monkeypatch):
     """The six GEMMs of the expert MLP's forward and backward in bf16 (``TritonGemms``, as
@@ -336,7 +337,6 @@ def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, t
         assert "cp.async.bulk.tensor" in kernels["up's weight gradient (gathered)"].asm["ptx"]
 
 
-@pytest.mark.slow
 def test_the_elementwise_kernels_move_16_bytes_an_access(tmp_path, monkeypatch):
     """The memory-bound kernels beside the GEMMs (SwiGLU both ways, the cross-entropy rows,
     RMSNorm both ways, the rotary embedding), compiled for sm90 in bf16 as launched at model

@@ -3,6 +3,7 @@
 import time
 
 import lightning as L
+import pytest
 import torch
 
 from harness import run_ranks
@@ -54,6 +55,7 @@ def _fit_with_a_slow_rank(rank: int):
     return slow.own, summary.step_times, summary.summary(trainer)["step_time_s"]
 
 
+@pytest.mark.slow
 def test_a_step_lasts_until_its_slowest_rank_is_done():
     (own0, times0, step0), (own1, times1, step1) = run_ranks(2, _fit_with_a_slow_rank)
     assert len(own0) == len(own1) == 2, "two timed steps on each rank"
