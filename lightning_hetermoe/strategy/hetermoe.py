@@ -342,9 +342,13 @@ class HeterMoEStrategy(DDPStrategy):
         return Materializer(self.root_device, run_seed)
 
     def _warn_built_whole(self) -> None:
-        if self.world_size < 2:
-            return
+        from ..profile.memory import small_training_state
+
         params = sum(p.numel() for p in self.model.parameters())
+        # a small model built whole costs nothing worth a warning, and gives the planner its
+        # warm-up routing: the line init_on_meta=auto draws
+        if self.world_size < 2 or small_training_state(params):
+            return
         state_gb = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 1e9
         rank_zero_warn(
             f"HeterMoEStrategy: the model was built whole in every process ({params / 1e6:,.1f}M parameters, "
