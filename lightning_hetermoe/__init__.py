@@ -14,6 +14,7 @@ from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer, Token
 from .moe import MoEAux, MoELayer, ModuleExperts, Router, RouterOutput, gate_losses
 from .plan import Plan, make_plan
 from .profile import CostModel, Profile
+from .routing_record import RoutingRecord
 from .measure import profile_cluster
 from .simulate import simulate_plan
 from .strategy import HeterMoEStrategy, register_strategies
@@ -45,6 +46,7 @@ __all__ = [
     "Profile",
     "Router",
     "RouterOutput",
+    "RoutingRecord",
     "RunSummary",
     "apply_emulation",
     "from_cfg",

@@ -3,7 +3,9 @@
     python recipes/plan.py model=d1 cluster=o1 data.seq_len=32768
 
 Prints the plan and writes ``plan.json``, ``summary.json`` and ``gantt_<schedule>.png``
-into the Hydra run directory.
+into the Hydra run directory. Routing is even unless ``plan.expert_load`` names the
+``expert_load.json`` a training run of the same model shape wrote (its load monitor's):
+the search places experts and every schedule is priced at its shares.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lightning_hetermoe.configs import ConfigError, ModelConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
 from lightning_hetermoe.profile import CostModel, Profile, make_timer
 from lightning_hetermoe.profile.cost_model import tf32_allowed
+from lightning_hetermoe.routing_record import read_routing
 from lightning_hetermoe.strategy.precision import check_bf16
 from lightning_hetermoe.simulate import draw_gantt, draw_gantt_compare, simulate_plan
 
@@ -36,6 +39,12 @@ def main(cfg: DictConfig) -> dict:
         raise ConfigError(f"precision={precision!r} is invalid: must be one of {PRECISIONS}")
     check_bf16(precision, cluster.specs(), allow_emulated=False)
     cost = CostModel(precision=precision, tf32=tf32_allowed())
+    routing = read_routing(hydra.utils.to_absolute_path(cfg.plan.expert_load), model, "plan.expert_load") \
+        if cfg.plan.get("expert_load") else None
+    load = routing.mean_share if routing is not None else None
+    if routing is not None:
+        print(f"routing from {cfg.plan.expert_load}: {routing.steps} steps of model {routing.model!r}, the hottest "
+              f"expert {routing.hottest_over_mean():.2f}x the mean (layers averaged)")
     plan = make_plan(
         cluster,
         model,
@@ -51,6 +60,7 @@ def main(cfg: DictConfig) -> dict:
         require_expert_ranks=cfg.plan.require_expert_ranks,
         shrink_to_fit=2 if cfg.plan.shrink_batch_to_fit else 0,
         cost_model=cost,
+        expert_load=load,
     )
     out = HydraConfig.get().runtime.output_dir
     print(plan)
@@ -58,12 +68,13 @@ def main(cfg: DictConfig) -> dict:
     view = as_cluster(cluster)
     timer = make_timer(model, seq_len, profile, cost)
     summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "precision": precision,
-               "plan": "plan.json",
+               "plan": "plan.json", "expert_load": None if routing is None else {
+                   "path": str(cfg.plan.expert_load), "hottest_over_mean": routing.hottest_over_mean()},
                "devices": list(cluster.devices), "schedules": {}}
     drawn = {}
     for sched in plan.predicted:
         try:
-            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=sched)
+            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=sched, expert_load=load)
         except ValueError as err:
             summary["schedules"][sched] = {"error": str(err)}
             continue

@@ -35,6 +35,10 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     # output is not a terminal here: a progress line instead of a redrawn bar
     assert "[hetermoe] step 10/12, train_loss" in proc.stderr and "it/s]" not in proc.stderr
     assert (tmp_path / "plan.json").is_file()
+    # the routing its steps had, for a plan at it (recipes/plan.py plan.expert_load=...)
+    routing = json.loads((tmp_path / "expert_load.json").read_text())
+    assert routing["model"] == "tiny" and routing["steps"] == 11
+    assert [len(layer) for layer in routing["mean_share"]] == [8, 8]
     # The emulated clock is honest about itself, and the real executor keeps to the
     # simulator's step time for the same plan (loose: CI machines are noisy).
     emulation = summary["emulation"]

@@ -21,8 +21,11 @@
 
 Every ``log_every_n_steps`` the figures go to the trainer's loggers under ``moe_load/...``
 and ``rank_busy/...`` (names that read well in TensorBoard and CSV). At the end of fit the
-global rank 0 writes ``expert_load.png`` (layer x expert load over steps) and
-``rank_utilisation.png`` into ``output_dir`` (default: the trainer's ``default_root_dir``).
+global rank 0 writes ``expert_load.png`` (layer x expert load over steps),
+``rank_utilisation.png`` and ``expert_load.json`` (each expert's share over the steps after
+the first: a :class:`~lightning_hetermoe.routing_record.RoutingRecord`, what
+``recipes/plan.py plan.expert_load=...`` plans at) into ``output_dir`` (default: the
+trainer's ``default_root_dir``); ``plots=False`` writes none of them.
 The monitor has a ``state_dict``, so a resumed run keeps its averages and history.
 """
 
@@ -34,10 +37,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 
 import lightning_hetermoe.comm as comm
 from ..model_contract import moe_layers
 from ..moe.expert_bias import is_first_training_forward
+from ..routing_record import FILE_NAME as ROUTING_FILE
+from ..routing_record import RoutingRecord
 
 BUSY_KINDS = ("attention", "experts", "comm", "idle")
 
@@ -228,6 +234,15 @@ class ExpertLoadMonitor(L.Callback):
         counts = self._counts(skip)
         return None if counts is None else (counts / counts.sum(2, keepdim=True).clamp(min=1)).tolist()
 
+    def routing_record(self, pl_module: Any, skip: int = 1) -> RoutingRecord:
+        """The recorded steps' routing (after ``skip``) as a file's record."""
+        counts = self._counts(skip)
+        if counts is None:
+            raise ValueError("ExpertLoadMonitor: no step recorded yet")
+        cfg = getattr(pl_module, "model_cfg", None)
+        return RoutingRecord(model=getattr(cfg, "name", type(pl_module).__name__), mean_share=self.mean_share(skip),
+                             steps=int(counts.shape[0]), choices_per_step=float(counts[:, 0].sum(1).mean()))
+
     def _counts(self, skip: int) -> torch.Tensor | None:
         """The recorded steps' tokens ``[S, L, E]`` after the first ``skip`` (all of them where
         no more were recorded)."""
@@ -240,6 +255,10 @@ class ExpertLoadMonitor(L.Callback):
             return
         out = Path(self.output_dir or trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.routing_record(pl_module).to_json(str(out / ROUTING_FILE))
+        except ValueError as err:  # a layer that kept no choice has no shares: the plots still tell
+            rank_zero_warn(f"ExpertLoadMonitor: {ROUTING_FILE} not written: {err}")
         self.plot_load(out / "expert_load.png")
         if any(any(b is not None for b in step) for step in self.busy_history):
             self.plot_busy(out / "rank_utilisation.png")
