@@ -45,25 +45,44 @@ class RoutingRecord(JsonDataclass):
         return len(self.mean_share), len(self.mean_share[0])
 
     def hottest_over_mean(self) -> float:
-        """The busiest expert's share over the mean, averaged over the layers (1.0: even)."""
-        return sum(max(row) * len(row) for row in self.mean_share) / len(self.mean_share)
+        """The busiest expert's share over the mean in the most uneven layer (1.0: even), as
+        a run's ``expert_load_max_over_mean`` counts it."""
+        return max(max(row) * len(row) for row in self.mean_share)
+
+
+def load_record(source: "str | Path | RoutingRecord | dict", field: str) -> RoutingRecord:
+    """A record from ``source`` (a path, a record or its dict); every failure a
+    :class:`ConfigError` naming ``field`` and what would be valid."""
+    if isinstance(source, RoutingRecord):
+        return source
+    if isinstance(source, dict):
+        try:
+            return RoutingRecord.from_dict(source)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{field}: not a routing record ({err})") from None
+    p = Path(str(source))
+    if not p.is_file():
+        raise ConfigError(f"{field}={str(source)!r}: no such file; give the {FILE_NAME} a training run wrote "
+                          f"(ExpertLoadMonitor, beside its plots), or null for even routing")
+    try:
+        return RoutingRecord.from_dict(json.loads(p.read_text()))
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{field}={str(source)!r} is not a routing record ({err}); give the {FILE_NAME} a "
+                          f"training run wrote, or null for even routing") from None
+
+
+def check_shape(record: RoutingRecord, model: ModelConfig, field: str) -> RoutingRecord:
+    """``record``, if it has ``model``'s MoE layers and experts per layer; else a
+    :class:`ConfigError` naming ``field`` and both shapes."""
+    want = (model.n_layers, model.moe.num_experts)
+    if record.shape != want:
+        raise ConfigError(f"{field} holds {record.shape[0]} layers x {record.shape[1]} experts (model "
+                          f"{record.model!r}); model {model.name!r} has {want[0]} x {want[1]}: measure the routing "
+                          f"on a model of this shape, or null for even routing")
+    return record
 
 
 def read_routing(path: str | Path, model: ModelConfig, field: str) -> RoutingRecord:
     """The record at ``path``, checked against ``model`` (the same MoE layers and experts per
-    layer); every failure a :class:`ConfigError` naming ``field`` and what would be valid."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{field}={str(path)!r}: no such file; give the {FILE_NAME} a training run wrote "
-                          f"(ExpertLoadMonitor, beside its plots), or null for even routing")
-    try:
-        record = RoutingRecord.from_dict(json.loads(p.read_text()))
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"{field}={str(path)!r} is not a routing record ({err}); give the {FILE_NAME} a "
-                          f"training run wrote, or null for even routing") from None
-    want = (model.n_layers, model.moe.num_experts)
-    if record.shape != want:
-        raise ConfigError(f"{field}={str(path)!r} holds {record.shape[0]} layers x {record.shape[1]} experts "
-                          f"(model {record.model!r}); model {model.name!r} has {want[0]} x {want[1]}: measure the "
-                          f"routing on a model of this shape, or null for even routing")
-    return record
+    layer)."""
+    return check_shape(load_record(path, field), model, f"{field}={str(path)!r}")

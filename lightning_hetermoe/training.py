@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "replica_dispatch", "plan", "num_microbatches",
                    "asym_ea",
-                   "require_expert_ranks", "profile", "heartbeat_timeout_s", "progress_timeout_s",
+                   "require_expert_ranks", "profile", "expert_load", "heartbeat_timeout_s", "progress_timeout_s",
                    "allow_emulated_bf16",
                    "checkpoint_format", "shard_optimizer_state")
 
@@ -132,7 +132,7 @@ def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = 
         raise ConfigError(f"strategy: unknown field(s) {unknown}; valid fields are {list(STRATEGY_FIELDS)}")
     from hydra.utils import to_absolute_path
 
-    for key in ("plan", "profile"):  # paths are relative to where the user started the job
+    for key in ("plan", "profile", "expert_load"):  # paths are relative to where the user started the job
         if isinstance(scfg.get(key), str) and HydraConfig.initialized():
             scfg[key] = to_absolute_path(scfg[key])
     return HeterMoEStrategy(cluster=cluster, start_method=start_method, **scfg)

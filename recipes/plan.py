@@ -44,7 +44,7 @@ def main(cfg: DictConfig) -> dict:
     load = routing.mean_share if routing is not None else None
     if routing is not None:
         print(f"routing from {cfg.plan.expert_load}: {routing.steps} steps of model {routing.model!r}, the hottest "
-              f"expert {routing.hottest_over_mean():.2f}x the mean (layers averaged)")
+              f"expert {routing.hottest_over_mean():.2f}x the mean (its layer's)")
     plan = make_plan(
         cluster,
         model,

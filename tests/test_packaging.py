@@ -68,3 +68,19 @@ def test_every_model_yaml_names_exactly_the_config_fields():
         assert set(cfg) <= want and set(cfg["moe"]) <= want_moe, (path.name, set(cfg) - want, set(cfg["moe"]) - want_moe)
         if path.stem == "tiny":
             assert set(cfg) == want and set(cfg["moe"]) == want_moe, (set(cfg) ^ want, set(cfg["moe"]) ^ want_moe)
+
+
+def test_the_strategy_yaml_names_exactly_the_strategys_arguments():
+    """conf/strategy/hetermoe.yaml, the fields the recipe passes on, and the strategy's own
+    arguments are one set (the cluster comes from its own config group)."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from lightning_hetermoe.strategy.arguments import StrategyArguments
+    from lightning_hetermoe.training import STRATEGY_FIELDS
+
+    yaml = set(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "strategy" / "hetermoe.yaml"))
+    arguments = {f.name for f in fields(StrategyArguments)} - {"cluster"}
+    assert yaml == set(STRATEGY_FIELDS) == arguments, (yaml ^ arguments, set(STRATEGY_FIELDS) ^ arguments)

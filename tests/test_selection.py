@@ -99,3 +99,37 @@ def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_
     # measuring it changed nothing: the run is still one process's training
     model.train()
     assert_same_params(got[0]["state"], reference_fit(make_model(4, seed=0, optim=OptimConfig()), STEPS), initial)
+
+
+SKEWED = [[0.55, 0.15, 0.15, 0.15], [0.1, 0.2, 0.3, 0.4]]
+
+
+def fit_at_a_routing_record(rank: int, world: int, path: str) -> dict:
+    from lightning_hetermoe.configs import ConfigError
+
+    strategy = HeterMoEStrategy(mode="ep", cluster={"name": "two", "devices": ["a40", "v100"]}, expert_load=path)
+    trainer(strategy, world, max_steps=1).fit(make_model(4, seed=rank, optim=OptimConfig()), datamodule=data(world))
+    out = {"load": strategy.clock.expert_load, "batches": strategy.clock.batch_loads,
+           "prediction": strategy.prediction, "at_record": strategy.predict(expert_load=SKEWED)}
+    other = HeterMoEStrategy(mode="ep", cluster={"name": "two", "devices": ["a40", "v100"]}, expert_load=path)
+    try:
+        trainer(other, world, max_steps=1).fit(make_model(8, seed=rank, optim=OptimConfig()), datamodule=data(world))
+    except ConfigError as err:
+        out["refused"] = str(err)
+    return out
+
+
+def test_a_routing_record_replaces_the_warm_up_routing(tmp_path):
+    """strategy expert_load: an earlier run's measured routing (its expert_load.json) is what
+    the run plans and predicts at, on every rank; a record of another model shape is refused
+    at set-up on every rank, both shapes named."""
+    from lightning_hetermoe import RoutingRecord
+
+    path = tmp_path / "expert_load.json"
+    RoutingRecord(model="tiny", mean_share=SKEWED, steps=5, choices_per_step=256.0).to_json(str(path))
+    got = run_ranks(2, fit_at_a_routing_record, 2, str(path))
+    for rank in got:
+        assert rank["load"] == SKEWED and rank["batches"] == [SKEWED]
+        assert rank["prediction"]["step_time_s"] == pytest.approx(rank["at_record"]["step_time_s"], rel=1e-12)
+        assert rank["prediction"]["expert_load_max_over_mean"] == pytest.approx(0.55 * 4)
+        assert "strategy expert_load holds 2 layers x 4 experts" in rank["refused"] and "has 2 x 8" in rank["refused"]

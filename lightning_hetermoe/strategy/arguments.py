@@ -15,6 +15,7 @@ from ..cluster import ClusterConfig
 from ..configs import ConfigError, from_cfg
 from ..model_contract import ModelContractError, describe_model, moe_layers
 from ..profile import memory
+from ..routing_record import load_record
 from .precision import check_bf16
 
 MODES = ("auto", "ep", "zebra", "distep", "datacentric")
@@ -94,6 +95,7 @@ class StrategyArguments:
     asym_ea: bool = True
     require_expert_ranks: bool = False
     profile: Any = None
+    expert_load: Any = None
     heartbeat_timeout_s: float | None = 30.0
     progress_timeout_s: float | None = 300.0
     allow_emulated_bf16: bool = False
@@ -105,6 +107,8 @@ class StrategyArguments:
             raise ConfigError(f"strategy mode={self.mode!r} is invalid: must be one of {MODES}")
         self.plan = load_plan(self.plan)
         self.profile = load_profile(self.profile)
+        if self.expert_load is not None:
+            self.expert_load = load_record(self.expert_load, "strategy expert_load")
         self.cluster = None if self.cluster is None else from_cfg(ClusterConfig, _cluster_mapping(self.cluster),
                                                                   "cluster")
         if self.plan is not None and self.mode == "ep":

@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ..cluster import ClusterConfig, DeviceSpec
 from ..configs import ConfigError, ModelConfig
 from ..model_contract import ModelContractError, describe_model
+from ..routing_record import check_shape
 from .arguments import DISAGGREGATED, check_plan, check_waves
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
@@ -215,7 +216,15 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     # One device trains as a plain single device: nothing to plan, and one device holding
     # every expert costs the same under any routing, so no warm-up batch is run for it.
     single = world == 1 and args.mode == "auto"
-    if clock.bound and rank == 0 and not built_on_meta(module) and not single:
+    if args.expert_load is not None and clock.bound and not single:
+        # an earlier run's measured routing (every rank checks it alike): the planner places
+        # at it and every prediction prices it, instead of the warm-up's or even routing
+        record = check_shape(args.expert_load, model.config(), "strategy expert_load")
+        clock.expert_load, clock.batch_loads = record.mean_share, [record.mean_share]
+        if rank == 0:
+            print(f"hetermoe: planning at the routing of strategy expert_load ({record.steps} steps of model "
+                  f"{record.model!r}; the hottest expert {record.hottest_over_mean():.2f}x the mean)", flush=True)
+    elif clock.bound and rank == 0 and not built_on_meta(module) and not single:
         # a model on the meta device cannot run yet: it plans with even routing
         clock.expert_load, clock.batch_loads = split_routing(
             warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world, strategy.precision_plugin))
