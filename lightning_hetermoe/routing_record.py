@@ -45,9 +45,15 @@ class RoutingRecord(JsonDataclass):
         return len(self.mean_share), len(self.mean_share[0])
 
     def hottest_over_mean(self) -> float:
-        """The busiest expert's share over the mean in the most uneven layer (1.0: even), as
-        a run's ``expert_load_max_over_mean`` counts it."""
-        return max(max(row) * len(row) for row in self.mean_share)
+        """:func:`hottest_over_mean` of the record's shares."""
+        return hottest_over_mean(self.mean_share)
+
+
+def hottest_over_mean(load: list[list[float]] | None) -> float:
+    """The busiest expert's share over the mean share in the most uneven layer of ``load``
+    (per layer each expert's share; ``None``: even routing, 1.0), as a run's
+    ``expert_load_max_over_mean`` counts it."""
+    return max(max(row) * len(row) for row in load) if load else 1.0
 
 
 def load_record(source: "str | Path | RoutingRecord | dict", field: str) -> RoutingRecord:

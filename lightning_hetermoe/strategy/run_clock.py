@@ -21,6 +21,7 @@ import torch
 
 from ..cluster import ClusterConfig, DeviceSpec
 from ..configs import ModelConfig
+from ..routing_record import hottest_over_mean
 from .backends.base import Simulated, TailShape
 
 
@@ -253,5 +254,5 @@ class RunClock:
 def max_over_mean(loads: list[list[list[float]] | None]) -> float:
     """The busiest expert's share over the mean share, in its layer, of each routing in
     ``loads`` (``None``: even, 1), averaged: how uneven a step's own routing is."""
-    worst = [max(max(row) * len(row) for row in load) if load else 1.0 for load in loads]
+    worst = [hottest_over_mean(load) for load in loads]
     return sum(worst) / len(worst)
