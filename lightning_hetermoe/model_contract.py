@@ -97,7 +97,16 @@ def describe_model(module: nn.Module) -> ModelConfig:
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=2)
     return ModelConfig(name=type(module).__name__.lower(), vocab_size=max(vocab, 2), d_model=d_model,
-                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20, moe=_planned_moe(moe))
+                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20,
+                       activation_checkpointing=recomputes_blocks(module), moe=_planned_moe(moe))
+
+
+def recomputes_blocks(module: nn.Module) -> bool:
+    """Whether the model recomputes its blocks' forward in their backward, as far as it can
+    be read from outside: Hugging Face's activation checkpointing marks the modules it
+    wraps ``gradient_checkpointing = True``. (``torch.utils.checkpoint`` inside a block of
+    your own leaves no mark: give the LightningModule a ``model_cfg`` that says so.)"""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
 
 
 def _planned_moe(layer: MoELayer):

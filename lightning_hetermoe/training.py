@@ -118,7 +118,7 @@ def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningMo
         raise ConfigError(str(err)) from None
     moe = model_cfg.moe
     if model_cfg.activation_checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     options = dict(capacity_factor=moe.capacity_factor, z_loss_coef=moe.z_loss_coef, expert_backend=moe.expert_backend,
                    recompute_activation=moe.recompute_activation, jitter_eps=moe.jitter_eps,
                    expert_bias=moe.expert_bias, bias_update_rate=moe.bias_update_rate)

@@ -28,6 +28,9 @@ from lightning_hetermoe.simulate import SCHEDULES, simulate_plan
 
 CONF = os.path.join(os.path.dirname(_HERE), "conf")
 PRECISION = "16-mixed"  # the paper trained in fp16: every prediction here prices fp16 tensor cores
+# ... and with activation checkpointing: every backward here recomputes its block's forward (the
+# models' configs keep their own setting for the memory check: stored activations, the stricter)
+COST = CostModel(precision=PRECISION, activation_checkpointing=True)
 PAPER = {
     "zebra_vs_ep_16k": 1.67,
     "zebra_vs_ep_32k": 1.89,
@@ -58,7 +61,7 @@ def run_job(job: tuple) -> dict:
     groups = 1 if kind == "ablation" else None
     try:  # the largest batch (halving from the configured one) whose activations fit
         plan = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, shrink_to_fit=2, asym_ea=asym,
-                         cost_model=CostModel(precision=PRECISION),
+                         cost_model=COST,
                          max_microbatches=max_mb, max_waves=max_waves, num_attention_ranks=fixed,
                          num_zp_groups=groups)
     except ValueError as err:
@@ -76,7 +79,7 @@ def run_job(job: tuple) -> dict:
         out.update(gap(plan, view, model, seq_len))
     if util:
         res = simulate_plan(plan, view.devices, model, view.topology,
-                            make_timer(model, seq_len, cost=CostModel(precision=PRECISION)), keep_timeline=False)
+                            make_timer(model, seq_len, cost=COST), keep_timeline=False)
         out["utilization"] = res.summary()["utilization_by_device"]
     return out
 
@@ -91,7 +94,7 @@ def gap(plan, view, model, seq_len: int) -> dict:
     from lightning_hetermoe.cluster import LinkConfig
     from lightning_hetermoe.cluster.topology import Topology
 
-    timer = make_timer(model, seq_len, cost=CostModel(precision=PRECISION))
+    timer = make_timer(model, seq_len, cost=COST)
     step = simulate_plan(plan, view.devices, model, view.topology, timer, keep_timeline=False).step_time
     free = simulate_plan(plan, view.devices, model, Topology.flat(LinkConfig(bandwidth_gbps=1e9, latency_us=0.0),
                                                                   len(view.devices)), timer, keep_timeline=False)

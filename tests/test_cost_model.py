@@ -5,7 +5,7 @@ import pytest
 from lightning_hetermoe.cluster import LinkConfig, get_device
 from lightning_hetermoe.profile import CostModel
 
-CM = CostModel()
+CM = CostModel(activation_checkpointing=True)  # as the paper trained
 # the paper's D-series layer shape
 D, H, FF = 1024, 16, 3584
 
@@ -63,6 +63,29 @@ def test_backward_is_three_forwards_with_checkpointing_and_two_without():
         get_device("a40"), tokens=8192, d_model=D, d_ff=FF, backward=True
     ) == pytest.approx(2 * f)
     assert attn("v100", 4096, backward=True) == pytest.approx(3 * attn("v100", 4096))
+
+
+def test_a_timer_prices_the_recomputation_its_model_does():
+    """A plan prices what the run does: left unset, the cost model takes the timed model's
+    ``activation_checkpointing`` (as the memory model does); set, it holds."""
+    from dataclasses import replace
+
+    from lightning_hetermoe.configs import workload_model
+    from lightning_hetermoe.profile import make_timer
+
+    dev = get_device("a40")
+    plain = workload_model("d1")
+    assert not plain.activation_checkpointing
+    ckpt = replace(plain, activation_checkpointing=True)
+    for model, extra in ((plain, 0.0), (ckpt, 1.0)):
+        t = make_timer(model, 4096, cost=CostModel())
+        assert t.cost.activation_checkpointing is model.activation_checkpointing
+        for task in (t.expert, lambda d, n, backward=False: t.attention(d, n, backward)):
+            assert task(dev, 8192, backward=True) == pytest.approx((2.0 + extra) * task(dev, 8192))
+    forced = make_timer(plain, 4096, cost=CostModel(activation_checkpointing=True))
+    assert forced.expert(dev, 8192, backward=True) == pytest.approx(3 * forced.expert(dev, 8192))
+    assert CostModel().expert_time(dev, tokens=8192, d_model=D, d_ff=FF, backward=True) == pytest.approx(
+        2 * CostModel().expert_time(dev, tokens=8192, d_model=D, d_ff=FF))
 
 
 def test_small_token_counts_are_memory_bound_and_zero_is_free():

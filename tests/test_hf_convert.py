@@ -115,6 +115,24 @@ def test_contract_reads_heads_from_hf_config():
     cfg = describe_model(model)
     assert (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.vocab_size) == (2, 4, 16, 64)
     assert cfg.moe.shared_expert_d_ff == 20 and not cfg.moe.normalize_topk
+    assert not cfg.activation_checkpointing
+
+
+def test_contract_reads_hugging_face_activation_checkpointing():
+    """A converted model whose blocks recompute in backward is planned and predicted so:
+    its description says it, and its timer prices the backward a forward dearer."""
+    from lightning_hetermoe.cluster import get_device
+    from lightning_hetermoe.profile import make_timer
+
+    model = to_hetermoe(hf_model("mixtral"))
+    before = describe_model(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    after = describe_model(model)
+    assert not before.activation_checkpointing and after.activation_checkpointing
+    dev = get_device("v100")
+    for cfg, ratio in ((before, 2.0), (after, 3.0)):
+        timer = make_timer(cfg, 64)
+        assert timer.attention(dev, 4096, backward=True) == pytest.approx(ratio * timer.attention(dev, 4096))
 
 
 def test_older_per_expert_layout_maps_like_fused():

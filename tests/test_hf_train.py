@@ -89,7 +89,7 @@ def fit(rank: int, world: int) -> list:
         model = build(arch, seed=rank)
         calls = []
         if checkpointed:
-            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             for m in model.modules():
                 if isinstance(m, MoELayer):
                     # training forwards only (set-up runs one warm-up forward in eval mode)

@@ -70,7 +70,11 @@ class CostModel:
     precision: str = "16-mixed"
     # 32-true only: GEMMs on TF32 tensor cores where the device has them
     tf32: bool = False
-    activation_checkpointing: bool = True
+    # Whether a block's backward recomputes its forward first (+1 forward). None: as the
+    # timed model says (its ``activation_checkpointing``; a timer fills it in), so a plan
+    # prices what the run will do and the memory model assumes the same. A CostModel asked
+    # directly with None prices no recomputation.
+    activation_checkpointing: bool | None = None
     causal: bool = True
     # Backward of a kernel relative to its forward (dgrad + wgrad).
     backward_factor: float = 2.0

@@ -8,7 +8,7 @@ head, the optimizer step, the network).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..cluster.spec import LinkConfig
 from ..cluster.devices import DeviceSpec
@@ -22,6 +22,12 @@ class CostModelTimer:
     model: ModelConfig
     seq_len: int
     cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        if self.cost.activation_checkpointing is None:
+            # the model's own: a run that recomputes pays a forward more in each backward
+            object.__setattr__(self, "cost", replace(self.cost, activation_checkpointing=bool(
+                self.model.activation_checkpointing)))
 
     def attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
         m = self.model
@@ -71,6 +77,7 @@ class ProfileTimer(CostModelTimer):
     profile: Profile | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.profile is None:
             raise ValueError("ProfileTimer needs a profile")
         if self.profile.seq_len != self.seq_len:
