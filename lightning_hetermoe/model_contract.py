@@ -101,6 +101,15 @@ def describe_model(module: nn.Module) -> ModelConfig:
                        activation_checkpointing=recomputes_blocks(module), moe=_planned_moe(moe))
 
 
+def checkpoints_activations(module: nn.Module) -> bool:
+    """Whether the model recomputes its blocks in their backward: its ``model_cfg`` says so
+    (the pack's model), or Hugging Face's mark on its modules (:func:`recomputes_blocks`)."""
+    cfg = getattr(module, "model_cfg", None)
+    if isinstance(cfg, ModelConfig):
+        return cfg.activation_checkpointing
+    return recomputes_blocks(module)
+
+
 def recomputes_blocks(module: nn.Module) -> bool:
     """Whether the model recomputes its blocks' forward in their backward, as far as it can
     be read from outside: Hugging Face's activation checkpointing marks the modules it

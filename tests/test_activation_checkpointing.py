@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
@@ -17,33 +19,48 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 class Recomputes:
-    """Counts block forwards: with checkpointing each block runs again in its backward."""
+    """Counts block forwards (with checkpointing each block runs again in its backward) and
+    the experts' training forwards (so does every expert round, whichever rank runs it)."""
 
     def __init__(self, model) -> None:
-        self.calls = 0
+        self.calls = self.expert_calls = 0
         for block in model.model.blocks:
             block.register_forward_pre_hook(self.count)
+            block.moe.experts.register_forward_pre_hook(self.count_experts)
 
     def count(self, module, args) -> None:
         self.calls += 1
+
+    def count_experts(self, module, args) -> None:
+        if module.training and torch.is_grad_enabled() and args[0].shape[0]:
+            self.expert_calls += 1
 
 
 def fit_checkpointed(rank: int, world: int, cases: list[dict]) -> list:
     out = []
     for case in cases:
-        model = make_model(4, seed=rank, optim=OptimConfig(), activation_checkpointing=True)
+        model = make_model(4, seed=rank, optim=OptimConfig(), activation_checkpointing=case.get("checkpointing", True))
         calls = Recomputes(model)
         strategy = HeterMoEStrategy(mode=case["mode"], plan=case.get("plan"))
         t = trainer(strategy, world, max_steps=STEPS)
         t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
-        out.append({"state": {k: v.clone() for k, v in model.state_dict().items()}, "forwards": calls.calls})
+        out.append({"state": {k: v.clone() for k, v in model.state_dict().items()}, "forwards": calls.calls,
+                    "expert_forwards": calls.expert_calls})
     return out
 
 
 def test_checkpointed_blocks_train_like_stored_activations_in_every_mode():
     plan = make_test_plan(2, [0], R=2)
     cases = [dict(mode="ep"), dict(mode="zebra", plan=plan), dict(mode="distep", plan=plan)]
-    results = run_ranks(2, fit_checkpointed, 2, cases)
+    stored = [dict(case, checkpointing=False) for case in cases]
+    results = run_ranks(2, fit_checkpointed, 2, cases + stored)
+    for i, case in enumerate(cases):
+        # the experts' hidden activations are not kept either: every expert round (zebra's and
+        # distep's run outside the blocks) runs its experts again in its backward, on every rank
+        ckpt = [rank[i]["expert_forwards"] for rank in results]
+        plain = [rank[len(cases) + i]["expert_forwards"] for rank in results]
+        assert sum(plain) > 0 and ckpt == [2 * n for n in plain], (case["mode"], ckpt, plain)
+    results = [rank[:len(cases)] for rank in results]
     for case, got in zip(cases, results[0], strict=True):
         model = make_model(4, seed=0, optim=OptimConfig())  # the same model, activations stored
         initial = copy.deepcopy(model.state_dict())

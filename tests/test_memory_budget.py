@@ -148,9 +148,11 @@ def test_an_expert_rank_must_fit_its_optimizer_step_as_well_as_its_tokens_in_fli
     assert fused.expert_capacity(v100, tokens_in_flight_per_expert=0, mb_tokens_per_expert=0) == by_state
     assert default.expert_capacity(v100, tokens_in_flight_per_expert=0, mb_tokens_per_expert=0) == \
         int(v100.usable_bytes // (per_expert * 20)) < by_state
-    # enough tokens in flight that their saved inputs (2 fp16 rows each) outweigh the step's
-    # 4 bytes per parameter: the flight binds, with or without the step's temporaries
-    flight = 2 * per_expert / cfg.d_model
+    # enough tokens in flight that what they leave saved (2 fp16 rows each, and SwiGLU's
+    # gate and up) outweighs the step's 4 bytes per parameter: the flight binds, with or
+    # without the step's temporaries
+    assert default.expert_row_values() == 2 * cfg.d_model + 2 * cfg.moe.d_ff
+    flight = 4 * per_expert / default.expert_row_values()
     live = default.expert_bytes(tokens_in_flight_per_expert=flight)
     assert live == pytest.approx(per_expert * (16 + 8))
     for mem in (default, fused):
@@ -184,3 +186,36 @@ def test_data_centric_ranks_must_also_fit_their_optimizer_step():
     assert datacentric_step_time([roomy, roomy], cfg, **kw) > 0
     with pytest.raises(ValueError, match="at the optimizer step"):
         datacentric_step_time([between, between], cfg, **kw)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_routed_rows_saved_values_are_what_the_experts_keep(activation, recompute):
+    """The memory model's values per routed row in flight against what the experts' autograd
+    really saves for their backward (the round's record keeps the answer beside them)."""
+    import torch
+
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+    from lightning_hetermoe.moe.experts import Experts
+
+    d, f, E, M = 16, 48, 4, 64
+    cfg = ModelConfig(d_model=d, n_heads=2, moe=MoEConfig(num_experts=E, d_ff=f, activation=activation,
+                                                          recompute_activation=recompute))
+    experts = Experts(E, d, f, activation, False, backend="torch", recompute=recompute)
+    params = {p.data_ptr() for p in experts.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.is_floating_point() and t.data_ptr() not in params:
+            saved[t.data_ptr()] = t.numel()
+        return t
+
+    x = torch.randn(M, d, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(x, torch.randperm(M), torch.full((E,), M // E))
+    answer = d  # the round's record keeps the experts' output until the backward (zebra/expert_tasks.py)
+    assert sum(saved.values()) / M + answer == MemoryModel(cfg).expert_row_values()
+    # a model that checkpoints its blocks runs each round's experts again in its backward
+    # (tests/test_activation_checkpointing.py counts them): the round keeps its rows and answer
+    checkpointed = MemoryModel(dataclasses.replace(cfg, activation_checkpointing=True))
+    assert checkpointed.expert_row_values() == 2 * d

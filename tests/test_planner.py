@@ -437,8 +437,9 @@ def test_fewest_microbatches_is_the_first_r_whose_every_microbatch_fits(seqs, S,
     from lightning_hetermoe.profile.memory import MemoryModel
 
     a40, v100 = get_device("a40"), get_device("v100")
+    # the experts recompute their hidden activation: a routed row keeps its 2 rows of d_model
     m = ModelConfig(name="m", vocab_size=32000, d_model=2048, n_layers=8, n_heads=16, max_seq_len=32768,
-                    moe=MoEConfig(num_experts=8, top_k=2, d_ff=8192))
+                    moe=MoEConfig(num_experts=8, top_k=2, d_ff=8192, recompute_activation=True))
     mem = MemoryModel(m, optimizer_step_bytes_per_param=step_bytes)
     # DistEP: two A40s attend, two V100s hold the experts (4 per layer each); at 16K with
     # (5, 4) sequences R=3 deals 2+2 first (4 sequences to the experts), not ceil(9/3) = 3
@@ -519,6 +520,7 @@ def test_evened_out_attention_shares_give_a_faster_plan_on_very_unequal_devices(
     steps = {}
     for cell in (("d1", 16384), ("d2", 4096)):
         m = from_cfg(ModelConfig, OmegaConf.to_container(OmegaConf.load(os.path.join(conf, "model", f"{cell[0]}.yaml"))))
+        m = dataclasses.replace(m, activation_checkpointing=True)  # as the paper trained
         for gain in (planner.SHARES_GAIN, 0.0):  # 0: the evened-out shares are never tried
             old, planner.SHARES_GAIN = planner.SHARES_GAIN, gain
             try:
@@ -645,7 +647,9 @@ def _paper_cell(cluster_name: str, model_name: str):
     def load(group, name):
         return OmegaConf.to_container(OmegaConf.load(os.path.join(conf, group, f"{name}.yaml")))
 
-    return from_cfg(ClusterConfig, load("cluster", cluster_name)), from_cfg(ModelConfig, load("model", model_name))
+    # the model as the paper trained it: with activation checkpointing (recipes/paper.py)
+    model = dataclasses.replace(from_cfg(ModelConfig, load("model", model_name)), activation_checkpointing=True)
+    return from_cfg(ClusterConfig, load("cluster", cluster_name)), model
 
 
 def test_a_step_in_waves_is_the_plan_of_one_wave_run_that_many_times_with_one_tail():

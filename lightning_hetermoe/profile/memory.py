@@ -110,11 +110,23 @@ class MemoryModel:
         work += m.vocab_size * m.d_model * HEAD_GRAD_BYTES
         return state + ckpt + work
 
+    def expert_row_values(self) -> int:
+        """Values a routed row leaves on the rank whose expert ran it, until its backward: the
+        row as received and the expert's answer (the round's record), and the expert's hidden
+        activation, which its backward reads (``d_ff``, twice that for SwiGLU's gate and up):
+        none under ``moe.recompute_activation`` (the expert recomputes it) or activation
+        checkpointing (the round runs its experts again in its backward). At Mixtral's shape
+        the hidden activation is 7 of every 8 values."""
+        m, moe = self.model, self.model.moe
+        recomputed = moe.recompute_activation or m.activation_checkpointing
+        hidden = 0 if recomputed else moe.d_ff * (2 if moe.activation == "swiglu" else 1)
+        return 2 * self.model.d_model + hidden
+
     def expert_bytes(self, *, tokens_in_flight_per_expert: float) -> float:
-        """One expert (one layer): state + its saved inputs for the tokens in flight."""
+        """One expert (one layer): state + what its rows in flight leave saved."""
         return (
             self.expert_params() * self.bytes_per_param
-            + tokens_in_flight_per_expert * self.model.d_model * self.act_bytes * 2
+            + tokens_in_flight_per_expert * self.expert_row_values() * self.act_bytes
         )
 
     def expert_working_bytes(self, mb_tokens_per_expert: float) -> float:

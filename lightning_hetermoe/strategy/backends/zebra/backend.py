@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
-from ....model_contract import find_blocks
+from ....model_contract import checkpoints_activations, find_blocks
 
 from ....emulate.meter import uncovered
 from ....moe.balance import balance_loss_from_counts, routed_counts
@@ -181,6 +181,7 @@ class ZebraBackend(ParallelBackend):
         self.account_memory = False  # record the bytes the executor holds after each task
         self._step_grads: list[tuple[nn.Parameter, Tensor]] = []
         self._blocks: list[nn.Module] = []
+        self._recompute_experts = False  # the model checkpoints its blocks: so do the expert rounds
         self.bucket_bytes = BUCKET_BYTES  # the dense gradient sync's bucket size
         self.last_buckets = 0  # buckets the last dense gradient sync issued
         self._train_extras: list[str] | None = None  # see _extra_keys
@@ -196,6 +197,7 @@ class ZebraBackend(ParallelBackend):
         blocks = find_blocks(module)
         self.layers = [moe for _, _, moe in blocks]
         self._blocks = [b for _, b, _ in blocks]
+        self._recompute_experts = checkpoints_activations(module)
         if len(self.layers) != self.layout.num_layers:
             raise ZebraContractError(f"the plan is for {self.layout.num_layers} MoE layers, the model has "
                                      f"{len(self.layers)}")
@@ -222,7 +224,7 @@ class ZebraBackend(ParallelBackend):
                 layer.balance = ZebraBalance(l, self)
                 layer.real_tokens = ZebraRealTokens(self)
             self._cuts = BlockCuts([b for _, b, _ in blocks], self.layers)
-        self.experts = ExpertTasks(self.layout, self.layers, self.device)
+        self.experts = ExpertTasks(self.layout, self.layers, self.device, self._recompute_experts)
         self.applied = True
 
     def restore(self, module: nn.Module, gather: bool) -> None:
@@ -530,7 +532,7 @@ class ZebraBackend(ParallelBackend):
         self.layout.placement = placement.owners()
         self.plan.placement = [list(r) for r in self.layout.placement]
         self.experts.remove()
-        self.experts = ExpertTasks(self.layout, self.layers, self.device)
+        self.experts = ExpertTasks(self.layout, self.layers, self.device, self._recompute_experts)
 
     @property
     def holds_dense(self) -> bool:

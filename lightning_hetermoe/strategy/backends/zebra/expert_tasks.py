@@ -1,5 +1,12 @@
 """The experts a rank holds, run on what a round brings (expert ranks, and attention ranks
-that hold experts by Asym-EA). Each round is its own small graph, kept until its backward."""
+that hold experts by Asym-EA). Each round is its own small graph, kept until its backward.
+
+A round lies outside the blocks' activation checkpointing (the block is cut where its
+tokens leave), so where the model checkpoints its blocks a round checkpoints itself: it
+keeps the rows it received and its answer, and runs its experts again in its backward,
+as the block would under expert parallelism. Otherwise every expert's hidden activation
+(``d_ff`` per row, twice that for SwiGLU) stays for every token in flight, which under
+zebra is every token of the step: at Mixtral's shape 7 of every 8 values a round keeps."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 import lightning_hetermoe.comm as comm
 from ....moe.dispatch import scatter_to_slots
@@ -18,8 +26,8 @@ class ExpertTasks:
     """``work`` (a :class:`~.executor.WorkLog`) hears from the experts' own hooks when a
     round's experts really ran, forward and backward."""
 
-    def __init__(self, layout: Layout, layers: list, device: torch.device) -> None:
-        self.layout, self.layers = layout, layers
+    def __init__(self, layout: Layout, layers: list, device: torch.device, recompute: bool = False) -> None:
+        self.layout, self.layers, self.recompute = layout, layers, recompute
         self._running: tuple[Any, int, int] | None = None  # (work log, layer, mb) while experts run
         self._hooks = [layer.experts.register_forward_pre_hook(self._ran) for layer in layers]
         self.position: list[Tensor] = []  # [E] on the device: where expert e's rows go (attention side)
@@ -54,7 +62,11 @@ class ExpertTasks:
         inp = rows.detach().requires_grad_(torch.is_grad_enabled())
         self._running = (work, layer, mb)
         try:
-            y = self.layers[layer].experts(inp, by_expert, per_expert)
+            experts = self.layers[layer].experts
+            if self.recompute and torch.is_grad_enabled():
+                y = checkpoint(experts, inp, by_expert, per_expert, use_reentrant=False)
+            else:
+                y = experts(inp, by_expert, per_expert)
         finally:
             self._running = None
         out = scatter_to_slots(y, by_expert, rows.shape[0]) if rows.shape[0] else y
