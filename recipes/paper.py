@@ -2,7 +2,8 @@
 
     python recipes/paper.py [clusters=[o1] models=[d1] seq_lens=[16384]]
 
-For every cluster x model x sequence length, plans the model (zebra + Asym-EA) and
+For every cluster x model x sequence length, plans the model as the paper trained it (fp16,
+activation checkpointing: priced in every backward and in memory) with zebra + Asym-EA, and
 predicts tokens/s for zebra, DistEP, EP, EP with speed-proportional batches and
 EP(Ideal). Writes ``paper_table.csv`` (cluster,model,seq_len,schedule,tokens_per_s) and
 ``paper_table.md`` (our ratios next to the paper's) into the Hydra run directory.
