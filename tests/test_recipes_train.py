@@ -46,6 +46,22 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     assert emulation["faithful"] == (emulation["slip_fraction"] <= FAITHFUL_SLIP) and emulation["slip_fraction"] >= 0
     assert ("warning" in emulation) != emulation["faithful"]
     assert abs(summary["step_time_rel_error"]) < 0.25, summary
+    # every rank's memory prediction counts what its experts keep for their backward: each
+    # routed row of its ZP group's tokens (all in flight under zebra) leaves the row, the
+    # answer and SwiGLU's gate and up, in fp32 here; a rank without experts keeps none
+    import yaml
+
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    tiny = yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text())
+    seq_len = yaml.safe_load((ROOT / "conf" / "data" / "pydoc.yaml").read_text())["seq_len"]
+    moe, (group,) = tiny["moe"], plan["zp_groups"]
+    members = group["attention_ranks"] + group["expert_ranks"]
+    rows = sum(plan["seqs_per_rank"][r] for r in group["attention_ranks"]) * seq_len * moe["top_k"] / moe["num_experts"]
+    for report in summary["memory"]["ranks"]:
+        held = sum(members[q] == report["rank"] for layer in plan["placement"] for q in layer)
+        want = held * rows * (2 * tiny["d_model"] + 2 * moe["d_ff"]) * 4 / 1e9
+        assert report["predicted"]["expert_rows"] == pytest.approx(want, rel=1e-6), (report, held)
+    assert max(report["predicted"]["expert_rows"] for report in summary["memory"]["ranks"]) > 0
 
 
 @pytest.mark.slow

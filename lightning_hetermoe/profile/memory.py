@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from ..cluster.devices import DeviceSpec
-from ..configs import ModelConfig
+from ..configs import ModelConfig, MoEConfig
 
 # Bytes of dense gradients per all-reduce in zebra's gradient sync (DDP's default bucket
 # size); the strategy syncs in buckets of this size and the memory model prices one.
@@ -44,6 +44,14 @@ SMALL_STATE_BYTES = 2e9
 TRAINING_BYTES_PER_PARAM = 16
 # Adam's multi-tensor step: one fp32 square root of the second moment per parameter stepped.
 FOREACH_STEP_BYTES = 4.0
+
+
+def routed_row_values(d_model: int, moe: MoEConfig, checkpointed: bool) -> int:
+    """:meth:`MemoryModel.expert_row_values` of a layer of width ``d_model`` whose experts are
+    ``moe``, in a model that checkpoints its blocks or not."""
+    recomputed = moe.recompute_activation or checkpointed
+    hidden = 0 if recomputed else moe.d_ff * (2 if moe.activation == "swiglu" else 1)
+    return 2 * d_model + hidden
 
 
 def small_training_state(params: float) -> bool:
@@ -117,10 +125,7 @@ class MemoryModel:
         none under ``moe.recompute_activation`` (the expert recomputes it) or activation
         checkpointing (the round runs its experts again in its backward). At Mixtral's shape
         the hidden activation is 7 of every 8 values."""
-        m, moe = self.model, self.model.moe
-        recomputed = moe.recompute_activation or m.activation_checkpointing
-        hidden = 0 if recomputed else moe.d_ff * (2 if moe.activation == "swiglu" else 1)
-        return 2 * self.model.d_model + hidden
+        return routed_row_values(self.model.d_model, self.model.moe, self.model.activation_checkpointing)
 
     def expert_bytes(self, *, tokens_in_flight_per_expert: float) -> float:
         """One expert (one layer): state + what its rows in flight leave saved."""
@@ -218,6 +223,9 @@ class RankMemory:
     optimizer: float
     activations: float
     working: float
+    # what the experts this rank holds keep for their backward: each routed row in flight
+    # (MemoryModel.expert_row_values), the rank's tokens of the step at even routing
+    expert_rows: float = 0.0
     layer: float = 0.0  # one MoE layer's experts, whole (what data-centric gathers to compute); not added
     # the optimizer step's temporaries: a peak of their own, once the activations are gone
     step: float = 0.0
@@ -229,7 +237,7 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.state + max(self.activations + self.working, self.step)
+        return self.state + max(self.activations + self.expert_rows + self.working, self.step)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "state": self.state, "total": self.total}
@@ -237,7 +245,7 @@ class RankMemory:
     @classmethod
     def of(cls, *, dense_params: float, expert_params: float, dense_shards: int = 1, param_bytes: float = 4.0,
            optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0, layer: float = 0.0,
-           step: float | None = None) -> "RankMemory":
+           step: float | None = None, expert_rows: float = 0.0) -> "RankMemory":
         """From parameter counts: fp32 weights and gradients, the optimizer's
         ``optimizer_bytes`` per parameter (AdamW: 8), the dense part's split over
         ``dense_shards`` replicas (sharded optimizer state), and the optimizer step's
@@ -246,7 +254,7 @@ class RankMemory:
         held = dense_params + expert_params
         stepped = dense_params / max(dense_shards, 1) + expert_params
         return cls(weights=held * param_bytes, gradients=held * param_bytes, optimizer=stepped * optimizer_bytes,
-                   activations=activations, working=working, layer=layer,
+                   activations=activations, working=working, layer=layer, expert_rows=expert_rows,
                    step=stepped * FOREACH_STEP_BYTES if step is None else step)
 
 

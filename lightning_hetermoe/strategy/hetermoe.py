@@ -311,9 +311,39 @@ class HeterMoEStrategy(DDPStrategy):
             act = activation_bytes(describe_model(self.lightning_module), tokens_in_flight=tokens, mb_tokens=tokens / R,
                                    act_bytes=bytes_)
         shards = self._sharding.group.size if self._sharding is not None else 1
+        rows = self._expert_rows_bytes() if clock.bound else 0.0
         return predict_rank(self.lightning_module, self.backend.expert_pieces, mode=self.backend.schedule,
                             dense_shards=shards, optimizer_bytes=optimizer_bytes_per_param(self.optimizers),
-                            activations=act, step=optimizer_step_bytes(self.optimizers))
+                            activations=act, step=optimizer_step_bytes(self.optimizers), expert_rows=rows)
+
+    def _expert_rows_bytes(self) -> float:
+        """What the experts this rank holds keep for their backward at once, at even routing:
+        under zebra every token of its ZP group is in flight (DistEP: one micro-batch of them),
+        under ep one batch of every rank's; none under ep where the blocks are checkpointed
+        (the experts run inside them) or in data-centric mode (the layer is its block's)."""
+        from ..model_contract import checkpoints_activations, moe_layers
+        from ..moe.experts import Experts
+        from ..profile.memory import routed_row_values
+
+        act_bytes = 4 if precision_name(self.precision_plugin) == "32-true" else 2
+        clock, plan, schedule = self.clock, self.plan, self.backend.schedule
+        checkpointed = checkpoints_activations(self.lightning_module)
+        if schedule in ("zebra", "distep") and plan is not None:
+            group = next(g for g in plan.zp_groups if self.global_rank in g.members)
+            tokens = sum(plan.seqs_per_rank[r] for r in group.attention_ranks) * clock.run_seq_len
+            if schedule == "distep":
+                tokens /= max(plan.distep_microbatches, 1)
+        elif schedule == "ep" and not checkpointed:
+            tokens = clock.per_rank * clock.run_seq_len * self.world_size
+        else:
+            return 0.0
+        total = 0.0
+        for _, layer in moe_layers(self.lightning_module):
+            d_model = layer.experts.d_model
+            values = routed_row_values(d_model, layer.cfg, checkpointed) if isinstance(layer.experts, Experts) \
+                else 2 * d_model  # your own experts: the rows and answer (what they keep inside is theirs)
+            total += layer.experts.num_local_experts * tokens * layer.top_k / layer.num_experts * values
+        return total * act_bytes
 
     def check_memory(self, at: str) -> None:
         """This rank's peak against its budget (a :class:`MemoryBudgetError` past it)."""

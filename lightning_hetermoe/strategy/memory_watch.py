@@ -150,7 +150,8 @@ def optimizer_step_bytes(optimizers: list) -> float:
 
 
 def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense_shards: int,
-                 optimizer_bytes: float, activations: float, step: float | None = None) -> Any:
+                 optimizer_bytes: float, activations: float, step: float | None = None,
+                 expert_rows: float = 0.0) -> Any:
     """This rank's :class:`~lightning_hetermoe.profile.memory.RankMemory` from what it holds."""
     from ..model_contract import moe_layers
     from ..profile.memory import RankMemory, working_bytes
@@ -171,7 +172,7 @@ def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense
                             dense_bytes=dense_bytes)
     return RankMemory.of(dense_params=dense, expert_params=experts, dense_shards=dense_shards,
                          param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, activations=activations,
-                         working=working, layer=full_layer, step=step)
+                         working=working, layer=full_layer, step=step, expert_rows=expert_rows)
 
 
 class MemoryWatch:
