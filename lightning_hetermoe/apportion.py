@@ -21,6 +21,28 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return out
 
 
+def apportion_alike(total: int, blocks: Sequence[tuple[float, int]]) -> list[tuple[int, int]]:
+    """:func:`apportion` over units laid out block by block, every unit of a block alike
+    (``blocks``: ``(weight, units)``), without working unit by unit: per block, its units'
+    share and how many of them (its first) take one more. The same split as ``apportion`` of
+    the flat weights, to the unit: a block's units have one remainder, so the largest
+    remainders go block by block, ties to the earlier block (its units come first)."""
+    flat: list[float] = []
+    for w, n in blocks:
+        flat += [w] * n
+    if total < 0 or not flat or any(w < 0 for w, _ in blocks) or sum(flat) <= 0:
+        raise ValueError(f"apportion: cannot split {total} over weights {list(blocks)}")
+    s = sum(flat)  # summed unit by unit, as apportion does: the same float
+    raw = [total * w / s for w, _ in blocks]
+    base = [math.floor(x) for x in raw]
+    left = total - sum(b * n for b, (_, n) in zip(base, blocks))
+    plus = [0] * len(blocks)
+    for i in sorted(range(len(blocks)), key=lambda i: (-(raw[i] - base[i]), i)):
+        plus[i] = min(blocks[i][1], left)
+        left -= plus[i]
+    return list(zip(base, plus))
+
+
 def split_microbatches(n_seqs: int, R: int) -> list[int]:
     """``n_seqs`` whole sequences over ``R`` micro-batches, sizes differing by at most one
     (the first ones take the remainder)."""

@@ -220,3 +220,23 @@ def test_the_issue_case_plans_up_to_its_largest_batch():
     plan = make_plan(cluster, model, seq_len=4096, global_batch_tokens=64 * 4096)
     assert (plan.waves, plan.total_seqs, plan.global_batch_tokens) == (2, 32, 64 * 4096)
     assert plan_fits(plan, model, cluster, sharded=True)
+
+
+def test_apportioning_alike_ranks_block_by_block_is_apportioning_them_one_by_one():
+    """The layout search splits a group's sequences over its kinds of rank at once
+    (``apportion_alike``): the same split as over every rank, ties and zero shares included."""
+    import random
+
+    from lightning_hetermoe.apportion import apportion_alike
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        blocks = [(rng.choice([0.5, 1.0, 1.0, 2.0, 3.7, rng.random() * 5]), rng.randint(1, 9))
+                  for _ in range(rng.randint(1, 4))]
+        total = rng.randint(0, 60)
+        flat = apportion(total, [w for w, n in blocks for _ in range(n)])
+        got = [s for (base, plus), (_, n) in zip(apportion_alike(total, blocks), blocks)
+               for s in [base + 1] * plus + [base] * (n - plus)]
+        assert got == flat, (total, blocks)
+    with pytest.raises(ValueError, match="cannot split"):
+        apportion_alike(3, [(1.0, 0)])

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..apportion import apportion
+from ..apportion import apportion_alike
 from ..cluster.devices import DeviceSpec
 from ..profile.memory import MemoryModel, format_bytes
 
@@ -150,26 +151,32 @@ class LayoutSearch:
         if group_seqs < 1:
             return Verdict(Layout(a, G, R0), False, 0, self.need, 0.0, f"{total} sequences cannot feed {G} ZP groups",
                            shape=True)
-        attn = [k for k, x in zip(self.kinds, a, strict=True) for _ in range(x // G)]
+        # a group's attention ranks, kind by kind as the planner deals them, get their sequences
+        # in proportion to speed; ranks of a kind with as many sequences are alike
+        attn = [(k, x // G) for k, x in zip(self.kinds, a, strict=True) if x // G]
         experts = [(k, (n - x) // G) for k, n, x in zip(self.kinds, self.count, a, strict=True)]
-        seqs = apportion(group_seqs, [self.speed[k] for k in attn])
-        R = self.pin_R or min(self.max_R, max(seqs))
+        alike: Counter = Counter()
+        for (k, ranks), (base, plus) in zip(attn, apportion_alike(group_seqs, [(self.speed[k], n) for k, n in attn])):
+            alike[(k, base + 1)] += plus
+            alike[(k, base)] += ranks - plus
+        most = max(s for (_, s), ranks in alike.items() if ranks)
+        R = self.pin_R or min(self.max_R, most)
         lay = Layout(a, G, R)
-        if R > max(seqs):
+        if R > most:
             return Verdict(lay, False, 0, self.need, 0.0,
-                           f"num_microbatches={R} exceeds the {max(seqs)} sequences of the busiest attention rank",
+                           f"num_microbatches={R} exceeds the {most} sequences of the busiest attention rank",
                            shape=True)
         M_all = sum(a)
         mem_all = sum(self.spec[k].memory_gb * x for k, x in zip(self.kinds, a, strict=True))
         held, worst, caps = 0, None, {}  # caps: role -> experts one rank holds
-        for k, s in sorted(set(zip(attn, seqs))):
+        for (k, s), ranks in sorted((key, n) for key, n in alike.items() if n):  # one capacity per alike
             share = self.spec[k].memory_gb / mem_all if self.sharded and M_all > 1 else 1.0
             c = self._capacity(k, group_seqs, R, s, share)
             if c < 0:
                 over = self._attention_overflow(k, group_seqs, R, s, share)
                 if worst is None or over > worst[0]:
                     worst = (over, k, s, share)
-            held += c * sum(1 for kk, ss in zip(attn, seqs) if (kk, ss) == (k, s))
+            held += c * ranks
             caps.setdefault(f"{k} attention", []).append(c)
         if worst is not None:
             return Verdict(lay, False, 0, self.need, worst[0], self._attention_words(*worst[1:], M_all, group_seqs, R))
