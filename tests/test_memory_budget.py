@@ -219,3 +219,25 @@ def test_a_routed_rows_saved_values_are_what_the_experts_keep(activation, recomp
     # (tests/test_activation_checkpointing.py counts them): the round keeps its rows and answer
     checkpointed = MemoryModel(dataclasses.replace(cfg, activation_checkpointing=True))
     assert checkpointed.expert_row_values() == 2 * d
+
+
+def test_a_rounds_working_set_grows_with_the_experts_a_rank_holds_per_layer():
+    """A layer's experts compute as one grouped call over all their rows of a micro-batch: a
+    rank's working set is its share of experts per layer times one expert's, which holds per
+    row the hidden activation and its output (and their gradients); the hidden activation
+    once more where it is recomputed rather than kept with the rows in flight."""
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+
+    v100 = get_device("v100")
+    for activation, hidden in (("swiglu", 2 * 4096), ("gelu", 4096)):
+        for recompute in (False, True):
+            cfg = ModelConfig(d_model=1024, n_layers=8, moe=MoEConfig(num_experts=8, d_ff=4096, activation=activation,
+                                                                     recompute_activation=recompute))
+            mem = MemoryModel(cfg)
+            assert mem.expert_working_bytes(1000) == 1000 * 2 * (4096 + hidden + (hidden if recompute else 0))
+            flight, mb = 20000, 5000
+            each = mem.expert_bytes(tokens_in_flight_per_expert=flight) + mem.expert_working_bytes(mb) / 8
+            got = mem.expert_capacity(v100, tokens_in_flight_per_expert=flight, mb_tokens_per_expert=mb)
+            assert got == min(int(v100.usable_bytes // each), int(v100.usable_bytes // mem.expert_step_bytes()))
+            # the working set counts once per expert a layer holds, not once per rank
+            assert got < mem.expert_capacity(v100, tokens_in_flight_per_expert=flight, mb_tokens_per_expert=0)

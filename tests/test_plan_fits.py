@@ -10,8 +10,6 @@ dense optimizer state sharded over the attention ranks in proportion to their me
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
 import random
 
@@ -185,11 +183,11 @@ def test_pinned_choices_bound_the_largest_batch_as_in_the_brute_force(seed, pins
 
 def test_sharded_optimizer_state_fits_more():
     """ZeRO over the attention ranks frees their memory: never fewer sequences, and here more
-    (the blocks checkpointed, so that the state binds rather than the experts' activations)."""
-    model = dataclasses.replace(small_model(2, 4, 256), activation_checkpointing=True)
+    (here nothing plans with the dense optimizer state whole on every attention rank)."""
+    model = small_model(2, 4, 256)
     mem = MemoryModel(model)
     state = (mem.attention_stack_params() + 8 * mem.expert_params()) * 16 / 1e9
-    cluster = small_cluster(3, 3, round(state * 0.4, 4), round(state * 0.3, 4))
+    cluster = small_cluster(3, 3, round(state * 0.35, 4), round(state * 0.3, 4))
     whole = largest_batch(cluster, model, seq_len=SEQ, max_microbatches=MAX_R, shard_optimizer_state=False)
     sharded = largest_batch(cluster, model, seq_len=SEQ, max_microbatches=MAX_R, shard_optimizer_state=True)
     assert whole == brute_largest(model, cluster, False)

@@ -239,10 +239,9 @@ class LayoutSearch:
 
     def _attention_overflow(self, kind: str, group_seqs: int, R: int, seqs: int, share: float) -> float:
         dev = self.spec[kind]
-        m = self.mem.model
-        mb = math.ceil(group_seqs / R) * self.S * m.moe.top_k / m.moe.num_experts
+        # before any expert: an expert's working set is its own (MemoryModel.expert_capacity)
         need = self.mem.attention_bytes(tokens_in_flight=seqs * self.S, mb_tokens=math.ceil(seqs / R) * self.S,
-                                        optimizer_share=share) + self.mem.expert_working_bytes(mb)
+                                        optimizer_share=share)
         return need - dev.usable_bytes
 
     def _attention_words(self, kind: str, seqs: int, share: float, M_all: int, group_seqs: int, R: int) -> str:

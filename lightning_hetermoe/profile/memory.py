@@ -135,7 +135,15 @@ class MemoryModel:
         )
 
     def expert_working_bytes(self, mb_tokens_per_expert: float) -> float:
-        return mb_tokens_per_expert * self.model.moe.d_ff * self.act_bytes * 3
+        """One expert's part of its layer's round at its peak: a layer's experts run as one
+        grouped call over all their rows of a micro-batch, which holds per row the hidden
+        activation and its output (``d_ff``) and, in the backward, their gradients; the hidden
+        activation (``d_ff``, twice that for SwiGLU) counts once more where it is recomputed
+        there instead of kept with the rows in flight (:meth:`expert_row_values`)."""
+        moe = self.model.moe
+        hidden = moe.d_ff * (2 if moe.activation == "swiglu" else 1)
+        recomputed = moe.recompute_activation or self.model.activation_checkpointing
+        return mb_tokens_per_expert * (moe.d_ff + hidden + (hidden if recomputed else 0)) * self.act_bytes
 
     def dense_step_bytes(self, optimizer_share: float = 1.0) -> float:
         """An attention rank at its optimizer step: the attention stack's state (the part of
@@ -166,11 +174,12 @@ class MemoryModel:
         holds_attention: bool = False,
         optimizer_share: float = 1.0,
     ) -> int:
-        """Whole experts that fit on ``dev`` (n_max on attention ranks); -1 if even the rest does
-        not fit. They must fit twice: while the tokens are in flight (their saved inputs, the
-        working sets), and at the optimizer step (no activations; the step's temporaries over
-        everything the rank steps)."""
-        free = dev.usable_bytes - self.expert_working_bytes(mb_tokens_per_expert)
+        """Whole experts that fit on ``dev`` (n_max on attention ranks; all layers); -1 if even the
+        rest does not fit. They must fit twice: while the tokens are in flight (what their rows
+        leave saved, and the working set of one layer's round, whose experts compute together:
+        a layer's share of them, ``1 / n_layers`` each), and at the optimizer step (no
+        activations; the step's temporaries over everything the rank steps)."""
+        free = dev.usable_bytes
         at_step = dev.usable_bytes
         if holds_attention:
             free -= self.attention_bytes(tokens_in_flight=attention_tokens_in_flight, mb_tokens=attention_mb_tokens,
@@ -178,8 +187,9 @@ class MemoryModel:
             at_step -= self.dense_step_bytes(optimizer_share)
         if free < 0 or at_step < 0:
             return -1
-        return int(min(free // self.expert_bytes(tokens_in_flight_per_expert=tokens_in_flight_per_expert),
-                       at_step // self.expert_step_bytes()))
+        each = self.expert_bytes(tokens_in_flight_per_expert=tokens_in_flight_per_expert) \
+            + self.expert_working_bytes(mb_tokens_per_expert) / self.model.n_layers
+        return int(min(free // each, at_step // self.expert_step_bytes()))
 
     def fewest_microbatches(self, members: Sequence[tuple[DeviceSpec, int | None, int]], seq_len: int) -> int | None:
         """Fewest micro-batches with which every member fits, one micro-batch in flight
