@@ -67,6 +67,25 @@ def test_backward_is_three_forwards_with_checkpointing_and_two_without():
     assert attn("v100", 4096, backward=True) == pytest.approx(3 * attn("v100", 4096))
 
 
+def test_recomputing_the_hidden_activation_costs_the_up_projection_again():
+    """``moe.recompute_activation``: each expert backward forms the hidden activation again
+    (the up-projection), except inside a checkpointed block, which recomputes it anyway."""
+    from dataclasses import replace
+
+    from lightning_hetermoe.configs import workload_model
+    from lightning_hetermoe.profile import make_timer
+
+    dev = get_device("v100")
+    plain = workload_model("d1")
+    recompute = replace(plain, moe=replace(plain.moe, recompute_activation=True))
+    up = CostModel().gemm_time(dev, 8192, plain.d_model, 2 * plain.moe.d_ff)  # SwiGLU's gate and up
+    t, r = make_timer(plain, 4096), make_timer(recompute, 4096)
+    assert r.expert(dev, 8192) == t.expert(dev, 8192)
+    assert r.expert(dev, 8192, backward=True) == pytest.approx(t.expert(dev, 8192, backward=True) + up)
+    both = make_timer(replace(recompute, activation_checkpointing=True), 4096)
+    assert both.expert(dev, 8192, backward=True) == pytest.approx(3 * both.expert(dev, 8192))
+
+
 def test_a_timer_prices_the_recomputation_its_model_does():
     """A plan prices what the run does: left unset, the cost model takes the timed model's
     ``activation_checkpointing`` (as the memory model does); set, it holds."""

@@ -175,20 +175,29 @@ class CostModel:
         d_ff: int,
         activation: str = "swiglu",
         backward: bool = False,
+        recompute_hidden: bool = False,
     ) -> float:
-        """One expert MLP on ``tokens`` tokens (weights read once even for few tokens)."""
+        """One expert MLP on ``tokens`` tokens (weights read once even for few tokens).
+        ``recompute_hidden`` (``moe.recompute_activation``): its backward forms the hidden
+        activation again, the up-projection once more (within a checkpointed block's
+        recomputation already)."""
         if tokens <= 0:
             return 0.0
         if activation == "swiglu":
-            t = self.gemm_time(dev, tokens, d_model, 2 * d_ff) + self.gemm_time(dev, tokens, d_ff, d_model)
+            up = self.gemm_time(dev, tokens, d_model, 2 * d_ff)
+            t = up + self.gemm_time(dev, tokens, d_ff, d_model)
             t += self.elementwise_time(dev, 3 * tokens * d_ff * self.dtype_bytes)
         elif activation == "gelu":
-            t = self.gemm_time(dev, tokens, d_model, d_ff) + self.gemm_time(dev, tokens, d_ff, d_model)
+            up = self.gemm_time(dev, tokens, d_model, d_ff)
+            t = up + self.gemm_time(dev, tokens, d_ff, d_model)
             t += self.elementwise_time(dev, 2 * tokens * d_ff * self.dtype_bytes)
         else:
             raise ValueError(f"expert_time: activation={activation!r} is not one of ('swiglu', 'gelu')")
         t += dev.launch_overhead_s
-        return self._bwd(t) if backward else t
+        if not backward:
+            return t
+        again = up if recompute_hidden and not self.activation_checkpointing else 0.0
+        return self._bwd(t) + again
 
     def head_time(self, dev: DeviceSpec, *, tokens: float, d_model: int, vocab_size: int,
                   forward_only: bool = False) -> float:

@@ -44,8 +44,8 @@ class CostModelTimer:
     def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
         m = self.model
         return self.cost.expert_time(
-            dev, tokens=tokens, d_model=m.d_model, d_ff=m.moe.d_ff, activation=m.moe.activation, backward=backward
-        )
+            dev, tokens=tokens, d_model=m.d_model, d_ff=m.moe.d_ff, activation=m.moe.activation, backward=backward,
+            recompute_hidden=m.moe.recompute_activation)
 
     def head(self, dev: DeviceSpec, tokens: float, forward_only: bool = False) -> float:
         return self.cost.head_time(dev, tokens=tokens, d_model=self.model.d_model, vocab_size=self.model.vocab_size,
