@@ -157,9 +157,10 @@ class LayoutSearch:
         experts = [(k, (n - x) // G) for k, n, x in zip(self.kinds, self.count, a, strict=True)]
         alike: Counter = Counter()
         for (k, ranks), (base, plus) in zip(attn, apportion_alike(group_seqs, [(self.speed[k], n) for k, n in attn])):
-            alike[(k, base + 1)] += plus
-            alike[(k, base)] += ranks - plus
-        most = max(s for (_, s), ranks in alike.items() if ranks)
+            for s, n in ((base + 1, plus), (base, ranks - plus)):
+                if n:
+                    alike[(k, s)] += n
+        most = max(s for _, s in alike)
         R = self.pin_R or min(self.max_R, most)
         lay = Layout(a, G, R)
         if R > most:
@@ -169,7 +170,7 @@ class LayoutSearch:
         M_all = sum(a)
         mem_all = sum(self.spec[k].memory_gb * x for k, x in zip(self.kinds, a, strict=True))
         held, worst, caps = 0, None, {}  # caps: role -> experts one rank holds
-        for (k, s), ranks in sorted((key, n) for key, n in alike.items() if n):  # one capacity per alike
+        for (k, s), ranks in sorted(alike.items()):  # one capacity per alike
             share = self.spec[k].memory_gb / mem_all if self.sharded and M_all > 1 else 1.0
             c = self._capacity(k, group_seqs, R, s, share)
             if c < 0:

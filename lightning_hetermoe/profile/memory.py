@@ -46,12 +46,18 @@ TRAINING_BYTES_PER_PARAM = 16
 FOREACH_STEP_BYTES = 4.0
 
 
+def hidden_activation(moe: MoEConfig, checkpointed: bool) -> tuple[int, bool]:
+    """An expert's hidden activation per row (``d_ff``, twice that for SwiGLU's gate and up)
+    and whether its backward recomputes it (``moe.recompute_activation``, or a model that
+    checkpoints its blocks: its expert rounds too) instead of keeping it."""
+    return moe.d_ff * (2 if moe.activation == "swiglu" else 1), moe.recompute_activation or checkpointed
+
+
 def routed_row_values(d_model: int, moe: MoEConfig, checkpointed: bool) -> int:
     """:meth:`MemoryModel.expert_row_values` of a layer of width ``d_model`` whose experts are
     ``moe``, in a model that checkpoints its blocks or not."""
-    recomputed = moe.recompute_activation or checkpointed
-    hidden = 0 if recomputed else moe.d_ff * (2 if moe.activation == "swiglu" else 1)
-    return 2 * d_model + hidden
+    hidden, recomputed = hidden_activation(moe, checkpointed)
+    return 2 * d_model + (0 if recomputed else hidden)
 
 
 def small_training_state(params: float) -> bool:
@@ -140,10 +146,8 @@ class MemoryModel:
         activation and its output (``d_ff``) and, in the backward, their gradients; the hidden
         activation (``d_ff``, twice that for SwiGLU) counts once more where it is recomputed
         there instead of kept with the rows in flight (:meth:`expert_row_values`)."""
-        moe = self.model.moe
-        hidden = moe.d_ff * (2 if moe.activation == "swiglu" else 1)
-        recomputed = moe.recompute_activation or self.model.activation_checkpointing
-        return mb_tokens_per_expert * (moe.d_ff + hidden + (hidden if recomputed else 0)) * self.act_bytes
+        hidden, recomputed = hidden_activation(self.model.moe, self.model.activation_checkpointing)
+        return mb_tokens_per_expert * (self.model.moe.d_ff + hidden + (hidden if recomputed else 0)) * self.act_bytes
 
     def dense_step_bytes(self, optimizer_share: float = 1.0) -> float:
         """An attention rank at its optimizer step: the attention stack's state (the part of

@@ -301,8 +301,8 @@ class HeterMoEStrategy(DDPStrategy):
         from ..profile.memory import activation_bytes
 
         clock, act = self.clock, 0.0
+        bytes_ = 4 if precision_name(self.precision_plugin) == "32-true" else 2
         if clock.bound and self.backend.holds_dense:  # the run's own model and sequences (not an emulated workload's)
-            bytes_ = 4 if precision_name(self.precision_plugin) == "32-true" else 2
             tokens = clock.per_rank * clock.run_seq_len
             plan = self.plan if self.backend.schedule in ("zebra", "distep") else None
             if plan is not None:  # an attention rank runs its share of the global batch, R micro-batches in flight
@@ -311,12 +311,12 @@ class HeterMoEStrategy(DDPStrategy):
             act = activation_bytes(describe_model(self.lightning_module), tokens_in_flight=tokens, mb_tokens=tokens / R,
                                    act_bytes=bytes_)
         shards = self._sharding.group.size if self._sharding is not None else 1
-        rows = self._expert_rows_bytes() if clock.bound else 0.0
+        rows = self._expert_rows_bytes(bytes_) if clock.bound else 0.0
         return predict_rank(self.lightning_module, self.backend.expert_pieces, mode=self.backend.schedule,
                             dense_shards=shards, optimizer_bytes=optimizer_bytes_per_param(self.optimizers),
                             activations=act, step=optimizer_step_bytes(self.optimizers), expert_rows=rows)
 
-    def _expert_rows_bytes(self) -> float:
+    def _expert_rows_bytes(self, act_bytes: int) -> float:
         """What the experts this rank holds keep for their backward at once, at even routing:
         under zebra every token of its ZP group is in flight (DistEP: one micro-batch of them),
         under ep one batch of every rank's; none under ep where the blocks are checkpointed
@@ -325,7 +325,6 @@ class HeterMoEStrategy(DDPStrategy):
         from ..moe.experts import Experts
         from ..profile.memory import routed_row_values
 
-        act_bytes = 4 if precision_name(self.precision_plugin) == "32-true" else 2
         clock, plan, schedule = self.clock, self.plan, self.backend.schedule
         checkpointed = checkpoints_activations(self.lightning_module)
         if schedule in ("zebra", "distep") and plan is not None:
