@@ -23,13 +23,17 @@ class Recomputes:
     the experts' training forwards (so does every expert round, whichever rank runs it)."""
 
     def __init__(self, model) -> None:
-        self.calls = self.expert_calls = 0
+        self.calls = self.expert_calls = self.trained = self.recomputed = 0
         for block in model.model.blocks:
             block.register_forward_pre_hook(self.count)
             block.moe.experts.register_forward_pre_hook(self.count_experts)
 
     def count(self, module, args) -> None:
         self.calls += 1
+        if torch._C._current_graph_task_id() != -1:  # run again inside a backward
+            self.recomputed += 1
+        elif module.training and torch.is_grad_enabled():
+            self.trained += 1
 
     def count_experts(self, module, args) -> None:
         if module.training and torch.is_grad_enabled() and args[0].shape[0]:
@@ -45,7 +49,8 @@ def fit_checkpointed(rank: int, world: int, cases: list[dict]) -> list:
         t = trainer(strategy, world, max_steps=STEPS)
         t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
         out.append({"state": {k: v.clone() for k, v in model.state_dict().items()}, "forwards": calls.calls,
-                    "expert_forwards": calls.expert_calls})
+                    "expert_forwards": calls.expert_calls, "trained": calls.trained,
+                    "recomputed": calls.recomputed})
     return out
 
 
@@ -60,6 +65,12 @@ def test_checkpointed_blocks_train_like_stored_activations_in_every_mode():
         ckpt = [rank[i]["expert_forwards"] for rank in results]
         plain = [rank[len(cases) + i]["expert_forwards"] for rank in results]
         assert sum(plain) > 0 and ckpt == [2 * n for n in plain], (case["mode"], ckpt, plain)
+        # and every block's forward once more, not twice: under zebra and distep the gradient
+        # of the experts' answer is taken without recomputing the block (its backward does)
+        ckpt = [(rank[i]["trained"], rank[i]["recomputed"]) for rank in results]
+        plain = [(rank[len(cases) + i]["trained"], rank[len(cases) + i]["recomputed"]) for rank in results]
+        assert ckpt[0][0] > 0 and all(t == r for t, r in ckpt), (case["mode"], ckpt)
+        assert [t for t, _ in ckpt] == [t for t, _ in plain] and all(r == 0 for _, r in plain), (case["mode"], plain)
     results = [rank[:len(cases)] for rank in results]
     for case, got in zip(cases, results[0], strict=True):
         model = make_model(4, seed=0, optim=OptimConfig())  # the same model, activations stored

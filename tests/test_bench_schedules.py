@@ -13,11 +13,12 @@ def schedules_bench(monkeypatch, errors: dict[tuple[bool, float], float]):
     bench = load_bench("schedules")
     calls = []
 
-    def run_once(mix, clock, schedule, extra, slowdown):
+    def run_once(mix, clock, schedule, extra, slowdown, activations):
         frozen = all(o in extra for o in bench.FROZEN_WEIGHTS)
-        calls.append((frozen, slowdown))
+        calls.append((frozen, slowdown) if activations == "checkpointed" else (frozen, slowdown, activations))
         err = errors[(frozen, slowdown)]
-        return {"mix": mix, "clock": clock, "schedule": schedule, "measured_s": slowdown * (1 + err),
+        return {"mix": mix, "clock": clock, "schedule": schedule, "activations": activations,
+                "measured_s": slowdown * (1 + err),
                 "predicted_s": slowdown * 1.0, "rel_error": err, "predicted_at_load_s": None,
                 "rel_error_at_load": None, "overrun_fraction": 0.0, "slip_fraction": 0.0, "faithful": True,
                 "wall_s": 1.0}
@@ -44,3 +45,13 @@ def test_a_cell_within_reach_at_the_slower_clock_runs_no_control(monkeypatch):
     assert calls == [(False, 1.0), (False, 2.0)]
     assert row["rel_error"] == 0.03 and "frozen_weights_rel_error" not in row
     assert "frozen_weights_rel_error" not in bench.accuracy([row])["rerun_cells"]["l40s+t4 1+3 16K zebra"]
+
+
+def test_the_grid_checkpoints_its_blocks_and_a_stored_cell_keeps_them_through_its_reruns(monkeypatch):
+    bench, calls = schedules_bench(monkeypatch, {(False, 1.0): 0.061, (False, 2.0): 0.055, (True, 2.0): 0.016})
+    assert "model.activation_checkpointing=true" in bench.cell_overrides("a40+v100 1+1", "16K", "zebra")
+    assert not any("activation_checkpointing" in o
+                   for o in bench.cell_overrides("a40+v100 1+1", "16K", "zebra", activations="stored"))
+    row = bench.measure("a40+v100 1+1", "16K", "ep", activations="stored")
+    assert calls == [(False, 1.0, "stored"), (False, 2.0, "stored"), (True, 2.0, "stored")]
+    assert bench.cell_name(row) == "a40+v100 1+1 16K ep stored"

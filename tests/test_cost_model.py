@@ -207,10 +207,11 @@ def test_paper_trend_mix_against_4xa40():
     throughput bound is ~(2 + 2*0.8)/4 = 0.9 of 4xA40's while the experts can absorb the
     V100s (4K-16K), and lower at 32K where attention outweighs what two A40s can carry.
     The simulated HeterMoE-on-the-mix / EP-on-4xA40 ratio falls with the sequence length
-    from 4K to 32K (1.07, 1.01, 1.03, 0.87 since the planner splits a step into waves where
-    activations bind; 1.06, 1.00, 0.93, 0.80 before; 0.92, 0.87, 0.82, 0.74 before every
-    rank's experts answered a layer's micro-batches back to back): EP on 4xA40 hides more of
-    its fixed exchange as attention grows. The paper's 95% (arXiv 2504.03871, an average)
+    from 4K to 32K (1.19, 1.12, 1.12, 0.93 since EP's checkpointed blocks pay their
+    recompute's two exchanges; 1.07, 1.01, 1.03, 0.87 since the planner splits a step into
+    waves where activations bind; 1.06, 1.00, 0.93, 0.80 before; 0.92, 0.87, 0.82, 0.74
+    before every rank's experts answered a layer's micro-batches back to back): EP on 4xA40
+    hides more of its fixed exchange as attention grows. The paper's 95% (arXiv 2504.03871, an average)
     is below the cells up to 16K and above 32K's: see the doc for why."""
     got = {}
     for s in (4096, 16384, 32768):
@@ -221,10 +222,10 @@ def test_paper_trend_mix_against_4xa40():
     for s in (4096, 16384):
         assert 0.85 <= got[s][0] <= 0.93, got  # (2 + 2 * 0.8) / 4 = 0.9
     assert 0.75 <= got[32768][0] < got[16384][0] - 0.03, got
-    # the simulated trend: within +-6 points of 1.07 / 1.03 / 0.87, falling with S
-    assert 1.01 <= got[4096][1] <= 1.13, got
-    assert 0.97 <= got[16384][1] <= 1.09, got
-    assert 0.81 <= got[32768][1] <= 0.93, got
+    # the simulated trend: within +-6 points of 1.19 / 1.12 / 0.93, falling with S
+    assert 1.13 <= got[4096][1] <= 1.25, got
+    assert 1.06 <= got[16384][1] <= 1.18, got
+    assert 0.87 <= got[32768][1] <= 0.99, got
     assert got[4096][1] > got[16384][1] > got[32768][1], got
 
 

@@ -2,6 +2,7 @@
 process, and an emulated EP run on 2 gloo processes."""
 
 import json
+from dataclasses import replace
 import math
 import os
 import subprocess
@@ -37,9 +38,9 @@ def one_thread():
     torch.set_num_threads(prev)
 
 
-def tiny_model(seed: int = 0) -> MoELanguageModel:
+def tiny_model(seed: int = 0, **cfg) -> MoELanguageModel:
     torch.manual_seed(seed)
-    return MoELanguageModel(ModelConfig())
+    return MoELanguageModel(ModelConfig(**cfg))
 
 
 def batch(seed: int = 1):
@@ -51,7 +52,8 @@ def batch(seed: int = 1):
 def modelled_step(model: MoELanguageModel, out, device: str, scale: float) -> tuple[float, float]:
     """Forward and backward seconds the emulated device should take, from the cost model
     (the head, padded when the backward reaches the last block, counts as backward)."""
-    cm, dev, cfg = emulation_cost_model(), get_device(device), model.model_cfg
+    cfg = model.model_cfg
+    cm, dev = emulation_cost_model(activation_checkpointing=cfg.activation_checkpointing), get_device(device)
     tokens = 8 * 64
     fwd = 0.0
     bwd = cm.head_time(dev, tokens=tokens, d_model=cfg.d_model, vocab_size=cfg.vocab_size)
@@ -77,12 +79,16 @@ def timed_step(model, b, clock):
     return out, t1 - t0, t2 - t1
 
 
-def test_padding_makes_tasks_take_the_modelled_time(virtual_clock):
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["stored", "checkpointed"])
+def test_padding_makes_tasks_take_the_modelled_time(virtual_clock, checkpointed):
     """On a virtual clock (only padding takes time) each pass lasts exactly what the device
-    models: every task padded once, in the pass it belongs to."""
+    models: every task padded once, in the pass it belongs to. Checkpointed blocks run their
+    forward again inside the backward: the backward lasts the recomputing price (a forward
+    more per block), the recomputed attention and experts each padded as a task of their
+    own, nothing of it in the forward."""
     device = "t4"
     clock = virtual_clock(emulate_clock)
-    model, b = tiny_model(), batch()
+    model, b = tiny_model(activation_checkpointing=checkpointed), batch()
     cluster = ClusterConfig(name="one", devices=[device], emulate=True, time_scale=SCALE)
     handle = apply_emulation(model, cluster, 0, seq_len=64)
     timed_step(model, b, clock)  # warm-up (first calls are not warned about)
@@ -90,8 +96,12 @@ def test_padding_makes_tasks_take_the_modelled_time(virtual_clock):
     want_fwd, want_bwd = modelled_step(model, out, device, SCALE)
     assert fwd == pytest.approx(want_fwd, rel=1e-9) and bwd == pytest.approx(want_bwd, rel=1e-9), \
         (fwd, want_fwd, bwd, want_bwd)
+    if checkpointed:  # the stored backward and the blocks' forward once more
+        stored_fwd, stored_bwd = modelled_step(tiny_model(), out, device, SCALE)
+        assert bwd == pytest.approx(stored_bwd + stored_fwd, rel=1e-9) and fwd == pytest.approx(stored_fwd, rel=1e-9)
     stats = handle.emulator.summary()["tasks"]
-    assert stats["attention"]["count"] == 2 * 2 * 2 and stats["experts"]["count"] == 2 * 2 * 2
+    passes = 3 if checkpointed else 2  # per step and layer: forward, backward (and recompute)
+    assert stats["attention"]["count"] == 2 * 2 * passes and stats["experts"]["count"] == 2 * 2 * passes
     assert stats["head"]["count"] == 2 and stats["transfer"]["count"] == 0
     assert handle.emulator.needed_time_scale == 0.0  # no task overran: no warning was due
     handle.remove()
@@ -252,6 +262,13 @@ def test_workload_clock_times_the_workload_task_for_the_scaled_tokens():
     # only through launch overhead; what matters is that a rank holding hot experts pays for them
     assert em.experts([50, 10], backward=True) > em.experts([10, 10], backward=True) * 2.5
     assert em.transfer(100) == pytest.approx(2.0 * cm.comm_time(100 * 256 * 1024 * 2, cluster.link))
+    # what the run recomputes, the clock pays: a checkpointed run's backward a forward more
+    assert not w.model.activation_checkpointing and not w.model.moe.recompute_activation
+    recomputing = replace(run, activation_checkpointing=True, moe=replace(run.moe, recompute_activation=True))
+    w2 = emulated_workload(cluster, recomputing, 64)
+    assert w2.model.activation_checkpointing and w2.model.moe.recompute_activation
+    assert w2.timer.attention(v100, 16384, backward=True) == pytest.approx(
+        w.timer.attention(v100, 16384, backward=True) + w.timer.attention(v100, 16384))
 
 
 def test_bad_workload_is_rejected_naming_the_field():

@@ -114,6 +114,37 @@ def test_ep_slowest_rank_sets_the_pace_by_hand():
     assert res.tokens == 8 and res.tokens_per_s == pytest.approx(8 / 18.0)
 
 
+def test_checkpointed_ep_blocks_run_their_forward_and_both_exchanges_again_by_hand():
+    """An EP block's experts are inside it: checkpointed, its backward first recomputes the
+    attention, dispatch, experts and combine (the real exchanges again), then runs the
+    backward's own exchanges; the backward tasks are their recomputing price less a forward."""
+    from types import SimpleNamespace
+
+    class Checkpointed(FakeTimer):  # backward = 3 x forward (a forward recomputed), transfers 0.5
+        cost = SimpleNamespace(activation_checkpointing=True)
+
+        def attention(self, dev, tokens, backward=False):
+            return 1.5 * super().attention(dev, tokens, backward) if backward else super().attention(dev, tokens)
+
+        def expert(self, dev, tokens, backward=False):
+            return 1.5 * super().expert(dev, tokens, backward) if backward else super().expert(dev, tokens)
+
+        def comm(self, nbytes, link):
+            return 0.5 if nbytes > 0 else 0.0
+
+    lanes = [Lane(A40, [0], seqs=[1], experts=[1, 1], role="ep"), Lane(V100, [1], seqs=[1], experts=[1, 1], role="ep")]
+    setup = StepSetup(lanes=lanes, model=tiny_model(experts=2), seq_len=4, num_microbatches=1, link=LinkConfig())
+    # forward per layer: Af max(1, 2), Df .5, Xf 1, Cf .5 = 4 -> 8. Backward per layer: the
+    # recompute Ar max(1, 2), Dr .5, Xr 1, Cr .5, then Db .5, Xb 3 - 1, Cb .5, Ab 6 - 2 on the
+    # V100 = 11 -> 22: step 30 (priced without the recompute's exchanges it would be 28)
+    res = simulate_step(setup, Checkpointed(attn={"v100": 2.0}), "ep", keep_timeline=True)
+    assert res.step_time == pytest.approx(30.0)
+    start = starts(res)
+    assert start[("Dr1.0", "a")] == pytest.approx(10.0) and start[("Db1.0", "a")] == pytest.approx(12.0)
+    assert start[("Af0.0r", "1")] == pytest.approx(19.0)  # the V100's recompute of layer 0
+    assert res.busy[1] == pytest.approx(2 * (2 + 1) + 2 * (2 + 1 + 2 + 4))  # every forward once more, no more
+
+
 def test_transfers_and_tails_add_time():
     class Slow(FakeTimer):
         def comm(self, nbytes, link):
@@ -355,6 +386,24 @@ def test_the_data_centric_step_waits_at_every_layers_collectives():
     # each alone: 24.5 and 16.5 (the same walk with no one to wait for)
     assert _synchronised_step([experts_heavy], 2, 0.5, 0.5) == 24.5
     assert _synchronised_step([attention_heavy], 2, 0.5, 0.5) == 16.5
+
+
+def test_checkpointed_data_centric_blocks_gather_and_run_their_experts_again_by_hand():
+    """Checkpointed, a data-centric block's backward first runs its forward again: the
+    attention, a gather in step with the other ranks, the experts; then the experts' own
+    recompute gathers once more. The backward prices include the recompute (3 x forward)."""
+    from lightning_hetermoe.simulate.datacentric import _synchronised_step
+
+    experts_heavy = {"head": 0.0, "attn_fwd": [1.0, 1.0], "attn_bwd": [3.0, 3.0], "experts_fwd": [3.0, 3.0],
+                     "experts_bwd": [9.0, 9.0]}
+    attention_heavy = {"head": 0.0, "attn_fwd": [2.0, 2.0], "attn_bwd": [6.0, 6.0], "experts_fwd": [1.0, 1.0],
+                       "experts_bwd": [3.0, 3.0]}
+    # forward as above: 9.5 and 6.5. Backward, layer 1: recomputed attention to 10.5 and 8.5,
+    # gather 10.5 -> 11, experts to 14 and 12; gather 14 -> 14.5, experts (a forward and the
+    # backward less the forward already run) to 23.5 and 17.5, scatter -> 24, attention (its
+    # backward less the recompute) to 26 and 28. Layer 0: to 27 and 30, gather -> 30.5,
+    # experts to 33.5 and 31.5, gather -> 34, to 43 and 37, scatter -> 43.5, to 45.5 and 47.5
+    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5, recompute=True) == 47.5
 
 
 def test_issue_order_puts_the_next_dispatch_first_only_where_it_is_safe():

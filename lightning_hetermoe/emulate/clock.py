@@ -8,7 +8,9 @@ run (tiny shapes, where launch overhead dominates and device kinds barely differ
 ``emulate_workload: {model: d1, seq_len: 16384}`` it is timed as the matching task of that
 workload: the workload's widths (``d_model``, heads, ``d_ff``, activation, vocabulary) at
 its sequence length, on the run's own depth, expert count and ``top_k`` (give the tiny
-model the workload's ``n_layers``/``num_experts``/``top_k`` to stand for the whole of it).
+model the workload's ``n_layers``/``num_experts``/``top_k`` to stand for the whole of it),
+recomputing what the run recomputes (``activation_checkpointing``: each block's forward once
+more inside its backward; ``moe.recompute_activation``: the experts' hidden activation).
 
 **The token mapping.** One sequence of the run stands for one workload sequence: every
 token the run really handled counts ``token_scale = workload seq_len / run seq_len``
@@ -33,12 +35,11 @@ from ..configs import ModelConfig, workload_model
 
 
 def emulation_cost_model(**overrides: Any):
-    """The cost model emulated ranks use: no activation checkpointing (the CPU job has none)."""
+    """The cost model emulated ranks use. Its recomputation is the timed model's (a timer
+    fills ``activation_checkpointing`` in): what the CPU job recomputes, the clock pays."""
     from ..profile.cost_model import CostModel
 
-    kw = {"activation_checkpointing": False}
-    kw.update(overrides)
-    return CostModel(**kw)
+    return CostModel(**overrides)
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,13 @@ def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) ->
     else:
         work = workload_model(spec["model"])
         seq_len = int(spec["seq_len"])
+        # the widths are the workload's; what the run does with them (depth, experts, routing,
+        # what its backward recomputes) is the run's, or the clock would time other work
         moe = replace(work.moe, num_experts=run_model.moe.num_experts, top_k=run_model.moe.top_k,
-                      aux_loss_coef=run_model.moe.aux_loss_coef, capacity_factor=run_model.moe.capacity_factor)
-        model = replace(work, n_layers=run_model.n_layers, max_seq_len=max(work.max_seq_len, seq_len), moe=moe)
+                      aux_loss_coef=run_model.moe.aux_loss_coef, capacity_factor=run_model.moe.capacity_factor,
+                      recompute_activation=run_model.moe.recompute_activation)
+        model = replace(work, n_layers=run_model.n_layers, max_seq_len=max(work.max_seq_len, seq_len), moe=moe,
+                        activation_checkpointing=run_model.activation_checkpointing)
         scale = seq_len / run_seq_len
     return EmulatedWorkload(model, seq_len, scale, make_timer(model, seq_len,
                                                               cost=emulation_cost_model(precision=precision)))

@@ -34,10 +34,16 @@ the dispatcher's ``exchange``, and identity autograd functions that timestamp (a
 the backward at task boundaries. :func:`apply_emulation` returns a handle whose
 ``remove()`` restores the model exactly; applying again replaces the previous install.
 
-The emulated GPU runs the configured model in ``CostModel.dtype_bytes`` precision and,
-since the CPU job does not checkpoint activations, backward = ``backward_factor`` x
-forward (``CostModel(activation_checkpointing=False)``): ``emulation_cost_model`` is that
-model, and the simulator must be given the same one to predict an emulated run.
+**Checkpointed blocks** (the model recomputes each block's forward inside its backward):
+the recomputed forward is its tasks' backward work, as the clock prices it (a backward of
+``backward_factor + 1`` forwards). Its attention runs inside the block's backward task;
+its experts' forward is a segment of the experts' backward task; its two exchanges are
+transfers of their own (the simulator's EP graph has them), during which the block's
+backward pauses. Nothing of the recompute is padded as a forward.
+
+The emulated GPU runs the configured model in ``CostModel.dtype_bytes`` precision and
+recomputes what the run recomputes (:func:`~.clock.emulation_cost_model` takes the timed
+model's flags); the simulator must be given the same cost model to predict an emulated run.
 """
 
 from __future__ import annotations
@@ -82,11 +88,12 @@ class _BlockCall:
     """The attention task of one forward call of one block, forward and backward."""
 
     __slots__ = ("em", "layer", "fwd_start", "fwd_padded", "fwd_model", "bwd_model", "bwd_segments", "bwd_since",
-                 "fwd_end", "head_model")
+                 "fwd_end", "head_model", "running")
 
     def __init__(self, em: Emulator, layer: int, fwd_model: float, bwd_model: float,
-                 head_model: float | None = None) -> None:
+                 head_model: float | None = None, running: dict[int, "_BlockCall"] | None = None) -> None:
         self.em, self.layer = em, layer
+        self.running = running  # each layer's call whose backward is under way
         self.head_model = head_model  # the last block pads the head (everything after it)
         self.fwd_end: Any = None
         self.fwd_start = em.now()
@@ -106,6 +113,8 @@ class _BlockCall:
         if self.head_model is not None:  # head forward + loss + head backward ran since fwd_end
             self.em.pad("head", "head", self.fwd_end, self.head_model)
         self.bwd_segments, self.bwd_since = [], self.em.now()
+        if self.running is not None:
+            self.running[self.layer] = self
 
     def bwd_pause(self) -> None:  # an expert-path task begins its backward
         if self.bwd_since is not None:
@@ -119,6 +128,39 @@ class _BlockCall:
         since = self.bwd_since if self.bwd_since is not None else self.em.now()
         self.em.pad("attention", (self.layer, "bwd"), since, self.bwd_model, earlier=self.bwd_segments)
         self.bwd_since = None
+        if self.running is not None and self.running.get(self.layer) is self:
+            del self.running[self.layer]
+
+
+class _Recompute:
+    """A checkpointed block's forward run again inside ``call``'s backward, timed as the
+    simulator's EP graph has it: its attention a task of the forward's time, padded when
+    the expert path starts (before the exchange that waits for the other ranks, as in the
+    forward), the rest of the block's backward the backward's price less that."""
+
+    __slots__ = ("call", "padded")
+
+    def __init__(self, call: _BlockCall) -> None:
+        self.call, self.padded = call, False
+
+    def enter_expert_path(self) -> None:
+        if not self.padded:
+            self.padded = True
+            c = self.call
+            c.bwd_pause()
+            c.em.pad("attention", (c.layer, "recompute"), c.em.now(), c.fwd_model, earlier=c.bwd_segments)
+            c.bwd_segments = []
+            c.bwd_model = max(c.bwd_model - c.fwd_model, 0.0)
+
+    def bwd_pause(self) -> None:
+        self.call.bwd_pause()
+
+    def bwd_resume(self) -> None:
+        self.call.bwd_resume()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class EmulationHandle:
@@ -163,35 +205,66 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
     from ..model_contract import find_blocks
 
     blocks = [(block, moe) for _, block, moe in find_blocks(model)]
-    current: list[_BlockCall] = []  # stack of block calls in flight (forward)
+    current: list[_BlockCall | _Recompute] = []  # stack of block calls in flight (forward, or recomputed)
+    running: dict[int, _BlockCall] = {}  # each layer's call whose backward is under way
+
+    def settled(fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` at a backward mark of the forward's graph, once any recompute is over: a
+        checkpoint stops recomputing as soon as it has every tensor it dropped, so a
+        recomputed block may never reach its forward hook to leave the stack."""
+        def run() -> None:
+            while current and isinstance(current[-1], _Recompute):
+                current.pop()
+            fn()
+        return run
 
     for layer_idx, (block, moe) in enumerate(blocks):
         last = head and layer_idx == len(blocks) - 1
 
         def block_pre(mod, args, kwargs, layer_idx=layer_idx, last=last):
             x = args[0]
+            if _in_backward() and layer_idx in running:  # checkpointed: the forward again, in its backward
+                current.append(_Recompute(running[layer_idx]))
+                return None
+            settled(lambda: None)()
             tokens = x.numel() // x.shape[-1]
             call = _BlockCall(em, layer_idx, em.attention(tokens), em.attention(tokens, backward=True),
-                              em.head(tokens) if last else None)
+                              em.head(tokens) if last else None, running)
             current.append(call)
-            return (_mark(x, call.bwd_end),) + tuple(args[1:]), kwargs
+            return (_mark(x, settled(call.bwd_end)),) + tuple(args[1:]), kwargs
 
         def block_post(mod, args, kwargs, output):
             call = current.pop()
+            if isinstance(call, _Recompute):
+                return None
             call.enter_expert_path()  # no expert path ran (e.g. empty input): pad here
             call.fwd_end = em.now()
             if isinstance(output, tuple):
-                return (_mark(output[0], call.bwd_start),) + output[1:]
-            return _mark(output, call.bwd_start)
+                return (_mark(output[0], settled(call.bwd_start)),) + output[1:]
+            return _mark(output, settled(call.bwd_start))
+
+        def moe_pre(mod, args):
+            call = current[-1] if current else None
+            if isinstance(call, _Recompute):
+                # the recomputed attention ends here: what follows up to the expert path (the
+                # routing, the count exchange that waits for the other ranks) is no task's,
+                # as in the forward, where it runs before the attention is padded
+                call.bwd_pause()
 
         handle._hooks.append(block.register_forward_pre_hook(block_pre, with_kwargs=True))
         handle._hooks.append(block.register_forward_hook(block_post, with_kwargs=True))
+        handle._hooks.append(moe.register_forward_pre_hook(moe_pre))
 
         experts = moe.experts
         state: dict[str, Any] = {}
 
         def experts_pre(mod, args, kwargs, layer_idx=layer_idx, state=state):
             call = current[-1] if current else None
+            if isinstance(call, _Recompute):  # the experts' forward again: a task of its own
+                call.enter_expert_path()
+                call.bwd_pause()
+                state["recompute"] = (em.now(), [int(c) for c in args[2].tolist()])
+                return None
             if call is not None:
                 call.enter_expert_path()
             x, _, counts = args[0], args[1], args[2]
@@ -199,14 +272,23 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
             state["rec"] = rec
 
             def bwd_in(rec=rec):  # gradient left the experts: the task is over
-                modelled = em.experts(rec["counts"], backward=True)
+                modelled = em.experts(rec["counts"], backward=True) - rec.get("recomputed", 0.0)
                 em.pad("experts", (layer_idx, "bwd"), rec["bwd_t0"] if "bwd_t0" in rec else em.now(), modelled)
                 if rec["call"] is not None:
                     rec["call"].bwd_resume()
 
-            return (_mark(x, bwd_in),) + tuple(args[1:]), kwargs
+            return (_mark(x, settled(bwd_in)),) + tuple(args[1:]), kwargs
 
         def experts_post(mod, args, kwargs, output, layer_idx=layer_idx, state=state):
+            call = current[-1] if current else None
+            if isinstance(call, _Recompute) and "recompute" in state:
+                t0, counts = state.pop("recompute")
+                modelled = em.experts(counts)
+                em.pad("experts", (layer_idx, "recompute"), t0, modelled)
+                if "forward" in state:  # paid here, not in the experts' backward
+                    state["forward"]["recomputed"] = state["forward"].get("recomputed", 0.0) + modelled
+                call.bwd_resume()
+                return None
             rec = state.pop("rec")
             modelled = em.experts(rec["counts"])
             em.pad("experts", (layer_idx, "fwd"), rec["t0"], modelled)
@@ -222,14 +304,14 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
                     rec["call"].bwd_pause()
                 rec["bwd_t0"] = em.now()
 
-            return _mark(output, bwd_out)
+            return _mark(output, settled(bwd_out))
 
         handle._hooks.append(experts.register_forward_pre_hook(experts_pre, with_kwargs=True))
         handle._hooks.append(experts.register_forward_hook(experts_post, with_kwargs=True))
 
         disp = moe.dispatcher
         if hasattr(disp, "exchange"):
-            _wrap_exchange(handle, moe, disp, layer_idx, current)
+            _wrap_exchange(handle, moe, disp, layer_idx, current, settled)
         elif hasattr(disp, "weights") and isinstance(em, Emulator):
             _wrap_gathers(handle, disp, layer_idx, current)
     _INSTALLED[model] = handle
@@ -258,6 +340,8 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
     def gathered(names, tensors):
         parts["n"] = len(names)
         in_backward = torch._C._current_graph_task_id() != -1
+        if current and isinstance(current[-1], _Recompute):  # a checkpointed block's: its attention first
+            current[-1].enter_expert_path()
         call = current[-1] if current and not in_backward else None
         if call is not None:
             call.enter_expert_path()
@@ -290,15 +374,24 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
     handle._exchanges.append(disp)
 
 
-def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: list[_BlockCall]) -> None:
+def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: list[_BlockCall],
+                   settled: Callable[[Callable[[], None]], Callable[[], None]]) -> None:
     em = handle.emulator
     original = disp.exchange  # bound method
 
     def exchange(x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
         call = current[-1] if current else None
+        seconds = em.exchange_seconds(disp.group.ranks, send_splits, recv_splits)
+        if isinstance(call, _Recompute):  # a transfer of its own inside the block's backward
+            call.enter_expert_path()
+            call.bwd_pause()
+            started = em.now()
+            out = original(x, send_splits, recv_splits)
+            em.transfer_done((layer_idx, "recompute"), started, seconds)
+            call.bwd_resume()
+            return out
         if call is not None:
             call.enter_expert_path()
-        seconds = em.exchange_seconds(disp.group.ranks, send_splits, recv_splits)
 
         bwd = {}
 
@@ -313,9 +406,9 @@ def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: 
             bwd["t0"] = em.now()
 
         started = em.now()
-        out = original(_mark(x, bwd_in), send_splits, recv_splits)
+        out = original(_mark(x, settled(bwd_in)), send_splits, recv_splits)
         em.transfer_done((layer_idx, "fwd"), started, seconds)
-        return _mark(out, bwd_out)
+        return _mark(out, settled(bwd_out))
 
     disp.exchange = exchange
     handle._exchanges.append(disp)

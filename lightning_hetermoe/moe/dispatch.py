@@ -7,9 +7,10 @@ the layer knows without reading the device that every choice is kept (a router t
 declines one, no capacity limit, no padding): then how many rows the experts get is known
 on the host, and a dispatcher that needs no split sizes (:class:`LocalDispatcher`) runs
 without a host sync. The layer weights and
-sums them. :class:`LocalDispatcher` runs every expert here; a parallel strategy swaps in
-its own from outside (expert parallelism's all-to-all, the zebra executor's rounds), built
-on the sorting helpers below.
+sums them (:func:`weighted_sum`), or the dispatcher does where it has a ``combine(slots,
+weights)`` of its own (the zebra executor's: see its ``combine`` module). :class:`LocalDispatcher`
+runs every expert here; a parallel strategy swaps in its own from outside (expert
+parallelism's all-to-all, the zebra executor's rounds), built on the sorting helpers below.
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ def split_over_copies(indices: Tensor, keep: Tensor, copy_position: Tensor, copy
 def scatter_to_slots(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
     out = rows.new_zeros(num_slots, rows.shape[-1])
     return out.index_copy(0, slot, rows)
+
+
+def weighted_sum(slots: Tensor, weights: Tensor) -> Tensor:
+    """Each token's output: its ``k`` choices' rows (``slots [T * k, d]``) weighed by the
+    router (``weights [T, k]``) and summed, ``[T, d]``."""
+    T, k = weights.shape
+    return (slots.view(T, k, slots.shape[-1]) * weights.unsqueeze(-1)).sum(1)
 
 
 class LocalDispatcher:

@@ -23,7 +23,7 @@ from ..configs import MoEConfig
 from ..kernels.activation import forward as activate
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 from .capacity import apply_capacity
-from .dispatch import LocalDispatcher
+from .dispatch import LocalDispatcher, weighted_sum
 from .experts import Experts
 from .balance import LocalBalance, count_per_expert
 from .module_experts import ModuleExperts
@@ -145,7 +145,8 @@ class MoELayer(nn.Module):
         every_kept = real is None and self.cfg.capacity_factor <= 0 and not self.router.declines
         slots = self.dispatcher(x, r.indices, None if every_kept else r.keep, self.experts)
         weights = (r.weights * r.keep).to(slots.dtype)
-        y = (slots.view(x.shape[0], self.top_k, slots.shape[-1]) * weights.unsqueeze(-1)).sum(1)
+        combine = getattr(self.dispatcher, "combine", None)
+        y = combine(slots, weights) if combine is not None else weighted_sum(slots, weights)
         if shared is not None:
             y = y + shared
         # a balance object of the user's own may not know of padding: asked with it only where there is some

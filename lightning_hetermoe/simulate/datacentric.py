@@ -80,7 +80,7 @@ def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq
     # ranks alike in device and share clock alike: the synchronised step over the distinct
     # ones is the step over all of them
     work = [_rank_work(d, n * seq_len, model, timer, expert_load) for d, n in dict.fromkeys(zip(devs, seqs))]
-    slowest = _synchronised_step(work, L, move, scatter)
+    slowest = _synchronised_step(work, L, move, scatter, recompute=bool(timer.cost.activation_checkpointing))
     tail = timer.grad_sync(mem.attention_stack_params(), W, link) + max(
         timer.optimizer(d, mem.attention_stack_params() + L * E * mem.expert_params() * d.memory_gb / total_memory)
         for d in kinds)
@@ -102,14 +102,18 @@ def _rank_work(d: DeviceSpec, tokens: int, model: ModelConfig, timer,
     return out
 
 
-def _synchronised_step(work: list[dict], L: int, move: float, scatter: float) -> float:
+def _synchronised_step(work: list[dict], L: int, move: float, scatter: float, recompute: bool = False) -> float:
     """Each rank's clock through one step, the collectives synchronising them layer by layer:
     a layer's gather completes ``move`` after the last rank issued it (the forward's is
     issued as the previous layer's experts start, so it hides behind them); in the backward
     every rank gathers again, recomputes and runs its experts' backward, then the
     reduce-scatter starts when the last rank reaches it, and the block's backward follows.
     Per-rank sums would miss the waits: a rank with more expert work and less attention
-    than another waits for it at every layer's reduce-scatter, and the other at the next."""
+    than another waits for it at every layer's reduce-scatter, and the other at the next.
+
+    ``recompute``: the blocks are checkpointed, so a block's backward first runs its forward
+    again: the attention, a gather and the experts (whose own recompute then gathers once
+    more); the backward tasks are what is left of their recomputing price."""
     clock = [0.0] * len(work)
     issued = None  # when the last rank issued the next layer's gather
     for l in range(L):
@@ -120,8 +124,12 @@ def _synchronised_step(work: list[dict], L: int, move: float, scatter: float) ->
         clock = [s + w["experts_fwd"][l] for s, w in zip(start, work)]
     clock = [c + w["head"] for c, w in zip(clock, work)]
     for l in reversed(range(L)):
+        again = [(w["attn_fwd"][l], w["experts_fwd"][l]) if recompute else (0.0, 0.0) for w in work]
+        if recompute:  # the block's forward once more, its gather in step with the other ranks
+            gathered = max(c + a for c, (a, _) in zip(clock, again)) + move
+            clock = [gathered + x for _, x in again]
         gathered = max(clock) + move  # the backward gathers the layer again
-        reached = [gathered + w["experts_fwd"][l] + w["experts_bwd"][l] for w in work]
+        reached = [gathered + w["experts_fwd"][l] + w["experts_bwd"][l] - x for w, (_, x) in zip(work, again)]
         scattered = max(reached) + scatter
-        clock = [scattered + w["attn_bwd"][l] for w in work]
+        clock = [scattered + w["attn_bwd"][l] - a for w, (a, _) in zip(work, again)]
     return max(clock)

@@ -11,6 +11,8 @@ COLORS = {
     "attn_bwd": "#8da0cb",
     "expert_fwd": "#dd8452",
     "expert_bwd": "#fdb87d",
+    "attn_re": "#6f8fc4",  # a checkpointed EP block's forward again, in its backward
+    "expert_re": "#e9a06b",
     "head": "#55a868",
     "dispatch": "#937860",
     "combine": "#c44e52",

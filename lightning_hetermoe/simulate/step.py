@@ -46,7 +46,7 @@ from ..task_order import Round, Schedule, Task as ScheduleTask, awaited_round, e
 from . import copies
 from .engine import Task, Timeline, run_dag
 
-COMPUTE_KINDS = ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd", "head")
+COMPUTE_KINDS = ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd", "head", "attn_re", "expert_re")
 
 
 @dataclass
@@ -757,16 +757,24 @@ def _schedule_tasks(setup: StepSetup, timer, every_gate: bool = False
 
 
 LABELS = {"attn_fwd": "Af", "expert_fwd": "Xf", "head": "H", "expert_bwd": "Xb", "attn_bwd": "Ab"}
+# EP's checkpointed blocks: the forward task each recompute repeats
+RECOMPUTED = {"attn_re": "attn_fwd", "expert_re": "expert_fwd"}
 
 
 def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list[LateHeader]]:
     """EP: every rank attends and hosts experts; micro-batches one after another. The
     all-to-alls are synchronous (one task for every rank); each rank picks its ready tasks
     by priority: at the top layer a micro-batch's forward, head and backward back to back,
-    below it forward by layer and backward down the layers."""
+    below it forward by layer and backward down the layers.
+
+    Where blocks are checkpointed (the timer's cost model recomputes), a block's backward
+    first runs its forward again, experts and both exchanges included (an EP block's
+    experts are inside it): attention, dispatch, experts, combine, then the backward's own
+    exchanges; the backward tasks are what is left of their recomputing price."""
     L, R = setup.model.n_layers, setup.num_microbatches
     lanes = setup.lanes
     times = TaskTimes(setup, timer)
+    recompute = bool(getattr(getattr(timer, "cost", None), "activation_checkpointing", False))
     att = [i for i, lane in enumerate(lanes) if lane.has_attention]
     hosts = [[i for i, lane in enumerate(lanes) if lane.experts[l]] for l in range(L)]
     tasks: list[Task] = []
@@ -778,12 +786,24 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list
         tasks.append(Task(name, resource, duration, [ids[d] for d in deps], priority, kind, l, j))
         ids[key] = len(tasks) - 1
 
+    def duration(i: int, kind: str, l: int, j: int) -> float:
+        if kind in RECOMPUTED:  # the forward once more
+            return times(i, RECOMPUTED[kind], l, j)
+        own = times(i, kind, l, j)
+        if recompute and kind in ("attn_bwd", "expert_bwd"):  # its recompute is a task of its own
+            return max(own - times(i, kind.replace("bwd", "fwd"), l, j), 0.0)
+        return own
+
     def compute(kind: str, on: list[int], l: int, j: int, deps) -> None:
-        sub = list(LABELS).index(kind)
-        priority = (l, j, sub) if l == L - 1 else (l, sub, j) if sub < 2 else (2 * L - l, sub - 3, j)
-        name = f"H.{j}" if kind == "head" else f"{LABELS[kind]}{l}.{j}"
+        if kind in RECOMPUTED:
+            priority, name = (2 * L - l, -1, j), f"{LABELS[RECOMPUTED[kind]]}{l}.{j}r"
+        else:
+            sub = list(LABELS).index(kind)
+            priority = (l, j, sub) if l == L - 1 else (l, sub, j) if sub < 2 else (2 * L - l, sub - 3, j)
+            name = f"H.{j}" if kind == "head" else f"{LABELS[kind]}{l}.{j}"
         for i in on:
-            add((kind, i, l, j), name, lane_resource(i, lanes[i]), times(i, kind, l, j), deps(i), priority, kind, l, j)
+            add((kind, i, l, j), name, lane_resource(i, lanes[i]), duration(i, kind, l, j), deps(i), priority,
+                kind, l, j)
 
     def exchange(kind: str, phase: str, l: int, j: int, deps: list[tuple]) -> None:
         if (l, j) not in legs:
@@ -802,8 +822,14 @@ def _ep_tasks(setup: StepSetup, timer) -> tuple[list[Task], dict[str, str], list
             exchange("combine", "f", l, j, [("expert_fwd", i, l, j) for i in hosts[l]])
         compute("head", att, L - 1, j, lambda i: [("Cf", L - 1, j)])
         for l in reversed(range(L)):
-            exchange("dispatch", "b", l, j,
-                     [("head", i, L - 1, j) if l == L - 1 else ("attn_bwd", i, l + 1, j) for i in att])
+            above = [("head", i, L - 1, j) if l == L - 1 else ("attn_bwd", i, l + 1, j) for i in att]
+            if recompute:
+                compute("attn_re", att, l, j, lambda i: [above[att.index(i)]])
+                exchange("dispatch", "r", l, j, [("attn_re", i, l, j) for i in att])
+                compute("expert_re", hosts[l], l, j, lambda i: [("Dr", l, j)])
+                exchange("combine", "r", l, j, [("expert_re", i, l, j) for i in hosts[l]])
+                above = [("Cr", l, j)]
+            exchange("dispatch", "b", l, j, above)
             compute("expert_bwd", hosts[l], l, j, lambda i: [("Db", l, j), ("expert_fwd", i, l, j)])
             exchange("combine", "b", l, j, [("expert_bwd", i, l, j) for i in hosts[l]])
             compute("attn_bwd", att, l, j, lambda i: [("Cb", l, j)])

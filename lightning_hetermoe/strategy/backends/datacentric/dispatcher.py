@@ -55,7 +55,11 @@ class DataCentricDispatcher:
             fulls = self.weights(names, parts)
             return functional_call(experts, dict(zip(names, fulls, strict=True)), (x, sc.token, sc.counts))
 
-        self.backend.prefetch(self.layer)  # no-op when the previous layer already issued it
+        if torch._C._current_graph_task_id() == -1:
+            # no-op when the previous layer already issued it; a checkpointed block runs this
+            # again inside its backward, where a gather issued ahead would only be waited out
+            # and issued afresh (full_weights gathers then, in step with the other ranks)
+            self.backend.prefetch(self.layer)
         if torch.is_grad_enabled():
             # checkpointed: autograd keeps x and the ranges, and the backward gathers again;
             # recomputed to the end (no early stop), so the experts' recompute is one whole task

@@ -47,7 +47,7 @@ from ....model_contract import checkpoints_activations, find_blocks
 
 from ....emulate.meter import uncovered
 from ....moe.balance import balance_loss_from_counts, routed_counts
-from ....moe.dispatch import keep_mask
+from ....moe.dispatch import keep_mask, weighted_sum
 from ....placement import Placement
 from ....plan import Plan
 from ....profile.memory import GRAD_BUCKET_BYTES
@@ -126,6 +126,10 @@ class ZebraDispatcher:
             raise ZebraContractError("the model ran outside the zebra executor while the strategy owns it; run "
                                      "it through the Trainer (training/validation/test/predict steps)")
         return run.dispatch(self.layer, x, indices, keep)
+
+    def combine(self, slots: Tensor, weights: Tensor) -> Tensor:
+        run = self.backend.running
+        return run.combine(self.layer, slots, weights) if run is not None else weighted_sum(slots, weights)
 
 
 class ZebraBalance:

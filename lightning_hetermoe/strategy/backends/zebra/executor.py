@@ -45,10 +45,11 @@ from torch import Tensor
 import lightning_hetermoe.comm as comm
 from ....emulate.meter import StepStamps, Stopwatch
 from ....moe.balance import routed_counts
-from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position
+from ....moe.dispatch import position_counts, scatter_to_slots, sort_by_position, weighted_sum
 from ....task_order import Round, Schedule, Task
 from ...batch import batch_size, flat_mask, sequence_length
 from . import fibers
+from .combine import AnswerCombine
 from .exchange import Exchange
 from .expert_tasks import ExpertTasks
 from .layout import Layout
@@ -150,13 +151,27 @@ class StepRun:
             answer = self.replaying[2].answer
             sc = sort_by_position(position, keep, table.numel(), kept=answer.shape[0], counts=counts)
             x.index_select(0, sc.token)  # as the forward did: checkpointing counts the tensors it saves
-            return scatter_to_slots(answer.to(x.dtype), sc.slot, indices.numel())
+            return scatter_to_slots(answer.detach().to(x.dtype), sc.slot, indices.numel())
         # the round's one host sync: kept rows per expert position (and the balance loss's
         # routing counts) in one copy; the sort then takes that many rows, with no other sync
         host = self._host_counts(layer, fiber.mb, indices, counts)
         sc = sort_by_position(position, keep, table.numel(), kept=int(host[: self.E].sum()), counts=counts)
         answer = self._dispatch(layer, fiber, x.index_select(0, sc.token), host)
-        return scatter_to_slots(answer.to(x.dtype), sc.slot, indices.numel())
+        if torch.is_grad_enabled():
+            self.record(layer, fiber.mb).slot = sc.slot
+        # no graph here: the layer's combine (below) differentiates into the answer
+        return scatter_to_slots(answer.detach().to(x.dtype), sc.slot, indices.numel())
+
+    def combine(self, layer: int, slots: Tensor, weights: Tensor) -> Tensor:
+        """The MoE layer's output from the answer :meth:`dispatch` scattered to ``slots``,
+        differentiable into the answer leaf and the weights by :class:`AnswerCombine` (whose
+        backward reads nothing a checkpoint drops: see its module)."""
+        fiber = fibers.current()
+        rec = self.records.get((layer, fiber.mb)) if fiber is not None else \
+            self.replaying[2] if self.replaying is not None and self.replaying[0] == layer else None
+        if rec is None or rec.answer is None or rec.slot is None or not torch.is_grad_enabled():
+            return weighted_sum(slots, weights)
+        return AnswerCombine.apply(rec.answer, weights, slots, rec.slot)
 
     def _host_counts(self, layer: int, mb: int, indices: Tensor, counts: Tensor) -> Tensor:
         g = self.schedule.balance_group(mb)

@@ -24,6 +24,7 @@ class BlockRecord:
     aux: list[Cut] = field(default_factory=list)
     sent: Tensor | None = None  # the dispatched rows, in the block's graph
     answer: Tensor | None = None  # leaf holding the experts' answer, as the block used it
+    slot: Tensor | None = None  # each answer row's slot among the layer's [T * k] choices
     arrived: Tensor | None = None  # the answer as it arrived, before the block resumed
     answer_grads: list[Cut] = field(default_factory=list)  # (block output, its gradient) for the backward
 
@@ -33,7 +34,7 @@ class BlockRecord:
         for pairs in (self.inputs or [], self.outputs, self.aux, self.answer_grads):
             for a, b in pairs:
                 out += [a, b]
-        out += [t for t in (self.sent, self.answer, self.arrived) if t is not None]
+        out += [t for t in (self.sent, self.answer, self.arrived, self.slot) if t is not None]
         return out
 
 
