@@ -6,10 +6,12 @@ forward (the same experts' answer, the same global routing counts) without commu
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import torch
 
 from harness import run_ranks
+from lightning_hetermoe import comm
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
 from reference import assert_same_params, data, make_model, reference_fit, trainer
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, make_test_plan, pieces
@@ -47,10 +49,12 @@ def fit_checkpointed(rank: int, world: int, cases: list[dict]) -> list:
         calls = Recomputes(model)
         strategy = HeterMoEStrategy(mode=case["mode"], plan=case.get("plan"))
         t = trainer(strategy, world, max_steps=STEPS)
-        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        with comm.record() as issued:
+            t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
         out.append({"state": {k: v.clone() for k, v in model.state_dict().items()}, "forwards": calls.calls,
                     "expert_forwards": calls.expert_calls, "trained": calls.trained,
-                    "recomputed": calls.recomputed})
+                    "recomputed": calls.recomputed,
+                    "collectives": Counter(c.what for c in issued if c.what in ("ep.rows", "ep.balance"))})
     return out
 
 
@@ -71,6 +75,12 @@ def test_checkpointed_blocks_train_like_stored_activations_in_every_mode():
         plain = [(rank[len(cases) + i]["trained"], rank[len(cases) + i]["recomputed"]) for rank in results]
         assert ckpt[0][0] > 0 and all(t == r for t, r in ckpt), (case["mode"], ckpt)
         assert [t for t, _ in ckpt] == [t for t, _ in plain] and all(r == 0 for _, r in plain), (case["mode"], plain)
+        # under ep the recompute runs the block's dispatch and combine again (the simulator
+        # prices them), but not the balance loss's all-reduce: the forward's sum is reused
+        ckpt, plain = results[0][i]["collectives"], results[0][len(cases) + i]["collectives"]
+        if case["mode"] == "ep":
+            assert plain["ep.rows"] > 0 and 2 * ckpt["ep.rows"] == 3 * plain["ep.rows"], (ckpt, plain)
+            assert plain["ep.balance"] > 0 and ckpt["ep.balance"] == plain["ep.balance"], (ckpt, plain)
     results = [rank[:len(cases)] for rank in results]
     for case, got in zip(cases, results[0], strict=True):
         model = make_model(4, seed=0, optim=OptimConfig())  # the same model, activations stored

@@ -355,12 +355,26 @@ class DenseDDPBackend(ParallelBackend):
         return f"{self.schedule} rank, device {names[rank] if rank < len(names) else '?'}"
 
 
-def global_balance_counts(counts: Tensor) -> Tensor:
-    """Routing counts summed over every data-parallel rank: the global ``f`` of the balance
-    loss (see :mod:`lightning_hetermoe.moe.balance`); on the device, where the loss uses them."""
-    counts = counts.clone()
-    comm.all_reduce(comm.world(), counts, what="ep.balance")
-    return counts
+class GlobalBalanceCounts:
+    """One layer's routing counts summed over every data-parallel rank: the global ``f`` of
+    the balance loss (see :mod:`lightning_hetermoe.moe.balance`); on the device, where the
+    loss uses them.
+
+    A checkpointed block runs its forward again inside its backward, where the same routing
+    gives the same sum: the forward's is reused there, so no collective runs in a backward
+    (under ``ep`` and ``datacentric`` each forward's backward runs before the next forward;
+    one on a rank behind the others waited for them in every layer's backward)."""
+
+    def __init__(self) -> None:
+        self.last: Tensor | None = None
+
+    def __call__(self, counts: Tensor) -> Tensor:
+        if self.last is not None and torch._C._current_graph_task_id() != -1:
+            return self.last
+        counts = counts.clone()
+        comm.all_reduce(comm.world(), counts, what="ep.balance")
+        self.last = counts if torch.is_grad_enabled() else None
+        return counts
 
 
 def broadcast_whole(module: nn.Module, what: str) -> None:

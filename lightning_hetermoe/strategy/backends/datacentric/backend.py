@@ -44,7 +44,7 @@ from ....moe.balance import GlobalBalance
 from ....ckpt.pieces import Pieces
 from ....materialize import Holding, Materializer
 from ...grad_norm import squared_norm
-from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, global_balance_counts
+from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, GlobalBalanceCounts
 from .dispatcher import DataCentricDispatcher
 from .gather import Gathered
 from .shards import Shard, covering_rows, shard_ranges
@@ -108,7 +108,7 @@ class DataCentricBackend(DenseDDPBackend):
             self.num_experts.append(layer.num_experts)
             self.layer_bytes.append(nbytes)
             layer.dispatcher = DataCentricDispatcher(len(self.num_experts) - 1, self)
-            layer.balance = GlobalBalance(global_balance_counts)
+            layer.balance = GlobalBalance(GlobalBalanceCounts())
             layer.real_tokens = self.real_tokens
         self._sharded = bool(self._layers)
 

@@ -21,7 +21,7 @@ from ....moe.balance import GlobalBalance
 from ....placement import Placement
 from ...expert_state import gather_experts, slice_experts
 from ....materialize import Holding, Materializer
-from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, global_balance_counts
+from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, GlobalBalanceCounts
 from .dispatch import AllToAllDispatcher
 from .grads import expert_grad_sq_norm, reduce_expert_grads
 from .groups import ExpertParallelGroups
@@ -67,7 +67,7 @@ class ExpertParallelBackend(DenseDDPBackend):
             for l, layer in enumerate(self._layers):
                 layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l), self.replica_dispatch,
                                                       self._nodes())
-                layer.balance = GlobalBalance(global_balance_counts)
+                layer.balance = GlobalBalance(GlobalBalanceCounts())
                 layer.real_tokens = self.real_tokens
             self._sharded = bool(self._layers)
             self._report(held)
