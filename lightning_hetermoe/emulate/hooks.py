@@ -243,8 +243,13 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
                 return (_mark(output[0], settled(call.bwd_start)),) + output[1:]
             return _mark(output, settled(call.bwd_start))
 
-        def moe_pre(mod, args):
+        def moe_pre(mod, args, layer_idx=layer_idx):
             call = current[-1] if current else None
+            if not isinstance(call, _Recompute) and _in_backward() and layer_idx in running:
+                # a block recomputed without its own hooks (Hugging Face's checkpointing calls
+                # the layer's forward, not the module): its MoE layer tells
+                call = _Recompute(running[layer_idx])
+                current.append(call)
             if isinstance(call, _Recompute):
                 # the recomputed attention ends here: what follows up to the expert path (the
                 # routing, the count exchange that waits for the other ranks) is no task's,
