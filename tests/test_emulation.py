@@ -304,3 +304,33 @@ def test_emulated_two_process_ep_run_tracks_the_simulator(tmp_path):
     assert summary["bound_tokens_per_s"] > 0 and 0 < summary["predicted_fraction_of_bound"] <= 1, summary
     # the simulator at the routing of a warm-up batch, the run at its own: loose
     assert abs(summary["step_time_rel_error"]) < 0.25, summary
+
+
+def test_a_hugging_face_block_recomputed_without_its_hooks_is_timed_as_a_recompute(virtual_clock):
+    """transformers recomputes a checkpointed decoder layer by calling its forward, so the
+    layer's own hooks do not see the recompute: its MoE layer does. On the virtual clock the
+    checkpointed backward lasts the stored one plus the blocks' forward, the recomputed
+    attention padded as a task of its own (three attention tasks per layer and step)."""
+    from helpers_hf import hf_model
+    from lightning_hetermoe import HFMoELanguageModel
+
+    clock = virtual_clock(emulate_clock)
+    cluster = ClusterConfig(name="one", devices=["t4"], emulate=True, time_scale=SCALE)
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, 64, (4, 16), generator=g)
+    b = (tok, torch.roll(tok, -1, 1))
+    timed = {}
+    for checkpointed in (False, True):
+        model = HFMoELanguageModel(hf_model("mixtral", seed=0))
+        if checkpointed:
+            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        handle = apply_emulation(model, cluster, 0, seq_len=16)
+        timed_step(model, b, clock)  # warm-up
+        before = handle.emulator.summary()["tasks"]["attention"]["count"]
+        _, fwd, bwd = timed_step(model, b, clock)
+        timed[checkpointed] = (fwd, bwd, handle.emulator.summary()["tasks"]["attention"]["count"] - before)
+        handle.remove()
+    (fwd, bwd, tasks), (fwd_c, bwd_c, tasks_c) = timed[False], timed[True]
+    assert fwd_c == pytest.approx(fwd, rel=1e-9) and bwd_c == pytest.approx(bwd + fwd, rel=1e-9), timed
+    assert (tasks, tasks_c) == (2 * 2, 3 * 2), timed  # 2 layers: forward, backward (and the recompute)
