@@ -144,10 +144,12 @@ class _Recompute:
         self.call, self.padded = call, False
 
     def enter_expert_path(self) -> None:
+        """A step of the expert path begins (an exchange, a gather, the experts): the block's
+        backward pauses, and the first time the recomputed attention is padded."""
+        c = self.call
+        c.bwd_pause()
         if not self.padded:
             self.padded = True
-            c = self.call
-            c.bwd_pause()
             c.em.pad("attention", (c.layer, "recompute"), c.em.now(), c.fwd_model, earlier=c.bwd_segments)
             c.bwd_segments = []
             c.bwd_model = max(c.bwd_model - c.fwd_model, 0.0)
@@ -267,7 +269,6 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
             call = current[-1] if current else None
             if isinstance(call, _Recompute):  # the experts' forward again: a task of its own
                 call.enter_expert_path()
-                call.bwd_pause()
                 state["recompute"] = (em.now(), [int(c) for c in args[2].tolist()])
                 return None
             if call is not None:
@@ -297,7 +298,7 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
             rec = state.pop("rec")
             modelled = em.experts(rec["counts"])
             em.pad("experts", (layer_idx, "fwd"), rec["t0"], modelled)
-            if torch._C._current_graph_task_id() != -1 and "forward" in state:
+            if _in_backward() and "forward" in state:
                 # recomputed inside the backward (data-centric experts): real, padded work of
                 # its own; the experts' backward starts after it
                 state["forward"]["bwd_t0"] = em.now()
@@ -344,7 +345,7 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
 
     def gathered(names, tensors):
         parts["n"] = len(names)
-        in_backward = torch._C._current_graph_task_id() != -1
+        in_backward = _in_backward()
         if current and isinstance(current[-1], _Recompute):  # a checkpointed block's: its attention first
             current[-1].enter_expert_path()
         call = current[-1] if current and not in_backward else None
@@ -389,7 +390,6 @@ def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: 
         seconds = em.exchange_seconds(disp.group.ranks, send_splits, recv_splits)
         if isinstance(call, _Recompute):  # a transfer of its own inside the block's backward
             call.enter_expert_path()
-            call.bwd_pause()
             started = em.now()
             out = original(x, send_splits, recv_splits)
             em.transfer_done((layer_idx, "recompute"), started, seconds)
