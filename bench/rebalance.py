@@ -42,6 +42,7 @@ import argparse
 import json
 import time
 
+import skew
 from runs import TEARDOWN_ABORTS, cluster_overrides, run_job
 
 MIXES = {"a40+v100": ["a40", "v100"], "2xa40+2xv100": ["a40", "a40", "v100", "v100"], "4xa40": ["a40"] * 4,
@@ -52,7 +53,7 @@ BASE = ["strategy.mode=ep", "model.n_layers=4", "model.moe.num_experts=24", "mod
         "trainer.max_steps=8", "timing_warmup_steps=4"]
 # The two hot experts are the last two: under the static (contiguous) placement they sit on
 # the last rank, the slowest device of every mix.
-SKEW = ["+callbacks.skew._target_=skew.SkewedRouter", "+callbacks.skew.bias=3.0", "+callbacks.skew.hot=[22,23]"]
+SKEW = skew.overrides((22, 23))
 # A perfectly even load (every expert the same number of tokens): nothing to fix.
 EVEN = ["+callbacks.skew._target_=skew.UniformRouter"]
 

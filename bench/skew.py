@@ -63,3 +63,9 @@ class UniformRouter(L.Callback):
                 return out + offset
 
             router.logits = logits
+
+
+def overrides(hot: tuple[int, ...] | list[int], bias: float = 3.0) -> list[str]:
+    """The main job's overrides that install :class:`SkewedRouter` on ``hot`` at ``bias``."""
+    return ["+callbacks.skew._target_=skew.SkewedRouter", f"+callbacks.skew.bias={bias}",
+            f"+callbacks.skew.hot=[{','.join(map(str, hot))}]"]

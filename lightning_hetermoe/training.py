@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "replica_dispatch", "plan", "num_microbatches",
                    "asym_ea",
-                   "require_expert_ranks", "profile", "expert_load", "heartbeat_timeout_s", "progress_timeout_s",
-                   "allow_emulated_bf16",
+                   "require_expert_ranks", "profile", "expert_load", "place_at_load", "heartbeat_timeout_s",
+                   "progress_timeout_s", "allow_emulated_bf16",
                    "checkpoint_format", "shard_optimizer_state")
 
 

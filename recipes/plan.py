@@ -61,6 +61,7 @@ def main(cfg: DictConfig) -> dict:
         shrink_to_fit=2 if cfg.plan.shrink_batch_to_fit else 0,
         cost_model=cost,
         expert_load=load,
+        place_at_load=bool(cfg.plan.get("place_at_load", True)),
     )
     out = HydraConfig.get().runtime.output_dir
     print(plan)

@@ -72,6 +72,8 @@ class Holdings(L.Callback):
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         last = getattr(trainer.strategy.backend, "last_step", None)
         self.work = [str(t) for t in last.work] if last is not None else []  # the last step's tasks, as run
+        placed = trainer.strategy.placement
+        self.placement = placed.to_lists() if placed is not None else None  # [layer][holder] -> expert ids
 
 
 class SyncBuffers:
@@ -116,6 +118,7 @@ def fit_cases(rank: int, world: int, cases: list[dict]) -> list | None:
         zebra_backend.BUCKET_BYTES = default_bucket
         result = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "dense_numel": held.dense_numel,
                   "dense_state": held.dense_state, "train_metrics": held.metrics, "work": held.work,
+                  "placement": held.placement,
                   "sync": {"peak": buffers.peak, "calls": buffers.calls}}
         if case.get("validate"):
             result["val"] = t.validate(model, datamodule=dm, verbose=False)

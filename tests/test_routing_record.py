@@ -16,6 +16,7 @@ import pytest
 
 from lightning_hetermoe import ExpertLoadMonitor
 from lightning_hetermoe.configs import ConfigError, ModelConfig, from_cfg
+from lightning_hetermoe.plan import Plan
 from lightning_hetermoe.routing_record import FILE_NAME, RoutingRecord, read_routing
 from reference import SEQ, data, make_model
 
@@ -59,7 +60,8 @@ def test_what_is_not_a_routing_record_is_refused_naming_the_field(tmp_path):
 @pytest.mark.slow
 def test_the_plan_recipe_prices_a_routing_record_instead_of_even_routing(tmp_path):
     """d2 on o3 at even routing and at a record whose layers send a third of their choices to
-    one expert: the same recipe predicts zebra slower at the skewed routing, and says why."""
+    one expert: the same recipe predicts zebra slower at the skewed routing, and says why; it
+    places the experts at the record (which expert goes where), faster than id order there."""
     model = from_cfg(ModelConfig, _yaml("model/d2.yaml"))
     E, layers = model.moe.num_experts, model.n_layers
     hot = 1 / 3
@@ -67,7 +69,8 @@ def test_the_plan_recipe_prices_a_routing_record_instead_of_even_routing(tmp_pat
     record = tmp_path / FILE_NAME
     RoutingRecord(model="d2", mean_share=share, steps=10, choices_per_step=1e6).to_json(str(record))
     summaries = {}
-    for name, extra in (("even", []), ("skewed", [f"plan.expert_load={record}"])):
+    for name, extra in (("even", []), ("skewed", [f"plan.expert_load={record}"]),
+                        ("id_order", [f"plan.expert_load={record}", "plan.place_at_load=false"])):
         out = tmp_path / name
         proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "model=d2", "cluster=o3",
                                "data.seq_len=8192", "plan.gantt=[]", f"hydra.run.dir={out}", *extra], cwd=tmp_path,
@@ -77,8 +80,11 @@ def test_the_plan_recipe_prices_a_routing_record_instead_of_even_routing(tmp_pat
     assert f"the hottest expert {hot * E:.2f}x the mean" in proc.stdout
     assert summaries["even"]["expert_load"] is None
     assert summaries["skewed"]["expert_load"]["hottest_over_mean"] == pytest.approx(hot * E)
-    even, skewed = (summaries[n]["schedules"]["zebra"]["tokens_per_s"] for n in ("even", "skewed"))
+    even, skewed, by_id = (summaries[n]["schedules"]["zebra"]["tokens_per_s"] for n in ("even", "skewed", "id_order"))
     assert skewed < even, (skewed, even)
+    plans = {n: Plan.from_json(str(tmp_path / n / "plan.json")) for n in ("skewed", "id_order")}
+    assert plans["skewed"].placed_at_load and not plans["id_order"].placed_at_load
+    assert skewed >= by_id, (skewed, by_id)
 
 
 def _yaml(rel: str) -> dict:

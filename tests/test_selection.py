@@ -111,6 +111,11 @@ def fit_at_a_routing_record(rank: int, world: int, path: str) -> dict:
     trainer(strategy, world, max_steps=1).fit(make_model(4, seed=rank, optim=OptimConfig()), datamodule=data(world))
     out = {"load": strategy.clock.expert_load, "batches": strategy.clock.batch_loads,
            "prediction": strategy.prediction, "at_record": strategy.predict(expert_load=SKEWED)}
+    # zebra plans at the record and, by default, chooses which expert goes where at it
+    zebra = HeterMoEStrategy(mode="zebra", cluster={"name": "two", "devices": ["a40", "v100"]}, expert_load=path)
+    trainer(zebra, world, max_steps=1).fit(make_model(4, seed=rank, optim=OptimConfig()), datamodule=data(world))
+    out["placed_at_load"] = zebra.plan.placed_at_load
+    out["zebra_load"] = zebra.clock.expert_load
     other = HeterMoEStrategy(mode="ep", cluster={"name": "two", "devices": ["a40", "v100"]}, expert_load=path)
     try:
         trainer(other, world, max_steps=1).fit(make_model(8, seed=rank, optim=OptimConfig()), datamodule=data(world))
@@ -121,7 +126,8 @@ def fit_at_a_routing_record(rank: int, world: int, path: str) -> dict:
 
 def test_a_routing_record_replaces_the_warm_up_routing(tmp_path):
     """strategy expert_load: an earlier run's measured routing (its expert_load.json) is what
-    the run plans and predicts at, on every rank; a record of another model shape is refused
+    the run plans and predicts at, on every rank (zebra's plan chooses its experts' ids at
+    it); a record of another model shape is refused
     at set-up on every rank, both shapes named."""
     from lightning_hetermoe import RoutingRecord
 
@@ -133,3 +139,4 @@ def test_a_routing_record_replaces_the_warm_up_routing(tmp_path):
         assert rank["prediction"]["step_time_s"] == pytest.approx(rank["at_record"]["step_time_s"], rel=1e-12)
         assert rank["prediction"]["expert_load_max_over_mean"] == pytest.approx(0.55 * 4)
         assert "strategy expert_load holds 2 layers x 4 experts" in rank["refused"] and "has 2 x 8" in rank["refused"]
+        assert rank["zebra_load"] == SKEWED and rank["placed_at_load"] is True

@@ -258,8 +258,11 @@ def test_every_rank_attends_and_answers_a_layers_micro_batches_back_to_back():
         dict(plan=make_test_plan(2, [0, 1], R=2, placement=[[0, 1, 0, 1], [0, 0, 0, 0]])),
         dict(plan=make_test_plan(2, [0, 1], R=3, placement=[[0, 0, 1, 1], [1, 0, 1, 0]]), validate=True,
              trainer=dict(limit_val_batches=1.0)),
-        dict(plan=make_test_plan(2, [0, 1], R=2, placement=[[0, 0, 1, 1], [1, 1, 0, 0]]), mode="distep"),
+        # DistEP's own placement (the ids chosen at a routing: base_placement), not id order
+        dict(plan=replace(make_test_plan(2, [0, 1], R=2, placement=[[0, 0, 1, 1], [1, 1, 0, 0]]),
+                          base_placement=[[0, 0, 1, 1], [1, 1, 0, 0]]), mode="distep"),
     ])
+    assert per_rank[0][2]["placement"] == [[[0, 1], [2, 3]], [[2, 3], [0, 1]]]
     # what ran: a layer's micro-batches emitted, then answered back to back (rank 1 holds
     # nothing of layer 1, so answers nothing there); DistEP answers each round at once
     assert per_rank[0][0]["work"][:6] == ["Af0.0", "Af0.1", "Xf0.0", "Xf0.1", "Af1.0", "Af1.1"]

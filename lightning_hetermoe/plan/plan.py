@@ -46,6 +46,12 @@ class Plan(JsonDataclass):
     n_max: int = 0
     # placement without Asym-EA, [member][layer] counts (DistEP baseline)
     base_counts: list[list[int]] = field(default_factory=list)
+    # DistEP's placement[layer][expert] -> member where its ids were chosen at a measured
+    # routing (``place_at_load``); empty: base_counts in id order
+    base_placement: list[list[int]] = field(default_factory=list)
+    # whether the ids of both placements were chosen at a measured routing (the counts are
+    # Asym-EA's either way); False: id order
+    placed_at_load: bool = False
     distep_microbatches: int = 1
     # schedule -> {"step_time_s": ..., "tokens_per_s": ...}
     predicted: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -91,10 +97,20 @@ class Plan(JsonDataclass):
         if sorted(seen) != list(range(W)):
             raise ValueError(f"Plan: ZP groups must cover every rank exactly once, got {sorted(seen)}")
         size = len(self.zp_groups[0].members)
-        for l, row in enumerate(self.placement):
-            for e, p in enumerate(row):
-                if not 0 <= p < size:
-                    raise ValueError(f"Plan: expert {e} of layer {l} is placed on member {p}, group has {size}")
+        for name, placement in (("placement", self.placement), ("base_placement", self.base_placement)):
+            for l, row in enumerate(placement):
+                for e, p in enumerate(row):
+                    if not 0 <= p < size:
+                        raise ValueError(f"Plan: {name}: expert {e} of layer {l} is placed on member {p}, group "
+                                         f"has {size}")
+        if self.base_placement and [len(r) for r in self.base_placement] != [len(r) for r in self.placement]:
+            raise ValueError(f"Plan: base_placement places {[len(r) for r in self.base_placement]} experts per layer, "
+                             f"placement {[len(r) for r in self.placement]}: both are [layer][expert] -> member")
+        if self.base_placement and self.base_counts:
+            held = [[row.count(p) for row in self.base_placement] for p in range(size)]
+            if held != [list(c) for c in self.base_counts]:
+                raise ValueError(f"Plan: base_placement holds {held} experts per member and layer, base_counts says "
+                                 f"{self.base_counts}: DistEP's ids may be chosen, its counts not")
         if self.num_microbatches < 1:
             raise ValueError(f"Plan: num_microbatches={self.num_microbatches} must be >= 1")
         if isinstance(self.waves, bool) or not isinstance(self.waves, int) or self.waves < 1:
@@ -162,6 +178,8 @@ class Plan(JsonDataclass):
 
     def placement_for(self, schedule: str) -> list[list[int]]:
         """DistEP runs without Asym-EA (the base placement: only memory-forced moves)."""
+        if schedule == "distep" and self.base_placement:
+            return self.base_placement
         if schedule == "distep" and self.base_counts:
             from .asym_ea import placement_from_counts
 
@@ -205,6 +223,8 @@ class Plan(JsonDataclass):
                          f"moved onto attention ranks by Asym-EA: {self.offloaded()}")
             lines.append(f"  memory: n_min = {self.n_min} experts per group had to leave the expert ranks (they do "
                          f"not fit there); the attention ranks can hold n_max = {self.n_max}")
+        if self.placed_at_load:
+            lines.append("  which expert goes where: chosen at the routing planned at (place_at_load), not id order")
         multi = len(set(self.nodes)) > 1
         node_head = f"{'node':>4}  " if multi else ""
         lines += ["", f"  {'rank':>4}  {node_head}{'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer"]

@@ -55,6 +55,7 @@ from ..simulate.predict import predict_step, predict_step_time
 from ..simulate.schedules import SCHEDULES, ep_speed
 from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .fit import LayoutSearch, member_capacity, optimizer_shares
+from .load_placement import place_at_load
 from .plan import Plan, ZPGroup
 
 R_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -783,6 +784,7 @@ def plan_for_batch(
     schedules: Sequence[str] = SCHEDULES,
     timer: Any = None,
     expert_load: list[list[float]] | None = None,
+    place_at_load: bool = False,
     shard_optimizer_state: bool | None = None,
     waves: int = 1,
 ) -> Plan:
@@ -799,8 +801,12 @@ def plan_for_batch(
     ``schedules`` (``None`` plus an ``error`` where a baseline does not fit in memory).
     ``expert_load`` (per layer, each expert's share of the routing; e.g. what a freshly
     initialised router does on warm-up batches) replaces even routing in the search and
-    the predictions. ``shard_optimizer_state`` prices the dense optimizer state sharded over
-    the attention ranks (ZeRO-1, the strategy's ``shard_optimizer_state``); ``None``: as the
+    the predictions; with ``place_at_load`` which expert goes where is also chosen at it (a
+    hot expert where it costs least, every member within its memory: ``load_placement.py``),
+    kept where the simulator predicts the step faster so. A routing that lasts (an earlier
+    run's record, a trained model's) is worth placing at; a freshly initialised router's is
+    not. ``shard_optimizer_state`` prices the dense optimizer state sharded over the
+    attention ranks (ZeRO-1, the strategy's ``shard_optimizer_state``); ``None``: as the
     strategy's defaults do, sharded unless the model's training state is small.
 
     Where memory binds, every layout the plan format can express is checked (see
@@ -825,7 +831,8 @@ def plan_for_batch(
                      asym_ea=asym_ea, num_microbatches=num_microbatches, max_microbatches=max_microbatches,
                      num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
                      require_expert_ranks=require_expert_ranks, schedules=schedules, timer=timer,
-                     expert_load=expert_load, shard_optimizer_state=shard_optimizer_state)
+                     expert_load=expert_load, place_at_load=place_at_load,
+                     shard_optimizer_state=shard_optimizer_state)
 
 
 @contextlib.contextmanager
@@ -845,7 +852,7 @@ def _cycle_collector_paused():
 def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, profile, cost_model, asym_ea: bool,
           num_microbatches: int | None, max_microbatches: int, num_attention_ranks: int | None,
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
-          expert_load, shard_optimizer_state: bool | None) -> Plan:
+          expert_load, place_at_load: bool, shard_optimizer_state: bool | None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
@@ -870,12 +877,71 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
                                     require_expert_ranks=require_expert_ranks)
 
     plan = search.best(order, Ms, Rs, num_zp_groups)
+    if place_at_load and expert_load is not None:
+        _place_at_load(plan, search, expert_load)
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load)
     plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len)
     cost = getattr(timer, "cost", None)
     if cost is not None:
         plan.precision = cost.describe()
     return plan
+
+
+def _place_at_load(plan: Plan, search: _Search, expert_load: list[list[float]]) -> None:
+    """``plan``'s expert ids chosen at ``expert_load``, for zebra's placement and DistEP's
+    each; either is changed only where the simulator predicts that schedule's step faster
+    at that routing than as Asym-EA placed it. Zebra's experts may also move to a member
+    with memory to spare (Asym-EA's counts assumed even routing: one hot expert may be
+    worth an attention rank's time); DistEP's counts stay (its base placement moves nothing
+    memory does not force)."""
+    view, model, timer = search.view, search.model, search.timer
+    g0 = plan.zp_groups[0]
+    devs = [view.devices[r] for r in g0.members]
+    M, S, R = len(g0.attention_ranks), plan.seq_len, plan.num_microbatches
+    group_seqs = plan.total_seqs // len(plan.zp_groups)
+    choices = group_seqs * S * model.moe.top_k  # routed tokens per group and batch
+
+    def cost(m: int, tokens: float) -> float:
+        return timer.expert(devs[m], tokens) + timer.expert(devs[m], tokens, backward=True)
+
+    def attention(m: int) -> float:
+        tokens = plan.seqs_per_rank[g0.members[m]] * S
+        return timer.attention(devs[m], tokens) + timer.attention(devs[m], tokens, backward=True) if m < M else 0.0
+
+    shares = optimizer_shares(view.devices, g0.attention_ranks, search.sharded)
+
+    def capacity(m: int) -> int:
+        """The experts member ``m`` can hold, all layers (as Asym-EA was told)."""
+        r = g0.members[m]
+        if m < M:
+            cap = search.capacity(devs[m], group_seqs=group_seqs, R=R, seqs=plan.seqs_per_rank[r], share=shares[r])
+            return search.profile_cap(devs[m], cap, "attention")
+        return search.profile_cap(devs[m], max(search.capacity(devs[m], group_seqs=group_seqs, R=R, seqs=None), 0),
+                                  "expert")
+
+    held = plan.expert_counts(0)
+    room = [max(capacity(m) - sum(held[m]), 0) for m in range(len(devs))]
+    # under zebra a member's attention overlaps the experts and adds to its own; DistEP's
+    # attention and experts take turns, so only the experts weigh there
+    for schedule, base, free in (("zebra", [attention(m) for m in range(len(devs))], room),
+                                 ("distep", [0.0] * len(devs), None)):
+        now = plan.placement_for(schedule)
+        placed = place_at_load(now, expert_load, base, cost, choices, room=free)
+        if placed == now:
+            continue
+        trial = copy.copy(plan)
+        if schedule == "zebra":
+            trial.placement = placed
+        else:
+            trial.base_placement = placed
+
+        def step(p: Plan) -> float:
+            return predict_step_time(schedule, view.devices, model, view.topology, timer, plan=p,
+                                     expert_load=expert_load)
+
+        if step(trial) < step(plan) * (1 - 1e-9):
+            plan.placement, plan.base_placement = trial.placement, trial.base_placement
+    plan.placed_at_load = True
 
 
 def _sharded(model: ModelConfig, shard_optimizer_state: bool | None) -> bool:

@@ -96,6 +96,9 @@ class StrategyArguments:
     require_expert_ranks: bool = False
     profile: Any = None
     expert_load: Any = None
+    # choose which expert goes where at the planning routing (counts are Asym-EA's): None
+    # (auto) where that routing is a record (expert_load), not a fresh router's warm-up
+    place_at_load: bool | None = None
     heartbeat_timeout_s: float | None = 30.0
     progress_timeout_s: float | None = 300.0
     allow_emulated_bf16: bool = False
@@ -133,6 +136,15 @@ class StrategyArguments:
         if self.num_microbatches is not None and self.mode == "ep":
             raise ConfigError("strategy num_microbatches is for mode='zebra', 'distep' and 'auto'")
         self.asym_ea = bool(self.asym_ea)
+        if self.place_at_load is not None and not isinstance(self.place_at_load, bool):
+            raise ConfigError(f"strategy place_at_load={self.place_at_load!r} is invalid: must be true, false or null "
+                              f"(null: true where strategy expert_load is given)")
+        if self.place_at_load and self.mode in ("ep", "datacentric"):
+            raise ConfigError(f"strategy place_at_load is for mode='zebra', 'distep' and 'auto' (a plan's placement); "
+                              f"mode={self.mode!r} runs no plan: ExpertRebalancer moves experts at measured loads")
+        if self.place_at_load and self.plan is not None:
+            raise ConfigError("strategy place_at_load plans the placement, and strategy plan gives one: the given "
+                              "plan runs as written (plan at a routing with recipes/plan.py plan.expert_load=...)")
         self.require_expert_ranks = bool(self.require_expert_ranks)
         self.allow_emulated_bf16 = bool(self.allow_emulated_bf16)
         self.shard_optimizer_state = bool(self.shard_optimizer_state)

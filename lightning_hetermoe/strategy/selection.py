@@ -362,7 +362,8 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
         plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
                          profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
                          require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
-                         expert_load=clock.expert_load, shard_optimizer_state=_zero_priced(args),
+                         expert_load=clock.expert_load, place_at_load=_place_at_load(args),
+                         shard_optimizer_state=_zero_priced(args),
                          max_waves=1)  # the loaders' batch is one wave: trainer.accumulate_grad_batches is the user's
     except ValueError as err:
         if required:
@@ -371,6 +372,13 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
     check_plan(plan, model_cfg, world)
     plan.schedule = schedule
     return plan
+
+
+def _place_at_load(args: Any) -> bool:
+    """Whether the planner chooses the experts' ids at the routing it plans at: asked, or
+    by default where that routing is a record (``expert_load``: a trained model's, which
+    lasts); a freshly initialised router's warm-up routing drifts within a few steps."""
+    return args.place_at_load if args.place_at_load is not None else args.expert_load is not None
 
 
 def _zero_priced(args: Any) -> bool | None:
