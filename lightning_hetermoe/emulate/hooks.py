@@ -55,6 +55,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from ..backward import inside_backward
 from .clock import EmulatedWorkload, Emulator, TaskStats, emulated_workload, rank_emulator
 from .meter import BusyMeter
 
@@ -161,10 +162,6 @@ class _Recompute:
         self.call.bwd_resume()
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class EmulationHandle:
     """What :func:`apply_emulation` installed; ``remove()`` undoes all of it."""
 
@@ -225,7 +222,7 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
 
         def block_pre(mod, args, kwargs, layer_idx=layer_idx, last=last):
             x = args[0]
-            if _in_backward() and layer_idx in running:  # checkpointed: the forward again, in its backward
+            if inside_backward() and layer_idx in running:  # checkpointed: the forward again, in its backward
                 current.append(_Recompute(running[layer_idx]))
                 return None
             settled(lambda: None)()
@@ -247,7 +244,7 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
 
         def moe_pre(mod, args, layer_idx=layer_idx):
             call = current[-1] if current else None
-            if not isinstance(call, _Recompute) and _in_backward() and layer_idx in running:
+            if not isinstance(call, _Recompute) and inside_backward() and layer_idx in running:
                 # a block recomputed without its own hooks (Hugging Face's checkpointing calls
                 # the layer's forward, not the module): its MoE layer tells
                 call = _Recompute(running[layer_idx])
@@ -298,7 +295,7 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
             rec = state.pop("rec")
             modelled = em.experts(rec["counts"])
             em.pad("experts", (layer_idx, "fwd"), rec["t0"], modelled)
-            if _in_backward() and "forward" in state:
+            if inside_backward() and "forward" in state:
                 # recomputed inside the backward (data-centric experts): real, padded work of
                 # its own; the experts' backward starts after it
                 state["forward"]["bwd_t0"] = em.now()
@@ -345,7 +342,7 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
 
     def gathered(names, tensors):
         parts["n"] = len(names)
-        in_backward = _in_backward()
+        in_backward = inside_backward()
         if current and isinstance(current[-1], _Recompute):  # a checkpointed block's: its attention first
             current[-1].enter_expert_path()
         call = current[-1] if current and not in_backward else None

@@ -19,12 +19,13 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from ..backward import inside_backward
 from .layer import MoELayer
 
 
 def is_first_training_forward(module: nn.Module) -> bool:
     """A training forward that autograd will differentiate, not one recomputed inside a backward."""
-    return module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+    return module.training and torch.is_grad_enabled() and not inside_backward()
 
 
 class ExpertBiasUpdater:

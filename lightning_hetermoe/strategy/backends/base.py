@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
+from ...backward import inside_backward
 from ...apportion import apportion
 from ...ckpt.pieces import Pieces
 from ...placement import Placement
@@ -369,7 +370,7 @@ class GlobalBalanceCounts:
         self.last: Tensor | None = None
 
     def __call__(self, counts: Tensor) -> Tensor:
-        if self.last is not None and torch._C._current_graph_task_id() != -1:
+        if self.last is not None and inside_backward():
             return self.last
         counts = counts.clone()
         comm.all_reduce(comm.world(), counts, what="ep.balance")

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_hetermoe.comm as comm
+from ....backward import inside_backward
 from ....comm import Group, Pending
 from ....model_contract import moe_layers
 from ....moe.balance import GlobalBalance
@@ -142,13 +143,13 @@ class DataCentricBackend(DenseDDPBackend):
                      ) -> list[Tensor]:
         """Layer ``layer``'s full expert tensors, each differentiable into its range."""
         issued = self._prefetched.pop(layer, None)
-        if issued is None or torch._C._current_graph_task_id() != -1:
+        if issued is None or inside_backward():
             if issued is not None:  # a stale prefetch (recompute inside a backward): finish it, gather afresh
                 for pending, _ in issued:
                     pending.wait()
             issued = self._issue(layer, names, list(parts))
         fulls = [self._unpad(issued, part, disp) for part in parts]  # each padded buffer dropped once unpadded
-        if torch._C._current_graph_task_id() == -1:
+        if not inside_backward():
             self.prefetch(layer + 1)  # overlaps this layer's compute
         return fulls
 

@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from ....backward import inside_backward
 from ....moe.dispatch import scatter_to_slots, sort_for_experts_here
 from .shards import Shard
 
@@ -55,7 +56,7 @@ class DataCentricDispatcher:
             fulls = self.weights(names, parts)
             return functional_call(experts, dict(zip(names, fulls, strict=True)), (x, sc.token, sc.counts))
 
-        if torch._C._current_graph_task_id() == -1:
+        if not inside_backward():
             # no-op when the previous layer already issued it; a checkpointed block runs this
             # again inside its backward, where a gather issued ahead would only be waited out
             # and issued afresh (full_weights gathers then, in step with the other ranks)
