@@ -4,6 +4,7 @@
     python bench/schedules.py --quick    # one cell: A40+V100 1+1 at the D1 16K clock, ep and zebra
     python bench/schedules.py --mixes "a40+v100 1+1,a40x2" --clocks 16K   # a subset of the grid
     python bench/schedules.py --schedules datacentric                      # one schedule, every cell
+    python bench/schedules.py --seed 7 --mixes "l40s+t4 1+3"               # another model init and data order
 
 For each mix (A40+V100 as 1+1, 2+2, 1+2; L40S+T4 as 1+3; two A40s) and workload clock (D1
 at 4K and 16K tokens per sequence) it runs ``ep``, ``ep`` with speed-proportional batches,
@@ -156,8 +157,11 @@ def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra
     simulator did not miss."""
     control = _measure_once(mix, clock, schedule, [*extra, *FROZEN_WEIGHTS], slowdown, activations)
     row["frozen_weights_rel_error"] = control["rel_error"] if control["faithful"] else None
+    spread = row.get("batch_spread")
+    chance = (f"; one step strays {spread:.1%} from the prediction by its batch's routing alone, a mean of "
+              f"{row['timed_steps']} timed steps about {spread / row['timed_steps'] ** 0.5:.1%}") if spread else ""
     print(f"  ({cell_name(row)}: {row['rel_error']:+.1%} at x{slowdown:g}; the same job with frozen weights: "
-          f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'})", flush=True)
+          f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'}{chance})", flush=True)
     return row
 
 
@@ -168,6 +172,8 @@ def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdow
            "measured_s": s["step_time_s"],
            "predicted_s": s["predicted_step_time_s"], "rel_error": s["step_time_rel_error"],
            "predicted_at_load_s": s.get("predicted_step_time_at_measured_load_s"),
+           "batch_spread": s.get("predicted_step_time_batch_spread"),
+           "timed_steps": s["steps"] - s.get("timing_warmup_steps", 1),
            "rel_error_at_load": s.get("step_time_rel_error_at_measured_load"),
            "overrun_fraction": s["emulation"]["overrun_fraction"], "slip_fraction": s["emulation"]["slip_fraction"],
            "faithful": s["emulation"]["faithful"], "wall_s": s["process_wall_s"]}
@@ -200,7 +206,8 @@ def accuracy(rows: list[dict]) -> dict:
     out: dict = {"unfaithful_cells": [cell_name(r) for r in rows if not r["faithful"]],
                  "rerun_cells": {cell_name(r): {"x": r["time_scale_x"], "rel_error_faster_clock":
                                                 r.get("rel_error_faster_clock"),
-                                                **({"frozen_weights_rel_error": r["frozen_weights_rel_error"]}
+                                                **({"frozen_weights_rel_error": r["frozen_weights_rel_error"],
+                                                    "batch_spread": r.get("batch_spread")}
                                                    if "frozen_weights_rel_error" in r else {})}
                                  for r in rows if r["time_scale_x"] != 1.0},
                  "max_slip_fraction": max((r["slip_fraction"] for r in faithful), default=None),
@@ -213,16 +220,16 @@ def accuracy(rows: list[dict]) -> dict:
     return out
 
 
-def planner_check(activations: str = "checkpointed") -> dict:
+def planner_check(activations: str = "checkpointed", extra: list[str] = ()) -> dict:
     """The planner's R and Asym-EA choice against their neighbours, measured (A40+V100, 16K)."""
     mix, clock = "a40+v100 1+2", "16K"
-    chosen = measure(mix, clock, "zebra", activations=activations)
+    chosen = measure(mix, clock, "zebra", list(extra), activations=activations)
     R = chosen["R"]
     rows = {f"R={R} (planner)": chosen}
     for r in (R - 1, R + 1):
         if 1 <= r <= GLOBAL_BATCH:  # one sequence per micro-batch at least
-            rows[f"R={r}"] = measure(mix, clock, "zebra", [f"strategy.num_microbatches={r}"], activations)
-    rows["Asym-EA off"] = measure(mix, clock, "zebra", ["strategy.asym_ea=false"], activations)
+            rows[f"R={r}"] = measure(mix, clock, "zebra", [f"strategy.num_microbatches={r}", *extra], activations)
+    rows["Asym-EA off"] = measure(mix, clock, "zebra", ["strategy.asym_ea=false", *extra], activations)
     best = min(r["measured_s"] for r in rows.values())
     print(f"\nplanner check on {mix} at {clock} (zebra):")
     for name, r in rows.items():
@@ -241,6 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated, of: {', '.join(MIXES)}")
     ap.add_argument("--clocks", default=",".join(CLOCKS), help=f"comma-separated, of: {', '.join(CLOCKS)}")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of: {', '.join(SCHEDULES)}")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the runs' seed (model init, warm-up batches, data order; default: the main job's, 1234): "
+                         "the routing each prediction is made at, and how it drifts as the model trains")
     ap.add_argument("--activations", default="checkpointed", choices=list(ACTIVATIONS),
                     help="what the grid's blocks keep for their backward (default: checkpointed, as the paper "
                          "trained); the full grid also runs A40+V100 1+1 16K ep and zebra the other way")
@@ -254,13 +264,14 @@ def main(argv: list[str] | None = None) -> dict:
     subset = (args.mixes != ",".join(MIXES) or args.clocks != ",".join(CLOCKS)
               or args.schedules != ",".join(SCHEDULES))
     started = time.perf_counter()
+    seeded = [] if args.seed is None else [f"seed={args.seed}"]
     grid = [("a40+v100 1+1", "16K", s) for s in ("ep", "zebra")] if args.quick else \
         [(m, c, s) for c in clocks for m in mixes for s in schedules]
     print(f"{'mix':13} {'clock':>4} {'schedule':9} {'meas s':>8} {'sim s':>8} {'error':>6}  "
           f"{'sim@load':>7} {'error':>6}  {'slip':>5} {'overran':>7}", flush=True)
     rows = []
     for mix, clock, schedule in grid:
-        rows.append(measure(mix, clock, schedule, activations=args.activations))
+        rows.append(measure(mix, clock, schedule, seeded, activations=args.activations))
         print_row(rows[-1])
     by = {(r["mix"], r["clock"], r["schedule"]): r for r in rows}
     print("\nzebra / ep (speed-up, measured beside predicted):")
@@ -288,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {mix:13} {clock:>4}: fastest {best} ({cells[best]['measured_s']:.3f} s); auto would choose "
                   f"{chosen} ({winners[(mix, clock)][2] - 1:+.1%} from the fastest)", flush=True)
     if subset:
-        print(json.dumps({"cells": len(rows), **accuracy(rows),
+        print(json.dumps({"cells": len(rows), "seed": args.seed, **accuracy(rows),
                           "winners": {f"{m} {c}": w for (m, c), w in winners.items()},
                           "wall_s": time.perf_counter() - started}), flush=True)
         return {"cells": len(rows), "winners": winners}
@@ -296,10 +307,10 @@ def main(argv: list[str] | None = None) -> dict:
     # checkpointed): each schedule's faster way gives the best-against-best speed-up, which
     # a user choosing per schedule gets.
     other = "stored" if args.activations == "checkpointed" else "checkpointed"
-    control = {s: measure("a40+v100 1+1", "16K", s, activations=other) for s in ("ep", "zebra")}
+    control = {s: measure("a40+v100 1+1", "16K", s, seeded, activations=other) for s in ("ep", "zebra")}
     for r in control.values():
         print_row(r)
-    hf = {s: measure("a40+v100 1+1", "16K", s, ["model.architecture=hf_mixtral"], args.activations)
+    hf = {s: measure("a40+v100 1+1", "16K", s, ["model.architecture=hf_mixtral", *seeded], args.activations)
           for s in ("ep", "zebra")}
     for s, r in hf.items():
         print_row({**r, "mix": "hf mixtral 1+1"})
@@ -308,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  converted HF Mixtral, a40+v100 1+1 16K, {args.activations}: zebra/ep measured {hf_ratio:.2f}x beside "
           f"the pack model's {pack_ratio:.2f}x ({hf_ratio / pack_ratio - 1:+.1%}: "
           f"{'within' if abs(hf_ratio / pack_ratio - 1) <= 0.05 else 'NOT within'} 5%)", flush=True)
-    check = None if args.quick else planner_check(args.activations)
+    check = None if args.quick else planner_check(args.activations, seeded)
     headline = by[("a40+v100 1+1", "16K", "zebra")], by[("a40+v100 1+1", "16K", "ep")]
     best = {s: min(by[("a40+v100 1+1", "16K", s)]["measured_s"], control[s]["measured_s"]) for s in ("ep", "zebra")}
     print(f"  a40+v100 1+1 16K: zebra/ep measured {headline[1]['measured_s'] / headline[0]['measured_s']:.2f}x "
@@ -318,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         **accuracy(rows + list(control.values())),
         "activations": args.activations,
+        "seed": args.seed,
         "zebra_over_ep_a40_v100_16k": headline[1]["measured_s"] / headline[0]["measured_s"],
         "zebra_over_ep_a40_v100_16k_predicted": headline[1]["predicted_s"] / headline[0]["predicted_s"],
         f"zebra_over_ep_a40_v100_16k_{other}": control["ep"]["measured_s"] / control["zebra"]["measured_s"],

@@ -183,6 +183,9 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         # the routing the prediction assumed, measured on sampled batches at set-up: the
         # busiest expert's share over the mean, batch by batch (averaged)
         out["predicted_expert_load_max_over_mean"] = pred["expert_load_max_over_mean"]
+        # one step's spread around that mean from its batch's routing alone (sd / mean over the
+        # held-out batches): a mean over n timed steps strays about this / sqrt(n) by chance
+        out["predicted_step_time_batch_spread"] = pred["step_time_batch_spread"]
         out["bound_tokens_per_s"] = pred["bound_tokens_per_s"]
         out["predicted_fraction_of_bound"] = pred["fraction_of_bound"]
         if measured:

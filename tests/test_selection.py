@@ -82,6 +82,9 @@ def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_
     each = [p["step_time_s"] for p in got[0]["each"]]
     assert got[0]["prediction"]["step_time_s"] == pytest.approx(sum(each) / len(each), rel=1e-12)
     assert len(set(each)) > 1, "the batches route differently: the mean is over something"
+    mean = sum(each) / len(each)
+    spread = (sum((t - mean) ** 2 for t in each) / len(each)) ** 0.5 / mean
+    assert got[0]["summary"]["predicted_step_time_batch_spread"] == pytest.approx(spread, rel=1e-9) and spread > 0
     skews = [max(max(row) * len(row) for row in b) for b in by_hand[half:]]
     assert min(skews) > 1.05, f"the initial routers are uneven (max/mean {min(skews):.3f}): the test would be vacuous"
     assert got[0]["prediction"]["expert_load_max_over_mean"] == pytest.approx(sum(skews) / len(skews), rel=1e-12)

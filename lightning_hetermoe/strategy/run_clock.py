@@ -136,13 +136,19 @@ class RunClock:
         :meth:`loads` of the step at each (a step's time follows its own batch's routing, and
         the busiest expert's share is higher batch by batch than pooled). Without a plan
         the batch is the run's, every rank's sequences in one micro-batch."""
+        steps = self.step_times(sim, expert_load, batch_loads)
+        return sum(steps) / len(steps)
+
+    def step_times(self, sim: Simulated, expert_load: list[list[float]] | None = None,
+                   batch_loads: list[list[list[float]]] | None = None) -> list[float]:
+        """:meth:`step_time` routing by routing."""
         from ..simulate import predict_step
 
-        loads = self.loads(expert_load, batch_loads)
-        return sum(predict_step(sim.schedule, self.devices, self.model, self.links(), self.timer, plan=sim.plan,
-                                seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, num_microbatches=1,
-                                placement=sim.placement, ep_size=sim.ep_size, expert_load=load,
-                                replica_dispatch=sim.replica_dispatch).step_time for load in loads) / len(loads)
+        return [predict_step(sim.schedule, self.devices, self.model, self.links(), self.timer, plan=sim.plan,
+                             seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, num_microbatches=1,
+                             placement=sim.placement, ep_size=sim.ep_size, expert_load=load,
+                             replica_dispatch=sim.replica_dispatch).step_time
+                for load in self.loads(expert_load, batch_loads)]
 
     def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None,
                 batch_loads: list[list[list[float]]] | None = None) -> dict[str, Any] | None:
@@ -153,12 +159,17 @@ class RunClock:
             return None
         from ..simulate.bound import throughput_bound
 
-        step = self.step_time(sim, expert_load, batch_loads)
+        steps = self.step_times(sim, expert_load, batch_loads)
+        step = sum(steps) / len(steps)
         if self._bound is None:
             self._bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len)
         bound = self._bound
         tokens = self.tokens_per_step * (sim.plan.waves if sim.plan is not None else 1)  # a plan's step is its waves
+        # how far one step strays from the mean by its batch's routing alone (standard
+        # deviation over the mean): a run timed over few steps is that far off by chance
+        spread = (sum((t - step) ** 2 for t in steps) / len(steps)) ** 0.5 / step if step > 0 else 0.0
         return {"schedule": sim.schedule, "step_time_s": step * self.time_scale, "device_step_time_s": step,
+                "step_time_batch_spread": spread,
                 "workload_tokens_per_step": tokens,
                 # what no schedule beats on these devices, and this run's predicted share of it
                 "bound_tokens_per_s": bound,
