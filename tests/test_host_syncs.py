@@ -284,6 +284,26 @@ def counted_kinds(rank: int) -> bool:
     return True
 
 
+@pytest.mark.slow
+def test_a_busy_meter_reads_no_expert_counts_on_the_host():
+    """The load monitor's busy split on a real device (a BusyMeter's hooks) models no time,
+    so the experts' counts, on the device under the kernels, are not read there: no host
+    sync per (layer, micro-batch) for nothing; an emulated rank's clock reads them (CPU)."""
+    assert run_ranks(1, busy_meter_counts) == [True]
+
+
+def busy_meter_counts(rank: int) -> bool:
+    import torch
+
+    from lightning_hetermoe.emulate import BusyMeter
+    from lightning_hetermoe.emulate.hooks import _host_counts
+
+    counts = torch.tensor([3, 0, 5]).to(standin.enable())
+    with standin.counting_syncs() as syncs:
+        got = _host_counts(BusyMeter("cpu"), counts)
+    return got == [] and len(syncs) == 0
+
+
 class SigtermAt(L.Callback):
     """Rank 0 gets a real SIGTERM during ``step``: Lightning's handler (as the strategy left
     it) runs in this process, between this hook and the next batch."""

@@ -162,6 +162,13 @@ class _Recompute:
         self.call.bwd_resume()
 
 
+def _host_counts(em: Emulator | BusyMeter, counts: Tensor) -> list[int]:
+    """Each local expert's rows, read on the host only where the clock prices them (an
+    emulated rank's, on the CPU). A :class:`BusyMeter` times the real device and models
+    nothing: reading them there would be a host sync per layer and micro-batch for nothing."""
+    return [int(c) for c in counts.tolist()] if isinstance(em, Emulator) else []
+
+
 class EmulationHandle:
     """What :func:`apply_emulation` installed; ``remove()`` undoes all of it."""
 
@@ -266,12 +273,12 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
             call = current[-1] if current else None
             if isinstance(call, _Recompute):  # the experts' forward again: a task of its own
                 call.enter_expert_path()
-                state["recompute"] = (em.now(), [int(c) for c in args[2].tolist()])
+                state["recompute"] = (em.now(), _host_counts(em, args[2]))
                 return None
             if call is not None:
                 call.enter_expert_path()
             x, _, counts = args[0], args[1], args[2]
-            rec = {"call": call, "t0": em.now(), "counts": [int(c) for c in counts.tolist()]}
+            rec = {"call": call, "t0": em.now(), "counts": _host_counts(em, counts)}
             state["rec"] = rec
 
             def bwd_in(rec=rec):  # gradient left the experts: the task is over
