@@ -143,6 +143,15 @@ class _Search:
         return self._once(("capacity", dev, group_seqs, R, seqs, share), lambda: member_capacity(
             self.mem, dev, seq_len=self.S, group_seqs=group_seqs, R=R, seqs=seqs, share=share))
 
+    def held_at_most(self, dev: DeviceSpec, *, group_seqs: int, R: int, seqs: int | None, share: float = 1.0) -> int:
+        """The experts (all layers) a member may hold, as Asym-EA is told: :meth:`capacity`
+        within a measured profile's; ``seqs`` ``None``: an expert rank (none fit: 0), else an
+        attention rank (-1 where the rest does not fit)."""
+        cap = self.capacity(dev, group_seqs=group_seqs, R=R, seqs=seqs, share=share)
+        if seqs is None:
+            return self.profile_cap(dev, max(cap, 0), "expert")
+        return cap if cap < 0 else self.profile_cap(dev, cap, "attention")
+
     # ---- building blocks -----------------------------------------------------------------
     def role_order(self) -> list[int]:
         t = self.timer
@@ -237,8 +246,7 @@ class _Search:
         k, E, L = m.moe.top_k, m.moe.num_experts, m.n_layers
         mb_group_tokens = group_seqs * S / R
         shares = optimizer_shares(devs, attn, self.sharded)
-        exp_cap = per_kind(g0.expert_ranks, lambda d: self.profile_cap(
-            d, max(self.capacity(d, group_seqs=group_seqs, R=R, seqs=None), 0), "expert"))
+        exp_cap = per_kind(g0.expert_ranks, lambda d: self.held_at_most(d, group_seqs=group_seqs, R=R, seqs=None))
         exp_t = per_kind(g0.expert_ranks, lambda d: self.timer.expert(d, mb_group_tokens * k / E))
         attn_xt = per_kind(g0.attention_ranks, lambda d: self.timer.expert(d, mb_group_tokens * k / E))
 
@@ -249,14 +257,14 @@ class _Search:
             for r, s in zip(g0.attention_ranks, seqs):
                 key = (id(devs[r]), s, shares[r])
                 if key not in alike:
-                    cap = self.capacity(devs[r], group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
+                    cap = self.held_at_most(devs[r], group_seqs=group_seqs, R=R, seqs=s, share=shares[r])
                     if cap < 0:
                         self.last_error = (
                             f"attention rank {r} ({devs[r].name}) cannot hold the attention stack and the activations "
                             f"of {s} sequences of {S} tokens"
                         )
                         return None
-                    alike[key] = (self.profile_cap(devs[r], cap, "attention"), self.timer.attention(devs[r], s * S / R))
+                    alike[key] = (cap, self.timer.attention(devs[r], s * S / R))
                 cap, t = alike[key]
                 attn_cap.append(cap)
                 attn_t.append(t)
@@ -910,17 +918,14 @@ def _place_at_load(plan: Plan, search: _Search, expert_load: list[list[float]]) 
 
     shares = optimizer_shares(view.devices, g0.attention_ranks, search.sharded)
 
-    def capacity(m: int) -> int:
-        """The experts member ``m`` can hold, all layers (as Asym-EA was told)."""
-        r = g0.members[m]
+    def most(m: int, r: int) -> int:
+        """The experts member ``m`` (rank ``r``) may hold, all layers, as Asym-EA was told."""
         if m < M:
-            cap = search.capacity(devs[m], group_seqs=group_seqs, R=R, seqs=plan.seqs_per_rank[r], share=shares[r])
-            return search.profile_cap(devs[m], cap, "attention")
-        return search.profile_cap(devs[m], max(search.capacity(devs[m], group_seqs=group_seqs, R=R, seqs=None), 0),
-                                  "expert")
+            return search.held_at_most(devs[m], group_seqs=group_seqs, R=R, seqs=plan.seqs_per_rank[r], share=shares[r])
+        return search.held_at_most(devs[m], group_seqs=group_seqs, R=R, seqs=None)
 
     held = plan.expert_counts(0)
-    room = [max(capacity(m) - sum(held[m]), 0) for m in range(len(devs))]
+    room = [max(most(m, r) - sum(held[m]), 0) for m, r in enumerate(g0.members)]
     # under zebra a member's attention overlaps the experts and adds to its own; DistEP's
     # attention and experts take turns, so only the experts weigh there
     for schedule, base, free in (("zebra", [attention(m) for m in range(len(devs))], room),
