@@ -19,6 +19,13 @@ Search, each candidate scored by the step simulator (zebra schedule):
    accumulation (``make_plan``'s ``max_waves``), each searched as above, and the fastest
    count is kept.
 
+On a cluster that is k alike copies of a smaller one (every kind of device or node k times,
+``replica.py``) a few copies are planned first (16 and 64 ranks, and on more than 256 ranks a
+copy of at most 256), and the whole is searched at each copy's role split times k: a copy's
+plan repeated k times is a plan of the whole, so the whole plans at least as fast per GPU
+as its copies, whose searches try their role splits finely. Where one copy is a quarter of
+the whole or more, that stands in for the whole's own search.
+
 A cheap first pass (one R per role split: a small one, or the fewest that fit) keeps the
 two best splits; the full G × R search runs on those, from the most groups down (on
 hundreds of ranks a group count is searched over every R only where its step at the best
@@ -57,6 +64,7 @@ from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .load_placement import place_at_load
 from .plan import Plan, ZPGroup
+from .replica import copy_counts, one_copy, stands_in
 
 R_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 MAX_WAVES = 4  # make_plan's default: at most this many batches accumulated per optimizer step
@@ -482,14 +490,7 @@ class _Search:
         first = [M for _, M in sorted((t, M) for M, t in tried.items() if t is not None)[:2]]
         binds = not first
         first += [M for _, M in sorted((t, M) for M, t in fitted.items())[:1] if M not in first]
-        best = None
-        # Pass 2 also tries each layout's evened-out attention shares (see _candidate): only
-        # here, where few layouts are left, since each costs placements and a simulation
-        self.even_shares = True
-        for M in first:
-            got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs, bar=best)
-            if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
-                best = got
+        best = self.finals(order, first, Rs, pinned)
         if binds:  # no split fits as pass 1 probes it: the layouts the memory check passes
             try:
                 got = self.when_memory_binds(order, Rs)
@@ -501,6 +502,19 @@ class _Search:
                     best = got
         assert best is not None
         return best[1]
+
+    def finals(self, order: list[int], Ms: list[int], Rs: list[int], pinned: int | None
+               ) -> tuple[float, Plan] | None:
+        """Pass 2: every group count and R of each role split in ``Ms``, the fastest kept."""
+        best = None
+        # Pass 2 also tries each layout's evened-out attention shares (see _candidate): only
+        # here, where few layouts are left, since each costs placements and a simulation
+        self.even_shares = True
+        for M in Ms:
+            got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs, bar=best)
+            if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
+                best = got
+        return best
 
     def most_groups_that_fit(self, order: list[int], M: int, R: int) -> tuple[float, Plan] | None:
         """The scored layout of the most ZP groups (more than one) the split deals its device
@@ -684,14 +698,22 @@ def make_plan(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_b
 
 
 def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_batch_tokens: int,
-                   max_waves: int, **kwargs: Any) -> Plan:
+                   max_waves: int, copies: bool = True, **kwargs: Any) -> Plan:
     """The fastest plan of the batch in 1, 2, 4, ... waves. More waves are searched only where
     the last count's activations bound its plan (each wave adds a pipeline fill and drain)
     and only while they pay. On more than ``MAX_SPLITS`` ranks, where one search takes
     seconds, the next count is searched only once the best layout so far, probed in that
-    many waves, is faster (a probe is one layout, not a second search)."""
+    many waves, is faster (a probe is one layout, not a second search). A cluster of alike
+    copies is planned from its copies first (:func:`_from_copies`; ``copies=False``: a
+    copy's own search, which does not split it again)."""
     view = as_cluster(cluster)
     total = global_batch_tokens // seq_len if seq_len >= 1 else 0
+    pinned = any(kwargs.get(pin) is not None for pin in PINS)
+    ks = copy_counts(view, total) if copies and not pinned and seq_len >= 1 else []
+    copied = _from_copies(view, model, ks, seq_len=seq_len, global_batch_tokens=global_batch_tokens,
+                          max_waves=max_waves, **kwargs) if ks else None
+    if copied is not None and stands_in(view, ks):
+        return copied  # a copy of a quarter of the cluster or more was searched whole
     best: Plan | None = None
     err: ValueError | None = None
     waves = 1
@@ -714,12 +736,51 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
         if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state")):
             break
         waves *= 2
+    if copied is not None and (best is None or _zebra_rate(copied) > _zebra_rate(best) * (1 + 1e-9)):
+        return copied
     if best is None:
         assert err is not None
         if max_waves > 1 and "the largest batch that plans is" in str(err):
             raise ValueError(f"{err} (in one wave: a step of up to {max_waves} waves plans up to {max_waves} times "
                              f"that, where the waves divide its sequences evenly)") from None
         raise err
+    return best
+
+
+PINS = ("num_attention_ranks", "num_zp_groups", "num_microbatches", "_splits")
+
+
+def _from_copies(view: ClusterView, model: ModelConfig | dict, ks: list[int], *, seq_len: int,
+                 global_batch_tokens: int, max_waves: int, **kwargs: Any) -> Plan | None:
+    """The cluster as ``k`` alike copies of a smaller one, for each ``k`` in ``ks``
+    (``replica.py``): each copy planned by the whole search (waves and all), then the whole
+    cluster searched at each copy's role split times k, over every group count and R, at
+    that copy's waves: the fastest, or ``None`` where no copy plans."""
+    # only zebra's step is compared on the way; the plan kept is predicted in full after
+    zebra = {**kwargs, "schedules": ("zebra",), "_brief": True}
+    splits: dict[int, list[int]] = {}  # waves -> attention-rank counts
+    for k in ks:
+        try:
+            one = _fastest_waves(one_copy(view, k), model, seq_len=seq_len,
+                                 global_batch_tokens=global_batch_tokens // k, max_waves=max_waves, copies=False,
+                                 **zebra)
+        except ValueError:
+            continue  # the copy is too small to hold the model: larger ones may
+        splits.setdefault(one.waves, []).append(k * len(one.attention_ranks))
+    best = None
+    for waves, Ms in splits.items():
+        try:
+            plan = plan_for_batch(view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens, waves=waves,
+                                  _splits=Ms, **zebra)
+        except ValueError:
+            continue
+        if best is None or _zebra_rate(plan) > _zebra_rate(best) * (1 + 1e-9):
+            best = plan
+    if best is not None:
+        model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
+        timer = kwargs.get("timer") or make_timer(model, seq_len, kwargs.get("profile"), kwargs.get("cost_model"))
+        best.predicted = predict(best, view, model, CachedTimer(timer), kwargs.get("schedules", SCHEDULES),
+                                 kwargs.get("expert_load"))
     return best
 
 
@@ -732,6 +793,7 @@ def _probe_pays(best: Plan, waves: int, cluster: Any, model: Any, **kwargs: Any)
         if kwargs.get(key) is None:
             kwargs[key] = value
     kwargs["schedules"] = ("zebra",)  # the baselines' predictions are not compared here
+    kwargs["_brief"] = True
     try:
         probe = plan_for_batch(cluster, model, waves=waves, **kwargs)
     except ValueError:
@@ -795,6 +857,8 @@ def plan_for_batch(
     place_at_load: bool = False,
     shard_optimizer_state: bool | None = None,
     waves: int = 1,
+    _splits: Sequence[int] | None = None,
+    _brief: bool = False,
 ) -> Plan:
     """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``,
     run as ``waves`` batches of an equal number of sequences (gradient accumulation).
@@ -820,6 +884,11 @@ def plan_for_batch(
     Where memory binds, every layout the plan format can express is checked (see
     ``fit.py``): a batch that fits in one gets a plan, and a refusal names the binding
     constraint and the largest batch that plans.
+
+    The planner's own calls narrow the search to some role splits (``_splits``,
+    attention-rank counts, each over every group count and R: what plans of the cluster's
+    alike copies suggest, ``replica.py``) and, where they only compare the plans' own
+    steps, ask for those alone (``_brief``: no data-centric prediction, no network bytes).
     """
     model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
     view = as_cluster(cluster)
@@ -840,7 +909,7 @@ def plan_for_batch(
                      num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
                      require_expert_ranks=require_expert_ranks, schedules=schedules, timer=timer,
                      expert_load=expert_load, place_at_load=place_at_load,
-                     shard_optimizer_state=shard_optimizer_state)
+                     shard_optimizer_state=shard_optimizer_state, splits=_splits, brief=_brief)
 
 
 @contextlib.contextmanager
@@ -860,7 +929,8 @@ def _cycle_collector_paused():
 def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, profile, cost_model, asym_ea: bool,
           num_microbatches: int | None, max_microbatches: int, num_attention_ranks: int | None,
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
-          expert_load, place_at_load: bool, shard_optimizer_state: bool | None) -> Plan:
+          expert_load, place_at_load: bool, shard_optimizer_state: bool | None,
+          splits: Sequence[int] | None = None, brief: bool = False) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
@@ -884,10 +954,16 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
                                     num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
                                     require_expert_ranks=require_expert_ranks)
 
-    plan = search.best(order, Ms, Rs, num_zp_groups)
+    if splits is not None:
+        got = search.finals(order, [M for M in dict.fromkeys(splits) if M in Ms], Rs, num_zp_groups)
+        if got is None:
+            raise ValueError(f"no layout of {sorted(splits)} attention ranks fits {view.name}")
+        plan = got[1]
+    else:
+        plan = search.best(order, Ms, Rs, num_zp_groups)
     if place_at_load and expert_load is not None:
         _place_at_load(plan, search, expert_load)
-    plan.predicted = predict(plan, view, model, timer, schedules, expert_load)
+    plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief)
     plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len)
     cost = getattr(timer, "cost", None)
     if cost is not None:
@@ -997,12 +1073,17 @@ def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView)
 
 
 def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,
-            expert_load: list[list[float]] | None = None) -> dict:
+            expert_load: list[list[float]] | None = None, brief: bool = False) -> dict:
     """Step time and tokens/s of ``plan`` under each schedule and data-centric (``None``
-    and the error where one does not fit)."""
+    and the error where one does not fit). ``brief``: each schedule's step time and
+    tokens/s alone (zebra and DistEP by the search's own simulation), no data-centric."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
-    for s in list(schedules) + ["datacentric"]:
+    for s in list(schedules) + ([] if brief else ["datacentric"]):
+        if brief and s in ("zebra", "distep"):
+            step = predict_step_time(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load)
+            out[s] = {"step_time_s": step, "tokens_per_s": plan.step_seqs * plan.seq_len / step if step > 0 else 0.0}
+            continue
         try:
             res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load)
         except ValueError as err:

@@ -1,0 +1,110 @@
+"""A cluster of alike copies: which copies, what one copy is, and the whole planned from them."""
+
+import pytest
+
+from lightning_hetermoe.cluster import ClusterConfig
+from lightning_hetermoe.configs import workload_model
+from lightning_hetermoe.plan import make_plan, planner
+from lightning_hetermoe.plan.planner import as_cluster, predict
+from lightning_hetermoe.plan.replica import copy_counts, one_copy, stands_in
+from lightning_hetermoe.profile import make_timer
+from lightning_hetermoe.simulate.schedules import SCHEDULES
+
+MIX = (("h100", 1), ("a40", 3), ("v100", 4))  # eighths of the cluster, as bench/plan_scale.py's
+FREE = {"bandwidth_gbps": 1e9, "latency_us": 0.0}  # transfers that cost nothing
+
+
+def flat(n: int, link=None) -> ClusterConfig:
+    return ClusterConfig(name=f"mix{n}", devices=[d for d, e in MIX for _ in range(n * e // 8)], link=link)
+
+
+def on_nodes(n: int) -> ClusterConfig:
+    links = {"h100": "nvlink4", "a40": "pcie4", "v100": "nvlink2"}
+    nodes = [{"name": f"{d}{i}", "devices": [d] * 8, "link": links[d]} for d, e in MIX for i in range(n * e // 64)]
+    return ClusterConfig(name=f"mix{n}_nodes", nodes=nodes, network="ib_hdr")
+
+
+def kinds(devices) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in devices:
+        out[d.name] = out.get(d.name, 0) + 1
+    return out
+
+
+def test_a_copy_is_the_first_share_of_each_kind_of_device_or_node():
+    view = as_cluster(flat(1024))
+    copy = one_copy(view, 16)
+    assert kinds(copy.devices) == {"h100": 8, "a40": 24, "v100": 32}
+    assert copy.topology.num_nodes == 1 and copy.topology.links == view.topology.links
+
+    view = as_cluster(on_nodes(1024))
+    copy = one_copy(view, 16)
+    assert kinds(copy.devices) == {"h100": 8, "a40": 24, "v100": 32}
+    assert copy.topology.num_nodes == 8 and copy.topology.network == view.topology.network
+    # each node keeps its devices together and its own link
+    for n in range(copy.topology.num_nodes):
+        ranks = copy.topology.node_ranks(n)
+        assert len(ranks) == 8 and len({copy.devices[r].name for r in ranks}) == 1
+        kind = copy.devices[ranks[0]].name
+        assert copy.topology.links[n].kind == {"h100": "nvlink4", "a40": "pcie4", "v100": "nvlink2"}[kind]
+
+
+def test_which_copies_a_cluster_is_planned_from():
+    # 1,024 = 128 x (1 h100, 3 a40, 4 v100): copies of 16 and 64 ranks, and one of 256
+    assert copy_counts(as_cluster(flat(1024)), 4096) == [64, 16, 4]
+    assert stands_in(as_cluster(flat(1024)), [64, 16, 4])
+    # 256 ranks are searched whole besides their copies of 16 and 64
+    assert copy_counts(as_cluster(flat(256)), 1024) == [16, 4]
+    assert not stands_in(as_cluster(flat(256)), [16, 4])
+    # a batch the copies cannot share evenly keeps only the copies it can
+    assert copy_counts(as_cluster(flat(256)), 4 * 3) == [4]
+    # on nodes the kinds of node count: 128 nodes of 8 are 16 x (1 h100, 3 a40, 4 v100 nodes)
+    assert copy_counts(as_cluster(on_nodes(1024)), 4096) == [16, 4]
+    # too small to need copies, or no copies to make
+    assert copy_counts(as_cluster(flat(32)), 128) == []
+    assert copy_counts(as_cluster(ClusterConfig(name="odd", devices=["h100"] * 7 + ["v100"] * 57)), 64) == []
+    # 10,000 GPUs: copies of 16, 80 and 200, none a quarter of the whole: it is searched too
+    big = as_cluster(flat(10000))
+    assert copy_counts(big, 40000) == [625, 125, 50]
+    assert not stands_in(big, [625, 125, 50])
+
+
+def rate(plan) -> float:
+    return plan.predicted["zebra"]["tokens_per_s"]
+
+
+def test_a_cluster_of_copies_plans_at_least_as_fast_per_gpu_as_its_copy(monkeypatch):
+    """DeepSeek-V2-Lite on 64 GPUs, four copies of (2 h100, 6 a40, 8 v100), transfers free
+    (each copy's share of the work is then exactly a quarter): the 16-GPU copy's plan
+    repeated is a plan of the whole, which the whole's own search did not find."""
+    m = workload_model("deepseek_v2_lite")
+    kw = dict(seq_len=4096, global_batch_tokens=4 * 64 * 4096)
+    whole = make_plan(flat(64, FREE), m, **kw)
+    copy = make_plan(flat(16, FREE), m, seq_len=4096, global_batch_tokens=4 * 16 * 4096)
+    assert rate(whole) >= 4 * rate(copy) * (1 - 1e-6)  # the dense sync over more groups: ~1e-8
+    # the plan kept is predicted as any plan is: every schedule and data-centric
+    assert set(whole.predicted) == {*SCHEDULES, "datacentric"}
+    monkeypatch.setattr(planner, "copy_counts", lambda view, total: [])
+    alone = make_plan(flat(64, FREE), m, **kw)
+    assert rate(alone) < rate(whole) / 1.05
+
+
+def test_a_pinned_layout_is_planned_as_pinned_on_a_cluster_of_copies():
+    m = workload_model("d1")
+    plan = make_plan(flat(64), m, seq_len=8192, global_batch_tokens=4 * 64 * 8192, num_zp_groups=2)
+    assert len(plan.zp_groups) == 2
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_a_brief_prediction_is_the_full_ones_step(schedule):
+    """What the planner compares between copies' plans (``brief``: the search's own
+    simulation) is the step the full prediction gives."""
+    m = workload_model("d1")
+    c = flat(16)
+    plan = make_plan(c, m, seq_len=8192, global_batch_tokens=4 * 16 * 8192)
+    timer = make_timer(m, 8192)
+    full = predict(plan, c, m, timer, (schedule,))
+    brief = predict(plan, c, m, timer, (schedule,), brief=True)
+    assert set(brief) == {schedule} and "datacentric" in full
+    assert brief[schedule]["step_time_s"] == pytest.approx(full[schedule]["step_time_s"], rel=1e-12)
+    assert brief[schedule]["tokens_per_s"] == pytest.approx(full[schedule]["tokens_per_s"], rel=1e-12)
