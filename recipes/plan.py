@@ -45,6 +45,9 @@ def main(cfg: DictConfig) -> dict:
     if routing is not None:
         print(f"routing from {cfg.plan.expert_load}: {routing.steps} steps of model {routing.model!r}, the hottest "
               f"expert {routing.hottest_over_mean():.2f}x the mean (its layer's)")
+    # hundreds to thousands of GPUs take seconds to tens of seconds to plan: say what is under way
+    print(f"planning {model.name} on {cluster.name} ({cluster.world_size} GPUs), {tokens // seq_len} sequences of "
+          f"{seq_len} tokens per step", flush=True)
     plan = make_plan(
         cluster,
         model,
