@@ -116,6 +116,7 @@ class StepSetup:
     _node_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _share_rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _lane_shares: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
@@ -178,11 +179,15 @@ class StepSetup:
         return slowest(self.topology.ring_link(self.replicas_of(r)) for r in lane.ranks)
 
     def copies(self, layer: int) -> list[int]:
-        """How many ranks hold each expert of ``layer`` (copies split their expert's tokens)."""
-        n = [0] * self.model.moe.num_experts
-        for lane in self.lanes:
-            for e in (lane.expert_ids[layer] if lane.expert_ids else []):
-                n[e] += len(lane.ranks)
+        """How many ranks hold each expert of ``layer`` (copies split their expert's tokens),
+        counted once per layer: at a measured routing every expert task of every lane asks
+        (on a group of hundreds of lanes, most of a search's time was this count)."""
+        n = self._copies.get(layer)
+        if n is None:
+            n = self._copies[layer] = [0] * self.model.moe.num_experts
+            for lane in self.lanes:
+                for e in (lane.expert_ids[layer] if lane.expert_ids else []):
+                    n[e] += len(lane.ranks)
         return n
 
     def expert_tokens(self, lane: Lane, layer: int, group_tokens: float) -> list[float]:
