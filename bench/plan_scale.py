@@ -4,6 +4,7 @@ plan comes to the throughput bound.
     python bench/plan_scale.py               # 8 to 1,024 GPUs, flat, on nodes and free, every shipped real model
     python bench/plan_scale.py --sizes 64,256 --models d1
     python bench/plan_scale.py --sizes 10000 --models d1 --layouts flat
+    python bench/plan_scale.py --sizes 1024 --layouts flat,nodes --routing skewed
 
 The mix is 1/8 H100, 3/8 A40 and 1/2 V100 (the new user's), as a flat list on one 100
 Gbit/s link per GPU, or on nodes of 8 GPUs of one kind each (H100 on NVLink 4, A40 on PCIe
@@ -12,13 +13,17 @@ that cost nothing (``free``: the gap left to the bound is the schedule's). The g
 4 sequences per GPU (2 for the models whose experts' saved inputs do not fit 4). For each
 cell: the seconds ``make_plan`` took, the zebra plan's predicted tokens/s, and that as a
 fraction of the bound (every device busy on the work it is
-relatively fastest at, no communication: ``simulate/bound.py``). The last line is JSON.
+relatively fastest at, no communication: ``simulate/bound.py``). ``--routing skewed``
+plans at a measured routing instead of even (``expert_load``: per layer, expert shares drawn
+from a Pareto law, seeded, as a trained model's record gives the strategy): every expert
+then costs its own, and fewer ranks are alike. The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 from lightning_hetermoe.cluster import ClusterConfig
@@ -51,11 +56,22 @@ def mix_cluster(n: int, layout: str) -> ClusterConfig:
     return ClusterConfig(name=f"mix{n}_nodes", nodes=nodes, network="ib_hdr")
 
 
+def skewed_routing(model) -> list[list[float]]:
+    """Per layer, each expert's share of the routing: Pareto(1.5) weights, seed 0."""
+    rng = random.Random(0)
+    shares = []
+    for _ in range(model.n_layers):
+        w = [rng.paretovariate(1.5) for _ in range(model.moe.num_experts)]
+        shares.append([x / sum(w) for x in w])
+    return shares
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="8,16,64,256,1024")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--layouts", default="flat,nodes,free")
+    ap.add_argument("--routing", choices=("even", "skewed"), default="even")
     args = ap.parse_args()
     rows = []
     print(f"{'model':<12} {'layout':<6} {'GPUs':>6} {'nodes':>5} {'plan s':>7} {'zebra tok/s':>13} "
@@ -68,7 +84,8 @@ def main() -> None:
                 world = cluster.world_size
                 started = time.perf_counter()
                 try:
-                    plan = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=per_gpu * world * seq_len)
+                    plan = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=per_gpu * world * seq_len,
+                                     expert_load=skewed_routing(model) if args.routing == "skewed" else None)
                 except ValueError as err:
                     seconds = time.perf_counter() - started
                     print(f"{model_name:<12} {layout:<6} {world:>6} {cluster.num_nodes:>5} {seconds:>7.2f} no plan: {err}")
