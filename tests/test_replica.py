@@ -1,5 +1,7 @@
 """A cluster of alike copies: which copies, what one copy is, and the whole planned from them."""
 
+from collections import Counter
+
 import pytest
 
 from lightning_hetermoe.cluster import ClusterConfig
@@ -24,11 +26,8 @@ def on_nodes(n: int) -> ClusterConfig:
     return ClusterConfig(name=f"mix{n}_nodes", nodes=nodes, network="ib_hdr")
 
 
-def kinds(devices) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for d in devices:
-        out[d.name] = out.get(d.name, 0) + 1
-    return out
+def kinds(devices) -> Counter:
+    return Counter(d.name for d in devices)
 
 
 def test_a_copy_is_the_first_share_of_each_kind_of_device_or_node():

@@ -747,7 +747,18 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
     return best
 
 
-PINS = ("num_attention_ranks", "num_zp_groups", "num_microbatches", "_splits")
+PINS = ("num_attention_ranks", "num_zp_groups", "num_microbatches")  # a pinned layout plans as pinned
+
+
+def _model_config(model: ModelConfig | dict) -> ModelConfig:
+    return model if isinstance(model, ModelConfig) else from_cfg(ModelConfig, model)
+
+
+def _search_timer(model: ModelConfig, seq_len: int, timer: Any, profile: Profile | None,
+                  cost_model: CostModel | None) -> CachedTimer:
+    """The timer a search asks: the given one, else the profile's or the cost model's, each
+    answer remembered."""
+    return CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
 
 
 def _from_copies(view: ClusterView, model: ModelConfig | dict, ks: list[int], *, seq_len: int,
@@ -777,10 +788,9 @@ def _from_copies(view: ClusterView, model: ModelConfig | dict, ks: list[int], *,
         if best is None or _zebra_rate(plan) > _zebra_rate(best) * (1 + 1e-9):
             best = plan
     if best is not None:
-        model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
-        timer = kwargs.get("timer") or make_timer(model, seq_len, kwargs.get("profile"), kwargs.get("cost_model"))
-        best.predicted = predict(best, view, model, CachedTimer(timer), kwargs.get("schedules", SCHEDULES),
-                                 kwargs.get("expert_load"))
+        model = _model_config(model)
+        timer = _search_timer(model, seq_len, kwargs.get("timer"), kwargs.get("profile"), kwargs.get("cost_model"))
+        best.predicted = predict(best, view, model, timer, kwargs.get("schedules", SCHEDULES), kwargs.get("expert_load"))
     return best
 
 
@@ -811,7 +821,7 @@ def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_
     """Whether half the sequences in flight would let some member of the plan's ZP group that
     cannot hold every expert hold more of them: only then can splitting the step into more
     waves pay (a member with room for all of them places nothing differently)."""
-    model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
+    model = _model_config(model)
     devs = as_cluster(cluster).devices
     mem = MemoryModel(model)
     group_seqs = plan.total_seqs // len(plan.zp_groups)
@@ -890,7 +900,7 @@ def plan_for_batch(
     alike copies suggest, ``replica.py``) and, where they only compare the plans' own
     steps, ask for those alone (``_brief``: no data-centric prediction, no network bytes).
     """
-    model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
+    model = _model_config(model)
     view = as_cluster(cluster)
     if not view.devices:
         raise ValueError("empty cluster: name at least one device")
@@ -932,7 +942,7 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
           expert_load, place_at_load: bool, shard_optimizer_state: bool | None,
           splits: Sequence[int] | None = None, brief: bool = False) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
-    timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
+    timer = _search_timer(model, seq_len, timer, profile, cost_model)
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
                      sharded=_sharded(model, shard_optimizer_state), waves=waves)
     W = len(view.devices)
@@ -1045,11 +1055,11 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
     ``cluster`` in one wave (0: not one; :func:`make_plan` plans up to ``max_waves`` times as
     many, in waves that divide them), by the memory model alone: doubling, then bisection over the
     batch, each batch checked over every layout (see ``fit.py``)."""
-    model = from_cfg(ModelConfig, model) if not isinstance(model, ModelConfig) else model
+    model = _model_config(model)
     view = as_cluster(cluster)
     if not view.devices:
         raise ValueError("empty cluster: name at least one device")
-    timer = CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
+    timer = _search_timer(model, seq_len, timer, profile, cost_model)
     search = _Search(view, model, seq_len, 1, timer, True, max_microbatches,
                      sharded=_sharded(model, shard_optimizer_state))
     try:

@@ -13,6 +13,7 @@ transfers: 64% of the throughput bound, its 64-GPU copy's plan 82%).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -32,22 +33,15 @@ MIN_RANKS = 49
 STANDS_IN_COPIES = 4
 
 
-def _node_kind(view: Any, node: int) -> tuple:
+def _kinds(view: Any) -> list:
+    """Each unit's kind: per device its name (one node), or per node its devices and link."""
     topo = view.topology
-    link = topo.links[node]
-    return (tuple(view.devices[r].name for r in topo.node_ranks(node)),
-            (link.bandwidth_gbps, link.latency_us, link.kind))
-
-
-def _kind_counts(view: Any) -> dict:
-    """How many times each kind of device (one node) or of node (several) comes."""
-    counts: dict = {}
-    topo = view.topology
-    keys = ([d.name for d in view.devices] if topo.num_nodes == 1
-            else [_node_kind(view, n) for n in range(topo.num_nodes)])
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    if topo.num_nodes == 1:
+        return [d.name for d in view.devices]
+    on: list[list[str]] = [[] for _ in range(topo.num_nodes)]
+    for r, n in enumerate(topo.node_of):  # one pass: thousands of nodes, each asked for its ranks, is quadratic
+        on[n].append(view.devices[r].name)
+    return [(tuple(names), (x.bandwidth_gbps, x.latency_us, x.kind)) for names, x in zip(on, topo.links, strict=True)]
 
 
 def copy_counts(view: Any, total_seqs: int) -> list[int]:
@@ -59,7 +53,7 @@ def copy_counts(view: Any, total_seqs: int) -> list[int]:
     W = len(view.devices)
     if W < MIN_RANKS:
         return []
-    g = math.gcd(*_kind_counts(view).values())
+    g = math.gcd(*Counter(_kinds(view)).values())
     ks = [k for k in range(2, g + 1) if g % k == 0 and total_seqs % k == 0]
     picks = {max((k for k in ks if W // k >= least), default=1) for least in COPY_RANKS}
     if W > FULL_SEARCH_RANKS:  # else the whole cluster's own search runs whole
@@ -79,24 +73,19 @@ def one_copy(view: Any, k: int) -> Any:
     """One of the ``k`` copies: the first ``1/k`` of each kind of device (one node) or of
     each kind of node (several), in rank order, on the same links and network."""
     topo = view.topology
-    left = {key: c // k for key, c in _kind_counts(view).items()}
-    if topo.num_nodes == 1:
-        ranks = []
-        for r, d in enumerate(view.devices):
-            if left[d.name] > 0:
-                ranks.append(r)
-                left[d.name] -= 1
-        return replace(view, name=f"{view.name}/{k}", devices=[view.devices[r] for r in ranks],
-                       topology=Topology.flat(topo.links[0], len(ranks)))
-    nodes = []
-    for n in range(topo.num_nodes):
-        key = _node_kind(view, n)
+    kinds = _kinds(view)
+    left = {key: c // k for key, c in Counter(kinds).items()}
+    units = []  # the devices (one node) or nodes the copy keeps
+    for u, key in enumerate(kinds):
         if left[key] > 0:
-            nodes.append(n)
+            units.append(u)
             left[key] -= 1
-    index = {n: i for i, n in enumerate(nodes)}
+    if topo.num_nodes == 1:
+        return replace(view, name=f"{view.name}/{k}", devices=[view.devices[r] for r in units],
+                       topology=Topology.flat(topo.links[0], len(units)))
+    index = {n: i for i, n in enumerate(units)}
     ranks = [r for r in range(len(view.devices)) if topo.node_of[r] in index]
-    names = tuple(topo.names[n] for n in nodes) if topo.names else ()
+    names = tuple(topo.names[n] for n in units) if topo.names else ()
     return replace(view, name=f"{view.name}/{k}", devices=[view.devices[r] for r in ranks],
                    topology=Topology(node_of=tuple(index[topo.node_of[r]] for r in ranks),
-                                     links=tuple(topo.links[n] for n in nodes), network=topo.network, names=names))
+                                     links=tuple(topo.links[n] for n in units), network=topo.network, names=names))
