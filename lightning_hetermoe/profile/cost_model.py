@@ -51,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..cluster.spec import LinkConfig
 from ..cluster.devices import DeviceSpec, precision_dtype_bytes
 
@@ -111,12 +113,16 @@ class CostModel:
         return f"{self.precision} ({'TF32 tensor cores where the device has them' if self.tf32 else 'fp32 CUDA cores'})"
 
     # ---- kernels -------------------------------------------------------------------------
-    def gemm_time(self, dev: DeviceSpec, m: float, k: float, n: float) -> float:
-        """Roofline time of an ``[m,k] @ [k,n]`` GEMM."""
-        if m <= 0:
+    def gemm_time(self, dev: DeviceSpec, m, k: float, n: float):
+        """Roofline time of an ``[m,k] @ [k,n]`` GEMM; ``m`` a number, or an array of them
+        (the same arithmetic in the same order: each element to the last bit the number's)."""
+        if not isinstance(m, np.ndarray) and m <= 0:
             return 0.0
         flops = 2.0 * m * k * n
         nbytes = self.dtype_bytes * (m * k + k * n + m * n)
+        if isinstance(m, np.ndarray):
+            return np.where(m > 0, np.maximum(flops / (self._peak(dev) * dev.gemm_efficiency), nbytes / dev.stream_bw),
+                            0.0)
         return max(flops / (self._peak(dev) * dev.gemm_efficiency), nbytes / dev.stream_bw)
 
     def elementwise_time(self, dev: DeviceSpec, nbytes: float) -> float:
@@ -180,8 +186,10 @@ class CostModel:
         """One expert MLP on ``tokens`` tokens (weights read once even for few tokens).
         ``recompute_hidden`` (``moe.recompute_activation``): its backward forms the hidden
         activation again, the up-projection once more (within a checkpointed block's
-        recomputation already)."""
-        if tokens <= 0:
+        recomputation already). ``tokens`` may be an array (every expert of a layer at a
+        measured routing at once): each element as the number would give it."""
+        many = isinstance(tokens, np.ndarray)
+        if not many and tokens <= 0:
             return 0.0
         if activation == "swiglu":
             up = self.gemm_time(dev, tokens, d_model, 2 * d_ff)
@@ -193,11 +201,11 @@ class CostModel:
             t += self.elementwise_time(dev, 2 * tokens * d_ff * self.dtype_bytes)
         else:
             raise ValueError(f"expert_time: activation={activation!r} is not one of ('swiglu', 'gelu')")
-        t += dev.launch_overhead_s
-        if not backward:
-            return t
-        again = up if recompute_hidden and not self.activation_checkpointing else 0.0
-        return self._bwd(t) + again
+        t = t + dev.launch_overhead_s
+        if backward:
+            again = up if recompute_hidden and not self.activation_checkpointing else 0.0
+            t = self._bwd(t) + again
+        return np.where(tokens > 0, t, 0.0) if many else t
 
     def head_time(self, dev: DeviceSpec, *, tokens: float, d_model: int, vocab_size: int,
                   forward_only: bool = False) -> float:

@@ -16,6 +16,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
+
 from ..serialization import JsonDataclass
 
 
@@ -23,8 +25,11 @@ def _points(d: Mapping[Any, float]) -> list[tuple[float, float]]:
     return sorted((float(k), float(v)) for k, v in d.items())
 
 
-def interpolate(table: Mapping[Any, float], x: float) -> float:
-    """Piecewise-linear ``table[x]``; proportional scaling outside the measured range."""
+def interpolate(table: Mapping[Any, float], x):
+    """Piecewise-linear ``table[x]``; proportional scaling outside the measured range.
+    ``x`` may be an array (each element as the number would give it, to the last bit)."""
+    if isinstance(x, np.ndarray):
+        return _interpolate_many(_points(table), x)
     if x <= 0:
         return 0.0
     pts = _points(table)
@@ -38,6 +43,19 @@ def interpolate(table: Mapping[Any, float], x: float) -> float:
     i = bisect.bisect_left(xs, x)
     (x0, y0), (x1, y1) = pts[i - 1], pts[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _interpolate_many(pts: list[tuple[float, float]], x: np.ndarray) -> np.ndarray:
+    if not pts:
+        raise ValueError("interpolate: empty table")
+    xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    low = ys[0] * x / xs[0] if xs[0] > 0 else np.full(x.shape, ys[0])
+    out = np.where(x <= xs[0], low, ys[-1] * x / xs[-1])
+    if len(xs) > 1:
+        i = np.clip(np.searchsorted(xs, x, side="left"), 1, len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        out = np.where((x > xs[0]) & (x < xs[-1]), y0 + (y1 - y0) * (x - x0) / (x1 - x0), out)
+    return np.where(x <= 0, 0.0, out)
 
 
 @dataclass

@@ -47,6 +47,10 @@ class CostModelTimer:
             dev, tokens=tokens, d_model=m.d_model, d_ff=m.moe.d_ff, activation=m.moe.activation, backward=backward,
             recompute_hidden=m.moe.recompute_activation)
 
+    def experts(self, dev: DeviceSpec, tokens, backward: bool = False):
+        """:meth:`expert` of every element of ``tokens`` at once (each to the last bit)."""
+        return self.expert(dev, tokens, backward)
+
     def head(self, dev: DeviceSpec, tokens: float, forward_only: bool = False) -> float:
         return self.cost.head_time(dev, tokens=tokens, d_model=self.model.d_model, vocab_size=self.model.vocab_size,
                                    forward_only=forward_only)
@@ -109,7 +113,8 @@ def make_timer(model: ModelConfig, seq_len: int, profile: Profile | None = None,
 class CachedTimer:
     """A timer that remembers each task's duration: a search asks the same few questions
     (one device kind, one token count) thousands of times. Everything else is the wrapped
-    timer's."""
+    timer's (``experts`` too: an array of a layer's experts at one routing seldom comes
+    twice)."""
 
     def __init__(self, timer) -> None:
         self.inner = timer

@@ -229,13 +229,23 @@ class _Durations:
         self.attention = {(kind, mb): np.array([attention(i, kind, mb) for i in att])
                           for kind in {a[0] for a in prog.attention} for mb in range(R)}
         # even routing: an expert task's time follows the lane's device and its experts in the
-        # layer, looked up per round for all holders at once; measured routing asks per lane
+        # layer, looked up per round for all holders at once; at a measured routing each
+        # expert costs its own, and every holder's sum is formed at once per round
         even = setup.expert_load is None
 
         def holders(members: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
             counts = np.array([lanes[i].experts for i in members], dtype=np.intp).reshape(len(members), L)
             by_layer = [np.flatnonzero(counts[:, l]) for l in range(L)]
             idx = [by_layer[prog.round_layer[k]] for k in range(nR)]
+            if not even and times.measured(members):
+                # every layer's holders in one array, priced once per kind of round
+                lane_of = np.array(members, dtype=np.intp)
+                rows = np.concatenate(by_layer) if L else np.zeros(0, dtype=np.intp)
+                layer_of = np.repeat(np.arange(L), [len(b) for b in by_layer])
+                cut = np.cumsum([len(b) for b in by_layer])[:-1]
+                per = {key: np.split(times.held_experts(lane_of[rows], layer_of, *key), cut)
+                       for key in set(zip(prog.round_kind, prog.round_mb))}
+                return idx, [per[(prog.round_kind[k], prog.round_mb[k])][prog.round_layer[k]] for k in range(nR)]
             if not even:
                 return idx, [np.array([times(members[p], prog.round_kind[k], prog.round_layer[k], prog.round_mb[k])
                                        for p in idx[k]]) for k in range(nR)]

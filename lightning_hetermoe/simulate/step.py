@@ -42,6 +42,7 @@ from ..cluster.spec import LinkConfig, slowest
 from ..cluster.devices import DeviceSpec
 from ..cluster.topology import Topology, as_topology
 from ..configs import ModelConfig
+from ..distinct import distinct
 from ..task_order import Round, Schedule, Task as ScheduleTask, awaited_round, emitted_round
 from . import copies
 from .engine import Task, Timeline, run_dag
@@ -117,6 +118,7 @@ class StepSetup:
     _share_rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _lane_shares: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _held_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
@@ -198,13 +200,33 @@ class StepSetup:
             return [group_tokens * k * load[e] / n[e] for e in lane.expert_ids[layer]]
         return [group_tokens * k / E] * lane.experts[layer]
 
-    def lane_shares(self, layer: int) -> list[float]:
+    def lane_shares(self, layer: int) -> np.ndarray:
         """:meth:`own_share` of every lane at ``layer``, found once per layer (a search asks
-        each layer's once per micro-batch and phase)."""
+        each layer's once per micro-batch and phase); at a measured routing every lane's at
+        once, the same sums in the same order."""
         shares = self._lane_shares.get(layer)
         if shares is None:
-            shares = self._lane_shares[layer] = [self.own_share(lane, layer) for lane in self.lanes]
+            if self.expert_load is not None and all(lane.expert_ids for lane in self.lanes):
+                per = np.append(np.asarray(self.expert_load[layer], dtype=float)
+                                / np.maximum(np.asarray(self.copies(layer), dtype=float), 1.0), 0.0)
+                shares = add_columns(per[self.held_ids()[layer]])
+            else:
+                shares = np.array([self.own_share(lane, layer) for lane in self.lanes], dtype=float)
+            self._lane_shares[layer] = shares
         return shares
+
+    def held_ids(self) -> np.ndarray:
+        """Per layer and lane, the ids of the experts the lane holds in its order, padded
+        with ``E`` (a column past the last expert, where tables put what adds nothing)."""
+        if self._held_ids is None:
+            E, L = self.model.moe.num_experts, self.model.n_layers
+            ids = [lane.expert_ids if lane.expert_ids else [[]] * L for lane in self.lanes]
+            width = max([1] + [len(x) for held in ids for x in held])
+            out = self._held_ids = np.full((L, len(ids), width), E, dtype=np.intp)
+            for i, held in enumerate(ids):
+                for layer, x in enumerate(held):
+                    out[layer, i, :len(x)] = x
+        return self._held_ids
 
     def own_share(self, lane: Lane, layer: int) -> float:
         """The share of every token's routed choices that lands on this lane's experts."""
@@ -397,43 +419,56 @@ def exchange_legs(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[li
         return copies.legs(setup, layer, tokens)
     topo = setup.topology
     if topo.num_nodes == 1:
-        return [(_flat_rows(setup, layer, tokens), topo.links[0])], 0.0
-    intra, worst, out = _node_rows(setup, layer, tokens)
+        return [(float(_flat_rows(setup, [layer], tokens)[0]), topo.links[0])], 0.0
+    intra, worst, out = (x[0] for x in _node_rows(setup, [layer], tokens))
     legs = [(float(intra[n]), topo.links[n]) for n in np.flatnonzero(intra > 0)]
     legs += [(float(worst[n]), topo.network) for n in np.flatnonzero(worst > 0)]
     return legs, sum(out.tolist())
 
 
-def _flat_rows(setup: StepSetup, layer: int, tokens: list[float]) -> float:
-    """One node: the busiest rank's rows sent or received."""
+def _flat_rows(setup: StepSetup, layers: list[int], tokens: list[float]) -> np.ndarray:
+    """One node: per layer of ``layers``, the busiest rank's rows sent or received."""
     k = setup.model.moe.top_k
-    shares = setup.lane_shares(layer)
+    s = np.stack([setup.lane_shares(layer) for layer in layers])
     group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
-    return max((max(t * k * (1 - s), (group - t) * k * s) for t, s in zip(tokens, shares)), default=0.0)
+    t = np.asarray(tokens, dtype=float)
+    return np.maximum(t * k * (1 - s), (group - t) * k * s).max(axis=1, initial=0.0)
 
 
-def _node_rows(setup: StepSetup, layer: int, tokens: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per node: the busiest rank's rows to and from the node's other ranks, the node's rows
-    over the network (the larger way), and its rows out.
+def _node_rows(setup: StepSetup, layers: list[int], tokens: list[float]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer of ``layers`` and node: the busiest rank's rows to and from the node's
+    other ranks, the node's rows over the network (the larger way), and its rows out.
 
     One row per (group, lane, node): the lane's ranks of that group on that node; each
     group's node sums of tokens and shares, then each row's traffic, in arrays (thousands
-    of groups on thousands of nodes). bincount adds in row order, as a loop over groups,
-    lanes and nodes would: the same sums to the last bit."""
+    of groups on thousands of nodes, every layer at once). bincount adds in row order, as a
+    loop over groups, lanes and nodes would: the same sums to the last bit."""
     k = setup.model.moe.top_k
-    topo = setup.topology
+    nodes = setup.topology.num_nodes
     group = sum(len(lane.ranks) * t for lane, t in zip(setup.lanes, tokens))
     lane, node, count, where, n_places = setup.lane_node_rows()
-    if layer not in setup._share_rows:
-        setup._share_rows[layer] = np.asarray(setup.lane_shares(layer), dtype=float)[lane]
-    t, s = np.asarray(tokens, dtype=float)[lane], setup._share_rows[layer]
+    for layer in layers:
+        if layer not in setup._share_rows:
+            setup._share_rows[layer] = setup.lane_shares(layer)[lane]
+    n = len(layers)
+    t = np.asarray(tokens, dtype=float)[lane]
+    s = setup._share_rows[layers[0]][None] if n == 1 else np.stack([setup._share_rows[layer] for layer in layers])
+    at = np.arange(n)[:, None]
+
+    def by_layer(index: np.ndarray, width: int, weights: np.ndarray) -> np.ndarray:
+        # each layer's bins apart: a layer's rows are added in row order, as alone
+        flat = index if n == 1 else (at * width + index).ravel()
+        return np.bincount(flat, weights=weights.ravel(), minlength=n * width).reshape(n, width)
+
     node_t = np.bincount(where, weights=count * t, minlength=n_places)[where]
-    node_s = np.bincount(where, weights=count * s, minlength=n_places)[where]
-    intra = np.zeros(topo.num_nodes)
-    np.maximum.at(intra, node, np.maximum(t * k * (node_s - s), s * k * (node_t - t)))
-    out = np.bincount(node, weights=count * t * k * (1 - node_s), minlength=topo.num_nodes)
-    inn = np.bincount(node, weights=count * s * k * (group - node_t), minlength=topo.num_nodes)
-    return intra, np.maximum(out, inn), out
+    node_s = by_layer(where, n_places, count * s)[:, where]
+    intra = np.zeros(n * nodes)
+    np.maximum.at(intra, node if n == 1 else (at * nodes + node).ravel(),
+                  np.maximum(t * k * (node_s - s), s * k * (node_t - t)).ravel())
+    out = by_layer(node, nodes, count * t * k * (1 - node_s))
+    inn = by_layer(node, nodes, count * s * k * (group - node_t))
+    return intra.reshape(n, nodes), np.maximum(out, inn), out
 
 
 def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]) -> float:
@@ -442,7 +477,11 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
     key = setup.leg_key(layer, tokens)
     if key not in setup._leg_time:
         topo = setup.topology
-        if topo.num_nodes == 1 or copies.replicated(setup, layer):
+        # at a measured routing each layer's legs differ: every layer's for these tokens at once
+        layers = [layer] if setup.expert_load is None else [
+            l for l in range(setup.model.n_layers)
+            if l == layer or (setup.leg_key(l, tokens) not in setup._leg_time and not copies.replicated(setup, l))]
+        if copies.replicated(setup, layer):
             legs, _ = setup.exchange(layer, tokens)
             # a leg's time grows with its rows: only each link's busiest leg can be the slowest
             busiest: dict[int, tuple[float, LinkConfig]] = {}
@@ -450,17 +489,20 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
                 if rows > busiest.get(id(link), (-1.0, link))[0]:
                     busiest[id(link)] = (rows, link)
             setup._leg_time[key] = max((timer.transfer(rows, link) for rows, link in busiest.values()), default=0.0)
+        elif topo.num_nodes == 1:
+            for l, rows in zip(layers, _flat_rows(setup, layers, tokens)):
+                setup._leg_time[setup.leg_key(l, tokens)] = timer.transfer(float(rows), topo.links[0])
         else:
             # thousands of nodes share a few kinds of link: each kind's busiest node, in arrays
-            intra, worst, _ = _node_rows(setup, layer, tokens)
+            intra, worst, _ = _node_rows(setup, layers, tokens)
             kind, links = topo.link_kinds()
-            busiest = np.zeros(len(links))
-            np.maximum.at(busiest, kind, intra)
-            times = [timer.transfer(float(rows), link) for rows, link in zip(busiest, links) if rows > 0]
-            top = float(worst.max(initial=0.0))
-            if top > 0:
-                times.append(timer.transfer(top, topo.network))
-            setup._leg_time[key] = max(times, default=0.0)
+            for l, row, top in zip(layers, intra, worst.max(axis=1, initial=0.0)):
+                busiest = np.zeros(len(links))
+                np.maximum.at(busiest, kind, row)
+                times = [timer.transfer(float(rows), link) for rows, link in zip(busiest, links) if rows > 0]
+                if top > 0:
+                    times.append(timer.transfer(float(top), topo.network))
+                setup._leg_time[setup.leg_key(l, tokens)] = max(times, default=0.0)
     return setup._leg_time[key]
 
 
@@ -495,6 +537,9 @@ class TaskTimes:
                       for j in range(setup.num_microbatches)]
         self._memo: dict[tuple, float] = {}
         self._per_expert: dict[tuple, float] = {}  # keyed by the lanes' devices, alive as long as this
+        self._tables: dict[tuple, np.ndarray] = {}
+        self._codes: np.ndarray | None = None
+        self._kinds: list[DeviceSpec] = []
 
     def __call__(self, i: int, kind: str, layer: int, mb: int) -> float:
         expert = kind in ("expert_fwd", "expert_bwd")
@@ -511,6 +556,8 @@ class TaskTimes:
                 self._memo[key] = timer.attention(dev, n, backward=True)
             elif kind == "head":
                 self._memo[key] = timer.head(dev, n, forward_only=self.forward_only)
+            elif not copied and self.setup.expert_load is not None and self.measured([i]):
+                self._memo[key] = float(self.held_experts(np.array([i]), np.array([layer]), kind, mb)[0])
             else:
                 served = copies.expert_tokens(self.setup, i, layer, list(group)) if copied \
                     else self.setup.expert_tokens(lane, layer, self.group[mb])
@@ -523,6 +570,60 @@ class TaskTimes:
         if key not in self._per_expert:
             self._per_expert[key] = self.timer.expert(dev, tokens, backward=backward)
         return self._per_expert[key]
+
+    def measured(self, lanes: list[int]) -> bool:
+        """Whether these lanes' expert tasks are priced per expert at a measured routing
+        (:meth:`held_experts`): a routing given and each lane's expert ids known."""
+        return self.setup.expert_load is not None and all(self.setup.lanes[i].expert_ids for i in lanes)
+
+    def held_experts(self, members: np.ndarray, layers: np.ndarray, kind: str, mb: int) -> np.ndarray:
+        """The expert task (``kind``, micro-batch ``mb``) of each lane ``members[n]`` in
+        layer ``layers[n]`` at the measured routing (no copies across senders: zebra,
+        DistEP, EP without redundant experts), all at once. Every expert's time is asked of
+        the timer as one array per device kind and micro-batch (hundreds of lanes each
+        holding a few of 128 experts asked one number at a time was most of a search's time
+        at a routing); a lane's is the sum over the experts it holds, in its order, as one
+        would add them."""
+        held = self.setup.held_ids()[layers, members]
+        return add_columns(self._expert_tables(kind, mb)[self._codes[members][:, None], layers[:, None], held])
+
+    def _expert_tables(self, kind: str, mb: int) -> np.ndarray:
+        """Per device kind, layer and expert, the expert task's time on the tokens the
+        measured routing gives it in micro-batch ``mb`` (its copies splitting them), and a
+        zero after the last expert."""
+        key = (kind, mb)
+        if key not in self._tables:
+            setup, m = self.setup, self.setup.model
+            if self._codes is None:
+                codes, self._kinds = distinct([lane.device for lane in setup.lanes])
+                self._codes = np.array(codes, dtype=np.intp)
+            load = np.array(setup.expert_load, dtype=float)
+            n = np.array([setup.copies(layer) for layer in range(m.n_layers)], dtype=float)
+            # as expert_tokens: group tokens times k times the share, over the copies
+            tokens = (self.group[mb] * m.moe.top_k * load / np.maximum(n, 1.0)).ravel()
+            table = np.zeros((len(self._kinds), m.n_layers, m.moe.num_experts + 1))
+            for c, dev in enumerate(self._kinds):
+                table[c, :, :-1] = expert_times(self.timer, dev, tokens, kind == "expert_bwd").reshape(m.n_layers, -1)
+            self._tables[key] = table
+        return self._tables[key]
+
+
+def add_columns(each: np.ndarray) -> np.ndarray:
+    """Each row's sum, column by column: the same additions in the same order as a loop
+    over the row (numpy's own sum pairs them), so the same number to the last bit."""
+    total = each[:, 0].copy()
+    for j in range(1, each.shape[1]):
+        total += each[:, j]
+    return total
+
+
+def expert_times(timer, dev: DeviceSpec, tokens: np.ndarray, backward: bool) -> np.ndarray:
+    """``timer.expert`` of every element of ``tokens``: as one array where the timer takes
+    one (``experts``: the pack's timers, the same numbers), else one number at a time."""
+    many = getattr(timer, "experts", None)
+    if many is not None:
+        return np.asarray(many(dev, tokens, backward), dtype=float)
+    return np.array([timer.expert(dev, float(x), backward=backward) for x in tokens], dtype=float)
 
 
 class _Shape:
