@@ -477,10 +477,6 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
     key = setup.leg_key(layer, tokens)
     if key not in setup._leg_time:
         topo = setup.topology
-        # at a measured routing each layer's legs differ: every layer's for these tokens at once
-        layers = [layer] if setup.expert_load is None else [
-            l for l in range(setup.model.n_layers)
-            if l == layer or (setup.leg_key(l, tokens) not in setup._leg_time and not copies.replicated(setup, l))]
         if copies.replicated(setup, layer):
             legs, _ = setup.exchange(layer, tokens)
             # a leg's time grows with its rows: only each link's busiest leg can be the slowest
@@ -489,7 +485,12 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
                 if rows > busiest.get(id(link), (-1.0, link))[0]:
                     busiest[id(link)] = (rows, link)
             setup._leg_time[key] = max((timer.transfer(rows, link) for rows, link in busiest.values()), default=0.0)
-        elif topo.num_nodes == 1:
+            return setup._leg_time[key]
+        # at a measured routing each layer's legs differ: every layer's for these tokens at once
+        layers = [layer] if setup.expert_load is None else [
+            l for l in range(setup.model.n_layers)
+            if l == layer or (setup.leg_key(l, tokens) not in setup._leg_time and not copies.replicated(setup, l))]
+        if topo.num_nodes == 1:
             for l, rows in zip(layers, _flat_rows(setup, layers, tokens)):
                 setup._leg_time[setup.leg_key(l, tokens)] = timer.transfer(float(rows), topo.links[0])
         else:
