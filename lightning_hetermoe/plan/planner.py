@@ -128,6 +128,8 @@ class _Search:
         self._chosen: tuple[Plan, float] | None = None  # candidate()'s faster way and its step
         # also try attention shares evened out over hosted experts (pass 2 on: see best())
         self.even_shares = False
+        # a plan found elsewhere, the mark pass 2 probes group counts against (see best_for)
+        self.bar: tuple[float, Plan] | None = None
 
     def _once(self, key: tuple, compute) -> Any:
         """``compute()`` once per key for the whole search: asked per device kind, not per
@@ -513,7 +515,8 @@ class _Search:
         # here, where few layouts are left, since each costs placements and a simulation
         self.even_shares = True
         for M in Ms:
-            got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs, bar=best)
+            got = self.best_for(order, M, self.group_counts(M, pinned)[::-1], Rs,
+                                bar=min((x for x in (best, self.bar) if x is not None), key=lambda x: x[0], default=None))
             if got is not None and (best is None or got[0] < best[0] * (1 - 1e-9)):
                 best = got
         return best
@@ -741,7 +744,8 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
     if copied is not None and (best is None or _zebra_rate(copied) > _zebra_rate(best) * (1 + 1e-9)):
         best = copied
     spread = _all_attention(view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens,
-                            max_waves=max_waves, **kwargs) if len(view.devices) > MAX_SPLITS and not pinned else None
+                            max_waves=max_waves, bar=best, **kwargs) if len(view.devices) > MAX_SPLITS and not pinned \
+        else None
     if spread is not None and (best is None or _zebra_rate(spread) > _zebra_rate(best) * (1 + 1e-9)):
         _predict_as_asked(spread, view, model, seq_len, kwargs)
         return spread
@@ -827,14 +831,15 @@ def _probe_pays(best: Plan, waves: int, cluster: Any, model: Any, **kwargs: Any)
 
 
 def _all_attention(view: ClusterView, model: Any, *, seq_len: int, global_batch_tokens: int, max_waves: int,
-                   **kwargs: Any) -> Plan | None:
+                   bar: Plan | None = None, **kwargs: Any) -> Plan | None:
     """The fastest plan with every rank attending (each holding experts too), over every
     group count and R, in 1, 2, 4, ... waves while its activations bind: on thousands of
     ranks such groups are often the fastest once their activations fit (Qwen3-30B-A3B on
     10,000 GPUs on nodes: 250 groups of 40 in two waves, +25% over the plan of the whole's
     search), yet the search, which only probes its best layout of one wave in more waves
     where one search costs seconds, never sees them. Zebra's step alone is compared (the
-    caller predicts the plan it keeps); ``None`` where none fits."""
+    caller predicts the plan it keeps; group counts far slower than ``bar``, the plan to
+    beat, are not searched over every R); ``None`` where none fits."""
     total = global_batch_tokens // seq_len if seq_len >= 1 else 0
     brief = {**kwargs, "schedules": ("zebra",), "_brief": True}
     best = None
@@ -842,7 +847,7 @@ def _all_attention(view: ClusterView, model: Any, *, seq_len: int, global_batch_
     while waves <= max_waves and total >= waves and total % waves == 0:
         try:
             plan = plan_for_batch(view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens, waves=waves,
-                                  num_attention_ranks=len(view.devices), **brief)
+                                  _splits=[len(view.devices)], _bar=best or bar, **brief)
         except ValueError:
             plan = None
         if plan is not None:
@@ -913,6 +918,7 @@ def plan_for_batch(
     waves: int = 1,
     _splits: Sequence[int] | None = None,
     _brief: bool = False,
+    _bar: Plan | None = None,
 ) -> Plan:
     """Plan ``model`` on ``cluster`` for steps of ``global_batch_tokens`` in sequences of ``seq_len``,
     run as ``waves`` batches of an equal number of sequences (gradient accumulation).
@@ -942,7 +948,8 @@ def plan_for_batch(
     The planner's own calls narrow the search to some role splits (``_splits``,
     attention-rank counts, each over every group count and R: what plans of the cluster's
     alike copies suggest, ``replica.py``) and, where they only compare the plans' own
-    steps, ask for those alone (``_brief``: no data-centric prediction, no network bytes).
+    steps, ask for those alone (``_brief``: no data-centric prediction, no network bytes);
+    ``_bar``, a plan found elsewhere, is the mark group counts are probed against.
     """
     model = _model_config(model)
     view = as_cluster(cluster)
@@ -963,7 +970,7 @@ def plan_for_batch(
                      num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
                      require_expert_ranks=require_expert_ranks, schedules=schedules, timer=timer,
                      expert_load=expert_load, place_at_load=place_at_load,
-                     shard_optimizer_state=shard_optimizer_state, splits=_splits, brief=_brief)
+                     shard_optimizer_state=shard_optimizer_state, splits=_splits, brief=_brief, bar=_bar)
 
 
 @contextlib.contextmanager
@@ -984,11 +991,13 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
           num_microbatches: int | None, max_microbatches: int, num_attention_ranks: int | None,
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
           expert_load, place_at_load: bool, shard_optimizer_state: bool | None,
-          splits: Sequence[int] | None = None, brief: bool = False) -> Plan:
+          splits: Sequence[int] | None = None, brief: bool = False, bar: Plan | None = None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = _search_timer(model, seq_len, timer, profile, cost_model)
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
                      sharded=_sharded(model, shard_optimizer_state), waves=waves)
+    if bar is not None and bar.predicted.get("zebra"):
+        search.bar = (bar.predicted["zebra"]["step_time_s"], bar)
     W = len(view.devices)
     mem = search.mem
     _check_total_memory(mem, model, view)
