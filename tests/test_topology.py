@@ -275,21 +275,20 @@ def test_a_split_that_fits_only_with_fewer_groups_than_its_most_is_searched(monk
     as their most groups (too small to hold the experts), so pass 1 ranked the few that fit as
     one group over the whole cluster, and pass 2 on those planned a layout at 1.3% of the
     bound. Pass 2 now also searches the best split at the most groups that fit: the same
-    search without that (the previous release's) plans a step more than twice as long. (The
-    groups of every rank attending, planned besides the search since, would hide it: both
-    plans here are the search's alone.)"""
+    search without that (the previous release's) plans a step more than twice as long. The
+    search itself, in the two waves the plan runs (make_plan adds the wave count's choice and
+    the groups of every rank attending, which would hide it)."""
     from lightning_hetermoe.plan import planner
 
-    monkeypatch.setattr(planner, "_all_attention", lambda *a, **k: None)
     m = workload_model("mixtral_8x7b")
     counts = [("h100", 1250, "nvlink4"), ("a40", 3750, "pcie4"), ("v100", 5000, "nvlink2")]
     nodes = [{"name": f"{name}{i}", "devices": [name] * min(8, c - 8 * i), "link": link}
              for name, c, link in counts for i in range((c + 7) // 8)]
     cluster = ClusterConfig(name="mix10000", nodes=nodes, network="ib_hdr")
-    kw = dict(seq_len=4096, global_batch_tokens=2 * cluster.world_size * 4096)
-    plan = make_plan(cluster, m, **kw)
+    kw = dict(seq_len=4096, global_batch_tokens=2 * cluster.world_size * 4096, waves=2, schedules=("zebra",))
+    plan = planner.plan_for_batch(cluster, m, **kw)
     monkeypatch.setattr(planner._Search, "most_groups_that_fit", lambda self, order, M, R: None)
-    before = make_plan(cluster, m, **kw)
+    before = planner.plan_for_batch(cluster, m, **kw)
     assert plan.predicted["zebra"]["step_time_s"] < before.predicted["zebra"]["step_time_s"] / 2
     assert len(plan.zp_groups) > 1
 
