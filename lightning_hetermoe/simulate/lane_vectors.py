@@ -237,7 +237,7 @@ class _Durations:
             counts = np.array([lanes[i].experts for i in members], dtype=np.intp).reshape(len(members), L)
             by_layer = [np.flatnonzero(counts[:, l]) for l in range(L)]
             idx = [by_layer[prog.round_layer[k]] for k in range(nR)]
-            if not even and times.measured(members):
+            if setup.measured_by_id():
                 # every layer's holders in one array, priced once per kind of round
                 lane_of = np.array(members, dtype=np.intp)
                 rows = np.concatenate(by_layer) if L else np.zeros(0, dtype=np.intp)

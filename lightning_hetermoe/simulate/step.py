@@ -119,6 +119,7 @@ class StepSetup:
     _lane_shares: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _held_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _by_id: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = [r for lane in self.lanes for r in lane.ranks]
@@ -206,7 +207,7 @@ class StepSetup:
         once, the same sums in the same order."""
         shares = self._lane_shares.get(layer)
         if shares is None:
-            if self.expert_load is not None and all(lane.expert_ids for lane in self.lanes):
+            if self.measured_by_id():
                 per = np.append(np.asarray(self.expert_load[layer], dtype=float)
                                 / np.maximum(np.asarray(self.copies(layer), dtype=float), 1.0), 0.0)
                 shares = add_columns(per[self.held_ids()[layer]])
@@ -214,6 +215,13 @@ class StepSetup:
                 shares = np.array([self.own_share(lane, layer) for lane in self.lanes], dtype=float)
             self._lane_shares[layer] = shares
         return shares
+
+    def measured_by_id(self) -> bool:
+        """A measured routing and every lane's expert ids known: each expert is priced at its
+        own load, every lane's at once (:meth:`lane_shares`, :meth:`TaskTimes.held_experts`)."""
+        if self._by_id is None:
+            self._by_id = self.expert_load is not None and all(lane.expert_ids for lane in self.lanes)
+        return self._by_id
 
     def held_ids(self) -> np.ndarray:
         """Per layer and lane, the ids of the experts the lane holds in its order, padded
@@ -557,7 +565,7 @@ class TaskTimes:
                 self._memo[key] = timer.attention(dev, n, backward=True)
             elif kind == "head":
                 self._memo[key] = timer.head(dev, n, forward_only=self.forward_only)
-            elif not copied and self.setup.expert_load is not None and self.measured([i]):
+            elif not copied and self.setup.measured_by_id():
                 self._memo[key] = float(self.held_experts(np.array([i]), np.array([layer]), kind, mb)[0])
             else:
                 served = copies.expert_tokens(self.setup, i, layer, list(group)) if copied \
@@ -571,11 +579,6 @@ class TaskTimes:
         if key not in self._per_expert:
             self._per_expert[key] = self.timer.expert(dev, tokens, backward=backward)
         return self._per_expert[key]
-
-    def measured(self, lanes: list[int]) -> bool:
-        """Whether these lanes' expert tasks are priced per expert at a measured routing
-        (:meth:`held_experts`): a routing given and each lane's expert ids known."""
-        return self.setup.expert_load is not None and all(self.setup.lanes[i].expert_ids for i in lanes)
 
     def held_experts(self, members: np.ndarray, layers: np.ndarray, kind: str, mb: int) -> np.ndarray:
         """The expert task (``kind``, micro-batch ``mb``) of each lane ``members[n]`` in
