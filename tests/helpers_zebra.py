@@ -141,7 +141,8 @@ def check(world: int, cases: list[dict]) -> list:
         expected = reference_fit(model, STEPS, global_batch=GLOBAL[world], windows=WINDOWS[world], pieces=cut,
                                  stats=stats,
                                  accumulate=tk.get("accumulate_grad_batches", 1), clip=tk.get("gradient_clip_val"),
-                                 clip_algorithm=tk.get("gradient_clip_algorithm", "norm"))
+                                 clip_algorithm=tk.get("gradient_clip_algorithm", "norm"),
+                                 overfit=tk.get("overfit_batches", 0))
         for key in case.get("exercises", ()):
             assert stats.get(key, 0) > 0, f"the case never exercised {key}: {stats}"
         assert_same_params(actual["state"], expected, initial)

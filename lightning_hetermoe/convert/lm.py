@@ -69,7 +69,8 @@ class HFMoELanguageModel(L.LightningModule):
                 "tokens_per_expert": torch.stack([a.tokens_per_expert for a in auxes])}
 
     # The same steps, logging and optimizer set-up as the pack's own model: they only use
-    # ``losses`` and ``optim_cfg``, so both models train and report alike.
+    # ``losses`` and ``optim_cfg``, so both models train, report and tune alike.
+    lr = MoELanguageModel.lr
     training_step = MoELanguageModel.training_step
     validation_step = MoELanguageModel.validation_step
     configure_optimizers = MoELanguageModel.configure_optimizers

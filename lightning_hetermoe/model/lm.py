@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import lightning as L
@@ -56,6 +57,18 @@ class MoELanguageModel(L.LightningModule):
         self.optim_cfg = from_cfg(OptimConfig, optim or {})
         self.save_hyperparameters({"model": asdict(self.model_cfg), "optim": asdict(self.optim_cfg)})
         self.model = MoETransformer(self.model_cfg)
+
+    @property
+    def lr(self) -> float:
+        """``optim.lr``, under the name Lightning's tuner looks for: ``Tuner(trainer).lr_find(model)``
+        sets it, and the optimizer built next and a checkpoint's hyperparameters take it."""
+        return self.optim_cfg.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        value = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
+        self.optim_cfg = replace(self.optim_cfg, lr=value)  # checked as the config is
+        self.hparams["optim"]["lr"] = self.optim_cfg.lr
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,

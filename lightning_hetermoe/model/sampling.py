@@ -16,9 +16,16 @@ from typing import Any, Callable, Iterator
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from ..configs import DataConfig
+
+
+def replica() -> tuple[int, int]:
+    """``(world, rank)`` of the process group, ``(1, 0)`` outside one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
 
 
 class GlobalOrderSampler(DistributedSampler):
@@ -65,9 +72,18 @@ class ResumableLoader(DataLoader):
     batch ahead and the loader's own count would be one too many at a mid-epoch save."""
 
     def __init__(self, *args: Any, consumed_batches: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        sampler = kwargs.get("sampler")
+        if isinstance(sampler, SequentialSampler):
+            # Lightning's ``overfit_batches`` rebuilds the loader with a SequentialSampler
+            # (shuffling off): the global order unshuffled, so that every world size still
+            # trains on the same global batches as one process
+            world, rank = replica()
+            kwargs["sampler"] = GlobalOrderSampler(sampler.data_source, num_replicas=world, rank=rank, shuffle=False,
+                                                   drop_last=kwargs.get("drop_last", True))
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, GlobalOrderSampler):
-            raise TypeError("ResumableLoader needs a GlobalOrderSampler")
+            raise TypeError(f"ResumableLoader needs a GlobalOrderSampler (or a SequentialSampler, taken as its "
+                            f"unshuffled order), got sampler={type(self.sampler).__name__}")
         self._consumed_batches = consumed_batches
 
     def state_dict(self) -> dict[str, int]:
@@ -112,9 +128,7 @@ class GlobalOrderDataModule(L.LightningDataModule):
         """One global order per epoch (see :mod:`.sampling`): rank r of W takes every W-th
         sample of it, so a global batch does not depend on the world size, in any epoch,
         and a mid-epoch checkpoint resumes at the next unseen sample."""
-        world, rank = 1, 0
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        world, rank = replica()
         sampler = GlobalOrderSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=self.cfg.seed,
                                      drop_last=drop_last)
         return ResumableLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler,

@@ -223,6 +223,25 @@ class StrategyArguments:
                                                                   else "; Lightning runs as many processes on every "
                                                                        "node, so give every node as many devices"))
 
+    def check_callbacks(self, callbacks: list, model: Any, world_size: int, fitting: bool) -> None:
+        """Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``,
+        ``EMAWeightAveraging``) copies the whole module in its ``setup``, before the strategy
+        lays the experts (and, under zebra, the dense weights) out over the ranks: its first
+        update would pair a rank's share with tensors of the whole model and fail, after
+        however long the run trained. Refused before any of it, as Lightning refuses it
+        under FSDP and DeepSpeed."""
+        if not fitting or world_size < 2 or not moe_layers(model):
+            return  # they average only in fit; one rank holds the whole model; a dense model trains as DDP
+        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+        for cb in callbacks:
+            if isinstance(cb, (StochasticWeightAveraging, WeightAveraging)):
+                raise ConfigError(
+                    f"{type(cb).__name__} does not work under HeterMoEStrategy on {world_size} ranks: it keeps a copy "
+                    f"of the whole model taken before the strategy spreads the experts (and, under zebra, the dense "
+                    f"weights) over the ranks, so its averages cannot follow what each rank holds (Lightning refuses "
+                    f"it under FSDP and DeepSpeed alike). Remove the callback, or train on one process")
+
     def check_model(self, model: Any, device: torch.device, world_size: int = 1) -> None:
         """Everything about the model that can be checked before processes start."""
         if getattr(model, "_compiler_ctx", None):  # Lightning's mark on a module it took from torch.compile

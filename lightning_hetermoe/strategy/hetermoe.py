@@ -164,11 +164,13 @@ class HeterMoEStrategy(DDPStrategy):
         stand-in device (:mod:`lightning_hetermoe.standin`)."""
         return self._standin or super().root_device
 
-    def check_model(self, model: Any) -> None:
-        """Everything about the model that can be checked before processes start."""
-        self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"),
-                              self.num_processes * self.num_nodes)
-        self.args.check_memory(model, self.num_processes * self.num_nodes)
+    def check_model(self, model: Any, trainer: Any = None) -> None:
+        """Everything about the model (and the trainer's callbacks) that can be checked before processes start."""
+        world = self.num_processes * self.num_nodes
+        self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"), world)
+        self.args.check_memory(model, world)
+        if trainer is not None:
+            self.args.check_callbacks(trainer.callbacks, model, world, trainer.state.fn == TrainerFn.FITTING)
 
     def describe_rank(self, rank: int) -> str:
         if self.backend is not None:
@@ -224,8 +226,10 @@ class HeterMoEStrategy(DDPStrategy):
         # Lightning's DDP order, with the backend laying the model out on its device before
         # the optimizers are built over what this rank keeps.
         assert self.model is not None
-        self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        # again for a model whose layers configure_model built
+        self.args.check_callbacks(trainer.callbacks, self.lightning_module, self.world_size, fitting)
+        self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         on_meta = built_on_meta(self.model)
         if not on_meta:

@@ -4,8 +4,8 @@ about which rank died.
 * :class:`HydraAwareScriptLauncher` (``strategy="hetermoe"``) re-runs the script in child
   processes like Lightning's own, but under Hydra each child re-runs only its own job.
 * :class:`CheckedSpawnLauncher` (``"hetermoe_spawn"``) is Lightning's spawn launcher.
-* Both call ``pre_launch(model)`` first, so a model the strategy cannot run fails in the
-  launching process, before any child exists.
+* Both call ``pre_launch(model, trainer)`` first, so a model (or a callback) the strategy
+  cannot run fails in the launching process, before any child exists.
 * :class:`RankObserver` replaces Lightning's child-process observer: when a rank exits
   badly it prints which rank, its role and its exit code or signal, then stops the rest.
   Children watch their launcher too (:func:`watch_launcher`): if it dies they exit instead
@@ -32,7 +32,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-PreLaunch = Callable[[Any], None]
+PreLaunch = Callable[[Any, Any], None]  # (model, trainer)
 DescribeRank = Callable[[int], str]
 _LAUNCHER_PID = "HETERMOE_LAUNCHER_PID"
 JOIN_S = 2.0  # how long stopping a watcher thread waits for it to end
@@ -302,7 +302,7 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self.pre_launch is not None and args:
-            self.pre_launch(args[0])
+            self.pre_launch(args[0], trainer)
         if _hydra_in_use():
             _leave_previous_job()
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -355,5 +355,5 @@ class CheckedSpawnLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self.pre_launch is not None and args:
-            self.pre_launch(args[0])
+            self.pre_launch(args[0], trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -1,0 +1,106 @@
+"""Trainer features a Lightning user reaches for, beyond the callbacks, in every mode on real
+gloo processes: ``overfit_batches`` (equal to one process overfitting), the LR finder
+(``Tuner.lr_find``: the model restored, the found rate the same on every rank and the one the
+next fit trains at), and Lightning's weight averaging, refused before anything trains."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.tuner import Tuner
+
+from harness import run_ranks
+from helpers_zebra import GLOBAL, STEPS, WINDOWS, check, make_test_plan, pieces
+from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, OptimConfig
+from lightning_hetermoe.configs import ConfigError
+from reference import assert_same_params, data, make_model, reference_fit, trainer
+
+MODES = ("ep", "zebra", "distep", "datacentric")
+LR_FIND_STEPS = 16
+
+
+def _plan(mode: str, world: int):
+    return make_test_plan(world, [0], R=2) if mode in ("zebra", "distep") else None
+
+
+@pytest.mark.slow
+def test_overfit_batches_train_on_the_first_global_batches_as_one_process_does_in_every_mode():
+    """Lightning rebuilds the loaders with a SequentialSampler to overfit: the pack's loader
+    takes it as the unshuffled global order, so 2 ranks cycle over the same 2 global batches
+    as one process would (5 steps: 2 epochs and a step)."""
+    overfit = dict(overfit_batches=2)
+    check(2, [dict(mode=mode, plan=_plan(mode, 2), trainer=overfit) for mode in MODES])
+
+
+def lr_find_then_fit(rank: int, world: int) -> dict:
+    out = {}
+    for mode in MODES:
+        model = make_model(4, seed=0, optim=OptimConfig())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_steps=STEPS)
+        dm = data(world, GLOBAL[world], windows=WINDOWS[world])
+        found = Tuner(t).lr_find(model, datamodule=dm, min_lr=1e-4, max_lr=1.0, num_training=LR_FIND_STEPS,
+                                 early_stop_threshold=None, update_attr=True)
+        restored = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        suggestion, losses = found.suggestion(), list(found.results["loss"])
+        t2 = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_steps=STEPS)
+        t2.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[mode] = {"suggestion": suggestion, "lr": model.lr, "hparam": model.hparams["optim"]["lr"],
+                     "losses": losses, "restored": restored, "initial_lr": t2.optimizers[0].param_groups[0]["initial_lr"],
+                     "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return out
+
+
+@pytest.mark.slow
+def test_the_lr_finder_restores_the_model_and_the_next_fit_trains_at_its_rate_in_every_mode():
+    per_rank = run_ranks(2, lr_find_then_fit, 2)
+    for mode in MODES:
+        got, other = per_rank[0][mode], per_rank[1][mode]
+        assert got["restored"] and other["restored"], mode  # the sweep's steps undone on every rank
+        assert len(got["losses"]) == LR_FIND_STEPS and all(x == x for x in got["losses"]), mode
+        s = got["suggestion"]
+        assert s is not None and 1e-4 <= s <= 1.0 and s != OptimConfig().lr, (mode, s)
+        # one rate on every rank (ranks that disagreed would step their shares differently)
+        assert other["suggestion"] == s and got["lr"] == other["lr"] == got["hparam"] == s, mode
+        assert got["initial_lr"] == s, mode  # the optimizer the next fit built took it
+        # and the fit at that rate equals one process's at it
+        model = make_model(4, seed=0, optim=OptimConfig(lr=s))
+        initial = copy.deepcopy(model.state_dict())
+        plan = _plan(mode, 2)
+        expected = reference_fit(model, STEPS, global_batch=GLOBAL[2], windows=WINDOWS[2],
+                                 pieces=pieces(plan, mode) if plan is not None else None)
+        assert_same_params(got["state"], expected, initial)
+
+
+def _hf_mixtral(optim: OptimConfig) -> HFMoELanguageModel:
+    pytest.importorskip("transformers")
+    from test_hf_train import build
+
+    return HFMoELanguageModel(build("mixtral", 0).model, optim)
+
+
+@pytest.mark.parametrize("build", [lambda optim: make_model(4, optim=optim), _hf_mixtral], ids=["pack", "hf"])
+def test_the_learning_rate_is_the_optim_config_s_under_the_tuner_s_name(build):
+    model = build(OptimConfig(lr=0.01, warmup_steps=0))
+    assert model.lr == 0.01
+    model.lr = 0.2
+    assert model.optim_cfg.lr == 0.2 and model.hparams["optim"]["lr"] == 0.2
+    assert model.configure_optimizers().param_groups[0]["lr"] == 0.2
+    with pytest.raises(ConfigError, match=r"optim\.lr=-1\.0 is invalid: must be > 0"):
+        model.lr = -1
+    assert model.lr == 0.2  # a refused rate changes nothing
+    if isinstance(model, MoELanguageModel):  # a checkpoint's hyperparameters rebuild it at the tuned rate
+        assert MoELanguageModel(**model.hparams).lr == 0.2
+
+
+@pytest.mark.parametrize("callback", [StochasticWeightAveraging(swa_lrs=1e-2), WeightAveraging(),
+                                      EMAWeightAveraging()], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_averaging_is_refused_before_any_process_starts_naming_why(callback, mode):
+    t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, 2)), 2, max_steps=1, callbacks=[callback])
+    with pytest.raises(ConfigError, match=f"{type(callback).__name__} does not work under HeterMoEStrategy on 2 "
+                                          f"ranks: it keeps a copy of the whole model.*Remove the callback"):
+        t.fit(make_model(4, optim=OptimConfig()), datamodule=data(2, 8))
