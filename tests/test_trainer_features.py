@@ -49,7 +49,8 @@ def lr_find_then_fit(rank: int, world: int) -> dict:
         t2 = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_steps=STEPS)
         t2.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
         out[mode] = {"suggestion": suggestion, "lr": model.lr, "hparam": model.hparams["optim"]["lr"],
-                     "losses": losses, "restored": restored, "initial_lr": t2.optimizers[0].param_groups[0]["initial_lr"],
+                     "losses": losses, "restored": restored,
+                     "initial_lr": t2.optimizers[0].param_groups[0]["initial_lr"],
                      "state": {k: v.clone() for k, v in model.state_dict().items()}}
     return out
 
