@@ -1,15 +1,21 @@
 """Trainer features a Lightning user reaches for, beyond the callbacks, in every mode on real
 gloo processes: ``overfit_batches`` (equal to one process overfitting), the LR finder
 (``Tuner.lr_find``: the model restored, the found rate the same on every rank and the one the
-next fit trains at), and Lightning's weight averaging, refused before anything trains."""
+next fit trains at), the model summary printed at the start of a fit (the whole model's
+counts, not rank 0's share), and Lightning's weight averaging, refused before anything
+trains."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
+import re
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelSummary, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.tuner import Tuner
 
 from harness import run_ranks
@@ -105,3 +111,61 @@ def test_weight_averaging_is_refused_before_any_process_starts_naming_why(callba
     with pytest.raises(ConfigError, match=f"{type(callback).__name__} does not work under HeterMoEStrategy on 2 "
                                           f"ranks: it keeps a copy of the whole model.*Remove the callback"):
         t.fit(make_model(4, optim=OptimConfig()), datamodule=data(2, 8))
+
+
+def summary_lines(rank: int, world: int) -> dict:
+    """What the model summary shows at the start of fit, per mode, with the embedding frozen:
+    Lightning's default callback (``RichModelSummary`` where rich is installed, printed) and a
+    ``ModelSummary`` passed in (logged); and the whole model's counts taken before the fit."""
+    out = {}
+    for mode in MODES:
+        for case, callbacks in (("default", []), ("passed", [ModelSummary(max_depth=2)])):
+            model = make_model(4, seed=0, optim=OptimConfig())
+            model.model.embed.weight.requires_grad_(False)
+            whole = {"total": sum(p.numel() for p in model.parameters()),
+                     "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+            records: list[str] = []
+            handler = logging.Handler()
+            handler.emit = lambda record: records.append(record.getMessage())
+            logger = logging.getLogger("lightning.pytorch.callbacks.model_summary")
+            logger.addHandler(handler)
+            level = logger.level
+            logger.setLevel(logging.INFO)
+            printed = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(printed):
+                    t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_steps=1,
+                                enable_model_summary=True, callbacks=callbacks)
+                    t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            text = "\n".join(records) + "\n" + printed.getvalue()
+            out[mode, case] = {"text": text, "whole": whole}
+    return out
+
+
+def shown_counts(text: str) -> dict[str, str]:
+    """The summary's three totals and its top row's count, as printed (plain or rich)."""
+    counts = {m.group(2): m.group(1) for m in re.finditer(
+        r"^(\S+(?: [KMBT])?) +((?:Non-t|T)rainable params|Total params) *$", text, re.M)}
+    counts.update({m.group(1): m.group(2) for m in re.finditer(
+        r"^((?:Non-t|T)rainable params|Total params): (\S+(?: [KMBT])?) *$", text, re.M)})
+    row = re.search(r"0 [|│] model +[|│] MoETransformer +[|│] (.+?) +[|│]", text)
+    if row is not None:
+        counts["model"] = row.group(1)
+    return counts
+
+
+@pytest.mark.slow
+def test_the_model_summary_counts_the_whole_model_not_rank_0_s_share_in_every_mode():
+    from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count as count
+
+    per_rank = run_ranks(2, summary_lines, 2)
+    for key, got in per_rank[0].items():
+        whole = got["whole"]
+        assert shown_counts(got["text"]) == {
+            "Total params": count(whole["total"]), "model": count(whole["total"]),
+            "Trainable params": count(whole["trainable"]),
+            "Non-trainable params": count(whole["total"] - whole["trainable"])}, (key, got["text"])
+        assert shown_counts(per_rank[1][key]["text"]) == {}, key  # shown by rank 0 alone

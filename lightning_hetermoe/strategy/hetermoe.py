@@ -57,6 +57,7 @@ from .shared_metrics import SharedCallbackMetrics
 from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, register_exit_hook,
                         stop_watching, watch_launcher)
 from .run_clock import RunClock
+from .summary import count_whole_model
 
 
 class HeterMoEStrategy(DDPStrategy):
@@ -111,6 +112,7 @@ class HeterMoEStrategy(DDPStrategy):
         self._built_whole = True  # the user built the model whole (not on the meta device)
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         self._saves_sharded = False  # checkpoint_format resolved at the first set-up (auto: by size)
+        self._whole_numel: dict[str, int] = {}  # each parameter's whole size, by name, at the first set-up
         self._sharding: OptimizerSharding | None = None  # dense optimizer state sharded over replicas
         self.memory: MemoryWatch | None = None  # this rank's memory: what it holds, its peak, its budget
         self.progress: StepProgress | None = None  # this rank's steps, for the stuck-rank watchdog
@@ -239,11 +241,14 @@ class HeterMoEStrategy(DDPStrategy):
             if self._built_whole:
                 self._warn_built_whole()
             self._saves_sharded = self._checkpoint_sharded()  # before the backend slices: alike on every rank
+            # each parameter's whole size, for the model summaries (meta tensors have theirs)
+            self._whole_numel = {name: p.numel() for name, p in self.lightning_module.named_parameters()}
             from .selection import dense_backend, select_backend
 
             self.backend = dense_backend(self) or select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
         self._share_callback_metrics(trainer)
+        count_whole_model(trainer.callbacks, self._whole_numel)
         self.model_to_device()  # whatever the model built outside the meta device
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])

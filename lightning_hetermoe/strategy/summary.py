@@ -1,0 +1,72 @@
+"""Lightning's model summary, counting the whole model where each rank holds a share of it.
+
+Lightning's ``ModelSummary`` (and ``RichModelSummary``, and the default one the Trainer adds)
+counts the parameters of the module it is handed. Under the strategy that is rank 0's share:
+its experts only under ep, no experts at all on an attention rank under zebra; the summary
+printed at the start of every fit would then call a model of 15.1 K parameters 10.4 K. The
+strategy records each parameter's whole size by name before it lays the model out, and the
+summaries take their counts from that record: per layer, in total, trainable, and the
+model's size in MB. Layer names, types, modes and FLOPs are Lightning's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+
+
+class WholeSummary(Summary):
+    """Lightning's summary of ``model`` with every count taken from ``numel`` (each
+    parameter's whole size by name)."""
+
+    def __init__(self, model: Any, max_depth: int, numel: dict[str, int]) -> None:
+        self._numel = numel
+        super().__init__(model, max_depth)
+
+    @property
+    def param_nums(self) -> list[int]:
+        return [sum(n for name, n in self._numel.items() if name.startswith(layer + ".")) for layer in self.layer_names]
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(self._numel.values())
+
+    @property
+    def trainable_parameters(self) -> int:
+        held = dict(self._model.named_parameters())
+        return sum(n for name, n in self._numel.items() if name in held and held[name].requires_grad)
+
+
+class _CountsWholeModel:
+    """Mixed into Lightning's summary callbacks: their summary is a :class:`WholeSummary`."""
+
+    numel: dict[str, int]
+
+    def _summary(self, trainer: Any, pl_module: Any) -> Summary:
+        return WholeSummary(pl_module, self._max_depth, self.numel)
+
+
+class WholeModelSummary(_CountsWholeModel, ModelSummary):
+    pass
+
+
+class WholeRichModelSummary(_CountsWholeModel, RichModelSummary):
+    pass
+
+
+WHOLE = {ModelSummary: WholeModelSummary, RichModelSummary: WholeRichModelSummary}
+
+
+def count_whole_model(callbacks: list, numel: dict[str, int]) -> None:
+    """Lightning's own summary callbacks in ``callbacks`` (the one the Trainer adds by default
+    among them) count the whole model from now on. They were made before the strategy knew
+    the layout, so each keeps its settings and takes the whole-model class; a subclass of
+    the user's own is left as it is."""
+    for cb in callbacks:
+        whole = WHOLE.get(type(cb))
+        if whole is not None:
+            cb.__class__ = whole
+        if isinstance(cb, _CountsWholeModel):
+            cb.numel = numel
