@@ -115,13 +115,17 @@ def test_weight_averaging_is_refused_before_any_process_starts_naming_why(callba
 
 def summary_lines(rank: int, world: int) -> dict:
     """What the model summary shows at the start of fit, per mode, with the embedding frozen:
-    Lightning's default callback (``RichModelSummary`` where rich is installed, printed) and a
-    ``ModelSummary`` passed in (logged); and the whole model's counts taken before the fit."""
+    Lightning's default callback (``RichModelSummary`` where rich is installed, printed), a
+    ``ModelSummary`` passed in (logged), and one of a model with an ``example_input_array``;
+    and the whole model's counts taken before the fit."""
     out = {}
     for mode in MODES:
-        for case, callbacks in (("default", []), ("passed", [ModelSummary(max_depth=2)])):
+        for case, callbacks in (("default", []), ("passed", [ModelSummary(max_depth=2)]),
+                                ("example", [ModelSummary(max_depth=1)])):
             model = make_model(4, seed=0, optim=OptimConfig())
             model.model.embed.weight.requires_grad_(False)
+            if case == "example":  # Lightning's summary forwards it on every rank
+                model.example_input_array = torch.zeros(2, 16, dtype=torch.long)
             whole = {"total": sum(p.numel() for p in model.parameters()),
                      "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
             records: list[str] = []
@@ -141,7 +145,7 @@ def summary_lines(rank: int, world: int) -> dict:
                 logger.removeHandler(handler)
                 logger.setLevel(level)
             text = "\n".join(records) + "\n" + printed.getvalue()
-            out[mode, case] = {"text": text, "whole": whole}
+            out[mode, case] = {"text": text, "whole": whole, "steps": t.global_step}
     return out
 
 
@@ -169,3 +173,8 @@ def test_the_model_summary_counts_the_whole_model_not_rank_0_s_share_in_every_mo
             "Trainable params": count(whole["trainable"]),
             "Non-trainable params": count(whole["total"] - whole["trainable"])}, (key, got["text"])
         assert shown_counts(per_rank[1][key]["text"]) == {}, key  # shown by rank 0 alone
+        assert got["steps"] == 1, key
+        if key[1] == "example":  # run where a bare forward runs; under zebra and distep not, and sizes unknown
+            sizes = re.search(r"^0 \| model .*\| (\S.*?) +\| (\S.*?) *$", got["text"], re.M).group(1, 2)
+            assert sizes == (("[[2, 16], '?']", "[[2, 16, 256], ['?', '?']]") if key[0] in ("ep", "datacentric")
+                             else ("?", "?")), (key, got["text"])

@@ -248,7 +248,7 @@ class HeterMoEStrategy(DDPStrategy):
             self.backend = dense_backend(self) or select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
         self._share_callback_metrics(trainer)
-        count_whole_model(trainer.callbacks, self._whole_numel)
+        count_whole_model(trainer.callbacks, self._whole_numel, self.backend.runs_bare_forward)
         self.model_to_device()  # whatever the model built outside the meta device
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])

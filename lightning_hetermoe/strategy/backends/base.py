@@ -83,6 +83,9 @@ class ParallelBackend(ABC):
     # whether a step takes its batch on the host (it gathers the global batch there and moves
     # the rows it computes to the device): see HeterMoEStrategy.batch_to_device
     batch_on_host: bool = False
+    # whether the module runs as a plain forward outside the step (Lightning's model summary
+    # forwards example_input_array on every rank); zebra's layers run only in its executor
+    runs_bare_forward: bool = True
 
     # -- set-up and restore -------------------------------------------------------------
     @abstractmethod

@@ -158,6 +158,7 @@ class ZebraRealTokens:
 
 class ZebraBackend(ParallelBackend):
     batch_on_host = True
+    runs_bare_forward = False
 
     def __init__(self, plan: Plan, mode: str, rank: int, *, balance: bool, device: torch.device,
                  clock: Any = None) -> None:
