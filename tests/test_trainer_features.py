@@ -2,8 +2,9 @@
 gloo processes: ``overfit_batches`` (equal to one process overfitting), the LR finder
 (``Tuner.lr_find``: the model restored, the found rate the same on every rank and the one the
 next fit trains at), the model summary printed at the start of a fit (the whole model's
-counts, not rank 0's share), and Lightning's weight averaging, refused before anything
-trains."""
+counts, not rank 0's share), ``self.all_gather`` in a step (as under DDP where every rank
+runs the step; refused, naming why, where only the attention ranks do), and Lightning's
+weight averaging, refused before anything trains."""
 
 from __future__ import annotations
 
@@ -178,3 +179,40 @@ def test_the_model_summary_counts_the_whole_model_not_rank_0_s_share_in_every_mo
             sizes = re.search(r"^0 \| model .*\| (\S.*?) +\| (\S.*?) *$", got["text"], re.M).group(1, 2)
             assert sizes == (("[[2, 16], '?']", "[[2, 16, 256], ['?', '?']]") if key[0] in ("ep", "datacentric")
                              else ("?", "?")), (key, got["text"])
+
+
+class GatherInValidationStep(MoELanguageModel):
+    """Gathers each rank's loss in ``validation_step``, as DDP users gather predictions."""
+
+    def validation_step(self, batch, batch_idx):
+        ce = self.losses(batch)["ce"]
+        self.log("val_loss", ce, sync_dist=True)
+        self.log("gathered_mean", self.all_gather(ce.detach()).mean(), sync_dist=True)
+
+
+def gather_in_step(rank: int, world: int, modes: tuple[str, ...]) -> dict:
+    out = {}
+    for mode in modes:
+        base = make_model(4, seed=0, optim=OptimConfig())
+        model = GatherInValidationStep(base.model_cfg, base.optim_cfg)
+        model.load_state_dict(base.state_dict())
+        t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_steps=2, limit_val_batches=2,
+                    val_check_interval=2)
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[mode] = {k: float(v) for k, v in t.callback_metrics.items()}
+    return out
+
+
+@pytest.mark.slow
+def test_all_gather_in_a_step_gathers_where_every_rank_runs_it_and_is_refused_where_only_attention_ranks_do():
+    per_rank = run_ranks(2, gather_in_step, 2, ("ep", "datacentric"))
+    for mode in ("ep", "datacentric"):
+        metrics = per_rank[0][mode]
+        synced = ("val_loss", "gathered_mean")  # the training losses are each rank's own, as under DDP
+        assert {k: metrics[k] for k in synced} == {k: per_rank[1][mode][k] for k in synced}, mode
+        # each rank's losses gathered, their mean the mean the synced log takes
+        assert metrics["gathered_mean"] == pytest.approx(metrics["val_loss"], rel=1e-6), (mode, metrics)
+    # under zebra (and distep, the same executor) the expert ranks never run the step: a hang, refused
+    with pytest.raises(RuntimeError, match=r"self\.all_gather inside a training/validation/test/predict step under "
+                                           r"zebra: only the attention ranks run the step.*on_validation_epoch_end"):
+        run_ranks(2, gather_in_step, 2, ("zebra",), timeout=120)

@@ -565,6 +565,12 @@ class HeterMoEStrategy(DDPStrategy):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        if self.backend is not None:
+            self.backend.check_user_collective("self.all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
         comm.all_reduce(comm.world(), flag, what="strategy.decision")

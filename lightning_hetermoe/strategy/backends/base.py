@@ -136,6 +136,10 @@ class ParallelBackend(ABC):
         dense weights alike (``None``: this rank holds none, or holds them alone)."""
         return None
 
+    def check_user_collective(self, what: str) -> None:
+        """Before a collective the user's code issues (``self.all_gather``): raises where it
+        was issued from code that only some ranks run, which would hang."""
+
     def metrics_group(self, group: Any) -> Any:
         """The group ``self.log(sync_dist=True)`` reduces over (``False``: nothing to reduce here)."""
         return group

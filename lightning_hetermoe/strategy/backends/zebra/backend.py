@@ -505,6 +505,14 @@ class ZebraBackend(ParallelBackend):
         comm.all_reduce(self.groups.zp, sq, what="zebra.clip")
         return sq
 
+    def check_user_collective(self, what: str) -> None:
+        if self.running is not None:
+            raise ZebraContractError(
+                f"{what} inside a training/validation/test/predict step under {self.schedule}: only the attention "
+                f"ranks run the step, each micro-batch on a thread of its own, so the expert ranks never join the "
+                f"collective and the job would hang. Gather in a hook every rank runs (on_validation_epoch_end, "
+                f"on_train_batch_end), or log the value with self.log(..., sync_dist=True)")
+
     def metrics_group(self, group: Any) -> Any:
         # Logged metrics live on attention ranks only: reduce them there.
         if group is not None:
