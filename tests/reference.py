@@ -124,16 +124,18 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
                   accumulate: int = 1, clip: float | None = None, shuffle: bool = True,
                   seed: int = 7, pieces: list[int] | None = None, stats: dict | None = None,
                   scaler: torch.amp.GradScaler | None = None, clip_algorithm: str = "norm",
-                  overfit: int = 0) -> dict[str, torch.Tensor]:
+                  overfit: int = 0, batches: Any = None) -> dict[str, torch.Tensor]:
     """``scaler``: fp16 autocast with loss scaling, in the order Lightning's 16-mixed runs
     it (scale, backward, unscale, clip, step unless inf/nan, update; the LR scheduler steps
     either way). ``overfit``: the first that many global batches of the unshuffled order,
-    over and over (Lightning's ``overfit_batches``)."""
+    over and over (Lightning's ``overfit_batches``). ``batches``: the global batches to take
+    instead of the corpus's (an iterator)."""
     model = copy.deepcopy(model)
     conf = model.configure_optimizers()
     opt = conf["optimizer"] if isinstance(conf, dict) else conf
     sched = conf["lr_scheduler"]["scheduler"] if isinstance(conf, dict) else None
-    batches = global_batches(global_batch, windows, shuffle and not overfit, seed)
+    if batches is None:
+        batches = global_batches(global_batch, windows, shuffle and not overfit, seed)
     if overfit:
         batches = itertools.cycle(list(itertools.islice(batches, overfit)))
     autocast = torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None)

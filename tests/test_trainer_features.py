@@ -2,7 +2,8 @@
 gloo processes: ``overfit_batches`` (equal to one process overfitting), the LR finder
 (``Tuner.lr_find``: the model restored, the found rate the same on every rank and the one the
 next fit trains at), the model summary printed at the start of a fit (the whole model's
-counts, not rank 0's share), ``self.all_gather`` in a step (as under DDP where every rank
+counts, not rank 0's share), a loader over an ``IterableDataset`` (equal to one process
+taking every rank's batches as its global batch), ``self.all_gather`` in a step (as under DDP where every rank
 runs the step; refused, naming why, where only the attention ranks do), and Lightning's
 weight averaging, refused before anything trains."""
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelSummary, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.tuner import Tuner
+from torch.utils.data import DataLoader, IterableDataset
 
 from harness import run_ranks
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, check, make_test_plan, pieces
@@ -216,3 +218,51 @@ def test_all_gather_in_a_step_gathers_where_every_rank_runs_it_and_is_refused_wh
     with pytest.raises(RuntimeError, match=r"self\.all_gather inside a training/validation/test/predict step under "
                                            r"zebra: only the attention ranks run the step.*on_validation_epoch_end"):
         run_ranks(2, gather_in_step, 2, ("zebra",), timeout=120)
+
+
+class Stream(IterableDataset):
+    """A rank's own stream of samples (no ``__getitem__``, no length), as a streaming corpus
+    gives; it starts again at each ``iter``."""
+
+    def __init__(self, rank: int, samples: int = 48) -> None:
+        self.rank, self.samples = rank, samples
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(100 + self.rank)
+        for _ in range(self.samples):
+            x = torch.randint(0, 256, (17,), generator=g)
+            yield x[:-1], x[1:]
+
+
+def fit_on_streams(rank: int, world: int) -> dict:
+    out = {}
+    for mode in MODES:
+        model = make_model(4, seed=rank, optim=OptimConfig())
+        t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_steps=STEPS)
+        t.fit(model, train_dataloaders=DataLoader(Stream(rank), batch_size=GLOBAL[world] // world))
+        out[mode] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def stream_global_batches(world: int):
+    """One process's view: each step, every rank's next batch, rank 0's rows first."""
+    per = GLOBAL[world] // world
+    streams = [iter(DataLoader(Stream(r), batch_size=per)) for r in range(world)]
+    while True:
+        parts = [next(s) for s in streams]
+        yield tuple(torch.cat([p[i] for p in parts]) for i in range(2))
+
+
+@pytest.mark.slow
+def test_a_loader_over_an_iterable_dataset_trains_like_one_process_in_every_mode():
+    """No first sample to index and no length: the strategy reads the batch shape from the
+    stream's first sample (under zebra and distep it times the run from it; it failed there
+    before, asking for a plan that was given)."""
+    got = run_ranks(2, fit_on_streams, 2)[0]
+    for mode in MODES:
+        model = make_model(4, seed=0, optim=OptimConfig())
+        initial = copy.deepcopy(model.state_dict())
+        plan = _plan(mode, 2)
+        expected = reference_fit(model, STEPS, batches=stream_global_batches(2),
+                                 pieces=pieces(plan, mode) if plan is not None else None)
+        assert_same_params(got[mode], expected, initial)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import IterableDataset
 
 from ..cluster import ClusterConfig, DeviceSpec
 from ..configs import ConfigError, ModelConfig
@@ -38,7 +39,9 @@ AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced", "datacentric")
 
 def loader_batch_shape(trainer) -> tuple[int, int]:
     """``(sequences per rank, sequence length)`` of the stage's loader, read without iterating
-    it: its ``batch_size`` and its dataset's first sample (``[seq_len, ...]`` first tensor)."""
+    it: its ``batch_size`` and its dataset's first sample (``[seq_len, ...]`` first tensor).
+    An ``IterableDataset`` has no first sample to index: the first one a fresh iterator of it
+    yields is read (a stream starts again at each ``iter``; the loader's own are untouched)."""
     loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
             TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
     try:
@@ -47,12 +50,15 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
             loader = loader[0]
         if isinstance(loader, dict):
             loader = next(iter(loader.values()))
-        return int(loader.batch_size), int(tensors(loader.dataset[0])[0].shape[0])
+        dataset = loader.dataset
+        first = next(iter(dataset)) if isinstance(dataset, IterableDataset) else dataset[0]
+        return int(loader.batch_size), int(tensors(first)[0].shape[0])
     except Exception as err:
         raise ConfigError(
-            "the strategy plans from the batch shape, read from the loader's batch_size and its dataset's first "
-            f"sample ([seq_len, ...]); that failed ({type(err).__name__}: {err}): pass a plan (plan=plan.json) or "
-            "mode='ep'") from None
+            "the strategy times zebra and plans from the batch shape, read from the loader's batch_size and its "
+            f"dataset's first sample ([seq_len, ...]); that failed ({type(err).__name__}: {err}): give the loader a "
+            "batch_size and a dataset whose first sample (dataset[0], or the first an IterableDataset yields) is "
+            "[seq_len, ...], or train with mode='ep'") from None
 
 
 # A step's time follows its own batch's routing, and a small global batch routes unevenly
