@@ -30,13 +30,35 @@ def replica() -> tuple[int, int]:
 
 class GlobalOrderSampler(DistributedSampler):
     """A :class:`DistributedSampler` (so Lightning keeps it) whose order and resume point
-    are global. ``num_replicas=1, rank=0`` is the single-process order."""
+    are global. ``num_replicas=1, rank=0`` is the single-process order; ``num_replicas=None``
+    (and ``rank=None``) follows the process group, read again whenever the sampler is
+    iterated, measured or saved: a loader built before the group starts (``trainer.fit(model,
+    dm.train_dataloader())``, the loader made in the script) still deals each rank its share
+    once the run has begun, where it would otherwise deal every rank the whole order."""
 
-    def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True) -> None:
+    def __init__(self, dataset: Dataset, *, num_replicas: int | None = 1, rank: int | None = 0,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = True) -> None:
+        self._follows_group = num_replicas is None
+        if self._follows_group:
+            num_replicas, rank = replica()
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.start = 0  # global position to resume from, this epoch only
+
+    def follow_group(self) -> None:
+        """Take the process group's size and rank where this sampler follows it and they changed."""
+        if not self._follows_group:
+            return
+        world, rank = replica()
+        if (world, rank) != (self.num_replicas, self.rank):
+            epoch, start = self.epoch, self.start
+            DistributedSampler.__init__(self, self.dataset, num_replicas=world, rank=rank, shuffle=self.shuffle,
+                                        seed=self.seed, drop_last=self.drop_last)
+            self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        self.follow_group()
+        return super().__len__()
 
     def order(self) -> list[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -50,6 +72,7 @@ class GlobalOrderSampler(DistributedSampler):
         return (order + order[: self.total_size - n])[: self.total_size]  # pad as DistributedSampler does
 
     def __iter__(self) -> Iterator[int]:
+        self.follow_group()
         order = self.order()
         start = self.start - self.start % self.num_replicas  # whole rounds of replicas only
         return iter(order[start + self.rank :: self.num_replicas])
@@ -77,8 +100,7 @@ class ResumableLoader(DataLoader):
             # Lightning's ``overfit_batches`` rebuilds the loader with a SequentialSampler
             # (shuffling off): the global order unshuffled, so that every world size still
             # trains on the same global batches as one process
-            world, rank = replica()
-            kwargs["sampler"] = GlobalOrderSampler(sampler.data_source, num_replicas=world, rank=rank, shuffle=False,
+            kwargs["sampler"] = GlobalOrderSampler(sampler.data_source, num_replicas=None, rank=None, shuffle=False,
                                                    drop_last=kwargs.get("drop_last", True))
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, GlobalOrderSampler):
@@ -88,6 +110,7 @@ class ResumableLoader(DataLoader):
 
     def state_dict(self) -> dict[str, int]:
         s: GlobalOrderSampler = self.sampler  # type: ignore[assignment]
+        s.follow_group()
         done = self._consumed_batches() if self._consumed_batches is not None else 0
         start = s.start - s.start % s.num_replicas
         return {"epoch": s.epoch, "position": start + done * self.batch_size * s.num_replicas}
@@ -128,8 +151,7 @@ class GlobalOrderDataModule(L.LightningDataModule):
         """One global order per epoch (see :mod:`.sampling`): rank r of W takes every W-th
         sample of it, so a global batch does not depend on the world size, in any epoch,
         and a mid-epoch checkpoint resumes at the next unseen sample."""
-        world, rank = replica()
-        sampler = GlobalOrderSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=self.cfg.seed,
+        sampler = GlobalOrderSampler(dataset, num_replicas=None, rank=None, shuffle=shuffle, seed=self.cfg.seed,
                                      drop_last=drop_last)
         return ResumableLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler,
                                num_workers=self.cfg.num_workers, drop_last=drop_last,
