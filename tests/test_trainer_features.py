@@ -3,10 +3,10 @@ gloo processes: ``overfit_batches`` (equal to one process overfitting), the LR f
 (``Tuner.lr_find``: the model restored, the found rate the same on every rank and the one the
 next fit trains at), the model summary printed at the start of a fit (the whole model's
 counts, not rank 0's share), the pack's loader built in the script before the run starts,
-a loader over an ``IterableDataset`` (equal to one process
-taking every rank's batches as its global batch), ``self.all_gather`` in a step (as under DDP where every rank
-runs the step; refused, naming why, where only the attention ranks do), and Lightning's
-weight averaging, refused before anything trains."""
+a loader over an ``IterableDataset`` (equal to one process taking every rank's batches as
+its global batch), ``self.all_gather`` in a step (as under DDP where every rank runs the
+step; refused, naming why, where only the attention ranks do), and Lightning's weight
+averaging, refused before anything trains."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ Search, each candidate scored by the step simulator (zebra schedule):
    crowd a member's experts, the step is also planned as 2, 4, ... batches of gradient
    accumulation (``make_plan``'s ``max_waves``), each searched as above, and the fastest
    count is kept. On more than ``MAX_SPLITS`` ranks the next count is searched where the
-   best layout probed in it is faster; groups of every rank attending, which often fit
-   only in more waves, are planned in each count on their own (``_all_attention``).
+   best layout probed in it is faster; two families of one role split each, which often fit
+   only in more waves, are planned in each count on their own: every rank attending
+   (``_all_attention``) and each split the search kept (``_best_split_in_more_waves``).
 
 On a cluster that is k alike copies of a smaller one (every kind of device or node k times,
 ``replica.py``) a few copies are planned first (16 and 64 ranks, and on more than 256 ranks a
@@ -754,8 +755,9 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
         if best is not None:
             mark = families[0] if families[0] is not None and _zebra_rate(families[0]) > _zebra_rate(best) else best
             # each split the search (or the copies) found best, from the fewest waves it was found in
-            kept = sorted(filter(None, [*searched, copied]), key=lambda p: -p.waves)
-            first = {len(p.attention_ranks): p for p in kept}
+            first: dict[int, Plan] = {}
+            for p in sorted(filter(None, [*searched, copied]), key=lambda p: p.waves):
+                first.setdefault(len(p.attention_ranks), p)
             for found in first.values():
                 families.append(_best_split_in_more_waves(found, view, model, seq_len=seq_len,
                                                           global_batch_tokens=global_batch_tokens, max_waves=max_waves,

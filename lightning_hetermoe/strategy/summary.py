@@ -28,6 +28,13 @@ class WholeSummary(Summary):
     def __init__(self, model: Any, max_depth: int, numel: dict[str, int], forward_example: bool = True) -> None:
         self._numel = numel
         self._forward_example = forward_example
+        # each module's whole count, by its name: every parameter added to each module above it
+        self._under: dict[str, int] = {}
+        for name, n in numel.items():
+            parts = name.split(".")
+            for depth in range(1, len(parts)):
+                module = ".".join(parts[:depth])
+                self._under[module] = self._under.get(module, 0) + n
         super().__init__(model, max_depth)
 
     def _forward_example_input(self) -> None:
@@ -36,7 +43,7 @@ class WholeSummary(Summary):
 
     @property
     def param_nums(self) -> list[int]:
-        return [sum(n for name, n in self._numel.items() if name.startswith(layer + ".")) for layer in self.layer_names]
+        return [self._under.get(layer, 0) for layer in self.layer_names]
 
     @property
     def total_parameters(self) -> int:
