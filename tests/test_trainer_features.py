@@ -3,8 +3,8 @@ gloo processes: ``overfit_batches`` (equal to one process overfitting), the LR f
 (``Tuner.lr_find``: the model restored, the found rate the same on every rank and the one the
 next fit trains at), the model summary printed at the start of a fit (the whole model's
 counts, not rank 0's share), the pack's loader built in the script before the run starts,
-a loader over an ``IterableDataset`` (equal to one process taking every rank's batches as
-its global batch), ``self.all_gather`` in a step (as under DDP where every rank runs the
+loaders over ``IterableDataset`` streams of unequal lengths (every rank stops where the
+shortest ends; what ran equals one process taking every rank's batches as its global batch), ``self.all_gather`` in a step (as under DDP where every rank runs the
 step; refused, naming why, where only the attention ranks do), and Lightning's weight
 averaging, refused before anything trains."""
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import itertools
 import logging
 import re
 
@@ -225,48 +226,85 @@ class Stream(IterableDataset):
     """A rank's own stream of samples (no ``__getitem__``, no length), as a streaming corpus
     gives; it starts again at each ``iter``."""
 
-    def __init__(self, rank: int, samples: int = 48) -> None:
-        self.rank, self.samples = rank, samples
+    def __init__(self, rank: int, samples: int = 48, seed: int = 100) -> None:
+        self.rank, self.samples, self.seed = rank, samples, seed
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(100 + self.rank)
+        g = torch.Generator().manual_seed(self.seed + self.rank)
         for _ in range(self.samples):
             x = torch.randint(0, 256, (17,), generator=g)
             yield x[:-1], x[1:]
 
 
-def fit_on_streams(rank: int, world: int) -> dict:
+# Each rank's stream holds a different number of batches (rank 0 the fewest): every rank
+# stops where rank 0's ends, in training (each epoch) and in validation.
+TRAIN_BATCHES, VAL_BATCHES, EPOCHS = (3, 5), (2, 3), 2
+VAL_SEED = 500
+
+
+def _streams(rank: int, world: int, counts: tuple[int, ...], seed: int = 100) -> DataLoader:
+    per = GLOBAL[world] // world
+    return DataLoader(Stream(rank, counts[rank] * per, seed), batch_size=per)
+
+
+def fit_on_uneven_streams(rank: int, world: int) -> dict:
+    import warnings
+
     out = {}
     for mode in MODES:
         model = make_model(4, seed=rank, optim=OptimConfig())
-        t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_steps=STEPS)
-        t.fit(model, train_dataloaders=DataLoader(Stream(rank), batch_size=GLOBAL[world] // world))
-        out[mode] = {k: v.clone() for k, v in model.state_dict().items()}
+        t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, world)), world, max_epochs=EPOCHS, max_steps=-1,
+                    limit_val_batches=1.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.fit(model, train_dataloaders=_streams(rank, world, TRAIN_BATCHES))
+            val = t.validate(model, dataloaders=_streams(rank, world, VAL_BATCHES, VAL_SEED), verbose=False)
+        out[mode] = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "steps": t.global_step,
+                     "val": val[0].get("val_loss") if val else None,
+                     "warned": sum("ended unevenly" in str(w.message) for w in caught)}
     return out
 
 
-def stream_global_batches(world: int):
-    """One process's view: each step, every rank's next batch, rank 0's rows first."""
+def stream_global_batches(world: int, batches: int, seed: int = 100):
+    """One process's view of one pass: each step, every rank's next batch, rank 0's rows
+    first, as many steps as the shortest stream holds."""
     per = GLOBAL[world] // world
-    streams = [iter(DataLoader(Stream(r), batch_size=per)) for r in range(world)]
-    while True:
+    streams = [iter(DataLoader(Stream(r, 48, seed), batch_size=per)) for r in range(world)]
+    for _ in range(batches):
         parts = [next(s) for s in streams]
         yield tuple(torch.cat([p[i] for p in parts]) for i in range(2))
 
 
 @pytest.mark.slow
-def test_a_loader_over_an_iterable_dataset_trains_like_one_process_in_every_mode():
+def test_loaders_over_uneven_streams_stop_together_and_train_and_validate_like_one_process_in_every_mode():
     """No first sample to index and no length: the strategy reads the batch shape from the
     stream's first sample (under zebra and distep it times the run from it; it failed there
-    before, asking for a plan that was given)."""
-    got = run_ranks(2, fit_on_streams, 2)[0]
+    before, asking for a plan that was given). The ranks' streams hold different numbers of
+    batches: each batch is taken once every rank has one, so every rank stops where the
+    shortest stream ends (before, the ranks with a batch left waited for ever in the step's
+    collectives), in training each epoch and in validation, rank 0 saying so; what ran
+    equals one process taking every rank's batches as its global batch."""
+    got = run_ranks(2, fit_on_uneven_streams, 2)
+    shortest_train, shortest_val = min(TRAIN_BATCHES), min(VAL_BATCHES)
     for mode in MODES:
+        mine = got[0][mode]
         model = make_model(4, seed=0, optim=OptimConfig())
         initial = copy.deepcopy(model.state_dict())
         plan = _plan(mode, 2)
-        expected = reference_fit(model, STEPS, batches=stream_global_batches(2),
+        epochs = itertools.chain.from_iterable(stream_global_batches(2, shortest_train) for _ in range(EPOCHS))
+        assert mine["steps"] == got[1][mode]["steps"] == EPOCHS * shortest_train, mode
+        expected = reference_fit(model, EPOCHS * shortest_train, batches=epochs,
                                  pieces=pieces(plan, mode) if plan is not None else None)
-        assert_same_params(got[mode], expected, initial)
+        assert_same_params(mine["state"], expected, initial)
+        # validation: the mean cross-entropy of the batches every rank had, the trained model
+        trained = make_model(4, seed=0, optim=OptimConfig())
+        trained.load_state_dict(expected)
+        trained.eval()
+        with torch.no_grad():
+            want = [float(trained.losses(b)["ce"]) for b in stream_global_batches(2, shortest_val, VAL_SEED)]
+        assert mine["val"] is not None and abs(mine["val"] - sum(want) / len(want)) < 1e-4, (mode, mine["val"], want)
+        # rank 0 said so: each training epoch and the validation pass
+        assert mine["warned"] == EPOCHS + 1 and got[1][mode]["warned"] == 0, (mode, mine["warned"])
 
 
 def fit_on_a_loader_built_before_the_run(rank: int, world: int) -> dict:

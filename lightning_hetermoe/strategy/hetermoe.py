@@ -58,6 +58,7 @@ from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_
                         stop_watching, watch_launcher)
 from .run_clock import RunClock
 from .summary import count_whole_model
+from .together import stop_together
 
 
 class HeterMoEStrategy(DDPStrategy):
@@ -502,6 +503,13 @@ class HeterMoEStrategy(DDPStrategy):
         self._pause_progress()
         return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
                                  self.precision_plugin, args, kwargs)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # a stream's length is known only when it ends: its batches are agreed on one by one
+        stage = self.lightning_module.trainer.state.stage if self.lightning_module is not None else None
+        return stop_together(super().process_dataloader(dataloader), comm.world() if self.world_size > 1 else None,
+                             f"trainer {stage.value if stage is not None else 'loop'}")
 
     # -- evaluation loops -----------------------------------------------------------------
     @override
