@@ -38,6 +38,18 @@ def triton_interpreter(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def on_the_standin(request, monkeypatch):
+    """``@pytest.mark.standin``: the test's ranks compute on the stand-in device
+    (``lightning_hetermoe/standin.py``; the harness forwards ``HETERMOE_STANDIN`` to every
+    rank and fails the run if a rank never computed there), so its assertions hold where
+    device traffic is not host memory, as on a GPU."""
+    if request.node.get_closest_marker("standin") is not None:
+        from lightning_hetermoe import standin
+
+        monkeypatch.setenv(standin.ENV, "1")
+
+
+@pytest.fixture(autouse=True)
 def quick_tests_start_no_process(request, monkeypatch):
     """The quick loop (``-m "not slow"``) is the tests that start no process: one that does
     (gloo ranks, a recipe, a compiler's subprocess) fails here, naming the mark it lacks."""

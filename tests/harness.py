@@ -78,8 +78,10 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
     path = Path(outdir) / f"rank{rank}.pkl"
     try:
         result = fn(rank, *args)
+        from lightning_hetermoe import standin
+
         with open(path, "wb") as f:
-            torch.save({"ok": result}, f)
+            torch.save({"ok": result, "standin": standin.DEVICE.type != "cpu"}, f)
         # Leave the heartbeat (stopped and joined: no peer's beat then finds rank 0's store
         # gone) and the process group together, as the strategy's shutdown() does for the
         # recipes.
@@ -122,7 +124,9 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 240.0) -> l
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
-        for r in range(world):
-            results.append(torch.load(Path(outdir) / f"rank{r}.pkl", weights_only=False)["ok"])
-        return results
+        records = [torch.load(Path(outdir) / f"rank{r}.pkl", weights_only=False) for r in range(world)]
+        if forwarded.get("HETERMOE_STANDIN", "") not in ("", "0"):
+            off = [r for r, rec in enumerate(records) if not rec["standin"]]
+            if off:  # a check on the stand-in that never ran there would pass vacuously
+                raise AssertionError(f"HETERMOE_STANDIN is set but ranks {off} never computed on the stand-in")
+        return [rec["ok"] for rec in records]

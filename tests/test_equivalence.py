@@ -55,7 +55,7 @@ def fit_cases(rank: int, world: int, cases: list[dict]) -> list[dict] | None:
     return out if rank == 0 else None
 
 
-@pytest.mark.parametrize("world", sorted(CASES))
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.standin) if w == 2 else w for w in sorted(CASES)])
 def test_distributed_equals_single_process_at_default_settings(world):
     cases = CASES[world]
     results = run_ranks(world, fit_cases, world, cases)[0]

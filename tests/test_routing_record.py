@@ -68,21 +68,29 @@ def test_the_plan_recipe_prices_a_routing_record_instead_of_even_routing(tmp_pat
     share = [[hot] + [(1 - hot) / (E - 1)] * (E - 1) for _ in range(layers)]
     record = tmp_path / FILE_NAME
     RoutingRecord(model="d2", mean_share=share, steps=10, choices_per_step=1e6).to_json(str(record))
-    summaries = {}
-    for name, extra in (("even", []), ("skewed", [f"plan.expert_load={record}"]),
-                        ("id_order", [f"plan.expert_load={record}", "plan.place_at_load=false"])):
-        out = tmp_path / name
-        proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "model=d2", "cluster=o3",
-                               "data.seq_len=8192", "plan.gantt=[]", f"hydra.run.dir={out}", *extra], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        summaries[name] = json.loads((out / "summary.json").read_text())
+    # one sweep, one process (each recipe process spends seconds importing): even routing,
+    # the record placed at, the record in id order (and even in id order, which is not read)
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "-m", "model=d2", "cluster=o3",
+                           "data.seq_len=8192", "plan.gantt=[]", f"plan.expert_load=null,{record}",
+                           "plan.place_at_load=true,false", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = {}
+    for job in sweep.iterdir():
+        if (job / "summary.json").exists():
+            overrides = (job / ".hydra" / "overrides.yaml").read_text()
+            skewed, placed = "expert_load=null" not in overrides, "place_at_load=true" in overrides.lower()
+            jobs[(skewed, placed)] = job
+    assert len(jobs) == 4, sorted(jobs)
+    names = {"even": (False, True), "skewed": (True, True), "id_order": (True, False)}
+    summaries = {n: json.loads((jobs[k] / "summary.json").read_text()) for n, k in names.items()}
     assert f"the hottest expert {hot * E:.2f}x the mean" in proc.stdout
     assert summaries["even"]["expert_load"] is None
     assert summaries["skewed"]["expert_load"]["hottest_over_mean"] == pytest.approx(hot * E)
     even, skewed, by_id = (summaries[n]["schedules"]["zebra"]["tokens_per_s"] for n in ("even", "skewed", "id_order"))
     assert skewed < even, (skewed, even)
-    plans = {n: Plan.from_json(str(tmp_path / n / "plan.json")) for n in ("skewed", "id_order")}
+    plans = {n: Plan.from_json(str(jobs[names[n]] / "plan.json")) for n in ("skewed", "id_order")}
     assert plans["skewed"].placed_at_load and not plans["id_order"].placed_at_load
     assert skewed >= by_id, (skewed, by_id)
 

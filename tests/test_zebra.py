@@ -64,6 +64,7 @@ def test_dense_sync_in_several_buckets_equals_one_process_and_holds_one_bucket_a
 
 
 @pytest.mark.slow
+@pytest.mark.standin
 def test_one_attention_one_expert_rank_zebra_distep_and_ep_agree():
     check(2, [
         dict(plan=make_test_plan(2, [0], R=2), validate=True, trainer=dict(limit_val_batches=1.0)),
@@ -75,6 +76,7 @@ def test_one_attention_one_expert_rank_zebra_distep_and_ep_agree():
 
 
 @pytest.mark.slow
+@pytest.mark.standin
 def test_three_ranks_two_attention_and_asym_ea_experts_on_the_attention_rank():
     # 1+2 with Asym-EA: layer 0 puts expert 3 on the attention rank, layer 1 experts 2 and 3.
     asym = [[1, 1, 2, 0], [1, 2, 0, 0]]
