@@ -4,7 +4,7 @@ Importing this package registers ``Trainer(strategy="hetermoe")`` (and ``"heterm
 Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit under the MoE layer.
 """
 
-from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
+from .callbacks import ExpertLoadMonitor, ExpertRebalancer, GradNormMonitor, RunSummary
 from .ckpt import load_checkpoint
 from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
 from .configs import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
@@ -31,6 +31,7 @@ __all__ = [
     "DeviceSpec",
     "ExpertLoadMonitor",
     "ExpertRebalancer",
+    "GradNormMonitor",
     "HFMoELanguageModel",
     "HeterMoEStrategy",
     "LinkConfig",

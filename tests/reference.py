@@ -162,6 +162,9 @@ def reference_fit(model: MoELanguageModel, steps: int, *, global_batch: int = 8,
                     stats["last_ce"] = float(model.losses(tuple(t[:rows] for t in batch))["ce"])
         if scaler is not None:
             scaler.unscale_(opt)
+        if stats is not None:  # the norm of every gradient, unscaled, before the clip
+            stats.setdefault("grad_norms", []).append(
+                float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])))
         if clip is not None and clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(model.parameters(), clip)
         elif clip is not None:

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel, OptimConfig
-from reference import data, make_model, trainer
+from reference import data, make_model, reference_fit, trainer
 from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
 
 MODES = ("ep", "zebra", "distep", "datacentric")
@@ -255,3 +255,88 @@ def test_lightning_cli_trains_the_main_model_under_the_strategy(tmp_path):
         assert exit_after_s < EXIT_S and "terminate called" not in out, (exit_after_s, out[-2000:])
     assert "schedule zebra" in out  # the strategy's argument reached it
     assert (tmp_path / "lightning_logs" / "version_1" / "config.yaml").exists()
+
+
+class NormSeen(L.Callback):
+    """The logged ``grad_norm`` after each step, and whether the step's gradients still
+    carried the loss scale when it was taken (a fused step unscales inside itself)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+        self.scaled: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scaled.append(bool(scaler is not None and scaler.holds_scaled(optimizer)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.norms.append(float(trainer.callback_metrics["grad_norm"]))
+
+
+NORM_CASES = {  # name: (mode, strategy kwargs, trainer kwargs)
+    **{mode: (mode, {}, {}) for mode in MODES},
+    "ep_zero": ("ep", dict(shard_optimizer_state=True), {}),
+    "ep_fp16_fused": ("ep", {}, dict(fp16=True)),
+}
+NORM_CLIP = 0.05  # below every step's norm: the logged norm must be the one before the clip
+
+
+def _scaler() -> torch.amp.GradScaler:
+    # a scale that overflows no step here (at torch's 65536 one step overflows on one process and
+    # not on two, whose partial gradients differ in rounding): every step's norm is compared
+    return torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+
+def grad_norm_fit(rank: int, world: int) -> dict:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from lightning_hetermoe import GradNormMonitor
+
+    out = {}
+    for name, (mode, kwargs, extra) in NORM_CASES.items():
+        model = make_model(4, seed=rank, optim=OptimConfig(fused=True) if extra.get("fp16") else OptimConfig())
+        strategy = HeterMoEStrategy(mode=mode, **kwargs) if kwargs else _strategy(mode, world)
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=_scaler())] if extra.get("fp16") else []
+        seen = NormSeen()
+        t = trainer(strategy, world, max_steps=4, gradient_clip_val=NORM_CLIP, plugins=plugins,
+                    callbacks=[GradNormMonitor(log_every_n_steps=1), seen])
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[name] = {"norms": seen.norms, "scaled": seen.scaled}
+    return out
+
+
+@pytest.mark.slow
+def test_the_logged_gradient_norm_is_one_process_s_in_every_mode():
+    """``GradNormMonitor`` logs the norm of every gradient over all ranks, before the clip and
+    without the loss scale: each step's equals the one process's at the same step, in every
+    mode, with the dense optimizer state sharded (ZeRO-1), and in fp16 with a fused step
+    (whose gradients still carry the scale when it is taken). Lightning's ``grad_norm``
+    would give each rank's share."""
+    from helpers_zebra import pieces
+
+    got = run_ranks(2, grad_norm_fit, 2)
+    for name, (mode, kwargs, extra) in NORM_CASES.items():
+        mine, other = got[0][name], got[1][name]
+        stats: dict = {}
+        model = make_model(4, seed=0, optim=OptimConfig(fused=True) if extra.get("fp16") else OptimConfig())
+        plan = make_test_plan(2, [0], R=2) if mode in ("zebra", "distep") else None
+        reference_fit(model, 4, global_batch=GLOBAL[2], windows=WINDOWS[2], clip=NORM_CLIP, stats=stats,
+                      scaler=_scaler() if extra.get("fp16") else None,
+                      pieces=pieces(plan, mode) if plan is not None else None)
+        want = stats["grad_norms"]
+        assert len(mine["norms"]) == 4 and min(want) > NORM_CLIP, (name, mine["norms"], want)
+        assert mine["norms"] == pytest.approx(want, rel=2e-3 if extra.get("fp16") else 1e-5), (name, mine["norms"], want)
+        if mode != "zebra" and mode != "distep":  # expert ranks log nothing under zebra: rank 1 is one there
+            assert other["norms"] == pytest.approx(mine["norms"], rel=1e-6), name
+        if extra.get("fp16"):
+            assert all(mine["scaled"]), "the fused step left the scale on: the case exercised unscaling"
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(log_every_n_steps=0), "log_every_n_steps=0"),
+                                          (dict(log_every_n_steps=2.5), "log_every_n_steps=2.5"),
+                                          (dict(name=""), "name=''")])
+def test_a_bad_grad_norm_monitor_setting_is_refused_naming_the_field(kwargs, field):
+    from lightning_hetermoe import GradNormMonitor
+
+    with pytest.raises(ValueError, match=f"GradNormMonitor {field} is invalid"):
+        GradNormMonitor(**kwargs)

@@ -95,9 +95,10 @@ def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
     logged = list(csv.DictReader(open(metrics)))
     columns = set(logged[0])
     for name in ("train_loss", "perf/tokens_per_s", "perf/step_time_s", "moe_load/max_over_mean",
-                 "moe_load/layer0_max_over_mean"):
+                 "moe_load/layer0_max_over_mean", "grad_norm"):
         assert name in columns, sorted(columns)
     assert any(r["train_loss"] for r in logged) and any(r["perf/tokens_per_s"] for r in logged)
+    assert all(float(r["grad_norm"]) > 0 for r in logged if r["grad_norm"])  # the global norm, every 2 steps
     events = list((tmp_path / "1").glob("tensorboard/version_*/events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 500, "TensorBoard event file with the metrics"
 

@@ -627,14 +627,28 @@ class HeterMoEStrategy(DDPStrategy):
         comm.all_reduce(comm.world(), out, what="expert_bias.load")
         return out
 
-    def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
+    def gradient_norm(self, optimizer: Any) -> torch.Tensor:
+        """The L2 norm of the gradients ``optimizer`` steps, over every rank: what one process
+        training on the global batch would compute (a dense gradient that several ranks hold
+        counted once, an expert's on its holder, a ZeRO shard on its owner), unscaled where
+        the loss scale is still on the gradients; inf or nan where any rank's are. A
+        collective: every rank calls it at the same point of the step (the gradients
+        complete: ``on_before_optimizer_step``). A device tensor: no host sync."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        total = self._scaled_norm(params)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.unscaled_norm(optimizer, total) if isinstance(scaler, AgreedGradScaler) else total
+
+    def _scaled_norm(self, params: list) -> torch.Tensor:
         if self._sharding is not None:
             own = [p for p in params if not self._sharding.is_shard(p)]
-            total = self.backend.grad_sq_norm(self.lightning_module, own,
-                                              self._sharding.grad_sq_norm(self.root_device)).sqrt()
-        else:
-            total = self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
+            return self.backend.grad_sq_norm(self.lightning_module, own,
+                                             self._sharding.grad_sq_norm(self.root_device)).sqrt()
+        return self.backend.grad_sq_norm(self.lightning_module, params).sqrt()
+
+    def _clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        total = self._scaled_norm(params)
         scaler = getattr(self.precision_plugin, "scaler", None)
         # the loss scale's divisor joins the clip's where the gradients still carry it
         # (precision.clip_fused_too left them so for a fused step)

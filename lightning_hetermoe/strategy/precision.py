@@ -100,6 +100,14 @@ class AgreedGradScaler(torch.amp.GradScaler):
 
         return self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
 
+    def unscaled_norm(self, optimizer, total_norm: Tensor) -> Tensor:
+        """``total_norm`` of ``optimizer``'s gradients as they are once unscaled: over the
+        scale while they still carry it (a fused step unscales inside itself), else as it
+        is. A device tensor: the scale is not read on the host."""
+        if not self.holds_scaled(optimizer):
+            return total_norm
+        return (total_norm.to(self._scale.device, torch.float64) / self._scale.double()).to(total_norm.device)
+
     def unscale_in_step_(self, optimizer, total_norm: Tensor, clip_val: float) -> None:
         """``unscale_`` and the clip by the global norm, both left to ``optimizer``'s fused
         step (see the module docstring): ``total_norm`` is the norm of the still-scaled
