@@ -340,3 +340,72 @@ def test_a_bad_grad_norm_monitor_setting_is_refused_naming_the_field(kwargs, fie
 
     with pytest.raises(ValueError, match=f"GradNormMonitor {field} is invalid"):
         GradNormMonitor(**kwargs)
+
+
+class LogsAMetric(MoELanguageModel):
+    """The cross-entropy as a torchmetrics ``MeanMetric`` (weighted by targets) logged in
+    validation, as Lightning's docs log metrics; with ``compute_everywhere`` also its
+    ``compute()`` at the epoch's end on every rank (a hook expert ranks run too)."""
+
+    def add_metric(self, compute_everywhere: bool) -> None:
+        import torchmetrics
+
+        self.val_ce = torchmetrics.MeanMetric()
+        self.compute_everywhere = compute_everywhere
+        self.computed: list[float] = []
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        out = self.losses(batch)
+        self.val_ce.update(out["ce"], weight=batch[1].numel())
+        self.log("val_ce_metric", self.val_ce)
+        self.log("val_loss", out["ce"], sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        import warnings
+
+        if self.compute_everywhere:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # an expert rank's metric saw no update: its mean is nan
+                self.computed.append(float(self.val_ce.compute()))
+
+
+METRIC_CASES = [("ep", False), ("datacentric", False), ("zebra", False), ("distep", False), ("zebra", True),
+                ("distep", True)]
+
+
+def metric_fit(rank: int, world: int) -> dict:
+    out = {}
+    two_attending = make_test_plan(world, [0, 1], R=2)  # rank 2 an expert rank
+    for mode, everywhere in METRIC_CASES:
+        model = make_model(4, seed=0, optim=OptimConfig())
+        model.__class__ = LogsAMetric
+        model.add_metric(everywhere)
+        plan = two_attending if mode in ("zebra", "distep") else None
+        t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, max_steps=2, limit_val_batches=1.0)
+        dm = data(world, GLOBAL[world], windows=WINDOWS[world])
+        t.fit(model, datamodule=dm)
+        model.computed.clear()  # any validation inside the fit computed already
+        got = t.validate(model, datamodule=dm, verbose=False)[0]
+        out[(mode, everywhere)] = {"metric": got.get("val_ce_metric"), "loss": got.get("val_loss"),
+                                   "computed": model.computed}
+    return out
+
+
+@pytest.mark.slow
+def test_a_torchmetrics_metric_logged_in_validation_syncs_over_the_ranks_that_run_the_steps_in_every_mode():
+    """Under zebra and distep only the attention ranks run the steps: a logged metric gathers
+    over them (it gathered over the world before, waiting for the expert rank, and the job
+    hung at the first validation); its value is the one the steps' synced loss gives, on
+    both attention ranks; and a ``compute()`` in a hook every rank runs returns on the
+    expert rank at once, its own state ungathered, the attention ranks' gathered."""
+    got = run_ranks(3, metric_fit, 3, timeout=180)
+    for mode, everywhere in METRIC_CASES:
+        ranks = [got[r][(mode, everywhere)] for r in range(3)]
+        logging = [0, 1] if mode in ("zebra", "distep") else [0, 1, 2]
+        for r in logging:
+            assert ranks[r]["metric"] == pytest.approx(ranks[r]["loss"], rel=1e-6), (mode, r, ranks[r])
+            assert ranks[r]["metric"] == pytest.approx(ranks[0]["metric"], rel=1e-6), (mode, r)
+            if everywhere:
+                assert ranks[r]["computed"] == [pytest.approx(ranks[0]["metric"], rel=1e-6)], (mode, r)
+        if everywhere:
+            assert len(ranks[2]["computed"]) == 1, mode  # the expert rank's compute() returned

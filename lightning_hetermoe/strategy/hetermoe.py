@@ -58,6 +58,7 @@ from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_
                         stop_watching, watch_launcher)
 from .run_clock import RunClock
 from .summary import count_whole_model
+from .metric_sync import sync_metrics_over
 from .together import stop_together
 
 
@@ -249,6 +250,7 @@ class HeterMoEStrategy(DDPStrategy):
             self.backend = dense_backend(self) or select_backend(self, trainer)
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
         self._share_callback_metrics(trainer)
+        sync_metrics_over(self.lightning_module, self.backend.metrics_group(None))
         count_whole_model(trainer.callbacks, self._whole_numel, self.backend.runs_bare_forward)
         self.model_to_device()  # whatever the model built outside the meta device
         if fitting:
