@@ -59,6 +59,7 @@ from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_
 from .run_clock import RunClock
 from .summary import count_whole_model
 from .metric_sync import sync_metrics_over
+from .piece_groups import regroup_pieces
 from .together import stop_together
 
 
@@ -262,6 +263,8 @@ class HeterMoEStrategy(DDPStrategy):
             if self.backend.wraps_ddp:
                 self.configure_ddp()
             self.setup_optimizers(trainer)
+            # groups chosen by shape (weight decay on matrices) see the experts' whole shapes
+            regroup_pieces(self.lightning_module, self.optimizers, self.backend.piece_shapes())
             self._sharding = self._shard_optimizer_state()
             if self.memory is not None:
                 self.memory.predicted = self._predict_memory()

@@ -203,6 +203,11 @@ class ParallelBackend(ABC):
         """Whole shapes of the module's tensors this rank keeps empty (a zebra expert rank's dense part)."""
         return {}
 
+    def piece_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Whole shapes of the module's parameters this rank holds as a piece of another shape
+        (data-centric: a flat range of each expert tensor), by parameter name."""
+        return {}
+
     def adopt_placement(self, placement: Placement) -> None:
         """The expert tensors were moved to ``placement``: route by it from now on."""
         raise NotImplementedError(f"{type(self).__name__} does not move experts")

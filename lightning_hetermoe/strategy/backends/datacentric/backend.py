@@ -58,6 +58,7 @@ class DataCentricBackend(DenseDDPBackend):
         self.clock, self.rank, self.world_size, self.device = clock, rank, world_size, device
         self.group: Group | None = None
         self._layers: list = []
+        self._layer_names: list[str] = []
         self.shards: list[dict[str, Shard]] = []
         self.num_experts: list[int] = []
         self._sharded = False
@@ -84,7 +85,9 @@ class DataCentricBackend(DenseDDPBackend):
         self._shares = None
 
     def _lay_out(self, module: nn.Module, materialize: Materializer | None) -> None:
-        self._layers = [layer for _, layer in moe_layers(module)]
+        named = list(moe_layers(module))
+        self._layers = [layer for _, layer in named]
+        self._layer_names = [name for name, _ in named]
         weights = [d.memory_gb for d in self.clock.devices] if len(self.clock.devices) == self.world_size \
             else [1.0] * self.world_size
         self.shards = [{name: shard_ranges(tuple(p.shape), weights)
@@ -112,6 +115,13 @@ class DataCentricBackend(DenseDDPBackend):
             layer.balance = GlobalBalance(GlobalBalanceCounts())
             layer.real_tokens = self.real_tokens
         self._sharded = bool(self._layers)
+
+    def piece_shapes(self) -> dict[str, tuple[int, ...]]:
+        if not self._sharded:
+            return {}
+        return {f"{layer}.experts.{name}": tuple(shard.shape) for layer, shards in zip(self._layer_names, self.shards,
+                                                                                     strict=True)
+                for name, shard in shards.items()}
 
     # -- gathers ------------------------------------------------------------------------
     def _issue(self, layer: int, names: list[str], parts: list[Tensor]) -> list[tuple[Pending, Shard]]:
