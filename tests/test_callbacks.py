@@ -409,3 +409,56 @@ def test_a_torchmetrics_metric_logged_in_validation_syncs_over_the_ranks_that_ru
                 assert ranks[r]["computed"] == [pytest.approx(ranks[0]["metric"], rel=1e-6)], (mode, r)
         if everywhere:
             assert len(ranks[2]["computed"]) == 1, mode  # the expert rank's compute() returned
+
+
+class LossSeen(L.Callback):
+    """The ``train_loss`` this rank holds after each step (an attention rank: its own)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("train_loss")
+        self.losses.append(float(value) if value is not None else float("nan"))
+
+
+def logged_where_rank_0_attends_or_not(rank: int, world: int, root: str) -> dict:
+    import csv
+    import glob
+
+    from lightning_hetermoe import comm
+
+    out = {}
+    for name, mode, attention in (("zebra_expert_rank_0", "zebra", [1]), ("distep_expert_rank_0", "distep", [1]),
+                                  ("zebra_attention_rank_0", "zebra", [0])):
+        model = make_model(4, seed=0, optim=OptimConfig())
+        seen = LossSeen()
+        where = os.path.join(root, name)
+        t = trainer(HeterMoEStrategy(mode=mode, plan=make_test_plan(world, attention, R=2)), world, max_steps=3,
+                    logger=CSVLogger(where, name="run"), log_every_n_steps=1, callbacks=[seen])
+        with comm.record() as calls:
+            t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        rows = []
+        if rank == 0:
+            (path,) = glob.glob(os.path.join(where, "run", "version_*", "metrics.csv"))
+            rows = [r for r in csv.DictReader(open(path)) if r.get("train_loss")]
+        out[name] = {"rows": [(int(r["step"]), float(r["train_loss"])) for r in rows], "seen": seen.losses,
+                     "gathers": sum(c.what == "strategy.logged_metrics" for c in calls)}
+    return out
+
+
+@pytest.mark.slow
+def test_the_loggers_write_the_training_curves_where_rank_0_is_an_expert_rank(tmp_path):
+    """Lightning's loggers write on global rank 0 only. A plan whose rank 0 is an expert rank
+    (a cluster that lists an older GPU first) wrote no train_loss at all: rank 0 runs no
+    step. Its loggers now write the first attention rank's values at each logging step; and
+    where rank 0 attends, nothing more is gathered."""
+    got = run_ranks(2, logged_where_rank_0_attends_or_not, 2, str(tmp_path), timeout=150)
+    for name in ("zebra_expert_rank_0", "distep_expert_rank_0"):
+        rows, attended = got[0][name]["rows"], got[1][name]["seen"]
+        assert [step for step, _ in rows] == [0, 1, 2], (name, rows)
+        assert [loss for _, loss in rows] == pytest.approx(attended, rel=1e-6), (name, rows, attended)
+        assert got[0][name]["gathers"] == got[1][name]["gathers"] >= 3, name  # every logging step, every rank
+    plain = got[0]["zebra_attention_rank_0"]
+    assert [loss for _, loss in plain["rows"]] == pytest.approx(plain["seen"], rel=1e-6)
+    assert plain["gathers"] == 0 and got[1]["zebra_attention_rank_0"]["gathers"] == 0

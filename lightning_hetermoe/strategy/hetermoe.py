@@ -53,7 +53,7 @@ from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_ste
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import AgreedGradScaler, agree_on_overflow, clip_fused_too, precision_name
 from .progress import StepProgress
-from .shared_metrics import SharedCallbackMetrics
+from .shared_metrics import SharedCallbackMetrics, mirror_logged_metrics
 from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, register_exit_hook,
                         stop_watching, watch_launcher)
 from .run_clock import RunClock
@@ -282,6 +282,7 @@ class HeterMoEStrategy(DDPStrategy):
             trainer.callbacks.remove(c)
         if source is not None:
             trainer.callbacks.insert(0, SharedCallbackMetrics(source))
+        mirror_logged_metrics(trainer, source)
 
     def _shard_optimizer_state(self) -> OptimizerSharding | None:
         """ZeRO-1 over the ranks that hold the dense weights alike (see :mod:`.zero`)."""

@@ -19,6 +19,14 @@ after every training batch (or epoch) where a ``ReduceLROnPlateau`` steps per st
 epoch): Lightning steps it on every rank from the monitored metric. A
 callback of the user's own that reads metrics after every training batch sees those of
 the last share on the ranks that do not log.
+
+**What the loggers write.** Lightning's loggers write on global rank 0 only. Where rank 0
+logs nothing (a plan that makes it an expert rank: the cluster lists an older GPU first), the
+training curves never reached TensorBoard or the CSV file (only the values every rank logs:
+validation, the callbacks'). :func:`mirror_logged_metrics` makes every rank's write go through
+one gather of the first attention rank's metrics, which rank 0 writes beside its own: one host
+collective per logging step (Lightning calls the write on every rank at the same steps), and
+none where rank 0 logs itself.
 """
 
 from __future__ import annotations
@@ -95,3 +103,32 @@ def _host_numbers(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, 
     out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     out.update(zip(names, values, strict=True))
     return out, {k: metrics[k].dtype for k in names}
+
+
+def mirror_logged_metrics(trainer: Any, source: int | None) -> None:
+    """Where global rank 0 logs nothing (``source``, the first attention rank, is another),
+    what the loggers write on rank 0 includes ``source``'s metrics (see the module docstring).
+    Idempotent; undone where rank 0 logs (a later run on the same trainer)."""
+    connector = trainer._logger_connector  # Lightning's: its log_metrics is what every rank calls
+    original = getattr(connector, "_hetermoe_original_log_metrics", None)
+    if original is not None:
+        connector.log_metrics = original
+        del connector._hetermoe_original_log_metrics
+    if source is None or source == 0 or trainer.world_size < 2:
+        return
+    original = connector.log_metrics
+    rank = trainer.global_rank
+
+    def log_metrics(metrics: dict, step: int | None = None) -> None:
+        if not trainer.loggers:  # alike on every rank: no write, no gather
+            return original(metrics, step)
+        mine = _host_numbers(metrics)[0] if rank == source else None
+        theirs = comm.gather_objects(comm.world(), mine, what="strategy.logged_metrics")[source] or {}
+        if rank == 0 and theirs:
+            # rank 0's own values first (what it logged itself: the callbacks'); the step is
+            # Lightning's count, the same on every rank
+            metrics = {**{k: torch.tensor(v, dtype=torch.float64, device="cpu") for k, v in theirs.items()}, **metrics}
+        return original(metrics, step)
+
+    connector._hetermoe_original_log_metrics = original
+    connector.log_metrics = log_metrics
