@@ -396,8 +396,10 @@ def test_a_torchmetrics_metric_logged_in_validation_syncs_over_the_ranks_that_ru
     """Under zebra and distep only the attention ranks run the steps: a logged metric gathers
     over them (it gathered over the world before, waiting for the expert rank, and the job
     hung at the first validation); its value is the one the steps' synced loss gives, on
-    both attention ranks; and a ``compute()`` in a hook every rank runs returns on the
-    expert rank at once, its own state ungathered, the attention ranks' gathered."""
+    both attention ranks, and ``trainer.validate`` returns it on the expert rank too (it
+    logs nothing; the epoch's value is shared to it, as DDP's ranks each return it); and a
+    ``compute()`` in a hook every rank runs returns on the expert rank at once, its own
+    state ungathered, the attention ranks' gathered."""
     got = run_ranks(3, metric_fit, 3, timeout=180)
     for mode, everywhere in METRIC_CASES:
         ranks = [got[r][(mode, everywhere)] for r in range(3)]
@@ -409,6 +411,7 @@ def test_a_torchmetrics_metric_logged_in_validation_syncs_over_the_ranks_that_ru
                 assert ranks[r]["computed"] == [pytest.approx(ranks[0]["metric"], rel=1e-6)], (mode, r)
         if everywhere:
             assert len(ranks[2]["computed"]) == 1, mode  # the expert rank's compute() returned
+        assert ranks[2]["metric"] == pytest.approx(ranks[0]["metric"], rel=1e-6), (mode, ranks[2])
 
 
 class LossSeen(L.Callback):

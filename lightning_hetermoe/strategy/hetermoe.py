@@ -281,7 +281,7 @@ class HeterMoEStrategy(DDPStrategy):
         for c in mine:
             trainer.callbacks.remove(c)
         if source is not None:
-            trainer.callbacks.insert(0, SharedCallbackMetrics(source))
+            trainer.callbacks.insert(0, SharedCallbackMetrics(source, self.backend.local_evaluation_names))
         mirror_logged_metrics(trainer, source)
 
     def _shard_optimizer_state(self) -> OptimizerSharding | None:

@@ -41,10 +41,13 @@ import lightning_hetermoe.comm as comm
 
 
 class SharedCallbackMetrics(L.Callback):
-    """Installed first by the strategy where the backend names a metrics source."""
+    """Installed first by the strategy where the backend names a metrics source.
+    ``local_names``: what evaluation steps logged on the attention ranks only (the backend's
+    :meth:`local_evaluation_names`), shared at the evaluation epoch's end."""
 
-    def __init__(self, source: int) -> None:
+    def __init__(self, source: int, local_names: Any = None) -> None:
         self.source = source
+        self.local_names = local_names or (lambda: [])
 
     def _share(self, trainer: Any) -> None:
         mine = trainer.global_rank == self.source
@@ -74,6 +77,33 @@ class SharedCallbackMetrics(L.Callback):
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._share(trainer)
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._share_evaluation(trainer, pl_module)
+
+    def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._share_evaluation(trainer, pl_module)
+
+    def _share_evaluation(self, trainer: Any, pl_module: Any) -> None:
+        """The epoch's value of each name the evaluation steps logged on the attention ranks
+        only (a torchmetrics object computes itself there, over them), logged on the ranks
+        that lack it, so that what ``trainer.validate``/``test`` return and print is the same
+        on every rank, as under DDP. Before Lightning gathers the epoch's results: every
+        rank's callbacks run this hook, first."""
+        names = self.local_names()
+        if not names:  # alike on every rank
+            return
+        metrics = trainer.callback_metrics  # on the attention ranks: each object's compute, over them
+        mine = trainer.global_rank == self.source
+        # keys as Lightning shows them: with several loaders, suffixed by the loader's index
+        ours = {k: v for k, v in metrics.items() for n in names if k == n or k.startswith(f"{n}/dataloader_idx_")} \
+            if mine else None
+        theirs = comm.gather_objects(comm.world(), _host_numbers(ours)[0] if mine else None,
+                                     what="strategy.evaluation_metrics")[self.source]
+        for key, value in (theirs or {}).items():
+            if key not in metrics:
+                pl_module.log(key, torch.tensor(value, dtype=torch.float32, device=pl_module.device), on_step=False,
+                              on_epoch=True, add_dataloader_idx=False)
 
 
 def _plateau(trainer: Any, interval: str) -> bool:

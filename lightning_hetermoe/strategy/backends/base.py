@@ -149,6 +149,11 @@ class ParallelBackend(ABC):
         log nothing (``None``: every rank logs its own, as under DDP)."""
         return None
 
+    def local_evaluation_names(self) -> list[str]:
+        """Names evaluation steps logged on some ranks only (what cannot be combined over
+        ranks, as a torchmetrics object); the same list on every rank."""
+        return []
+
     # -- experts ------------------------------------------------------------------------
     @property
     def spread(self) -> bool:

@@ -182,6 +182,8 @@ class ZebraBackend(ParallelBackend):
         self.dtype = torch.float32
         self.last_step: StepOutput | None = None  # the last training step (its trace: what ran, when)
         self.last_eval: StepOutput | None = None  # the last forward-only step
+        # names evaluation steps logged on some ranks only (torchmetrics objects: each computes itself)
+        self.evaluation_local_names: set[str] = set()
         self.running: StepRun | None = None  # the step in progress
         self.account_memory = False  # record the bytes the executor holds after each task
         self._step_grads: list[tuple[nn.Parameter, Tensor]] = []
@@ -391,7 +393,8 @@ class ZebraBackend(ParallelBackend):
         spec = outputs.describe(hook, results)
         everyone = comm.gather_objects(comm.world(), (spec, [item.portable() for item in logged]),
                                        what="zebra.eval")
-        logs.replay_global(logged, [described for _, described in everyone], self.device)
+        self.evaluation_local_names.update(logs.replay_global(logged, [described for _, described in everyone],
+                                                              self.device))
         agreed = outputs.agree(hook, [s for s, _ in everyone])
         if agreed is None:
             return None
@@ -521,6 +524,9 @@ class ZebraBackend(ParallelBackend):
 
     def metrics_source(self) -> int | None:
         return self.plan.attention_ranks[0]
+
+    def local_evaluation_names(self) -> list[str]:
+        return sorted(self.evaluation_local_names)
 
     # -- experts ------------------------------------------------------------------------
     @property

@@ -101,12 +101,13 @@ class MicrobatchLogs:
         for item in self.reduced(sizes, tokens):
             self._emit(item.name, _local_value(item), item.batch_size, item.args, item.kwargs)
 
-    def replay_global(self, mine: list[Logged], everyone: list[list[dict]], device: torch.device) -> None:
+    def replay_global(self, mine: list[Logged], everyone: list[list[dict]], device: torch.device) -> list[str]:
         """Log every name's value over the global batch on this rank (an evaluation step).
         ``mine``: this rank's :meth:`reduced` values; ``everyone``: every rank's
         :meth:`Logged.portable` descriptions, in rank order (the same on every rank, so every
         rank issues the same collectives). What cannot be combined over ranks (a torchmetrics
-        Metric, ``reduce_fx`` other than mean/sum/max/min) is logged as in training."""
+        Metric, ``reduce_fx`` other than mean/sum/max/min) is logged as in training: those
+        names are returned (the same on every rank), for the epoch's end to share."""
         shared: dict[str, list[dict]] = {}
         for described in everyone:
             for d in described:
@@ -123,6 +124,7 @@ class MicrobatchLogs:
             batch = sum(d["batch_size"] for d in shared[name]) or None
             args, kwargs = (item.args, item.kwargs) if item is not None else (first["args"], first["kwargs"])
             self._emit(name, totals[name].to(first["dtype"]), batch, args, kwargs)
+        return sorted({d["name"] for described in everyone for d in described} - set(shared))
 
     def _emit(self, name: str, value: Any, batch_size: int | None, args: tuple, kwargs: dict) -> None:
         kwargs = dict(kwargs)
