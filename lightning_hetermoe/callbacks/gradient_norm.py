@@ -10,7 +10,7 @@ global batch would log (:meth:`HeterMoEStrategy.gradient_norm`, one all-reduce o
 Under another strategy it is the rank's own gradients' norm, which there is the whole one.
 
 Every ``log_every_n_steps`` optimizer steps (the trainer's ``log_every_n_steps`` where not
-given), on every rank alike: the norm is a collective. It stays on the device; the logger
+given; never where that is 0, logging off), on every rank alike: the norm is a collective. It stays on the device; the logger
 reads it when it writes.
 """
 
@@ -33,9 +33,10 @@ class GradNormMonitor(L.Callback):
         self.log_every_n_steps, self.name = log_every_n_steps, name
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        every = self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)
-        # the step about to be taken is global_step + 1 (the same on every rank: all join)
-        if (trainer.global_step + 1) % every:
+        every = self.log_every_n_steps or int(trainer.log_every_n_steps)
+        # the step about to be taken is global_step + 1 (the same on every rank: all join);
+        # a trainer that logs nothing (log_every_n_steps=0) is not asked for the norm
+        if every < 1 or (trainer.global_step + 1) % every:
             return
         norm = gradient_norm(trainer.strategy, optimizer)
         pl_module.log(self.name, norm, on_step=True, on_epoch=False, prog_bar=False, logger=True)
