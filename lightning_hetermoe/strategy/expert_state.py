@@ -162,6 +162,39 @@ class ExpertState:
                 if slot:
                     yield l, pname, p, slot
 
+    # -- after a run: the optimizer made whole with the module ---------------------------
+    def gather_optimizer_states(self, optimizers: list) -> list[tuple[Any, str, nn.Parameter, dict]]:
+        """Before the backend gathers the model back whole at the end of a run: every expert
+        parameter's optimizer state gathered whole (a collective, in layer and parameter
+        order on every rank), ``(optimizer, parameter name, the laid-out parameter, its
+        state)``, for :meth:`adopt_whole` to hand to the whole parameters once they exist."""
+        out = []
+        for opt in optimizers:
+            inner = getattr(opt, "_optimizer", opt)
+            for l, name, layer in self._layers():
+                for pname, p in layer.experts.named_parameters(recurse=False):
+                    st = inner.state.get(p)
+                    if not st:
+                        continue
+                    whole = {key: (self.backend.gather_experts(l, value, pname)
+                                   if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape else value)
+                             for key, value in st.items()}
+                    out.append((inner, f"{name}.experts.{pname}", p, whole))
+        return out
+
+    def adopt_whole(self, gathered: list[tuple[Any, str, nn.Parameter, dict]]) -> None:
+        """The module's whole expert parameters take the laid-out ones' places in each
+        optimizer, with their gathered state: the optimizer matches the module again, so a
+        checkpoint saved after the run (``trainer.save_checkpoint`` after ``fit``) holds
+        every expert's moments, as one process's would."""
+        params = dict(self.module.named_parameters())
+        for opt, name, old, whole in gathered:
+            new = params[name]
+            for group in opt.param_groups:
+                group["params"] = [new if q is old else q for q in group["params"]]
+            opt.state.pop(old, None)
+            opt.state[new] = whole
+
     # -- migration ----------------------------------------------------------------------
     def move(self, new: Placement, optimizers: list) -> int:
         """Move experts to ``new`` on every rank (a collective: every rank passes the same

@@ -885,7 +885,13 @@ class HeterMoEStrategy(DDPStrategy):
         if self.backend is not None:
             # a model built whole is whole again after a successful run; one built on the meta
             # device stays laid out (it may not fit anywhere whole): checkpoints save it sharded
-            self.backend.restore(module, gather=succeeded and self._built_whole)
+            whole = succeeded and self._built_whole
+            experts = ExpertState(self.backend, module) if whole and self.optimizers else None
+            # the optimizer follows the model: each expert's moments gathered while laid out
+            gathered = experts.gather_optimizer_states(self.optimizers) if experts is not None else []
+            self.backend.restore(module, gather=whole)
+            if experts is not None:
+                experts.adopt_whole(gathered)
         if self._expert_bias is not None:
             self._expert_bias.remove()
             self._expert_bias = None
