@@ -82,6 +82,14 @@ def gather_experts(local: Tensor, held: list[list[int]], group: Group) -> Tensor
     return full
 
 
+def _to_host(t: Tensor) -> Tensor:
+    # Whole moments on a GPU would hold twice the whole experts' size (Adam) beside the whole
+    # weights, on every rank, at the end of a run that only needed its share: after the run
+    # nothing steps this optimizer (a new fit builds its own), a checkpoint only reads it, so
+    # it waits in host memory, one tensor on the device at a time.
+    return t.to("cpu") if t.device.type == "cuda" else t
+
+
 def _params(optimizer) -> list[nn.Parameter]:
     return [p for g in getattr(optimizer, "_optimizer", optimizer).param_groups for p in g["params"]]
 
@@ -176,7 +184,7 @@ class ExpertState:
                     st = inner.state.get(p)
                     if not st:
                         continue
-                    whole = {key: (self.backend.gather_experts(l, value, pname)
+                    whole = {key: (_to_host(self.backend.gather_experts(l, value, pname))
                                    if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape else value)
                              for key, value in st.items()}
                     out.append((inner, f"{name}.experts.{pname}", p, whole))
