@@ -446,7 +446,8 @@ def logged_where_rank_0_attends_or_not(rank: int, world: int, root: str) -> dict
             (path,) = glob.glob(os.path.join(where, "run", "version_*", "metrics.csv"))
             rows = [r for r in csv.DictReader(open(path)) if r.get("train_loss")]
         out[name] = {"rows": [(int(r["step"]), float(r["train_loss"])) for r in rows], "seen": seen.losses,
-                     "gathers": sum(c.what == "strategy.logged_metrics" for c in calls)}
+                     "gathers": sum(c.what == "strategy.logged_metrics" for c in calls),
+                     "after_fit": float(t.callback_metrics.get("train_loss", float("nan")))}
     return out
 
 
@@ -462,6 +463,8 @@ def test_the_loggers_write_the_training_curves_where_rank_0_is_an_expert_rank(tm
         assert [step for step, _ in rows] == [0, 1, 2], (name, rows)
         assert [loss for _, loss in rows] == pytest.approx(attended, rel=1e-6), (name, rows, attended)
         assert got[0][name]["gathers"] == got[1][name]["gathers"] >= 3, name  # every logging step, every rank
+        # and what a script reads after fit on rank 0 is the attention rank's last
+        assert got[0][name]["after_fit"] == pytest.approx(attended[-1], rel=1e-6), (name, got[0][name]["after_fit"])
     plain = got[0]["zebra_attention_rank_0"]
     assert [loss for _, loss in plain["rows"]] == pytest.approx(plain["seen"], rel=1e-6)
     assert plain["gathers"] == 0 and got[1]["zebra_attention_rank_0"]["gathers"] == 0

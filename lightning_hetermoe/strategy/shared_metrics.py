@@ -12,11 +12,12 @@ Only where a callback reads them: reading ``trainer.callback_metrics`` makes Lig
 every progress-bar metric into a Python number (an ``.item()``, a host sync on a GPU), and
 sharing reads the values on the host once more, so a training batch after which no
 checkpoint checks shares nothing. They are shared at the end of validation (the monitored
-``val_loss``), at the end of a training epoch where a checkpoint or early stopping callback
-runs, and after a training batch only where a ``ModelCheckpoint`` checks at that step
-(``every_n_train_steps``; ``train_time_interval`` checks the time after every batch); and
-after every training batch (or epoch) where a ``ReduceLROnPlateau`` steps per step (or
-epoch): Lightning steps it on every rank from the monitored metric. A
+``val_loss``), at the end of training (what a script reads after ``fit``), at the end of a
+training epoch where a checkpoint or early stopping callback runs, and after a training
+batch only where a ``ModelCheckpoint`` checks at that step (``every_n_train_steps``;
+``train_time_interval`` checks the time after every batch); and after every training batch
+(or epoch) where a ``ReduceLROnPlateau`` steps per step (or epoch): Lightning steps it on
+every rank from the monitored metric. A
 callback of the user's own that reads metrics after every training batch sees those of
 the last share on the ranks that do not log.
 
@@ -77,6 +78,10 @@ class SharedCallbackMetrics(L.Callback):
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._share(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # what a script reads after fit (an objective for a sweep) is the run's last, everywhere
+        self._share(trainer)
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._share_evaluation(trainer, pl_module)
