@@ -118,24 +118,28 @@ def test_load_checkpoint_says_what_is_wrong_with_the_path(tmp_path):
         lightning_hetermoe.load_checkpoint(tmp_path)
 
 
-# (mode, attention ranks, checkpoint format, ZeRO-1): rank 0 an expert rank under zebra (a
-# whole file there made its fused Adam step read moments sized for no experts: SIGSEGV)
-AFTER_FIT = [("ep", None, "auto", False), ("zebra", [1], "auto", False), ("distep", [0], "sharded", False),
-             ("datacentric", None, "auto", False), ("ep", None, "sharded", True)]
+# (mode, attention ranks, checkpoint format, ZeRO-1, a validate between fit and the save):
+# rank 0 an expert rank under zebra (a whole file there made its fused Adam step read
+# moments sized for no experts: SIGSEGV)
+AFTER_FIT = [("ep", None, "auto", False, False), ("zebra", [1], "auto", False, False),
+             ("distep", [0], "sharded", False, False), ("datacentric", None, "auto", False, False),
+             ("ep", None, "sharded", True, False), ("zebra", [1], "sharded", False, True)]
 
 
 def save_after_fit_then_resume(rank: int, world: int, root: str) -> dict:
     out = {}
-    for mode, attention, fmt, zero in AFTER_FIT:
+    for mode, attention, fmt, zero, validate in AFTER_FIT:
         plan = make_test_plan(world, attention, R=2) if attention is not None else None
 
         def strategy() -> HeterMoEStrategy:
             return HeterMoEStrategy(mode=mode, plan=plan, checkpoint_format=fmt, shard_optimizer_state=zero)
 
-        name = f"{mode}-{fmt}-{zero}"
+        name = f"{mode}-{fmt}-{zero}-{validate}"
         first = make_model(4, seed=0, optim=OptimConfig())
-        t = trainer(strategy(), world, max_steps=3)
+        t = trainer(strategy(), world, max_steps=3, limit_val_batches=2)
         t.fit(first, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        if validate:  # lays the model out and gathers it back again: the optimizer follows
+            t.validate(first, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]), verbose=False)
         path = os.path.join(root, name + ".ckpt")
         t.save_checkpoint(path)
         resumed = make_model(4, seed=3, optim=OptimConfig())
@@ -152,7 +156,9 @@ def test_a_checkpoint_saved_after_fit_resumes_as_one_process_s_does_in_every_mod
     on every rank, and the optimizer now follows it (each expert's moments gathered), so
     the checkpoint holds every expert's state as one process's does. Before, it held the
     writing rank's own experts' moments: resumed, the experts trained apart (2e-3 after one
-    step) in every mode, and under zebra a rank's fused Adam read moments sized for none."""
+    step) in every mode, and under zebra a rank's fused Adam read moments sized for none.
+    A ``validate`` between the fit and the save lays the model out and gathers it back as
+    new parameters: the optimizer follows them (else a sharded save skipped the experts)."""
     got = run_ranks(2, save_after_fit_then_resume, 2, str(tmp_path), timeout=240)[0]
     # one process, the same steps: 3, saved after fit, resumed to 4 (Lightning's own resume
     # from a checkpoint saved after fit, data position included)

@@ -82,6 +82,15 @@ def gather_experts(local: Tensor, held: list[list[int]], group: Group) -> Tensor
     return full
 
 
+def _replace(opt: Any, old: nn.Parameter, new: nn.Parameter, state: dict) -> None:
+    """``new`` in ``old``'s place in ``opt``'s groups, with ``state``."""
+    for group in opt.param_groups:
+        group["params"] = [new if q is old else q for q in group["params"]]
+    opt.state.pop(old, None)
+    if state:
+        opt.state[new] = state
+
+
 def _to_host(t: Tensor) -> Tensor:
     # Whole moments on a GPU would hold twice the whole experts' size (Adam) beside the whole
     # weights, on every rank, at the end of a run that only needed its share: after the run
@@ -190,18 +199,30 @@ class ExpertState:
                     out.append((inner, f"{name}.experts.{pname}", p, whole))
         return out
 
-    def adopt_whole(self, gathered: list[tuple[Any, str, nn.Parameter, dict]]) -> None:
+    def adopt_whole(self, gathered: list[tuple[Any, str, nn.Parameter, dict]], names: dict[int, str]) -> None:
         """The module's whole expert parameters take the laid-out ones' places in each
         optimizer, with their gathered state: the optimizer matches the module again, so a
         checkpoint saved after the run (``trainer.save_checkpoint`` after ``fit``) holds
-        every expert's moments, as one process's would."""
+        every expert's moments, as one process's would. ``names`` (by ``id`` of the
+        parameter an optimizer holds) records which, for :meth:`follow_module`."""
         params = dict(self.module.named_parameters())
         for opt, name, old, whole in gathered:
-            new = params[name]
-            for group in opt.param_groups:
-                group["params"] = [new if q is old else q for q in group["params"]]
-            opt.state.pop(old, None)
-            opt.state[new] = whole
+            _replace(opt, old, params[name], whole)
+            names.pop(id(old), None)
+            names[id(params[name])] = name
+
+    def follow_module(self, optimizers: list, names: dict[int, str]) -> None:
+        """A later run on the same trainer (``validate`` after ``fit``) lays the model out and
+        gathers it back as new parameter objects: the optimizers' whole expert parameters
+        (``names``) are pointed at the module's current ones, state and all."""
+        params = dict(self.module.named_parameters())
+        for opt in {id(o): getattr(o, "_optimizer", o) for o in optimizers}.values():
+            for old in [q for group in opt.param_groups for q in group["params"] if id(q) in names]:
+                new = params.get(names[id(old)])
+                if new is not None and new is not old and new.shape == old.shape:
+                    name = names.pop(id(old))
+                    _replace(opt, old, new, opt.state.pop(old, {}))
+                    names[id(new)] = name
 
     # -- migration ----------------------------------------------------------------------
     def move(self, new: Placement, optimizers: list) -> int:

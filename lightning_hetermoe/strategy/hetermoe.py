@@ -116,6 +116,8 @@ class HeterMoEStrategy(DDPStrategy):
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         self._saves_sharded = False  # checkpoint_format resolved at the first set-up (auto: by size)
         self._whole_numel: dict[str, int] = {}  # each parameter's whole size, by name, at the first set-up
+        # the whole expert parameters the optimizers hold after a run, by id: their names
+        self._whole_optimizer_names: dict[int, str] = {}
         self._sharding: OptimizerSharding | None = None  # dense optimizer state sharded over replicas
         self.memory: MemoryWatch | None = None  # this rank's memory: what it holds, its peak, its budget
         self.progress: StepProgress | None = None  # this rank's steps, for the stuck-rank watchdog
@@ -891,7 +893,8 @@ class HeterMoEStrategy(DDPStrategy):
             gathered = experts.gather_optimizer_states(self.optimizers) if experts is not None else []
             self.backend.restore(module, gather=whole)
             if experts is not None:
-                experts.adopt_whole(gathered)
+                experts.adopt_whole(gathered, self._whole_optimizer_names)
+                experts.follow_module(self.optimizers, self._whole_optimizer_names)
         if self._expert_bias is not None:
             self._expert_bias.remove()
             self._expert_bias = None
