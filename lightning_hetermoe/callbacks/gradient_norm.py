@@ -10,8 +10,8 @@ global batch would log (:meth:`HeterMoEStrategy.gradient_norm`, one all-reduce o
 Under another strategy it is the rank's own gradients' norm, which there is the whole one.
 
 Every ``log_every_n_steps`` optimizer steps (the trainer's ``log_every_n_steps`` where not
-given; never where that is 0, logging off), on every rank alike: the norm is a collective. It stays on the device; the logger
-reads it when it writes.
+given; never where that is 0, logging off), on every rank alike: the norm is a collective.
+It stays on the device; the logger reads it when it writes.
 """
 
 from __future__ import annotations

@@ -148,10 +148,16 @@ class ExpertState:
         # them before writing gathered tensors, or the live optimizer would step on them.
         state = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
         for l, pname, p, slot in self._slots(state, optimizer):
-            for key, value in list(slot.items()):
-                if torch.is_tensor(value) and value.shape == p.shape and value.dim() > 0:
-                    slot[key] = self.backend.gather_experts(l, value, pname)
+            slot.update(self._whole_slot(l, pname, p, slot))
         return state
+
+    def _whole_slot(self, l: int, pname: str, p: nn.Parameter, slot: dict, place=lambda t: t) -> dict:
+        """An expert parameter's optimizer state with each per-element tensor (its
+        parameter's shape) gathered whole (a collective) and handed to ``place``; scalars as
+        they are."""
+        return {key: place(self.backend.gather_experts(l, value, pname))
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape else value
+                for key, value in slot.items()}
 
     def slice_optimizer_state(self, opt_state: dict[str, Any], optimizer) -> None:
         """A full checkpoint's optimizer state, cut down to what this rank holds (in place)."""
@@ -193,10 +199,7 @@ class ExpertState:
                     st = inner.state.get(p)
                     if not st:
                         continue
-                    whole = {key: (_to_host(self.backend.gather_experts(l, value, pname))
-                                   if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape else value)
-                             for key, value in st.items()}
-                    out.append((inner, f"{name}.experts.{pname}", p, whole))
+                    out.append((inner, f"{name}.experts.{pname}", p, self._whole_slot(l, pname, p, st, _to_host)))
         return out
 
     def adopt_whole(self, gathered: list[tuple[Any, str, nn.Parameter, dict]], names: dict[int, str]) -> None:

@@ -19,20 +19,18 @@ from typing import Any
 from torch import nn
 
 
-def sync_metrics_over(module: nn.Module, group: Any) -> int:
+def sync_metrics_over(module: nn.Module, group: Any) -> None:
     """Point every torchmetrics ``Metric`` in ``module`` at ``group`` (``None``: leave them
-    with the world; ``False``: this rank logs nothing, no gather). How many were set."""
+    with the world; ``False``: this rank logs nothing, no gather)."""
     if group is None:
-        return 0
+        return
     from torchmetrics import Metric
 
-    metrics = [m for m in module.modules() if isinstance(m, Metric)]
-    for metric in metrics:
+    for metric in (m for m in module.modules() if isinstance(m, Metric)):
         if group is False:
             metric.distributed_available_fn = _never
         else:
             metric.process_group = group
-    return len(metrics)
 
 
 def _never() -> bool:

@@ -59,13 +59,9 @@ class SharedCallbackMetrics(L.Callback):
         described = _host_numbers(metrics) if mine else None
         numbers, dtypes = comm.gather_objects(comm.world(), described, what="strategy.callback_metrics")[self.source]
         if not mine and numbers:
-            # the connector's own store: its callback_metrics property adds this rank's (none) on
-            # top. On the device where the attention ranks' metrics live, in one copy from
-            # pinned memory (no host sync), in the dtypes they were logged in.
-            values = comm.to_device(torch.tensor(list(numbers.values()), dtype=torch.float64, device="cpu"),
-                                    trainer.strategy.root_device)
+            # the connector's own store: its callback_metrics property adds this rank's (none) on top
             trainer._logger_connector._callback_metrics.update(
-                {k: values[i].to(dtypes.get(k, torch.float32)) for i, k in enumerate(numbers)})
+                _on_device(numbers, dtypes, trainer.strategy.root_device))
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if _plateau(trainer, "step") or any(_checks_after_batch(c, trainer) for c in trainer.callbacks):
@@ -103,12 +99,11 @@ class SharedCallbackMetrics(L.Callback):
         # keys as Lightning shows them: with several loaders, suffixed by the loader's index
         ours = {k: v for k, v in metrics.items() for n in names if k == n or k.startswith(f"{n}/dataloader_idx_")} \
             if mine else None
-        theirs = comm.gather_objects(comm.world(), _host_numbers(ours)[0] if mine else None,
-                                     what="strategy.evaluation_metrics")[self.source]
-        for key, value in (theirs or {}).items():
-            if key not in metrics:
-                pl_module.log(key, torch.tensor(value, dtype=torch.float32, device=pl_module.device), on_step=False,
-                              on_epoch=True, add_dataloader_idx=False)
+        numbers, dtypes = comm.gather_objects(comm.world(), _host_numbers(ours) if mine else None,
+                                              what="strategy.evaluation_metrics")[self.source]
+        missing = {k: v for k, v in numbers.items() if k not in metrics}
+        for key, value in _on_device(missing, dtypes, pl_module.device).items():
+            pl_module.log(key, value, on_step=False, on_epoch=True, add_dataloader_idx=False)
 
 
 def _plateau(trainer: Any, interval: str) -> bool:
@@ -138,6 +133,16 @@ def _host_numbers(metrics: dict[str, Any]) -> tuple[dict[str, float], dict[str, 
     out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     out.update(zip(names, values, strict=True))
     return out, {k: metrics[k].dtype for k in names}
+
+
+def _on_device(numbers: dict[str, float], dtypes: dict[str, torch.dtype], device: torch.device
+               ) -> dict[str, torch.Tensor]:
+    """Host numbers as tensors on ``device``, where the attention ranks' metrics live: in one
+    copy from pinned memory (no host sync), each in the dtype it was logged in."""
+    if not numbers:
+        return {}
+    values = comm.to_device(torch.tensor(list(numbers.values()), dtype=torch.float64, device="cpu"), device)
+    return {k: values[i].to(dtypes.get(k, torch.float32)) for i, k in enumerate(numbers)}
 
 
 def mirror_logged_metrics(trainer: Any, source: int | None) -> None:
