@@ -432,31 +432,50 @@ def logged_where_rank_0_attends_or_not(rank: int, world: int, root: str) -> dict
     from lightning_hetermoe import comm
 
     out = {}
-    for name, mode, attention in (("zebra_expert_rank_0", "zebra", [1]), ("distep_expert_rank_0", "distep", [1]),
-                                  ("zebra_attention_rank_0", "zebra", [0])):
+    for name, mode, attention, shown in (("zebra_expert_rank_0", "zebra", [1], "csv"),
+                                         ("distep_expert_rank_0", "distep", [1], "csv"),
+                                         ("zebra_attention_rank_0", "zebra", [0], "csv"),
+                                         ("zebra_expert_rank_0_bar", "zebra", [1], "bar"),
+                                         ("zebra_expert_rank_0_no_logger", "zebra", [1], None)):
         model = make_model(4, seed=0, optim=OptimConfig())
-        seen = LossSeen()
+        seen, bar = LossSeen(), BarSeen()
         where = os.path.join(root, name)
         t = trainer(HeterMoEStrategy(mode=mode, plan=make_test_plan(world, attention, R=2)), world, max_steps=3,
-                    logger=CSVLogger(where, name="run"), log_every_n_steps=1, callbacks=[seen])
+                    logger=CSVLogger(where, name="run") if shown == "csv" else False,
+                    enable_progress_bar=shown == "bar", log_every_n_steps=1, callbacks=[seen, bar])
         with comm.record() as calls:
             t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
         rows = []
-        if rank == 0:
+        if rank == 0 and shown == "csv":
             (path,) = glob.glob(os.path.join(where, "run", "version_*", "metrics.csv"))
             rows = [r for r in csv.DictReader(open(path)) if r.get("train_loss")]
         out[name] = {"rows": [(int(r["step"]), float(r["train_loss"])) for r in rows], "seen": seen.losses,
+                     "bar": bar.losses, "bar_after_fit": t.progress_bar_metrics.get("train_loss"),
                      "gathers": sum(c.what == "strategy.logged_metrics" for c in calls),
                      "after_fit": float(t.callback_metrics.get("train_loss", float("nan")))}
     return out
 
 
+class BarSeen(L.Callback):
+    """The ``train_loss`` the progress bar draws after each step (without a bar: the metrics
+    it would draw, what the recipes' progress line reads); ``None``: none."""
+
+    def __init__(self) -> None:
+        self.losses: list[float | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bar = trainer.progress_bar_callback
+        shown = bar.get_metrics(trainer, pl_module) if bar is not None else trainer.progress_bar_metrics
+        self.losses.append(shown.get("train_loss"))
+
+
 @pytest.mark.slow
-def test_the_loggers_write_the_training_curves_where_rank_0_is_an_expert_rank(tmp_path):
+def test_the_loggers_write_the_training_curves_and_the_bar_draws_the_loss_where_rank_0_is_an_expert_rank(tmp_path):
     """Lightning's loggers write on global rank 0 only. A plan whose rank 0 is an expert rank
     (a cluster that lists an older GPU first) wrote no train_loss at all: rank 0 runs no
-    step. Its loggers now write the first attention rank's values at each logging step; and
-    where rank 0 attends, nothing more is gathered."""
+    step. Its loggers now write the first attention rank's values at each logging step, and
+    its progress bar draws them (it drew no loss; so does the recipes' progress line without
+    a logger); where rank 0 attends, nothing more is gathered."""
     got = run_ranks(2, logged_where_rank_0_attends_or_not, 2, str(tmp_path), timeout=150)
     for name in ("zebra_expert_rank_0", "distep_expert_rank_0"):
         rows, attended = got[0][name]["rows"], got[1][name]["seen"]
@@ -468,3 +487,11 @@ def test_the_loggers_write_the_training_curves_where_rank_0_is_an_expert_rank(tm
     plain = got[0]["zebra_attention_rank_0"]
     assert [loss for _, loss in plain["rows"]] == pytest.approx(plain["seen"], rel=1e-6)
     assert plain["gathers"] == 0 and got[1]["zebra_attention_rank_0"]["gathers"] == 0
+    # Lightning's bar on rank 0 draws the attention rank's loss as of the last logging step
+    # (each write follows the batch's callbacks, the bar's among them: one step late), with a
+    # logger or without one
+    for name in ("zebra_expert_rank_0_bar", "zebra_expert_rank_0_no_logger"):
+        bar, attended = got[0][name], got[1][name]["seen"]
+        assert bar["bar"][0] is None and bar["bar"][1:] == pytest.approx(attended[:-1], rel=1e-6), (name, bar)
+        assert bar["bar_after_fit"] == pytest.approx(attended[-1], rel=1e-6), name
+        assert bar["gathers"] == got[1][name]["gathers"] >= 3, name

@@ -525,7 +525,7 @@ def _walk(sched, holds, attention_holds):
     from lightning_hetermoe.task_order import awaited_round, emitted_round
 
     order = sched.issue_order(attention_holds)
-    issued, cursor, answered = [], 0, set()
+    issued, cursor = [], 0
 
     def took_part(event):
         nonlocal cursor

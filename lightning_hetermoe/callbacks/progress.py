@@ -26,8 +26,9 @@ class ProgressLog(L.Callback):
         done = step - self._last
         rate = elapsed / max(done, 1)
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        # a rank 0 that runs no steps (an expert rank) has the loss its loggers last wrote
-        loss = trainer.callback_metrics.get("train_loss", trainer.logged_metrics.get("train_loss"))
+        # a rank 0 that runs no steps (an expert rank) has the loss of the last logging step
+        # (the strategy mirrors the attention rank's bar metrics there, loggers or not)
+        loss = trainer.callback_metrics.get("train_loss", trainer.progress_bar_metrics.get("train_loss"))
         parts = [f"step {step}" + (f"/{total}" if total else ""), f"{rate:.2f} s/step"]
         if loss is not None:
             parts.insert(1, f"train_loss {float(loss):.3f}")

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from .child import run_in_child, start_server
-from .registry import CHECKS, KERNEL_TIMEOUT_S, resolve_device
+from .registry import CHECKS, KERNEL_TIMEOUT_S
 from .report import DEFAULT_TIMEOUT_S, SKIPPED, Check, Row, exit_code, header, line, summary, width_for
 
 

@@ -21,13 +21,17 @@ every rank from the monitored metric. A
 callback of the user's own that reads metrics after every training batch sees those of
 the last share on the ranks that do not log.
 
-**What the loggers write.** Lightning's loggers write on global rank 0 only. Where rank 0
-logs nothing (a plan that makes it an expert rank: the cluster lists an older GPU first), the
-training curves never reached TensorBoard or the CSV file (only the values every rank logs:
-validation, the callbacks'). :func:`mirror_logged_metrics` makes every rank's write go through
-one gather of the first attention rank's metrics, which rank 0 writes beside its own: one host
-collective per logging step (Lightning calls the write on every rank at the same steps), and
-none where rank 0 logs itself.
+**What the loggers write and the progress bar shows.** Lightning's loggers write, and its
+progress bar draws, on global rank 0 only. Where rank 0 logs nothing (a plan that makes it an
+expert rank: the cluster lists an older GPU first), the training curves never reached
+TensorBoard or the CSV file (only the values every rank logs: validation, the callbacks'), and
+the bar showed no loss. :func:`mirror_logged_metrics` makes every rank's write go through one
+gather of the first attention rank's logged and progress-bar metrics, which rank 0 writes and
+draws beside its own (and a callback of rank 0 reads: the recipes' progress line): one host
+collective per logging step (Lightning calls the write on every rank at the same steps, with
+or without loggers), none where rank 0 logs itself. The bar's values on rank 0 are those of
+the last logging step (``log_every_n_steps``), not of every batch: a gather per batch would
+be a host sync per step.
 """
 
 from __future__ import annotations
@@ -160,14 +164,21 @@ def mirror_logged_metrics(trainer: Any, source: int | None) -> None:
     rank = trainer.global_rank
 
     def log_metrics(metrics: dict, step: int | None = None) -> None:
-        if not trainer.loggers:  # alike on every rank: no write, no gather
-            return original(metrics, step)
-        mine = _host_numbers(metrics)[0] if rank == source else None
+        written = bool(trainer.loggers)  # alike on every rank
+        mine = None
+        if rank == source:
+            # the bar's metrics as Lightning keeps them: already reduced where they were logged
+            # (a step's at its log call, an epoch's when this write's caller read them)
+            mine = {"log": _host_numbers(metrics)[0] if written else {},
+                    "pbar": _host_numbers(connector.progress_bar_metrics)[0]}
         theirs = comm.gather_objects(comm.world(), mine, what="strategy.logged_metrics")[source] or {}
         if rank == 0 and theirs:
-            # rank 0's own values first (what it logged itself: the callbacks'); the step is
+            # rank 0's own values win (what it logged itself: the callbacks'; the bar's
+            # property lays what rank 0 logged over this store at each read); the step is
             # Lightning's count, the same on every rank
-            metrics = {**{k: torch.tensor(v, dtype=torch.float64, device="cpu") for k, v in theirs.items()}, **metrics}
+            connector._progress_bar_metrics.update(theirs["pbar"])
+            metrics = {**{k: torch.tensor(v, dtype=torch.float64, device="cpu") for k, v in theirs["log"].items()},
+                       **metrics}
         return original(metrics, step)
 
     connector._hetermoe_original_log_metrics = original
