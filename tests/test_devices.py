@@ -14,7 +14,8 @@ from lightning_hetermoe.cluster import (
     spec_from_properties,
 )
 
-REQUIRED = ["h200", "h100", "a100", "l40s", "a40", "a10g", "rtx4090", "v100", "t4", "mi250x", "cpu"]
+REQUIRED = ["b200", "h200", "h100", "a100", "a100_40gb", "l40s", "rtx6000_ada", "a40", "rtx_a6000", "a10", "a10g",
+            "l4", "rtx4090", "v100", "t4", "mi300x", "mi250x", "cpu"]
 
 
 def test_registry_has_the_required_devices_with_sane_datasheet_order():
@@ -27,6 +28,17 @@ def test_registry_has_the_required_devices_with_sane_datasheet_order():
     assert get_device("a40").flash_attention and not get_device("v100").flash_attention
     assert not get_device("t4").flash_attention and get_device("l40s").flash_attention
     assert get_device("h200").memory_gb > get_device("h100").memory_gb
+    assert get_device("b200").fp16_tflops > get_device("h100").fp16_tflops
+    assert get_device("mi300x").fp16_tflops > get_device("mi250x").fp16_tflops
+    assert get_device("mi300x").vendor == get_device("mi250x").vendor == "amd"
+    # the same chips: the same compute, other memory
+    assert get_device("a100_40gb").fp16_tflops == get_device("a100").fp16_tflops
+    assert get_device("a100_40gb").memory_gb < get_device("a100").memory_gb
+    assert get_device("rtx6000_ada").fp16_tflops == pytest.approx(get_device("l40s").fp16_tflops, rel=0.01)
+    assert get_device("rtx_a6000").fp16_tflops == pytest.approx(get_device("a40").fp16_tflops, rel=0.05)
+    # the T4's successor: faster, with bf16 and FlashAttention; the A10G is AWS's slower A10
+    assert get_device("l4").fp16_tflops > get_device("t4").fp16_tflops and get_device("l4").has_bf16
+    assert get_device("l4").flash_attention and get_device("a10").fp16_tflops > get_device("a10g").fp16_tflops
 
 
 def test_lookup_is_case_insensitive_and_unknown_names_list_known_ones():
@@ -86,7 +98,17 @@ def test_register_device_refuses_silent_replacement():
         ("NVIDIA A100-SXM4-80GB", "a100"),
         ("NVIDIA GeForce RTX 4090", "rtx4090"),
         ("NVIDIA A10G", "a10g"),
+        ("NVIDIA A10", "a10"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA A100-SXM4-40GB", "a100_40gb"),
+        ("NVIDIA A100-PCIE-40GB", "a100_40gb"),
+        ("NVIDIA A100 80GB PCIe", "a100"),
+        ("NVIDIA RTX A6000", "rtx_a6000"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx6000_ada"),
+        ("NVIDIA B200", "b200"),
+        ("AMD Instinct MI300X", "mi300x"),
         ("Quadro RTX 6000", None),
+        ("NVIDIA L40", None),
     ],
 )
 def test_cuda_names_map_to_registry(cuda_name, key):

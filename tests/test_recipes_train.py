@@ -149,8 +149,8 @@ def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tm
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == ["[hetermoe] config error: cluster.devices[1]='foo' is invalid: unknown device 'foo'; known "
-                     "devices: a100, a10g, a40, cpu, h100, h200, l40s, mi250x, rtx4090, t4, v100 (define others "
-                     "under cluster.custom_devices)"], proc.stderr
+                     "devices: a10, a100, a100_40gb, a10g, a40, b200, cpu, h100, h200, l4, l40s, mi250x, mi300x, "
+                     "rtx4090, rtx6000_ada, rtx_a6000, t4, v100 (define others under cluster.custom_devices)"], proc.stderr
     assert "Initializing distributed" not in proc.stderr + proc.stdout
 
 

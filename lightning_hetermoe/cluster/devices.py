@@ -128,29 +128,47 @@ def _spec(name, mem, tflops, bw, flash, cc, gemm, attn, fp32=0.0, tf32=0.0, **kw
 
 
 # Datasheet peaks (dense fp16/bf16 tensor, fp32 on CUDA cores, dense TF32 tensor; no
-# sparsity). Efficiencies: A40, V100, L40S and T4 are fitted to the paper's measured ratios
-# (cost_model.py explains the fit); the others use typical published cuBLAS /
-# FlashAttention-2 utilisation for their generation. The same efficiency is applied to the
-# fp32 and TF32 peaks (an approximation: measure a Profile where it matters).
+# sparsity: half the "with sparsity" figures vendors headline). Efficiencies: A40, V100,
+# L40S and T4 are fitted to the paper's measured ratios (cost_model.py explains the fit);
+# the others use typical published cuBLAS / FlashAttention-2 utilisation for their
+# generation, and a device on the same chip as a fitted one (RTX A6000 and A40, RTX 6000
+# Ada and L40S) takes its fit. The same efficiency is applied to the fp32 and TF32 peaks
+# (an approximation: measure a Profile where it matters).
 _BUILTIN: tuple[DeviceSpec, ...] = (
+    # B200 (HGX, 1000 W): 180 GB HBM3e usable, 2250 TFLOPS, 8 TB/s; fp32 75, TF32 1100.
+    _spec("b200", 180, 2250.0, 8000, True, (10, 0), 0.70, 0.55, fp32=75.0, tf32=1100.0),
     # H200 SXM: 141 GB HBM3e, 989 TFLOPS, 4.8 TB/s; fp32 67, TF32 495.
     _spec("h200", 141, 989.0, 4800, True, (9, 0), 0.70, 0.55, fp32=67.0, tf32=494.7),
     # H100 SXM: 80 GB HBM3, 989 TFLOPS, 3.35 TB/s; fp32 67, TF32 495.
     _spec("h100", 80, 989.0, 3350, True, (9, 0), 0.70, 0.55, fp32=67.0, tf32=494.7),
     # A100 SXM 80 GB: 312 TFLOPS, 2.04 TB/s; fp32 19.5, TF32 156.
     _spec("a100", 80, 312.0, 2039, True, (8, 0), 0.75, 0.60, fp32=19.5, tf32=156.0),
+    # A100 40 GB: the same chip with 40 GB HBM2 at 1.56 TB/s.
+    _spec("a100_40gb", 40, 312.0, 1555, True, (8, 0), 0.75, 0.60, fp32=19.5, tf32=156.0),
     # L40S: 48 GB GDDR6, 362 TFLOPS (fp32 accumulate), 864 GB/s; fp32 91.6, TF32 183.
     _spec("l40s", 48, 362.0, 864, True, (8, 9), 0.70, 0.55, fp32=91.6, tf32=183.0),
     # A40: 48 GB GDDR6, 149.7 TFLOPS, 696 GB/s; 300 W cap keeps clocks low; fp32 37.4, TF32 74.8.
     _spec("a40", 48, 149.7, 696, True, (8, 6), 0.68, 0.55, fp32=37.4, tf32=74.8),
+    # RTX A6000: the A40's GA102 with active cooling: 48 GB GDDR6, 154.8 TFLOPS, 768 GB/s; fp32 38.7, TF32 77.4.
+    _spec("rtx_a6000", 48, 154.8, 768, True, (8, 6), 0.68, 0.55, fp32=38.7, tf32=77.4),
+    # RTX 6000 Ada: the L40S's AD102: 48 GB GDDR6, 364 TFLOPS (fp32 accumulate), 960 GB/s; fp32 91.1, TF32 182.
+    _spec("rtx6000_ada", 48, 364.2, 960, True, (8, 9), 0.70, 0.55, fp32=91.1, tf32=182.1),
+    # A10: 24 GB GDDR6, 125 TFLOPS, 600 GB/s, 150 W; fp32 31.2, TF32 62.5.
+    _spec("a10", 24, 125.0, 600, True, (8, 6), 0.70, 0.55, fp32=31.2, tf32=62.5),
     # A10G (AWS): 24 GB GDDR6, ~70 TFLOPS dense fp16 tensor, 600 GB/s; fp32 31.2, TF32 35.
     _spec("a10g", 24, 70.0, 600, True, (8, 6), 0.70, 0.55, fp32=31.2, tf32=35.0),
+    # L4: 24 GB GDDR6, 121 TFLOPS, 300 GB/s; fp32 30.3, TF32 60. A 72 W card: like the T4 (70 W)
+    # its clocks sit far below boost under load, so its efficiencies are the T4's fit, a little
+    # higher for Ada's tensor cores (an assumption: profile it).
+    _spec("l4", 24, 121.0, 300, True, (8, 9), 0.50, 0.45, fp32=30.3, tf32=60.0),
     # RTX 4090: 24 GB GDDR6X, 165 TFLOPS (fp32 accumulate), 1008 GB/s; fp32 82.6, TF32 82.6.
     _spec("rtx4090", 24, 165.2, 1008, True, (8, 9), 0.70, 0.55, fp32=82.6, tf32=82.6),
     # V100 SXM2 32 GB: 125 TFLOPS, 900 GB/s; fp32 15.7, no TF32, no bf16. No FlashAttention-2 (needs sm80).
     _spec("v100", 32, 125.0, 900, False, (7, 0), 0.60, 0.34, fp32=15.7),
     # T4: 16 GB GDDR6, 65 TFLOPS, 320 GB/s; fp32 8.1, no TF32, no bf16; 70 W cap, clocks far below boost.
     _spec("t4", 16, 65.0, 320, False, (7, 5), 0.46, 0.42, fp32=8.1),
+    # MI300X: 192 GB HBM3, 1307 TFLOPS, 5.3 TB/s; fp32 163.4 (vector), TF32 653.7 (matrix).
+    _spec("mi300x", 192, 1307.4, 5300, True, (0, 0), 0.55, 0.40, fp32=163.4, tf32=653.7, vendor="amd"),
     # MI250X (both GCDs): 128 GB HBM2e, 383 TFLOPS, 3.28 TB/s; fp32 47.9 (vector); CK flash attention.
     _spec("mi250x", 128, 383.0, 3277, True, (0, 0), 0.55, 0.40, fp32=47.9, vendor="amd"),
     # Plain CPU process (tests, emulation hosts): a few hundred GFLOP/s at best, fp16 no faster.
@@ -227,15 +245,22 @@ def get_device(name: str, custom: Mapping[str, Any] | None = None) -> DeviceSpec
 
 # Marketing names as CUDA reports them ("NVIDIA A40", "Tesla V100-SXM2-32GB", ...).
 _NAME_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"b200", "b200"),
     (r"h200", "h200"),
     (r"h100", "h100"),
+    (r"a100.*\b40\s*gb", "a100_40gb"),
     (r"a100", "a100"),
     (r"l40s", "l40s"),
+    (r"rtx a6000", "rtx_a6000"),
+    (r"rtx 6000 ada", "rtx6000_ada"),
     (r"\ba40\b|a40", "a40"),
     (r"a10g", "a10g"),
+    (r"\ba10\b", "a10"),
+    (r"\bl4\b", "l4"),
     (r"4090", "rtx4090"),
     (r"v100", "v100"),
     (r"\bt4\b|tesla t4", "t4"),
+    (r"mi300x", "mi300x"),
     (r"mi250", "mi250x"),
 )
 
