@@ -88,11 +88,20 @@ def test_nodes_found_from_hostnames_with_each_nodes_link_from_its_gpus():
                                [(7, 0)] * 2 + [(8, 6)] * 2)
     assert topo.node_of == (0, 0, 1, 1) and topo.names == ("h1", "h0")
     assert [x.kind for x in topo.links] == ["nvlink2", "pcie4"] and topo.network.kind == "ethernet100"
-    one = topology_from_hosts(["h"] * 3, ["NVIDIA H100 80GB HBM3"] * 3, [(9, 0)] * 3)
+    one = topology_from_hosts(["h"] * 3, ["NVIDIA H100 PCIe"] * 3, [(9, 0)] * 3)
     assert one.num_nodes == 1 and one.network is None and one.links[0].kind == "pcie5"
     assert intra_link_kind("NVIDIA H100 SXM5 80GB", (9, 0)) == "nvlink4"
     assert intra_link_kind("NVIDIA A100-SXM4-40GB", (8, 0)) == "nvlink3"
+    assert intra_link_kind("NVIDIA A100 80GB PCIe", (8, 0)) == "pcie4"
     assert intra_link_kind("Tesla T4", (7, 5)) == "pcie3"
+    # the names the drivers report for boards that say no "SXM"
+    assert intra_link_kind("NVIDIA H100 80GB HBM3", (9, 0)) == "nvlink4"  # H100 SXM5
+    assert intra_link_kind("NVIDIA H100 NVL", (9, 0)) == "pcie5"
+    assert intra_link_kind("NVIDIA H200", (9, 0)) == "nvlink4"
+    assert intra_link_kind("NVIDIA H200 NVL", (9, 0)) == "pcie5"
+    assert intra_link_kind("NVIDIA GH200 480GB", (9, 0)) == "pcie5"
+    assert intra_link_kind("NVIDIA B200", (10, 0)) == "nvlink5"
+    assert intra_link_kind("AMD Instinct MI300X", (9, 4)) == "xgmi3"
 
 
 # ---- pricing ---------------------------------------------------------------------------------

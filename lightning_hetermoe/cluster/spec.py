@@ -16,6 +16,8 @@ KNOWN_LINKS: dict[str, tuple[float, float]] = {
     "nvlink2": (1200.0, 2.0),   # V100 SXM2: 6 links x 25 GB/s each way
     "nvlink3": (2400.0, 2.0),   # A100: 12 links x 25 GB/s
     "nvlink4": (3600.0, 2.0),   # H100: 18 links x 25 GB/s
+    "nvlink5": (7200.0, 2.0),   # B200: 18 links x 50 GB/s
+    "xgmi3": (3584.0, 2.0),     # MI300X: a 64 GB/s Infinity Fabric link to each of 7 peers
     "pcie3": (126.0, 5.0),      # x16, 15.75 GB/s
     "pcie4": (252.0, 5.0),      # x16, 31.5 GB/s
     "pcie5": (504.0, 5.0),      # x16, 63 GB/s

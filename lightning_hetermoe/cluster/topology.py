@@ -9,6 +9,7 @@ NICs together) and is shared by every GPU of the node that sends off the node at
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -139,11 +140,20 @@ def as_topology(link_or_topology: LinkConfig | Topology | None, world_size: int)
 
 
 def intra_link_kind(device_name: str, compute_capability: tuple[int, int]) -> str:
-    """A node's link guessed from its GPUs' marketing name: SXM boards talk over their
-    generation's NVLink, PCIe cards over their generation's PCIe."""
+    """A node's link guessed from its GPUs' name as the driver reports it: SXM boards talk
+    over their generation's NVLink, PCIe cards over their generation's PCIe. Hopper's SXM
+    parts do not say "SXM": the H100 SXM5 reports "H100 80GB HBM3" (the PCIe card "H100
+    PCIe", the bridged pair "H100 NVL"), the H200 SXM plain "H200" (the PCIe card "H200
+    NVL"); Blackwell's B200 comes only on NVLink boards, the MI300X only on Infinity Fabric
+    ones (ROCm reports its gfx version as the capability, so the name decides)."""
     name = device_name.upper()
     major = compute_capability[0]
-    if "SXM" in name or "DGX" in name or "HGX" in name:
+    if "MI300" in name:
+        return "xgmi3"
+    if re.search(r"\bB[12]00\b", name):
+        return "nvlink5"
+    hopper_sxm = ("H100" in name and "HBM3" in name) or (re.search(r"\bH200\b", name) and "NVL" not in name)
+    if "SXM" in name or "DGX" in name or "HGX" in name or hopper_sxm:
         return "nvlink4" if major >= 9 else "nvlink3" if major >= 8 else "nvlink2"
     return "pcie5" if major >= 9 else "pcie4" if major >= 8 else "pcie3"
 
