@@ -114,6 +114,7 @@ class _State:
     recording: list[Call] | None = None
     issued: int = 0  # collectives this process issued (the progress watchdog reads it)
     waiting: str | None = None  # the collective this process is blocked in, if any
+    together: dict[str, int] = field(default_factory=dict)  # agreements through the store, per group
     stream: Any = None  # the communication stream (CUDA)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -620,6 +621,33 @@ def host_barrier(group: Group, *, what: str) -> None:
     pg = _check(group, HOST, what)
     _note(group, HOST, "barrier", what, None)
     dist.barrier(group=pg)
+
+
+def arrive_together(group: Group, timeout_s: float) -> list[int]:
+    """Every member of ``group`` says, through the job's store, that it reached this point
+    (its next agreement on ``group``: the members must call this equally often); returns
+    the global ranks that had not within ``timeout_s`` (empty: every member did). Not a
+    collective: one that some members never issue would pair with whatever they issue next
+    on the group (an all-to-all of the next training step, exchanging rows that belong to
+    nothing) instead of failing. Once every member has arrived, the keys of the agreement
+    before are removed: every member has passed it."""
+    from datetime import timedelta
+
+    store = dist.distributed_c10d._get_default_store()
+    base = f"hetermoe/together/{'-'.join(map(str, group.ranks))}"
+    count = _state.together[base] = _state.together.get(base, 0) + 1
+    here, me = f"{base}/{count}", dist.get_rank()
+    store.set(f"{here}/{me}", "1")
+    if store.add(here, 1) == group.size:
+        store.set(f"{here}/all", "1")
+    try:
+        store.wait([f"{here}/all"], timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError):  # the store's timeout
+        return [r for r in group.ranks if not store.check([f"{here}/{r}"])]
+    if count > 1 and me == group.ranks[0]:
+        for suffix in ("", "/all", *(f"/{r}" for r in group.ranks)):
+            store.delete_key(f"{base}/{count - 1}{suffix}")
+    return []
 
 
 # -- what travels ---------------------------------------------------------------------

@@ -73,3 +73,18 @@ class SleepInExperts(KillInExperts):
         import time
 
         time.sleep(600)
+
+
+class ForwardOnOneRank(KillRankAt):
+    """Rank ``rank`` runs the model on a few tokens after batch ``step`` and no other rank
+    does: a sample generated under ``if trainer.is_global_zero:`` (or another rank's test)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import torch
+
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.model(batch[0][:1, :8])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pass

@@ -495,3 +495,54 @@ def test_the_loggers_write_the_training_curves_and_the_bar_draws_the_loss_where_
         assert bar["bar"][0] is None and bar["bar"][1:] == pytest.approx(attended[:-1], rel=1e-6), (name, bar)
         assert bar["bar_after_fit"] == pytest.approx(attended[-1], rel=1e-6), name
         assert bar["gathers"] == got[1][name]["gathers"] >= 3, name
+
+
+class Sample(L.Callback):
+    """The model's logits on fixed tokens, run on every rank at the end of each validation
+    epoch: outside the Trainer's steps (a sample for the logs, as people generate them)."""
+
+    def __init__(self) -> None:
+        self.logits: list[torch.Tensor] = []
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        with torch.no_grad():
+            self.logits.append(pl_module.model(TOKENS.to(pl_module.device))[0].float().cpu())
+
+
+TOKENS = torch.arange(12).reshape(2, 6) * 7 % 97
+
+
+def sampled_outside_a_step(rank: int, world: int) -> dict:
+    from lightning_hetermoe import comm
+
+    out = {}
+    for mode in ("ep", "datacentric"):
+        model = make_model(4, seed=rank, optim=OptimConfig())
+        sample = Sample()
+        t = trainer(HeterMoEStrategy(mode=mode), world, max_steps=2, callbacks=[sample], limit_val_batches=1,
+                    val_check_interval=2)
+        with comm.record() as calls:
+            t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        model.eval()
+        with torch.no_grad():  # after fit the model is whole again, the same weights
+            whole = model.model(TOKENS)[0].float()
+        out[mode] = {"sampled": sample.logits, "whole": whole,
+                     "exchanged": sum(c.what.startswith(("ep.", "datacentric.")) for c in calls)}
+    return out
+
+
+@pytest.mark.slow
+def test_the_model_runs_in_a_callback_on_every_rank_outside_the_steps():
+    """A forward outside the steps that every rank runs (a callback without a rank guard)
+    passes the check that it runs everywhere (the store's agreement before each MoE layer's
+    exchange) and gives every rank the whole model's logits: the same as the model after
+    fit, gathered whole, on the same tokens."""
+    got = run_ranks(2, sampled_outside_a_step, 2, timeout=180)
+    for mode in ("ep", "datacentric"):
+        for rank in range(2):
+            (sampled,) = got[rank][mode]["sampled"]
+            torch.testing.assert_close(sampled, got[rank][mode]["whole"], rtol=1e-5, atol=1e-5, msg=mode)
+            assert got[rank][mode]["exchanged"] > 0, mode
+        torch.testing.assert_close(got[0][mode]["sampled"][0], got[1][mode]["sampled"][0], msg=mode)

@@ -43,7 +43,7 @@ from ..placement import Placement
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
-from .backends.base import ParallelBackend
+from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend
 from .expert_state import ExpertState
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
@@ -251,6 +251,7 @@ class HeterMoEStrategy(DDPStrategy):
             from .selection import dense_backend, select_backend
 
             self.backend = dense_backend(self) or select_backend(self, trainer)
+            self.backend.outside_step_timeout_s = self._outside_step_timeout_s
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
         self._share_callback_metrics(trainer)
         sync_metrics_over(self.lightning_module, self.backend.metrics_group(None))
@@ -491,26 +492,30 @@ class HeterMoEStrategy(DDPStrategy):
         self.clock.step_started(self.root_device)
         if self.progress is not None:
             self.progress.started(self.lightning_module.trainer.global_step)
-        return self.backend.step(self.lightning_module, "training_step", super().training_step,
-                                 self.precision_plugin, args, kwargs)
+        with self.backend.stepping():
+            return self.backend.step(self.lightning_module, "training_step", super().training_step,
+                                     self.precision_plugin, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pause_progress()
-        return self.backend.step(self.lightning_module, "validation_step", super().validation_step,
-                                 self.precision_plugin, args, kwargs)
+        with self.backend.stepping():
+            return self.backend.step(self.lightning_module, "validation_step", super().validation_step,
+                                     self.precision_plugin, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pause_progress()
-        return self.backend.step(self.lightning_module, "test_step", super().test_step,
-                                 self.precision_plugin, args, kwargs)
+        with self.backend.stepping():
+            return self.backend.step(self.lightning_module, "test_step", super().test_step,
+                                     self.precision_plugin, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pause_progress()
-        return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
-                                 self.precision_plugin, args, kwargs)
+        with self.backend.stepping():
+            return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
+                                     self.precision_plugin, args, kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -565,7 +570,8 @@ class HeterMoEStrategy(DDPStrategy):
         def default(loss: torch.Tensor) -> torch.Tensor:
             return super(HeterMoEStrategy, self).backward(loss, optimizer, *args, **kwargs)
 
-        return self.backend.backward(closure_loss, default, self.precision_plugin, self.lightning_module)
+        with self.backend.stepping():
+            return self.backend.backward(closure_loss, default, self.precision_plugin, self.lightning_module)
 
     @override
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -626,6 +632,14 @@ class HeterMoEStrategy(DDPStrategy):
     def _pause_progress(self) -> None:
         if self.progress is not None:
             self.progress.pause()
+
+    def _outside_step_timeout_s(self) -> float:
+        """How long an MoE layer run outside a step waits for the other ranks (see
+        ``ParallelBackend.guard_outside_step``): a step's bound, as the progress watchdog
+        sets it, or the backend's default where the watchdog is off."""
+        if self.progress is None:
+            return OUTSIDE_STEP_TIMEOUT_S
+        return self.progress.bound_s() or self.progress.floor_s
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         # every rank that routes tokens holds part of the global batch; the others add zeros

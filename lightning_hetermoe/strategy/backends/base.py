@@ -23,9 +23,10 @@ writes checkpoints, and its own busy time.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -78,8 +79,20 @@ class Simulated:
     replica_dispatch: str = "local_first"  # EP: which copy of a replicated expert serves a token
 
 
+# How long an MoE layer run outside any step waits for the other ranks to run it too, where
+# the strategy sets no bound of its own (its progress bound: see HeterMoEStrategy)
+OUTSIDE_STEP_TIMEOUT_S = 300.0
+
+
+class OutsideStepError(RuntimeError):
+    """The model ran outside the Trainer's steps on some ranks only (it would have hung)."""
+
+
 class ParallelBackend(ABC):
     schedule: str = ""  # the simulator's name for what this backend runs
+    # the seconds guard_outside_step waits (the strategy sets it from its progress bound)
+    outside_step_timeout_s: Callable[[], float] = staticmethod(lambda: OUTSIDE_STEP_TIMEOUT_S)
+    _stepping = 0  # steps (and their backwards) under way on this rank
     # whether a step takes its batch on the host (it gathers the global batch there and moves
     # the rows it computes to the device): see HeterMoEStrategy.batch_to_device
     batch_on_host: bool = False
@@ -135,6 +148,38 @@ class ParallelBackend(ABC):
         """The :class:`~lightning_hetermoe.comm.Group` of the ranks holding this rank's
         dense weights alike (``None``: this rank holds none, or holds them alone)."""
         return None
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around each of Lightning's steps and backwards (the strategy's): what runs inside
+        runs on every rank in step."""
+        self._stepping += 1
+        try:
+            yield
+        finally:
+            self._stepping -= 1
+
+    def guard_outside_step(self, group: Any, layer: int) -> None:
+        """Before MoE layer ``layer``'s first collective on ``group``: inside a step, nothing.
+        Outside one (a callback, a hook, the user's own code), the model may have been run on
+        some ranks only, an ``if trainer.is_global_zero:`` around a sample generation: its
+        exchange would wait forever for ranks that never come, or pair with their next
+        step's and train on rows that belong to nothing. So every member first says it got
+        here, through the job's store, within :attr:`outside_step_timeout_s`; a member that
+        did not is named in an :class:`OutsideStepError` (and the job ends, as for any rank
+        that raises)."""
+        if self._stepping or inside_backward():
+            return
+        timeout = self.outside_step_timeout_s()
+        missing = comm.arrive_together(group, timeout)
+        if missing:
+            raise OutsideStepError(
+                f"rank {comm.world().rank} ran MoE layer {layer} outside the Trainer's steps (a callback or hook, "
+                f"not training_step/validation_step/test_step/predict_step), and rank(s) "
+                f"{', '.join(map(str, missing))} did not run it within {timeout:.0f} s. Each rank holds other "
+                f"experts, so outside a step the model runs only where every rank runs it at once: call it on every "
+                f"rank (drop an `if trainer.is_global_zero:` around it; print or log on rank 0 only), or after fit, "
+                f"when a model built whole is whole again on every rank")
 
     def check_user_collective(self, what: str) -> None:
         """Before a collective the user's code issues (``self.all_gather``): raises where it

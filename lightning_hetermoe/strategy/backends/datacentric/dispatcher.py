@@ -56,6 +56,7 @@ class DataCentricDispatcher:
             fulls = self.weights(names, parts)
             return functional_call(experts, dict(zip(names, fulls, strict=True)), (x, sc.token, sc.counts))
 
+        self.backend.guard_outside_step(self.backend.group, self.layer)
         if not inside_backward():
             # no-op when the previous layer already issued it; a checkpointed block runs this
             # again inside its backward, where a gather issued ahead would only be waited out

@@ -10,6 +10,8 @@ placement-independent state.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import torch
@@ -67,6 +69,7 @@ class ExpertParallelBackend(DenseDDPBackend):
             for l, layer in enumerate(self._layers):
                 layer.dispatcher = AllToAllDispatcher(self.groups.ep_group, held.layer(l), self.replica_dispatch,
                                                       self._nodes())
+                layer.dispatcher.guard = functools.partial(self.guard_outside_step, self.groups.ep_group, l)
                 layer.balance = GlobalBalance(GlobalBalanceCounts())
                 layer.real_tokens = self.real_tokens
             self._sharded = bool(self._layers)

@@ -16,6 +16,8 @@ the count exchange.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -53,6 +55,9 @@ class AllToAllDispatcher:
         self.rank = group.rank
         self.size = group.size
         self.rule, self.nodes = rule, nodes
+        # called before the layer's first collective (the backend's check that a forward
+        # outside a step runs on every rank); None: none
+        self.guard: Callable[[], None] | None = None
         self.set_placement(placement)
 
     def set_placement(self, placement: list[list[int]], routes: list | None = None) -> None:
@@ -106,6 +111,8 @@ class AllToAllDispatcher:
         return _AllToAll.apply(x, send_splits, recv_splits, self.group)
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
+        if self.guard is not None:
+            self.guard()
         keep = keep_mask(indices, keep)  # the split sizes are read on the host either way
         mine = self.experts_per_rank[self.rank]
         if experts.num_local_experts != mine:
