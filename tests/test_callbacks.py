@@ -325,7 +325,15 @@ def test_the_logged_gradient_norm_is_one_process_s_in_every_mode():
                       pieces=pieces(plan, mode) if plan is not None else None)
         want = stats["grad_norms"]
         assert len(mine["norms"]) == 4 and min(want) > NORM_CLIP, (name, mine["norms"], want)
-        assert mine["norms"] == pytest.approx(want, rel=2e-3 if extra.get("fp16") else 1e-5), (name, mine["norms"], want)
+        if extra.get("fp16"):
+            # the first step's parameters are one process's: only the rounding of the partial
+            # gradients differs; after it the fp16 runs drift apart as their parameters do (on
+            # an AVX-512 EPYC the fourth step's norm lay 4.6e-3 from one process's). What fp16
+            # adds here is the scale, 1024x if left on; the sum over ranks is the fp32 cases'
+            assert mine["norms"][0] == pytest.approx(want[0], rel=2e-3), (name, mine["norms"], want)
+            assert mine["norms"] == pytest.approx(want, rel=1e-2), (name, mine["norms"], want)
+        else:
+            assert mine["norms"] == pytest.approx(want, rel=1e-5), (name, mine["norms"], want)
         if mode != "zebra" and mode != "distep":  # expert ranks log nothing under zebra: rank 1 is one there
             assert other["norms"] == pytest.approx(mine["norms"], rel=1e-6), name
         if extra.get("fp16"):
@@ -546,3 +554,29 @@ def test_the_model_runs_in_a_callback_on_every_rank_outside_the_steps():
             torch.testing.assert_close(sampled, got[rank][mode]["whole"], rtol=1e-5, atol=1e-5, msg=mode)
             assert got[rank][mode]["exchanged"] > 0, mode
         torch.testing.assert_close(got[0][mode]["sampled"][0], got[1][mode]["sampled"][0], msg=mode)
+
+
+def sampled_on_one_rank(rank: int, world: int, mode: str, alone: int) -> None:
+    from faults import ForwardOnOneRank
+
+    model = make_model(4, seed=rank, optim=OptimConfig())
+    t = trainer(HeterMoEStrategy(mode=mode, progress_timeout_s=3), world, max_steps=4,
+                callbacks=[ForwardOnOneRank(rank=alone, step=2)])
+    t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,alone", [("ep", 0), ("datacentric", 1)])
+def test_the_model_run_outside_a_step_on_one_rank_fails_naming_the_others(mode, alone):
+    """A callback runs the model on one rank only (a sample under ``if trainer.is_global_zero:``).
+    Its MoE layer's exchange waited forever for the other rank, or paired with that rank's
+    next step's and exchanged rows of nothing (both ran past 120 s in the main job before);
+    now every rank first says it got there, through the store, within the step's bound
+    (``progress_timeout_s=3`` here), and the rank that ran it alone raises, naming the
+    ranks that did not and how to run it (the job then ends as for any rank that raises)."""
+    with pytest.raises(RuntimeError) as err:
+        run_ranks(2, sampled_on_one_rank, 2, mode, alone, timeout=90)
+    text = str(err.value)
+    assert (f"OutsideStepError: rank {alone} ran MoE layer 0 outside the Trainer's steps") in text, text[-3000:]
+    assert f"rank(s) {1 - alone} did not run it within 3 s" in text
+    assert "drop an `if trainer.is_global_zero:` around it" in text
