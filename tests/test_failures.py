@@ -113,4 +113,3 @@ def test_a_rank_alive_but_stuck_in_a_step_is_named_and_the_job_ends(tmp_path, mo
     assert "rank 0 (" in proc.stderr and "waiting in " in proc.stderr  # the report says what the peer does
     assert wall < 60, f"the job took {wall:.0f} s to end after rank 1 got stuck"
 
-

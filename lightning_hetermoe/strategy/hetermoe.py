@@ -492,30 +492,27 @@ class HeterMoEStrategy(DDPStrategy):
         self.clock.step_started(self.root_device)
         if self.progress is not None:
             self.progress.started(self.lightning_module.trainer.global_step)
-        with self.backend.stepping():
-            return self.backend.step(self.lightning_module, "training_step", super().training_step,
-                                     self.precision_plugin, args, kwargs)
+        return self._step("training_step", super().training_step, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pause_progress()
-        with self.backend.stepping():
-            return self.backend.step(self.lightning_module, "validation_step", super().validation_step,
-                                     self.precision_plugin, args, kwargs)
+        return self._step("validation_step", super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pause_progress()
-        with self.backend.stepping():
-            return self.backend.step(self.lightning_module, "test_step", super().test_step,
-                                     self.precision_plugin, args, kwargs)
+        return self._step("test_step", super().test_step, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pause_progress()
+        return self._step("predict_step", super().predict_step, args, kwargs)
+
+    def _step(self, hook: str, default: Any, args: tuple, kwargs: dict) -> Any:
+        # inside: every rank runs it in step (the backend's check outside steps stays quiet)
         with self.backend.stepping():
-            return self.backend.step(self.lightning_module, "predict_step", super().predict_step,
-                                     self.precision_plugin, args, kwargs)
+            return self.backend.step(self.lightning_module, hook, default, self.precision_plugin, args, kwargs)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

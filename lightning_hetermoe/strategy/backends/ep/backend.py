@@ -11,7 +11,6 @@ placement-independent state.
 from __future__ import annotations
 
 import functools
-
 from typing import Any
 
 import torch
