@@ -60,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from lightning_hetermoe.kernels import tiles, tuning, warm_up
     from lightning_hetermoe.kernels.availability import tf32_enabled, triton_runs_dtype
+    from lightning_hetermoe.kernels.measured import device_kind
 
     device = torch.device("cuda", torch.cuda.current_device())
     capability = tuple(torch.cuda.get_device_capability(device))
     smem = tuning.device_smem(device)
-    kind = tuning.kind_of(capability)
+    kind = device_kind(device)  # the tile table's key: on ROCm not the capability's NVIDIA name
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["4096,14336,8", "2048,768,128"])]
     buckets = args.bucket or tuning.tuning_buckets()
     entries = {}

@@ -120,6 +120,14 @@ def triton_available(device: torch.device | str) -> bool:
 TENSOR_CORE_CAPABILITY = (8, 0)
 
 
+def on_rocm() -> bool:
+    """Whether torch's ``cuda`` devices are AMD GPUs (a ROCm build of torch). Their "compute
+    capability" is the gfx version (MI250X's gfx90a reads (9, 0), MI300X's gfx942 (9, 4)), so
+    every capability test written for NVIDIA's generations would take an MI250X for an H100:
+    its measured backend, its tile table, TMA and a sync-free ``torch._grouped_mm``."""
+    return getattr(torch.version, "hip", None) is not None
+
+
 def triton_uses_tensor_cores(device: torch.device | str) -> bool:
     """Whether the Triton kernels' dots run on tensor cores on ``device`` (CUDA, sm80+)."""
     device = torch.device(device)
@@ -193,5 +201,7 @@ def triton_runs_dtype(dtype: torch.dtype, device_type: str, capability: tuple[in
 def grouped_mm_sync_free(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
     """Whether ``torch._grouped_mm`` runs ``dtype`` on CUDA without a host sync: its CUTLASS
     kernel takes bf16 on sm90/sm100 only; every other dtype or GPU takes its fallback, one
-    ``mm`` per group after copying the offsets to the host (a sync per GEMM)."""
-    return dtype == torch.bfloat16 and capability is not None and int(capability[0]) in (9, 10)
+    ``mm`` per group after copying the offsets to the host (a sync per GEMM). Not claimed on
+    ROCm, whose gfx9 parts report capability 9.x: nothing here has timed torch's path there."""
+    return (dtype == torch.bfloat16 and capability is not None and int(capability[0]) in (9, 10)
+            and not on_rocm())

@@ -63,14 +63,17 @@ def autotuner(fn, which: str, capability: tuple[int, int], dtype: torch.dtype, s
 
 
 @functools.cache
-def _device(index: int) -> tuple[tuple[int, int], int | None]:
+def _device(index: int) -> tuple[tuple[int, int], int | None, str]:
+    """(capability, shared memory per block, kind) of a GPU: the kind keys the tile tables."""
+    from .measured import device_kind
+
     dev = torch.device("cuda", index)
-    return tuple(torch.cuda.get_device_capability(dev)), tuning.device_smem(dev)
+    return tuple(torch.cuda.get_device_capability(dev)), tuning.device_smem(dev), device_kind(dev)
 
 
 @functools.cache
-def _tile(capability: tuple[int, int], dtype: torch.dtype, which: str, bucket: int, smem: int | None):
-    return tuning.tile_for(capability, dtype, which, bucket, smem)
+def _tile(capability: tuple[int, int], dtype: torch.dtype, which: str, bucket: int, smem: int | None, kind: str):
+    return tuning.tile_for(capability, dtype, which, bucket, smem, kind=kind)
 
 
 def _one_config(fn, device: torch.device, on_cuda: dict, interpreted: dict | None = None):
@@ -86,10 +89,10 @@ def _kernel(fn, which: str, device: torch.device, dtype: torch.dtype, bucket: in
     kernel with one config's blocks and launch options, or the autotuner when asked for."""
     if device.type != "cuda":
         return _interpreted(fn), tuning.with_group(dict(tuning.INTERPRET_BLOCKS))
-    capability, smem = _device(device.index if device.index is not None else torch.cuda.current_device())
+    capability, smem, kind = _device(device.index if device.index is not None else torch.cuda.current_device())
     if tuning.autotune_enabled():
         return autotuner(fn, which, capability, dtype, smem), {}
-    return jitted(fn), tuning.with_group(_tile(capability, dtype, which, bucket, smem).launch_kwargs())
+    return jitted(fn), tuning.with_group(_tile(capability, dtype, which, bucket, smem, kind).launch_kwargs())
 
 
 # ---- TMA descriptors (tuning.tma_loads) ----------------------------------------------------

@@ -1,7 +1,7 @@
 """Which expert backend was fastest on each kind of device, as ``bench/kernels.py --write`` measured.
 
 The measurements ship in this package as ``measured.json``: an object keyed by device
-kind (:func:`device_kind`: ``"cpu"``, ``"cuda:sm80"``, ``"cuda:sm90"``, ...), each entry
+kind (:func:`device_kind`: ``"cpu"``, ``"cuda:sm80"``, ``"cuda:sm90"``, ``"rocm:gfx942"``, ...), each entry
 naming its fastest backend under ``"best"`` (``"torch"``, ``"grouped_mm"`` or
 ``"triton"``) with the cases and times that chose it. ``expert_backend="auto"`` reads it
 through :func:`measured_backend`; a kind with no entry, or whose backend cannot run in
@@ -27,9 +27,16 @@ _LOADED: list[dict[str, Any]] = []
 
 
 def device_kind(device: torch.device | str) -> str:
-    """``"cuda:sm<major><minor>"`` for a CUDA device, the device type otherwise."""
+    """``"cuda:sm<major><minor>"`` for an NVIDIA GPU, ``"rocm:<gfx arch>"`` for an AMD one
+    (``"rocm:gfx942"``: its capability would read as an NVIDIA kind, see
+    :func:`.availability.on_rocm`), the device type otherwise."""
+    from .availability import on_rocm
+
     device = torch.device(device)
     if device.type == "cuda":
+        if on_rocm():
+            arch = str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or "unknown")
+            return f"rocm:{arch.split(':')[0]}"  # without its feature flags (gfx942:sramecc+:xnack-)
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:sm{major}{minor}"
     return device.type

@@ -27,7 +27,7 @@ from typing import ContextManager
 import torch
 
 from . import tiles
-from .availability import Setting
+from .availability import Setting, on_rocm
 from .tiles import Tile
 
 # Below 256 rows every config is launch-bound; from 16K rows on, every candidate fills
@@ -102,9 +102,13 @@ def tma_loads(on: bool = True) -> ContextManager[None]:
     return _TMA(bool(on))
 
 
-def uses_tma(device_type: str, capability: tuple[int, int] | None) -> bool:
-    """Whether a launch on this device loads by descriptor (:func:`tma_loads`)."""
-    if not _TMA.value:
+def uses_tma(device_type: str, capability: tuple[int, int] | None, asked: bool | None = None) -> bool:
+    """Whether a launch on this device loads by descriptor when :func:`tma_loads` is on
+    (``asked``; default: its setting now): TMA is NVIDIA's copy engine, so never on ROCm,
+    whose gfx9 parts report capability 9.x."""
+    if not (_TMA.value if asked is None else asked):
+        return False
+    if device_type == "cuda" and on_rocm():
         return False
     return device_type != "cuda" or (capability is not None and tuple(capability) >= TMA_CAPABILITY)
 
@@ -227,12 +231,13 @@ def default_tile(capability: tuple[int, int], dtype: torch.dtype, kernel: str, b
 
 
 def tile_for(capability: tuple[int, int], dtype: torch.dtype, kernel: str, bucket: int, smem: int | None = None,
-             table: dict | None = None) -> Tile:
+             table: dict | None = None, kind: str | None = None) -> Tile:
     """The config a launch takes: the table's entry for this (kind, dtype, kernel, bucket)
-    if it has a valid one that fits the shared memory, else :func:`default_tile`."""
+    if it has a valid one that fits the shared memory, else :func:`default_tile`. ``kind``:
+    the device's (``measured.device_kind``; default: the NVIDIA kind of ``capability``)."""
     budget = smem if smem is not None else smem_budget(capability)
     name = DTYPE_NAMES.get(dtype)
-    entry = tiles.lookup(kind_of(capability), name, kernel, bucket, table) if name else None
+    entry = tiles.lookup(kind or kind_of(capability), name, kernel, bucket, table) if name else None
     elem = torch.empty(0, dtype=dtype).element_size()
     if entry is not None and entry.smem_bytes(kernel, elem) <= budget:
         return entry

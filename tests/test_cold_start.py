@@ -37,7 +37,7 @@ def autotune_follows_env(monkeypatch):
 def cuda_kernel(monkeypatch, which="gemm", dtype=torch.bfloat16, bucket=4096):
     from lightning_hetermoe.kernels import launch, triton_src
 
-    monkeypatch.setattr(launch, "_device", lambda index: ((9, 0), H100_SMEM))
+    monkeypatch.setattr(launch, "_device", lambda index: ((9, 0), H100_SMEM, "cuda:sm90"))
     fn = triton_src.grouped_gemm_kernel if which == "gemm" else triton_src.grouped_wgrad_kernel
     return launch._kernel(fn, which, torch.device("cuda", 0), dtype, bucket)
 
@@ -423,3 +423,36 @@ def test_warm_up_batches_hold_the_token_budget_in_disjoint_global_batches():
     assert split_routing([a, b, c]) == ([[0.5, 0.5]], [b, c])  # plan on the first half, predict on the rest
     assert split_routing([b]) == ([[1.0, 0.0]], [b])
     assert split_routing(None) == (None, None) and pooled_share([b, c]) == [[0.5, 0.5]]
+
+
+def test_a_tile_table_is_read_by_the_device_s_kind_not_its_capability(monkeypatch):
+    """An MI250X under ROCm reports capability (9, 0), as an H100 does: a launch there takes
+    the heuristic fitted to its 64 KiB, not a tile the table holds for cuda:sm90 (timed on
+    an H100), even one small enough to fit there."""
+    from lightning_hetermoe.kernels import launch, triton_src
+
+    h100s = Tile(64, 64, 32, 2, 4)
+    assert h100s.smem_bytes("gemm", 2) <= 64 * 1024
+    assert h100s != tuning.default_tile((9, 0), torch.bfloat16, "gemm", 4096, 64 * 1024)
+    table = {"cuda:sm90": {"bf16": {"gemm": {"4096": h100s.to_json()}}}}
+    monkeypatch.setattr(tiles, "load", lambda: table)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    launch._device.cache_clear(), launch._tile.cache_clear()
+
+    def launched(hip, arch, smem):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        props = SimpleNamespace(gcnArchName=arch, shared_memory_per_block_optin=smem)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        launch._device.cache_clear()
+        try:
+            return launch._kernel(triton_src.grouped_gemm_kernel, "gemm", torch.device("cuda", 0), torch.bfloat16,
+                                  4096)[1]
+        finally:
+            launch._device.cache_clear(), launch._tile.cache_clear()
+
+    assert launched(None, "", H100_SMEM) == tuning.with_group(h100s.launch_kwargs())  # the H100 takes the table's
+    on_amd = launched("6.2.41133", "gfx90a:sramecc+:xnack-", 64 * 1024)
+    assert on_amd == tuning.with_group(tuning.default_tile((9, 0), torch.bfloat16, "gemm", 4096, 64 * 1024)
+                                       .launch_kwargs())
+    assert Tile(on_amd["BLOCK_M"], on_amd["BLOCK_N"], on_amd["BLOCK_K"], on_amd["num_stages"],
+                on_amd["num_warps"]).smem_bytes("gemm", 2) <= 64 * 1024

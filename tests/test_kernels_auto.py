@@ -8,6 +8,8 @@ shape (transformers' grouped_mm path 37.3 ms, this pack's Triton 52.6 ms), makes
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -80,3 +82,46 @@ def test_auto_memo_is_per_device(cuda_of):
     chooser.backend_for("auto", cuda, torch.float16)
     rule = "triton" if kernels.triton_available(cuda) else "torch"
     assert chooser._AUTO == {"cuda:0:torch.bfloat16": "grouped_mm", "cuda:0:torch.float16": rule}
+
+
+@pytest.fixture
+def rocm_of(cuda_of, monkeypatch):
+    """An AMD GPU as a ROCm build of torch shows it: a ``cuda`` device whose capability is
+    its gfx version (MI250X, gfx90a: (9, 0), what an H100 reports) and whose properties name
+    the arch with its feature flags."""
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    props = SimpleNamespace(gcnArchName="gfx90a:sramecc+:xnack-", shared_memory_per_block_optin=64 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    return cuda_of
+
+
+def test_an_amd_gpu_reporting_9_0_is_not_taken_for_an_h100(rocm_of):
+    """An MI250X reads as sm90 to a capability test: auto must not hand it the H100's
+    measured winner, a sync-free torch._grouped_mm or TMA loads, all NVIDIA's."""
+    from lightning_hetermoe.kernels import availability, tuning
+
+    cuda = torch.device("cuda", 0)
+    assert torch.cuda.get_device_capability(cuda) == (9, 0)
+    assert measured.device_kind(cuda) == "rocm:gfx90a"
+    assert measured.measured_backend("rocm:gfx90a") is None  # nothing was measured on AMD
+    assert not availability.grouped_mm_sync_free(torch.bfloat16, (9, 0))
+    rule = "triton" if kernels.triton_available(cuda) else "torch"
+    assert chooser.auto_backend(cuda) == rule
+    assert chooser.backend_for("auto", cuda, torch.bfloat16) == rule
+    with tuning.tma_loads(True):
+        assert not tuning.uses_tma("cuda", (9, 0))
+        assert tuning.uses_tma("cpu", None)  # the interpreter still runs them (tests)
+
+
+def test_the_same_capability_on_nvidia_keeps_the_h100_s_answers(cuda_of):
+    """The control: without ROCm the same (9, 0) is an H100 (the shipped entry, sync-free
+    bf16 grouped_mm, TMA when asked for)."""
+    from lightning_hetermoe.kernels import availability, tuning
+
+    assert torch.version.hip is None, "this torch is a CUDA/CPU build"
+    cuda = torch.device("cuda", 0)
+    assert measured.device_kind(cuda) == "cuda:sm90"
+    assert availability.grouped_mm_sync_free(torch.bfloat16, (9, 0))
+    assert chooser.backend_for("auto", cuda, torch.bfloat16) == "grouped_mm"
+    with tuning.tma_loads(True):
+        assert tuning.uses_tma("cuda", (9, 0))
