@@ -37,7 +37,7 @@ MIX = (("h100", 1, "nvlink4"), ("a40", 3, "pcie4"), ("v100", 4, "nvlink2"))  # e
 # every shipped real model: tokens per sequence, sequences per GPU in the global batch (2 where
 # 4 do not fit the mix's memory: Qwen3-30B-A3B's and Mixtral's experts' saved inputs bind)
 MODELS = {"d1": (8192, 4), "olmoe_1b_7b": (4096, 4), "qwen3_30b_a3b": (4096, 2), "mixtral_8x7b": (4096, 2),
-          "deepseek_v2_lite": (4096, 4)}
+          "deepseek_v2_lite": (4096, 4), "qwen15_moe_a27b": (4096, 4)}
 PER_NODE = 8
 
 

@@ -17,8 +17,9 @@ import torch
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELayer
 from lightning_hetermoe.ckpt.export import export_hf
+from lightning_hetermoe.convert import from_pretrained  # where README imports it from
 from lightning_hetermoe.convert.hf import export_info
-from lightning_hetermoe.convert.pretrained import HFWeights, PretrainedError, from_pretrained, materialize_whole
+from lightning_hetermoe.convert.pretrained import HFWeights, PretrainedError, materialize_whole
 from lightning_hetermoe.materialize import Target
 from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer, whole_state
 
