@@ -609,6 +609,18 @@ def gather_objects(group: Group, obj: Any, *, what: str) -> list[Any]:
 
 
 @_watched
+def broadcast_object(group: Group, obj: Any, src: int, *, what: str) -> Any:
+    """Global rank ``src``'s ``obj`` (picklable) on every member, over the host side: an
+    object broadcast on a NCCL group stages the pickle through device memory and reads its
+    size back (a host sync), for what is host metadata (a path, a plan, a decision)."""
+    pg = _check(group, HOST, what)
+    _note(group, HOST, "objects", what, None)
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=pg)
+    return box[0]
+
+
+@_watched
 def host_broadcast(group: Group, t: Tensor, src: int, *, what: str) -> None:
     """A CPU tensor from global rank ``src`` to every member, over the host side."""
     pg = _check(group, HOST, what, t)

@@ -268,8 +268,9 @@ def profile_cluster(
             log.warning(f"profile: emulated {k} overran its modelled times; time_scale >= "
                         f"{emulator.needed_time_scale:.0f} would be faithful")
     if distributed:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {k: v.__dict__ for k, v in results.items()})
+        from . import comm
+
+        gathered = comm.gather_objects(comm.world(), {k: v.__dict__ for k, v in results.items()}, what="profile.devices")
         results = {}
         for part in gathered:
             for k, v in (part or {}).items():

@@ -301,8 +301,8 @@ def detect_cuda_devices() -> list[DeviceSpec]:
     """Per-rank specs of the GPUs actually present.
 
     With ``torch.distributed`` initialised, every rank reports its own current device and
-    the lists are exchanged with ``all_gather_object`` so all ranks return the same list in
-    rank order. Without it, returns one spec per visible GPU of this process.
+    the lists are exchanged over the host side (``comm.gather_objects``) so all ranks return
+    the same list in rank order. Without it, returns one spec per visible GPU of this process.
     """
     import torch
 
@@ -316,10 +316,9 @@ def detect_cuda_devices() -> list[DeviceSpec]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        mine = props(torch.cuda.current_device())
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        raw = gathered
+        from .. import comm
+
+        raw = comm.gather_objects(comm.world(), props(torch.cuda.current_device()), what="cluster.devices")
     else:
         raw = [props(i) for i in range(torch.cuda.device_count())]
     return [spec_from_properties(*r) for r in raw]

@@ -590,6 +590,17 @@ class HeterMoEStrategy(DDPStrategy):
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s object on every rank, over the host side: what Lightning and the
+        pack broadcast is host metadata (checkpoint paths, the plan, the init seeds, the
+        rebalancer's decision at each of its checks), and DDPStrategy's broadcast goes over
+        the default group, NCCL on GPUs, staging every pickle through device memory behind
+        a host sync."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        return comm.broadcast_object(comm.world(), obj, src, what="strategy.broadcast")
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
         comm.all_reduce(comm.world(), flag, what="strategy.decision")
