@@ -242,6 +242,24 @@ def planner_check(activations: str = "checkpointed", extra: list[str] = ()) -> d
             "within_5pct": within, "measured": {k: v["measured_s"] for k, v in rows.items()}}
 
 
+def auto_beside_fastest(by: dict) -> dict:
+    """Per mix and clock: the fastest schedule measured, the one ``mode=auto`` would choose
+    (the fastest predicted), and how much slower that choice measured."""
+    print("\nfastest measured beside what mode=auto would choose (the fastest predicted):")
+    winners = {}
+    for mix in MIXES:
+        for clock in CLOCKS:
+            cells = {s: by[(mix, clock, s)] for s in SCHEDULES if (mix, clock, s) in by}
+            if len(cells) < 2:
+                continue
+            best = min(cells, key=lambda s: cells[s]["measured_s"])
+            chosen = min(cells, key=lambda s: cells[s]["predicted_s"])
+            winners[(mix, clock)] = (best, chosen, cells[chosen]["measured_s"] / cells[best]["measured_s"])
+            print(f"  {mix:13} {clock:>4}: fastest {best} ({cells[best]['measured_s']:.3f} s); auto would choose "
+                  f"{chosen} ({winners[(mix, clock)][2] - 1:+.1%} from the fastest)", flush=True)
+    return winners
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one cell: A40+V100 1+1 at the 16K clock, ep and zebra")
@@ -286,18 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if d:
                     line += f"; zebra/distep measured {d['measured_s'] / z['measured_s']:.2f}x"
                 print(line, flush=True)
-    print("\nfastest measured beside what mode=auto would choose (the fastest predicted):")
-    winners = {}
-    for mix in MIXES:
-        for clock in CLOCKS:
-            cells = {s: by[(mix, clock, s)] for s in SCHEDULES if (mix, clock, s) in by}
-            if len(cells) < 2:
-                continue
-            best = min(cells, key=lambda s: cells[s]["measured_s"])
-            chosen = min(cells, key=lambda s: cells[s]["predicted_s"])
-            winners[(mix, clock)] = (best, chosen, cells[chosen]["measured_s"] / cells[best]["measured_s"])
-            print(f"  {mix:13} {clock:>4}: fastest {best} ({cells[best]['measured_s']:.3f} s); auto would choose "
-                  f"{chosen} ({winners[(mix, clock)][2] - 1:+.1%} from the fastest)", flush=True)
+    winners = auto_beside_fastest(by)
     if subset:
         print(json.dumps({"cells": len(rows), "seed": args.seed, **accuracy(rows),
                           "winners": {f"{m} {c}": w for (m, c), w in winners.items()},

@@ -11,7 +11,7 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe as hf_qwen2
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 
 from helpers_moe import assert_close
-from lightning_hetermoe.convert import HFMoEBlock, moe_tensors_from_hf
+from lightning_hetermoe.convert import HFMoEBlock, HFMoELanguageModel, moe_tensors_from_hf
 
 COMMON = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
               num_hidden_layers=2, max_position_embeddings=32, bos_token_id=None, eos_token_id=None,
@@ -80,3 +80,34 @@ def assert_same_model(hf: nn.Module, conv: nn.Module, vocab: int = 64) -> None:
     assert ours.keys() == expected.keys()
     for name in expected:
         assert_close(ours[name], expected[name], f"gradient of {name}")
+
+
+def tiny_lm(arch: str, seed: int, experts: int, seq: int) -> HFMoELanguageModel:
+    """A tiny random Hugging Face MoE language model of ``arch`` with ``experts`` routed
+    experts, converted (``HFMoELanguageModel``), seeded (per rank in the training tests: the
+    strategy must start every rank from rank 0's weights)."""
+    import transformers as tf
+
+    common = dict(hidden_size=16, intermediate_size=12, num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
+                  num_hidden_layers=2, max_position_embeddings=seq, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None, num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    if arch == "mixtral":
+        hf = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=experts))
+    elif arch == "qwen2_moe":  # a gated dense shared expert beside the routed ones, un-normalised top-k
+        hf = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=experts, moe_intermediate_size=8,
+                                                      shared_expert_intermediate_size=10, norm_topk_prob=False))
+    elif arch == "qwen3_moe":  # a dense decoder layer between the two MoE layers
+        hf = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=experts,
+                                                      moe_intermediate_size=8, mlp_only_layers=[1]))
+    elif arch == "olmoe":
+        hf = tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, num_experts=experts, norm_topk_prob=False))
+    elif arch == "deepseek_v3":  # a dense first layer, an ungated shared expert, group-limited sigmoid routing
+        # with its correction bias, moved each step by the global load (aux-loss-free balancing)
+        hf = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 2}, moe_intermediate_size=8, first_k_dense_replace=1,
+            n_routed_experts=experts, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=8,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, rope_scaling=None, routed_scaling_factor=1.5))
+    else:
+        raise ValueError(arch)
+    return HFMoELanguageModel(hf.float())

@@ -22,37 +22,14 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 pytest.importorskip("transformers")
 
+from helpers_hf import tiny_lm  # noqa: E402
+
 STEPS = 4
 EXPERTS = 4
 
 
 def build(arch: str, seed: int) -> HFMoELanguageModel:
-    """Seeded per rank: the strategy must start every rank from rank 0's weights."""
-    import transformers as tf
-
-    common = dict(hidden_size=16, intermediate_size=12, num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
-                  num_hidden_layers=2, max_position_embeddings=SEQ, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None, num_experts_per_tok=2)
-    torch.manual_seed(seed)
-    if arch == "mixtral":
-        hf = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=EXPERTS))
-    elif arch == "qwen2_moe":  # a gated dense shared expert beside the routed ones, un-normalised top-k
-        hf = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=EXPERTS, moe_intermediate_size=8,
-                                                      shared_expert_intermediate_size=10, norm_topk_prob=False))
-    elif arch == "qwen3_moe":  # a dense decoder layer between the two MoE layers
-        hf = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=EXPERTS,
-                                                      moe_intermediate_size=8, mlp_only_layers=[1]))
-    elif arch == "olmoe":
-        hf = tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, num_experts=EXPERTS, norm_topk_prob=False))
-    elif arch == "deepseek_v3":  # a dense first layer, an ungated shared expert, group-limited sigmoid routing
-        # with its correction bias, moved each step by the global load (aux-loss-free balancing)
-        hf = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
-            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 2}, moe_intermediate_size=8, first_k_dense_replace=1,
-            n_routed_experts=EXPERTS, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=8,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, rope_scaling=None, routed_scaling_factor=1.5))
-    else:
-        raise ValueError(arch)
-    return HFMoELanguageModel(hf.float())
+    return tiny_lm(arch, seed, EXPERTS, SEQ)
 
 
 class HeldExperts(L.Callback):

@@ -27,7 +27,7 @@ from harness import run_ranks
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, check, make_test_plan, pieces
 from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, OptimConfig
 from lightning_hetermoe.configs import ConfigError
-from reference import assert_same_params, data, make_model, reference_fit, trainer
+from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer
 
 MODES = ("ep", "zebra", "distep", "datacentric")
 LR_FIND_STEPS = 16
@@ -89,9 +89,9 @@ def test_the_lr_finder_restores_the_model_and_the_next_fit_trains_at_its_rate_in
 
 def _hf_mixtral(optim: OptimConfig) -> HFMoELanguageModel:
     pytest.importorskip("transformers")
-    from test_hf_train import build
+    from helpers_hf import tiny_lm
 
-    return HFMoELanguageModel(build("mixtral", 0).model, optim)
+    return HFMoELanguageModel(tiny_lm("mixtral", 0, 4, SEQ).model, optim)
 
 
 @pytest.mark.parametrize("build", [lambda optim: make_model(4, optim=optim), _hf_mixtral], ids=["pack", "hf"])

@@ -199,6 +199,64 @@ class EmulationHandle:
         self.removed = True
 
 
+def _time_experts(handle: EmulationHandle, experts: nn.Module, em: Emulator | BusyMeter, layer_idx: int,
+                  current: list, settled: Callable) -> None:
+    """The experts of one layer as tasks of their own: the forward (and its recompute)
+    padded where it ends, the backward from the gradient reaching their output to its
+    leaving their input."""
+    state: dict[str, Any] = {}
+
+    def experts_pre(mod, args, kwargs):
+        call = current[-1] if current else None
+        if isinstance(call, _Recompute):  # the experts' forward again: a task of its own
+            call.enter_expert_path()
+            state["recompute"] = (em.now(), _host_counts(em, args[2]))
+            return None
+        if call is not None:
+            call.enter_expert_path()
+        x, _, counts = args[0], args[1], args[2]
+        rec = {"call": call, "t0": em.now(), "counts": _host_counts(em, counts)}
+        state["rec"] = rec
+
+        def bwd_in(rec=rec):  # gradient left the experts: the task is over
+            modelled = em.experts(rec["counts"], backward=True) - rec.get("recomputed", 0.0)
+            em.pad("experts", (layer_idx, "bwd"), rec["bwd_t0"] if "bwd_t0" in rec else em.now(), modelled)
+            if rec["call"] is not None:
+                rec["call"].bwd_resume()
+
+        return (_mark(x, settled(bwd_in)),) + tuple(args[1:]), kwargs
+
+    def experts_post(mod, args, kwargs, output):
+        call = current[-1] if current else None
+        if isinstance(call, _Recompute) and "recompute" in state:
+            t0, counts = state.pop("recompute")
+            modelled = em.experts(counts)
+            em.pad("experts", (layer_idx, "recompute"), t0, modelled)
+            if "forward" in state:  # paid here, not in the experts' backward
+                state["forward"]["recomputed"] = state["forward"].get("recomputed", 0.0) + modelled
+            call.bwd_resume()
+            return None
+        rec = state.pop("rec")
+        modelled = em.experts(rec["counts"])
+        em.pad("experts", (layer_idx, "fwd"), rec["t0"], modelled)
+        if inside_backward() and "forward" in state:
+            # recomputed inside the backward (data-centric experts): real, padded work of
+            # its own; the experts' backward starts after it
+            state["forward"]["bwd_t0"] = em.now()
+            return output
+        state["forward"] = rec
+
+        def bwd_out(rec=rec):  # gradient reached the experts' output
+            if rec["call"] is not None:
+                rec["call"].bwd_pause()
+            rec["bwd_t0"] = em.now()
+
+        return _mark(output, settled(bwd_out))
+
+    handle._hooks.append(experts.register_forward_pre_hook(experts_pre, with_kwargs=True))
+    handle._hooks.append(experts.register_forward_hook(experts_post, with_kwargs=True))
+
+
 def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = False) -> EmulationHandle:
     """Install ``emulator``'s clock (or a :class:`BusyMeter`) on every MoE block of
     ``model`` (see module docstring); ``head`` also times the work after the last block (a
@@ -266,58 +324,7 @@ def install(model: nn.Module, emulator: Emulator | BusyMeter, *, head: bool = Fa
         handle._hooks.append(block.register_forward_hook(block_post, with_kwargs=True))
         handle._hooks.append(moe.register_forward_pre_hook(moe_pre))
 
-        experts = moe.experts
-        state: dict[str, Any] = {}
-
-        def experts_pre(mod, args, kwargs, layer_idx=layer_idx, state=state):
-            call = current[-1] if current else None
-            if isinstance(call, _Recompute):  # the experts' forward again: a task of its own
-                call.enter_expert_path()
-                state["recompute"] = (em.now(), _host_counts(em, args[2]))
-                return None
-            if call is not None:
-                call.enter_expert_path()
-            x, _, counts = args[0], args[1], args[2]
-            rec = {"call": call, "t0": em.now(), "counts": _host_counts(em, counts)}
-            state["rec"] = rec
-
-            def bwd_in(rec=rec):  # gradient left the experts: the task is over
-                modelled = em.experts(rec["counts"], backward=True) - rec.get("recomputed", 0.0)
-                em.pad("experts", (layer_idx, "bwd"), rec["bwd_t0"] if "bwd_t0" in rec else em.now(), modelled)
-                if rec["call"] is not None:
-                    rec["call"].bwd_resume()
-
-            return (_mark(x, settled(bwd_in)),) + tuple(args[1:]), kwargs
-
-        def experts_post(mod, args, kwargs, output, layer_idx=layer_idx, state=state):
-            call = current[-1] if current else None
-            if isinstance(call, _Recompute) and "recompute" in state:
-                t0, counts = state.pop("recompute")
-                modelled = em.experts(counts)
-                em.pad("experts", (layer_idx, "recompute"), t0, modelled)
-                if "forward" in state:  # paid here, not in the experts' backward
-                    state["forward"]["recomputed"] = state["forward"].get("recomputed", 0.0) + modelled
-                call.bwd_resume()
-                return None
-            rec = state.pop("rec")
-            modelled = em.experts(rec["counts"])
-            em.pad("experts", (layer_idx, "fwd"), rec["t0"], modelled)
-            if inside_backward() and "forward" in state:
-                # recomputed inside the backward (data-centric experts): real, padded work of
-                # its own; the experts' backward starts after it
-                state["forward"]["bwd_t0"] = em.now()
-                return output
-            state["forward"] = rec
-
-            def bwd_out(rec=rec):  # gradient reached the experts' output
-                if rec["call"] is not None:
-                    rec["call"].bwd_pause()
-                rec["bwd_t0"] = em.now()
-
-            return _mark(output, settled(bwd_out))
-
-        handle._hooks.append(experts.register_forward_pre_hook(experts_pre, with_kwargs=True))
-        handle._hooks.append(experts.register_forward_hook(experts_post, with_kwargs=True))
+        _time_experts(handle, moe.experts, em, layer_idx, current, settled)
 
         disp = moe.dispatcher
         if hasattr(disp, "exchange"):
