@@ -5,7 +5,7 @@ kind (:func:`device_kind`: ``"cpu"``, ``"cuda:sm80"``, ``"cuda:sm90"``, ``"rocm:
 naming its fastest backend under ``"best"`` (``"torch"``, ``"grouped_mm"`` or
 ``"triton"``) with the cases and times that chose it. ``expert_backend="auto"`` reads it
 through :func:`measured_backend`; a kind with no entry, or whose backend cannot run in
-this process, falls back to the rule in ``lightning_hetermoe.moe.experts.resolve_backend``.
+this process, falls back to the rule in :func:`.chooser.auto_backend`.
 Read once per process with ``importlib.resources`` (so from a wheel as from the source
 tree), never at import: ``import lightning_hetermoe`` stays free of file reads.
 """

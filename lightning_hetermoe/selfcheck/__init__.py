@@ -12,6 +12,11 @@ one summary line, and exits 1 if anything failed. The checks:
   run through Triton's interpreter (small shapes).
 * ``kernels 4.5M rows`` (CUDA): one grouped GEMM over 4.5M rows (row tiles on grid axis 0)
   against torch.
+* ``grouped_mm bf16``: the ``grouped_mm`` backend's expert MLP against the torch loop, on the
+  kernel rows' cases.
+* ``cross-entropy kernel``, ``rms norm kernels``, ``rotary kernel``: the fused kernels a
+  GPU runs instead of torch's ops (the head's loss rows, RMSNorm, rotary), output and
+  gradients against torch's ops.
 * ``receive order`` (CUDA): a receive into a freshly allocated buffer behind a long queued
   kernel does not overwrite what the kernel reads.
 * ``host syncs`` (CUDA): at most one host sync per (layer, micro-batch) in a zebra step,
@@ -22,12 +27,16 @@ one summary line, and exits 1 if anything failed. The checks:
 * ``wire dtype``: under mixed precision every row and answer of one-rank EP and zebra
   training travels in the 16-bit type, the width the cost model prices.
 * ``streams`` (CUDA): the zebra exchange's NCCL all-to-all kernels ran off the compute stream.
+* ``clocks`` (CUDA): a zebra loopback step's transfers timed by CUDA events, and attention,
+  experts, communication and idle adding up to the step on the same clock.
 * ``memory``: what the zebra executor holds in a forward-only step does not grow with depth.
 * ``memory in R``: a zebra training step at a fixed global batch with R = 2, 4, 8
   micro-batches: what the executor holds, and (CUDA) the step's peak allocation, flat in R.
 * ``gradient sync memory``: zebra's dense gradient sync needs at most one bucket beyond the
   gradients (CUDA's allocator peak; on CPU the sync runs, its sums are checked, the row skips).
 * ``autotuning`` (CUDA): no Triton autotuning inside a training step (all of it at set-up).
+* ``kernels tma bf16``: the ``kernels bf16`` row with the operands loaded by TMA descriptor
+  (NVIDIA sm90+, and the interpreter).
 
 Each check runs in a fresh child process (:mod:`.child`), one after the other, with a
 deadline (``Check.timeout_s``: 120 s, 180 s for the kernels; ``--timeout`` sets every
