@@ -166,10 +166,15 @@ def compute_device() -> torch.device:
     return _state.device
 
 
+def configured() -> bool:
+    """Whether this process group's groups are built (:func:`configure` ran for it)."""
+    return _state.world is not None and _state.default is dist.group.WORLD
+
+
 def world() -> Group:
     """Every rank. Configured by the strategy when its process group starts; under another
     strategy, on first use (a collective: every rank reaches it at the same point)."""
-    if _state.world is None or _state.default is not dist.group.WORLD:
+    if not configured():
         if not (dist.is_available() and dist.is_initialized()):
             raise CommError("lightning_hetermoe.comm: no process group is running")
         nccl = dist.get_backend() == "nccl"

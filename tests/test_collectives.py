@@ -80,10 +80,11 @@ def test_every_member_of_every_group_issues_the_same_sequence(recordings, mode):
 @pytest.mark.slow
 def test_host_metadata_and_device_tensors_use_their_own_groups(recordings):
     for mode, per_rank in recordings.items():
-        # Lightning's broadcasts (the checkpoint directory, each checkpoint's path) and the
-        # pack's (init seeds, the plan) go over the host side too, not the default group
-        # (NCCL on GPUs): seen here, so they went through comm
-        assert all(any(c.what == "strategy.broadcast" for c in calls) for calls in per_rank), mode
+        # Lightning's broadcasts (the checkpoint directory, each checkpoint's path) and
+        # barriers, and the pack's broadcasts (init seeds, the plan) go over the host side
+        # too, not the default group (NCCL on GPUs): seen here, so they went through comm
+        for what in ("strategy.broadcast", "strategy.barrier"):
+            assert all(any(c.what == what for c in calls) for calls in per_rank), (mode, what)
         for rank, calls in enumerate(per_rank):
             for c in calls:
                 if c.what in HOST_TRAFFIC:
