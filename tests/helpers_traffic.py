@@ -6,9 +6,9 @@ HOST_TRAFFIC = ("batch.shapes", "batch.tokens", "zebra.header", "zebra.answer_he
                 "monitor.counts", "monitor.busy", "strategy.emulation_report", "strategy.shutdown",
                 "strategy.checkpoint.mkdir", "strategy.memory_report", "strategy.callback_metrics", "batch.counts",
                 "zebra.eval", "strategy.batches", "zebra.train_outputs", "lightning.sigterm", "lightning.sigterm.agree",
-                "batch.gather.host", "strategy.broadcast", "strategy.barrier", "cluster.devices",
-                "profile.devices")
+                "batch.gather.host", "strategy.broadcast", "strategy.barrier", "strategy.decision",
+                "cluster.devices", "profile.devices")
 DEVICE_TRAFFIC = ("zebra.rows", "zebra.answers", "zebra.loss", "zebra.clip", "zebra.grads.dense",
                   "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "ep.weights",
-                  "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather", "strategy.decision",
+                  "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather",
                   "zero.params", "zero.clip", "zebra.outputs", "zebra.metrics")

@@ -611,8 +611,10 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        flag = torch.tensor(int(decision), device=self.root_device)
-        comm.all_reduce(comm.world(), flag, what="strategy.decision")
+        """A checkpoint's or early stop's agreement, over the host side: a flag on the device
+        would be read back behind every kernel queued so far (a host sync)."""
+        flag = torch.tensor(int(decision), dtype=torch.int64, device="cpu")
+        comm.host_all_reduce(comm.world(), flag, what="strategy.decision")
         return bool(flag == self.world_size) if all else bool(flag)
 
     # -- gradients ----------------------------------------------------------------------
