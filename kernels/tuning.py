@@ -102,11 +102,10 @@ def tma_loads(on: bool = True) -> ContextManager[None]:
     return _TMA(bool(on))
 
 
-def uses_tma(device_type: str, capability: tuple[int, int] | None, asked: bool | None = None) -> bool:
-    """Whether a launch on this device loads by descriptor when :func:`tma_loads` is on
-    (``asked``; default: its setting now): TMA is NVIDIA's copy engine, so never on ROCm,
-    whose gfx9 parts report capability 9.x."""
-    if not (_TMA.value if asked is None else asked):
+def uses_tma(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether a launch on this device loads by descriptor (:func:`tma_loads`): TMA is
+    NVIDIA's copy engine, so never on ROCm, whose gfx9 parts report capability 9.x."""
+    if not _TMA.value:
         return False
     if device_type == "cuda" and on_rocm():
         return False

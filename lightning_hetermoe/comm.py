@@ -167,8 +167,10 @@ def compute_device() -> torch.device:
 
 
 def configured() -> bool:
-    """Whether this process group's groups are built (:func:`configure` ran for it)."""
-    return _state.world is not None and _state.default is dist.group.WORLD
+    """Whether a process group is running and its groups are built (:func:`configure` ran
+    for it)."""
+    return (dist.is_available() and dist.is_initialized() and _state.world is not None
+            and _state.default is dist.group.WORLD)
 
 
 def world() -> Group:

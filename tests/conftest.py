@@ -21,8 +21,8 @@ def pytest_configure(config):
     the suite's time is processes it starts (gloo ranks, recipes), each importing the pack
     and its recipes anew, and where ``PYTHONDONTWRITEBYTECODE`` is set (as on the machines
     the suite is timed on) no import leaves a ``.pyc`` behind, so every process compiled
-    ~29,000 lines again (1.5-2 s of CPU each). Python still reads a ``.pyc`` it finds, and checks it against the
-    source's timestamp; the installed packages got theirs from pip."""
+    ~29,000 lines again (1.5-2 s of CPU each). Python still reads a ``.pyc`` it finds, and
+    checks it against the source's timestamp; the installed packages got theirs from pip."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # the controller compiled them before starting the workers
     for folder in ("lightning_hetermoe", "kernels", "recipes", "tests", "bench"):

@@ -160,9 +160,9 @@ def check_kernels_tma(ctx: Context) -> str:
     torch loop: the ragged descriptors' bounds on this GPU's copy engine."""
     from ..kernels import tuning
 
-    if ctx.cuda and not tuning.uses_tma("cuda", torch.cuda.get_device_capability(ctx.device), asked=True):
-        raise Skip("TMA is NVIDIA's copy engine, from compute capability 9.0 (Hopper) on")
     with tuning.tma_loads(True):
+        if ctx.cuda and not tuning.uses_tma("cuda", torch.cuda.get_device_capability(ctx.device)):
+            raise Skip("TMA is NVIDIA's copy engine, from compute capability 9.0 (Hopper) on")
         return "TMA loads: " + check_kernels(torch.bfloat16)(ctx)
 
 

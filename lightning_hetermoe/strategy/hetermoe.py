@@ -596,7 +596,7 @@ class HeterMoEStrategy(DDPStrategy):
         rebalancer's decision at each of its checks), and DDPStrategy's broadcast goes over
         the default group, NCCL on GPUs, staging every pickle through device memory behind
         a host sync."""
-        if not (dist.is_available() and dist.is_initialized() and comm.configured()):
+        if not comm.configured():
             return super().broadcast(obj, src)  # no group of the pack's yet (or any more)
         return comm.broadcast_object(comm.world(), obj, src, what="strategy.broadcast")
 
@@ -605,7 +605,7 @@ class HeterMoEStrategy(DDPStrategy):
         """Lightning's barriers (set-up, each checkpoint, teardown) over the host side:
         DDPStrategy's is a collective on the default group, on GPUs an NCCL all-reduce that
         synchronizes the device behind the barrier."""
-        if not (dist.is_available() and dist.is_initialized() and comm.configured()):
+        if not comm.configured():
             return super().barrier(name)  # no group of the pack's yet (or any more)
         comm.host_barrier(comm.world(), what="strategy.barrier")
 
