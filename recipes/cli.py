@@ -14,7 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 
 # importing the package registers strategy="hetermoe"
 from lightning_hetermoe import ByteCorpusDataModule, MoELanguageModel
-from lightning_hetermoe.strategy.launchers import exit_now
+from lightning_hetermoe.strategy.launchers import run_and_exit
 
 
 def main(args=None) -> LightningCLI:
@@ -28,5 +28,4 @@ def main(args=None) -> LightningCLI:
 
 
 if __name__ == "__main__":
-    main()
-    exit_now(0)  # the run is over and its logs closed: no finalization to wait for (a failure raises above)
+    run_and_exit(main)  # the run is over (or failed) and its logs closed: no finalization to wait for

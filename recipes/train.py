@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError
-from lightning_hetermoe.strategy.launchers import exit_now
+from lightning_hetermoe.strategy.launchers import run_and_exit
 from lightning_hetermoe.training import train
 
 
@@ -26,5 +26,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_now(0)  # every job's summary is written: no finalization to wait for (a failure raises above)
+    # every job's summary is written, or a job failed: either way no finalization to wait for
+    run_and_exit(main)

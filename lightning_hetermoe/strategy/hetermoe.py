@@ -889,10 +889,12 @@ class HeterMoEStrategy(DDPStrategy):
         if not lost_peer and not isinstance(exception, KeyboardInterrupt):
             print(f"[hetermoe] rank {self.global_rank} ({self.describe_rank(self.global_rank)}) failed: "
                   f"{type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
-        # A peer's death surfaces here as a gloo "connection closed/reset": name the peer.
+        # A peer's death surfaces here as a gloo "connection closed/reset": name the peer (its
+        # socket closes a moment before its process is reaped). This rank's own error has no
+        # dead peer to wait for: it only checks, and the job ends without a pause.
         report = getattr(self._launcher, "report_dead_children", None)
         if report is not None:
-            report()
+            report(wait_s=3.0 if lost_peer else 0.0)
         heartbeat.mark_failed()  # at exit this rank goes silent to its peers, not "finished"
         super().on_exception(exception)
 
