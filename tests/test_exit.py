@@ -46,26 +46,16 @@ if __name__ == "__main__":
 '''
 
 
-def _train(tmp_path: Path) -> tuple[list[str], str]:
-    return ([sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "trainer.max_steps=2",
-             "trainer.limit_val_batches=1", "+trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
-             f"hydra.run.dir={tmp_path}"], "[hetermoe] wrote ")
-
-
-def _user_script(tmp_path: Path) -> tuple[list[str], str]:
+@pytest.mark.slow
+# (the main job's exit is timed in test_recipes_train.py's main-job test, recipes/cli.py's in
+# test_callbacks.py's CLI test, the self-check's in test_selfcheck.py's CPU run: each command
+# runs once in the suite)
+def test_a_user_script_exits_soon_after_its_work_ends(tmp_path):
     script = tmp_path / "user_fit.py"
     script.write_text(textwrap.dedent(USER_SCRIPT))
-    return [sys.executable, str(script)], "[mark] fit ended"
-
-
-@pytest.mark.slow
-# (recipes/cli.py's exit is timed in test_callbacks.py's CLI test, the self-check's in
-# test_selfcheck.py's CPU run: each command runs once in the suite)
-@pytest.mark.parametrize("entry", [_train, _user_script], ids=["train", "user-script"])
-def test_every_entry_point_exits_soon_after_its_work_ends(entry, tmp_path):
-    cmd, marker = entry(tmp_path)
-    code, out, after_s = run_to_exit(cmd, marker, cwd=tmp_path)
-    print(f"{cmd[1:3]}: every process gone {after_s:.1f} s after {marker!r}")
+    marker = "[mark] fit ended"
+    code, out, after_s = run_to_exit([sys.executable, str(script)], marker, cwd=tmp_path)
+    print(f"user script: every process gone {after_s:.1f} s after {marker!r}")
     assert code == 0, out[-3000:]
     assert "terminate called" not in out, out[-3000:]
     assert after_s < EXIT_S, f"the job's processes ended {after_s:.1f} s after {marker!r}:\n{out[-2000:]}"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers_exit import EXIT_S, run_to_exit
 from lightning_hetermoe.emulate import FAITHFUL_SLIP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,17 +24,22 @@ def run_recipe(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_path):
-    proc = run_recipe("trainer.max_steps=12", "trainer.limit_val_batches=2", f"hydra.run.dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # README's main job, timed to its exit too (issue #38: every entry point exits within
+    # seconds of its work ending; the output is stdout and stderr together)
+    code, out, exit_after_s = run_to_exit([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=12",
+                                           "trainer.limit_val_batches=2", f"hydra.run.dir={tmp_path}"],
+                                          "[hetermoe] wrote ", cwd=ROOT)
+    assert code == 0, out[-3000:]
+    assert exit_after_s < EXIT_S and "terminate called" not in out, (exit_after_s, out[-2000:])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["world_size"] == 2 and summary["steps"] == 12
     assert summary["strategy"] == "hetermoe:zebra" and summary["cluster"] == "emu_a40_v100_d1_8k"
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
     assert summary["tokens_per_s"] > 0 and summary["workload_tokens_per_s"] > summary["tokens_per_s"]
-    assert "HeterMoE plan: model d1 on cluster emu_a40_v100_d1_8k" in proc.stdout, "the plan is printed"
+    assert "HeterMoE plan: model d1 on cluster emu_a40_v100_d1_8k" in out, "the plan is printed"
     # output is not a terminal here: a progress line instead of a redrawn bar
-    assert "[hetermoe] step 10/12, train_loss" in proc.stderr and "it/s]" not in proc.stderr
+    assert "[hetermoe] step 10/12, train_loss" in out and "it/s]" not in out
     assert (tmp_path / "plan.json").is_file()
     # the routing its steps had, for a plan at it (recipes/plan.py plan.expert_load=...)
     routing = json.loads((tmp_path / "expert_load.json").read_text())

@@ -93,6 +93,14 @@ def test_the_plan_recipe_prices_a_routing_record_instead_of_even_routing(tmp_pat
     plans = {n: Plan.from_json(str(jobs[names[n]] / "plan.json")) for n in ("skewed", "id_order")}
     assert plans["skewed"].placed_at_load and not plans["id_order"].placed_at_load
     assert skewed >= by_id, (skewed, by_id)
+    # the sweep ends as one table: a row per job and schedule (a plan sweep measures nothing)
+    import csv
+
+    rows = list(csv.DictReader(open(sweep / "sweep_summary.csv")))
+    assert {r["job"] for r in rows} == {"0", "1", "2", "3"}
+    assert {r["schedule"] for r in rows} == {"zebra", "distep", "ep", "ep_balanced", "ep_ideal", "datacentric"}
+    assert all(float(r["predicted_tokens_per_s"]) > 0 and not r["tokens_per_s"] for r in rows if r["status"] == "ok")
+    assert (sweep / "sweep.png").stat().st_size > 1000 and (sweep / "sweep_summary.md").is_file()
 
 
 def _yaml(rel: str) -> dict:
