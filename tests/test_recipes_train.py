@@ -72,31 +72,31 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
 
 @pytest.mark.slow
 def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
-    """The defaults work on every kind of cluster the pack ships (one CPU, two CPUs, an
-    emulated GPU mix: mode=auto picks what each can run), and each child re-runs its own
-    job, not the whole sweep (Lightning's default)."""
-    proc = run_recipe("-m", "cluster=cpu1,cpu2,emu_a40_v100_d1_4k", "trainer.max_steps=3", "trainer.limit_val_batches=1",
+    """The defaults work on one CPU and on an emulated GPU mix (mode=auto picks what each can
+    run; two CPUs are the failure tests' cluster), and each child re-runs its own job, not the
+    whole sweep (Lightning's default)."""
+    proc = run_recipe("-m", "cluster=cpu1,emu_a40_v100_d1_4k", "trainer.max_steps=3", "trainer.limit_val_batches=1",
                       "logger=[csv,tensorboard]", "trainer.log_every_n_steps=2", "callbacks.load_monitor.log_every_n_steps=2",
                       f"hydra.sweep.dir={tmp_path}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = sorted(tmp_path.rglob("summary.json"))
-    assert [p.parent.name for p in summaries] == ["0", "1", "2"], summaries
+    assert [p.parent.name for p in summaries] == ["0", "1"], summaries
     got = [json.loads(p.read_text()) for p in summaries]
-    assert [(s["cluster"], s["world_size"]) for s in got] == [("cpu1", 1), ("cpu2", 2), ("emu_a40_v100_d1_4k", 2)]
+    assert [(s["cluster"], s["world_size"]) for s in got] == [("cpu1", 1), ("emu_a40_v100_d1_4k", 2)]
     assert got[0]["strategy"] == "hetermoe:single" and all(s["mode"] == "auto" for s in got)
-    assert proc.stdout.count("hetermoe[auto]: chose") == 2, "the two-rank jobs print their choice and runner-up"
+    assert proc.stdout.count("hetermoe[auto]: chose") == 1, "the two-rank job prints its choice and runner-up"
     # A re-run sweep would start extra jobs: Hydra prints one "Launching" line per job.
-    assert all(proc.stdout.count(f"#{j} :") == 1 for j in range(3)), proc.stdout[-2000:]
+    assert all(proc.stdout.count(f"#{j} :") == 1 for j in range(2)), proc.stdout[-2000:]
     # ... and the sweep ends as one result: a table row per job, and a plot
     import csv
 
     rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
-    assert [r["job"] for r in rows] == ["0", "1", "2"] and all(r["status"] == "ok" for r in rows)
-    assert "cluster=cpu1" in rows[0]["overrides"] and "cluster=cpu2" in rows[1]["overrides"]
+    assert [r["job"] for r in rows] == ["0", "1"] and all(r["status"] == "ok" for r in rows)
+    assert "cluster=cpu1" in rows[0]["overrides"] and "cluster=emu_a40_v100_d1_4k" in rows[1]["overrides"]
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
-    assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 5  # header, rule, three rows
+    assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 4  # header, rule, two rows
     assert (tmp_path / "sweep.png").stat().st_size > 1000
-    # every job's metrics reach both loggers (job 1: two ranks, expert parallel)
+    # every job's metrics reach both loggers (job 1: two ranks, the schedule auto chose)
     metrics = next((tmp_path / "1").glob("logs/version_*/metrics.csv"))
     logged = list(csv.DictReader(open(metrics)))
     columns = set(logged[0])
