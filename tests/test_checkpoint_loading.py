@@ -173,3 +173,91 @@ def test_a_checkpoint_saved_after_fit_resumes_as_one_process_s_does_in_every_mod
     for name, state in got.items():
         for key, value in want.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5, msg=f"{name}: {key}")
+
+
+class RaiseAtStep3(L.Callback):
+    """An error at the start of step 3 on the ranks named: every rank (a SIGTERM, an error
+    they all raise) or one alone (an out-of-memory on one device)."""
+
+    def __init__(self, ranks) -> None:
+        self.ranks = list(ranks)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 3 and trainer.global_rank in self.ranks:
+            raise RuntimeError(f"injected error on rank {trainer.global_rank}")
+
+
+def exception_checkpoints(rank: int, world: int, root: str, modes: tuple[str, ...]) -> dict | None:
+    """Per mode: an uninterrupted run of 6 steps, and a run that every rank's error ends at
+    step 3 (OnExceptionCheckpoint saves) resumed from its checkpoint to step 6."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    out = {}
+    for mode in modes:
+        straight = make_model(4, seed=0)
+        trainer(_strategy(mode, world), world, max_steps=6).fit(straight, datamodule=data(world))
+        where = os.path.join(root, mode)
+        t = trainer(_strategy(mode, world), world, max_steps=6, enable_checkpointing=True,
+                    callbacks=[RaiseAtStep3(range(world)), OnExceptionCheckpoint(where)])
+        with pytest.raises(RuntimeError, match=f"injected error on rank {rank}"):
+            t.fit(make_model(4, seed=0), datamodule=data(world))
+        resumed = make_model(4, seed=rank)  # seeded apart: the checkpoint must set every weight
+        again = trainer(_strategy(mode, world), world, max_steps=6)
+        again.fit(resumed, datamodule=data(world), ckpt_path=os.path.join(where, "on_exception.ckpt"))
+        out[mode] = {"straight": straight.state_dict(), "resumed": resumed.state_dict(), "step": again.global_step}
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_an_error_on_every_rank_saves_the_exception_checkpoint_and_it_resumes_as_the_run_went_on():
+    modes = ("ep", "zebra")  # the four modes saved and resumed alike when probed; these two keep it
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        got = run_ranks(2, exception_checkpoints, 2, root, modes)[0]
+    for mode in modes:
+        assert got[mode]["step"] == 6, mode
+        straight, resumed = got[mode]["straight"], got[mode]["resumed"]
+        assert straight.keys() == resumed.keys()
+        for name in straight:
+            torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+
+
+def one_rank_fails(rank: int, world: int, root: str, mode: str) -> None:
+    """Rank 1 alone raises at step 3 with OnExceptionCheckpoint on; rank 1 records what it
+    printed and how long it took to fail."""
+    import contextlib
+    import io
+    import json
+    import time
+
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    plan = make_test_plan(world, [0], R=2) if mode in ("zebra", "distep") else None
+    strategy = HeterMoEStrategy(mode=mode, plan=plan, progress_timeout_s=3)
+    t = trainer(strategy, world, max_steps=6, enable_checkpointing=True,
+                callbacks=[RaiseAtStep3([1]), OnExceptionCheckpoint(os.path.join(root, "ckpt"))])
+    err, t0 = io.StringIO(), time.monotonic()
+    try:
+        with contextlib.redirect_stderr(err):
+            t.fit(make_model(4, seed=0), datamodule=data(world))
+    finally:
+        if rank == 1:
+            with open(os.path.join(root, "rank1.json"), "w") as f:
+                json.dump({"stderr": err.getvalue(), "seconds": time.monotonic() - t0}, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ep", "zebra"])
+def test_an_error_on_one_rank_alone_saves_nothing_says_so_and_ends_the_job(mode, tmp_path):
+    """A save takes every rank. The rank that failed alone waited in it for peers that wait in
+    the step it left: its own error was never reported, and the job ended only when a peer's
+    progress watchdog called that peer stuck (with the watchdog off, never)."""
+    import json
+
+    with pytest.raises(RuntimeError, match="injected error on rank 1"):
+        run_ranks(2, one_rank_fails, 2, str(tmp_path), mode, timeout=90)
+    record = json.loads((tmp_path / "rank1.json").read_text())
+    assert "did not save" in record["stderr"] and "rank(s) 0 did not ask for it within 3 s" in record["stderr"], record
+    assert record["seconds"] < 30, record
+    assert not (tmp_path / "ckpt" / "on_exception.ckpt").exists()

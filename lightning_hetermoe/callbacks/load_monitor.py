@@ -323,7 +323,10 @@ class ExpertLoadMonitor(L.Callback):
     # -- resume ---------------------------------------------------------------------------
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         # The checkpoint holds the step just taken too (Lightning read state_dict() before
-        # this hook, on every rank, as it calls this one).
+        # this hook, on every rank, as it calls this one). Not in a save this rank makes alone
+        # while it handles an error: the flush sums over every rank, and the save is not made.
+        if getattr(trainer.strategy, "saving_alone", False):
+            return
         if self._queued is not None or self._summing is not None:
             self.flush(trainer, pl_module)
             checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()

@@ -54,8 +54,8 @@ from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import AgreedGradScaler, agree_on_overflow, clip_fused_too, precision_name
 from .progress import StepProgress
 from .shared_metrics import SharedCallbackMetrics, mirror_logged_metrics
-from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, register_exit_hook,
-                        stop_watching, watch_launcher)
+from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, lost_peer,
+                        register_exit_hook, stop_watching, watch_launcher)
 from .run_clock import RunClock
 from .summary import count_whole_model
 from .metric_sync import sync_metrics_over
@@ -114,6 +114,9 @@ class HeterMoEStrategy(DDPStrategy):
         self.backend: ParallelBackend | None = None
         self._built_whole = True  # the user built the model whole (not on the meta device)
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
+        # a checkpoint asked for while this rank handles an error: None (no such save under
+        # way), else why it is not saved ('' where every rank asked for it: it is)
+        self._error_save: str | None = None
         self._saves_sharded = False  # checkpoint_format resolved at the first set-up (auto: by size)
         self._whole_numel: dict[str, int] = {}  # each parameter's whole size, by name, at the first set-up
         # the whole expert parameters the optimizers hold after a run, by id: their names
@@ -605,9 +608,40 @@ class HeterMoEStrategy(DDPStrategy):
         """Lightning's barriers (set-up, each checkpoint, teardown) over the host side:
         DDPStrategy's is a collective on the default group, on GPUs an NCCL all-reduce that
         synchronizes the device behind the barrier."""
+        if name == "Trainer.save_checkpoint" and self._error_save is not None:
+            skipped, self._error_save = bool(self._error_save), None  # the save after an error is over
+            if skipped:
+                return  # this rank saved nothing: nobody waits for it here
         if not comm.configured():
             return super().barrier(name)  # no group of the pack's yet (or any more)
         comm.host_barrier(comm.world(), what="strategy.barrier")
+
+    @property
+    def saving_alone(self) -> bool:
+        """A checkpoint is being asked for on this rank alone, while it handles an error (see
+        :meth:`_agree_to_save_after_error`): nothing of it may wait for the other ranks."""
+        return bool(self._error_save)
+
+    def _agree_to_save_after_error(self) -> None:
+        """``OnExceptionCheckpoint`` (or any ``on_exception`` hook that saves) asks for a
+        checkpoint while this rank handles an error. Saving takes every rank (experts are
+        gathered or written in parts), so it goes ahead only where every rank asks for it
+        within a step's bound: they all failed together (a SIGTERM, a Ctrl-C, an error every
+        rank raises). A rank that failed alone would wait in the save forever for peers that
+        wait in the step it left (under DDP only rank 0 writes, so nobody waits); where a peer
+        is gone already (its socket closed) there is nothing to wait for. Either way this rank
+        saves nothing, says so, and its error ends the job as before."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self._error_save is not None or trainer is None or not trainer.interrupted or not comm.configured():
+            return
+        error = sys.exc_info()[1]
+        if error is not None and lost_peer(error):
+            self._error_save = "a peer is gone (its connection closed)"
+            return
+        timeout = self._outside_step_timeout_s()
+        missing = comm.arrive_together(comm.world(), timeout)
+        self._error_save = (f"rank(s) {', '.join(map(str, missing))} did not ask for it within {timeout:.0f} s: they "
+                            f"are still in the step this rank left") if missing else ""
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -785,6 +819,10 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # the first of the strategy's parts of a checkpoint (Lightning's dump_checkpoint)
+        self._agree_to_save_after_error()
+        if self.saving_alone:
+            return {}
         if self.backend is None:
             return self.lightning_module.state_dict()
         if self.sharded_checkpoints:
@@ -793,6 +831,8 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self.saving_alone:
+            return {}
         if self.sharded_checkpoints:
             return self._sharded_state().optimizer_state(optimizer)
         state = super().optimizer_state(optimizer)
@@ -848,6 +888,11 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.saving_alone:
+            print(f"[hetermoe] rank {self.global_rank} ({self.describe_rank(self.global_rank)}) did not save "
+                  f"{filepath}: it was asked for while this rank handled its error, and {self._error_save} (a "
+                  f"checkpoint takes every rank)", file=sys.stderr, flush=True)
+            return
         self._pause_progress()
         if self.backend is None:
             return
@@ -885,8 +930,8 @@ class HeterMoEStrategy(DDPStrategy):
     # -- the end ------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
-        lost_peer = "closed" in str(exception).lower() or "reset by peer" in str(exception).lower()
-        if not lost_peer and not isinstance(exception, KeyboardInterrupt):
+        peer_gone = lost_peer(exception)
+        if not peer_gone and not isinstance(exception, KeyboardInterrupt):
             print(f"[hetermoe] rank {self.global_rank} ({self.describe_rank(self.global_rank)}) failed: "
                   f"{type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
         # A peer's death surfaces here as a gloo "connection closed/reset": name the peer (its
@@ -894,7 +939,7 @@ class HeterMoEStrategy(DDPStrategy):
         # dead peer to wait for: it only checks, and the job ends without a pause.
         report = getattr(self._launcher, "report_dead_children", None)
         if report is not None:
-            report(wait_s=3.0 if lost_peer else 0.0)
+            report(wait_s=3.0 if peer_gone else 0.0)
         heartbeat.mark_failed()  # at exit this rank goes silent to its peers, not "finished"
         super().on_exception(exception)
 

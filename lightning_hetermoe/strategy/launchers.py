@@ -274,6 +274,13 @@ def first_dead(procs: list[subprocess.Popen], wait_s: float = 0.0) -> tuple[int,
         time.sleep(0.05)
 
 
+def lost_peer(error: BaseException) -> bool:
+    """``error`` is a collective's on a connection its peer closed (gloo's "connection closed
+    by peer", "reset by peer"): the peer is gone, not this rank at fault."""
+    text = str(error).lower()
+    return "closed" in text or "reset by peer" in text
+
+
 _reported: set[int] = set()
 
 
