@@ -25,6 +25,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -931,9 +932,12 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         peer_gone = lost_peer(exception)
-        if not peer_gone and not isinstance(exception, KeyboardInterrupt):
-            print(f"[hetermoe] rank {self.global_rank} ({self.describe_rank(self.global_rank)}) failed: "
-                  f"{type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
+        who = f"[hetermoe] rank {self.global_rank} ({self.describe_rank(self.global_rank)})"
+        if isinstance(exception, SIGTERMException):  # a preemption, not a fault: every rank stops alike
+            print(f"{who} stopped: the job got SIGTERM, and every rank stops before its next batch",
+                  file=sys.stderr, flush=True)
+        elif not peer_gone and not isinstance(exception, KeyboardInterrupt):
+            print(f"{who} failed: {type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
         # A peer's death surfaces here as a gloo "connection closed/reset": name the peer (its
         # socket closes a moment before its process is reaped). This rank's own error has no
         # dead peer to wait for: it only checks, and the job ends without a pause.
