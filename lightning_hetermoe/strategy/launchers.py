@@ -19,6 +19,7 @@ about which rank died.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import signal
 import subprocess
@@ -202,6 +203,11 @@ def leave_at_exit() -> None:
         import lightning_hetermoe.comm as comm
 
         comm.forget()
+    # Finalization then collects garbage over every object torch and Lightning made: 1.6-2.1 s
+    # after a user's Trainer.fit on a 2-core machine, 0.25-0.3 s with them left out of it. They
+    # go with the process anyway; what their counts free is still finalized, and only cycles
+    # left at exit stay uncollected (which Python never promised to collect).
+    gc.freeze()
 
 
 def exit_now(code: int = 0) -> None:
