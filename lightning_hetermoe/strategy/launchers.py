@@ -230,8 +230,9 @@ def exit_now(code: int = 0) -> None:
 def run_and_exit(main: Callable[[], Any]) -> None:
     """Run a command of the pack's own and end the process through :func:`exit_now`, whether
     its work finished or failed. A failure is reported as the interpreter would report it
-    (the traceback, or a ``SystemExit`` message) with the same exit code, but without the
-    finalization after it: its seconds of garbage collection are seconds the job's other
+    (the traceback, or a ``SystemExit`` message) with its exit code (1 for an uncaught error;
+    a Ctrl-C outside Lightning's loop too, where the interpreter would end on SIGINT), but
+    without the finalization after it: its seconds of garbage collection are seconds the job's other
     ranks spend waiting on a collective for this one to go."""
     try:
         main()
