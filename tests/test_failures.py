@@ -18,15 +18,25 @@ ROOT = Path(__file__).resolve().parents[1]
 ROLES = "strategy.require_expert_ranks=true"
 
 
-def run_main_job(tmp_path, *overrides: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    t0 = time.monotonic()
+# the fault callbacks (tests/faults.py) on the path of the main job's ranks
+FAULTS_PATH = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+
+
+def main_job_command(tmp_path, *overrides: str) -> list[str]:
+    """The main job on two CPU ranks (ep unless a mode is given; zebra and distep with the
+    paper's roles), running into ``tmp_path``."""
     overrides = overrides if any(o.startswith("strategy.mode=") for o in overrides) else ("strategy.mode=ep",) + overrides
     if any(o in ("strategy.mode=zebra", "strategy.mode=distep") for o in overrides):
         overrides = (ROLES, *overrides)
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=50", "cluster=cpu2",
-                           f"hydra.run.dir={tmp_path}", *overrides], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return [sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=50", "cluster=cpu2",
+            f"hydra.run.dir={tmp_path}", *overrides]
+
+
+def run_main_job(tmp_path, *overrides: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=FAULTS_PATH)
+    t0 = time.monotonic()
+    proc = subprocess.run(main_job_command(tmp_path, *overrides), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     return proc, time.monotonic() - t0
 
 
@@ -54,11 +64,10 @@ def test_zebra_rank_failing_mid_schedule_ends_every_rank(tmp_path, fault, rank, 
     in the interpreter's finalization while the other rank waited on it)."""
     from helpers_exit import EXIT_S, run_to_exit
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    code, out, after_s = run_to_exit(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_steps=50", "cluster=cpu2",
-         f"hydra.run.dir={tmp_path}", ROLES, "strategy.mode=zebra", f"+callbacks.fault._target_={fault}",
-         f"+callbacks.fault.rank={rank}", "+callbacks.fault.step=2"], expect, cwd=ROOT, timeout=120)
+    monkeypatch.setenv("PYTHONPATH", FAULTS_PATH)  # run_to_exit passes the environment on
+    cmd = main_job_command(tmp_path, "strategy.mode=zebra", f"+callbacks.fault._target_={fault}",
+                           f"+callbacks.fault.rank={rank}", "+callbacks.fault.step=2")
+    code, out, after_s = run_to_exit(cmd, expect, cwd=ROOT, timeout=120)
     assert code != 0
     assert after_s < EXIT_S, f"the job's processes ended {after_s:.1f} s after rank {rank} failed:\n{out[-3000:]}"
     assert not (tmp_path / "summary.json").exists()
@@ -77,7 +86,7 @@ def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
     script = str(ROOT / "recipes" / "train.py")
     cmd = [sys.executable, script] if launch == "pack" else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", script]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=FAULTS_PATH)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd + overrides, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
