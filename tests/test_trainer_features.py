@@ -6,7 +6,8 @@ counts, not rank 0's share), the pack's loader built in the script before the ru
 loaders over ``IterableDataset`` streams of unequal lengths (every rank stops where the
 shortest ends; what ran equals one process taking every rank's batches as its global batch), ``self.all_gather`` in a step (as under DDP where every rank runs the
 step; refused, naming why, where only the attention ranks do), and Lightning's weight
-averaging, refused before anything trains."""
+averaging, refused before anything trains; Lightning's fine-tuning callback freezing and
+unfreezing blocks mid-run (equal to one process)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelSummary, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import (BaseFinetuning, EMAWeightAveraging, ModelSummary, StochasticWeightAveraging,
+                                         WeightAveraging)
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -183,6 +185,60 @@ def test_the_model_summary_counts_the_whole_model_not_rank_0_s_share_in_every_mo
             sizes = re.search(r"^0 \| model .*\| (\S.*?) +\| (\S.*?) *$", got["text"], re.M).group(1, 2)
             assert sizes == (("[[2, 16], '?']", "[[2, 16, 256], ['?', '?']]") if key[0] in ("ep", "datacentric")
                              else ("?", "?")), (key, got["text"])
+
+
+class FreezeThenSwap(BaseFinetuning):
+    """Lightning's fine-tuning callback: block 0 frozen through the first epoch, then block 0
+    trains and block 1 is frozen (made trainable and frozen mid-run, both ways)."""
+
+    def freeze_before_training(self, pl_module) -> None:
+        self.freeze(pl_module.model.blocks[0])
+
+    def finetune_function(self, pl_module, current_epoch: int, optimizer) -> None:
+        if current_epoch == 1:
+            self.make_trainable(pl_module.model.blocks[0])
+            self.freeze(pl_module.model.blocks[1])
+
+
+FREEZING_WINDOWS = WINDOWS[2] // 2  # 4 steps an epoch at 2 ranks' global batch
+
+
+def _freezing_plan(mode: str, world: int):
+    # zebra with both ranks attention ranks, each holding half the experts: their dense
+    # gradients are summed in buckets
+    if mode == "zebra":
+        return make_test_plan(world, list(range(world)), R=2, placement=[[0, 0, 1, 1]] * 2)
+    return _plan(mode, world)
+
+
+def fit_freezing(rank: int, world: int) -> dict:
+    out = {}
+    for mode in MODES:
+        model = make_model(4, seed=0, optim=OptimConfig())
+        t = trainer(HeterMoEStrategy(mode=mode, plan=_freezing_plan(mode, world)), world, max_epochs=2,
+                    callbacks=[FreezeThenSwap()])
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=FREEZING_WINDOWS))
+        out[mode] = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "steps": t.global_step}
+    return out
+
+
+@pytest.mark.slow
+def test_parameters_frozen_and_unfrozen_mid_run_train_like_one_process_in_every_mode():
+    """What one process does: a frozen parameter keeps no gradient and no optimizer step
+    (Adam counts no steps on it, nothing decays it), and once unfrozen its gradient is summed
+    over the ranks like every other. DDP (ep, data-centric) sums only what required a
+    gradient when it was built, and alone would train the unfrozen block on each rank's own
+    gradient; zebra had filled frozen gradients with zeros for its collectives."""
+    model = make_model(4, seed=0, optim=OptimConfig())
+    initial = copy.deepcopy(model.state_dict())
+    one = trainer("auto", 1, max_epochs=2, callbacks=[FreezeThenSwap()])
+    one.fit(model, datamodule=data(1, GLOBAL[2], windows=FREEZING_WINDOWS))
+    expected = model.state_dict()
+    per_rank = run_ranks(2, fit_freezing, 2)
+    for mode in MODES:
+        got = per_rank[0][mode]
+        assert got["steps"] == one.global_step == 8, mode
+        assert_same_params(got["state"], expected, initial)
 
 
 class GatherInValidationStep(MoELanguageModel):

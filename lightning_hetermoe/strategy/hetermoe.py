@@ -114,6 +114,7 @@ class HeterMoEStrategy(DDPStrategy):
         self.clock = RunClock(self.args.cluster, self.args.profile, rank=0)
         self.backend: ParallelBackend | None = None
         self._built_whole = True  # the user built the model whole (not on the meta device)
+        self._ddp_trainable: frozenset[int] = frozenset()  # the parameters DDP's reducer sums
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         # a checkpoint asked for while this rank handles an error: None (no such save under
         # way), else why it is not saved ('' where every rank asked for it: it is)
@@ -458,6 +459,7 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.backend.ddp_ignored(model))
+        self._ddp_trainable = trainable(model)
         if comm.world().staged or self._standin is not None:
             # DDP's buckets through comm: staged where the replicas span vendors, and recorded
             # (and on the stand-in, where gloo gets the CPU memory it holds); the stand-in's
@@ -471,7 +473,24 @@ class HeterMoEStrategy(DDPStrategy):
             return ddp
         return super()._setup_model(model)
 
+    def _follow_trainable(self) -> None:
+        """DDP sums the gradients of the parameters that required one when it was built: one
+        unfrozen later (Lightning's BaseFinetuning, BackboneFinetuning) would train on each
+        rank's own gradient, and one frozen later would leave DDP waiting for a gradient that
+        never comes. Where the set changed, the model is wrapped again (a collective: every
+        rank runs the same callbacks before the same batch). Plain DDP does neither."""
+        if isinstance(self.model, DistributedDataParallel) and trainable(self.lightning_module) != self._ddp_trainable:
+            self.model = self.model.module
+            self.configure_ddp()
+
     # -- the step -----------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # after every callback's and the module's own hook, before the step (and before
+        # Lightning's no_sync for an accumulating batch)
+        self._follow_trainable()
+
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -990,3 +1009,8 @@ class HeterMoEStrategy(DDPStrategy):
 
 
 __all__ = ["HeterMoEStrategy", "MODES"]
+
+
+def trainable(module: torch.nn.Module) -> frozenset[int]:
+    """The parameters of ``module`` that take a gradient (by identity)."""
+    return frozenset(id(p) for p in module.parameters() if p.requires_grad)

@@ -448,7 +448,9 @@ def broadcast_whole(module: nn.Module, what: str) -> None:
 
 
 def zero_missing_grads(params: list[nn.Parameter]) -> None:
-    """A parameter no token reached still takes part in every gradient collective."""
+    """A parameter no token reached still takes part in every gradient collective. A frozen
+    one takes part in none and keeps no gradient: the optimizer skips it, as in one process
+    (a zero gradient would count Adam's steps on it and decay it)."""
     for p in params:
-        if p.grad is None:
+        if p.grad is None and p.requires_grad:
             p.grad = torch.zeros_like(p)

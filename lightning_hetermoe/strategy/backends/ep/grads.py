@@ -43,7 +43,8 @@ def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None
     so the result is the gradient of the global mean loss."""
     replicas = groups.world_size // groups.ep_size
     for _, layer in moe_layers(module):
-        params = list(layer.experts.parameters(recurse=False))
+        # a frozen expert tensor (frozen on every rank alike) has no gradient to sum
+        params = [p for p in layer.experts.parameters(recurse=False) if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -79,8 +79,8 @@ def dense_buckets(module: nn.Module, blocks: list[nn.Module], expert_ids: set[in
     """The dense parameters of ``module`` in all-reduce buckets, the same on every attention
     rank (derived from the module's parameter order alone): the parameters of block
     ``L-1``, then ``L-2``, ... ``0`` (the order a backward finishes them), then the rest
-    (embeddings, head, final norm, and any parameter registered in more than one place).
-    A bucket holds the parameters of one layer and one dtype, at most ``cap`` bytes of
+    (embeddings, head, final norm, and any parameter registered in more than one place);
+    frozen ones left out (every rank freezes alike: the buckets still match). A bucket holds the parameters of one layer and one dtype, at most ``cap`` bytes of
     them unless a single parameter is larger (then it is a bucket of its own)."""
     owner: dict[int, int | None] = {}
     for l, block in enumerate(blocks):
@@ -93,7 +93,7 @@ def dense_buckets(module: nn.Module, blocks: list[nn.Module], expert_ids: set[in
         registered[id(p)] -= 1
     groups: list[list[nn.Parameter]] = [[] for _ in range(len(blocks) + 1)]
     for p in module.parameters():
-        if id(p) in expert_ids:
+        if id(p) in expert_ids or not p.requires_grad:  # a frozen one has no gradient to sum
             continue
         l = owner.get(id(p))
         inside = l is not None and registered[id(p)] == 0  # registered in its block only
@@ -435,7 +435,7 @@ class ZebraBackend(ParallelBackend):
     # -- gradients ----------------------------------------------------------------------
     def sync_grads(self, module: nn.Module) -> None:
         for layer in self.layers:
-            params = list(layer.experts.parameters(recurse=False))
+            params = [p for p in layer.experts.parameters(recurse=False) if p.requires_grad]
             zero_missing_grads(params)
             if len(self.plan.zp_groups) > 1:
                 for p in params:
