@@ -16,11 +16,12 @@ import copy
 import io
 import itertools
 import logging
+import os
 import re
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import (BaseFinetuning, EMAWeightAveraging, ModelSummary, StochasticWeightAveraging,
+from lightning.pytorch.callbacks import (BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelSummary, StochasticWeightAveraging,
                                          WeightAveraging)
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, IterableDataset
@@ -188,57 +189,88 @@ def test_the_model_summary_counts_the_whole_model_not_rank_0_s_share_in_every_mo
 
 
 class FreezeThenSwap(BaseFinetuning):
-    """Lightning's fine-tuning callback: block 0 frozen through the first epoch, then block 0
-    trains and block 1 is frozen (made trainable and frozen mid-run, both ways)."""
+    """Lightning's fine-tuning callback as its docs use it (the optimizer over the trainable
+    parameters only): block 0 frozen through the first epoch, then added to the optimizer
+    as a group of its own while block 1 is frozen (made trainable and frozen mid-run, both
+    ways)."""
 
     def freeze_before_training(self, pl_module) -> None:
         self.freeze(pl_module.model.blocks[0])
 
     def finetune_function(self, pl_module, current_epoch: int, optimizer) -> None:
         if current_epoch == 1:
-            self.make_trainable(pl_module.model.blocks[0])
+            self.unfreeze_and_add_param_group(pl_module.model.blocks[0], optimizer, lr=1e-3)
             self.freeze(pl_module.model.blocks[1])
 
 
+class TrainableOnly(MoELanguageModel):
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=OptimConfig().lr)
+
+
 FREEZING_WINDOWS = WINDOWS[2] // 2  # 4 steps an epoch at 2 ranks' global batch
+FREEZING_SAVED_AT = 6  # a checkpoint after the group was added (epoch 1), resumed to the end
 
 
 def _freezing_plan(mode: str, world: int):
     # zebra with both ranks attention ranks, each holding half the experts: their dense
-    # gradients are summed in buckets
+    # gradients are summed in buckets (distep's attention rank holds no experts)
     if mode == "zebra":
         return make_test_plan(world, list(range(world)), R=2, placement=[[0, 0, 1, 1]] * 2)
     return _plan(mode, world)
 
 
-def fit_freezing(rank: int, world: int) -> dict:
+def fit_freezing(rank: int, world: int, mode: str | None = None, resume: str | None = None,
+                 save: str | None = None, checkpoint_format: str = "auto") -> dict[str, torch.Tensor]:
+    """The whole run (8 steps), from ``resume`` if given; ``save``: a directory where a
+    checkpoint of step :data:`FREEZING_SAVED_AT` lands (``saved.ckpt``)."""
+    model = TrainableOnly(make_model(4).model_cfg, OptimConfig())
+    model.load_state_dict(make_model(4, seed=0).state_dict())
+    strategy = "auto" if world == 1 else HeterMoEStrategy(mode=mode, plan=_freezing_plan(mode, world),
+                                                          checkpoint_format=checkpoint_format)
+    saving = [ModelCheckpoint(dirpath=save, filename="saved", every_n_train_steps=FREEZING_SAVED_AT,
+                              save_top_k=-1)] if save else []
+    t = trainer(strategy, world, max_epochs=2, callbacks=[FreezeThenSwap(), *saving], enable_checkpointing=bool(save))
+    t.fit(model, datamodule=data(world, GLOBAL[2], windows=FREEZING_WINDOWS), ckpt_path=resume)
+    assert t.global_step == 8
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def fit_freezing_every_mode(rank: int, world: int, tmp: str) -> dict:
     out = {}
+    # ep saves one file, zebra a sharded checkpoint (its optimizers fill as it loads)
+    formats = {"ep": "full", "zebra": "sharded"}
     for mode in MODES:
-        model = make_model(4, seed=0, optim=OptimConfig())
-        t = trainer(HeterMoEStrategy(mode=mode, plan=_freezing_plan(mode, world)), world, max_epochs=2,
-                    callbacks=[FreezeThenSwap()])
-        t.fit(model, datamodule=data(world, GLOBAL[world], windows=FREEZING_WINDOWS))
-        out[mode] = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "steps": t.global_step}
+        fmt = formats.get(mode, "auto")
+        out[mode] = fit_freezing(rank, world, mode, save=os.path.join(tmp, mode) if mode in formats else None,
+                                 checkpoint_format=fmt)
+        if mode in formats:
+            out[mode, "resumed"] = fit_freezing(rank, world, mode, resume=os.path.join(tmp, mode, "saved.ckpt"),
+                                                checkpoint_format=fmt)
     return out
 
 
 @pytest.mark.slow
-def test_parameters_frozen_and_unfrozen_mid_run_train_like_one_process_in_every_mode():
+def test_parameters_frozen_and_unfrozen_mid_run_train_and_resume_like_one_process_in_every_mode(tmp_path):
     """What one process does: a frozen parameter keeps no gradient and no optimizer step
-    (Adam counts no steps on it, nothing decays it), and once unfrozen its gradient is summed
-    over the ranks like every other. DDP (ep, data-centric) sums only what required a
+    (Adam's moments do not move it on, nothing decays it), and once unfrozen its gradient is
+    summed over the ranks like every other. DDP (ep, data-centric) sums only what required a
     gradient when it was built, and alone would train the unfrozen block on each rank's own
-    gradient; zebra had filled frozen gradients with zeros for its collectives."""
-    model = make_model(4, seed=0, optim=OptimConfig())
-    initial = copy.deepcopy(model.state_dict())
-    one = trainer("auto", 1, max_epochs=2, callbacks=[FreezeThenSwap()])
-    one.fit(model, datamodule=data(1, GLOBAL[2], windows=FREEZING_WINDOWS))
-    expected = model.state_dict()
-    per_rank = run_ranks(2, fit_freezing, 2)
-    for mode in MODES:
-        got = per_rank[0][mode]
-        assert got["steps"] == one.global_step == 8, mode
-        assert_same_params(got["state"], expected, initial)
+    gradient; zebra filled frozen gradients with zeros; a rank holding none of block 0's
+    experts (distep's attention rank) has them left out of its optimizer by the callback,
+    and the run's end gathered the experts' moments in step with no other rank. A resumed
+    run gets the callback's groups back before the optimizer state loads, from a whole file
+    (ep) and from a sharded checkpoint (zebra; the callback keeps ZeRO-1 off: it finds the
+    module's parameters in the optimizer's groups)."""
+    initial = make_model(4, seed=0).state_dict()
+    expected = fit_freezing(0, 1, save=str(tmp_path / "one"))
+    # (Lightning's resume of this callback mid-epoch does not land where the whole run does,
+    # on one process either: the resumed runs are held to one process's resumed run)
+    expected_resumed = fit_freezing(0, 1, resume=str(tmp_path / "one" / "saved.ckpt"))
+    per_rank = run_ranks(2, fit_freezing_every_mode, 2, str(tmp_path))
+    for key, got in per_rank[0].items():
+        assert_same_params(got, expected_resumed if key[1:] == ("resumed",) else expected, initial)
+    assert ("zebra", "resumed") in per_rank[0]
 
 
 class GatherInValidationStep(MoELanguageModel):

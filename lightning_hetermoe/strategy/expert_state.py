@@ -153,11 +153,10 @@ class ExpertState:
 
     def _whole_slot(self, l: int, pname: str, p: nn.Parameter, slot: dict, place=lambda t: t) -> dict:
         """An expert parameter's optimizer state with each per-element tensor (its
-        parameter's shape) gathered whole (a collective) and handed to ``place``; scalars as
-        they are."""
-        return {key: place(self.backend.gather_experts(l, value, pname))
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape else value
-                for key, value in slot.items()}
+        parameter's shape) gathered whole (a collective, in the slot's key order) and handed
+        to ``place``; scalars as they are."""
+        return {key: place(self.backend.gather_experts(l, value, pname)) if _per_element(value, p) else value
+                for key, value in sorted(slot.items())}
 
     def slice_optimizer_state(self, opt_state: dict[str, Any], optimizer) -> None:
         """A full checkpoint's optimizer state, cut down to what this rank holds (in place)."""
@@ -192,14 +191,24 @@ class ExpertState:
         order on every rank), ``(optimizer, parameter name, the laid-out parameter, its
         state)``, for :meth:`adopt_whole` to hand to the whole parameters once they exist."""
         out = []
-        for opt in optimizers:
-            inner = getattr(opt, "_optimizer", opt)
-            for l, name, layer in self._layers():
-                for pname, p in layer.experts.named_parameters(recurse=False):
-                    st = inner.state.get(p)
-                    if not st:
-                        continue
-                    out.append((inner, f"{name}.experts.{pname}", p, self._whole_slot(l, pname, p, st, _to_host)))
+        slots = [(getattr(opt, "_optimizer", opt), l, name, pname, p) for opt in optimizers
+                 for l, name, layer in self._layers() for pname, p in layer.experts.named_parameters(recurse=False)]
+        # Whether a parameter has state can differ between ranks: a rank holding none of a
+        # layer's experts holds empty tensors, and Lightning's fine-tuning callback, which
+        # tests membership by value, finds an empty tensor "already in" the optimizer and
+        # leaves it out. Such a rank still takes part in every gather, with nothing.
+        mine = [sorted(k for k, v in (inner.state.get(p) or {}).items() if _per_element(v, p)) or None
+                for inner, _, _, _, p in slots]
+        everyone = comm.gather_objects(comm.world(), mine, what="experts.optimizer_keys") \
+            if comm.configured() and comm.world().size > 1 else [mine]
+        for i, (inner, l, name, pname, p) in enumerate(slots):
+            st = inner.state.get(p)
+            if st:
+                out.append((inner, f"{name}.experts.{pname}", p, self._whole_slot(l, pname, p, st, _to_host)))
+                continue
+            keys = next((keys[i] for keys in everyone if keys[i]), None)
+            if keys is not None and p.numel() == 0:
+                self._whole_slot(l, pname, p, {k: torch.empty_like(p) for k in keys})
         return out
 
     def adopt_whole(self, gathered: list[tuple[Any, str, nn.Parameter, dict]], names: dict[int, str]) -> None:
@@ -252,3 +261,8 @@ class ExpertState:
             layer.experts.expert_ids = idx.to(layer.experts.expert_ids.device)
         self.backend.adopt_placement(new)
         return new.moved_copies(current)
+
+
+def _per_element(value: Any, p: nn.Parameter) -> bool:
+    """An optimizer state entry with one value per element of ``p`` (Adam's moments, not its step)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape

@@ -297,6 +297,13 @@ class HeterMoEStrategy(DDPStrategy):
         group = self.backend.dense_replicas()
         if not self.args.shard_optimizer_state or not self.sharded_checkpoints or group is None or group.size < 2:
             return None
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        tuners = [type(c).__name__ for c in self.lightning_module.trainer.callbacks if isinstance(c, BaseFinetuning)]
+        if tuners:  # it finds the module's parameters in the optimizers' groups, where shards would stand
+            rank_zero_warn(f"HeterMoEStrategy: optimizer state stays whole on every replica: {tuners} reads and "
+                           f"adds the optimizer's parameter groups by the module's parameters")
+            return None
         unfit = [type(getattr(o, "_optimizer", o)).__name__ for o in self.optimizers if not shardable(o)]
         if unfit:
             rank_zero_warn(f"HeterMoEStrategy: optimizer state stays whole on every replica: {unfit} may read more "
@@ -883,8 +890,11 @@ class HeterMoEStrategy(DDPStrategy):
             saved = {n: t.shape for n, t in checkpoint["state_dict"].items() if torch.is_tensor(t)}
             check_same_model(saved, model, strict, what)
             return checkpoint
-        check_same_model(read_meta(path)["hetermoe"]["shapes"], model, strict, what)
+        meta = read_meta(path)
+        check_same_model(meta["hetermoe"]["shapes"], model, strict, what)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # the optimizers load here, before Lightning restores the callbacks
+            restore_finetuning_groups(self.lightning_module.trainer, self.lightning_module, meta.get("callbacks") or {})
         loaded = self._sharded_state().load(path, self.optimizers if fitting else [], comm.world().host,
                                             strict=self.lightning_module.strict_loading, with_optimizers=fitting)
         self.check_memory(f"loading checkpoint {path}")
@@ -898,6 +908,7 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        restore_finetuning_groups(self.lightning_module.trainer, self.lightning_module)
         experts = ExpertState(self.backend, self.lightning_module)
         states = list(checkpoint["optimizer_states"])
         for i, optimizer in enumerate(self.optimizers):
@@ -1014,3 +1025,22 @@ __all__ = ["HeterMoEStrategy", "MODES"]
 def trainable(module: torch.nn.Module) -> frozenset[int]:
     """The parameters of ``module`` that take a gradient (by identity)."""
     return frozenset(id(p) for p in module.parameters() if p.requires_grad)
+
+
+def restore_finetuning_groups(trainer: Any, module: Any, states: dict[str, Any] | None = None) -> None:
+    """The parameter groups a fine-tuning callback (Lightning's ``BaseFinetuning``) added
+    before the checkpoint, back in the optimizers before their state loads. The callback
+    puts them back in its ``on_fit_start`` once its state is restored; the strategy restores
+    after set-up (the layout decides what each rank reads), after ``on_fit_start`` ran with
+    nothing to restore, so its hook runs again here, where it has (it acts once per restore).
+    ``states``: the checkpoint's callback states, for a load that comes before Lightning
+    restores the callbacks (a sharded checkpoint fills the optimizers as it loads)."""
+    import copy
+
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning):
+            if states is not None and callback.state_key in states:
+                callback.load_state_dict(copy.deepcopy(states[callback.state_key]))
+            callback.on_fit_start(trainer, module)
