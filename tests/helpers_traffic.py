@@ -7,7 +7,7 @@ HOST_TRAFFIC = ("batch.shapes", "batch.tokens", "zebra.header", "zebra.answer_he
                 "strategy.checkpoint.mkdir", "strategy.memory_report", "strategy.callback_metrics", "batch.counts",
                 "zebra.eval", "strategy.batches", "zebra.train_outputs", "lightning.sigterm", "lightning.sigterm.agree",
                 "batch.gather.host", "strategy.broadcast", "strategy.barrier", "strategy.decision",
-                "cluster.devices", "profile.devices")
+                "cluster.devices", "profile.devices", "experts.optimizer_keys")
 DEVICE_TRAFFIC = ("zebra.rows", "zebra.answers", "zebra.loss", "zebra.clip", "zebra.grads.dense",
                   "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "ep.weights",
                   "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather",

@@ -80,8 +80,9 @@ def dense_buckets(module: nn.Module, blocks: list[nn.Module], expert_ids: set[in
     rank (derived from the module's parameter order alone): the parameters of block
     ``L-1``, then ``L-2``, ... ``0`` (the order a backward finishes them), then the rest
     (embeddings, head, final norm, and any parameter registered in more than one place);
-    frozen ones left out (every rank freezes alike: the buckets still match). A bucket holds the parameters of one layer and one dtype, at most ``cap`` bytes of
-    them unless a single parameter is larger (then it is a bucket of its own)."""
+    frozen ones left out (every rank freezes alike: the buckets still match). A bucket holds
+    the parameters of one layer and one dtype, at most ``cap`` bytes of them unless a single
+    parameter is larger (then it is a bucket of its own)."""
     owner: dict[int, int | None] = {}
     for l, block in enumerate(blocks):
         for p in block.parameters():
