@@ -7,7 +7,8 @@ loaders over ``IterableDataset`` streams of unequal lengths (every rank stops wh
 shortest ends; what ran equals one process taking every rank's batches as its global batch), ``self.all_gather`` in a step (as under DDP where every rank runs the
 step; refused, naming why, where only the attention ranks do), and Lightning's weight
 averaging, refused before anything trains; Lightning's fine-tuning callback freezing and
-unfreezing blocks mid-run (equal to one process)."""
+unfreezing blocks mid-run, and manual optimization clipping in its step (each equal to one
+process)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from harness import run_ranks
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, check, make_test_plan, pieces
 from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, OptimConfig
 from lightning_hetermoe.configs import ConfigError
-from reference import SEQ, assert_same_params, data, make_model, reference_fit, trainer
+from reference import SEQ, assert_same_params, data, make_model, reference_fit, relative_gap, trainer
 
 MODES = ("ep", "zebra", "distep", "datacentric")
 LR_FIND_STEPS = 16
@@ -271,6 +272,61 @@ def test_parameters_frozen_and_unfrozen_mid_run_train_and_resume_like_one_proces
     for key, got in per_rank[0].items():
         assert_same_params(got, expected_resumed if key[1:] == ("resumed",) else expected, initial)
     assert ("zebra", "resumed") in per_rank[0]
+
+
+class ManualStep(MoELanguageModel):
+    """Manual optimization as Lightning's docs write it: backward, clip, step, zero_grad,
+    schedule (``clip``: the algorithm, or ``None``)."""
+
+    def __init__(self, clip: str | None) -> None:
+        super().__init__(make_model(4).model_cfg, OptimConfig())
+        self.load_state_dict(make_model(4, seed=0).state_dict())
+        self.automatic_optimization = False
+        self.clip = clip
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.losses(batch)["loss"]
+        self.manual_backward(loss)
+        if self.clip is not None:
+            self.clip_gradients(opt, gradient_clip_val=0.5 if self.clip == "norm" else 2e-3,
+                                gradient_clip_algorithm=self.clip)
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()
+        return loss
+
+
+MANUAL_CASES = (("ep", "norm"), ("ep", "value"), ("datacentric", "norm"))
+
+
+def fit_manual(rank: int, world: int) -> dict:
+    out = {}
+    for mode, clip in MANUAL_CASES:
+        model = ManualStep(clip)
+        trainer(HeterMoEStrategy(mode=mode), world, max_steps=STEPS).fit(
+            model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out[mode, clip] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.slow
+def test_manual_optimization_clipping_in_its_step_trains_like_one_process_where_it_runs():
+    """A manual ``self.clip_gradients`` comes before ``opt.step()``, where each rank still
+    held its own gradients (summed over the ranks only inside the step): it clipped by a norm
+    or against values of gradients that were not the global batch's. Zebra and distep run
+    the backward themselves and refuse manual optimization (test_bad_input.py)."""
+    initial = make_model(4, seed=0).state_dict()
+    expected = {}
+    for clip in (None, "norm", "value"):
+        model = ManualStep(clip)
+        trainer("auto", 1, max_steps=STEPS).fit(model, datamodule=data(1, GLOBAL[2], windows=WINDOWS[2]))
+        expected[clip] = {k: v.clone() for k, v in model.state_dict().items()}
+    for clip in ("norm", "value"):  # the clip bites
+        assert relative_gap(expected[clip], expected[None], initial) > 1e-3, clip
+    per_rank = run_ranks(2, fit_manual, 2)
+    for (mode, clip), got in per_rank[0].items():
+        assert_same_params(got, expected[clip], initial)
 
 
 class GatherInValidationStep(MoELanguageModel):

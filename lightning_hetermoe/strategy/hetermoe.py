@@ -52,7 +52,7 @@ from .grad_norm import clip_, step_takes_scale, unfold
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
-from .precision import AgreedGradScaler, agree_on_overflow, clip_fused_too, precision_name
+from .precision import AgreedGradScaler, agree_on_overflow, clip_fused_too, clip_synced_grads, precision_name
 from .progress import StepProgress
 from .shared_metrics import SharedCallbackMetrics, mirror_logged_metrics
 from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, lost_peer,
@@ -115,6 +115,7 @@ class HeterMoEStrategy(DDPStrategy):
         self.backend: ParallelBackend | None = None
         self._built_whole = True  # the user built the model whole (not on the meta device)
         self._ddp_trainable: frozenset[int] = frozenset()  # the parameters DDP's reducer sums
+        self._grads_synced = True  # the gradients of the last backward are summed over the ranks
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
         # a checkpoint asked for while this rank handles an error: None (no such save under
         # way), else why it is not saved ('' where every rank asked for it: it is)
@@ -278,6 +279,7 @@ class HeterMoEStrategy(DDPStrategy):
                 self.memory.predicted = self._predict_memory()
             # Dense and expert gradients live in different groups: the global norm needs both.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+            clip_synced_grads(self.precision_plugin, self._sync_grads)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -497,6 +499,7 @@ class HeterMoEStrategy(DDPStrategy):
         # after every callback's and the module's own hook, before the step (and before
         # Lightning's no_sync for an accumulating batch)
         self._follow_trainable()
+        self._grads_synced = False  # (a manual step may run its backward without manual_backward)
 
     @override
     def on_train_start(self) -> None:
@@ -598,7 +601,9 @@ class HeterMoEStrategy(DDPStrategy):
             return super(HeterMoEStrategy, self).backward(loss, optimizer, *args, **kwargs)
 
         with self.backend.stepping():
-            return self.backend.backward(closure_loss, default, self.precision_plugin, self.lightning_module)
+            out = self.backend.backward(closure_loss, default, self.precision_plugin, self.lightning_module)
+        self._grads_synced = False
+        return out
 
     @override
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -687,9 +692,7 @@ class HeterMoEStrategy(DDPStrategy):
             result = closure()
             first = not tail_started
             tail_started.append(time.perf_counter())
-            self.backend.sync_grads(self.lightning_module)
-            if self._sharding is not None:
-                self._sharding.prepare_grads()
+            self._sync_grads()
             if first and self._expert_bias is not None:
                 # the routers' biases move by the step's load before the update is queued: a
                 # collective after it would, on a GPU, wait for every rank's optimizer step
@@ -708,6 +711,17 @@ class HeterMoEStrategy(DDPStrategy):
         if self.progress is not None:
             self.progress.finished()
         return out
+
+    def _sync_grads(self) -> None:
+        """The gradients summed over the ranks, once after the last backward: in the
+        optimizer step, or before it where the user's ``training_step`` clips them (manual
+        optimization clips before ``opt.step()``, on gradients each rank still holds alone)."""
+        if self._grads_synced:
+            return
+        self._grads_synced = True
+        self.backend.sync_grads(self.lightning_module)
+        if self._sharding is not None:
+            self._sharding.prepare_grads()
 
     def _pause_progress(self) -> None:
         if self.progress is not None:

@@ -27,7 +27,7 @@ hardware has it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -162,3 +162,20 @@ def clip_fused_too(plugin: Any) -> None:
     plugin.clip_gradients = clip_gradients
     # read by optim.fused=auto (model/lm.py): such a plugin can clip for a fused optimizer
     plugin.clips_fused = True
+
+
+def clip_synced_grads(plugin: Any, sync: Callable[[], None]) -> None:
+    """Let ``plugin`` sum the gradients over the ranks (``sync``) before it clips them (once
+    per plugin). Lightning's own loop clips after the optimizer step's closure, where the
+    strategy has summed them; a manual ``self.clip_gradients`` comes before ``opt.step()``."""
+    if getattr(plugin, "clips_synced", False):
+        return
+    clipping = plugin.clip_gradients
+
+    def clip_gradients(optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
+        if clip_val:
+            sync()
+        return clipping(optimizer, clip_val, gradient_clip_algorithm)
+
+    plugin.clip_gradients = clip_gradients
+    plugin.clips_synced = True
