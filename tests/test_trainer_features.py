@@ -276,7 +276,8 @@ def test_parameters_frozen_and_unfrozen_mid_run_train_and_resume_like_one_proces
 
 class ManualStep(MoELanguageModel):
     """Manual optimization as Lightning's docs write it: backward, clip, step, zero_grad,
-    schedule (``clip``: the algorithm, or ``None``)."""
+    schedule. ``clip``: the algorithm, ``None``, or ``"two"``: two optimizers (the dense
+    parameters on SGD, the experts on Adam), the first clipped by its own parameters' norm."""
 
     def __init__(self, clip: str | None) -> None:
         super().__init__(make_model(4).model_cfg, OptimConfig())
@@ -284,20 +285,31 @@ class ManualStep(MoELanguageModel):
         self.automatic_optimization = False
         self.clip = clip
 
+    def configure_optimizers(self):
+        if self.clip != "two":
+            return super().configure_optimizers()
+        experts = [p for n, p in self.named_parameters() if ".experts." in n]
+        rest = [p for n, p in self.named_parameters() if ".experts." not in n]
+        # SGD where the clip is: its step scales with the clip's coefficient (Adam's hardly)
+        return [torch.optim.SGD(rest, lr=0.1), torch.optim.Adam(experts, lr=OptimConfig().lr)]
+
     def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
         loss = self.losses(batch)["loss"]
         self.manual_backward(loss)
         if self.clip is not None:
-            self.clip_gradients(opt, gradient_clip_val=0.5 if self.clip == "norm" else 2e-3,
-                                gradient_clip_algorithm=self.clip)
-        opt.step()
-        opt.zero_grad()
-        self.lr_schedulers().step()
+            self.clip_gradients(opts[0], gradient_clip_val=2e-3 if self.clip == "value" else 0.5,
+                                gradient_clip_algorithm="value" if self.clip == "value" else "norm")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        if self.clip != "two":
+            self.lr_schedulers().step()
         return loss
 
 
-MANUAL_CASES = (("ep", "norm"), ("ep", "value"), ("datacentric", "norm"))
+MANUAL_CASES = (("ep", "norm"), ("ep", "value"), ("ep", "two"), ("datacentric", "two"))
 
 
 def fit_manual(rank: int, world: int) -> dict:
@@ -314,11 +326,13 @@ def fit_manual(rank: int, world: int) -> dict:
 def test_manual_optimization_clipping_in_its_step_trains_like_one_process_where_it_runs():
     """A manual ``self.clip_gradients`` comes before ``opt.step()``, where each rank still
     held its own gradients (summed over the ranks only inside the step): it clipped by a norm
-    or against values of gradients that were not the global batch's. Zebra and distep run
-    the backward themselves and refuse manual optimization (test_bad_input.py)."""
+    or against values of gradients that were not the global batch's. With two optimizers,
+    the first is clipped by the norm of its own gradients, as in one process (the experts'
+    counted in every optimizer's norm). Zebra and distep run the backward themselves and
+    refuse manual optimization (test_bad_input.py)."""
     initial = make_model(4, seed=0).state_dict()
     expected = {}
-    for clip in (None, "norm", "value"):
+    for clip in (None, "norm", "value", "two"):
         model = ManualStep(clip)
         trainer("auto", 1, max_steps=STEPS).fit(model, datamodule=data(1, GLOBAL[2], windows=WINDOWS[2]))
         expected[clip] = {k: v.clone() for k, v in model.state_dict().items()}

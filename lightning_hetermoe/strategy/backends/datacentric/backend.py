@@ -205,7 +205,9 @@ class DataCentricBackend(DenseDDPBackend):
 
     def grad_sq_norm(self, module: nn.Module, params: list[nn.Parameter], dense_sq: Tensor | None = None) -> Tensor:
         dense = self.dense_grad_sq_norm(params, dense_sq)
-        experts = squared_norm((p.grad for layer in self._layers for p in layer.experts.parameters()), self.device)
+        held = {id(p) for p in params}  # an optimizer's own (manual optimization clips each over its own)
+        experts = squared_norm((p.grad for layer in self._layers for p in layer.experts.parameters() if id(p) in held),
+                               self.device)
         comm.all_reduce(self.group, experts, what="datacentric.clip")  # the ranges partition every expert
         return dense + experts
 

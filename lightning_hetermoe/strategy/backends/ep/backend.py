@@ -114,7 +114,7 @@ class ExpertParallelBackend(DenseDDPBackend):
         dense_sq = self.dense_grad_sq_norm(params, dense_sq)
         if not self._sharded:
             return dense_sq
-        return dense_sq + expert_grad_sq_norm(module, self.groups, self.device)
+        return dense_sq + expert_grad_sq_norm(module, self.groups, self.device, {id(p) for p in params})
 
     # -- experts ------------------------------------------------------------------------
     def placement(self) -> Placement | None:

@@ -54,9 +54,11 @@ def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None
                 comm.all_reduce(groups.replica_group, p.grad, what="ep.grads.replicas")
 
 
-def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups, device: torch.device) -> Tensor:
+def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups, device: torch.device,
+                        held: set[int] | None = None) -> Tensor:
     """Squared norm of all expert gradients of the model, each expert counted once (a copy
-    of an expert on ``n`` ranks counts ``1/n`` on each)."""
+    of an expert on ``n`` ranks counts ``1/n`` on each); ``held``: only the expert tensors
+    of these ids (an optimizer's: manual optimization clips each optimizer over its own)."""
     local = torch.zeros((), dtype=torch.float64, device=device)
     for _, layer in moe_layers(module):
         disp = layer.dispatcher
@@ -64,7 +66,7 @@ def expert_grad_sq_norm(module: nn.Module, groups: ExpertParallelGroups, device:
         weight = comm.to_device(torch.tensor([1.0 / len(disp.copies[e]) for e in ids], dtype=torch.float64,
                                              device="cpu"), device)
         for p in layer.experts.parameters(recurse=False):
-            if p.grad is not None and p.numel():
+            if p.grad is not None and p.numel() and (held is None or id(p) in held):
                 local = local + (squared_row_norms(p.grad) * weight).sum()
     comm.all_reduce(groups.ep_group, local, what="ep.clip")
     return local

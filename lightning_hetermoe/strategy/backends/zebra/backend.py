@@ -499,7 +499,8 @@ class ZebraBackend(ParallelBackend):
         """Every expert once, the dense part once (from the group's first attention rank),
         summed within the ZP group (groups are identical)."""
         counts_dense = self.layout.rank == self.layout.attention_members[0]
-        grads = [p.grad for layer in self.layers for p in layer.experts.parameters(recurse=False)]
+        held = {id(p) for p in params}  # the optimizer's own: each is clipped over its own
+        grads = [p.grad for layer in self.layers for p in layer.experts.parameters(recurse=False) if id(p) in held]
         if counts_dense:
             expert_ids = self._expert_param_ids()
             grads += [p.grad for p in params if id(p) not in expert_ids]
