@@ -22,8 +22,8 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import (BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelSummary, StochasticWeightAveraging,
-                                         WeightAveraging)
+from lightning.pytorch.callbacks import (BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelSummary,
+                                         StochasticWeightAveraging, WeightAveraging)
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -260,7 +260,7 @@ def test_parameters_frozen_and_unfrozen_mid_run_train_and_resume_like_one_proces
     gradient; zebra filled frozen gradients with zeros; a rank holding none of block 0's
     experts (distep's attention rank) has them left out of its optimizer by the callback,
     and the run's end gathered the experts' moments in step with no other rank. A resumed
-    run gets the callback's groups back before the optimizer state loads, from a whole file
+    run gets the callback's groups back before the optimizer state loads, from a full file
     (ep) and from a sharded checkpoint (zebra; the callback keeps ZeRO-1 off: it finds the
     module's parameters in the optimizer's groups)."""
     initial = make_model(4, seed=0).state_dict()
@@ -327,9 +327,9 @@ def test_manual_optimization_clipping_in_its_step_trains_like_one_process_where_
     """A manual ``self.clip_gradients`` comes before ``opt.step()``, where each rank still
     held its own gradients (summed over the ranks only inside the step): it clipped by a norm
     or against values of gradients that were not the global batch's. With two optimizers,
-    the first is clipped by the norm of its own gradients, as in one process (the experts'
-    counted in every optimizer's norm). Zebra and distep run the backward themselves and
-    refuse manual optimization (test_bad_input.py)."""
+    the first is clipped by the norm of its own gradients, as in one process (each
+    optimizer's norm had counted every expert's gradient). Zebra and distep run the backward
+    themselves and refuse manual optimization (test_bad_input.py)."""
     initial = make_model(4, seed=0).state_dict()
     expected = {}
     for clip in (None, "norm", "value", "two"):
