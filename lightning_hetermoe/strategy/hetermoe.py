@@ -488,9 +488,21 @@ class HeterMoEStrategy(DDPStrategy):
         rank's own gradient, and one frozen later would leave DDP waiting for a gradient that
         never comes. Where the set changed, the model is wrapped again (a collective: every
         rank runs the same callbacks before the same batch). Plain DDP does neither."""
-        if isinstance(self.model, DistributedDataParallel) and trainable(self.lightning_module) != self._ddp_trainable:
+        if not isinstance(self.model, DistributedDataParallel) or trainable(self.lightning_module) == self._ddp_trainable:
+            return
+        kwargs = self._ddp_kwargs
+        kept = kwargs.get("init_sync", None)
+        # no broadcast of rank 0's weights: the replicas trained alike, and on a GPU DDP builds
+        # on a side stream, which could read them before the last optimizer step wrote them
+        kwargs["init_sync"] = False
+        try:
             self.model = self.model.module
             self.configure_ddp()
+        finally:
+            if kept is None:
+                del kwargs["init_sync"]
+            else:
+                kwargs["init_sync"] = kept
 
     # -- the step -----------------------------------------------------------------------
     @override
