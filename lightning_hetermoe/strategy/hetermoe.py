@@ -491,18 +491,14 @@ class HeterMoEStrategy(DDPStrategy):
         if not isinstance(self.model, DistributedDataParallel) or trainable(self.lightning_module) == self._ddp_trainable:
             return
         kwargs = self._ddp_kwargs
-        kept = kwargs.get("init_sync", None)
         # no broadcast of rank 0's weights: the replicas trained alike, and on a GPU DDP builds
         # on a side stream, which could read them before the last optimizer step wrote them
-        kwargs["init_sync"] = False
+        self._ddp_kwargs = {**kwargs, "init_sync": False}
         try:
             self.model = self.model.module
             self.configure_ddp()
         finally:
-            if kept is None:
-                del kwargs["init_sync"]
-            else:
-                kwargs["init_sync"] = kept
+            self._ddp_kwargs = kwargs
 
     # -- the step -----------------------------------------------------------------------
     @override

@@ -10,6 +10,7 @@ import lightning_hetermoe.comm as comm
 from ....comm import Group
 from ....model_contract import moe_layers
 from ...grad_norm import squared_row_norms
+from ..base import zero_missing_grads
 from .groups import ExpertParallelGroups
 
 
@@ -45,9 +46,7 @@ def reduce_expert_grads(module: nn.Module, groups: ExpertParallelGroups) -> None
     for _, layer in moe_layers(module):
         # a frozen expert tensor (frozen on every rank alike) has no gradient to sum
         params = [p for p in layer.experts.parameters(recurse=False) if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        zero_missing_grads(params)
         sum_copies(layer, [p.grad for p in params], groups.ep_group)
         if replicas > 1:
             for p in params:
