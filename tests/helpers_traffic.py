@@ -11,4 +11,4 @@ HOST_TRAFFIC = ("batch.shapes", "batch.tokens", "zebra.header", "zebra.answer_he
 DEVICE_TRAFFIC = ("zebra.rows", "zebra.answers", "zebra.loss", "zebra.clip", "zebra.grads.dense",
                   "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "ep.weights",
                   "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather",
-                  "zero.params", "zero.clip", "zebra.outputs", "zebra.metrics")
+                  "zero.params", "zero.clip", "zebra.outputs", "zebra.metrics", "averaging.dense")

@@ -5,10 +5,11 @@ next fit trains at), the model summary printed at the start of a fit (the whole 
 counts, not rank 0's share), the pack's loader built in the script before the run starts,
 loaders over ``IterableDataset`` streams of unequal lengths (every rank stops where the
 shortest ends; what ran equals one process taking every rank's batches as its global batch), ``self.all_gather`` in a step (as under DDP where every rank runs the
-step; refused, naming why, where only the attention ranks do), and Lightning's weight
-averaging, refused before anything trains; Lightning's fine-tuning callback freezing and
-unfreezing blocks mid-run, and manual optimization clipping in its step (each equal to one
-process)."""
+step; refused, naming why, where only the attention ranks do), Lightning's weight averaging
+(EMA: trained, validated, saved after and mid-run and resumed; ``StochasticWeightAveraging``
+and the rebalancer beside an average refused before anything trains), Lightning's
+fine-tuning callback freezing and unfreezing blocks mid-run, and manual optimization
+clipping in its step (each equal to one process)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,18 @@ import logging
 import os
 import re
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import (BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelSummary,
-                                         StochasticWeightAveraging, WeightAveraging)
+                                         StochasticWeightAveraging)
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, IterableDataset
 
 from harness import run_ranks
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, check, make_test_plan, pieces
-from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, OptimConfig
+from lightning_hetermoe import (ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, HFMoELanguageModel,
+                                MoELanguageModel, OptimConfig, load_checkpoint)
 from lightning_hetermoe.configs import ConfigError
 from reference import SEQ, assert_same_params, data, make_model, reference_fit, relative_gap, trainer
 
@@ -112,14 +115,107 @@ def test_the_learning_rate_is_the_optim_config_s_under_the_tuner_s_name(build):
         assert MoELanguageModel(**model.hparams).lr == 0.2
 
 
-@pytest.mark.parametrize("callback", [StochasticWeightAveraging(swa_lrs=1e-2), WeightAveraging(),
-                                      EMAWeightAveraging()], ids=lambda c: type(c).__name__)
 @pytest.mark.parametrize("mode", MODES)
-def test_weight_averaging_is_refused_before_any_process_starts_naming_why(callback, mode):
-    t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, 2)), 2, max_steps=1, callbacks=[callback])
-    with pytest.raises(ConfigError, match=f"{type(callback).__name__} does not work under HeterMoEStrategy on 2 "
-                                          f"ranks: it keeps a copy of the whole model.*Remove the callback"):
+def test_stochastic_weight_averaging_is_refused_before_any_process_starts_naming_what_works(mode):
+    t = trainer(HeterMoEStrategy(mode=mode, plan=_plan(mode, 2)), 2, max_steps=1,
+                callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
+    with pytest.raises(ConfigError, match="StochasticWeightAveraging does not work under HeterMoEStrategy on 2 "
+                                          "ranks: it keeps a copy of the whole model.*Use .*WeightAveraging"):
         t.fit(make_model(4, optim=OptimConfig()), datamodule=data(2, 8))
+
+
+def test_the_rebalancer_is_refused_beside_weight_averaging_whose_average_cannot_follow_a_move():
+    callbacks = [EMAWeightAveraging(), ExpertLoadMonitor(), ExpertRebalancer()]
+    t = trainer(HeterMoEStrategy(mode="ep"), 2, max_steps=1, callbacks=callbacks)
+    with pytest.raises(ConfigError, match="ExpertRebalancer cannot run beside EMAWeightAveraging"):
+        t.fit(make_model(4, optim=OptimConfig()), datamodule=data(2, 8))
+
+
+AVERAGE_DECAY = 0.7  # the average lags the weights by a few steps: a wrong average cannot pass for the right one
+AVERAGING_SAVED_AT = 6  # mid-epoch 1, the average and the weights apart
+
+
+def fit_averaging(rank: int, world: int, mode: str | None = None, resume: str | None = None,
+                  save: str | None = None, checkpoint_format: str = "auto") -> dict:
+    """8 steps under Lightning's EMA weight averaging, validating at each epoch's end (the
+    average swapped in), then ``Trainer.validate`` (the strategy lays the module and the
+    average out again); ``save``: a directory where a checkpoint of step
+    :data:`AVERAGING_SAVED_AT` lands (``saved.ckpt``), and one saved after the validation
+    (``after.ckpt``). Returns the module after fit (the average copied in) and each
+    validation loss."""
+    model = make_model(4, optim=OptimConfig(), seed=0)
+    strategy = "auto" if world == 1 else HeterMoEStrategy(mode=mode, plan=_plan(mode, world),
+                                                          checkpoint_format=checkpoint_format)
+    saving = [ModelCheckpoint(dirpath=save, filename="saved", every_n_train_steps=AVERAGING_SAVED_AT,
+                              save_top_k=-1)] if save else []
+    losses = ValLosses()
+    t = trainer(strategy, world, max_epochs=2, limit_val_batches=1, enable_checkpointing=bool(save),
+                callbacks=[EMAWeightAveraging(decay=AVERAGE_DECAY), losses, *saving])
+    dm = data(world, GLOBAL[2], windows=WINDOWS[2] // 2)  # 4 steps an epoch
+    t.fit(model, datamodule=dm, ckpt_path=resume)
+    assert t.global_step == 8
+    t.validate(model, datamodule=dm, verbose=False)
+    if save:
+        t.save_checkpoint(os.path.join(save, "after.ckpt"))
+    return {"module": {k: v.clone() for k, v in model.state_dict().items()}, "val": losses.values}
+
+
+class ValLosses(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.values.append(float(trainer.callback_metrics["val_loss"]))
+
+
+AVERAGING_FORMATS = {"ep": "sharded", "zebra": "full", "distep": "sharded"}  # data-centric saves nothing here
+
+
+def every_mode_then_resumed(fit, formats: dict[str, str], rank: int, world: int, tmp: str) -> dict:
+    """``fit`` in every mode; where ``formats`` names the mode's checkpoint format, saving a
+    checkpoint into ``tmp/<mode>`` and run again resumed from it (``(mode, "resumed")``)."""
+    out = {}
+    for mode in MODES:
+        fmt = formats.get(mode, "auto")
+        out[mode] = fit(rank, world, mode, save=os.path.join(tmp, mode) if mode in formats else None,
+                        checkpoint_format=fmt)
+        if mode in formats:
+            out[mode, "resumed"] = fit(rank, world, mode, resume=os.path.join(tmp, mode, "saved.ckpt"),
+                                       checkpoint_format=fmt)
+    return out
+
+
+def fit_averaging_every_mode(rank: int, world: int, tmp: str) -> dict:
+    return every_mode_then_resumed(fit_averaging, AVERAGING_FORMATS, rank, world, tmp)
+
+
+@pytest.mark.slow
+def test_weight_averaging_trains_validates_saves_and_resumes_like_one_process_in_every_mode(tmp_path):
+    """Lightning's EMA weight averaging (an ``AveragedModel`` the callback copies from the
+    module in its set-up, before the strategy spreads it) in every mode, against one
+    process: the module after fit (the average copied in), the validation losses (the
+    average swapped in), the checkpoint (the average as its state dict, the trained weights
+    beside it: one file, gathered whole, under zebra with its dense weights on the attention
+    rank alone; sharded pieces under ep, with ZeRO-1, and distep) and a run resumed from it
+    (the average and the trained weights each put back where they were)."""
+    initial = make_model(4, seed=0).state_dict()
+    expected = fit_averaging(0, 1, save=str(tmp_path / "one"))
+    expected_resumed = fit_averaging(0, 1, resume=str(tmp_path / "one" / "saved.ckpt"))
+    one = torch.load(tmp_path / "one" / "saved.ckpt", map_location="cpu", weights_only=False)
+    # the average is not the weights (else the test could not tell them apart)
+    assert relative_gap(one["state_dict"], one["current_model_state"], initial) > 0.05
+    per_rank = run_ranks(2, fit_averaging_every_mode, 2, str(tmp_path))
+    for key, got in per_rank[0].items():
+        want = expected_resumed if key[1:] == ("resumed",) else expected
+        assert_same_params(got["module"], want["module"], initial)
+        assert got["val"] == pytest.approx(want["val"], rel=1e-5), key
+    for name in ("saved.ckpt", "after.ckpt"):  # mid-run, and after the run (the module whole again)
+        one = torch.load(tmp_path / "one" / name, map_location="cpu", weights_only=False)
+        for mode in AVERAGING_FORMATS:
+            saved = load_checkpoint(tmp_path / mode / name)  # a sharded directory read whole
+            for part in ("state_dict", "current_model_state"):
+                assert_same_params(saved[part], one[part], initial)
+            torch.testing.assert_close(saved["averaging_state"], one["averaging_state"])
 
 
 def summary_lines(rank: int, world: int) -> dict:
@@ -238,17 +334,8 @@ def fit_freezing(rank: int, world: int, mode: str | None = None, resume: str | N
 
 
 def fit_freezing_every_mode(rank: int, world: int, tmp: str) -> dict:
-    out = {}
     # ep saves one file, zebra a sharded checkpoint (its optimizers fill as it loads)
-    formats = {"ep": "full", "zebra": "sharded"}
-    for mode in MODES:
-        fmt = formats.get(mode, "auto")
-        out[mode] = fit_freezing(rank, world, mode, save=os.path.join(tmp, mode) if mode in formats else None,
-                                 checkpoint_format=fmt)
-        if mode in formats:
-            out[mode, "resumed"] = fit_freezing(rank, world, mode, resume=os.path.join(tmp, mode, "saved.ckpt"),
-                                                checkpoint_format=fmt)
-    return out
+    return every_mode_then_resumed(fit_freezing, {"ep": "full", "zebra": "sharded"}, rank, world, tmp)
 
 
 @pytest.mark.slow

@@ -75,12 +75,14 @@ def whole(flat: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 def state_dict_of(path: str | os.PathLike, meta: dict[str, Any] | None = None,
-                  batch_bytes: int = DEFAULT_BATCH_BYTES) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` of the LightningModule's state dict, whole."""
+                  batch_bytes: int = DEFAULT_BATCH_BYTES, of: str = "state_dict") -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` of the LightningModule's state dict, whole; ``of="current_model_state"``:
+    the trained weights a checkpoint saved with Lightning's weight averaging keeps beside the
+    average (its ``state_dict``)."""
     meta = meta or read_meta(path)
     shapes = meta["hetermoe"]["shapes"]
-    for key, flat in iter_tensors(path, "state_dict.", batch_bytes):
-        name = key[len("state_dict."):]
+    for key, flat in iter_tensors(path, f"{of}.", batch_bytes):
+        name = key[len(of) + 1:]
         yield name, whole(flat, shapes[name])
 
 
@@ -100,6 +102,8 @@ def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_B
     shapes = info["shapes"]
     checkpoint = {k: v for k, v in meta.items() if k != "hetermoe"}
     checkpoint["state_dict"] = dict(state_dict_of(path, meta, batch_bytes))
+    if "averaging_state" in meta:
+        checkpoint["current_model_state"] = dict(state_dict_of(path, meta, batch_bytes, of="current_model_state"))
     if info.get("optimizers"):
         tensors = dict(iter_tensors(path, "optimizer_states.", batch_bytes))
         checkpoint["optimizer_states"] = [_optimizer_state(i, opt, tensors, shapes)

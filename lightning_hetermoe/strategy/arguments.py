@@ -13,6 +13,7 @@ import torch
 
 from ..cluster import ClusterConfig
 from ..configs import ConfigError, from_cfg
+from ..materialize import built_on_meta
 from ..model_contract import ModelContractError, describe_model, moe_layers
 from ..profile import memory
 from ..routing_record import load_record
@@ -224,23 +225,44 @@ class StrategyArguments:
                                                                        "node, so give every node as many devices"))
 
     def check_callbacks(self, callbacks: list, model: Any, world_size: int, fitting: bool) -> None:
-        """Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``,
-        ``EMAWeightAveraging``) copies the whole module in its ``setup``, before the strategy
-        lays the experts (and, under zebra, the dense weights) out over the ranks: its first
-        update would pair a rank's share with tensors of the whole model and fail, after
-        however long the run trained. Refused before any of it, as Lightning refuses it
-        under FSDP and DeepSpeed."""
-        if not fitting or world_size < 2 or not moe_layers(model):
-            return  # they average only in fit; one rank holds the whole model; a dense model trains as DDP
+        """Lightning's ``StochasticWeightAveraging`` copies the whole module in its
+        ``setup``, before the strategy lays it out over the ranks, and checkpoints that copy
+        inside its own callback state, where no layout can be told apart: its first average
+        would pair a rank's share with the whole model's tensors and fail, after however
+        long the run trained. Refused before any of it, as Lightning refuses it under FSDP
+        and DeepSpeed. ``WeightAveraging`` and ``EMAWeightAveraging`` (Lightning's newer
+        averaging, the average in the checkpoint's ``state_dict``) work: the strategy takes
+        their copy again from the laid-out module (:mod:`.averaging`), but not from a model
+        built on the meta device: Lightning runs their set-up before the strategy's, and a
+        copy of meta tensors fails there."""
+        if not fitting:
+            return  # they average only in fit
         from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
+        averaging = [type(cb).__name__ for cb in callbacks if isinstance(cb, WeightAveraging)]
+        if averaging and built_on_meta(model):
+            raise ConfigError(f"{averaging[0]} copies the model in its set-up, which Lightning runs before the "
+                              f"strategy materialises a model built on the meta device: its copy would hold no "
+                              f"weights. Build the model whole (the main job: init_on_meta=false; "
+                              f"Trainer.init_module() without empty_init=True), or remove the callback")
+        if world_size < 2 or not moe_layers(model):
+            return  # one rank holds the whole model; a dense model trains as DDP
+        moving = [type(cb).__name__ for cb in callbacks if getattr(cb, "moves_experts", False)]
+        if averaging and moving:
+            # the average holds each rank's experts where the plan placed them
+            raise ConfigError(f"{moving[0]} cannot run beside {averaging[0]} under HeterMoEStrategy on {world_size} "
+                              f"ranks: it moves experts between ranks, and the average {averaging[0]} keeps holds "
+                              f"each rank's experts where the plan placed them, so it would average one expert with "
+                              f"another. Remove one of the two callbacks")
         for cb in callbacks:
-            if isinstance(cb, (StochasticWeightAveraging, WeightAveraging)):
+            if isinstance(cb, StochasticWeightAveraging):
                 raise ConfigError(
-                    f"{type(cb).__name__} does not work under HeterMoEStrategy on {world_size} ranks: it keeps a copy "
-                    f"of the whole model taken before the strategy spreads the experts (and, under zebra, the dense "
-                    f"weights) over the ranks, so its averages cannot follow what each rank holds (Lightning refuses "
-                    f"it under FSDP and DeepSpeed alike). Remove the callback, or train on one process")
+                    f"{type(cb).__name__} does not work under HeterMoEStrategy on {world_size} ranks: it keeps a "
+                    f"copy of the whole model taken before the strategy spreads the experts (and, under zebra, the "
+                    f"dense weights) over the ranks, and checkpoints it in its own state, so its averages cannot "
+                    f"follow what each rank holds (Lightning refuses it under FSDP and DeepSpeed alike). Use "
+                    f"lightning.pytorch.callbacks.WeightAveraging (an equal-weight average, as SWA's) or "
+                    f"EMAWeightAveraging, which work here, or train on one process")
 
     def check_model(self, model: Any, device: torch.device, world_size: int = 1) -> None:
         """Everything about the model that can be checked before processes start."""

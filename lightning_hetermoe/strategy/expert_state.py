@@ -115,16 +115,24 @@ class ExpertState:
         return [(l, name, layer) for l, (name, layer) in enumerate(moe_layers(self.module))]
 
     # -- checkpoints --------------------------------------------------------------------
-    def module_state(self) -> dict[str, Any]:
-        state = self.module.state_dict()
+    def module_state(self, local: dict[str, Tensor] | None = None) -> dict[str, Any]:
+        """The whole model's state dict (every expert gathered: a collective). ``local``: a
+        state dict laid out as the module is (a weight average's copy of it) instead of the
+        module's own."""
+        state = dict(local) if local is not None else self.module.state_dict()
         for l, name, layer in self._layers():
             for pname, p in layer.experts.named_parameters(recurse=False):
-                state[f"{name}.experts.{pname}"] = self.backend.gather_experts(l, p.detach(), pname)
+                key = f"{name}.experts.{pname}"
+                state[key] = self.backend.gather_experts(l, state[key].detach(), pname)
         return state
 
     def load_module_state(self, full: dict[str, Tensor], strict: bool) -> None:
         """A full checkpoint's state dict into the laid-out module: each rank keeps its part
         of every expert tensor; a dense tensor this rank keeps empty stays empty."""
+        self.module.load_state_dict(self.local_state(full), strict=strict)
+
+    def local_state(self, full: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A full state dict cut to what this rank holds, laid out as the module is."""
         local = self.module.state_dict(keep_vars=True)
         mine = dict(full)
         for l, name, layer in self._layers():
@@ -139,7 +147,7 @@ class ExpertState:
         for key, t in local.items():
             if t.numel() == 0 and key in mine and mine[key].numel() != 0:
                 mine[key] = t.detach()  # not held here (a zebra expert rank's dense part)
-        self.module.load_state_dict(mine, strict=strict)
+        return mine
 
     def gathered_optimizer_state(self, state: dict[str, Any], optimizer) -> dict[str, Any]:
         if not self._layers():

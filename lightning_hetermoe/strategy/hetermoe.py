@@ -45,7 +45,8 @@ from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
 from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend
-from .expert_state import ExpertState
+from .averaging import follow_layout, made_whole, saved_with_average
+from .expert_state import ExpertState, expert_tensor_names
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
 from .grad_norm import clip_, step_takes_scale, unfold
@@ -263,6 +264,8 @@ class HeterMoEStrategy(DDPStrategy):
         sync_metrics_over(self.lightning_module, self.backend.metrics_group(None))
         count_whole_model(trainer.callbacks, self._whole_numel, self.backend.runs_bare_forward)
         self.model_to_device()  # whatever the model built outside the meta device
+        # (before DDP wraps the module: a weight average copies the module alone)
+        follow_layout(trainer, self.lightning_module, ExpertState(self.backend, self.lightning_module).local_state)
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])
         agree_on_overflow(self.precision_plugin)
@@ -926,7 +929,12 @@ class HeterMoEStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         if self._loaded_sharded:
             return  # loaded in place by load_checkpoint
-        ExpertState(self.backend, self.lightning_module).load_module_state(checkpoint["state_dict"], strict)
+        experts = ExpertState(self.backend, self.lightning_module)
+        experts.load_module_state(checkpoint["state_dict"], strict)
+        if saved_with_average(checkpoint):
+            # the averaging callback loads both into tensors laid out as the module is
+            for key in ("state_dict", "current_model_state"):
+                checkpoint[key] = experts.local_state(checkpoint[key])
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -951,7 +959,11 @@ class HeterMoEStrategy(DDPStrategy):
             return
         # what an offline export to Hugging Face needs (python -m lightning_hetermoe.ckpt to-hf)
         info = {"version": FORMAT_VERSION, "hf": export_info(self.lightning_module)}
+        averaged = saved_with_average(checkpoint)  # the average stands in state_dict, as this rank holds it
         if not self.sharded_checkpoints:
+            if averaged:
+                whole = ExpertState(self.backend, self.lightning_module).module_state(checkpoint["state_dict"])
+                checkpoint = {**checkpoint, "state_dict": whole}
             if self.backend.writes_checkpoints(self.global_rank):
                 self.checkpoint_io.save_checkpoint({**checkpoint, "hetermoe": info}, filepath,
                                                    storage_options=storage_options)
@@ -964,7 +976,10 @@ class HeterMoEStrategy(DDPStrategy):
             path.mkdir(parents=True, exist_ok=True)
         comm.host_barrier(comm.world(), what="strategy.checkpoint.mkdir")
         sharded = self._sharded_state()
-        tensors = {f"state_dict.{n}": v for n, v in checkpoint.pop("state_dict").items()}
+        state = checkpoint.pop("state_dict")
+        tensors = {f"state_dict.{n}": v for n, v in (sharded.module_state(state) if averaged else state).items()}
+        if averaged:
+            tensors.update({f"current_model_state.{n}": v for n, v in checkpoint.pop("current_model_state").items()})
         optimizers = []
         for i, opt in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors.update({f"optimizer_states.{i}.{n}": v for n, v in opt["tensors"].items()})
@@ -1027,10 +1042,15 @@ class HeterMoEStrategy(DDPStrategy):
             experts = ExpertState(self.backend, module) if whole and self.optimizers else None
             # the optimizer follows the model: each expert's moments gathered while laid out
             gathered = experts.gather_optimizer_states(self.optimizers) if experts is not None else []
+            writer = next(r for r in range(self.world_size) if self.backend.writes_checkpoints(r))
+            averages = made_whole(trainer, module, ExpertState(self.backend, module).module_state, writer,
+                                  set(expert_tensor_names(module))) if whole else None
             self.backend.restore(module, gather=whole)
             if experts is not None:
                 experts.adopt_whole(gathered, self._whole_optimizer_names)
                 experts.follow_module(self.optimizers, self._whole_optimizer_names)
+            if averages is not None:
+                averages()
         if self._expert_bias is not None:
             self._expert_bias.remove()
             self._expert_bias = None

@@ -96,9 +96,11 @@ class ShardedState:
         return [[names.get(id(p)) for p in g] for g in groups]
 
     # -- saving ---------------------------------------------------------------------------
-    def module_state(self) -> dict[str, Pieces]:
+    def module_state(self, local: dict[str, Tensor] | None = None) -> dict[str, Pieces]:
+        """This rank's pieces of the module's tensors, or of ``local``: a state dict laid out
+        as the module is (a weight average's copy of it)."""
         out: dict[str, Pieces] = {}
-        for name, t in self.module_tensors():
+        for name, t in (local.items() if local is not None else self.module_tensors()):
             pieces = self.pieces_of(name, t.detach())
             if pieces is not None:
                 out[name] = pieces
@@ -140,7 +142,14 @@ class ShardedState:
     def load(self, path: str | Path, optimizers: list, process_group: Any, strict: bool,
              with_optimizers: bool) -> dict[str, Any]:
         """Fill this rank's pieces from the checkpoint directory ``path``; returns the rest of
-        the checkpoint (Lightning's state)."""
+        the checkpoint (Lightning's state).
+
+        A checkpoint saved with Lightning's weight averaging holds the average as the model
+        (what the module gets, as in one process) and the trained weights beside it
+        (``current_model_state.*``). With the optimizers (a resumed fit), the trained
+        weights come back too, laid out as the module is, for the callback to put back:
+        the returned ``state_dict`` is the module's (the average, loaded in place) and
+        ``current_model_state`` this rank's share of the trained weights."""
         path = Path(path)
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
         info = meta.get("hetermoe", {})
@@ -158,9 +167,19 @@ class ShardedState:
                 state, install = self._optimizer_targets(i, opt, opt_meta, saved)
                 want.update(state)
                 installs.append(install)
+        current = None
+        if with_optimizers and "averaging_state" in meta:
+            current = {n: torch.empty_like(t) for n, t in self.module_tensors()}
+            for n, pieces in self.module_state(current).items():
+                want[f"current_model_state.{n}"] = pieces
         dcp.load(want, path, process_group=process_group, strict=strict)
         for install in installs:
             install()
+        if current is not None:
+            # the callback copies the average out of these before it loads the trained
+            # weights into the module: views of the module's tensors are safe to hand it
+            meta["state_dict"] = {n: t.detach() for n, t in self.module_tensors()}
+            meta["current_model_state"] = current
         return meta
 
     def _optimizer_targets(self, i: int, optimizer, opt_meta: dict, saved: dict) -> tuple[dict, Callable]:
