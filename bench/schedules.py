@@ -5,6 +5,7 @@
     python bench/schedules.py --mixes "a40+v100 1+1,a40x2" --clocks 16K   # a subset of the grid
     python bench/schedules.py --schedules datacentric                      # one schedule, every cell
     python bench/schedules.py --seed 7 --mixes "l40s+t4 1+3"               # another model init and data order
+    python bench/schedules.py --mixes "l40s+t4 1+3" --clocks 16K --schedules zebra --steps 41  # routing drift
 
 For each mix (A40+V100 as 1+1, 2+2, 1+2; L40S+T4 as 1+3; two A40s) and workload clock (D1
 at 4K and 16K tokens per sequence) it runs ``ep``, ``ep`` with speed-proportional batches,
@@ -107,8 +108,10 @@ def cell_overrides(mix: str, clock: str, schedule: str, extra: list[str] = (), s
     W = len(devices)
     name = mix.replace(" ", "_").replace("+", "_")
     scale = TIME_SCALE[(clock, min(W, 4))] * slowdown
+    steps = [e for e in extra if e.startswith("trainer.max_steps=")]  # --steps: the cell's own, not the grid's
+    model = [m for m in MODEL if not (steps and m.startswith("trainer.max_steps="))]
     return [*cluster_overrides(name, devices, "d1", CLOCKS[clock], scale),
-            *MODEL, *ACTIVATIONS[activations], f"data.batch_size={GLOBAL_BATCH // W}", *SCHEDULES[schedule], *extra]
+            *model, *ACTIVATIONS[activations], f"data.batch_size={GLOBAL_BATCH // W}", *SCHEDULES[schedule], *extra]
 
 
 def cell_name(r: dict) -> str:
@@ -269,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=None,
                     help="the runs' seed (model init, warm-up batches, data order; default: the main job's, 1234): "
                          "the routing each prediction is made at, and how it drifts as the model trains")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="optimizer steps per run, the first of them warm-up (default 3): more time the routing "
+                         "as it drifts with training (the prediction is made at the initial weights' routing)")
     ap.add_argument("--activations", default="checkpointed", choices=list(ACTIVATIONS),
                     help="what the grid's blocks keep for their backward (default: checkpointed, as the paper "
                          "trained); the full grid also runs A40+V100 1+1 16K ep and zebra the other way")
@@ -282,7 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
     subset = (args.mixes != ",".join(MIXES) or args.clocks != ",".join(CLOCKS)
               or args.schedules != ",".join(SCHEDULES))
     started = time.perf_counter()
-    seeded = [] if args.seed is None else [f"seed={args.seed}"]
+    if args.steps < 2:
+        ap.error(f"--steps={args.steps}: at least 2 (the first step is warm-up, left out of the timing)")
+    seeded = ([] if args.seed is None else [f"seed={args.seed}"]) + \
+        ([] if args.steps == 3 else [f"trainer.max_steps={args.steps}"])
     grid = [("a40+v100 1+1", "16K", s) for s in ("ep", "zebra")] if args.quick else \
         [(m, c, s) for c in clocks for m in mixes for s in schedules]
     print(f"{'mix':13} {'clock':>4} {'schedule':9} {'meas s':>8} {'sim s':>8} {'error':>6}  "
@@ -306,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(line, flush=True)
     winners = auto_beside_fastest(by)
     if subset:
-        print(json.dumps({"cells": len(rows), "seed": args.seed, **accuracy(rows),
+        print(json.dumps({"cells": len(rows), "seed": args.seed, "steps": args.steps, **accuracy(rows),
                           "winners": {f"{m} {c}": w for (m, c), w in winners.items()},
                           "wall_s": time.perf_counter() - started}), flush=True)
         return {"cells": len(rows), "winners": winners}
@@ -337,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
         **accuracy(rows + list(control.values())),
         "activations": args.activations,
         "seed": args.seed,
+        "steps": args.steps,
         "zebra_over_ep_a40_v100_16k": headline[1]["measured_s"] / headline[0]["measured_s"],
         "zebra_over_ep_a40_v100_16k_predicted": headline[1]["predicted_s"] / headline[0]["predicted_s"],
         f"zebra_over_ep_a40_v100_16k_{other}": control["ep"]["measured_s"] / control["zebra"]["measured_s"],
