@@ -10,7 +10,7 @@ from fractions import Fraction
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
 from harness import run_ranks
 from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, OptimConfig
@@ -108,6 +108,35 @@ def test_zebra_moves_between_expert_ranks_and_onto_the_attention_rank():
 
         expected = reference_fit(model, STEPS, global_batch=12, pieces=pieces(plan, "zebra"))
         assert got["moved"] > 0 and got["after"] == case["placement"]
+        assert_same_params(got["state"], expected, initial)
+
+
+def fit_moving_averaged(rank: int, world: int, cases: list[dict]):
+    out = []
+    for case in cases:
+        model = make_model(4, seed=0, optim=OptimConfig())
+        move = MoveAt(2, case["placement"])
+        t = trainer(HeterMoEStrategy(mode=case["mode"], plan=case.get("plan")), world, max_steps=STEPS,
+                    callbacks=[move, EMAWeightAveraging(decay=0.7)])
+        t.fit(model, datamodule=data(world, 8))
+        out.append({"state": model.state_dict(), "after": move.after})
+    return out if rank == 0 else None
+
+
+def test_a_weight_average_moves_with_its_experts():
+    """Lightning's EMA weight averaging keeps an average of each rank's share: when experts
+    move (mid-run, at step 2), each expert's average moves with it, so the module after fit
+    (the average copied in) equals one process's average. Under ep two ranks swap experts;
+    under zebra an expert goes onto the attention rank and one comes off it."""
+    cases = [dict(mode="ep", placement=[[[2, 3], [0, 1]], [[0, 2], [1, 3]]]),
+             dict(mode="zebra", plan=make_test_plan(2, [0], R=2), placement=[[[3], [0, 1, 2]], [[0], [1, 2, 3]]])]
+    model = make_model(4, seed=0, optim=OptimConfig())
+    initial = copy.deepcopy(model.state_dict())
+    t = trainer("auto", 1, max_steps=STEPS, callbacks=[EMAWeightAveraging(decay=0.7)])
+    t.fit(model, datamodule=data(1, 8))
+    expected = model.state_dict()
+    for case, got in zip(cases, run_ranks(2, fit_moving_averaged, 2, cases)[0], strict=True):
+        assert got["after"] == case["placement"]
         assert_same_params(got["state"], expected, initial)
 
 

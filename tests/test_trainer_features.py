@@ -7,7 +7,7 @@ loaders over ``IterableDataset`` streams of unequal lengths (every rank stops wh
 shortest ends; what ran equals one process taking every rank's batches as its global batch), ``self.all_gather`` in a step (as under DDP where every rank runs the
 step; refused, naming why, where only the attention ranks do), Lightning's weight averaging
 (EMA: trained, validated, saved after and mid-run and resumed; ``StochasticWeightAveraging``
-and the rebalancer beside an average refused before anything trains), Lightning's
+refused before anything trains), Lightning's
 fine-tuning callback freezing and unfreezing blocks mid-run, and manual optimization
 clipping in its step (each equal to one process)."""
 
@@ -31,8 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from harness import run_ranks
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, check, make_test_plan, pieces
-from lightning_hetermoe import (ExpertLoadMonitor, ExpertRebalancer, HeterMoEStrategy, HFMoELanguageModel,
-                                MoELanguageModel, OptimConfig, load_checkpoint)
+from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, OptimConfig, load_checkpoint
 from lightning_hetermoe.configs import ConfigError
 from reference import SEQ, assert_same_params, data, make_model, reference_fit, relative_gap, trainer
 
@@ -121,13 +120,6 @@ def test_stochastic_weight_averaging_is_refused_before_any_process_starts_naming
                 callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
     with pytest.raises(ConfigError, match="StochasticWeightAveraging does not work under HeterMoEStrategy on 2 "
                                           "ranks: it keeps a copy of the whole model.*Use .*WeightAveraging"):
-        t.fit(make_model(4, optim=OptimConfig()), datamodule=data(2, 8))
-
-
-def test_the_rebalancer_is_refused_beside_weight_averaging_whose_average_cannot_follow_a_move():
-    callbacks = [EMAWeightAveraging(), ExpertLoadMonitor(), ExpertRebalancer()]
-    t = trainer(HeterMoEStrategy(mode="ep"), 2, max_steps=1, callbacks=callbacks)
-    with pytest.raises(ConfigError, match="ExpertRebalancer cannot run beside EMAWeightAveraging"):
         t.fit(make_model(4, optim=OptimConfig()), datamodule=data(2, 8))
 
 

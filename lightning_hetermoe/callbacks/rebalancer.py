@@ -45,8 +45,6 @@ POLICIES = ("time", "eplb")
 
 
 class ExpertRebalancer(L.Callback):
-    moves_experts = True  # what the strategy checks before launch (a weight average cannot follow a move)
-
     def __init__(self, every_n_steps: int = 50, warmup_steps: int = 10, policy: str = "time",
                  redundant_experts: int = 0, capacity_slack: float = 2.0, min_gain: float = 0.02,
                  amortize_steps: int | None = 500) -> None:

@@ -247,13 +247,6 @@ class StrategyArguments:
                               f"Trainer.init_module() without empty_init=True), or remove the callback")
         if world_size < 2 or not moe_layers(model):
             return  # one rank holds the whole model; a dense model trains as DDP
-        moving = [type(cb).__name__ for cb in callbacks if getattr(cb, "moves_experts", False)]
-        if averaging and moving:
-            # the average holds each rank's experts where the plan placed them
-            raise ConfigError(f"{moving[0]} cannot run beside {averaging[0]} under HeterMoEStrategy on {world_size} "
-                              f"ranks: it moves experts between ranks, and the average {averaging[0]} keeps holds "
-                              f"each rank's experts where the plan placed them, so it would average one expert with "
-                              f"another. Remove one of the two callbacks")
         for cb in callbacks:
             if isinstance(cb, StochasticWeightAveraging):
                 raise ConfigError(

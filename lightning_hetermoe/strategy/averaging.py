@@ -3,14 +3,16 @@
 The callback keeps an ``AveragedModel``: a copy of the module whose tensors it averages
 with the module's, element by element, after each step, swaps in for validation and copies
 into the module at the end of the fit. Element by element, each rank averaging the share it
-holds is what one process does with the whole. Three things stand in the way, and this
-module mends them:
+holds is what one process does with the whole. What stands in the way, and how this module
+mends it:
 
 - the callback copies the module in its ``setup``, before the strategy lays it out (each
   rank keeps its experts; under zebra only the attention ranks keep the dense weights): the
   copy is taken again from the laid-out module (:func:`follow_layout`), in every stage;
 - at the end of a stage the strategy makes the module whole again, and the average with it
   (:func:`made_whole`), so that a checkpoint saved after ``fit`` holds the whole average;
+  experts moved mid-run (the rebalancer) carry their average with them (:func:`averages`,
+  then :func:`load_average`);
 - its checkpoint puts the average in ``state_dict`` and the trained weights in
   ``current_model_state``, both as this rank holds them, where the strategy's checkpoints
   keep every tensor whole (a full file) or as placement-free pieces (a sharded directory):
@@ -41,31 +43,34 @@ def averagers(callbacks: list) -> list:
 
 def follow_layout(trainer: Any, module: Any, cut: Callable[[dict], dict]) -> None:
     """Each averaging callback's average laid out as the module now is (after the backend's
-    set-up, in every stage: a validation after the fit swaps it in too). The callback copies
-    the module in its ``setup``, and running that again is its own way to build the copy;
-    the average it held (whole: from the callback's set-up before the layout, or from the
-    end of an earlier fit) goes back into it through its checkpoint hooks, ``cut`` (a whole
-    state dict -> this rank's part) between them: what it saves is what it loads. A model
-    built on the meta device is materialised by now, too."""
+    set-up, in every stage: a validation after the fit swaps it in too). The average it held
+    (whole: from the callback's set-up before the layout, or from the end of an earlier fit)
+    is cut to this rank's part (``cut``: a whole state dict -> this rank's part) and loaded
+    into a copy taken again from the laid-out module (:func:`load_average`). A model built
+    on the meta device is materialised by now, too."""
+    for callback, average, state in averages(trainer, module):
+        load_average(trainer, module, callback, cut(average), state)
+
+
+def averages(trainer: Any, module: Any) -> list[tuple[Any, dict, Any]]:
+    """``(callback, its average, its averaging state)`` of each averaging callback that holds
+    an average (it builds one in a fit's set-up), through its checkpoint hook: the average
+    as a state dict laid out as its copy is, its tensors the copy's own."""
+    out = []
     for callback in averagers(trainer.callbacks):
-        average = _saved_average(trainer, module, callback)
-        if average is not None:
-            _load_average(trainer, module, callback, cut(average[0]), average[1])
+        checkpoint: dict[str, Any] = {"state_dict": {}}
+        with _quiet():  # (without an average the hook says so, at info level)
+            callback.on_save_checkpoint(trainer, module, checkpoint)
+        if saved_with_average(checkpoint):
+            out.append((callback, checkpoint["state_dict"], checkpoint["averaging_state"]))
+    return out
 
 
-def _saved_average(trainer: Any, module: Any, callback: Any) -> tuple[dict, Any] | None:
-    """The callback's average and its averaging state, through its checkpoint hook (``None``
-    where it holds none: it builds its average in a fit's set-up)."""
-    checkpoint: dict[str, Any] = {"state_dict": {}}
-    with _quiet():
-        callback.on_save_checkpoint(trainer, module, checkpoint)
-    return (checkpoint["state_dict"], checkpoint["averaging_state"]) if saved_with_average(checkpoint) else None
-
-
-def _load_average(trainer: Any, module: Any, callback: Any, average: dict, state: Any) -> None:
-    """The callback's copy taken again from ``module`` as it is laid out, with ``average``
-    (laid out alike) and ``state`` loaded into it; the module's own weights go back into it
-    (the hook loads both)."""
+def load_average(trainer: Any, module: Any, callback: Any, average: dict, state: Any) -> None:
+    """The callback's copy taken again from ``module`` as it is laid out now, with
+    ``average`` (laid out alike) and ``state`` loaded into it, through the callback's own
+    ``setup`` and ``on_load_checkpoint``: what it saves is what it loads. (The module's own
+    weights go back into it: the hook loads both.)"""
     with exchanges_left_out(module), _quiet():
         callback.setup(trainer, module, "fit")
         callback.on_load_checkpoint(trainer, module, {"state_dict": average, "averaging_state": state,
@@ -83,11 +88,7 @@ def made_whole(trainer: Any, module: Any, gather: Callable[[dict], dict], writer
     copy, taken again from the whole module: a checkpoint saved after the run (its
     ``state_dict`` is the average) holds the whole model on any rank, as one process's does.
     ``experts``: the state dict names of the expert tensors."""
-    saved = []
-    for callback in averagers(trainer.callbacks):
-        average = _saved_average(trainer, module, callback)
-        if average is not None:
-            saved.append((callback, gather(average[0]), average[1]))
+    saved = [(callback, gather(average), state) for callback, average, state in averages(trainer, module)]
 
     def load() -> None:
         for callback, average, state in saved:
@@ -96,7 +97,7 @@ def made_whole(trainer: Any, module: Any, gather: Callable[[dict], dict], writer
                     dense = average[name] if average[name].shape == t.shape else torch.empty_like(t)
                     comm.broadcast(comm.world(), dense, writer, what="averaging.dense")
                     average[name] = dense
-            _load_average(trainer, module, callback, average, state)
+            load_average(trainer, module, callback, average, state)
 
     return load
 

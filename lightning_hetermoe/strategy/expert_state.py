@@ -245,16 +245,22 @@ class ExpertState:
                     names[id(new)] = name
 
     # -- migration ----------------------------------------------------------------------
-    def move(self, new: Placement, optimizers: list) -> int:
+    def move(self, new: Placement, optimizers: list, companions: list[dict[str, Tensor]] = ()) -> int:
         """Move experts to ``new`` on every rank (a collective: every rank passes the same
-        placement). Returns the expert copies that moved."""
+        placement). Returns the expert copies that moved. ``companions``: state dicts laid
+        out as the module is (a weight average's); their expert tensors move alike, each
+        entry replaced by its moved tensor."""
         current = self.backend.placement()
         me = self.backend.holder_index()
-        for l, _, layer in self._layers():
+        for l, name, layer in self._layers():
             if new.held[l] == current.held[l]:
                 continue
             idx = torch.tensor(new.experts_of(me, l), dtype=torch.long, device="cpu")
             for pname, p in layer.experts.named_parameters(recurse=False):
+                key = f"{name}.experts.{pname}"
+                for companion in companions:
+                    whole = self.backend.gather_experts(l, companion[key], pname)
+                    companion[key] = whole[idx.to(whole.device)].clone()
                 full = self.backend.gather_experts(l, p.data, pname)  # gathered with the old placement in force
                 states = []
                 for opt in optimizers:

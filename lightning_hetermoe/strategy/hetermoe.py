@@ -45,7 +45,7 @@ from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
 from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend
-from .averaging import follow_layout, made_whole, saved_with_average
+from .averaging import averages, follow_layout, load_average, made_whole, saved_with_average
 from .expert_state import ExpertState, expert_tensor_names
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
@@ -805,8 +805,14 @@ class HeterMoEStrategy(DDPStrategy):
     def move_experts(self, new: Placement) -> int:
         """Move experts to ``new`` at a step boundary, on every rank (a collective: every
         rank passes the same placement). Weights and every per-parameter optimizer tensor
-        travel with their expert. Returns the expert copies that moved."""
-        return ExpertState(self.backend, self.lightning_module).move(new, self.optimizers)
+        travel with their expert, and so does each weight-averaging callback's average of it.
+        Returns the expert copies that moved."""
+        module = self.lightning_module
+        carried = averages(module.trainer, module)
+        moved = ExpertState(self.backend, module).move(new, self.optimizers, [a for _, a, _ in carried])
+        for callback, average, state in carried:
+            load_average(module.trainer, module, callback, average, state)
+        return moved
 
     def predict(self, placement: Placement | None = None, expert_load: list[list[float]] | None = None,
                 batch_loads: list[list[list[float]]] | None = None) -> dict[str, Any] | None:
