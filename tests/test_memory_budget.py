@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import pytest
+from lightning.pytorch.callbacks import EMAWeightAveraging
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy
@@ -43,23 +44,32 @@ def test_a_mode_that_cannot_fit_is_refused_before_launch_with_what_would_fit():
         t.fit(make_model(4), datamodule=data(2))
 
 
-def fit_over_budget(rank: int) -> str:
+def fit_over_budget(rank: int, averaged: bool) -> tuple[str, float]:
     # one process: 16 GB x 1e-5 = 160 kB for a model whose state alone is ~240 kB
     cluster = {"name": "tiny", "devices": ["cpu"], "memory_scale": 1e-5}
-    t = trainer(HeterMoEStrategy(cluster=cluster), 1, max_steps=2)
+    t = trainer(HeterMoEStrategy(cluster=cluster), 1, max_steps=2,
+                callbacks=[EMAWeightAveraging()] if averaged else [])
+    model = make_model(4)
     try:
-        t.fit(make_model(4), datamodule=data(1))
+        t.fit(model, datamodule=data(1))
     except MemoryBudgetError as err:
         assert t.strategy.memory.budget == pytest.approx(16e9 * 1e-5)
-        return str(err)
-    return "no error"
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return str(err), t.strategy.memory.predicted.averages / weights
+    return "no error", 0.0
 
 
 @pytest.mark.slow
-def test_a_rank_past_its_budget_ends_the_run_naming_it_and_what_it_held():
-    (message,) = run_ranks(1, fit_over_budget)  # its own process: a failed fit leaves a process group behind
+@pytest.mark.parametrize("averaged", [False, True], ids=["plain", "weight_average"])
+def test_a_rank_past_its_budget_ends_the_run_naming_it_and_what_it_held(averaged):
+    """What it held names a weight average kept on the device (Lightning's EMA: a copy of
+    the weights, which the prediction counts too) and says where else it could be kept."""
+    # its own process: a failed fit leaves a process group behind
+    ((message, averages),) = run_ranks(1, fit_over_budget, averaged)
     assert re.search(r"rank 0 \(single device cpu\) used .* over its budget of 160 kB \(memory_scale 1e-05\); it "
                      r"held weights .*optimizer state", message), message
+    assert ("weight averages" in message and "WeightAveraging(device='cpu')" in message) == averaged, message
+    assert averages == (1.0 if averaged else 0.0)  # the average: the weights' size, counted in the prediction
 
 
 def test_the_zebra_gradient_sync_is_priced_at_one_bucket_beside_the_state():

@@ -243,11 +243,12 @@ class RankMemory:
     layer: float = 0.0  # one MoE layer's experts, whole (what data-centric gathers to compute); not added
     # the optimizer step's temporaries: a peak of their own, once the activations are gone
     step: float = 0.0
-
+    # weight averages kept on the device (Lightning's WeightAveraging: a copy of what the rank holds)
+    averages: float = 0.0
 
     @property
     def state(self) -> float:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.averages
 
     @property
     def total(self) -> float:
@@ -259,7 +260,7 @@ class RankMemory:
     @classmethod
     def of(cls, *, dense_params: float, expert_params: float, dense_shards: int = 1, param_bytes: float = 4.0,
            optimizer_bytes: float = 8.0, activations: float = 0.0, working: float = 0.0, layer: float = 0.0,
-           step: float | None = None, expert_rows: float = 0.0) -> "RankMemory":
+           step: float | None = None, expert_rows: float = 0.0, averages: float = 0.0) -> "RankMemory":
         """From parameter counts: fp32 weights and gradients, the optimizer's
         ``optimizer_bytes`` per parameter (AdamW: 8), the dense part's split over
         ``dense_shards`` replicas (sharded optimizer state), and the optimizer step's
@@ -269,7 +270,7 @@ class RankMemory:
         stepped = dense_params / max(dense_shards, 1) + expert_params
         return cls(weights=held * param_bytes, gradients=held * param_bytes, optimizer=stepped * optimizer_bytes,
                    activations=activations, working=working, layer=layer, expert_rows=expert_rows,
-                   step=stepped * FOREACH_STEP_BYTES if step is None else step)
+                   step=stepped * FOREACH_STEP_BYTES if step is None else step, averages=averages)
 
 
 def working_bytes(mode: str, *, layer_expert_bytes: float, local_layer_expert_bytes: float, dense_bytes: float

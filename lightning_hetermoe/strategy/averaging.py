@@ -66,6 +66,13 @@ def averages(trainer: Any, module: Any) -> list[tuple[Any, dict, Any]]:
     return out
 
 
+def average_bytes(trainer: Any, module: Any, device: torch.device) -> int:
+    """Bytes of the averages the callbacks keep on ``device``'s kind (one kept in host
+    memory, ``WeightAveraging(device="cpu")`` beside a GPU, costs the GPU nothing)."""
+    return sum(t.numel() * t.element_size() for _, average, _ in averages(trainer, module)
+               for t in average.values() if t.device.type == device.type)
+
+
 def load_average(trainer: Any, module: Any, callback: Any, average: dict, state: Any) -> None:
     """The callback's copy taken again from ``module`` as it is laid out now, with
     ``average`` (laid out alike) and ``state`` loaded into it, through the callback's own

@@ -45,7 +45,7 @@ from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
 from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend
-from .averaging import averages, follow_layout, load_average, made_whole, saved_with_average
+from .averaging import average_bytes, averages, follow_layout, load_average, made_whole, saved_with_average
 from .expert_state import ExpertState, expert_tensor_names
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
@@ -118,6 +118,7 @@ class HeterMoEStrategy(DDPStrategy):
         self._ddp_trainable: frozenset[int] = frozenset()  # the parameters DDP's reducer sums
         self._grads_synced = True  # the gradients of the last backward are summed over the ranks
         self._loaded_sharded = False  # the checkpoint being restored is a sharded one
+        self._average_bytes = 0  # the weight averages this rank keeps on its device (Lightning's WeightAveraging)
         # a checkpoint asked for while this rank handles an error: None (no such save under
         # way), else why it is not saved ('' where every rank asked for it: it is)
         self._error_save: str | None = None
@@ -192,8 +193,12 @@ class HeterMoEStrategy(DDPStrategy):
         plan = self.args.plan
         if plan is not None:
             return f"{plan.roles[rank]} rank, device {plan.devices[rank]}"
-        device = self.cluster.devices[rank] if self.cluster is not None else "?"
-        return f"{self.mode} rank, device {device}"
+        if self.cluster is not None:
+            return f"{self.mode} rank, device {self.cluster.devices[rank]}"
+        devices = self.parallel_devices or []
+        if rank == self.global_rank and self.local_rank < len(devices):  # its own device is known before set-up
+            return f"{self.mode} rank, device {devices[self.local_rank]}"
+        return f"{self.mode} rank"  # another rank's device, without a cluster config: unknown here
 
     @override
     def setup_environment(self) -> None:
@@ -266,6 +271,7 @@ class HeterMoEStrategy(DDPStrategy):
         self.model_to_device()  # whatever the model built outside the meta device
         # (before DDP wraps the module: a weight average copies the module alone)
         follow_layout(trainer, self.lightning_module, ExpertState(self.backend, self.lightning_module).local_state)
+        self._average_bytes = average_bytes(trainer, self.lightning_module, self.root_device)
         if fitting:
             self._expert_bias = ExpertBiasUpdater([layer for _, layer in moe_layers(self.lightning_module)])
         agree_on_overflow(self.precision_plugin)
@@ -351,7 +357,8 @@ class HeterMoEStrategy(DDPStrategy):
         rows = self._expert_rows_bytes(bytes_) if clock.bound else 0.0
         return predict_rank(self.lightning_module, self.backend.expert_pieces, mode=self.backend.schedule,
                             dense_shards=shards, optimizer_bytes=optimizer_bytes_per_param(self.optimizers),
-                            activations=act, step=optimizer_step_bytes(self.optimizers), expert_rows=rows)
+                            activations=act, step=optimizer_step_bytes(self.optimizers), expert_rows=rows,
+                            averages=self._average_bytes)
 
     def _expert_rows_bytes(self, act_bytes: int) -> float:
         """What the experts this rank holds keep for their backward at once, at even routing:
@@ -384,7 +391,7 @@ class HeterMoEStrategy(DDPStrategy):
     def check_memory(self, at: str) -> None:
         """This rank's peak against its budget (a :class:`MemoryBudgetError` past it)."""
         if self.memory is not None and self.lightning_module is not None:
-            self.memory.check(self.lightning_module, self.optimizers, at)
+            self.memory.check(self.lightning_module, self.optimizers, at, self._average_bytes)
 
     def memory_report(self) -> list[dict[str, Any]] | None:
         """Every rank's memory (peak, budget, what it held at most), gathered: a collective."""
@@ -812,6 +819,7 @@ class HeterMoEStrategy(DDPStrategy):
         moved = ExpertState(self.backend, module).move(new, self.optimizers, [a for _, a, _ in carried])
         for callback, average, state in carried:
             load_average(module.trainer, module, callback, average, state)
+        self._average_bytes = average_bytes(module.trainer, module, self.root_device)
         return moved
 
     def predict(self, placement: Placement | None = None, expert_load: list[list[float]] | None = None,

@@ -69,20 +69,22 @@ class Held:
     gradients: int = 0
     optimizer: int = 0
     buffers: int = 0
+    averages: int = 0  # weight averages on the device (Lightning's WeightAveraging)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.buffers
+        return self.weights + self.gradients + self.optimizer + self.buffers + self.averages
 
     def describe(self) -> str:
         from ..profile.memory import format_bytes as f
 
         return (f"weights {f(self.weights)}, gradients {f(self.gradients)}, optimizer state {f(self.optimizer)}, "
-                f"buffers {f(self.buffers)}")
+                f"buffers {f(self.buffers)}" + (f", weight averages {f(self.averages)}" if self.averages else ""))
 
 
-def held_state(module: nn.Module, optimizers: list) -> Held:
-    out = Held()
+def held_state(module: nn.Module, optimizers: list, averages: int = 0) -> Held:
+    """``averages``: bytes of the weight averages the rank keeps on its device."""
+    out = Held(averages=averages)
     seen: set[int] = set()
     for p in module.parameters():
         if id(p) in seen:
@@ -151,8 +153,9 @@ def optimizer_step_bytes(optimizers: list) -> float:
 
 def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense_shards: int,
                  optimizer_bytes: float, activations: float, step: float | None = None,
-                 expert_rows: float = 0.0) -> Any:
-    """This rank's :class:`~lightning_hetermoe.profile.memory.RankMemory` from what it holds."""
+                 expert_rows: float = 0.0, averages: float = 0.0) -> Any:
+    """This rank's :class:`~lightning_hetermoe.profile.memory.RankMemory` from what it holds
+    (``averages``: bytes of the weight averages it keeps on its device)."""
     from ..model_contract import moe_layers
     from ..profile.memory import RankMemory, working_bytes
 
@@ -172,7 +175,7 @@ def predict_rank(module: nn.Module, expert_pieces: Callable, *, mode: str, dense
                             dense_bytes=dense_bytes)
     return RankMemory.of(dense_params=dense, expert_params=experts, dense_shards=dense_shards,
                          param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, activations=activations,
-                         working=working, layer=full_layer, step=step, expert_rows=expert_rows)
+                         working=working, layer=full_layer, step=step, expert_rows=expert_rows, averages=averages)
 
 
 class MemoryWatch:
@@ -194,8 +197,8 @@ class MemoryWatch:
             return int(torch.cuda.max_memory_allocated(self.device))
         return max(rss_bytes("VmHWM") - self.baseline, 0)
 
-    def check(self, module: nn.Module, optimizers: list, at: str) -> None:
-        held = held_state(module, optimizers)
+    def check(self, module: nn.Module, optimizers: list, at: str, averages: int = 0) -> None:
+        held = held_state(module, optimizers, averages)
         if held.total > self.peak_state.total:
             self.peak_state = held
         if self.budget is None:
@@ -211,8 +214,9 @@ class MemoryWatch:
                 f"communication buffers and transients. "
                 f"What would fit: fewer micro-batches in flight (strategy.num_microbatches), "
                 f"model.activation_checkpointing=true, another mode (strategy.mode=ep, zebra or datacentric spread "
-                f"the experts differently), sharded optimizer state (strategy.shard_optimizer_state=true), or more "
-                f"devices")
+                f"the experts differently), sharded optimizer state (strategy.shard_optimizer_state=true), "
+                + ("the weight average in host memory (WeightAveraging(device='cpu')), " if held.averages else "")
+                + "or more devices")
 
     def report(self) -> dict[str, Any]:
         out = {"rank": self.rank, "where": self.where(), "peak_gb": self.peak() / GB,
