@@ -8,8 +8,8 @@ shortest ends; what ran equals one process taking every rank's batches as its gl
 step; refused, naming why, where only the attention ranks do), Lightning's weight averaging
 (EMA: trained, validated, saved after and mid-run and resumed; ``StochasticWeightAveraging``
 refused before anything trains), Lightning's
-fine-tuning callback freezing and unfreezing blocks mid-run, and manual optimization
-clipping in its step (each equal to one process)."""
+fine-tuning callback freezing and unfreezing blocks mid-run, manual optimization clipping
+in its step, ``fast_dev_run`` and ``check_val_every_n_epoch`` (each equal to one process)."""
 
 from __future__ import annotations
 
@@ -542,6 +542,49 @@ def test_loaders_over_uneven_streams_stop_together_and_train_and_validate_like_o
         assert mine["val"] is not None and abs(mine["val"] - sum(want) / len(want)) < 1e-4, (mode, mine["val"], want)
         # rank 0 said so: each training epoch and the validation pass
         assert mine["warned"] == EPOCHS + 1 and got[1][mode]["warned"] == 0, (mode, mine["warned"])
+
+
+LOOP_SETTINGS = {
+    # Lightning's debugging run: 3 training batches and 3 validation batches, no checkpoint, no logger
+    "fast_dev_run": dict(fast_dev_run=3),
+    # validation every second epoch only (epochs of 2 batches, 3 epochs: one validation, after epoch 2)
+    "check_val_every_n_epoch": dict(max_epochs=3, limit_train_batches=2, check_val_every_n_epoch=2,
+                                    limit_val_batches=1),
+}
+
+
+def fit_with_loop_settings(rank: int, world: int, mode: str | None = None) -> dict:
+    out = {}
+    for name, settings in LOOP_SETTINGS.items():
+        strategy = "auto" if world == 1 else HeterMoEStrategy(mode=mode, plan=_plan(mode, world))
+        losses = ValLosses()
+        t = trainer(strategy, world, callbacks=[losses], **settings)
+        model = make_model(4, optim=OptimConfig(), seed=0)
+        t.fit(model, datamodule=data(world, 8))
+        out[name] = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "steps": t.global_step,
+                     "val": losses.values}
+    return out
+
+
+def fit_with_loop_settings_every_mode(rank: int, world: int) -> dict:
+    return {mode: fit_with_loop_settings(rank, world, mode) for mode in MODES}
+
+
+@pytest.mark.slow
+def test_fast_dev_run_and_validation_every_n_epochs_run_as_one_process_in_every_mode():
+    """The loop's own settings a user reaches for first: ``fast_dev_run`` (a few batches of
+    each loop, as a smoke test) and ``check_val_every_n_epoch``; each rank runs the same
+    steps and validations as one process, which the weights and validation losses show."""
+    initial = make_model(4, seed=0).state_dict()
+    expected = fit_with_loop_settings(0, 1)
+    assert expected["fast_dev_run"]["steps"] == 3 and len(expected["fast_dev_run"]["val"]) == 1
+    assert expected["check_val_every_n_epoch"]["steps"] == 6 and len(expected["check_val_every_n_epoch"]["val"]) == 1
+    for mode, runs in run_ranks(2, fit_with_loop_settings_every_mode, 2)[0].items():
+        for name, got in runs.items():
+            want = expected[name]
+            assert got["steps"] == want["steps"], (mode, name)
+            assert_same_params(got["state"], want["state"], initial)
+            assert got["val"] == pytest.approx(want["val"], rel=1e-5), (mode, name)
 
 
 def fit_on_a_loader_built_before_the_run(rank: int, world: int) -> dict:
