@@ -45,7 +45,8 @@ from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
 from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend
-from .averaging import average_bytes, averages, follow_layout, load_average, made_whole, saved_with_average
+from .averaging import (average_bytes, averagers, averages, follow_layout, load_average, made_whole,
+                        saved_with_average)
 from .expert_state import ExpertState, expert_tensor_names
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
@@ -935,7 +936,9 @@ class HeterMoEStrategy(DDPStrategy):
         if fitting:  # the optimizers load here, before Lightning restores the callbacks
             restore_finetuning_groups(self.lightning_module.trainer, self.lightning_module, meta.get("callbacks") or {})
         loaded = self._sharded_state().load(path, self.optimizers if fitting else [], comm.world().host,
-                                            strict=self.lightning_module.strict_loading, with_optimizers=fitting)
+                                            strict=self.lightning_module.strict_loading, with_optimizers=fitting,
+                                            with_current=fitting and bool(averagers(self.lightning_module.trainer
+                                                                                    .callbacks)))
         self.check_memory(f"loading checkpoint {path}")
         return loaded
 
@@ -1057,14 +1060,14 @@ class HeterMoEStrategy(DDPStrategy):
             # the optimizer follows the model: each expert's moments gathered while laid out
             gathered = experts.gather_optimizer_states(self.optimizers) if experts is not None else []
             writer = next(r for r in range(self.world_size) if self.backend.writes_checkpoints(r))
-            averages = made_whole(trainer, module, ExpertState(self.backend, module).module_state, writer,
-                                  set(expert_tensor_names(module))) if whole else None
+            averages_back = made_whole(trainer, module, ExpertState(self.backend, module).module_state, writer,
+                                       set(expert_tensor_names(module))) if whole else None
             self.backend.restore(module, gather=whole)
             if experts is not None:
                 experts.adopt_whole(gathered, self._whole_optimizer_names)
                 experts.follow_module(self.optimizers, self._whole_optimizer_names)
-            if averages is not None:
-                averages()
+            if averages_back is not None:
+                averages_back()
         if self._expert_bias is not None:
             self._expert_bias.remove()
             self._expert_bias = None

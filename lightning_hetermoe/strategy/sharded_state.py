@@ -140,16 +140,17 @@ class ShardedState:
 
     # -- loading ----------------------------------------------------------------------------
     def load(self, path: str | Path, optimizers: list, process_group: Any, strict: bool,
-             with_optimizers: bool) -> dict[str, Any]:
+             with_optimizers: bool, with_current: bool = False) -> dict[str, Any]:
         """Fill this rank's pieces from the checkpoint directory ``path``; returns the rest of
         the checkpoint (Lightning's state).
 
         A checkpoint saved with Lightning's weight averaging holds the average as the model
         (what the module gets, as in one process) and the trained weights beside it
-        (``current_model_state.*``). With the optimizers (a resumed fit), the trained
-        weights come back too, laid out as the module is, for the callback to put back:
-        the returned ``state_dict`` is the module's (the average, loaded in place) and
-        ``current_model_state`` this rank's share of the trained weights."""
+        (``current_model_state.*``). ``with_current`` (a resumed fit with the averaging
+        callback): the trained weights come back too, laid out as the module is, for the
+        callback to put back: the returned ``state_dict`` is the module's (the average,
+        loaded in place) and ``current_model_state`` this rank's share of the trained
+        weights (a second copy of it, only where the callback takes it)."""
         path = Path(path)
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
         info = meta.get("hetermoe", {})
@@ -168,7 +169,7 @@ class ShardedState:
                 want.update(state)
                 installs.append(install)
         current = None
-        if with_optimizers and "averaging_state" in meta:
+        if with_current and "averaging_state" in meta:
             current = {n: torch.empty_like(t) for n, t in self.module_tensors()}
             for n, pieces in self.module_state(current).items():
                 want[f"current_model_state.{n}"] = pieces
