@@ -170,7 +170,10 @@ def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra
 
 def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdown: float,
                   activations: str = "checkpointed") -> dict:
-    s = run_job(cell_overrides(mix, clock, schedule, extra, slowdown, activations))
+    steps = next((int(e.split("=", 1)[1]) for e in extra if e.startswith("trainer.max_steps=")), 3)
+    # (a longer run, or one at a slower clock, gets as much longer to finish)
+    s = run_job(cell_overrides(mix, clock, schedule, extra, slowdown, activations),
+                timeout=300.0 * max(1.0, steps * slowdown / 3))
     row = {"mix": mix, "clock": clock, "schedule": schedule, "activations": activations,
            "measured_s": s["step_time_s"],
            "predicted_s": s["predicted_step_time_s"], "rel_error": s["step_time_rel_error"],

@@ -55,3 +55,25 @@ def test_the_grid_checkpoints_its_blocks_and_a_stored_cell_keeps_them_through_it
     row = bench.measure("a40+v100 1+1", "16K", "ep", activations="stored")
     assert calls == [(False, 1.0, "stored"), (False, 2.0, "stored"), (True, 2.0, "stored")]
     assert bench.cell_name(row) == "a40+v100 1+1 16K ep stored"
+
+
+def test_steps_replace_the_grid_s_three_and_a_longer_run_gets_longer_to_finish(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = load_bench("schedules")
+    steps = [o for o in bench.cell_overrides("l40s+t4 1+3", "16K", "zebra") if o.startswith("trainer.max_steps=")]
+    assert steps == ["trainer.max_steps=3"]
+    longer = bench.cell_overrides("l40s+t4 1+3", "16K", "zebra", ["trainer.max_steps=41"])
+    assert [o for o in longer if o.startswith("trainer.max_steps=")] == ["trainer.max_steps=41"]
+    timeouts = []
+
+    def run_job(overrides, timeout=300.0):
+        timeouts.append(timeout)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench, "run_job", run_job)
+    for extra, slowdown in (([], 1.0), (["trainer.max_steps=41"], 2.0)):
+        try:
+            bench._measure_once("l40s+t4 1+3", "16K", "zebra", extra, slowdown)
+        except RuntimeError:
+            pass
+    assert timeouts == [300.0, 300.0 * 41 * 2 / 3]
