@@ -126,10 +126,13 @@ class ExpertState:
                 state[key] = self.backend.gather_experts(l, state[key].detach(), pname)
         return state
 
-    def load_module_state(self, full: dict[str, Tensor], strict: bool) -> None:
+    def load_module_state(self, full: dict[str, Tensor], strict: bool) -> dict[str, Tensor]:
         """A full checkpoint's state dict into the laid-out module: each rank keeps its part
-        of every expert tensor; a dense tensor this rank keeps empty stays empty."""
-        self.module.load_state_dict(self.local_state(full), strict=strict)
+        of every expert tensor; a dense tensor this rank keeps empty stays empty. Returns the
+        part it loaded (:meth:`local_state`)."""
+        mine = self.local_state(full)
+        self.module.load_state_dict(mine, strict=strict)
+        return mine
 
     def local_state(self, full: dict[str, Tensor]) -> dict[str, Tensor]:
         """A full state dict cut to what this rank holds, laid out as the module is."""

@@ -947,11 +947,12 @@ class HeterMoEStrategy(DDPStrategy):
         if self._loaded_sharded:
             return  # loaded in place by load_checkpoint
         experts = ExpertState(self.backend, self.lightning_module)
-        experts.load_module_state(checkpoint["state_dict"], strict)
+        loaded = experts.load_module_state(checkpoint["state_dict"], strict)
         if saved_with_average(checkpoint):
-            # the averaging callback loads both into tensors laid out as the module is
-            for key in ("state_dict", "current_model_state"):
-                checkpoint[key] = experts.local_state(checkpoint[key])
+            # the averaging callback loads both into tensors laid out as the module is (the
+            # average's part is what the module just loaded: cut once)
+            checkpoint["state_dict"] = loaded
+            checkpoint["current_model_state"] = experts.local_state(checkpoint["current_model_state"])
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
