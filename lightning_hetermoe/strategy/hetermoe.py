@@ -935,7 +935,7 @@ class HeterMoEStrategy(DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting:  # the optimizers load here, before Lightning restores the callbacks
             restore_finetuning_groups(self.lightning_module.trainer, self.lightning_module, meta.get("callbacks") or {})
-        loaded = self._sharded_state().load(path, self.optimizers if fitting else [], comm.world().host,
+        loaded = self._sharded_state().load(path, meta, self.optimizers if fitting else [], comm.world().host,
                                             strict=self.lightning_module.strict_loading, with_optimizers=fitting,
                                             with_current=fitting and bool(averagers(self.lightning_module.trainer
                                                                                     .callbacks)))

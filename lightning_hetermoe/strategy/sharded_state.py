@@ -139,10 +139,11 @@ class ShardedState:
         return {name: self.whole_shape(name, t) for name, t in self.module_tensors()}
 
     # -- loading ----------------------------------------------------------------------------
-    def load(self, path: str | Path, optimizers: list, process_group: Any, strict: bool,
+    def load(self, path: str | Path, meta: dict[str, Any], optimizers: list, process_group: Any, strict: bool,
              with_optimizers: bool, with_current: bool = False) -> dict[str, Any]:
-        """Fill this rank's pieces from the checkpoint directory ``path``; returns the rest of
-        the checkpoint (Lightning's state).
+        """Fill this rank's pieces from the checkpoint directory ``path`` (``meta``: its
+        ``meta.pt``, as the caller read it); returns the rest of the checkpoint (Lightning's
+        state).
 
         A checkpoint saved with Lightning's weight averaging holds the average as the model
         (what the module gets, as in one process) and the trained weights beside it
@@ -152,7 +153,6 @@ class ShardedState:
         loaded in place) and ``current_model_state`` this rank's share of the trained
         weights (a second copy of it, only where the callback takes it)."""
         path = Path(path)
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
         info = meta.get("hetermoe", {})
         if info.get("version") != FORMAT_VERSION:
             raise dcp.CheckpointFormatError(f"{path} is not a lightning-hetermoe sharded checkpoint "
