@@ -99,6 +99,55 @@ def test_the_best_checkpoint_loads_in_one_call_in_every_mode_small_as_a_file_lar
         _assert_equal(loaded, want, str(key))
 
 
+def weights_only_checkpoints(rank: int, world: int, root: str, runs: list[tuple[str, str]]) -> dict:
+    """Each run: 4 steps with ModelCheckpoint(save_weights_only=True); then a validation of
+    another model from that checkpoint, and a fit resumed from it."""
+    out = {}
+    for mode, fmt in runs:
+        plan = make_test_plan(world, [0], R=2) if mode in ("zebra", "distep") else None
+        strategy = lambda: HeterMoEStrategy(mode=mode, plan=plan, checkpoint_format=fmt)  # noqa: E731
+        model = make_model(4, seed=0, optim=OptimConfig())
+        ckpt = ModelCheckpoint(dirpath=os.path.join(root, f"{mode}-{fmt}"), save_weights_only=True,
+                               every_n_train_steps=4, filename="{step}")
+        trainer(strategy(), world, max_steps=4, callbacks=[ckpt], enable_checkpointing=True).fit(
+            model, datamodule=data(world))
+        other = make_model(4, seed=1, optim=OptimConfig())
+        trainer(strategy(), world, limit_val_batches=2).validate(other, datamodule=data(world),
+                                                                 ckpt_path=ckpt.last_model_path or ckpt.best_model_path)
+        try:
+            trainer(strategy(), world, max_steps=8).fit(make_model(4, seed=2, optim=OptimConfig()),
+                                                        datamodule=data(world), ckpt_path=ckpt.best_model_path)
+            resumed = None
+        except KeyError as err:
+            resumed = str(err)
+        out[(mode, fmt)] = {"path": ckpt.best_model_path, "trained": model.state_dict(),
+                            "validated": other.state_dict(), "resume_error": resumed}
+    return out
+
+
+@pytest.mark.slow
+def test_a_weights_only_checkpoint_loads_in_either_format_and_a_resume_from_it_fails_as_lightning_s_does(tmp_path):
+    """``ModelCheckpoint(save_weights_only=True)``: the checkpoint holds the trained weights and
+    no optimizer state in either format; it loads in one call and into a validation under the
+    strategy; a fit resumed from it fails as Lightning's own file does (a sharded directory
+    said only "0 optimizer(s)")."""
+    runs = [("ep", "full"), ("zebra", "sharded")]  # zebra: the dense weights on the attention rank alone
+    per_rank = run_ranks(2, weights_only_checkpoints, 2, str(tmp_path), runs)
+    for key in runs:
+        got = per_rank[0][key]
+        fresh = make_model(4, seed=0, optim=OptimConfig()).state_dict()
+        assert any(not torch.equal(got["trained"][n], fresh[n]) for n in fresh), key  # it trained
+        assert is_sharded_checkpoint(got["path"]) == (key[1] == "sharded"), key
+        saved = lightning_hetermoe.load_checkpoint(got["path"])
+        assert "optimizer_states" not in saved and saved["global_step"] == 4, (key, sorted(saved))
+        _assert_equal(lightning_hetermoe.load_checkpoint(got["path"], MoELanguageModel), got["trained"], str(key))
+        for rank in (0, 1):  # every rank validated the saved weights, and holds them whole after
+            for name, value in got["trained"].items():
+                torch.testing.assert_close(per_rank[rank][key]["validated"][name], value, rtol=0, atol=0)
+        assert got["resume_error"] is not None and "contains only the model" in got["resume_error"], key
+        assert per_rank[1][key]["resume_error"] == got["resume_error"], key
+
+
 def test_checkpoint_format_auto_draws_the_init_on_meta_line():
     from lightning_hetermoe.strategy.arguments import CHECKPOINT_FORMATS, StrategyArguments
 

@@ -104,8 +104,8 @@ def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_B
     checkpoint["state_dict"] = dict(state_dict_of(path, meta, batch_bytes))
     if "averaging_state" in meta:
         checkpoint["current_model_state"] = dict(state_dict_of(path, meta, batch_bytes, of="current_model_state"))
-    if info.get("optimizers"):
-        tensors = dict(iter_tensors(path, "optimizer_states.", batch_bytes))
+    if "optimizers" in info:  # absent: saved with weights only, as Lightning's file leaves the key out
+        tensors = dict(iter_tensors(path, "optimizer_states.", batch_bytes)) if info["optimizers"] else {}
         checkpoint["optimizer_states"] = [_optimizer_state(i, opt, tensors, shapes)
                                           for i, opt in enumerate(info["optimizers"])]
     return checkpoint

@@ -49,7 +49,7 @@ from .averaging import (average_bytes, averagers, averages, follow_layout, load_
                         saved_with_average)
 from .expert_state import ExpertState, expert_tensor_names
 from ..materialize import Materializer, built_on_meta
-from .sharded_state import FORMAT_VERSION, META_FILE, ShardedState
+from .sharded_state import FORMAT_VERSION, META_FILE, WEIGHTS_ONLY_RESUME, ShardedState
 from .grad_norm import clip_, step_takes_scale, unfold
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
@@ -933,6 +933,8 @@ class HeterMoEStrategy(DDPStrategy):
         meta = read_meta(path)
         check_same_model(meta["hetermoe"]["shapes"], model, strict, what)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and "optimizers" not in meta["hetermoe"]:
+            raise KeyError(WEIGHTS_ONLY_RESUME)  # Lightning's words for its own file, before any tensor is read
         if fitting:  # the optimizers load here, before Lightning restores the callbacks
             restore_finetuning_groups(self.lightning_module.trainer, self.lightning_module, meta.get("callbacks") or {})
         loaded = self._sharded_state().load(path, meta, self.optimizers if fitting else [], comm.world().host,
@@ -998,13 +1000,17 @@ class HeterMoEStrategy(DDPStrategy):
         tensors = {f"state_dict.{n}": v for n, v in (sharded.module_state(state) if averaged else state).items()}
         if averaged:
             tensors.update({f"current_model_state.{n}": v for n, v in checkpoint.pop("current_model_state").items()})
+        # ModelCheckpoint(save_weights_only=True) leaves the optimizers out: their meta says
+        # so by its absence, as the missing key does in Lightning's file
+        weights_only = "optimizer_states" not in checkpoint
         optimizers = []
         for i, opt in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors.update({f"optimizer_states.{i}.{n}": v for n, v in opt["tensors"].items()})
             optimizers.append(opt["meta"])
         save_pieces(tensors, path, process_group=comm.world().host)
         if writer:
-            checkpoint["hetermoe"] = {**info, "shapes": sharded.shapes_meta(), "optimizers": optimizers}
+            checkpoint["hetermoe"] = {**info, "shapes": sharded.shapes_meta(),
+                                      **({} if weights_only else {"optimizers": optimizers})}
             torch.save(checkpoint, path / META_FILE)
         self.check_memory(f"saving checkpoint {path}")
 

@@ -24,6 +24,10 @@ from ..model_contract import moe_layers
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 FORMAT_VERSION = 1
+# a fit resumed from a checkpoint saved with ModelCheckpoint(save_weights_only=True): what
+# Lightning raises for its own file, so either format fails a resume alike
+WEIGHTS_ONLY_RESUME = ("Trying to restore optimizer state but checkpoint contains only the model. This is probably "
+                       "due to `ModelCheckpoint.save_weights_only` being set to `True`.")
 
 
 def _params(optimizer) -> list[nn.Parameter]:
