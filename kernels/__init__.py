@@ -164,3 +164,32 @@ def __getattr__(name: str):
 
         return GroupedMLPFunction
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _stand_aside() -> None:
+    """This folder imported under the bare name ``kernels``: the checkout's root is on
+    ``sys.path`` (``python -m pytest``, ``python -c`` run there). That name is Hugging Face's
+    kernel hub package, which transformers (5.25 on) depends on and imports as soon as a model
+    module loads: found here first, the import failed (``cannot import name 'CUDAProperties'
+    from 'kernels'``). The next ``kernels`` on the path takes this module's place. Where there
+    is none, this module stays, as before: transformers finds no version in it and uses no
+    hub kernels."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.machinery.PathFinder.find_spec("kernels", [p for p in sys.path
+                                                                if os.path.abspath(p or os.curdir) != root])
+    if spec is None or spec.loader is None:
+        return
+    for name in [n for n in sys.modules if n.startswith("kernels.")]:
+        del sys.modules[name]  # this folder's modules, which the imports above loaded under that name
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # the import statement returns what sys.modules holds once this module ran
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _stand_aside()

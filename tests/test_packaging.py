@@ -84,3 +84,29 @@ def test_the_strategy_yaml_names_exactly_the_strategys_arguments():
     yaml = set(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "strategy" / "hetermoe.yaml"))
     arguments = {f.name for f in fields(StrategyArguments)} - {"cluster"}
     assert yaml == set(STRATEGY_FIELDS) == arguments, (yaml ^ arguments, set(STRATEGY_FIELDS) ^ arguments)
+
+
+@pytest.mark.slow
+def test_the_checkouts_kernels_folder_does_not_shadow_another_kernels_package(tmp_path):
+    """Run from the checkout's root (``python -m pytest``, ``python -c``), its ``kernels/``
+    folder is importable as a bare ``kernels``: the name of Hugging Face's kernel hub package,
+    which transformers 5.25 depends on and imports with any model module (this folder shadowed
+    it: ``cannot import name 'CUDAProperties' from 'kernels'``, and every Hugging Face test
+    failed). Another ``kernels`` on the path is the one imported, whole (its submodules its
+    own), and ``lightning_hetermoe.kernels`` is still this folder."""
+    import os
+    import subprocess
+    import sys
+
+    other = tmp_path / "kernels"
+    other.mkdir()
+    (other / "__init__.py").write_text("__version__ = '9.9'\nfrom .device import CUDAProperties\n")
+    (other / "device.py").write_text("CUDAProperties = 'the-hub-package'\n")
+    probe = ("import sys, kernels, lightning_hetermoe.kernels as ours\n"
+             "print(kernels.CUDAProperties, kernels.__file__, ours.__file__, ours.why_not is not None,\n"
+             "      ','.join(sorted(n for n in sys.modules if n.startswith('kernels.'))))\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))  # after the root, which `python -c` puts first
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["the-hub-package", str(other / "__init__.py"), str(ROOT / "kernels" / "__init__.py"),
+                                  "True", "kernels.device"], out.stdout
