@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from harness import run_ranks
 from helpers_zebra import GLOBAL, STEPS, WINDOWS, check, make_test_plan, pieces
-from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, OptimConfig, load_checkpoint
+from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELanguageModel, OptimConfig, comm, load_checkpoint
 from lightning_hetermoe.configs import ConfigError
 from reference import SEQ, assert_same_params, data, make_model, reference_fit, relative_gap, trainer
 
@@ -144,12 +144,14 @@ def fit_averaging(rank: int, world: int, mode: str | None = None, resume: str | 
     t = trainer(strategy, world, max_epochs=2, limit_val_batches=1, enable_checkpointing=bool(save),
                 callbacks=[EMAWeightAveraging(decay=AVERAGE_DECAY), losses, *saving])
     dm = data(world, GLOBAL[2], windows=WINDOWS[2] // 2)  # 4 steps an epoch
-    t.fit(model, datamodule=dm, ckpt_path=resume)
-    assert t.global_step == 8
-    t.validate(model, datamodule=dm, verbose=False)
+    with comm.record() as calls:
+        t.fit(model, datamodule=dm, ckpt_path=resume)
+        assert t.global_step == 8
+        t.validate(model, datamodule=dm, verbose=False)
     if save:
         t.save_checkpoint(os.path.join(save, "after.ckpt"))
-    return {"module": {k: v.clone() for k, v in model.state_dict().items()}, "val": losses.values}
+    return {"module": {k: v.clone() for k, v in model.state_dict().items()}, "val": losses.values,
+            "dense_sent": sum(c.what == "averaging.dense" for c in calls)}
 
 
 class ValLosses(L.Callback):
@@ -201,6 +203,10 @@ def test_weight_averaging_trains_validates_saves_and_resumes_like_one_process_in
         want = expected_resumed if key[1:] == ("resumed",) else expected
         assert_same_params(got["module"], want["module"], initial)
         assert got["val"] == pytest.approx(want["val"], rel=1e-5), key
+        # the average's dense tensors are sent at a stage's end only where a rank lacks them
+        # (zebra's and distep's expert rank); under ep and datacentric each rank averaged its own
+        mode = key if isinstance(key, str) else key[0]
+        assert (got["dense_sent"] > 0) == (mode in ("zebra", "distep")), (key, got["dense_sent"])
     for name in ("saved.ckpt", "after.ckpt"):  # mid-run, and after the run (the module whole again)
         one = torch.load(tmp_path / "one" / name, map_location="cpu", weights_only=False)
         for mode in AVERAGING_FORMATS:

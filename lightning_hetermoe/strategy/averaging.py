@@ -84,14 +84,15 @@ def load_average(trainer: Any, module: Any, callback: Any, average: dict, state:
                                                       "current_model_state": module.state_dict()})
 
 
-def made_whole(trainer: Any, module: Any, gather: Callable[[dict], dict], writer: int,
+def made_whole(trainer: Any, module: Any, gather: Callable[[dict], dict], writer: int | None,
                experts: set[str]) -> Callable[[], None]:
     """At the end of a stage, before the backend gathers the module back whole: each
     averaging callback's average with its experts gathered whole (``gather``: a state dict
     laid out as the module is -> every expert tensor whole; collectives, in the callbacks'
     order on every rank). The returned step, run once the module is whole, broadcasts the
     average's other tensors from ``writer`` (a rank that holds every dense tensor: under
-    zebra and distep the others hold none) and loads the whole average into the callback's
+    zebra and distep the others hold none; ``None`` where every rank averaged them alike, as
+    under ep and datacentric: nothing to send) and loads the whole average into the callback's
     copy, taken again from the whole module: a checkpoint saved after the run (its
     ``state_dict`` is the average) holds the whole model on any rank, as one process's does.
     ``experts``: the state dict names of the expert tensors."""
@@ -100,7 +101,7 @@ def made_whole(trainer: Any, module: Any, gather: Callable[[dict], dict], writer
     def load() -> None:
         for callback, average, state in saved:
             for name, t in module.state_dict().items():
-                if name not in experts:
+                if name not in experts and writer is not None:
                     dense = average[name] if average[name].shape == t.shape else torch.empty_like(t)
                     comm.broadcast(comm.world(), dense, writer, what="averaging.dense")
                     average[name] = dense

@@ -1066,7 +1066,8 @@ class HeterMoEStrategy(DDPStrategy):
             experts = ExpertState(self.backend, module) if whole and self.optimizers else None
             # the optimizer follows the model: each expert's moments gathered while laid out
             gathered = experts.gather_optimizer_states(self.optimizers) if experts is not None else []
-            writer = next(r for r in range(self.world_size) if self.backend.writes_checkpoints(r))
+            writer = None if self.backend.dense_on_every_rank else \
+                next(r for r in range(self.world_size) if self.backend.writes_checkpoints(r))
             averages_back = made_whole(trainer, module, ExpertState(self.backend, module).module_state, writer,
                                        set(expert_tensor_names(module))) if whole else None
             self.backend.restore(module, gather=whole)

@@ -267,6 +267,11 @@ class ParallelBackend(ABC):
         """This rank keeps the dense (non-expert) parameters and their optimizer state."""
         return True
 
+    @property
+    def dense_on_every_rank(self) -> bool:
+        """Every rank keeps the dense parameters, alike: none needs another's."""
+        return True
+
     def writes_checkpoints(self, rank: int) -> bool:
         return rank == 0
 

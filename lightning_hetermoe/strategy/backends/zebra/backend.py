@@ -559,6 +559,10 @@ class ZebraBackend(ParallelBackend):
     def holds_dense(self) -> bool:
         return self.layout.is_attention
 
+    @property
+    def dense_on_every_rank(self) -> bool:
+        return len(self.plan.attention_ranks) == self.plan.world_size
+
     def dense_replicas(self) -> Any:
         return self.groups.dense if self.layout.is_attention and len(self.plan.attention_ranks) > 1 else None
 
