@@ -27,6 +27,7 @@ the file:line that asked for it, as CUDA's sync debug mode warns for each.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import sys
@@ -293,6 +294,22 @@ class StandInTensor(torch.Tensor):
     def data(self, new: torch.Tensor) -> None:
         torch._C.TensorBase.data.__set__(self, new)
         self.inner = host_view(new)
+
+    # torch's deepcopy of a tensor with storage sets a copied storage into a new empty one,
+    # whose C++ shape a wrapper does not follow (a copied module's weights were all shape
+    # []): a copy is a wrapper around a copy of the values, as ``clone`` makes, with the
+    # tensor's flags and attributes (a parameter stays one)
+    def __deepcopy__(self, memo: dict) -> "StandInTensor":
+        if id(self) in memo:
+            return memo[id(self)]
+        out = StandInTensor(copy.deepcopy(self.inner, memo))
+        if self.requires_grad:
+            out.requires_grad_()
+        if self.grad is not None:
+            out.grad = copy.deepcopy(self.grad, memo)
+        out.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "inner"})
+        memo[id(self)] = out
+        return out
 
     def tolist(self) -> Any:  # as on a GPU: read from the device (a sync there)
         if _syncs is not None:

@@ -4,6 +4,7 @@ would on NCCL; and the runtime clean under it in every mode (equal to one proces
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 
@@ -45,7 +46,8 @@ def new_data(rank: int) -> bool:
     """``p.data = new`` (how zebra empties the dense weights of an expert rank, how
     ``Module.double()`` converts): every later op on ``p`` sees ``new``. Missed, an emptied
     parameter still detached to its old values and an expert rank wrote its initial dense
-    weights into a sharded checkpoint, over the attention rank's trained ones."""
+    weights into a sharded checkpoint, over the attention rank's trained ones. A deep copy
+    (torch sets a copied storage into an empty tensor, the same C++ swap) keeps the shapes."""
     device = standin.enable()
     p = torch.nn.Parameter(torch.arange(4.0).to(device))
     p.data = torch.empty(0, device=device)
@@ -57,6 +59,14 @@ def new_data(rank: int) -> bool:
     linear = torch.nn.Linear(3, 2).to(device).double()
     assert linear.weight.detach().dtype == torch.float64
     assert linear(torch.ones(1, 3, dtype=torch.float64, device=device)).dtype == torch.float64
+    # a module's deep copy (a weight average's, Lightning's AveragedModel): its own parameters,
+    # of the same shapes and values (they were all shape [], the storage set into an empty one)
+    copied = copy.deepcopy(linear)
+    assert isinstance(copied.weight, torch.nn.Parameter) and copied.weight.requires_grad
+    assert copied.weight.shape == (2, 3) and copied.weight.device == device
+    assert torch.equal(copied.weight.cpu(), linear.weight.cpu())
+    copied.weight.data.add_(1)
+    assert not torch.equal(copied.weight.cpu(), linear.weight.cpu())
     return True
 
 
