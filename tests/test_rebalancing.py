@@ -117,7 +117,7 @@ def fit_moving_averaged(rank: int, world: int, cases: list[dict]):
         model = make_model(4, seed=0, optim=OptimConfig())
         move = MoveAt(2, case["placement"])
         t = trainer(HeterMoEStrategy(mode=case["mode"], plan=case.get("plan")), world, max_steps=STEPS,
-                    callbacks=[move, EMAWeightAveraging(decay=0.7)])
+                    callbacks=[move, EMAWeightAveraging(decay=0.7, device=case.get("average_device"))])
         t.fit(model, datamodule=data(world, 8))
         out.append({"state": model.state_dict(), "after": move.after})
     return out if rank == 0 else None
@@ -130,6 +130,22 @@ def test_a_weight_average_moves_with_its_experts():
     under zebra an expert goes onto the attention rank and one comes off it."""
     cases = [dict(mode="ep", placement=[[[2, 3], [0, 1]], [[0, 2], [1, 3]]]),
              dict(mode="zebra", plan=make_test_plan(2, [0], R=2), placement=[[[3], [0, 1, 2]], [[0], [1, 2, 3]]])]
+    _assert_averages_move(cases)
+
+
+@pytest.mark.standin
+def test_a_weight_average_kept_in_host_memory_moves_and_comes_back_whole_beside_a_device():
+    """``EMAWeightAveraging(device="cpu")`` (what a rank past its memory budget is told to
+    use) beside a compute device that is not host memory, as on a GPU: the average's experts
+    are gathered for the move and at the end of the fit, and its dense tensors sent from the
+    attention rank, each on the compute device (a host tensor on a device collective failed
+    there: ``experts.gather: a device collective ... got a tensor on cpu``)."""
+    _assert_averages_move([dict(mode="zebra", plan=make_test_plan(2, [0], R=2), average_device="cpu",
+                                placement=[[[3], [0, 1, 2]], [[0], [1, 2, 3]]])])
+
+
+def _assert_averages_move(cases: list[dict]) -> None:
+    """Each case's module after fit (the average copied in) equals one process's average."""
     model = make_model(4, seed=0, optim=OptimConfig())
     initial = copy.deepcopy(model.state_dict())
     t = trainer("auto", 1, max_steps=STEPS, callbacks=[EMAWeightAveraging(decay=0.7)])

@@ -100,11 +100,14 @@ def made_whole(trainer: Any, module: Any, gather: Callable[[dict], dict], writer
 
     def load() -> None:
         for callback, average, state in saved:
-            for name, t in module.state_dict().items():
-                if name not in experts and writer is not None:
-                    dense = average[name] if average[name].shape == t.shape else torch.empty_like(t)
-                    comm.broadcast(comm.world(), dense, writer, what="averaging.dense")
-                    average[name] = dense
+            if writer is not None:
+                for name, t in module.state_dict().items():
+                    if name not in experts:
+                        # sent on the compute device, kept where the average keeps its tensors
+                        held = average[name]
+                        dense = held.to(t.device) if held.shape == t.shape else torch.empty_like(t)
+                        comm.broadcast(comm.world(), dense, writer, what="averaging.dense")
+                        average[name] = dense.to(held.device)
             load_average(trainer, module, callback, average, state)
 
     return load

@@ -118,12 +118,15 @@ class ExpertState:
     def module_state(self, local: dict[str, Tensor] | None = None) -> dict[str, Any]:
         """The whole model's state dict (every expert gathered: a collective). ``local``: a
         state dict laid out as the module is (a weight average's copy of it) instead of the
-        module's own."""
+        module's own; where it is kept in host memory (``WeightAveraging(device="cpu")``
+        beside a GPU), each tensor is gathered on the compute device and comes back whole
+        where it was."""
         state = dict(local) if local is not None else self.module.state_dict()
         for l, name, layer in self._layers():
             for pname, p in layer.experts.named_parameters(recurse=False):
                 key = f"{name}.experts.{pname}"
-                state[key] = self.backend.gather_experts(l, state[key].detach(), pname)
+                held = state[key].detach()
+                state[key] = self.backend.gather_experts(l, held.to(p.device), pname).to(held.device)
         return state
 
     def load_module_state(self, full: dict[str, Tensor], strict: bool) -> dict[str, Tensor]:
@@ -252,7 +255,8 @@ class ExpertState:
         """Move experts to ``new`` on every rank (a collective: every rank passes the same
         placement). Returns the expert copies that moved. ``companions``: state dicts laid
         out as the module is (a weight average's); their expert tensors move alike, each
-        entry replaced by its moved tensor."""
+        entry replaced by its moved tensor, on the device it was on (gathered on the
+        compute device, as :meth:`module_state` does)."""
         current = self.backend.placement()
         me = self.backend.holder_index()
         for l, name, layer in self._layers():
@@ -262,8 +266,9 @@ class ExpertState:
             for pname, p in layer.experts.named_parameters(recurse=False):
                 key = f"{name}.experts.{pname}"
                 for companion in companions:
-                    whole = self.backend.gather_experts(l, companion[key], pname)
-                    companion[key] = whole[idx.to(whole.device)].clone()
+                    held = companion[key]
+                    whole = self.backend.gather_experts(l, held.to(p.device), pname)
+                    companion[key] = whole[idx.to(whole.device)].to(held.device)
                 full = self.backend.gather_experts(l, p.data, pname)  # gathered with the old placement in force
                 states = []
                 for opt in optimizers:
