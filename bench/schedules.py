@@ -88,7 +88,8 @@ SCHEDULES = {"ep": ["strategy.mode=ep"], "ep_speed": ["strategy.mode=ep", "strat
              "distep": ["strategy.mode=distep"], "zebra": ["strategy.mode=zebra"],
              "datacentric": ["strategy.mode=datacentric"]}
 GLOBAL_BATCH = 12
-MODEL = ["model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2", "trainer.max_steps=3"]
+GRID_STEPS = 3  # optimizer steps per run, the first of them warm-up (--steps sets another)
+MODEL = ["model.n_layers=4", "model.moe.num_experts=24", "model.moe.top_k=2", f"trainer.max_steps={GRID_STEPS}"]
 # What each block keeps for its backward. The grid trains as the paper did, every schedule
 # with its blocks checkpointed (the clock pays each recompute, the simulator prices it);
 # ``stored`` is the same run keeping every activation, which only fits where memory allows.
@@ -108,10 +109,15 @@ def cell_overrides(mix: str, clock: str, schedule: str, extra: list[str] = (), s
     W = len(devices)
     name = mix.replace(" ", "_").replace("+", "_")
     scale = TIME_SCALE[(clock, min(W, 4))] * slowdown
-    steps = [e for e in extra if e.startswith("trainer.max_steps=")]  # --steps: the cell's own, not the grid's
-    model = [m for m in MODEL if not (steps and m.startswith("trainer.max_steps="))]
+    own_steps = any(e.startswith("trainer.max_steps=") for e in extra)  # --steps: the cell's own, not the grid's
+    model = [m for m in MODEL if not (own_steps and m.startswith("trainer.max_steps="))]
     return [*cluster_overrides(name, devices, "d1", CLOCKS[clock], scale),
             *model, *ACTIVATIONS[activations], f"data.batch_size={GLOBAL_BATCH // W}", *SCHEDULES[schedule], *extra]
+
+
+def run_steps(extra: list[str]) -> int:
+    """The steps a run takes: ``--steps``'s override among ``extra``, else the grid's."""
+    return next((int(e.split("=", 1)[1]) for e in extra if e.startswith("trainer.max_steps=")), GRID_STEPS)
 
 
 def cell_name(r: dict) -> str:
@@ -170,7 +176,7 @@ def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra
 
 def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdown: float,
                   activations: str = "checkpointed") -> dict:
-    steps = next((int(e.split("=", 1)[1]) for e in extra if e.startswith("trainer.max_steps=")), 3)
+    steps = run_steps(extra)
     # (a longer run, or one at a slower clock, gets as much longer to finish)
     s = run_job(cell_overrides(mix, clock, schedule, extra, slowdown, activations),
                 timeout=300.0 * max(1.0, steps * slowdown / 3))
@@ -275,9 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=None,
                     help="the runs' seed (model init, warm-up batches, data order; default: the main job's, 1234): "
                          "the routing each prediction is made at, and how it drifts as the model trains")
-    ap.add_argument("--steps", type=int, default=3,
-                    help="optimizer steps per run, the first of them warm-up (default 3): more time the routing "
-                         "as it drifts with training (the prediction is made at the initial weights' routing)")
+    ap.add_argument("--steps", type=int, default=GRID_STEPS,
+                    help=f"optimizer steps per run, the first of them warm-up (default {GRID_STEPS}): more time "
+                         "the routing as it drifts with training (the prediction is made at the initial weights' "
+                         "routing)")
     ap.add_argument("--activations", default="checkpointed", choices=list(ACTIVATIONS),
                     help="what the grid's blocks keep for their backward (default: checkpointed, as the paper "
                          "trained); the full grid also runs A40+V100 1+1 16K ep and zebra the other way")
@@ -294,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps < 2:
         ap.error(f"--steps={args.steps}: at least 2 (the first step is warm-up, left out of the timing)")
     seeded = ([] if args.seed is None else [f"seed={args.seed}"]) + \
-        ([] if args.steps == 3 else [f"trainer.max_steps={args.steps}"])
+        ([] if args.steps == GRID_STEPS else [f"trainer.max_steps={args.steps}"])
     grid = [("a40+v100 1+1", "16K", s) for s in ("ep", "zebra")] if args.quick else \
         [(m, c, s) for c in clocks for m in mixes for s in schedules]
     print(f"{'mix':13} {'clock':>4} {'schedule':9} {'meas s':>8} {'sim s':>8} {'error':>6}  "
