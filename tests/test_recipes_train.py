@@ -117,6 +117,18 @@ def compose(*overrides: str):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
+def test_a_launch_outside_hydra_asks_whether_hydra_runs_without_importing_it(monkeypatch):
+    """Every fit, validate and test asks; a run without Hydra (a plain script, each of the
+    tests' ranks) imported Hydra's 150 modules to hear no. A Hydra job has it imported
+    already, and the multirun test above covers that side."""
+    from lightning_hetermoe.strategy import launchers
+
+    for name in [m for m in sys.modules if m == "hydra" or m.startswith("hydra.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert launchers._hydra_in_use() is False
+    assert not [m for m in sys.modules if m == "hydra" or m.startswith("hydra.")]
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["model.moe.top_k=9"], "model.moe.top_k=9 is invalid: must be in [1, num_experts=8]"),
     (["model.d_model=30"], "model.d_model=30 is invalid"),

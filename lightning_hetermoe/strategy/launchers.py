@@ -73,11 +73,10 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
 
 def _hydra_in_use() -> bool:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:
-        return False
-    return HydraConfig.initialized()
+    # A Hydra job imported Hydra before any launch. Importing it only to ask cost each
+    # process of a run without Hydra about 0.08 CPU-s (150 modules) at its first launch.
+    hydra_config = sys.modules.get("hydra.core.hydra_config")
+    return hydra_config is not None and hydra_config.HydraConfig.initialized()
 
 
 _JOB_MARK = "HETERMOE_HYDRA_JOB"
