@@ -933,9 +933,9 @@ class HeterMoEStrategy(DDPStrategy):
         meta = read_meta(path)
         check_same_model(meta["hetermoe"]["shapes"], model, strict, what)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if fitting and "optimizers" not in meta["hetermoe"]:
-            raise KeyError(WEIGHTS_ONLY_RESUME)  # Lightning's words for its own file, before any tensor is read
         if fitting:  # the optimizers load here, before Lightning restores the callbacks
+            if "optimizers" not in meta["hetermoe"]:
+                raise KeyError(WEIGHTS_ONLY_RESUME)  # Lightning's words for its own file, before any tensor is read
             restore_finetuning_groups(self.lightning_module.trainer, self.lightning_module, meta.get("callbacks") or {})
         loaded = self._sharded_state().load(path, meta, self.optimizers if fitting else [], comm.world().host,
                                             strict=self.lightning_module.strict_loading, with_optimizers=fitting,
