@@ -1,8 +1,8 @@
 """Real multi-process runs for tests, started once and reused for several fits.
 
-``run_ranks(world, fn, *args)`` starts ``world`` processes with ``spawn`` and sets the
-variables torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
-``LOCAL_RANK``, ``NODE_RANK``). Lightning then sees processes that were created externally
+``run_ranks(world, fn, *args)`` starts ``world`` processes (forked by a fork server that
+imported torch, Lightning and the pack once) and sets the variables torchrun would
+(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``). Lightning then sees processes that were created externally
 and launches none of its own, so each rank may run several ``Trainer.fit`` calls in one
 start (gloo process group and all). ``fn(rank, *args)`` runs in every rank; the return
 values come back in rank order. A rank that raises fails the call with its traceback; a
@@ -27,9 +27,29 @@ import torch.multiprocessing as mp
 
 # A fork server that has imported torch, Lightning and the pack once starts each rank in a
 # fraction of a second, where spawn re-imports them in every rank of every test (seconds
-# each). The server forks before any test touches a process group or a thread pool.
+# each). The server forks before any test touches a process group or a thread pool; its
+# last preload freezes what it imported out of the ranks' garbage collections.
 START_METHOD = "forkserver"
-mp.set_forkserver_preload(["torch", "lightning", "lightning_hetermoe", "harness", "reference"])
+mp.set_forkserver_preload(["torch", "lightning", "lightning_hetermoe", "harness", "reference", "preload_end"])
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def _start_fork_server() -> None:
+    """Start this process's fork server (once) with the tests' folder on its path: Python
+    3.11's server imports its preloads on the path of a bare ``python -c`` (it is handed the
+    caller's ``sys.path`` but does not apply it), where the tests' own modules, and with
+    them ``preload_end``, are not found and are silently skipped."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([TESTS, before] if before else [TESTS])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def _ephemeral_low() -> int:
@@ -100,6 +120,7 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 240.0) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="ranks_") as outdir:
         forwarded = {name: os.environ[name] for name in FORWARDED if name in os.environ}
+        _start_fork_server()
         ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args, forwarded), nprocs=world,
                                  join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout

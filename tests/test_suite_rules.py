@@ -1,4 +1,5 @@
-"""The suite's own rule: the quick loop starts no process (``conftest.py``)."""
+"""The suite's own rules: the quick loop starts no process (``conftest.py``); the ranks the
+harness forks start from a server that imported everything once and froze it (``harness.py``)."""
 
 import subprocess
 import sys
@@ -16,3 +17,22 @@ def test_a_quick_test_that_starts_a_process_is_told_to_mark_itself_slow():
 def test_a_slow_test_starts_processes_freely():
     assert subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True,
                           check=True).stdout.strip() == "42"
+
+
+def what_a_rank_inherited(rank: int) -> tuple[list[str], int]:
+    import gc
+
+    preloads = ["lightning", "lightning_hetermoe", "reference", "preload_end"]
+    return [m for m in preloads if m in sys.modules], gc.get_freeze_count()
+
+
+@pytest.mark.slow
+def test_a_rank_starts_with_every_preload_imported_and_frozen_out_of_its_collections():
+    """Every preload reached the fork server (the tests' own modules too, which a bare server
+    path misses), and what it imported is frozen: a rank's full collections walk only what
+    the rank allocated (unfrozen, each rank's first one walked ~450,000 inherited objects)."""
+    from harness import run_ranks
+
+    (imported, frozen), = run_ranks(1, what_a_rank_inherited)
+    assert imported == ["lightning", "lightning_hetermoe", "reference", "preload_end"], imported
+    assert frozen > 100_000, frozen
