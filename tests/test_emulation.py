@@ -4,11 +4,7 @@ process, and an emulated EP run on 2 gloo processes."""
 import json
 from dataclasses import replace
 import math
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +22,6 @@ from lightning_hetermoe.emulate import (
 from lightning_hetermoe.emulate import clock as emulate_clock
 from lightning_hetermoe.profile import make_timer
 
-ROOT = Path(__file__).resolve().parents[1]
 SCALE = 1000.0
 
 
@@ -290,14 +285,14 @@ def test_bad_rank_is_rejected():
 @pytest.mark.slow
 def test_emulated_two_process_ep_run_tracks_the_simulator(tmp_path):
     """The real strategy in EP mode on 2 gloo processes playing an A40 and a V100 on the D1
-    4K clock: measured step time against the simulator's for the same run."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=emu_a40_v100_d1_4k", "strategy.mode=ep",
-         "trainer.max_steps=3", "trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0", "final_validation=false",
-         f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    4K clock, as the main job trains: measured step time against the simulator's for the
+    same run."""
+    from helpers_recipe import train_in_ranks
+
+    summary, _ = train_in_ranks(2, tmp_path, "cluster=emu_a40_v100_d1_4k", "strategy.mode=ep", "trainer.max_steps=3",
+                                "trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0",
+                                "final_validation=false")
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["cluster"] == "emu_a40_v100_d1_4k" and summary["world_size"] == 2
     assert summary["predicted_schedule"] == "ep" and summary["predicted_step_time_s"] > 0.3
     # the bound no schedule beats on these devices, and the run's predicted share of it

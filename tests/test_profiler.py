@@ -2,15 +2,12 @@
 on a virtual clock: only the emulation's padding takes time, so a profile holds exactly
 what the profiler decided to measure, not how loaded the machine was."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lightning_hetermoe.measure as measure
-from harness import free_port
+from harness import run_ranks
 from helpers_clock import VirtualClock
 from lightning_hetermoe import ClusterConfig, ModelConfig
 from lightning_hetermoe.emulate import clock as emulate_clock
@@ -27,7 +24,7 @@ MODEL = ModelConfig()
 CLUSTER = ClusterConfig(name="emu_test", devices=["a40", "slow"], emulate=True, time_scale=500.0,
                         custom_devices={"slow": {"base": "v100", "launch_overhead_s": 1e-4}})
 POINTS = dict(seq_len=SEQ, attention_seqs=(1, 4), expert_tokens=(64, 256), repeats=3, warmup=1)
-# fewer points where start-up already costs (two spawned processes)
+# fewer points on the two gloo ranks, which measure on the same virtual clock
 FEW_POINTS = dict(seq_len=SEQ, attention_seqs=(4,), expert_tokens=(256,), repeats=1, warmup=1)
 
 
@@ -108,29 +105,17 @@ def test_bad_profile_requests():
         profile_cluster(MODEL, ClusterConfig(name="real", devices=["a40", "v100"]), seq_len=SEQ)
 
 
-def _worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int) -> dict:
     VirtualClock().install(measure, emulate_clock)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        p = profile_cluster(MODEL, CLUSTER, **FEW_POINTS)
-        queue.put((rank, p.to_json()))
+        return profile_cluster(MODEL, CLUSTER, **FEW_POINTS).to_json()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_distributed_profile_measures_each_kind_on_its_rank_and_gathers():
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got = dict(queue.get() for _ in range(2))
+    got = run_ranks(2, _worker, 2)
     assert got[0] == got[1]  # every rank returns the same profile
     check_consistent(Profile.from_json(got[0]), FEW_POINTS)

@@ -346,22 +346,19 @@ def get_device_spec(name):
 
 @pytest.mark.slow
 def test_an_emulated_run_on_two_nodes_tracks_the_simulator_with_the_network_in_its_clock(tmp_path):
+    """The main job's training on four gloo ranks playing two servers (the command line itself:
+    tests/test_recipes_train.py)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, str(root / "recipes" / "train.py"), "cluster=emu_n2_a40_v100", "strategy.mode=zebra",
-         "trainer.max_steps=3", "trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0",
-         "final_validation=false", "logger=none", f"hydra.run.dir={tmp_path}"],
-        cwd=root, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    from helpers_recipe import train_in_ranks
+
+    summary, printed = train_in_ranks(
+        4, tmp_path, "cluster=emu_n2_a40_v100", "strategy.mode=zebra", "trainer.max_steps=3",
+        "trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0", "final_validation=false", "logger=none")
     plan = json.loads((tmp_path / "plan.json").read_text())
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 4 and plan["nodes"] == [0, 0, 1, 1]
-    assert "over the network" in proc.stdout
+    assert "over the network" in printed
     assert abs(summary["step_time_rel_error"]) < 0.25, summary
 
 
