@@ -81,8 +81,9 @@ def free_port() -> int:
 
 
 # the caller's settings every rank gets (the fork server's environment is its first caller's):
-# HETERMOE_STANDIN runs the ranks on the stand-in device
-FORWARDED = ("HETERMOE_STANDIN",)
+# HETERMOE_STANDIN runs the ranks on the stand-in device; PYTHONPATH is the caller's, not the
+# server's (which had the tests' folder added for its preloads)
+FORWARDED = ("HETERMOE_STANDIN", "PYTHONPATH")
 
 
 def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tuple,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers_exit import EXIT_S, run_to_exit
+from helpers_recipe import compose
 from lightning_hetermoe.emulate import FAITHFUL_SLIP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,14 +108,6 @@ def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
     assert all(float(r["grad_norm"]) > 0 for r in logged if r["grad_norm"])  # the global norm, every 2 steps
     events = list((tmp_path / "1").glob("tensorboard/version_*/events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 500, "TensorBoard event file with the metrics"
-
-
-def compose(*overrides: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def test_a_launch_outside_hydra_asks_whether_hydra_runs_without_importing_it(monkeypatch):

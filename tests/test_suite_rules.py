@@ -19,11 +19,12 @@ def test_a_slow_test_starts_processes_freely():
                           check=True).stdout.strip() == "42"
 
 
-def what_a_rank_inherited(rank: int) -> tuple[list[str], int]:
+def what_a_rank_inherited(rank: int) -> tuple[list[str], int, str | None]:
     import gc
+    import os
 
     preloads = ["lightning", "lightning_hetermoe", "reference", "preload_end"]
-    return [m for m in preloads if m in sys.modules], gc.get_freeze_count()
+    return [m for m in preloads if m in sys.modules], gc.get_freeze_count(), os.environ.get("PYTHONPATH")
 
 
 @pytest.mark.slow
@@ -33,6 +34,9 @@ def test_a_rank_starts_with_every_preload_imported_and_frozen_out_of_its_collect
     the rank allocated (unfrozen, each rank's first one walked ~450,000 inherited objects)."""
     from harness import run_ranks
 
-    (imported, frozen), = run_ranks(1, what_a_rank_inherited)
+    import os
+
+    (imported, frozen, path), = run_ranks(1, what_a_rank_inherited)
     assert imported == ["lightning", "lightning_hetermoe", "reference", "preload_end"], imported
     assert frozen > 100_000, frozen
+    assert path == os.environ.get("PYTHONPATH"), "a rank's environment is its caller's, not the server's"
