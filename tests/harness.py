@@ -2,11 +2,12 @@
 
 ``run_ranks(world, fn, *args)`` starts ``world`` processes (forked by a fork server that
 imported torch, Lightning and the pack once) and sets the variables torchrun would
-(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``). Lightning then sees processes that were created externally
-and launches none of its own, so each rank may run several ``Trainer.fit`` calls in one
-start (gloo process group and all). ``fn(rank, *args)`` runs in every rank; the return
-values come back in rank order. A rank that raises fails the call with its traceback; a
-run that outlives ``timeout`` is killed and fails.
+(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``).
+Lightning then sees processes that were created externally and launches none of its own,
+so each rank may run several ``Trainer.fit`` calls in one start (gloo process group and
+all). ``fn(rank, *args)`` runs in every rank; the return values come back in rank order. A
+rank that raises fails the call with its traceback; a run that outlives ``timeout`` is
+killed and fails.
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ from harness import run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def compose(*overrides: str):
-    """The recipes' config with ``overrides``, as ``recipes/train.py`` would compose it."""
+def compose(*overrides: str, config_name: str = "config"):
+    """A recipe's config (``config``: the main job's) with ``overrides``, as the recipe
+    would compose it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
 
 
 def _train_rank(rank: int, overrides: tuple[str, ...], output_dir: str) -> tuple[dict, str] | None:
@@ -35,5 +36,4 @@ def _train_rank(rank: int, overrides: tuple[str, ...], output_dir: str) -> tuple
 def train_in_ranks(world: int, output_dir: Path, *overrides: str, timeout: float = 240.0) -> tuple[dict, str]:
     """``train`` on ``world`` ranks writing into ``output_dir``: rank 0's summary and what
     it printed."""
-    summary, printed = run_ranks(world, _train_rank, tuple(overrides), str(output_dir), timeout=timeout)[0]
-    return summary, printed
+    return run_ranks(world, _train_rank, tuple(overrides), str(output_dir), timeout=timeout)[0]

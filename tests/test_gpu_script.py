@@ -48,7 +48,7 @@ def test_the_profile_is_set_against_the_cost_model_per_task_kind():
 
 
 def test_every_step_names_a_script_that_exists_and_the_profile_overrides_compose(tmp_path):
-    from hydra import compose, initialize_config_dir
+    from helpers_recipe import compose
 
     names = []
     for name, cmd, deadline, result in gpu.steps(True, tmp_path):
@@ -58,8 +58,7 @@ def test_every_step_names_a_script_that_exists_and_the_profile_overrides_compose
         assert all(Path(s).exists() for s in scripts), cmd
         if name == "profile":
             overrides = [c for c in cmd[cmd.index(scripts[0]) + 1:] if not c.startswith("hydra.")]
-            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-                cfg = compose(config_name="profile", overrides=overrides)
+            cfg = compose(*overrides, config_name="profile")
             assert list(cfg.cluster.devices) == ["cpu"] and cfg.model.name == "tiny"
     assert names == ["selfcheck", "kernels", "train default", "train hetermoe", "train zebra", "profile"]
     assert sum(gpu.DEADLINES.values()) + 2 * gpu.DEADLINES["train"] <= 8 * 60  # the budget on one GPU

@@ -1,6 +1,7 @@
 """The suite's own rules: the quick loop starts no process (``conftest.py``); the ranks the
 harness forks start from a server that imported everything once and froze it (``harness.py``)."""
 
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,6 @@ def test_a_slow_test_starts_processes_freely():
 
 def what_a_rank_inherited(rank: int) -> tuple[list[str], int, str | None]:
     import gc
-    import os
 
     preloads = ["lightning", "lightning_hetermoe", "reference", "preload_end"]
     return [m for m in preloads if m in sys.modules], gc.get_freeze_count(), os.environ.get("PYTHONPATH")
@@ -33,8 +33,6 @@ def test_a_rank_starts_with_every_preload_imported_and_frozen_out_of_its_collect
     path misses), and what it imported is frozen: a rank's full collections walk only what
     the rank allocated (unfrozen, each rank's first one walked ~450,000 inherited objects)."""
     from harness import run_ranks
-
-    import os
 
     (imported, frozen, path), = run_ranks(1, what_a_rank_inherited)
     assert imported == ["lightning", "lightning_hetermoe", "reference", "preload_end"], imported
