@@ -30,7 +30,7 @@ STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "replica_dispa
                    "asym_ea",
                    "require_expert_ranks", "profile", "expert_load", "place_at_load", "heartbeat_timeout_s",
                    "progress_timeout_s", "allow_emulated_bf16",
-                   "checkpoint_format", "shard_optimizer_state")
+                   "checkpoint_format", "shard_optimizer_state", "gc_every_n_steps")
 
 
 # Trainer arguments that must be whole numbers (None and -1 keep Lightning's meaning).

@@ -105,6 +105,7 @@ class StrategyArguments:
     allow_emulated_bf16: bool = False
     checkpoint_format: str = "auto"
     shard_optimizer_state: bool = True
+    gc_every_n_steps: int | None = 50
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -134,6 +135,7 @@ class StrategyArguments:
             raise ConfigError(f"strategy replica_dispatch={self.replica_dispatch!r} is invalid: must be one of "
                               f"{REPLICA_DISPATCH}")
         _positive_int("num_microbatches", self.num_microbatches, " (or null: the planner chooses)")
+        _positive_int("gc_every_n_steps", self.gc_every_n_steps, " (or null: Python collects automatically)")
         if self.num_microbatches is not None and self.mode == "ep":
             raise ConfigError("strategy num_microbatches is for mode='zebra', 'distep' and 'auto'")
         self.asym_ea = bool(self.asym_ea)

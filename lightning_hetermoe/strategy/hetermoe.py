@@ -60,6 +60,7 @@ from .shared_metrics import SharedCallbackMetrics, mirror_logged_metrics
 from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, lost_peer,
                         register_exit_hook, stop_watching, watch_launcher)
 from .run_clock import RunClock
+from .gc_schedule import CollectBetweenSteps
 from .summary import count_whole_model
 from .metric_sync import sync_metrics_over
 from .piece_groups import regroup_pieces
@@ -88,6 +89,7 @@ class HeterMoEStrategy(DDPStrategy):
         allow_emulated_bf16: bool = False,
         checkpoint_format: str = "auto",
         shard_optimizer_state: bool = True,
+        gc_every_n_steps: int | None = 50,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -112,7 +114,9 @@ class HeterMoEStrategy(DDPStrategy):
                                       progress_timeout_s=progress_timeout_s,
                                       allow_emulated_bf16=allow_emulated_bf16,
                                       checkpoint_format=checkpoint_format,
-                                      shard_optimizer_state=shard_optimizer_state)
+                                      shard_optimizer_state=shard_optimizer_state,
+                                      gc_every_n_steps=gc_every_n_steps)
+        self.gc = CollectBetweenSteps(self.args.gc_every_n_steps)  # Python's collector while training
         self.clock = RunClock(self.args.cluster, self.args.profile, rank=0)
         self.backend: ParallelBackend | None = None
         self._built_whole = True  # the user built the model whole (not on the meta device)
@@ -515,6 +519,8 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        # every rank reaches this step's first batch before any of the step's collectives
+        self.gc.before_batch(self.lightning_module.trainer.global_step)
         # after every callback's and the module's own hook, before the step (and before
         # Lightning's no_sync for an accumulating batch)
         self._follow_trainable()
@@ -526,6 +532,17 @@ class HeterMoEStrategy(DDPStrategy):
         # before every batch Lightning asks rank 0 about SIGTERM on the device, which on a GPU
         # waits for every rank's queued optimizer step: asked on the host instead
         sigterm.ask_on_the_host(self.lightning_module.trainer, self.world_size)
+        device, where = self.root_device, f"rank {self.global_rank} ({self.describe_rank(self.global_rank)})"
+        if device.type == "cuda":  # the allocator's counts: read on the host, no sync
+            self.gc.start(lambda: torch.cuda.memory_allocated(device),
+                          torch.cuda.get_device_properties(device).total_memory, where)
+        else:
+            self.gc.start(where=where)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.gc.stop()
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -577,9 +594,15 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self.gc.pause()
         trainer = self.lightning_module.trainer
         self._check_equal_batches(trainer.num_sanity_val_batches if trainer.sanity_checking
                                   else trainer.num_val_batches, "validate")
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self.gc.resume()
 
     @override
     def on_test_start(self) -> None:
@@ -1083,6 +1106,7 @@ class HeterMoEStrategy(DDPStrategy):
         # a script that never calls shutdown() (Trainer.fit in a user's script, LightningCLI)
         # still leaves the heartbeat, the watchers and the process group before finalization
         register_exit_hook()
+        self.gc.stop()  # a failed run's too
         super().teardown()
 
 

@@ -257,6 +257,10 @@ class StepRun:
             for f in self.fibers.values():
                 f.abort()
             raise
+        finally:
+            # each fiber holds this run (its owner, its body's closure): let go of them here
+            # and the step's objects are freed when the step ends, not by a garbage collection
+            self.fibers.clear()
         # read when asked (rank_busy), not here: no host sync of the executor's own
         self.out.stamps = StepStamps(self._watch, started, trace, self.exchange.spans, self._watch.now())
         self.out.work = list(self.work.tasks)
