@@ -114,6 +114,7 @@ class CollectBetweenSteps:
         if not self.active:
             return
         self.active = False
+        self._device_bytes = None  # a closure: the strategy may be pickled again (spawn)
         self._turn_on()
         if not self._was_enabled:
             gc.disable()
