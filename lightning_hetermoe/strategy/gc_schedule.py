@@ -34,7 +34,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import time
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,6 @@ class CollectBetweenSteps:
         self.every_n_steps = every_n_steps
         self.active = False
         self.collections = 0  # between steps, this fit
-        self.collect_s = 0.0  # their seconds
         self._was_enabled = True
         self._unfreeze = False
         self._frozen = False
@@ -81,7 +79,7 @@ class CollectBetweenSteps:
         if self.every_n_steps is None or self.active:
             return
         self.active, self._frozen = True, False
-        self.collections, self.collect_s, self._last_step = 0, 0.0, None
+        self.collections, self._last_step = 0, None
         self._was_enabled = gc.isenabled()
         self._unfreeze = gc.get_freeze_count() == 0
         self._device_bytes, self._where = device_bytes, where
@@ -123,9 +121,7 @@ class CollectBetweenSteps:
 
     def _collect(self, step: int) -> None:
         held = self._device_bytes() if self._device_bytes is not None else 0
-        t = time.perf_counter()
         gc.collect()
-        self.collect_s += time.perf_counter() - t
         self.collections += 1
         freed = held - self._device_bytes() if self._device_bytes is not None else 0
         if freed >= self._warn_bytes:
