@@ -52,6 +52,7 @@ decides) in ``kernels/measured.json``, which ships in the package and which
     python bench/kernels.py --write        # ... and record the winner for this device kind
     python bench/kernels.py --quick        # small shapes anywhere
     python bench/kernels.py --json out.json
+    python bench/kernels.py --record docs/gpu/h200-2026-12-04.json   # a lent GPU's run, recorded here
 """
 
 from __future__ import annotations
@@ -435,7 +436,8 @@ def print_table(results: list[dict], kinds: list[str], cuda: bool) -> None:
         print(line, flush=True)
 
 
-def measured_entry(summary: dict, results: list[dict], kinds: list[str]) -> dict:
+def measured_entry(summary: dict, results: list[dict], kinds: list[str], *, date: str | None = None,
+                   source: str = "bench/kernels.py --write") -> dict:
     """The ``measured.json`` entry of this run: the winner among this pack's backends and
     every column's times per case (transformers' beside them, for the record)."""
     timed = [k for k in kinds if k != "dense"]
@@ -444,14 +446,28 @@ def measured_entry(summary: dict, results: list[dict], kinds: list[str]) -> dict
         "speedup_vs_torch": summary["speedup_vs_torch"],
         "device": summary["device"],
         "dtype": summary["dtype"],
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        "source": "bench/kernels.py --write",
+        "torch": summary.get("torch", torch.__version__),
+        "date": date or datetime.date.today().isoformat(),
+        "source": source,
         "workload": "fwd+bwd SwiGLU expert MLP with weighted combine, uniform top-k routing",
         "cases": [{"name": r["name"], "d_model": r["d_model"], "d_ff": r["d_ff"], "experts": r["experts"],
                    "top_k": r["top_k"], "tokens": r["tokens"],
                    "ms": {BACKEND_OF.get(k, k): r[f"{k}_ms"] for k in timed}} for r in results],
     }
+
+
+def record(report_path: Path, measured_path: Path) -> dict:
+    """Write the ``measured.json`` entry of a run made elsewhere: a ``--json`` summary, or a
+    ``bench/gpu.py`` report (its ``kernels`` step), as a lent GPU's run brings it back."""
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    summary = report["steps"]["kernels"]["result"] if "steps" in report else report
+    if not isinstance(summary, dict) or summary.get("bench") != "kernels" or not summary.get("results"):
+        raise SystemExit(f"{report_path}: no bench/kernels.py summary in it (a --json file, or bench/gpu.py's report)")
+    entry = measured_entry(summary, summary["results"], summary["columns"], date=report.get("date"),
+                           source=f"bench/kernels.py on the device, recorded from {report_path.name}")
+    write_measured(measured_path, summary["kind"], entry)
+    print(f"# wrote {summary['kind']}: best={summary['best']} to {measured_path}")
+    return entry
 
 
 def main(argv=None) -> dict:
@@ -469,7 +485,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--write", nargs="?", const=str(MEASURED), default=None, metavar="PATH",
                     help=f"record the fastest backend for this device kind (default file: {MEASURED})")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the summary (the JSON line) here")
+    ap.add_argument("--record", default=None, metavar="REPORT",
+                    help="time nothing: record the winner of a run made elsewhere (its --json file, or "
+                         "bench/gpu.py's report) into --write's file")
     args = ap.parse_args(argv)
+    if args.record:
+        return record(Path(args.record), Path(args.write or MEASURED))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

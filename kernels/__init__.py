@@ -50,7 +50,7 @@ from .availability import (
     unavailable_reason,
 )
 
-from .chooser import BACKENDS, auto_backend, resolve_backend, why_not
+from .chooser import BACKENDS, auto_backend, resolve_backend, runs_on_host_counts, why_not
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["BACKENDS", "auto_backend", "grouped_gemm", "grouped_mlp", "grouped_mlp_grouped_mm",
-           "grouped_mlp_torch", "resolve_backend", "why_not", "grouped_mm_available",
+           "grouped_mlp_torch", "resolve_backend", "runs_on_host_counts", "why_not", "grouped_mm_available",
            "grouped_mm_unavailable_reason", "grouped_wgrad", "GroupedMLPFunction", "triton_available",
            "triton_uses_tensor_cores", "unavailable_reason", "warm_up"]
 

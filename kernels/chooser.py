@@ -8,10 +8,10 @@ otherwise Triton where it emits tensor-core code (CUDA, compute capability 8.0 a
 and the per-expert torch loop elsewhere: CPU, and V100 (sm70) / T4 (sm75), whose tensor
 cores Triton does not use. Never the Triton interpreter.
 
-On CUDA ``auto`` also looks at each call's dtype: ``torch._grouped_mm`` is sync-free only
-for bf16 on sm90/sm100, so a measured ``grouped_mm`` runs bf16 there and every other dtype
-(fp16, fp32 under ``32-true``) takes the rule above instead of grouped_mm's host-synced
-loop (:func:`backend_for`).
+On CUDA ``auto`` also looks at each call's compute dtype (autocast's where it is on, else
+the inputs'): ``torch._grouped_mm`` is sync-free only for bf16 on sm90/sm100, so a measured
+``grouped_mm`` runs bf16 there and every other dtype (fp16, fp32 under ``32-true``) takes
+the rule above instead of grouped_mm's host-synced loop (:func:`backend_for`).
 """
 
 from __future__ import annotations
@@ -92,8 +92,31 @@ def backend_for(name: str, device: torch.device, dtype: torch.dtype) -> str:
     return _AUTO[key]
 
 
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the experts multiply inputs of ``dtype`` in: autocast's where it is on for
+    ``device`` (every backend casts to it first, see ``contract.prepare``), else ``dtype``."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
+
+
+def runs_on_host_counts(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``expert_backend=name`` runs inputs of ``dtype`` (before autocast) on the torch
+    loop, which reads ``counts`` on the host: the ``torch`` backend, and Triton's fallback for
+    what it does not multiply on CUDA (plain fp32, see ``triton_runs_dtype``). Callers that
+    know so hand it host counts and save the loop's device sync."""
+    from .availability import triton_runs_dtype, tf32_enabled
+
+    dtype = compute_dtype(dtype, device)
+    chosen = backend_for(name, device, dtype)
+    if chosen == "torch":
+        return True
+    return chosen == "triton" and device.type == "cuda" and not triton_runs_dtype(
+        dtype, "cuda", torch.cuda.get_device_capability(device), tf32_enabled())
+
+
 def _auto_by_dtype(x: Tensor, *args, **kwargs) -> Tensor:
-    return _function(backend_for("auto", x.device, x.dtype))(x, *args, **kwargs)
+    # by the dtype the GEMMs run in: under autocast fp32 activations multiply in bf16 (on
+    # sm90 torch's grouped GEMM, measured fastest there), not as the fp32 they arrive in
+    return _function(backend_for("auto", x.device, compute_dtype(x.dtype, x.device)))(x, *args, **kwargs)
 
 
 def resolve_backend(name: str, device: torch.device) -> GroupedMLP:

@@ -16,7 +16,10 @@ CUDA side from ``aten/native/cuda/GroupedBlas.cpp``):
 - layouts: each operand row- or column-major in its last two dims with the other stride a
   multiple of 16 bytes; on CUDA also a 16-byte-aligned data pointer. Transposed views of
   the weights qualify as they are; operands that do not (a width that is no multiple of
-  16 bytes) are copied here into a padded buffer, so odd shapes work, only slower.
+  16 bytes) are copied here into a padded buffer of the same major order, so odd shapes
+  work, only slower. Where the grouped dimension is the contiguous one, CUDA also needs
+  every group's size in bytes to be a multiple of 16 (a device-side assert otherwise): the
+  forms used here never group along a contiguous dimension.
 - CPU: a C++ loop of one ``mm`` per group, the same products as the per-expert loop
   without its Python overhead. CUDA: a sync-free CUTLASS kernel for bf16 on sm90/sm100;
   for every other dtype or GPU, the same loop after copying ``offs`` to the host (a device
@@ -57,13 +60,26 @@ def _acceptable(t: Tensor) -> bool:
 
 
 def _operand(t: Tensor) -> Tensor:
-    """``t``, or a copy of it in a buffer whose rows are padded to 16 bytes (same shape)."""
+    """``t``, or a copy of it (same shape, same major order) whose leading stride is padded
+    to 16 bytes.
+
+    The order is kept: in the weight gradients' 2-D x 2-D form the grouped dimension is the
+    reduction, strided in ``rows.t()``; made contiguous by a row-major copy, CUDA's kernel
+    would need every group's size there to be a multiple of 16 bytes, and asserts on the
+    device where it is not (seen on an H200 at d_ff 12 in bf16)."""
     if _acceptable(t):
         return t
     align = 16 // t.element_size()
-    n = t.shape[-1]
-    padded = t.new_empty(*t.shape[:-1], max(align, -(-n // align) * align))[..., :n]
-    return padded.copy_(t)
+
+    def padded(n: int) -> int:
+        return max(align, -(-n // align) * align)
+
+    rows, cols = t.shape[-2:]
+    if t.stride(-2) == 1 and t.stride(-1) != 1:  # column-major: pad the columns' stride
+        buf = t.new_empty(*t.shape[:-2], cols, padded(rows))[..., :rows].transpose(-1, -2)
+    else:
+        buf = t.new_empty(*t.shape[:-1], padded(cols))[..., :cols]
+    return buf.copy_(t)
 
 
 def _gmm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:

@@ -114,3 +114,33 @@ def test_a_training_step_runs_on_the_cpu_and_its_process_exits_promptly(tmp_path
     assert result["schedule"] == "zebra" and result["step_s"] > 0 and result["setup_s"] >= 0
     assert result["final_loss"] == result["final_loss"]  # a number, not nan
     assert 0 <= row["exit_after_work_s"] < 5
+
+
+def test_the_profiles_busy_time_is_the_union_of_the_kernels_spans():
+    """Overlapping kernels count once, gaps not at all, and the annotation ranges that CUDA
+    events also carry (the optimizer's step spans the whole step under Lightning) not."""
+    import torch
+    from types import SimpleNamespace
+
+    profile = _load("gpu_profile")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start, end, device=cuda, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("gemm", 0, 100), ev("copy", 50, 150), ev("norm", 300, 350), ev("host op", 0, 1000, device=cpu),
+              ev("Optimizer.step#AdamW.step", 0, 1000, annotation=True), ev("ProfilerStep#3", 0, 1000)]
+    assert profile.device_busy_s(SimpleNamespace(events=lambda: events)) == pytest.approx(200e-6)
+
+
+@pytest.mark.slow
+def test_the_profile_of_a_zebra_step_runs_on_the_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"), "--strategy", "zebra", "--quick",
+                           "--out-dir", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "zebra-r2.json").read_text())
+    assert set(report["step_s"]) == {"plain", "python", "torch", "sync"} and min(report["step_s"].values()) > 0
+    assert report["host_syncs_per_step"] == 0 and report["device_busy_s_per_step"] is None  # no CUDA here
+    text = (tmp_path / "zebra-r2.txt").read_text()
+    assert "StepRun" in text and "torch profiler, by self CPU time" in text

@@ -118,6 +118,53 @@ def test_fp32_odd_widths_are_padded(activation):
             run(grouped_mlp_torch, x, idx, counts, ps, activation, upstream), FP32_TOL, "odd widths")
 
 
+def _cuda_group_rule(calls):
+    """Wrap ``torch._grouped_mm`` to check, on every call, what CUDA's kernel asserts on the
+    device (``GroupMMCommon.cuh``, seen on an H200): where the grouped dimension of an
+    operand is its contiguous one, every group's size there is a multiple of 16 bytes."""
+    real = torch._grouped_mm
+
+    def checked(a, b, offs=None, **kw):
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+        grouped = [(a, -1), (b, 0)] if a.dim() == 2 and b.dim() == 2 else [(a, 0)]
+        for t, dim in grouped:
+            if t.stride(dim) == 1 and t.shape[dim] > 1:
+                bad = [n for n in sizes if n * t.element_size() % 16]
+                assert not bad, f"groups of {bad} rows along a contiguous dimension of {tuple(t.shape)}"
+        calls.append((a.dim(), b.dim()))
+        return real(a, b, offs=offs, **kw)
+
+    return checked
+
+
+@pytest.mark.parametrize("d_ff", [12, 32])
+def test_padded_operands_keep_the_grouped_dimension_strided(monkeypatch, d_ff):
+    """bf16 at d_ff 12 (the weight gradient's ``rows.t()`` has a 24-byte stride and is
+    copied): the copy keeps the column-major order, so no group boundary falls inside a
+    contiguous dimension, and the result still equals the loop's."""
+    calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", _cuda_group_rule(calls))
+    x, idx, counts, ps, upstream = make([5, 0, 9, 3], d_model=16, d_ff=d_ff)
+    rounded = lambda t: t.to(torch.bfloat16).float() if t is not None else None  # noqa: E731
+    x, upstream, ps = rounded(x), rounded(upstream), [rounded(p) for p in ps]
+    got = run(grouped_mlp_grouped_mm, x, idx, counts, ps, "swiglu", upstream, dtype=torch.bfloat16)
+    assert (2, 2) in calls and (2, 3) in calls, calls
+    compare(got, run(grouped_mlp_torch, x, idx, counts, ps, "swiglu", upstream), BF16_TOL, "bf16 d_ff 12",
+            dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape,transposed", [((12, 7), True), ((12, 1), True), ((7, 12), False),
+                                               ((3, 6, 12), True), ((5, 1), False)])
+def test_operand_copies_keep_their_major_order(shape, transposed):
+    from lightning_hetermoe.kernels.grouped_mm import _acceptable, _operand
+
+    base = torch.randn(*shape[:-2], shape[-1], shape[-2]).to(torch.bfloat16).transpose(-1, -2) if transposed \
+        else torch.randn(*shape).to(torch.bfloat16)
+    out = _operand(base)
+    assert _acceptable(out) and torch.equal(out, base) and out.shape == base.shape
+    assert (out.stride(-2) == 1 and out.stride(-1) != 1) == (base.stride(-2) == 1 and base.stride(-1) != 1)
+
+
 def test_stride0_upstream_and_no_input_grad():
     """``y.sum().backward()`` (torch's own _grouped_mm derivative fails on it) and an input
     that needs no gradient (the dx GEMM is skipped)."""
@@ -281,6 +328,46 @@ def test_auto_follows_measurements(fake_gpu, monkeypatch):
     assert resolve_backend("auto", torch.device("cpu")) is kernels.grouped_mlp_grouped_mm
 
 
+@pytest.fixture
+def cuda_autocast_bf16():
+    """CUDA's autocast on in bf16, as Lightning's bf16-mixed sets it (the state alone: a
+    CPU build of torch keeps the flag without running CUDA)."""
+    was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    yield
+    torch.set_autocast_enabled("cuda", was[0])
+    torch.set_autocast_dtype("cuda", was[1])
+
+
+def test_auto_chooses_by_the_dtype_the_gemms_run_in(fake_gpu, cuda_autocast_bf16):
+    """Under bf16 autocast fp32 activations multiply in bf16: on sm90, where grouped_mm was
+    measured fastest, auto runs it for them (it ran Triton on an H200, 1.25x slower there)."""
+    fake_gpu["measured"].update({"cuda:sm90": {"best": "grouped_mm"}})
+    cuda = torch.device("cuda", 0)
+    assert chooser.compute_dtype(torch.float32, cuda) == torch.bfloat16
+    assert chooser.backend_for("auto", cuda, chooser.compute_dtype(torch.float32, cuda)) == "grouped_mm"
+    assert not chooser.runs_on_host_counts("auto", cuda, torch.float32)
+    torch.set_autocast_enabled("cuda", False)
+    assert chooser.compute_dtype(torch.float32, cuda) == torch.float32
+
+
+@pytest.mark.parametrize("name,dtype,host", [("auto", torch.float32, True), ("triton", torch.float32, True),
+                                             ("auto", torch.bfloat16, False), ("triton", torch.bfloat16, False),
+                                             ("torch", torch.bfloat16, True), ("grouped_mm", torch.float32, False)])
+def test_experts_that_run_the_loop_get_host_counts(fake_gpu, name, dtype, host):
+    """Plain fp32 on CUDA (no TF32) runs Triton's fallback, the torch loop: it reads its
+    counts on the host, so the experts are handed host counts and the dispatch reads them
+    once (on an H200 the loop read device counts in its forward and its backward: 3 host
+    syncs per (layer, micro-batch) where the design allows 1)."""
+    from lightning_hetermoe.moe.experts import Experts
+
+    fake_gpu["measured"].update({"cuda:sm90": {"best": "grouped_mm"}})
+    cuda = torch.device("cuda", 0)
+    assert chooser.runs_on_host_counts(name, cuda, dtype) is host
+    assert Experts(4, 8, 16, "swiglu", False, backend=name).counts_on_device(cuda, dtype) is not host
+
+
 def test_shipped_measurements_drive_auto_on_cpu(monkeypatch):
     """measured.json is package data read with importlib.resources; its CPU entry is what
     auto runs on this machine."""
@@ -312,6 +399,30 @@ def test_bench_records_winner_per_device_kind(tmp_path, monkeypatch):
     assert set(data["cpu"]["cases"][0]["ms"]) == {"torch", "grouped_mm", "hf_grouped_mm"}
     assert [c["top_k"] for c in data["cpu"]["cases"]] == [2, 3]
     assert all("loop/grouped_mm" in r for r in summary["results"])
+
+
+def test_bench_records_a_run_made_on_another_machine(tmp_path, monkeypatch):
+    """--record: a lent GPU's bench/gpu.py report (the --json summary of its kernels step)
+    becomes that device kind's entry here, with the run's own torch and date; a file with
+    no kernels summary is refused, naming it."""
+    bench = load_bench("kernels")
+    monkeypatch.setattr(bench, "QUICK_SHAPES", [bench.Case("a", 16, 32, 4, 2, 24)])
+    summary_path = tmp_path / "kernels.json"
+    summary = bench.main(["--quick", "--reps", "1", "--json", str(summary_path)])
+    remote = dict(json.loads(summary_path.read_text()), kind="cuda:sm90", torch="2.11.0+cu130", best="grouped_mm")
+    report = tmp_path / "h200.json"
+    report.write_text(json.dumps({"date": "2026-12-04", "steps": {"kernels": {"result": remote}}}))
+    out = tmp_path / "measured.json"
+    out.write_text(json.dumps({"cpu": {"best": "torch"}}))
+    bench.main(["--record", str(report), "--write", str(out)])
+    data = json.loads(out.read_text())
+    assert data["cpu"] == {"best": "torch"}
+    entry = data["cuda:sm90"]
+    assert (entry["best"], entry["torch"], entry["date"]) == ("grouped_mm", "2.11.0+cu130", "2026-12-04")
+    assert [c["name"] for c in entry["cases"]] == [r["name"] for r in summary["results"]]
+    report.write_text(json.dumps({"date": "2026-12-04", "steps": {"kernels": {"result": None}}}))
+    with pytest.raises(SystemExit, match="h200.json: no bench/kernels.py summary"):
+        bench.main(["--record", str(report), "--write", str(out)])
 
 
 @pytest.mark.slow

@@ -53,13 +53,13 @@ def sort_every_choice(indices: Tensor, expert_position: Tensor) -> SortedChoices
 
 
 def sort_for_experts_here(indices: Tensor, keep: Tensor | None, num_experts: int, experts,
-                          device: torch.device) -> SortedChoices:
-    """The choices sorted for ``experts``, all ``num_experts`` of them run on ``device``:
-    without a host sync where every choice is kept (``keep`` ``None``) and the experts take
-    their counts on the device (the kernels); else :func:`sort_choices`'s one read, whose
-    host counts the torch loop needs anyway."""
+                          device: torch.device, dtype: torch.dtype) -> SortedChoices:
+    """The choices sorted for ``experts``, all ``num_experts`` of them run on ``device`` on
+    rows of ``dtype``: without a host sync where every choice is kept (``keep`` ``None``) and
+    the experts take their counts on the device (the kernels); else :func:`sort_choices`'s
+    one read, whose host counts the torch loop needs anyway."""
     positions = torch.arange(num_experts, device=device)
-    if keep is None and experts.counts_on_device(device):
+    if keep is None and experts.counts_on_device(device, dtype):
         return sort_every_choice(indices, positions)
     return sort_choices(indices, keep_mask(indices, keep), positions)
 
@@ -138,6 +138,6 @@ class LocalDispatcher:
     one, the kept counts (:func:`sort_choices`)."""
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
-        sc = sort_for_experts_here(indices, keep, experts.num_local_experts, experts, x.device)
+        sc = sort_for_experts_here(indices, keep, experts.num_local_experts, experts, x.device, x.dtype)
         out = experts(x, sc.token, sc.counts)
         return scatter_to_slots(out, sc.slot, indices.numel())

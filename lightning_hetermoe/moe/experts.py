@@ -41,7 +41,7 @@ GroupedMLP = Callable[..., Tensor]
 
 # Backends and their choice live with the kernels (one chooser, one message); re-exported
 # here, where the experts that run them are.
-from ..kernels import grouped_mlp_torch, resolve_backend  # noqa: E402
+from ..kernels import grouped_mlp_torch, resolve_backend, runs_on_host_counts  # noqa: E402
 
 
 class Experts(nn.Module):
@@ -87,10 +87,11 @@ class Experts(nn.Module):
         for b in (self.b_up, self.b_down):
             fill_(b, 0.0)
 
-    def counts_on_device(self, device: torch.device) -> bool:
-        """Whether the backend on ``device`` takes ``counts`` where they were computed (the
-        kernels), not on the host (the torch loop reads its segment bounds there)."""
-        return resolve_backend(self.backend, device) is not grouped_mlp_torch
+    def counts_on_device(self, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether the backend on ``device`` takes ``counts`` for inputs of ``dtype`` where they
+        were computed (the kernels), not on the host (the torch loop reads its segment
+        bounds there)."""
+        return not runs_on_host_counts(self.backend, device, dtype)
 
     def forward(self, x: Tensor, gather_idx: Tensor, counts: Tensor) -> Tensor:
         """``counts`` may be on the host (the torch path reads it there without a sync; the
@@ -98,7 +99,7 @@ class Experts(nn.Module):
         kernels take it there; the torch path reads it to the host once, here, not again in
         its backward)."""
         fn = resolve_backend(self.backend, x.device)
-        if fn is grouped_mlp_torch:
+        if runs_on_host_counts(self.backend, x.device, x.dtype):
             counts = counts.cpu()
         elif counts.device != x.device:
             counts = counts.pin_memory().to(x.device, non_blocking=True) if x.device.type == "cuda" \

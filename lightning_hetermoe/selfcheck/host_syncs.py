@@ -59,8 +59,9 @@ def check_host_syncs(ctx: Context) -> str:
     comm on one GPU), counted by CUDA's sync debug mode: the design allows one per (layer,
     micro-batch), the round's host header; every other drains the queue zebra overlaps on.
     Then one single-device step: its dispatch reads nothing back where the experts run on
-    the kernels (the default top-k keeps every choice), one per layer on the torch loop."""
-    from ..moe import grouped_mlp_torch, resolve_backend
+    the kernels (the default top-k keeps every choice), one per layer where they run the
+    torch loop (which fp32 without TF32 does on CUDA, Triton's fallback)."""
+    from ..kernels import runs_on_host_counts
 
     n_layers, plan = 2, loopback_plan(ctx)
     syncs = _step_syncs(ctx, "syncs", "zebra", plan, n_layers)
@@ -71,7 +72,7 @@ def check_host_syncs(ctx: Context) -> str:
     if per > 1:
         raise Failed(detail + " (the design allows 1)")
     single = _step_syncs(ctx, "syncs-single", "auto", None, n_layers)  # one device: the single-device backend
-    on_kernels = resolve_backend("auto", ctx.device) is not grouped_mlp_torch
+    on_kernels = not runs_on_host_counts("auto", ctx.device, torch.float32)  # the tiny model trains in fp32
     allowed = 0 if on_kernels else n_layers
     dispatch = syncs_in(single, "dispatch.py")
     detail += (f"; single device ({'kernels' if on_kernels else 'torch loop'}): {len(single)} in a step, "

@@ -186,14 +186,16 @@ def stop_watching(join_s: float = JOIN_S) -> None:
 
 
 def leave_at_exit() -> None:
-    """At interpreter exit: leave the heartbeat (joined), the watchers (joined) and the
-    process group (a script that never called the strategy's ``shutdown``: a user's
-    ``Trainer.fit``, LightningCLI), before finalization ends daemon threads inside C++ calls
-    (SIGABRT)."""
+    """At interpreter exit: leave the heartbeat (joined), the watchers and the zebra fibers'
+    idle threads (joined) and the process group (a script that never called the strategy's
+    ``shutdown``: a user's ``Trainer.fit``, LightningCLI), before finalization ends daemon
+    threads inside C++ calls (SIGABRT)."""
     from . import heartbeat
+    from .backends.zebra import fibers
 
     heartbeat.leave(failed=heartbeat.exiting_on_error())
     stop_watching()
+    fibers.stop_workers()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

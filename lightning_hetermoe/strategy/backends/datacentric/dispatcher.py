@@ -48,7 +48,8 @@ class DataCentricDispatcher:
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
         # every expert runs here (its weights gathered); the kernels' counts stay on the device
         # (the checkpoint's recompute reuses them), the torch loop's are read to the host once
-        sc = sort_for_experts_here(indices, keep, self.backend.num_experts[self.layer], experts, x.device)
+        sc = sort_for_experts_here(indices, keep, self.backend.num_experts[self.layer], experts, x.device,
+                                    x.dtype)
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         parts = [p for _, p in experts.named_parameters(recurse=False)]
 
