@@ -33,8 +33,21 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_train  # noqa: E402  (the bench's model, data and loopback plan)
+
+
+def _load_gpu_train() -> Any:
+    """``bench/gpu_train.py`` (the bench's model, data and loopback plan), loaded by its path:
+    putting ``bench/`` on ``sys.path`` would let its ``kernels.py`` shadow the ``kernels``
+    package transformers imports."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hetermoe_bench_gpu_train", Path(__file__).with_name("gpu_train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_train = _load_gpu_train()
 
 PLAIN, PY, TORCH, SYNC = 6, 4, 2, 1
 

@@ -123,6 +123,8 @@ def test_the_profiles_busy_time_is_the_union_of_the_kernels_spans():
     from types import SimpleNamespace
 
     profile = _load("gpu_profile")
+    # bench/ stays off sys.path: its kernels.py would shadow the `kernels` package transformers imports
+    assert str(ROOT / "bench") not in sys.path
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
     def ev(name, start, end, device=cuda, annotation=False):

@@ -61,6 +61,7 @@ from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, map_batc
 from ...expert_state import gather_experts, restore_local, slice_experts
 from ...grad_norm import squared_norm
 from . import outputs, train_outputs
+from .cast_copies import recast_saved_weights
 from .cuts import BlockCuts
 from .exchange import Exchange
 from .executor import StepInput, StepOutput, StepRun, ZebraContractError, loss_of
@@ -301,10 +302,19 @@ class ZebraBackend(ParallelBackend):
         accumulate = module.trainer.accumulate_grad_batches if train else 1
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
+        recast = train and grad and not inference  # a graph to keep: its weights' 16-bit casts are not kept
+
+        def task_context() -> ExitStack:  # the executor's own thread: the expert rounds it runs
+            stack = ExitStack()
+            stack.enter_context(context())
+            if recast:
+                stack.enter_context(recast_saved_weights())
+            return stack
+
         def fiber_context() -> ExitStack:
             stack = ExitStack()
             stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
-            stack.enter_context(context())
+            stack.enter_context(task_context())
             return stack
 
         # The executor's backward runs inside the step, before Lightning's zero_grad: this
@@ -322,7 +332,7 @@ class ZebraBackend(ParallelBackend):
             step = self.step_input(full, lambda mb, j: fn(mb, *rest, **kw), fiber_context, train, accumulate)
             if scaler is not None:  # 16-mixed: each micro-batch's loss scaled, as Lightning's backward would
                 step.scale = scaler.scale
-            out = self._run(step, task_context=context)
+            out = self._run(step, task_context=task_context)
             if not train:
                 self.last_eval = out
                 return self._evaluated(hook, out, step, logs, full)
