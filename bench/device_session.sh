@@ -6,7 +6,8 @@
 #
 # The GPU machine's image has torch, triton, lightning and transformers but not hydra-core,
 # omegaconf or antlr4 (an sdist: wheeled here), and reaches no index. `prepare` puts those
-# three and this project's own wheel in .device/wheels; carry `.device` to the machine.
+# three and this project's own wheel (and yappi's, for bench/gpu_profile.py, where PyPI has
+# it) in .device/wheels, leaving the rest of .device alone; carry `.device` to the machine.
 # `run` installs them with --no-index --no-deps --target .device/site (the image's packages
 # are left alone), puts that on PYTHONPATH and runs `python bench/gpu.py` with ARGS
 # (default `--out docs/gpu/<device>-<date>.json`; e.g. `--extras --only ablations --out ...`).
@@ -21,13 +22,17 @@ SITE=$DIR/site
 
 case "${1:-}" in
 prepare)
-  rm -rf "$DIR"
+  rm -rf "$WHEELS" "$SITE"  # the rest of $DIR (a script of the session's own) stays
   mkdir -p "$WHEELS"
   version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
   python -m pip download -q --no-deps -d "$WHEELS" "hydra-core==$(version hydra-core)" \
     "omegaconf==$(version omegaconf)"
   python -m pip wheel -q --no-deps -w "$WHEELS" "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
   python -m pip wheel -q --no-deps -w "$WHEELS" .
+  # yappi profiles every thread (bench/gpu_profile.py); the machine's Python is 3.12. Optional.
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" yappi \
+    || echo "(no yappi wheel: bench/gpu_profile.py falls back to cProfile)" >&2
   ls -l "$WHEELS"
   ;;
 run)
@@ -37,7 +42,11 @@ run)
     exit 2
   fi
   rm -rf "$SITE"
-  python -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
+  wheels=$(ls "$WHEELS"/*.whl | grep -v /yappi-)
+  python -m pip install -q --no-index --no-deps --target "$SITE" $wheels
+  # yappi's wheel is for the machine's Python (3.12): elsewhere the profile takes cProfile
+  python -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/yappi-*.whl 2>/dev/null \
+    || echo "(yappi not installed here: bench/gpu_profile.py takes cProfile)" >&2
   site=$(cd "$SITE" && pwd)
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   if [[ " $* " != *" --out "* ]]; then

@@ -21,6 +21,10 @@ empty directory, as on a new machine):
 4. ``profile``: ``recipes/profile_devices.py`` on this GPU, each task kind's measured time
    over the cost model's for the same task (how far the datasheet-derived row is off).
 
+``--profile`` then takes the training steps apart (``bench/gpu_profile.py``: zebra at R = 2
+and R = 1 and ``strategy="hetermoe"``, about 3 minutes), their tables into
+``<out>-profile/``.
+
 ``--extras`` then runs, each with its own deadline (under 6 minutes more in all), what was
 measured on the CPU and waits for a GPU: ``ablations`` (``bench/kernels.py --ablations``: the
 Triton GEMMs one row tile at a time and with TMA loads, grouped_mm with SwiGLU on torch's
@@ -53,6 +57,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEADLINES = {"selfcheck": 150, "kernels": 120, "train": 55, "profile": 45}
 QUICK_DEADLINES = {"selfcheck": 400, "kernels": 150, "train": 120, "profile": 120}
 EXTRA_DEADLINES = {"ablations": 150, "loss": 50, "norm rotary": 40, "optimizer step": 50, "clip norm": 40}
+# --profile: bench/gpu_profile.py on the training model, (strategy, R) each
+PROFILE_DEADLINES = {"profile zebra": 75, "profile zebra r1": 60, "profile hetermoe": 50}
+PROFILE_RUNS = {"profile zebra": ("zebra", 2), "profile zebra r1": ("zebra", 1), "profile hetermoe": ("hetermoe", 2)}
 
 
 def _python() -> list[str]:
@@ -191,6 +198,20 @@ def extra_steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Pa
     return out
 
 
+def profile_steps(quick: bool, out_dir: Path) -> list[tuple[str, list[str], float, Path | None]]:
+    """``--profile``: where the training steps' time goes (``bench/gpu_profile.py``), zebra at
+    R = 2 and 1 and the single-device strategy; each writes its tables (``.txt``) and
+    figures (``.json``, also in the report) into ``out_dir``."""
+    py, out = _python(), []
+    for name, (strategy, R) in PROFILE_RUNS.items():
+        cmd = [*py, str(ROOT / "bench" / "gpu_profile.py"), "--strategy", strategy, "--microbatches", str(R),
+               "--out-dir", str(out_dir.resolve())] + (["--quick"] if quick else [])
+        stem = f"{strategy}-r{R}" if strategy == "zebra" else strategy
+        deadline = QUICK_DEADLINES["train"] if quick else PROFILE_DEADLINES[name]
+        out.append((name, cmd, deadline, out_dir.resolve() / f"{stem}.json"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Measure this pack on one GPU: one JSON (see the module docstring).")
     p.add_argument("--out", required=True, help="the JSON to write (e.g. docs/gpu/<device>-<date>.json)")
@@ -199,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="run only the steps whose name starts with this")
     p.add_argument("--extras", action="store_true",
                    help="then the side-by-side runs that wait for a GPU (" + ", ".join(EXTRA_DEADLINES) + ")")
+    p.add_argument("--profile", action="store_true",
+                   help="then bench/gpu_profile.py (" + ", ".join(PROFILE_DEADLINES) + "), its tables into "
+                        "<out>-profile/")
     args = p.parse_args(argv)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             env["TRITON_CACHE_DIR"] = str(work / "triton-cache")  # a cold start, as on a new machine
         report["triton_cache"] = "warm (the user's)" if args.warm_cache else "empty at start"
         started = time.time()
+        profile_dir = out_path.with_name(out_path.stem + "-profile")
         for name, cmd, deadline, result in [*steps(args.quick, work),
-                                            *(extra_steps(args.quick, work) if args.extras else [])]:
+                                            *(extra_steps(args.quick, work) if args.extras else []),
+                                            *(profile_steps(args.quick, profile_dir) if args.profile else [])]:
             if args.only and not name.startswith(args.only):
                 continue
             report["steps"][name] = run_step(name, cmd, deadline, result, env, work)

@@ -78,6 +78,24 @@ def test_the_extras_name_scripts_that_exist_with_their_arguments(tmp_path):
     assert sum(gpu.EXTRA_DEADLINES.values()) <= 6 * 60
 
 
+def test_the_profile_steps_take_zebra_at_two_rs_and_the_single_device_strategy_apart(tmp_path):
+    """--profile: bench/gpu_profile.py per (strategy, R), absolute paths, each step's result
+    the JSON that script writes into the report's profile folder; under 3.5 minutes."""
+    profile = _load("gpu_profile")
+    for quick in (True, False):
+        steps = gpu.profile_steps(quick, tmp_path / "rel" / ".." / "out-profile")
+        assert [n for n, *_ in steps] == list(gpu.PROFILE_DEADLINES)
+        for name, cmd, deadline, result in steps:
+            script = next(c for c in cmd if c.endswith(".py"))
+            assert Path(script) == ROOT / "bench" / "gpu_profile.py" and deadline > 0, name
+            strategy, R = cmd[cmd.index("--strategy") + 1], int(cmd[cmd.index("--microbatches") + 1])
+            assert strategy in profile.gpu_train.STRATEGIES and (strategy, R) == gpu.PROFILE_RUNS[name]
+            out_dir = Path(cmd[cmd.index("--out-dir") + 1])
+            assert out_dir.is_absolute() and result.parent == out_dir and ("--quick" in cmd) == quick
+            assert result.name == (f"zebra-r{R}.json" if strategy == "zebra" else f"{strategy}.json")
+    assert sum(gpu.PROFILE_DEADLINES.values()) <= 3.5 * 60
+
+
 def test_every_path_a_step_passes_is_absolute(tmp_path):
     """Steps run outside the checkout (so that a wheel installed with --target is what they
     import, not the source tree): every script, result file and run directory they name
