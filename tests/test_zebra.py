@@ -273,3 +273,21 @@ def test_every_rank_attends_and_answers_a_layers_micro_batches_back_to_back():
     assert per_rank[1][0]["work"][:6] == ["Af0.0", "Af0.1", "Xf0.0", "Xf0.1", "Af1.0", "Af1.1"]
     assert "Xf1.0" not in per_rank[1][0]["work"]
     assert per_rank[0][2]["work"][:4] == ["Af0.0", "Xf0.0", "Af1.0", "Xf1.0"]
+
+
+@pytest.mark.parametrize("counts", [[[3, 0, 2], [1, 4, 0]], [[0, 0]], [[5]], [[0, 2], [3, 0], [1, 1]]])
+def test_received_rows_are_put_in_expert_order_by_senders_then_arrival(counts):
+    """The rows a round brings, by sender and within each by local expert, are taken in
+    expert order, senders in order within an expert (the naive loop), built on the device
+    from the counts alone."""
+    from lightning_hetermoe.strategy.backends.zebra.expert_tasks import expert_order
+
+    c = torch.tensor(counts)
+    starts, at = {}, 0
+    for g, row in enumerate(counts):
+        for e, n in enumerate(row):
+            starts[(g, e)] = at
+            at += n
+    naive = [starts[(g, e)] + i for e in range(c.shape[1]) for g in range(c.shape[0]) for i in range(counts[g][e])]
+    got = expert_order(c, int(c.sum()), torch.device("cpu"))
+    assert got.tolist() == naive and got.dtype == torch.long

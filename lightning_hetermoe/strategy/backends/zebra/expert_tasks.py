@@ -22,6 +22,17 @@ from .layout import Layout
 from .records import Dispatched, ExpertRecord
 
 
+def expert_order(counts: Tensor, rows: int, device: torch.device) -> Tensor:
+    """The received rows in expert order: they arrive by sender, each sender's by local
+    expert (``counts``, host ``[G, local experts]``, summing to ``rows``); a stable sort of
+    each row's expert. Formed on ``device`` from a copy of the counts alone, without a
+    sync (``output_size``): on the host it was a sort of every routed row per round and a
+    copy of the result (about 0.8 ms a round of host time in an H200's profile)."""
+    local = torch.arange(counts.shape[1], device=device).repeat(counts.shape[0])
+    expert_of_row = torch.repeat_interleave(local, comm.to_device(counts.reshape(-1), device), output_size=rows)
+    return torch.argsort(expert_of_row, stable=True)
+
+
 class ExpertTasks:
     """``work`` (a :class:`~.executor.WorkLog`) hears from the experts' own hooks when a
     round's experts really ran, forward and backward."""
@@ -56,9 +67,7 @@ class ExpertTasks:
         rows = got.rows
         per_expert = counts.sum(0)
         self.counts[(layer, mb)] = per_expert.tolist()
-        local = torch.arange(counts.shape[1], device="cpu").repeat(counts.shape[0])
-        by_expert = comm.to_device(torch.argsort(torch.repeat_interleave(local, counts.reshape(-1)), stable=True),
-                                   rows.device)
+        by_expert = expert_order(counts, rows.shape[0], rows.device)
         inp = rows.detach().requires_grad_(torch.is_grad_enabled())
         self._running = (work, layer, mb)
         try:
