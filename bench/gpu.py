@@ -21,6 +21,11 @@ empty directory, as on a new machine):
 4. ``profile``: ``recipes/profile_devices.py`` on this GPU, each task kind's measured time
    over the cost model's for the same task (how far the datasheet-derived row is off).
 
+``--alternate N`` then fits Lightning's default strategy and ``strategy="hetermoe"`` in turn
+in one process, N pairs after a warm-up fit (``bench/gpu_train.py --strategy alternate``):
+separate processes drift apart by more than the 3% the goal allows (0.99x and 1.11x on one
+H200 the same day), so ``train_goals`` takes the median of the pairs' ratios as the verdict.
+
 ``--profile`` then takes the training steps apart (``bench/gpu_profile.py``: zebra at R = 2
 and R = 1 and ``strategy="hetermoe"``, about 3 minutes), their tables into
 ``<out>-profile/``.
@@ -123,6 +128,10 @@ def train_ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if h and z:
         out["zebra_loopback_over_single_step"] = round(z / h, 4)
         out["zebra_loopback_within_10pct"] = z / h <= 1.10
+    alternate = (rows.get("train alternate", {}).get("result") or {}).get("median_hetermoe_over_default")
+    if isinstance(alternate, (int, float)):  # paired in one process: the verdict that holds
+        out["hetermoe_over_default_median_alternate"] = round(alternate, 4)
+        out["hetermoe_step_within_3pct_alternate"] = alternate <= 1.03
     return out
 
 
@@ -198,6 +207,16 @@ def extra_steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Pa
     return out
 
 
+def alternate_step(quick: bool, work: Path, rounds: int) -> list[tuple[str, list[str], float, Path | None]]:
+    """``--alternate``: ``bench/gpu_train.py --strategy alternate`` (default and hetermoe in
+    turn in one process, ``rounds`` pairs after a warm-up fit)."""
+    result = work / "train_alternate.json"
+    cmd = [*_python(), str(ROOT / "bench" / "gpu_train.py"), "--strategy", "alternate", "--rounds", str(rounds),
+           "--json", str(result)] + (["--quick"] if quick else [])
+    deadlines = QUICK_DEADLINES if quick else DEADLINES
+    return [("train alternate", cmd, deadlines["train"] * (1 + rounds), result)]
+
+
 def profile_steps(quick: bool, out_dir: Path) -> list[tuple[str, list[str], float, Path | None]]:
     """``--profile``: where the training steps' time goes (``bench/gpu_profile.py``), zebra at
     R = 2 and 1 and the single-device strategy; each writes its tables (``.txt``) and
@@ -220,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="run only the steps whose name starts with this")
     p.add_argument("--extras", action="store_true",
                    help="then the side-by-side runs that wait for a GPU (" + ", ".join(EXTRA_DEADLINES) + ")")
+    p.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                   help="then default and hetermoe fitted in turn in one process, ROUNDS pairs (about 45 s "
+                        "a pair): the median ratio is the within-3%% verdict, free of drift between processes")
     p.add_argument("--profile", action="store_true",
                    help="then bench/gpu_profile.py (" + ", ".join(PROFILE_DEADLINES) + "), its tables into "
                         "<out>-profile/")
@@ -235,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         report["triton_cache"] = "warm (the user's)" if args.warm_cache else "empty at start"
         started = time.time()
         profile_dir = out_path.with_name(out_path.stem + "-profile")
-        for name, cmd, deadline, result in [*steps(args.quick, work),
+        paired = alternate_step(args.quick, work, args.alternate) if args.alternate > 0 else []
+        for name, cmd, deadline, result in [*steps(args.quick, work), *paired,
                                             *(extra_steps(args.quick, work) if args.extras else []),
                                             *(profile_steps(args.quick, profile_dir) if args.profile else [])]:
             if args.only and not name.startswith(args.only):

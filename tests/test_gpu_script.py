@@ -164,3 +164,29 @@ def test_the_profile_of_a_zebra_step_runs_on_the_cpu(tmp_path):
     assert report["host_syncs_per_step"] == 0 and report["device_busy_s_per_step"] is None  # no CUDA here
     text = (tmp_path / "zebra-r2.txt").read_text()
     assert "executor.py" in text and "torch profiler, by self CPU time" in text  # the zebra executor was profiled
+
+
+def test_the_paired_verdict_is_the_median_of_one_process_alternating(tmp_path):
+    """--alternate N: one step, gpu_train.py alternating in one process; the goals take its
+    median ratio beside the separate processes' ratio."""
+    (name, cmd, deadline, result), = gpu.alternate_step(False, tmp_path, 3)
+    assert name == "train alternate" and cmd[cmd.index("--rounds") + 1] == "3" and result.is_absolute()
+    assert deadline == gpu.DEADLINES["train"] * 4
+    rows = {"train default": _row(step_s=0.082), "train hetermoe": _row(step_s=0.091),
+            "train alternate": _row(median_hetermoe_over_default=1.012)}
+    goals = gpu.train_ratios(rows)
+    assert goals["hetermoe_step_within_3pct"] is False  # 1.11x between processes
+    assert goals["hetermoe_over_default_median_alternate"] == 1.012
+    assert goals["hetermoe_step_within_3pct_alternate"] is True
+
+
+@pytest.mark.slow
+def test_alternating_fits_run_in_one_process_on_the_cpu(tmp_path):
+    out = tmp_path / "alt.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--strategy", "alternate", "--rounds",
+                           "2", "--quick", "--json", str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert len(r["default_step_s"]) == len(r["hetermoe_step_s"]) == len(r["hetermoe_over_default"]) == 2
+    assert r["median_hetermoe_over_default"] in r["hetermoe_over_default"] and all(x > 0 for x in r["default_step_s"])
