@@ -307,7 +307,7 @@ class ZebraBackend(ParallelBackend):
         def task_context() -> ExitStack:  # the executor's own thread: the expert rounds it runs
             stack = ExitStack()
             stack.enter_context(context())
-            if recast:
+            if recast and torch.is_autocast_enabled(self.device.type):  # no cast to keep otherwise
                 stack.enter_context(recast_saved_weights())
             return stack
 
