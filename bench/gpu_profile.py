@@ -161,12 +161,16 @@ class PythonProfile:
                     text.write(f"{row.full_name[-90:]:90s} {row.ncall:>8} {row.tsub:9.4f} {row.ttot:9.4f}\n")
 
 
+def device_work(prof: Any) -> list[Any]:
+    """The device's kernels and copies on the profile's timeline (not the user annotations
+    that CUDA events also carry: the optimizer's step range spans a whole Lightning step)."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False) and "#" not in e.name]
+
+
 def device_busy_s(prof: Any) -> float:
-    """Seconds the device ran kernels and copies (their union on the timeline, not their
-    sum; the user annotations that CUDA events also carry are not work)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-                   and "#" not in e.name)
+    """Seconds the device ran kernels and copies: their union on the timeline, not their sum."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device_work(prof))
     busy, end = 0, None
     for s, e in spans:
         if end is None or s > end:
@@ -216,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     busy = device_busy_s(windows.prof) if cuda else None
     report = {"strategy": name, "step_s": per_step, "host_syncs_per_step": sum(sites.values()),
               "sync_sites": dict(sites.most_common()), "device_busy_s_per_step": busy / TORCH if busy else None,
-              "device_busy_fraction": busy / windows.seconds["torch"] if busy else None}
+              "device_busy_fraction": busy / windows.seconds["torch"] if busy else None,
+              # what the host launched: where it is the bound, its time goes with this count
+              "device_ops_per_step": len(device_work(windows.prof)) / TORCH if cuda else None}
     (out / f"{name}.json").write_text(json.dumps(report, indent=1))
     text = io.StringIO()
     text.write(json.dumps(report, indent=1) + "\n")

@@ -151,7 +151,9 @@ def test_the_profiles_busy_time_is_the_union_of_the_kernels_spans():
 
     events = [ev("gemm", 0, 100), ev("copy", 50, 150), ev("norm", 300, 350), ev("host op", 0, 1000, device=cpu),
               ev("Optimizer.step#AdamW.step", 0, 1000, annotation=True), ev("ProfilerStep#3", 0, 1000)]
-    assert profile.device_busy_s(SimpleNamespace(events=lambda: events)) == pytest.approx(200e-6)
+    prof = SimpleNamespace(events=lambda: events)
+    assert profile.device_busy_s(prof) == pytest.approx(200e-6)
+    assert [e.name for e in profile.device_work(prof)] == ["gemm", "copy", "norm"]
 
 
 @pytest.mark.slow
@@ -162,6 +164,7 @@ def test_the_profile_of_a_zebra_step_runs_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "zebra-r2.json").read_text())
     assert set(report["step_s"]) == {"plain", "python", "torch", "sync"} and min(report["step_s"].values()) > 0
     assert report["host_syncs_per_step"] == 0 and report["device_busy_s_per_step"] is None  # no CUDA here
+    assert report["device_ops_per_step"] is None
     text = (tmp_path / "zebra-r2.txt").read_text()
     assert "executor.py" in text and "torch profiler, by self CPU time" in text  # the zebra executor was profiled
 
