@@ -198,6 +198,14 @@ def triton_runs_dtype(dtype: torch.dtype, device_type: str, capability: tuple[in
     return bool(tf32) and capability is not None and tuple(capability) >= TENSOR_CORE_CAPABILITY
 
 
+def triton_falls_back(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the ``triton`` backend hands inputs of ``dtype`` on ``device`` to the torch
+    loop (:func:`triton_runs_dtype` on this CUDA device under torch's TF32 setting; the CPU
+    interpreter runs every dtype)."""
+    return device.type == "cuda" and not triton_runs_dtype(dtype, "cuda", torch.cuda.get_device_capability(device),
+                                                           tf32_enabled())
+
+
 def grouped_mm_sync_free(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
     """Whether ``torch._grouped_mm`` runs ``dtype`` on CUDA without a host sync: its CUTLASS
     kernel takes bf16 on sm90/sm100 only; every other dtype or GPU takes its fallback, one

@@ -101,16 +101,13 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def runs_on_host_counts(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``expert_backend=name`` runs inputs of ``dtype`` (before autocast) on the torch
     loop, which reads ``counts`` on the host: the ``torch`` backend, and Triton's fallback for
-    what it does not multiply on CUDA (plain fp32, see ``triton_runs_dtype``). Callers that
+    what it does not multiply on CUDA (plain fp32, see ``triton_falls_back``). Callers that
     know so hand it host counts and save the loop's device sync."""
-    from .availability import triton_runs_dtype, tf32_enabled
+    from .availability import triton_falls_back
 
     dtype = compute_dtype(dtype, device)
     chosen = backend_for(name, device, dtype)
-    if chosen == "torch":
-        return True
-    return chosen == "triton" and device.type == "cuda" and not triton_runs_dtype(
-        dtype, "cuda", torch.cuda.get_device_capability(device), tf32_enabled())
+    return chosen == "torch" or chosen == "triton" and triton_falls_back(dtype, device)
 
 
 def _auto_by_dtype(x: Tensor, *args, **kwargs) -> Tensor:

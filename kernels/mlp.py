@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import algorithm
-from .availability import tf32_enabled, triton_runs_dtype
+from .availability import triton_falls_back
 from .contract import fake_mlp, prepare
 from .launch import RowTiles, grouped_gemm, grouped_wgrad, segment_sum
 
@@ -90,9 +90,7 @@ def grouped_mlp(x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_u
     torch loop instead (:func:`~.availability.triton_runs_dtype`, decided from the dtype at
     each call; the loop reads ``counts`` on the host: one sync per call on that path)."""
     x, w_up, b_up, w_down, b_down = prepare(x, w_up, b_up, w_down, b_down, activation)
-    # (the CPU interpreter runs every dtype; only CUDA reads the device and torch's setting)
-    if x.device.type == "cuda" and not triton_runs_dtype(x.dtype, "cuda", torch.cuda.get_device_capability(x.device),
-                                                         tf32_enabled()):
+    if triton_falls_back(x.dtype, x.device):
         from .loop import grouped_mlp as loop_mlp
 
         return loop_mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)

@@ -87,7 +87,7 @@ class Experts(nn.Module):
         for b in (self.b_up, self.b_down):
             fill_(b, 0.0)
 
-    def counts_on_device(self, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    def counts_on_device(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether the backend on ``device`` takes ``counts`` for inputs of ``dtype`` where they
         were computed (the kernels), not on the host (the torch loop reads its segment
         bounds there)."""

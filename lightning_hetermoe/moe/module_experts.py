@@ -110,7 +110,7 @@ class ModuleExperts(nn.Module):
     def num_local_experts(self) -> int:
         return getattr(self, self.names[0].replace(".", SEPARATOR)).shape[0]
 
-    def counts_on_device(self, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    def counts_on_device(self, device: torch.device, dtype: torch.dtype) -> bool:
         """No: the experts run one by one, over segment bounds read on the host."""
         return False
 

@@ -44,7 +44,8 @@ def _cast_parameter(t: Tensor) -> Tensor | None:
         return None
     src = fn.next_functions[0][0] if fn.next_functions else None
     param = getattr(src, "variable", None)  # AccumulateGrad: the cast's input is a leaf
-    if not isinstance(param, torch.nn.Parameter) or param.dtype == base.dtype or param.shape != base.shape or param.device != base.device:
+    if not isinstance(param, torch.nn.Parameter) or param.dtype == base.dtype or param.shape != base.shape \
+            or param.device != base.device:
         return None
     if not (param.is_contiguous() and base.is_contiguous()):  # a cast keeps the layout: rebuilt by strides
         return None
