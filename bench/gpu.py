@@ -37,10 +37,13 @@ ops), ``loss``
 (``bench/loss.py``: the head's loss whole, chunked on the cross-entropy kernel and on
 torch's ops), ``norm rotary`` (``bench/norm_rotary.py``: RMSNorm and the rotary embedding on
 their kernels beside torch's ops), ``optimizer step`` and ``clip norm`` (``bench/optimizer_step.py``,
-``bench/clip_norm.py``). Where the session has time left after the main steps, one command.
+``bench/clip_norm.py``), ``op overhead`` (``bench/op_overhead.py``: each kernel called through
+its custom op beside eagerly). Where the session has time left after the main steps, one command.
 
 The JSON is rewritten after every step (nothing is lost if a later one hangs or the
-machine is taken back). Budget: the main steps' deadlines add up to under 8 minutes on one GPU.
+machine is taken back). A step past its deadline is stopped with its stacks in the JSON
+(``stacks``: where each thread was, hung or merely slow). Budget: the main steps' deadlines
+add up to 560 s on one GPU, under the device tool's 600 s a command; they took 283-380 s.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,12 +62,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# seconds per step on a GPU; --quick (CPU) runs get more where the interpreter is slow
-DEADLINES = {"selfcheck": 150, "kernels": 120, "train": 55, "profile": 45}
+# seconds per step on a GPU; --quick (CPU) runs get more where the interpreter is slow. An
+# H200 machine of 2026-12-04 took 117 s, 24 s, 37-42 s and 16 s for them; another the same
+# day a third more on every step (its host slower): these leave about 1.4x that.
+DEADLINES = {"selfcheck": 200, "kernels": 90, "train": 75, "profile": 45}
 QUICK_DEADLINES = {"selfcheck": 400, "kernels": 150, "train": 120, "profile": 120}
-EXTRA_DEADLINES = {"ablations": 150, "loss": 50, "norm rotary": 40, "optimizer step": 50, "clip norm": 40}
+EXTRA_DEADLINES = {"ablations": 150, "loss": 50, "norm rotary": 40, "optimizer step": 50, "clip norm": 40,
+                   "op overhead": 30}
 # --profile: bench/gpu_profile.py on the training model, (strategy, R) each
-PROFILE_DEADLINES = {"profile zebra": 75, "profile zebra r1": 60, "profile hetermoe": 50}
+PROFILE_DEADLINES = {"profile zebra": 100, "profile zebra r1": 80, "profile hetermoe": 70}
 PROFILE_RUNS = {"profile zebra": ("zebra", 2), "profile zebra r1": ("zebra", 1), "profile hetermoe": ("hetermoe", 2)}
 
 
@@ -71,11 +78,49 @@ def _python() -> list[str]:
     return [sys.executable, "-X", "faulthandler"]
 
 
+STACK_DUMP_S = 10  # how long a timed-out step's processes get to print their stacks
+
+
+def _communicate(proc: subprocess.Popen, deadline: float) -> tuple[str, str, bool]:
+    """The step's stdout and stderr, and whether it ran past ``deadline``. A step past it is
+    sent SIGABRT (its whole process group: a check's or a rank's children too), on which
+    every Python process of the group prints each thread's stack (``PYTHONFAULTHANDLER``),
+    so that the report says where it was, hung or merely slow; then SIGKILL, so that none of
+    them keeps the GPU busy under the next step."""
+    try:
+        out, err = proc.communicate(timeout=deadline)
+        return out, err, False
+    except subprocess.TimeoutExpired:
+        pass
+    out = err = None
+    try:
+        os.killpg(proc.pid, signal.SIGABRT)
+        out, err = proc.communicate(timeout=STACK_DUMP_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:  # whatever of the group outlived the abort (a child that ignores it, or still dumping)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if out is None:
+        out, err = proc.communicate()
+    return out, err, True
+
+
+def _stacks(stderr: str) -> str | None:
+    """Where faulthandler's dump starts in a timed-out step's stderr (the stacks it printed)."""
+    at = stderr.find("Fatal Python error: Aborted")
+    return stderr[at:][:STACKS_CHARS] if at >= 0 else None
+
+
+STACKS_CHARS = 12000
+
+
 def run_step(name: str, cmd: list[str], deadline: float, out_file: Path | None, env: dict[str, str],
              cwd: Path) -> dict[str, Any]:
     """Run one step's process; its result file (JSON) if it wrote one, its seconds, and how
     long it took to exit after its work ended (the result file's ``work_done_at``, else the
-    file's modification time).
+    file's modification time); for a step past its deadline, the stacks its processes were in.
 
     ``cwd``: outside the checkout (every path in a step is absolute), so that ``python -m
     lightning_hetermoe...`` imports the installed package: from the checkout's root the
@@ -83,16 +128,15 @@ def run_step(name: str, cmd: list[str], deadline: float, out_file: Path | None, 
     (``bench/device_session.sh``), and it lacks the kernels and configs the wheel maps in."""
     print(f"[gpu] {name}: {' '.join(cmd[3:])} (deadline {deadline:.0f} s)", flush=True)
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=deadline)
-        rc, stdout, stderr, timed_out = proc.returncode, proc.stdout, proc.stderr, False
-    except subprocess.TimeoutExpired as err:
-        rc, timed_out = None, True
-        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdout, stderr, timed_out = _communicate(proc, deadline)
+    rc = None if timed_out else proc.returncode
     ended = time.time()
     row: dict[str, Any] = {"name": name, "rc": rc, "timed_out": timed_out, "seconds": round(ended - t0, 2),
                            "stdout_tail": stdout[-2000:], "stderr_tail": stderr[-3000:]}
+    if timed_out:
+        row["stacks"] = _stacks(stderr)
     if out_file is not None and out_file.exists():
         try:
             row["result"] = json.loads(out_file.read_text())
@@ -103,7 +147,8 @@ def run_step(name: str, cmd: list[str], deadline: float, out_file: Path | None, 
         row["exit_after_work_s"] = round(ended - done, 2)
     state = "TIMED OUT" if timed_out else f"exit {rc}"
     print(f"[gpu] {name}: {state} after {row['seconds']:.1f} s"
-          + (f", exited {row['exit_after_work_s']:.1f} s after its work" if "exit_after_work_s" in row else ""),
+          + (f", exited {row['exit_after_work_s']:.1f} s after its work" if "exit_after_work_s" in row else "")
+          + (", its stacks in the report's 'stacks'" if row.get("stacks") else ""),
           flush=True)
     return row
 
@@ -198,6 +243,8 @@ def extra_steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Pa
                         *(["--tokens", "512", "--seq-len", "256", "--repeats", "1"] if quick else [])],
         "optimizer step": [str(bench / "optimizer_step.py"), "--device", device, *small],
         "clip norm": [str(bench / "clip_norm.py"), "--device", device, *small],
+        "op overhead": [str(bench / "op_overhead.py"), "--device", device, *(["--calls", "20", "--repeats", "1"]
+                                                                            if quick else [])],
     }
     out = []
     for name, cmd in cmds.items():

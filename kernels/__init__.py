@@ -24,6 +24,8 @@ kernel modules load on first use. Modules, one job each:
   autograd, which the pack's ``RMSNorm`` takes on CUDA.
 - ``rotary``: the rotary position embedding as one Triton kernel (its gradient the same
   kernel rotating back) behind a custom op, which the pack's attention takes on CUDA.
+- ``eager``: how each custom op is called outside ``torch.compile``: its body directly (as an
+  ``autograd.Function`` where it has autograd), without the op's Python layers.
 - ``algorithm``: the expert MLP, forward and backward, written once over a small set of
   grouped GEMMs (``Gemms``); each backend below is one such set.
 - ``mlp``: on the Triton kernels, as custom ops with autograd (the ``triton`` backend,

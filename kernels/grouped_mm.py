@@ -30,7 +30,8 @@ CUDA side from ``aten/native/cuda/GroupedBlas.cpp``):
   ``torch.library.custom_op`` with fake implementations, the backward written with more
   ``_grouped_mm`` calls (the algorithm of :mod:`.algorithm`): it keeps only the
   pre-activation ``h`` (nothing with ``recompute``) and gathers the input rows again rather
-  than saving them.
+  than saving them. Eagerly the same bodies run as an ``autograd.Function``, without the
+  ops' Python layers (:mod:`.eager`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import algorithm
+from . import algorithm, eager
 from .contract import fake_mlp, prepare
 
 _NS = "lightning_hetermoe"
@@ -141,8 +142,7 @@ def _gemms(counts: Tensor, gather_idx: Tensor, x: Tensor, b_up: Tensor | None, b
     return GroupedMMGemms(counts, gather_idx.shape[0], x.device, b_up is not None or b_down is not None)
 
 
-@torch.library.custom_op(f"{_NS}::grouped_mm_mlp", mutates_args=())
-def grouped_mm_mlp_op(
+def _grouped_mm_mlp(
     x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Optional[Tensor],
     w_down: Tensor, b_down: Optional[Tensor], activation: str, recompute: bool,
 ) -> tuple[Tensor, Tensor]:
@@ -151,11 +151,11 @@ def grouped_mm_mlp_op(
                              b_down, activation, recompute)
 
 
+grouped_mm_mlp_op = torch.library.custom_op(f"{_NS}::grouped_mm_mlp", mutates_args=())(_grouped_mm_mlp)
 grouped_mm_mlp_op.register_fake(fake_mlp)
 
 
-@torch.library.custom_op(f"{_NS}::grouped_mm_mlp_backward", mutates_args=())
-def grouped_mm_mlp_backward_op(
+def _grouped_mm_mlp_backward(
     dy: Tensor, x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Optional[Tensor],
     w_down: Tensor, b_down: Optional[Tensor], h: Tensor, activation: str, recompute: bool, need_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -164,8 +164,13 @@ def grouped_mm_mlp_backward_op(
                               b_down, h, activation, recompute, need_dx)
 
 
+grouped_mm_mlp_backward_op = torch.library.custom_op(f"{_NS}::grouped_mm_mlp_backward",
+                                                     mutates_args=())(_grouped_mm_mlp_backward)
 grouped_mm_mlp_backward_op.register_fake(algorithm.fake_backward)
-algorithm.register_autograd(grouped_mm_mlp_op, grouped_mm_mlp_backward_op)
+_setup_context, _backward = algorithm.register_autograd(
+    grouped_mm_mlp_op, eager.direct(grouped_mm_mlp_backward_op, _grouped_mm_mlp_backward))
+# what the backend calls: torch's grouped GEMMs themselves eagerly, the ops under torch.compile
+_mlp = eager.differentiable(grouped_mm_mlp_op, _grouped_mm_mlp, _setup_context, _backward)
 
 
 def grouped_mlp(
@@ -181,5 +186,5 @@ def grouped_mlp(
 ) -> Tensor:
     """The expert backend contract of ``lightning_hetermoe.moe.experts`` on ``torch._grouped_mm``."""
     x, w_up, b_up, w_down, b_down = prepare(x, w_up, b_up, w_down, b_down, activation)
-    y, _ = grouped_mm_mlp_op(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
+    y, _ = _mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
     return y

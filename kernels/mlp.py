@@ -3,7 +3,8 @@
 The algorithm is :mod:`.algorithm`'s, over the Triton grouped GEMMs of :mod:`.launch`.
 Forward and backward are each one ``torch.library.custom_op``, so ``torch.compile`` sees
 two opaque nodes with fake (shape-only) implementations instead of tracing into kernel
-launches; :class:`GroupedMLPFunction` is the same autograd as an ``autograd.Function``.
+launches; eagerly the same bodies run as an ``autograd.Function`` (:class:`GroupedMLPFunction`,
+without the ops' Python layers: :mod:`.eager`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import algorithm
+from . import algorithm, eager
 from .availability import triton_falls_back
 from .contract import fake_mlp, prepare
 from .launch import RowTiles, grouped_gemm, grouped_wgrad, segment_sum
@@ -45,8 +46,7 @@ class TritonGemms:
         return segment_sum(g, self.counts)
 
 
-@torch.library.custom_op(f"{_NS}::grouped_mlp", mutates_args=())
-def grouped_mlp_op(
+def _grouped_mlp(
     x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Optional[Tensor],
     w_down: Tensor, b_down: Optional[Tensor], activation: str, recompute: bool,
 ) -> tuple[Tensor, Tensor]:
@@ -54,11 +54,11 @@ def grouped_mlp_op(
     return algorithm.forward(TritonGemms(counts), x, gather_idx, w_up, b_up, w_down, b_down, activation, recompute)
 
 
+grouped_mlp_op = torch.library.custom_op(f"{_NS}::grouped_mlp", mutates_args=())(_grouped_mlp)
 grouped_mlp_op.register_fake(fake_mlp)
 
 
-@torch.library.custom_op(f"{_NS}::grouped_mlp_backward", mutates_args=())
-def grouped_mlp_backward_op(
+def _grouped_mlp_backward(
     dy: Tensor, x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Optional[Tensor],
     w_down: Tensor, b_down: Optional[Tensor], h: Tensor, activation: str, recompute: bool, need_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -67,20 +67,15 @@ def grouped_mlp_backward_op(
                               recompute, need_dx)
 
 
+grouped_mlp_backward_op = torch.library.custom_op(f"{_NS}::grouped_mlp_backward",
+                                                  mutates_args=())(_grouped_mlp_backward)
 grouped_mlp_backward_op.register_fake(algorithm.fake_backward)
-_setup_context, _backward = algorithm.register_autograd(grouped_mlp_op, grouped_mlp_backward_op)
-
-
-class GroupedMLPFunction(torch.autograd.Function):
-    """Autograd for :func:`grouped_mlp_op` (the op's own, registered by :mod:`.algorithm`);
-    ``forward`` returns ``(y, h)`` like the op."""
-
-    @staticmethod
-    def forward(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute):
-        return grouped_mlp_op(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
-
-    setup_context = staticmethod(_setup_context)
-    backward = staticmethod(_backward)
+_setup_context, _backward = algorithm.register_autograd(
+    grouped_mlp_op, eager.direct(grouped_mlp_backward_op, _grouped_mlp_backward))
+# what the backend calls: the kernels themselves eagerly, the ops under torch.compile
+_mlp = eager.differentiable(grouped_mlp_op, _grouped_mlp, _setup_context, _backward)
+# the op's autograd as an ``autograd.Function`` (``forward`` returns ``(y, h)`` like the op)
+GroupedMLPFunction = _mlp.function
 
 
 def grouped_mlp(x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
@@ -94,5 +89,5 @@ def grouped_mlp(x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_u
         from .loop import grouped_mlp as loop_mlp
 
         return loop_mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
-    y, _ = grouped_mlp_op(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
+    y, _ = _mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
     return y

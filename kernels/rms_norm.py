@@ -1,4 +1,5 @@
-"""RMSNorm on CUDA as two Triton kernels, forward and backward, behind a custom op.
+"""RMSNorm on CUDA as two Triton kernels, forward and backward, behind a custom op
+(called eagerly without its Python layers: :mod:`.eager`).
 
 The pack's RMSNorm (``model/transformer.py``) on torch's ops takes ``x`` to fp32, squares
 it, averages, multiplies by the reciprocal root, casts back to ``x``'s dtype and multiplies
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import eager
 from .availability import Setting, triton_available
 
 _NS = "lightning_hetermoe"
@@ -40,8 +42,7 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-@torch.library.custom_op(f"{_NS}::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``((x * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight, rstd)``: the output in the dtype
     that product has, and each row's reciprocal root (fp32) for the backward."""
     from .launch import rms_norm_forward
@@ -50,15 +51,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return y.view(x.shape), rstd
 
 
-@rms_norm.register_fake
+rms_norm_op = torch.library.custom_op(f"{_NS}::rms_norm", mutates_args=())(_rms_norm)
+
+
+@rms_norm_op.register_fake
 def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     rows = x.numel() // max(x.shape[-1], 1)
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             x.new_empty(rows, dtype=torch.float32))
 
 
-@torch.library.custom_op(f"{_NS}::rms_norm_backward", mutates_args=())
-def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+def _rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """``(dx, dweight)`` of :func:`rms_norm` under ``grad``."""
     from .launch import rms_norm_backward as launch_backward
 
@@ -66,9 +69,15 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> 
     return dx.view(x.shape), dw.to(weight.dtype)
 
 
-@rms_norm_backward.register_fake
+rms_norm_backward_op = torch.library.custom_op(f"{_NS}::rms_norm_backward", mutates_args=())(_rms_norm_backward)
+
+
+@rms_norm_backward_op.register_fake
 def _(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+rms_norm_backward = eager.direct(rms_norm_backward_op, _rms_norm_backward)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -84,4 +93,6 @@ def _backward(ctx, grad: Tensor, _grad_rstd: Tensor):
     return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
 
 
-rms_norm.register_autograd(_backward, setup_context=_setup_context)
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+# what the model calls: the kernels themselves eagerly, the op under torch.compile
+rms_norm = eager.differentiable(rms_norm_op, _rms_norm, _setup_context, _backward)

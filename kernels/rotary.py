@@ -1,4 +1,5 @@
-"""Rotary position embedding on CUDA as one Triton kernel, behind a custom op.
+"""Rotary position embedding on CUDA as one Triton kernel, behind a custom op (called
+eagerly without its Python layers: :mod:`.eager`).
 
 The pack's attention (``model/transformer.py``) rotates queries and keys with torch's
 ops: an fp32 copy, four products and two sums over the halves, a concatenation and the cast
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import eager
 from .availability import Setting, triton_available
 
 _NS = "lightning_hetermoe"
@@ -32,30 +34,37 @@ def runs_fused(x: Tensor, cos: Tensor) -> bool:
             and x.shape[-1] % 2 == 0 and 0 < x.shape[-1] <= MAX_HEAD_DIM and triton_available(x.device))
 
 
-@torch.library.custom_op(f"{_NS}::rotary", mutates_args=())
-def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``[x1 * cos - x2 * sin, x1 * sin + x2 * cos]`` of ``x = [x1 | x2]`` in ``x``'s dtype."""
     from .launch import rotary as launch_rotary
 
     return launch_rotary(x, cos, sin)
 
 
-@rotary.register_fake
+rotary_op = torch.library.custom_op(f"{_NS}::rotary", mutates_args=())(_rotary)
+
+
+@rotary_op.register_fake
 def _(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op(f"{_NS}::rotary_backward", mutates_args=())
-def rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The gradient of :func:`rotary`: ``grad`` rotated back."""
     from .launch import rotary as launch_rotary
 
     return launch_rotary(grad, cos, sin, inverse=True)
 
 
-@rotary_backward.register_fake
+rotary_backward_op = torch.library.custom_op(f"{_NS}::rotary_backward", mutates_args=())(_rotary_backward)
+
+
+@rotary_backward_op.register_fake
 def _(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return grad.new_empty(grad.shape)
+
+
+rotary_backward = eager.direct(rotary_backward_op, _rotary_backward)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -68,4 +77,6 @@ def _backward(ctx, grad: Tensor):
     return rotary_backward(grad, cos, sin), None, None
 
 
-rotary.register_autograd(_backward, setup_context=_setup_context)
+rotary_op.register_autograd(_backward, setup_context=_setup_context)
+# what the attention calls: the kernel itself eagerly, the op under torch.compile
+rotary = eager.differentiable(rotary_op, _rotary, _setup_context, _backward)

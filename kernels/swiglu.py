@@ -14,7 +14,8 @@ They run where the activation's input is on a CUDA device that runs Triton and n
 graph is being recorded through them (the backends call them inside their own forward and
 backward; the shared expert's MLP, differentiated by torch, keeps torch's ops). On CPU
 torch's ops run: the interpreter is for tests. The custom ops keep them opaque to
-``torch.compile`` (the ``torch`` backend is traced through).
+``torch.compile`` (the ``torch`` backend is traced through); eager calls skip the ops'
+Python layers (:mod:`.eager`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import eager
 from .availability import Setting, triton_available
 
 _NS = "lightning_hetermoe"
@@ -35,27 +37,37 @@ def runs_fused(h: Tensor) -> bool:
             and not (h.requires_grad and torch.is_grad_enabled()) and triton_available(h.device))
 
 
-@torch.library.custom_op(f"{_NS}::swiglu", mutates_args=())
-def swiglu(h: Tensor) -> Tensor:
+def _swiglu(h: Tensor) -> Tensor:
     """``silu(gate) * up`` of ``h = [gate | up]``: ``[M, 2F] -> [M, F]``."""
     from .launch import swiglu as launch_swiglu
 
     return launch_swiglu(h)
 
 
-@swiglu.register_fake
+swiglu_op = torch.library.custom_op(f"{_NS}::swiglu", mutates_args=())(_swiglu)
+
+
+@swiglu_op.register_fake
 def _(h: Tensor) -> Tensor:
     return h.new_empty(h.shape[0], h.shape[1] // 2)
 
 
-@torch.library.custom_op(f"{_NS}::swiglu_backward", mutates_args=())
-def swiglu_backward(h: Tensor, grad: Tensor) -> Tensor:
+def _swiglu_backward(h: Tensor, grad: Tensor) -> Tensor:
     """``[d_gate | d_up]`` of ``silu(gate) * up`` at ``h`` under ``grad``: ``h``'s shape and dtype."""
     from .launch import swiglu_backward as launch_swiglu_backward
 
     return launch_swiglu_backward(h, grad)
 
 
-@swiglu_backward.register_fake
+swiglu_backward_op = torch.library.custom_op(f"{_NS}::swiglu_backward", mutates_args=())(_swiglu_backward)
+
+
+@swiglu_backward_op.register_fake
 def _(h: Tensor, grad: Tensor) -> Tensor:
     return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+# what the backends call (inside their own forward and backward, no autograd through
+# these): the kernels themselves eagerly, the ops under torch.compile
+swiglu = eager.direct(swiglu_op, _swiglu)
+swiglu_backward = eager.direct(swiglu_backward_op, _swiglu_backward)

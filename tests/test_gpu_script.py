@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,8 @@ def test_every_step_names_a_script_that_exists_and_the_profile_overrides_compose
             cfg = compose(*overrides, config_name="profile")
             assert list(cfg.cluster.devices) == ["cpu"] and cfg.model.name == "tiny"
     assert names == ["selfcheck", "kernels", "train default", "train hetermoe", "train zebra", "profile"]
-    assert sum(gpu.DEADLINES.values()) + 2 * gpu.DEADLINES["train"] <= 8 * 60  # the issue's budget on one GPU
+    # under the device tool's 600 s a command, with the wheels' install
+    assert sum(gpu.DEADLINES.values()) + 2 * gpu.DEADLINES["train"] <= 560
 
 
 def test_the_extras_name_scripts_that_exist_with_their_arguments(tmp_path):
@@ -70,7 +72,7 @@ def test_the_extras_name_scripts_that_exist_with_their_arguments(tmp_path):
     for quick in (True, False):
         steps = gpu.extra_steps(quick, tmp_path)
         assert [n for n, *_ in steps] == list(gpu.EXTRA_DEADLINES) == ["ablations", "loss", "norm rotary",
-                                                                        "optimizer step", "clip norm"]
+                                                                        "optimizer step", "clip norm", "op overhead"]
         for name, cmd, deadline, result in steps:
             script = next(c for c in cmd if c.endswith(".py"))
             assert Path(script).exists() and deadline > 0 and result is not None, name
@@ -93,7 +95,7 @@ def test_the_profile_steps_take_zebra_at_two_rs_and_the_single_device_strategy_a
             out_dir = Path(cmd[cmd.index("--out-dir") + 1])
             assert out_dir.is_absolute() and result.parent == out_dir and ("--quick" in cmd) == quick
             assert result.name == (f"zebra-r{R}.json" if strategy == "zebra" else f"{strategy}.json")
-    assert sum(gpu.PROFILE_DEADLINES.values()) <= 3.5 * 60
+    assert sum(gpu.PROFILE_DEADLINES.values()) <= 4.5 * 60
 
 
 def test_every_path_a_step_passes_is_absolute(tmp_path):
@@ -106,6 +108,39 @@ def test_every_path_a_step_passes_is_absolute(tmp_path):
             paths += [cmd[i + 1] for i, c in enumerate(cmd) if c == "--json"]
             assert paths and all(Path(p).is_absolute() for p in paths), (name, cmd)
             assert result is None or result.is_absolute()
+
+
+HANGS = """
+import subprocess, sys, threading, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(str(child.pid))
+def waits_for_a_collective():
+    time.sleep(600)
+threading.Thread(target=waits_for_a_collective, name="rank-worker").start()
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_step_past_its_deadline_reports_its_stacks_and_leaves_no_process(tmp_path):
+    """A hung step costs its deadline and no more: the report says where each of its
+    threads was (faulthandler's dump on SIGABRT) and none of its processes, children
+    included, is left running to slow the next step."""
+    import os
+
+    pid_file = tmp_path / "child.pid"
+    cmd = [sys.executable, "-X", "faulthandler", "-c", HANGS, str(pid_file)]
+    row = gpu.run_step("hangs", cmd, 3.0, None, dict(os.environ), tmp_path)
+    assert row["timed_out"] is True and row["rc"] is None and row["seconds"] < 3.0 + gpu.STACK_DUMP_S + 5
+    assert "started" in row["stdout_tail"]
+    assert "waits_for_a_collective" in row["stacks"] and "Thread 0x" in row["stacks"]
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # the step's child went with it (reaped: init adopts it)
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
+        os.kill(child, 0)
 
 
 @pytest.mark.slow

@@ -597,8 +597,8 @@ def test_fused_swiglu_runs_only_where_it_should():
     assert not swiglu.runs_fused(h)  # on CPU even with TRITON_INTERPRET=1
     meta_cuda = torch.empty(4, 8, device="meta")
     assert not swiglu.runs_fused(meta_cuda)
-    torch.library.opcheck(swiglu.swiglu, (h,), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(swiglu.swiglu_backward, (h, torch.randn(4, 4)), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(swiglu.swiglu_op, (h,), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(swiglu.swiglu_backward_op, (h, torch.randn(4, 4)), test_utils=("test_schema", "test_faketensor"))
     with swiglu.fused(False):
         assert not swiglu.fused.value
         with swiglu.fused(True):
@@ -674,7 +674,7 @@ def test_fused_rms_norm_matches_torchs_ops(monkeypatch, x_dtype, w_dtype):
     for name, a, b in zip(("output", "input gradient", "weight gradient"), got, want, strict=True):
         assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
         assert_close(a, b, f"{name} {x_dtype}/{w_dtype}", tol)
-    torch.library.opcheck(rms_norm.rms_norm, (x.float(), norm.weight.detach().float(), 1e-6),
+    torch.library.opcheck(rms_norm.rms_norm_op, (x.float(), norm.weight.detach().float(), 1e-6),
                           test_utils=("test_schema", "test_faketensor"))
 
 
