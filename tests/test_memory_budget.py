@@ -251,3 +251,38 @@ def test_a_rounds_working_set_grows_with_the_experts_a_rank_holds_per_layer():
             assert got == min(int(v100.usable_bytes // each), int(v100.usable_bytes // mem.expert_step_bytes()))
             # the working set counts once per expert a layer holds, not once per rank
             assert got < mem.expert_capacity(v100, tokens_in_flight_per_expert=flight, mb_tokens_per_expert=0)
+
+
+def test_what_a_rank_holds_is_counted_where_it_grows_then_now_and_then_and_at_an_overrun():
+    """The walk over every tensor a rank holds runs at the first checks (the gradients and
+    the optimizer's state appear there), every COUNT_EVERY-th after (the report), at the
+    report's end, and at any check whose peak passes the budget (the message)."""
+    import torch
+
+    from lightning_hetermoe.strategy.memory_watch import MemoryWatch, held_state
+
+    module = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(module.parameters())
+    watch = MemoryWatch(0, torch.device("cpu"), None, lambda: "a rank")
+    weights = sum(p.numel() * 4 for p in module.parameters())
+    watch.check(module, [opt], "step 1")
+    assert watch.peak_state.total == weights  # no gradients or state yet
+    module(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    watch.check(module, [opt], "step 2")
+    trained = held_state(module, [opt]).total
+    assert watch.peak_state.total == trained > weights * 4  # + gradients, Adam's two moments and steps
+    assert MemoryWatch.COUNT_FIRST == 3
+    watch.check(module, [opt], "step 3")
+    grown = torch.nn.Linear(8, 64)  # what it holds grows past the first checks: not walked at every one
+    for step in range(4, MemoryWatch.COUNT_EVERY):
+        watch.check(grown, [], f"step {step}")
+    assert watch.peak_state.total == trained
+    watch.check(grown, [], f"step {MemoryWatch.COUNT_EVERY}")
+    assert watch.peak_state.total == sum(p.numel() * 4 for p in grown.parameters()) > trained
+    over = MemoryWatch(0, torch.device("cpu"), 1.0, lambda: "a rank")
+    over.baseline = 0  # the whole process's high-water mark against a 1-byte budget: every check is over
+    for step in range(1, MemoryWatch.COUNT_FIRST + 1):
+        over._checks = 10 * step  # past its first checks, off the every-50th
+        with pytest.raises(MemoryBudgetError, match=r"it held weights 1[67] kB"):  # 16,640 B: counted for it
+            over.check(torch.nn.Linear(64, 64), [], "a late step")

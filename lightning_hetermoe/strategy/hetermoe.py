@@ -402,6 +402,8 @@ class HeterMoEStrategy(DDPStrategy):
         """Every rank's memory (peak, budget, what it held at most), gathered: a collective."""
         if self.memory is None:
             return None
+        if self.lightning_module is not None:  # the checks count only now and then: the state as it ends
+            self.memory.count(self.lightning_module, self.optimizers, self._average_bytes)
         mine = self.memory.report()
         if not (dist.is_available() and dist.is_initialized()):
             return [mine]
