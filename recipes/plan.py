@@ -5,7 +5,9 @@
 Prints the plan and writes ``plan.json``, ``summary.json`` and ``gantt_<schedule>.png``
 into the Hydra run directory. Routing is even unless ``plan.expert_load`` names the
 ``expert_load.json`` a training run of the same model shape wrote (its load monitor's):
-the search places experts and every schedule is priced at its shares.
+the search places experts and every schedule is priced at its shares. The memory model
+prices the optimizer of ``optim`` (``optim=sgd optim.momentum=0.9``: 4 bytes of state a
+parameter where AdamW keeps 8).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from omegaconf import DictConfig
 
 from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.cluster.devices import PRECISIONS
-from lightning_hetermoe.configs import ConfigError, ModelConfig, from_cfg
+from lightning_hetermoe.configs import ConfigError, ModelConfig, OptimConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
 from lightning_hetermoe.profile import CostModel, Profile, make_timer
 from lightning_hetermoe.profile.cost_model import tf32_allowed
@@ -65,6 +67,7 @@ def main(cfg: DictConfig) -> dict:
         cost_model=cost,
         expert_load=load,
         place_at_load=bool(cfg.plan.get("place_at_load", True)),
+        optimizer=from_cfg(OptimConfig, cfg.optim),
     )
     out = HydraConfig.get().runtime.output_dir
     print(plan)

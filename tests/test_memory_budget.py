@@ -286,3 +286,33 @@ def test_what_a_rank_holds_is_counted_where_it_grows_then_now_and_then_and_at_an
         over._checks = 10 * step  # past its first checks, off the every-50th
         with pytest.raises(MemoryBudgetError, match=r"it held weights 1[67] kB"):  # 16,640 B: counted for it
             over.check(torch.nn.Linear(64, 64), [], "a late step")
+
+
+@pytest.mark.parametrize("optim", [dict(), dict(name="adam"), dict(name="sgd"), dict(name="sgd", momentum=0.9),
+                                   dict(fused=True), dict(fused=False)],
+                         ids=["adamw", "adam", "sgd", "sgd-momentum", "adamw-fused", "adamw-unfused"])
+def test_the_plan_prices_the_state_the_models_optimizer_really_keeps(optim):
+    """``optimizer_pricing`` (what the planner charges a parameter) against the optimizer the
+    pack's model builds from the same config, after one step: its state's bytes per
+    parameter (less a step counter per tensor); and what the strategy hands the planner."""
+    import torch
+
+    from lightning_hetermoe import MoELanguageModel, OptimConfig
+    from lightning_hetermoe.profile.memory import optimizer_pricing
+    from lightning_hetermoe.strategy.memory_watch import held_state, optimizer_bytes_per_param
+    from lightning_hetermoe.strategy.selection import _optimizer_of
+
+    cfg = OptimConfig(**optim)
+    model = MoELanguageModel(dict(name="tiny", d_model=16, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16,
+                                  moe=dict(num_experts=2, top_k=1, d_ff=16)), cfg)
+    opt = model.configure_optimizers()
+    opt = opt["optimizer"] if isinstance(opt, dict) else opt
+    for p in model.parameters():  # a gradient for every parameter: each gets its state
+        p.grad = torch.ones_like(p)
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    steps = sum(4 for s in opt.state.values() if "step" in s and torch.is_tensor(s["step"]))
+    state, step = optimizer_pricing(cfg)
+    assert (held_state(model, [opt]).optimizer - steps) / n == state == optimizer_bytes_per_param([opt])
+    assert step == (0.0 if state == 0.0 or cfg.fused is True else 4.0)
+    assert _optimizer_of(model) is model.optim_cfg and _optimizer_of(torch.nn.Linear(2, 2)) is None

@@ -18,7 +18,7 @@ import pytest
 from lightning_hetermoe.apportion import apportion
 from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.cluster.spec import resolve_cluster
-from lightning_hetermoe.configs import ModelConfig, MoEConfig
+from lightning_hetermoe.configs import ModelConfig, MoEConfig, OptimConfig
 from lightning_hetermoe.plan import Plan, largest_batch, make_plan
 from lightning_hetermoe.profile import make_timer
 from lightning_hetermoe.profile.memory import MemoryModel
@@ -64,9 +64,9 @@ def group_fits(mem: MemoryModel, devs, attention: list[int], experts: list[int],
 
 
 def brute_force_fits(model: ModelConfig, cluster: ClusterConfig, total: int, sharded: bool, *, M: int | None = None,
-                     G_pin: int | None = None, R_pin: int | None = None) -> bool:
+                     G_pin: int | None = None, R_pin: int | None = None, optimizer: OptimConfig | None = None) -> bool:
     devs = resolve_cluster(cluster)
-    mem, timer = MemoryModel(model), make_timer(model, SEQ)
+    mem, timer = MemoryModel.for_optimizer(model, optimizer), make_timer(model, SEQ)
     W, need = len(devs), model.n_layers * model.moe.num_experts
     kinds = sorted({d.name for d in devs})
     for mask in range(1, 2**W):
@@ -195,6 +195,30 @@ def test_sharded_optimizer_state_fits_more():
     assert sharded > whole
 
 
+def test_the_optimizer_a_run_trains_with_is_what_the_plan_prices():
+    """SGD keeps 4 bytes of state a parameter with momentum and none without, where AdamW
+    keeps 8 (and plain SGD's step allocates nothing): the largest batch grows as the state
+    shrinks, each equal to the brute force priced the same way, and the default (no
+    optimizer named) is AdamW's."""
+    model = small_model(2, 4, 256)
+    mem = MemoryModel(model)
+    state = (mem.attention_stack_params() + 8 * mem.expert_params()) * 16 / 1e9
+    cluster = small_cluster(3, 3, round(state * 0.4, 4), round(state * 0.35, 4))
+    got = {}
+    for name, optimizer in [("default", None), ("adamw", OptimConfig()), ("momentum", OptimConfig(name="sgd", momentum=0.9)),
+                            ("sgd", OptimConfig(name="sgd"))]:
+        got[name] = largest_batch(cluster, model, seq_len=SEQ, max_microbatches=MAX_R, shard_optimizer_state=False,
+                                  optimizer=optimizer)
+        assert got[name] == brute_largest(model, cluster, False, optimizer=optimizer), name
+    assert got["default"] == got["adamw"] < got["momentum"] < got["sgd"], got
+    plan = make_plan(cluster, model, seq_len=SEQ, global_batch_tokens=got["sgd"] * SEQ, max_microbatches=MAX_R,
+                     shard_optimizer_state=False, optimizer=OptimConfig(name="sgd"), max_waves=1)
+    assert plan.total_seqs == got["sgd"]
+    with pytest.raises(ValueError, match="no layout"):
+        make_plan(cluster, model, seq_len=SEQ, global_batch_tokens=got["sgd"] * SEQ, max_microbatches=MAX_R,
+                  shard_optimizer_state=False, max_waves=1)
+
+
 def test_the_issue_case_plans_up_to_its_largest_batch():
     """Issue 41: a Mixtral-8x7B-sized model on 16 A40 + 16 V100, 4K sequences. A refused
     batch names the binding constraint and the largest batch that plans; that batch plans
@@ -238,3 +262,14 @@ def test_apportioning_alike_ranks_block_by_block_is_apportioning_them_one_by_one
         assert got == flat, (total, blocks)
     with pytest.raises(ValueError, match="cannot split"):
         apportion_alike(3, [(1.0, 0)])
+
+
+def test_the_plan_recipe_takes_the_optimizer_group():
+    """``recipes/plan.py optim=sgd optim.momentum=0.9``: the optimizer the plan prices is
+    chosen as the training recipe chooses it (AdamW by default)."""
+    from helpers_recipe import compose
+    from lightning_hetermoe.configs import from_cfg
+
+    assert from_cfg(OptimConfig, compose(config_name="plan").optim) == OptimConfig()
+    sgd = from_cfg(OptimConfig, compose("optim=sgd", "optim.momentum=0.9", config_name="plan").optim)
+    assert (sgd.name, sgd.momentum) == ("sgd", 0.9)

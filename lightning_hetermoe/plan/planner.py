@@ -54,7 +54,7 @@ from ..apportion import apportion
 from ..cluster.spec import ClusterConfig, LinkConfig, resolve_cluster
 from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.topology import Topology, cluster_topology
-from ..configs import ModelConfig, from_cfg
+from ..configs import ModelConfig, OptimConfig, from_cfg
 from ..distinct import distinct
 from ..profile.cost_model import CostModel
 from ..profile.memory import MemoryModel, format_bytes, small_training_state
@@ -112,12 +112,13 @@ class _Search:
         expert_load: list[list[float]] | None = None,
         sharded: bool = False,
         waves: int = 1,
+        optimizer: OptimConfig | None = None,
     ):
         self.view, self.model, self.S, self.total = view, model, seq_len, total_seqs
         self.waves = waves  # batches of total_seqs per optimizer step
         self.timer, self.asym, self.max_R = timer, asym, max_microbatches
         self.expert_load = expert_load
-        self.mem = MemoryModel(model)
+        self.mem = MemoryModel.for_optimizer(model, optimizer)
         self.devs = view.devices
         self.sharded = sharded
         self.profile: Profile | None = getattr(timer, "profile", None)
@@ -744,7 +745,7 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
             break
         best = plan
         searched.append(plan)
-        if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state")):
+        if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer")):
             break
         waves *= 2
     if copied is not None and (best is None or _zebra_rate(copied) > _zebra_rate(best) * (1 + 1e-9)):
@@ -871,7 +872,7 @@ def _best_split_in_more_waves(best: Plan, view: ClusterView, model: Any, *, seq_
     faster than both). One split costs a fraction of the search. ``None`` where it does not
     bind or nothing plans."""
     split = len(best.attention_ranks)
-    if split == len(view.devices) or not activations_bind(best, view, model, kwargs.get("shard_optimizer_state")):
+    if split == len(view.devices) or not activations_bind(best, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer")):
         return None  # every rank attending is its own family; unbound activations gain nothing from waves
     return _split_in_waves(view, model, split, best.waves * 2, seq_len=seq_len,
                            global_batch_tokens=global_batch_tokens, max_waves=max_waves, bar=bar, **kwargs)
@@ -897,7 +898,7 @@ def _split_in_waves(view: ClusterView, model: Any, split: int, first: int, *, se
             if best is not None and _zebra_rate(plan) <= _zebra_rate(best) * (1 + 1e-9):
                 break
             best = plan
-            if not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state")):
+            if not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer")):
                 break
         waves *= 2
     return best
@@ -908,14 +909,14 @@ def _zebra_rate(plan: Plan) -> float:
     return (plan.predicted.get(plan.schedule) or {}).get("tokens_per_s") or 0.0
 
 
-def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_optimizer_state: bool | None = None
-                     ) -> bool:
+def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_optimizer_state: bool | None = None,
+                     optimizer: OptimConfig | None = None) -> bool:
     """Whether half the sequences in flight would let some member of the plan's ZP group that
     cannot hold every expert hold more of them: only then can splitting the step into more
     waves pay (a member with room for all of them places nothing differently)."""
     model = _model_config(model)
     devs = as_cluster(cluster).devices
-    mem = MemoryModel(model)
+    mem = MemoryModel.for_optimizer(model, optimizer)
     group_seqs = plan.total_seqs // len(plan.zp_groups)
     if group_seqs < 2:
         return False
@@ -958,6 +959,7 @@ def plan_for_batch(
     expert_load: list[list[float]] | None = None,
     place_at_load: bool = False,
     shard_optimizer_state: bool | None = None,
+    optimizer: OptimConfig | None = None,
     waves: int = 1,
     _splits: Sequence[int] | None = None,
     _brief: bool = False,
@@ -983,6 +985,9 @@ def plan_for_batch(
     not. ``shard_optimizer_state`` prices the dense optimizer state sharded over the
     attention ranks (ZeRO-1, the strategy's ``shard_optimizer_state``); ``None``: as the
     strategy's defaults do, sharded unless the model's training state is small.
+    ``optimizer`` (the pack's ``optim`` config) prices the optimizer's state and its step's
+    temporaries per parameter (``profile/memory.py``'s ``optimizer_pricing``: SGD keeps 4
+    bytes or none where AdamW keeps 8); ``None``: AdamW's, unfused.
 
     Where memory binds, every layout the plan format can express is checked (see
     ``fit.py``): a batch that fits in one gets a plan, and a refusal names the binding
@@ -1013,7 +1018,8 @@ def plan_for_batch(
                      num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
                      require_expert_ranks=require_expert_ranks, schedules=schedules, timer=timer,
                      expert_load=expert_load, place_at_load=place_at_load,
-                     shard_optimizer_state=shard_optimizer_state, splits=_splits, brief=_brief, bar=_bar)
+                     shard_optimizer_state=shard_optimizer_state, optimizer=optimizer, splits=_splits, brief=_brief,
+                     bar=_bar)
 
 
 @contextlib.contextmanager
@@ -1034,11 +1040,12 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
           num_microbatches: int | None, max_microbatches: int, num_attention_ranks: int | None,
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
           expert_load, place_at_load: bool, shard_optimizer_state: bool | None,
-          splits: Sequence[int] | None = None, brief: bool = False, bar: Plan | None = None) -> Plan:
+          optimizer: OptimConfig | None = None, splits: Sequence[int] | None = None, brief: bool = False,
+          bar: Plan | None = None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = _search_timer(model, seq_len, timer, profile, cost_model)
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
-                     sharded=_sharded(model, shard_optimizer_state), waves=waves)
+                     sharded=_sharded(model, shard_optimizer_state), waves=waves, optimizer=optimizer)
     if bar is not None and bar.predicted.get("zebra"):
         search.bar = (bar.predicted["zebra"]["step_time_s"], bar)
     W = len(view.devices)
@@ -1146,7 +1153,7 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
                   cost_model: CostModel | None = None, max_microbatches: int = 16,
                   num_microbatches: int | None = None, num_attention_ranks: int | None = None,
                   num_zp_groups: int | None = None, require_expert_ranks: bool = False, timer: Any = None,
-                  shard_optimizer_state: bool | None = None) -> int:
+                  shard_optimizer_state: bool | None = None, optimizer: OptimConfig | None = None) -> int:
     """The most sequences of ``seq_len`` tokens per step that :func:`plan_for_batch` plans on
     ``cluster`` in one wave (0: not one; :func:`make_plan` plans up to ``max_waves`` times as
     many, in waves that divide them), by the memory model alone: doubling, then bisection over the
@@ -1157,7 +1164,7 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
         raise ValueError("empty cluster: name at least one device")
     timer = _search_timer(model, seq_len, timer, profile, cost_model)
     search = _Search(view, model, seq_len, 1, timer, True, max_microbatches,
-                     sharded=_sharded(model, shard_optimizer_state))
+                     sharded=_sharded(model, shard_optimizer_state), optimizer=optimizer)
     try:
         _check_total_memory(search.mem, model, view)
     except ValueError:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from ..cluster.devices import DeviceSpec
-from ..configs import ModelConfig, MoEConfig
+from ..configs import ModelConfig, MoEConfig, OptimConfig
 
 # Bytes of dense gradients per all-reduce in zebra's gradient sync (DDP's default bucket
 # size); the strategy syncs in buckets of this size and the memory model prices one.
@@ -65,6 +65,24 @@ def small_training_state(params: float) -> bool:
     return params * TRAINING_BYTES_PER_PARAM <= SMALL_STATE_BYTES
 
 
+def optimizer_pricing(optim: OptimConfig | None) -> tuple[float, float]:
+    """``(state, step)`` bytes per parameter of the pack's optimizer ``optim`` on a GPU: its
+    state (Adam and AdamW two fp32 moments, 8; SGD with momentum its buffer, 4; plain SGD
+    none) and its step's temporaries (torch's multi-tensor step, 4, as
+    :func:`~lightning_hetermoe.strategy.memory_watch.optimizer_step_bytes` prices it; none
+    for plain SGD or ``optim.fused=true``). ``optim.fused=auto`` is priced as multi-tensor:
+    it falls back to that where the run clips under a precision plugin that cannot clip for
+    a fused step. ``None``: AdamW's, unfused (an optimizer of the user's own, not known
+    until set-up has planned)."""
+    if optim is None:
+        return 8.0, FOREACH_STEP_BYTES
+    if optim.name == "sgd":
+        state = 4.0 if optim.momentum > 0 else 0.0
+    else:
+        state = 8.0
+    return state, (0.0 if state == 0.0 or optim.fused is True else FOREACH_STEP_BYTES)
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     model: ModelConfig
@@ -78,6 +96,14 @@ class MemoryModel:
     # The optimizer step's temporaries per parameter it steps (see the module docstring):
     # torch's default AdamW on a GPU.
     optimizer_step_bytes_per_param: float = FOREACH_STEP_BYTES
+
+    @classmethod
+    def for_optimizer(cls, model: ModelConfig, optim: OptimConfig | None, **kw) -> "MemoryModel":
+        """The memory model of ``model`` trained by ``optim`` (:func:`optimizer_pricing`):
+        8 bytes a parameter for its fp32 weight and gradient, plus the optimizer's state."""
+        state, step = optimizer_pricing(optim)
+        return cls(model, bytes_per_param=8.0 + state, optimizer_bytes_per_param=state,
+                   optimizer_step_bytes_per_param=step, **kw)
 
     # ---- parameter counts ----------------------------------------------------------------
     def attention_stack_params(self) -> float:

@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import IterableDataset
 
 from ..cluster import ClusterConfig, DeviceSpec
-from ..configs import ConfigError, ModelConfig
+from ..configs import ConfigError, ModelConfig, OptimConfig
 from ..model_contract import ModelContractError, describe_model
 from ..routing_record import check_shape
 from .arguments import DISAGGREGATED, check_plan, check_waves
@@ -305,11 +305,13 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
     if args.mode == "datacentric":
         return "datacentric", None
     if args.mode in DISAGGREGATED:
-        return args.mode, _plan(args, clock, world, model.config(), required=True, schedule=args.mode)
+        return args.mode, _plan(args, clock, world, model.config(), required=True, schedule=args.mode,
+                                optimizer=_optimizer_of(module))
     if args.plan is not None:  # auto with a given plan runs what the plan was made for
-        return args.plan.schedule, _plan(args, clock, world, model.config(), required=True)
+        return args.plan.schedule, _plan(args, clock, world, model.config(), required=True)  # given: not planned
     disaggregable = _can_disaggregate(world, module, model)
-    plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra") if disaggregable else None
+    plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra",
+                 optimizer=_optimizer_of(module)) if disaggregable else None
     throughput: dict[str, float] = {}
     for name in AUTO_CANDIDATES:
         if name in DISAGGREGATED:
@@ -351,9 +353,18 @@ def _can_disaggregate(world: int, module: Any, model: _Description) -> bool:
     return model.error is None
 
 
-def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: bool, schedule: str = "zebra") -> Any:
+def _optimizer_of(module: Any) -> OptimConfig | None:
+    """The optimizer the planner prices: the pack's model's ``optim`` config; ``None`` (AdamW's
+    bytes, as the planner prices any other) for a model whose optimizer is its own, which
+    exists only after set-up has planned."""
+    optim = getattr(module, "optim_cfg", None)
+    return optim if isinstance(optim, OptimConfig) else None
+
+
+def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: bool, schedule: str = "zebra",
+          optimizer: OptimConfig | None = None) -> Any:
     """The plan the run gives, or a new one from the planner for ``schedule`` (``None`` if
-    none fits and none is ``required``)."""
+    none fits and none is ``required``), its memory priced for ``optimizer``."""
     from ..plan import make_plan
     from ..plan.planner import ClusterView
 
@@ -369,7 +380,7 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
                          profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
                          require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
                          expert_load=clock.expert_load, place_at_load=_place_at_load(args),
-                         shard_optimizer_state=_zero_priced(args),
+                         shard_optimizer_state=_zero_priced(args), optimizer=optimizer,
                          max_waves=1)  # the loaders' batch is one wave: trainer.accumulate_grad_batches is the user's
     except ValueError as err:
         if required:
