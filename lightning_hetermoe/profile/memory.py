@@ -70,17 +70,17 @@ def optimizer_pricing(optim: OptimConfig | None) -> tuple[float, float]:
     state (Adam and AdamW two fp32 moments, 8; SGD with momentum its buffer, 4; plain SGD
     none) and its step's temporaries (torch's multi-tensor step, 4, as
     :func:`~lightning_hetermoe.strategy.memory_watch.optimizer_step_bytes` prices it; none
-    for plain SGD or ``optim.fused=true``). ``optim.fused=auto`` is priced as multi-tensor:
-    it falls back to that where the run clips under a precision plugin that cannot clip for
-    a fused step. ``None``: AdamW's, unfused (an optimizer of the user's own, not known
-    until set-up has planned)."""
+    for plain SGD, ``optim.fused=true`` and ``auto``, which the pack's model resolves to
+    torch's fused step under ``HeterMoEStrategy``, whose precision plugin clips for it:
+    ``model.lm.resolve_fused``). ``None``: AdamW's, unfused (an optimizer of the user's own,
+    not known until set-up has planned)."""
     if optim is None:
         return 8.0, FOREACH_STEP_BYTES
     if optim.name == "sgd":
         state = 4.0 if optim.momentum > 0 else 0.0
     else:
         state = 8.0
-    return state, (0.0 if state == 0.0 or optim.fused is True else FOREACH_STEP_BYTES)
+    return state, (0.0 if state == 0.0 or optim.fused in (True, "auto") else FOREACH_STEP_BYTES)
 
 
 @dataclass(frozen=True)
