@@ -44,6 +44,18 @@ def test_a_mode_that_cannot_fit_is_refused_before_launch_with_what_would_fit():
         t.fit(make_model(4), datamodule=data(2))
 
 
+def test_the_check_before_launch_prices_the_models_optimizer():
+    """EP on two CPUs at a budget where AdamW's 8 bytes of state a parameter do not fit and
+    plain SGD's none do: refused for the one, let through for the other (the model's own
+    ``optim``), no process started."""
+    from lightning_hetermoe import OptimConfig
+
+    cluster = {"name": "small", "devices": ["cpu", "cpu"], "memory_scale": 1.5e-5}
+    with pytest.raises(ConfigError, match=r"mode='ep' does not fit: rank \d .*would hold 204 kB of weights"):
+        HeterMoEStrategy(mode="ep", cluster=cluster).args.check_memory(make_model(4, optim=OptimConfig()), 2)
+    HeterMoEStrategy(mode="ep", cluster=cluster).args.check_memory(make_model(4, optim=OptimConfig(name="sgd")), 2)
+
+
 def fit_over_budget(rank: int, averaged: bool) -> tuple[str, float]:
     # one process: 16 GB x 1e-5 = 160 kB for a model whose state alone is ~240 kB
     cluster = {"name": "tiny", "devices": ["cpu"], "memory_scale": 1e-5}
@@ -300,7 +312,7 @@ def test_the_plan_prices_the_state_the_models_optimizer_really_keeps(optim):
     from lightning_hetermoe import MoELanguageModel, OptimConfig
     from lightning_hetermoe.profile.memory import optimizer_pricing
     from lightning_hetermoe.strategy.memory_watch import held_state, optimizer_bytes_per_param
-    from lightning_hetermoe.strategy.selection import _optimizer_of
+    from lightning_hetermoe.strategy.arguments import optimizer_of
 
     cfg = OptimConfig(**optim)
     model = MoELanguageModel(dict(name="tiny", d_model=16, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16,
@@ -315,4 +327,4 @@ def test_the_plan_prices_the_state_the_models_optimizer_really_keeps(optim):
     state, step = optimizer_pricing(cfg)
     assert (held_state(model, [opt]).optimizer - steps) / n == state == optimizer_bytes_per_param([opt])
     assert step == (0.0 if state == 0.0 or cfg.fused in (True, "auto") else 4.0)
-    assert _optimizer_of(model) is model.optim_cfg and _optimizer_of(torch.nn.Linear(2, 2)) is None
+    assert optimizer_of(model) is model.optim_cfg and optimizer_of(torch.nn.Linear(2, 2)) is None

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from ..cluster import ClusterConfig
-from ..configs import ConfigError, from_cfg
+from ..configs import ConfigError, OptimConfig, from_cfg
 from ..materialize import built_on_meta
 from ..model_contract import ModelContractError, describe_model, moe_layers
 from ..profile import memory
@@ -334,7 +334,8 @@ class StrategyArguments:
         devices = self.cluster.specs()
         sharded = self.saves_sharded(sum(p.numel() for p in model.parameters()))
         zero = self.shard_optimizer_state and sharded  # ZeRO-1 runs with sharded checkpoints only
-        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=zero)
+        state, _ = memory.optimizer_pricing(optimizer_of(model))
+        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=zero, optimizer_bytes=state)
                 for m in ("ep", "datacentric")}
         mine = need[self.mode]
         over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
@@ -408,3 +409,11 @@ def check_plan(plan: Any, model_cfg: Any, world_size: int) -> None:
     if plan.num_experts != model_cfg.moe.num_experts:
         raise ConfigError(f"the plan is for {plan.num_experts} experts per layer, the model has "
                           f"{model_cfg.moe.num_experts}")
+
+
+def optimizer_of(module: Any) -> OptimConfig | None:
+    """The optimizer the memory checks made before set-up price: the pack's model's ``optim``
+    config; ``None`` (unfused AdamW's bytes) for a model whose optimizer is its own, which
+    exists only once set-up has planned."""
+    optim = getattr(module, "optim_cfg", None)
+    return optim if isinstance(optim, OptimConfig) else None

@@ -28,7 +28,7 @@ from ..cluster import ClusterConfig, DeviceSpec
 from ..configs import ConfigError, ModelConfig, OptimConfig
 from ..model_contract import ModelContractError, describe_model
 from ..routing_record import check_shape
-from .arguments import DISAGGREGATED, check_plan, check_waves
+from .arguments import DISAGGREGATED, check_plan, check_waves, optimizer_of
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
 from ..materialize import built_on_meta
@@ -306,12 +306,12 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
         return "datacentric", None
     if args.mode in DISAGGREGATED:
         return args.mode, _plan(args, clock, world, model.config(), required=True, schedule=args.mode,
-                                optimizer=_optimizer_of(module))
+                                optimizer=optimizer_of(module))
     if args.plan is not None:  # auto with a given plan runs what the plan was made for
         return args.plan.schedule, _plan(args, clock, world, model.config(), required=True)  # given: not planned
     disaggregable = _can_disaggregate(world, module, model)
     plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra",
-                 optimizer=_optimizer_of(module)) if disaggregable else None
+                 optimizer=optimizer_of(module)) if disaggregable else None
     throughput: dict[str, float] = {}
     for name in AUTO_CANDIDATES:
         if name in DISAGGREGATED:
@@ -351,14 +351,6 @@ def _can_disaggregate(world: int, module: Any, model: _Description) -> bool:
     if world < 2 or not getattr(module, "automatic_optimization", False):
         return False
     return model.error is None
-
-
-def _optimizer_of(module: Any) -> OptimConfig | None:
-    """The optimizer the planner prices: the pack's model's ``optim`` config; ``None`` (AdamW's
-    bytes, as the planner prices any other) for a model whose optimizer is its own, which
-    exists only after set-up has planned."""
-    optim = getattr(module, "optim_cfg", None)
-    return optim if isinstance(optim, OptimConfig) else None
 
 
 def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: bool, schedule: str = "zebra",
