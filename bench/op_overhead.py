@@ -63,7 +63,7 @@ def cases(device: torch.device, rows: int) -> dict[str, tuple[Callable, Callable
     mlp_args = [t(rows, d), idx, counts, t(E, d, 2 * f) * 0.1, None, t(E, f, d) * 0.1, None, "swiglu", False]
     op, eager = _stand_in()
     out = {"stand-in scale": (op, eager, [t(rows, d), t(d)], True),
-           "grouped_mm mlp": (grouped_mm.grouped_mm_mlp_op, grouped_mm._mlp, mlp_args, True)}
+           "grouped_mm mlp": (grouped_mm.grouped_mm_mlp_op, grouped_mm.mlp_eager, mlp_args, True)}
     if device.type == "cuda":
         from lightning_hetermoe.kernels import mlp
 
@@ -73,8 +73,9 @@ def cases(device: torch.device, rows: int) -> dict[str, tuple[Callable, Callable
             "rms_norm": (rms_norm.rms_norm_op, rms_norm.rms_norm, [t(rows, d, dtype=bf), t(d), 1e-6], True),
             "rotary": (rotary.rotary_op, rotary.rotary, [t(1, 2, rows, 32, dtype=bf), half.cos(), half.sin()], True),
             "swiglu": (swiglu.swiglu_op, swiglu.swiglu, [t(rows, 2 * f, dtype=bf)], False),
-            "triton mlp": (mlp.grouped_mlp_op, mlp._mlp, [a.to(bf) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                                          else a for a in mlp_args], True),
+            "triton mlp": (mlp.grouped_mlp_op, mlp.mlp_eager,
+                           [a.to(bf) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in mlp_args],
+                           True),
         })
     return out
 

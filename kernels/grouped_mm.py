@@ -170,7 +170,7 @@ grouped_mm_mlp_backward_op.register_fake(algorithm.fake_backward)
 _setup_context, _backward = algorithm.register_autograd(
     grouped_mm_mlp_op, eager.direct(grouped_mm_mlp_backward_op, _grouped_mm_mlp_backward))
 # what the backend calls: torch's grouped GEMMs themselves eagerly, the ops under torch.compile
-_mlp = eager.differentiable(grouped_mm_mlp_op, _grouped_mm_mlp, _setup_context, _backward)
+mlp_eager = eager.differentiable(grouped_mm_mlp_op, _grouped_mm_mlp, _setup_context, _backward)
 
 
 def grouped_mlp(
@@ -186,5 +186,5 @@ def grouped_mlp(
 ) -> Tensor:
     """The expert backend contract of ``lightning_hetermoe.moe.experts`` on ``torch._grouped_mm``."""
     x, w_up, b_up, w_down, b_down = prepare(x, w_up, b_up, w_down, b_down, activation)
-    y, _ = _mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
+    y, _ = mlp_eager(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
     return y

@@ -73,9 +73,9 @@ grouped_mlp_backward_op.register_fake(algorithm.fake_backward)
 _setup_context, _backward = algorithm.register_autograd(
     grouped_mlp_op, eager.direct(grouped_mlp_backward_op, _grouped_mlp_backward))
 # what the backend calls: the kernels themselves eagerly, the ops under torch.compile
-_mlp = eager.differentiable(grouped_mlp_op, _grouped_mlp, _setup_context, _backward)
+mlp_eager = eager.differentiable(grouped_mlp_op, _grouped_mlp, _setup_context, _backward)
 # the op's autograd as an ``autograd.Function`` (``forward`` returns ``(y, h)`` like the op)
-GroupedMLPFunction = _mlp.function
+GroupedMLPFunction = mlp_eager.function
 
 
 def grouped_mlp(x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
@@ -89,5 +89,5 @@ def grouped_mlp(x: Tensor, gather_idx: Tensor, counts: Tensor, w_up: Tensor, b_u
         from .loop import grouped_mlp as loop_mlp
 
         return loop_mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute=recompute)
-    y, _ = _mlp(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
+    y, _ = mlp_eager(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute)
     return y

@@ -745,7 +745,8 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
             break
         best = plan
         searched.append(plan)
-        if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer")):
+        if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"),
+                                                         kwargs.get("optimizer")):
             break
         waves *= 2
     if copied is not None and (best is None or _zebra_rate(copied) > _zebra_rate(best) * (1 + 1e-9)):
@@ -872,7 +873,8 @@ def _best_split_in_more_waves(best: Plan, view: ClusterView, model: Any, *, seq_
     faster than both). One split costs a fraction of the search. ``None`` where it does not
     bind or nothing plans."""
     split = len(best.attention_ranks)
-    if split == len(view.devices) or not activations_bind(best, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer")):
+    if split == len(view.devices) or not activations_bind(best, view, model, kwargs.get("shard_optimizer_state"),
+                                                          kwargs.get("optimizer")):
         return None  # every rank attending is its own family; unbound activations gain nothing from waves
     return _split_in_waves(view, model, split, best.waves * 2, seq_len=seq_len,
                            global_batch_tokens=global_batch_tokens, max_waves=max_waves, bar=bar, **kwargs)
