@@ -79,6 +79,7 @@ def _python() -> list[str]:
 
 
 STACK_DUMP_S = 10  # how long a timed-out step's processes get to print their stacks
+STACKS_CHARS = 12000  # of their dump, kept in the report
 
 
 def _communicate(proc: subprocess.Popen, deadline: float) -> tuple[str, str, bool]:
@@ -111,9 +112,6 @@ def _stacks(stderr: str) -> str | None:
     """Where faulthandler's dump starts in a timed-out step's stderr (the stacks it printed)."""
     at = stderr.find("Fatal Python error: Aborted")
     return stderr[at:][:STACKS_CHARS] if at >= 0 else None
-
-
-STACKS_CHARS = 12000
 
 
 def run_step(name: str, cmd: list[str], deadline: float, out_file: Path | None, env: dict[str, str],

@@ -16,6 +16,7 @@ Both run the same body on the same tensors: the values are the same to the bit.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -26,13 +27,12 @@ def direct(op: Any, impl: Callable[..., Any]) -> Callable[..., Any]:
     ``torch.compile`` trace. For ops without autograd (a backward's own kernels, or ops
     called under ``no_grad``)."""
 
+    @functools.wraps(impl)
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return op(*args)
         return impl(*args)
 
-    call.__name__ = call.__qualname__ = getattr(impl, "__name__", "call")
-    call.__doc__ = impl.__doc__
     return call
 
 
@@ -55,12 +55,11 @@ def differentiable(op: Any, impl: Callable[..., Any], setup_context: Callable[..
         "backward": staticmethod(backward),
     })
 
+    @functools.wraps(impl)
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return op(*args)
         return fn.apply(*args)
 
-    call.__name__ = call.__qualname__ = getattr(impl, "__name__", "call")
-    call.__doc__ = impl.__doc__
     call.function = fn  # type: ignore[attr-defined]
     return call

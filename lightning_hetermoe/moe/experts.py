@@ -99,7 +99,7 @@ class Experts(nn.Module):
         kernels take it there; the torch path reads it to the host once, here, not again in
         its backward)."""
         fn = resolve_backend(self.backend, x.device)
-        if runs_on_host_counts(self.backend, x.device, x.dtype):
+        if not self.counts_on_device(x.device, x.dtype):
             counts = counts.cpu()
         elif counts.device != x.device:
             counts = counts.pin_memory().to(x.device, non_blocking=True) if x.device.type == "cuda" \
