@@ -176,3 +176,87 @@ def test_the_simulator_prices_where_each_side_wins_and_what_does_not_fit():
     assert ep < 0.5 * dc, (dc, ep)
     with pytest.raises(ValueError, match="cannot hold its expert shard"):
         both(1024, 256, d_ff=16384)
+
+
+def test_predictions_of_ep_and_datacentric_price_the_optimizer_the_run_trains_with():
+    """EP's fewest micro-batches and data-centric's memory check price the run's optimizer
+    state, as the planner does (``None``: unfused AdamW): a layout AdamW's state leaves no
+    room for fits with plain SGD's, and the planner's table and a run's clock ask with it."""
+    from lightning_hetermoe import LinkConfig, ModelConfig, MoEConfig, get_device
+    from lightning_hetermoe.profile import make_timer
+    from lightning_hetermoe.profile.memory import MemoryModel
+    from lightning_hetermoe.simulate import ep_setup, predict_step
+    from lightning_hetermoe.simulate.datacentric import datacentric_step_time
+
+    devs, link = [get_device("a40"), get_device("v100")], LinkConfig(bandwidth_gbps=100)
+    sgd, adamw = OptimConfig(name="sgd", momentum=0.0), OptimConfig()
+
+    def cfg(experts: int, seq: int = 1024) -> ModelConfig:
+        return ModelConfig(d_model=1024, n_layers=8, n_heads=16, max_seq_len=seq,
+                           moe=MoEConfig(num_experts=experts, top_k=2, d_ff=16384))
+
+    def fits(experts: int, optimizer) -> bool:
+        m = cfg(experts)
+        try:
+            datacentric_step_time(devs, m, seq_len=1024, total_seqs=16, link=link, timer=make_timer(m, 1024),
+                                  optimizer=optimizer)
+        except ValueError as err:
+            assert "cannot hold" in str(err)
+            return False
+        return True
+
+    # the most experts each optimizer's state leaves room for, found by trying every count
+    most = {name: max(e for e in range(2, 257, 2) if fits(e, opt))
+            for name, opt in [("default", None), ("unfused", OptimConfig(fused=False)), ("adamw", adamw), ("sgd", sgd)]}
+    assert most["default"] == most["unfused"] <= most["adamw"] < most["sgd"], most
+    # the step times agree where both fit: memory is checked, the clock is the same
+    m = cfg(most["default"])
+    t = make_timer(m, 1024)
+    assert datacentric_step_time(devs, m, seq_len=1024, total_seqs=16, link=link, timer=t, optimizer=sgd) == \
+        datacentric_step_time(devs, m, seq_len=1024, total_seqs=16, link=link, timer=t)
+    with pytest.raises(ValueError, match="cannot hold"):
+        predict_step("datacentric", devs, cfg(most["sgd"]), link, make_timer(cfg(most["sgd"]), 1024), seq_len=1024,
+                     total_seqs=16)
+    assert predict_step("datacentric", devs, cfg(most["sgd"]), link, make_timer(cfg(most["sgd"]), 1024),
+                        seq_len=1024, total_seqs=16, optimizer=sgd).step_time > 0
+
+    # EP: the fewest micro-batches that fit, with each optimizer's state
+    seq = 4096
+    m = ModelConfig(d_model=1024, n_layers=8, n_heads=16, max_seq_len=seq,
+                    moe=MoEConfig(num_experts=4, top_k=2, d_ff=16384))
+    t = make_timer(m, seq)
+    got = {name: ep_setup(devs, m, seq_len=seq, total_seqs=16, link=link, timer=t, optimizer=opt).num_microbatches
+           for name, opt in [("default", None), ("unfused", OptimConfig(fused=False)), ("adamw", adamw), ("sgd", sgd)]}
+    assert got["default"] == got["unfused"] >= got["adamw"] > got["sgd"], got
+
+
+def test_the_plan_table_and_a_runs_clock_price_the_optimizer_it_trains_with():
+    """The plan's predicted table (EP beside zebra) and a run's clock (what ``mode="auto"``
+    and the rebalancer compare) price the run's optimizer: AdamW's state leaves EP (in the
+    table) and data-centric (on the clock) no room on this cluster, plain SGD's does."""
+    from lightning_hetermoe import ClusterConfig, ModelConfig, MoEConfig, get_device
+    from lightning_hetermoe.plan import make_plan
+    from lightning_hetermoe.strategy.backends.base import Simulated
+    from lightning_hetermoe.strategy.run_clock import RunClock
+
+    m = ModelConfig(d_model=1024, n_layers=8, n_heads=16, max_seq_len=1024,
+                    moe=MoEConfig(num_experts=10, top_k=2, d_ff=16384))
+    cluster = ClusterConfig(name="a40+v100", devices=["a40", "v100"])
+    sgd = OptimConfig(name="sgd", momentum=0.0)
+    table = {name: make_plan(cluster, m, seq_len=1024, global_batch_tokens=16 * 1024, optimizer=opt).predicted
+             for name, opt in [("adamw", OptimConfig()), ("sgd", sgd)]}
+    assert table["adamw"]["ep"]["step_time_s"] is None and "EP does not fit" in table["adamw"]["ep"]["error"]
+    assert table["sgd"]["ep"]["step_time_s"] > 0
+
+    # the run's own clock prices EP as the run lays it out (one micro-batch): data-centric's memory binds
+    big = ModelConfig(d_model=1024, n_layers=8, n_heads=16, max_seq_len=1024,
+                      moe=MoEConfig(num_experts=20, top_k=2, d_ff=16384))
+    devices = [get_device("a40"), get_device("v100")]
+    for opt, fits in [(OptimConfig(), False), (sgd, True)]:
+        clock = RunClock(cluster, None, rank=0)
+        clock.bind(big, per_rank=8, seq_len=1024, world_size=2, devices=devices, precision="bf16-mixed", optimizer=opt)
+        if fits:
+            assert clock.step_time(Simulated("datacentric")) > 0
+        else:
+            with pytest.raises(ValueError, match="cannot hold"):
+                clock.step_time(Simulated("datacentric"))

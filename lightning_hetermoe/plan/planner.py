@@ -831,7 +831,7 @@ def _predict_as_asked(plan: Plan, view: ClusterView, model: ModelConfig | dict, 
     model = _model_config(model)
     timer = _search_timer(model, seq_len, kwargs.get("timer"), kwargs.get("profile"), kwargs.get("cost_model"))
     plan.predicted = predict(plan, view, model, timer, kwargs.get("schedules", SCHEDULES), kwargs.get("expert_load"),
-                             brief=kwargs.get("_brief", False))
+                             brief=kwargs.get("_brief", False), optimizer=kwargs.get("optimizer"))
 
 
 def _probe_pays(best: Plan, waves: int, cluster: Any, model: Any, **kwargs: Any) -> bool:
@@ -1078,7 +1078,7 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
         plan = search.best(order, Ms, Rs, num_zp_groups)
     if place_at_load and expert_load is not None:
         _place_at_load(plan, search, expert_load)
-    plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief)
+    plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief, optimizer=optimizer)
     plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len)
     cost = getattr(timer, "cost", None)
     if cost is not None:
@@ -1188,10 +1188,13 @@ def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView)
 
 
 def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,
-            expert_load: list[list[float]] | None = None, brief: bool = False) -> dict:
+            expert_load: list[list[float]] | None = None, brief: bool = False,
+            optimizer: OptimConfig | None = None) -> dict:
     """Step time and tokens/s of ``plan`` under each schedule and data-centric (``None``
     and the error where one does not fit). ``brief``: each schedule's step time and
-    tokens/s alone (zebra and DistEP by the search's own simulation), no data-centric."""
+    tokens/s alone (zebra and DistEP by the search's own simulation), no data-centric.
+    ``optimizer``: what EP's micro-batches and data-centric's memory are priced with, as
+    the plan itself was."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
     for s in list(schedules) + ([] if brief else ["datacentric"]):
@@ -1200,7 +1203,8 @@ def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequ
             out[s] = {"step_time_s": step, "tokens_per_s": plan.step_seqs * plan.seq_len / step if step > 0 else 0.0}
             continue
         try:
-            res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load)
+            res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load,
+                               optimizer=optimizer)
         except ValueError as err:
             # None, not NaN: the plan stays valid JSON and compares equal to its round trip
             out[s] = {"step_time_s": None, "tokens_per_s": None, "error": str(err)}

@@ -65,6 +65,22 @@ def small_training_state(params: float) -> bool:
     return params * TRAINING_BYTES_PER_PARAM <= SMALL_STATE_BYTES
 
 
+# Bytes of fp32 state each optimizer keeps per parameter, by torch's class name lowercased
+# (SGD's momentum buffer counted apart): the planner prices the ``optim`` config with it,
+# the strategy's memory watch the live optimizer. Any other optimizer is priced as Adam.
+OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 0.0, "adagrad": 4.0, "rmsprop": 4.0}
+SGD_MOMENTUM_BYTES = 4.0
+
+
+def optimizer_state_bytes(name: str, momentum: bool = False) -> float:
+    """Bytes of state per parameter of the optimizer called ``name`` (torch's class name or
+    the ``optim`` config's; ``momentum``: SGD keeps a momentum buffer)."""
+    key = name.lower()
+    if key == "sgd":
+        return SGD_MOMENTUM_BYTES if momentum else 0.0
+    return OPTIMIZER_STATE_BYTES.get(key, OPTIMIZER_STATE_BYTES["adam"])
+
+
 def optimizer_pricing(optim: OptimConfig | None) -> tuple[float, float]:
     """``(state, step)`` bytes per parameter of the pack's optimizer ``optim`` on a GPU: its
     state (Adam and AdamW two fp32 moments, 8; SGD with momentum its buffer, 4; plain SGD
@@ -76,10 +92,7 @@ def optimizer_pricing(optim: OptimConfig | None) -> tuple[float, float]:
     not known until set-up has planned)."""
     if optim is None:
         return 8.0, FOREACH_STEP_BYTES
-    if optim.name == "sgd":
-        state = 4.0 if optim.momentum > 0 else 0.0
-    else:
-        state = 8.0
+    state = optimizer_state_bytes(optim.name, optim.momentum > 0)
     return state, (0.0 if state == 0.0 or optim.fused in (True, "auto") else FOREACH_STEP_BYTES)
 
 

@@ -20,7 +20,7 @@ from typing import Sequence
 from ..cluster.spec import LinkConfig
 from ..cluster.topology import Topology, as_topology
 from ..cluster.devices import DeviceSpec
-from ..configs import ModelConfig
+from ..configs import ModelConfig, OptimConfig
 from ..profile.memory import MemoryModel
 from .schedules import ep_balanced_shares, ep_speed
 
@@ -48,14 +48,15 @@ def datacentric_shares(devs: Sequence[DeviceSpec], model: ModelConfig, seq_len: 
 
 
 def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq_len: int, total_seqs: int,
-                          link: LinkConfig | Topology, timer, expert_load: list[list[float]] | None = None) -> float:
+                          link: LinkConfig | Topology, timer, expert_load: list[list[float]] | None = None,
+                          optimizer: OptimConfig | None = None) -> float:
     """Device seconds of one step; raises ``ValueError`` where a rank's memory cannot hold
-    its shard of the experts (with their optimizer state), the dense model and two layers
+    its shard of the experts (with ``optimizer``'s state), the dense model and two layers
     of full experts, or the shard and the dense model with the optimizer step's temporaries."""
     W = len(devs)
     if W == 0:
         raise ValueError("the data-centric mode needs at least one rank")
-    mem = MemoryModel(model)
+    mem = MemoryModel.for_optimizer(model, optimizer)
     L, E = model.n_layers, model.moe.num_experts
     weights = layer_weight_bytes(model, timer)
     link = as_topology(link, W).ring_link(range(W))  # every collective is a ring over all ranks

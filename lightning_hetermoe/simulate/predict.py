@@ -15,7 +15,7 @@ from typing import Sequence
 from ..cluster.devices import DeviceSpec
 from ..cluster.spec import LinkConfig
 from ..cluster.topology import Topology
-from ..configs import ModelConfig
+from ..configs import ModelConfig, OptimConfig
 from ..placement import Placement
 from .datacentric import datacentric_step_time
 from .lane_vectors import simulate_step_time
@@ -41,6 +41,7 @@ def predict_step(
     expert_load: list[list[float]] | None = None,
     keep_timeline: bool = False,
     replica_dispatch: str = "local_first",
+    optimizer: OptimConfig | None = None,
 ) -> StepResult:
     """One step of ``schedule`` (one of :data:`PREDICTED`) on ``devs``.
 
@@ -51,8 +52,10 @@ def predict_step(
     members) or EP's contiguous split (over ``ep_size`` EP ranks, rank ``r`` holding
     ``r % ep_size``'s). ``expert_load``: per layer, each expert's share of the routing
     (``None``: even). ``replica_dispatch``: which copy serves a token where EP keeps copies
-    (:mod:`lightning_hetermoe.copy_routing`). Raises ``ValueError`` where the schedule does
-    not fit in memory.
+    (:mod:`lightning_hetermoe.copy_routing`). ``optimizer``: the ``optim`` config the run
+    trains with, whose state EP's fewest micro-batches and data-centric's memory check
+    price (``None``: unfused AdamW; zebra and DistEP run the plan, priced when it was made).
+    Raises ``ValueError`` where the schedule does not fit in memory.
     """
     if plan is not None:  # every wave's sequences: the schedules without waves take the step's batch
         seq_len, total_seqs = plan.seq_len, plan.step_seqs
@@ -68,12 +71,13 @@ def predict_step(
         return simulate_ep(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
                            balanced=schedule == "ep_balanced", keep_timeline=keep_timeline, expert_load=expert_load,
                            num_microbatches=num_microbatches, placement=placement, ep_size=ep_size,
-                           replica_dispatch=replica_dispatch)
+                           replica_dispatch=replica_dispatch, optimizer=optimizer)
     if schedule == "ep_ideal":
-        return simulate_ep_ideal(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer)
+        return simulate_ep_ideal(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
+                                 optimizer=optimizer)
     if schedule == "datacentric":
         step = datacentric_step_time(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
-                                     expert_load=expert_load)
+                                     expert_load=expert_load, optimizer=optimizer)
         # a closed form: no lanes, no busy time, no exchange rows (network_bytes None: not modelled)
         return StepResult(schedule, step, total_seqs * seq_len, {}, {r: d.name for r, d in enumerate(devs)}, {}, [],
                           1, network_bytes=None)

@@ -106,16 +106,13 @@ def held_state(module: nn.Module, optimizers: list, averages: int = 0) -> Held:
 def optimizer_bytes_per_param(optimizers: list) -> float:
     """Bytes of state an optimizer keeps per parameter (fp32): Adam-like 8, SGD with
     momentum 4, plain SGD 0; unknown ones priced as Adam."""
+    from ..profile.memory import optimizer_state_bytes
+
     most = 0.0
     for opt in optimizers:
         inner = getattr(opt, "_optimizer", opt)
-        name = type(inner).__name__
-        if name == "SGD":
-            most = max(most, 4.0 if any(g.get("momentum", 0) for g in inner.param_groups) else 0.0)
-        elif name in ("Adagrad", "RMSprop"):
-            most = max(most, 4.0)
-        else:
-            most = max(most, 8.0)
+        momentum = any(g.get("momentum", 0) for g in inner.param_groups)
+        most = max(most, optimizer_state_bytes(type(inner).__name__, momentum))
     return most
 
 

@@ -213,7 +213,7 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     model = _Description.of(module)
     try:
         per_rank, seq_len = loader_batch_shape(trainer)
-        clock.bind(model.config(), per_rank, seq_len, world, devices, precision)
+        clock.bind(model.config(), per_rank, seq_len, world, devices, precision, optimizer_of(module))
     except (ConfigError, ModelContractError) as err:
         if needs_clock:
             raise ConfigError(str(err)) from None
