@@ -7,7 +7,8 @@ into the Hydra run directory. Routing is even unless ``plan.expert_load`` names 
 ``expert_load.json`` a training run of the same model shape wrote (its load monitor's):
 the search places experts and every schedule is priced at its shares. The memory model
 prices the optimizer of ``optim`` (``optim=sgd optim.momentum=0.9``: 4 bytes of state a
-parameter where AdamW keeps 8).
+parameter where AdamW keeps 8) and ``plan.weight_averages`` copies of the weights (1 for a
+run with Lightning's ``EMAWeightAveraging`` kept on the GPU).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main(cfg: DictConfig) -> dict:
     if routing is not None:
         print(f"routing from {cfg.plan.expert_load}: {routing.steps} steps of model {routing.model!r}, the hottest "
               f"expert {routing.hottest_over_mean():.2f}x the mean (its layer's)")
+    # what each parameter costs beside its weight: the optimizer's state and the weight averages
+    pricing = dict(optimizer=from_cfg(OptimConfig, cfg.optim), weight_averages=cfg.plan.get("weight_averages", 0))
     # hundreds to thousands of GPUs take seconds to tens of seconds to plan: say what is under way
     print(f"planning {model.name} on {cluster.name} ({cluster.world_size} GPUs), {tokens // seq_len} sequences of "
           f"{seq_len} tokens per step", flush=True)
@@ -67,7 +70,7 @@ def main(cfg: DictConfig) -> dict:
         cost_model=cost,
         expert_load=load,
         place_at_load=bool(cfg.plan.get("place_at_load", True)),
-        optimizer=from_cfg(OptimConfig, cfg.optim),
+        **pricing,
     )
     out = HydraConfig.get().runtime.output_dir
     print(plan)
@@ -81,7 +84,8 @@ def main(cfg: DictConfig) -> dict:
     drawn = {}
     for sched in plan.predicted:
         try:
-            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=sched, expert_load=load)
+            res = simulate_plan(plan, view.devices, model, view.topology, timer, schedule=sched, expert_load=load,
+                                **pricing)
         except ValueError as err:
             summary["schedules"][sched] = {"error": str(err)}
             continue

@@ -328,3 +328,43 @@ def test_the_plan_prices_the_state_the_models_optimizer_really_keeps(optim):
     assert (held_state(model, [opt]).optimizer - steps) / n == state == optimizer_bytes_per_param([opt])
     assert step == (0.0 if state == 0.0 or cfg.fused in (True, "auto") else 4.0)
     assert optimizer_of(model) is model.optim_cfg and optimizer_of(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.slow
+def test_a_run_binds_its_clock_with_the_averages_its_callbacks_keep():
+    """What the planner and the run's predictions price: the trainer's EMA on the device."""
+    assert run_ranks(1, clock_averages) == [1]
+
+
+def clock_averages(rank: int) -> int:
+    t = trainer(HeterMoEStrategy(), 1, max_steps=1, callbacks=[EMAWeightAveraging()])
+    t.fit(make_model(4), datamodule=data(1))
+    return t.strategy.clock.weight_averages
+
+
+def test_weight_averages_on_the_device_are_counted_for_the_planner_and_the_check_before_launch():
+    """The planner prices the averages the trainer's callbacks will keep on the device: one
+    per ``WeightAveraging`` whose ``device`` is the run's kind or unstated (the module's,
+    which the strategy puts there), none for one kept in host memory beside a GPU; the check
+    before launch counts them too."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+
+    from lightning_hetermoe.strategy.averaging import averages_on
+
+    gpu = torch.device("cuda", 0)  # only compared by kind: no GPU needed
+    assert averages_on([EMAWeightAveraging(), ModelCheckpoint()], gpu) == 1
+    assert averages_on([EMAWeightAveraging(device="cpu")], gpu) == 0
+    assert averages_on([WeightAveraging(device="cuda"), EMAWeightAveraging(device=0)], gpu) == 2
+    assert averages_on([EMAWeightAveraging(device="cpu")], torch.device("cpu")) == 1
+    assert averages_on([ModelCheckpoint()], gpu) == 0
+
+
+    # EP on two CPUs at a budget where the state fits and one more copy of the weights does not
+    cluster = {"name": "small", "devices": ["cpu", "cpu"], "memory_scale": 1.5e-5}
+    from lightning_hetermoe import OptimConfig
+
+    sgd = make_model(4, optim=OptimConfig(name="sgd"))
+    HeterMoEStrategy(mode="ep", cluster=cluster).args.check_memory(sgd, 2)
+    with pytest.raises(ConfigError, match=r"weight averages \(.*WeightAveraging\(device='cpu'\)"):
+        HeterMoEStrategy(mode="ep", cluster=cluster).args.check_memory(sgd, 2, weight_averages=3)

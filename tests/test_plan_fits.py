@@ -64,9 +64,10 @@ def group_fits(mem: MemoryModel, devs, attention: list[int], experts: list[int],
 
 
 def brute_force_fits(model: ModelConfig, cluster: ClusterConfig, total: int, sharded: bool, *, M: int | None = None,
-                     G_pin: int | None = None, R_pin: int | None = None, optimizer: OptimConfig | None = None) -> bool:
+                     G_pin: int | None = None, R_pin: int | None = None, optimizer: OptimConfig | None = None,
+                     weight_averages: int = 0) -> bool:
     devs = resolve_cluster(cluster)
-    mem, timer = MemoryModel.for_optimizer(model, optimizer), make_timer(model, SEQ)
+    mem, timer = MemoryModel.for_optimizer(model, optimizer, weight_averages), make_timer(model, SEQ)
     W, need = len(devs), model.n_layers * model.moe.num_experts
     kinds = sorted({d.name for d in devs})
     for mask in range(1, 2**W):
@@ -219,6 +220,40 @@ def test_the_optimizer_a_run_trains_with_is_what_the_plan_prices():
                   shard_optimizer_state=False, max_waves=1)
 
 
+def test_a_weight_average_kept_on_the_device_is_priced_as_the_callback_keeps_it():
+    """Lightning's ``EMAWeightAveraging`` keeps a copy of every fp32 weight: the memory model
+    prices 4 bytes a parameter per average (what the callback's copy of the pack's model
+    holds), the largest batch shrinks by it, still equal to the brute force priced alike,
+    and a batch that plans without the average is refused with it."""
+    from torch.optim.swa_utils import AveragedModel
+
+    from reference import make_model
+
+    module = make_model(4)
+    copy = AveragedModel(module)  # what WeightAveraging builds in its set-up
+    params = sum(p.numel() for p in module.parameters())
+    held = sum(t.numel() * t.element_size() for t in copy.module.parameters())
+    assert held / params == 4.0
+    model = small_model(2, 4, 256)
+    assert MemoryModel.for_optimizer(model, None, 1).bytes_per_param - MemoryModel.for_optimizer(
+        model, None).bytes_per_param == held / params
+    with pytest.raises(ValueError, match="weight_averages=-1 is invalid"):
+        MemoryModel.for_optimizer(model, None, -1)
+
+    mem = MemoryModel(model)
+    state = (mem.attention_stack_params() + 8 * mem.expert_params()) * 16 / 1e9
+    cluster = small_cluster(3, 3, round(state * 0.4, 4), round(state * 0.35, 4))
+    got = {n: largest_batch(cluster, model, seq_len=SEQ, max_microbatches=MAX_R, shard_optimizer_state=False,
+                            optimizer=OptimConfig(), weight_averages=n) for n in (0, 1)}
+    assert got[1] == brute_largest(model, cluster, False, optimizer=OptimConfig(), weight_averages=1)
+    assert 0 < got[1] < got[0], got
+    kw = dict(seq_len=SEQ, global_batch_tokens=got[0] * SEQ, max_microbatches=MAX_R, shard_optimizer_state=False,
+              optimizer=OptimConfig(), max_waves=1)
+    assert make_plan(cluster, model, **kw).total_seqs == got[0]
+    with pytest.raises(ValueError, match="no layout"):
+        make_plan(cluster, model, weight_averages=1, **kw)
+
+
 def test_the_issue_case_plans_up_to_its_largest_batch():
     """Issue 41: a Mixtral-8x7B-sized model on 16 A40 + 16 V100, 4K sequences. A refused
     batch names the binding constraint and the largest batch that plans; that batch plans
@@ -273,3 +308,6 @@ def test_the_plan_recipe_takes_the_optimizer_group():
     assert from_cfg(OptimConfig, compose(config_name="plan").optim) == OptimConfig()
     sgd = from_cfg(OptimConfig, compose("optim=sgd", "optim.momentum=0.9", config_name="plan").optim)
     assert (sgd.name, sgd.momentum) == ("sgd", 0.9)
+    # and the weight averages it keeps on the GPU: none unless told
+    assert compose(config_name="plan").plan.weight_averages == 0
+    assert compose("plan.weight_averages=1", config_name="plan").plan.weight_averages == 1

@@ -113,12 +113,13 @@ class _Search:
         sharded: bool = False,
         waves: int = 1,
         optimizer: OptimConfig | None = None,
+        weight_averages: int = 0,
     ):
         self.view, self.model, self.S, self.total = view, model, seq_len, total_seqs
         self.waves = waves  # batches of total_seqs per optimizer step
         self.timer, self.asym, self.max_R = timer, asym, max_microbatches
         self.expert_load = expert_load
-        self.mem = MemoryModel.for_optimizer(model, optimizer)
+        self.mem = MemoryModel.for_optimizer(model, optimizer, weight_averages)
         self.devs = view.devices
         self.sharded = sharded
         self.profile: Profile | None = getattr(timer, "profile", None)
@@ -746,7 +747,7 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
         best = plan
         searched.append(plan)
         if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"),
-                                                         kwargs.get("optimizer")):
+                                                         kwargs.get("optimizer"), kwargs.get("weight_averages", 0)):
             break
         waves *= 2
     if copied is not None and (best is None or _zebra_rate(copied) > _zebra_rate(best) * (1 + 1e-9)):
@@ -831,7 +832,8 @@ def _predict_as_asked(plan: Plan, view: ClusterView, model: ModelConfig | dict, 
     model = _model_config(model)
     timer = _search_timer(model, seq_len, kwargs.get("timer"), kwargs.get("profile"), kwargs.get("cost_model"))
     plan.predicted = predict(plan, view, model, timer, kwargs.get("schedules", SCHEDULES), kwargs.get("expert_load"),
-                             brief=kwargs.get("_brief", False), optimizer=kwargs.get("optimizer"))
+                             brief=kwargs.get("_brief", False), optimizer=kwargs.get("optimizer"),
+                             weight_averages=kwargs.get("weight_averages", 0))
 
 
 def _probe_pays(best: Plan, waves: int, cluster: Any, model: Any, **kwargs: Any) -> bool:
@@ -874,7 +876,7 @@ def _best_split_in_more_waves(best: Plan, view: ClusterView, model: Any, *, seq_
     bind or nothing plans."""
     split = len(best.attention_ranks)
     if split == len(view.devices) or not activations_bind(best, view, model, kwargs.get("shard_optimizer_state"),
-                                                          kwargs.get("optimizer")):
+                                                          kwargs.get("optimizer"), kwargs.get("weight_averages", 0)):
         return None  # every rank attending is its own family; unbound activations gain nothing from waves
     return _split_in_waves(view, model, split, best.waves * 2, seq_len=seq_len,
                            global_batch_tokens=global_batch_tokens, max_waves=max_waves, bar=bar, **kwargs)
@@ -900,7 +902,8 @@ def _split_in_waves(view: ClusterView, model: Any, split: int, first: int, *, se
             if best is not None and _zebra_rate(plan) <= _zebra_rate(best) * (1 + 1e-9):
                 break
             best = plan
-            if not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer")):
+            if not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer"),
+                                    kwargs.get("weight_averages", 0)):
                 break
         waves *= 2
     return best
@@ -912,13 +915,13 @@ def _zebra_rate(plan: Plan) -> float:
 
 
 def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_optimizer_state: bool | None = None,
-                     optimizer: OptimConfig | None = None) -> bool:
+                     optimizer: OptimConfig | None = None, weight_averages: int = 0) -> bool:
     """Whether half the sequences in flight would let some member of the plan's ZP group that
     cannot hold every expert hold more of them: only then can splitting the step into more
     waves pay (a member with room for all of them places nothing differently)."""
     model = _model_config(model)
     devs = as_cluster(cluster).devices
-    mem = MemoryModel.for_optimizer(model, optimizer)
+    mem = MemoryModel.for_optimizer(model, optimizer, weight_averages)
     group_seqs = plan.total_seqs // len(plan.zp_groups)
     if group_seqs < 2:
         return False
@@ -962,6 +965,7 @@ def plan_for_batch(
     place_at_load: bool = False,
     shard_optimizer_state: bool | None = None,
     optimizer: OptimConfig | None = None,
+    weight_averages: int = 0,
     waves: int = 1,
     _splits: Sequence[int] | None = None,
     _brief: bool = False,
@@ -989,7 +993,10 @@ def plan_for_batch(
     strategy's defaults do, sharded unless the model's training state is small.
     ``optimizer`` (the pack's ``optim`` config) prices the optimizer's state and its step's
     temporaries per parameter (``profile/memory.py``'s ``optimizer_pricing``: SGD keeps 4
-    bytes or none where AdamW keeps 8); ``None``: AdamW's, unfused.
+    bytes or none where AdamW keeps 8); ``None``: AdamW's, unfused. ``weight_averages``:
+    copies of the weights kept on the device beside them for the whole run, 4 bytes per
+    parameter each (Lightning's ``WeightAveraging``/``EMAWeightAveraging`` on the GPU: one;
+    with ``device="cpu"``: none).
 
     Where memory binds, every layout the plan format can express is checked (see
     ``fit.py``): a batch that fits in one gets a plan, and a refusal names the binding
@@ -1020,8 +1027,8 @@ def plan_for_batch(
                      num_attention_ranks=num_attention_ranks, num_zp_groups=num_zp_groups,
                      require_expert_ranks=require_expert_ranks, schedules=schedules, timer=timer,
                      expert_load=expert_load, place_at_load=place_at_load,
-                     shard_optimizer_state=shard_optimizer_state, optimizer=optimizer, splits=_splits, brief=_brief,
-                     bar=_bar)
+                     shard_optimizer_state=shard_optimizer_state, optimizer=optimizer,
+                     weight_averages=weight_averages, splits=_splits, brief=_brief, bar=_bar)
 
 
 @contextlib.contextmanager
@@ -1042,12 +1049,14 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
           num_microbatches: int | None, max_microbatches: int, num_attention_ranks: int | None,
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
           expert_load, place_at_load: bool, shard_optimizer_state: bool | None,
-          optimizer: OptimConfig | None = None, splits: Sequence[int] | None = None, brief: bool = False,
+          optimizer: OptimConfig | None = None, weight_averages: int = 0, splits: Sequence[int] | None = None,
+          brief: bool = False,
           bar: Plan | None = None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = _search_timer(model, seq_len, timer, profile, cost_model)
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
-                     sharded=_sharded(model, shard_optimizer_state), waves=waves, optimizer=optimizer)
+                     sharded=_sharded(model, shard_optimizer_state), waves=waves, optimizer=optimizer,
+                     weight_averages=weight_averages)
     if bar is not None and bar.predicted.get("zebra"):
         search.bar = (bar.predicted["zebra"]["step_time_s"], bar)
     W = len(view.devices)
@@ -1078,7 +1087,8 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
         plan = search.best(order, Ms, Rs, num_zp_groups)
     if place_at_load and expert_load is not None:
         _place_at_load(plan, search, expert_load)
-    plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief, optimizer=optimizer)
+    plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief, optimizer=optimizer,
+                             weight_averages=weight_averages)
     plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len)
     cost = getattr(timer, "cost", None)
     if cost is not None:
@@ -1155,7 +1165,8 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
                   cost_model: CostModel | None = None, max_microbatches: int = 16,
                   num_microbatches: int | None = None, num_attention_ranks: int | None = None,
                   num_zp_groups: int | None = None, require_expert_ranks: bool = False, timer: Any = None,
-                  shard_optimizer_state: bool | None = None, optimizer: OptimConfig | None = None) -> int:
+                  shard_optimizer_state: bool | None = None, optimizer: OptimConfig | None = None,
+                  weight_averages: int = 0) -> int:
     """The most sequences of ``seq_len`` tokens per step that :func:`plan_for_batch` plans on
     ``cluster`` in one wave (0: not one; :func:`make_plan` plans up to ``max_waves`` times as
     many, in waves that divide them), by the memory model alone: doubling, then bisection over the
@@ -1166,7 +1177,8 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
         raise ValueError("empty cluster: name at least one device")
     timer = _search_timer(model, seq_len, timer, profile, cost_model)
     search = _Search(view, model, seq_len, 1, timer, True, max_microbatches,
-                     sharded=_sharded(model, shard_optimizer_state), optimizer=optimizer)
+                     sharded=_sharded(model, shard_optimizer_state), optimizer=optimizer,
+                     weight_averages=weight_averages)
     try:
         _check_total_memory(search.mem, model, view)
     except ValueError:
@@ -1189,12 +1201,12 @@ def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView)
 
 def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,
             expert_load: list[list[float]] | None = None, brief: bool = False,
-            optimizer: OptimConfig | None = None) -> dict:
+            optimizer: OptimConfig | None = None, weight_averages: int = 0) -> dict:
     """Step time and tokens/s of ``plan`` under each schedule and data-centric (``None``
     and the error where one does not fit). ``brief``: each schedule's step time and
     tokens/s alone (zebra and DistEP by the search's own simulation), no data-centric.
-    ``optimizer``: what EP's micro-batches and data-centric's memory are priced with, as
-    the plan itself was."""
+    ``optimizer`` and ``weight_averages``: what EP's micro-batches and data-centric's
+    memory are priced with, as the plan itself was."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
     for s in list(schedules) + ([] if brief else ["datacentric"]):
@@ -1204,7 +1216,7 @@ def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequ
             continue
         try:
             res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load,
-                               optimizer=optimizer)
+                               optimizer=optimizer, weight_averages=weight_averages)
         except ValueError as err:
             # None, not NaN: the plan stays valid JSON and compares equal to its round trip
             out[s] = {"step_time_s": None, "tokens_per_s": None, "error": str(err)}

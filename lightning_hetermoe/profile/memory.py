@@ -44,6 +44,9 @@ SMALL_STATE_BYTES = 2e9
 TRAINING_BYTES_PER_PARAM = 16
 # Adam's multi-tensor step: one fp32 square root of the second moment per parameter stepped.
 FOREACH_STEP_BYTES = 4.0
+# A weight average kept on the device (Lightning's WeightAveraging, EMAWeightAveraging): one
+# copy of every fp32 weight the rank holds, for the whole run.
+AVERAGE_BYTES_PER_PARAM = 4.0
 
 
 def hidden_activation(moe: MoEConfig, checkpointed: bool) -> tuple[int, bool]:
@@ -111,12 +114,18 @@ class MemoryModel:
     optimizer_step_bytes_per_param: float = FOREACH_STEP_BYTES
 
     @classmethod
-    def for_optimizer(cls, model: ModelConfig, optim: OptimConfig | None, **kw) -> "MemoryModel":
+    def for_optimizer(cls, model: ModelConfig, optim: OptimConfig | None, weight_averages: int = 0,
+                      **kw) -> "MemoryModel":
         """The memory model of ``model`` trained by ``optim`` (:func:`optimizer_pricing`):
-        8 bytes a parameter for its fp32 weight and gradient, plus the optimizer's state."""
+        8 bytes a parameter for its fp32 weight and gradient, plus the optimizer's state,
+        plus 4 for each of ``weight_averages`` averages kept on the device (not sharded:
+        each rank averages what it holds)."""
         state, step = optimizer_pricing(optim)
-        return cls(model, bytes_per_param=8.0 + state, optimizer_bytes_per_param=state,
-                   optimizer_step_bytes_per_param=step, **kw)
+        if isinstance(weight_averages, bool) or not isinstance(weight_averages, int) or weight_averages < 0:
+            raise ValueError(f"weight_averages={weight_averages!r} is invalid: must be an integer >= 0 (copies of "
+                             f"the weights kept on the device; Lightning's WeightAveraging keeps one)")
+        return cls(model, bytes_per_param=8.0 + state + AVERAGE_BYTES_PER_PARAM * weight_averages,
+                   optimizer_bytes_per_param=state, optimizer_step_bytes_per_param=step, **kw)
 
     # ---- parameter counts ----------------------------------------------------------------
     def attention_stack_params(self) -> float:
@@ -342,11 +351,13 @@ def activation_bytes(model: ModelConfig, *, tokens_in_flight: float, mb_tokens: 
 
 
 def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, shard_optimizer_state: bool = True,
-                  param_bytes: float = 4.0, optimizer_bytes: float = 8.0) -> list[RankMemory]:
+                  param_bytes: float = 4.0, optimizer_bytes: float = 8.0, weight_averages: int = 0
+                  ) -> list[RankMemory]:
     """Each rank's state and mode transients under ``ep`` (experts split evenly, contiguous)
     or ``datacentric`` (every expert tensor split in proportion to device memory), the dense
-    part on every rank (its optimizer state split over them when sharded); activations are
-    not counted (they depend on the batch)."""
+    part on every rank (its optimizer state split over them when sharded), and
+    ``weight_averages`` copies of what it holds; activations are not counted (they depend
+    on the batch)."""
     mem = MemoryModel(model)
     W = len(devices)
     L, E = model.n_layers, model.moe.num_experts
@@ -366,6 +377,7 @@ def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, s
         raise ValueError(f"spread_memory prices ep and datacentric; {mode!r} takes its layout from a plan")
     return [RankMemory.of(dense_params=dense, expert_params=h, dense_shards=shards, param_bytes=param_bytes,
                           optimizer_bytes=optimizer_bytes, layer=layer_bytes,
+                          averages=(dense + h) * AVERAGE_BYTES_PER_PARAM * weight_averages,
                           working=working_bytes(mode, layer_expert_bytes=layer_bytes, local_layer_expert_bytes=lo,
                                                 dense_bytes=dense * param_bytes))
             for h, lo in zip(held, local)]

@@ -49,14 +49,15 @@ def datacentric_shares(devs: Sequence[DeviceSpec], model: ModelConfig, seq_len: 
 
 def datacentric_step_time(devs: Sequence[DeviceSpec], model: ModelConfig, *, seq_len: int, total_seqs: int,
                           link: LinkConfig | Topology, timer, expert_load: list[list[float]] | None = None,
-                          optimizer: OptimConfig | None = None) -> float:
+                          optimizer: OptimConfig | None = None, weight_averages: int = 0) -> float:
     """Device seconds of one step; raises ``ValueError`` where a rank's memory cannot hold
-    its shard of the experts (with ``optimizer``'s state), the dense model and two layers
+    its shard of the experts (with ``optimizer``'s state and ``weight_averages`` copies of
+    the weights), the dense model and two layers
     of full experts, or the shard and the dense model with the optimizer step's temporaries."""
     W = len(devs)
     if W == 0:
         raise ValueError("the data-centric mode needs at least one rank")
-    mem = MemoryModel.for_optimizer(model, optimizer)
+    mem = MemoryModel.for_optimizer(model, optimizer, weight_averages)
     L, E = model.n_layers, model.moe.num_experts
     weights = layer_weight_bytes(model, timer)
     link = as_topology(link, W).ring_link(range(W))  # every collective is a ring over all ranks

@@ -42,6 +42,7 @@ def predict_step(
     keep_timeline: bool = False,
     replica_dispatch: str = "local_first",
     optimizer: OptimConfig | None = None,
+    weight_averages: int = 0,
 ) -> StepResult:
     """One step of ``schedule`` (one of :data:`PREDICTED`) on ``devs``.
 
@@ -54,7 +55,8 @@ def predict_step(
     (``None``: even). ``replica_dispatch``: which copy serves a token where EP keeps copies
     (:mod:`lightning_hetermoe.copy_routing`). ``optimizer``: the ``optim`` config the run
     trains with, whose state EP's fewest micro-batches and data-centric's memory check
-    price (``None``: unfused AdamW; zebra and DistEP run the plan, priced when it was made).
+    price (``None``: unfused AdamW; zebra and DistEP run the plan, priced when it was made),
+    with ``weight_averages`` copies of the weights kept on the device beside it.
     Raises ``ValueError`` where the schedule does not fit in memory.
     """
     if plan is not None:  # every wave's sequences: the schedules without waves take the step's batch
@@ -71,13 +73,14 @@ def predict_step(
         return simulate_ep(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
                            balanced=schedule == "ep_balanced", keep_timeline=keep_timeline, expert_load=expert_load,
                            num_microbatches=num_microbatches, placement=placement, ep_size=ep_size,
-                           replica_dispatch=replica_dispatch, optimizer=optimizer)
+                           replica_dispatch=replica_dispatch, optimizer=optimizer, weight_averages=weight_averages)
     if schedule == "ep_ideal":
         return simulate_ep_ideal(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
-                                 optimizer=optimizer)
+                                 optimizer=optimizer, weight_averages=weight_averages)
     if schedule == "datacentric":
         step = datacentric_step_time(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
-                                     expert_load=expert_load, optimizer=optimizer)
+                                     expert_load=expert_load, optimizer=optimizer,
+                                     weight_averages=weight_averages)
         # a closed form: no lanes, no busy time, no exchange rows (network_bytes None: not modelled)
         return StepResult(schedule, step, total_seqs * seq_len, {}, {r: d.name for r, d in enumerate(devs)}, {}, [],
                           1, network_bytes=None)
@@ -85,10 +88,11 @@ def predict_step(
 
 
 def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True,
-                  expert_load: list[list[float]] | None = None) -> StepResult:
+                  expert_load: list[list[float]] | None = None, optimizer: OptimConfig | None = None,
+                  weight_averages: int = 0) -> StepResult:
     """Predict one step of ``plan`` under ``schedule`` (see :func:`predict_step`)."""
     return predict_step(schedule, devs, model, link, timer, plan=plan, keep_timeline=keep_timeline,
-                        expert_load=expert_load)
+                        expert_load=expert_load, optimizer=optimizer, weight_averages=weight_averages)
 
 
 def predict_step_time(schedule: str, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig | Topology,

@@ -85,11 +85,13 @@ def ep_setup(
     placement: Placement | None = None,
     ep_size: int = 1,
     optimizer: OptimConfig | None = None,
+    weight_averages: int = 0,
 ) -> StepSetup:
     """The EP step: every rank attends its share of the batch and holds its contiguous
     slice of the experts, or ``placement``'s (rank ``r`` holding ``r % ep_size``'s); the
     micro-batches, where not given, the fewest that fit with ``optimizer``'s state
-    (:func:`~lightning_hetermoe.profile.memory.optimizer_pricing`)."""
+    (:func:`~lightning_hetermoe.profile.memory.optimizer_pricing`) and ``weight_averages``
+    copies of the weights."""
     W = len(devs)
     if W == 0:
         raise ValueError("EP needs at least one rank")
@@ -101,7 +103,7 @@ def ep_setup(
     contiguous = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
     ids = [[contiguous[i]] * model.n_layers for i in range(W)]
     experts = [[len(contiguous[i])] * model.n_layers for i in range(W)]
-    R = num_microbatches or MemoryModel.for_optimizer(model, optimizer).fewest_microbatches(
+    R = num_microbatches or MemoryModel.for_optimizer(model, optimizer, weight_averages).fewest_microbatches(
         [(d, n, sum(held)) for d, n, held in zip(devs, seqs, experts)], seq_len)
     if R is None:
         raise ValueError(
@@ -130,16 +132,17 @@ def ep_setup(
 def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True,
                 expert_load: list[list[float]] | None = None, num_microbatches: int | None = None,
                 placement: Placement | None = None, ep_size: int = 1,
-                replica_dispatch: str = "local_first", optimizer: OptimConfig | None = None) -> StepResult:
+                replica_dispatch: str = "local_first", optimizer: OptimConfig | None = None,
+                weight_averages: int = 0) -> StepResult:
     setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer, balanced=balanced,
                      expert_load=expert_load, num_microbatches=num_microbatches, placement=placement, ep_size=ep_size,
-                     optimizer=optimizer)
+                     optimizer=optimizer, weight_averages=weight_averages)
     setup.replica_dispatch = replica_dispatch
     return simulate_step(setup, timer, "ep_balanced" if balanced else "ep", keep_timeline=keep_timeline)
 
 
 def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer,
-                      optimizer: OptimConfig | None = None) -> StepResult:
+                      optimizer: OptimConfig | None = None, weight_averages: int = 0) -> StepResult:
     """Each device kind runs EP alone on its rank share of the batch; throughputs add up."""
     kinds: dict[str, list[int]] = {}
     for r, d in enumerate(devs):
@@ -156,7 +159,7 @@ def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer,
             continue
         sub_devs = [devs[r] for r in ranks]
         setup = ep_setup(sub_devs, model, seq_len=seq_len, total_seqs=share, link=link, timer=timer, ranks=ranks,
-                         optimizer=optimizer)
+                         optimizer=optimizer, weight_averages=weight_averages)
         res = simulate_step(setup, timer, "ep", keep_timeline=False)
         subs.append(res)
         tokens += res.tokens

@@ -319,10 +319,12 @@ class StrategyArguments:
             raise ConfigError(f"strategy batch_split='speed' weighs devices by the MoE layers' cost and {what}: set "
                               f"batch_split='equal' to train it as plain DDP")
 
-    def check_memory(self, model: Any, world_size: int) -> None:
+    def check_memory(self, model: Any, world_size: int, weight_averages: int = 0) -> None:
         """``ep`` and ``datacentric`` on a cluster config: a rank that cannot hold its share
         of the training state is refused before any process starts, with what would fit.
-        (Zebra's planner does the same at set-up, before anything is allocated.)"""
+        (Zebra's planner does the same at set-up, before anything is allocated.)
+        ``weight_averages``: copies of the weights the trainer's weight averaging keeps on
+        the device beside them."""
         if self.cluster is None or self.mode not in ("ep", "datacentric") or self.cluster.world_size != world_size:
             return
         try:
@@ -335,7 +337,8 @@ class StrategyArguments:
         sharded = self.saves_sharded(sum(p.numel() for p in model.parameters()))
         zero = self.shard_optimizer_state and sharded  # ZeRO-1 runs with sharded checkpoints only
         state, _ = memory.optimizer_pricing(optimizer_of(model))
-        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=zero, optimizer_bytes=state)
+        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=zero, optimizer_bytes=state,
+                                 weight_averages=weight_averages)
                 for m in ("ep", "datacentric")}
         mine = need[self.mode]
         over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
@@ -349,11 +352,13 @@ class StrategyArguments:
         raise ConfigError(
             f"strategy mode={self.mode!r} does not fit: rank {r} ({d.name}, {format_bytes(d.usable_bytes)} usable"
             f"{', memory_scale ' + format(self.cluster.memory_scale, 'g') if self.cluster.memory_scale else ''}) "
-            f"would hold {format_bytes(m.state)} of weights, gradients and optimizer state and "
+            f"would hold {format_bytes(m.state)} of weights, gradients, optimizer state"
+            + (f" and weight averages ({format_bytes(m.averages)})" if m.averages else "") + " and "
             f"{format_bytes(max(m.working, m.step))} of "
             + ("temporaries at its optimizer step" if m.step > m.working else "transients before any activation")
             + ". What would fit: "
             + (f"mode={other!r}; " if fits_other else "")
+            + ("WeightAveraging(device='cpu') (the average in host memory); " if m.averages else "")
             + ("shard_optimizer_state=true; " if not self.shard_optimizer_state else "")
             + ("checkpoint_format='sharded' (optimizer state sharded over replicas needs it); " if not sharded else "")
             + f"mode='zebra' or 'auto' (the planner places experts by memory); at least {more} such devices; "

@@ -41,6 +41,24 @@ def averagers(callbacks: list) -> list:
     return [c for c in callbacks if isinstance(c, WeightAveraging)]
 
 
+def averages_on(callbacks: list, device: torch.device) -> int:
+    """How many weight-averaging callbacks will keep their average on ``device``'s kind:
+    what the planner prices before the strategy lays the module out (a callback builds its
+    average on its ``device`` argument, else on the module's device, which is the strategy's
+    once laid out)."""
+    count = 0
+    for callback in averagers(callbacks):
+        # the callback's device argument has no public reader: one it does not state is on the device
+        where = getattr(callback, "_device", None)
+        if where is None:
+            count += 1
+        elif isinstance(where, int):  # an index: the accelerator's
+            count += device.type != "cpu"
+        else:
+            count += torch.device(where).type == device.type
+    return count
+
+
 def follow_layout(trainer: Any, module: Any, cut: Callable[[dict], dict]) -> None:
     """Each averaging callback's average laid out as the module now is (after the backend's
     set-up, in every stage: a validation after the fit swaps it in too). The average it held

@@ -45,7 +45,7 @@ from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
 from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend
-from .averaging import (average_bytes, averagers, averages, follow_layout, load_average, made_whole,
+from .averaging import (average_bytes, averagers, averages, averages_on, follow_layout, load_average, made_whole,
                         saved_with_average)
 from .expert_state import ExpertState, expert_tensor_names
 from ..materialize import Materializer, built_on_meta
@@ -188,7 +188,8 @@ class HeterMoEStrategy(DDPStrategy):
         """Everything about the model (and the trainer's callbacks) that can be checked before processes start."""
         world = self.num_processes * self.num_nodes
         self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"), world)
-        self.args.check_memory(model, world)
+        self.args.check_memory(model, world, averages_on(trainer.callbacks, self.root_device if self.parallel_devices
+                                                          else torch.device("cpu")) if trainer is not None else 0)
         if trainer is not None:
             self.args.check_callbacks(trainer.callbacks, model, world, trainer.state.fn == TrainerFn.FITTING)
 

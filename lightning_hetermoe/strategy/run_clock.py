@@ -35,6 +35,7 @@ class RunClock:
         self.world_size = 1
         self.timer: Any = None
         self.optimizer: Any = None  # the run's optim config (None: priced as unfused AdamW)
+        self.weight_averages = 0  # copies of the weights the run keeps on the device (weight averaging)
         self.workload: Any = None  # EmulatedWorkload under emulation
         self.emulator: Any = None  # this rank's emulated clock
         self.meter: Any = None  # BusyMeter on real devices, when a monitor asked for busy time
@@ -66,17 +67,19 @@ class RunClock:
         return self.timer is not None
 
     def bind(self, run_model: ModelConfig, per_rank: int, seq_len: int, world_size: int,
-             devices: list[DeviceSpec], precision: str = "32-true", optimizer: Any = None) -> None:
+             devices: list[DeviceSpec], precision: str = "32-true", optimizer: Any = None,
+             weight_averages: int = 0) -> None:
         """Fix the clock to the run's model, batch shape and precision (once, at the first
         set-up). An emulated cluster's clock runs the workload's own precision.
         ``optimizer``: the run's ``optim`` config, whose state EP's and data-centric's
-        predictions price (``None``: unfused AdamW)."""
+        predictions price (``None``: unfused AdamW), beside ``weight_averages`` copies of the
+        weights kept on the device (Lightning's weight averaging)."""
         from ..emulate import emulated_workload, rank_emulator
         from ..profile.cost_model import CostModel, tf32_allowed
         from ..profile.timer import make_timer
 
         self.per_rank, self.run_seq_len, self.world_size, self.devices = per_rank, seq_len, world_size, devices
-        self.optimizer = optimizer
+        self.optimizer, self.weight_averages = optimizer, weight_averages
         self._links = self._bound = None
         if self.cluster is not None and self.cluster.emulate:
             self.workload = emulated_workload(self.cluster, run_model, seq_len)
@@ -151,7 +154,8 @@ class RunClock:
         return [predict_step(sim.schedule, self.devices, self.model, self.links(), self.timer, plan=sim.plan,
                              seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, num_microbatches=1,
                              placement=sim.placement, ep_size=sim.ep_size, expert_load=load,
-                             replica_dispatch=sim.replica_dispatch, optimizer=self.optimizer).step_time
+                             replica_dispatch=sim.replica_dispatch, optimizer=self.optimizer,
+                             weight_averages=self.weight_averages).step_time
                 for load in self.loads(expert_load, batch_loads)]
 
     def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None,
@@ -188,7 +192,7 @@ class RunClock:
         """Bytes to move one expert copy: weights and optimizer state, at the clock's sizes."""
         from ..profile.memory import MemoryModel
 
-        memory = MemoryModel.for_optimizer(self.model, self.optimizer)
+        memory = MemoryModel.for_optimizer(self.model, self.optimizer, self.weight_averages)
         return memory.expert_params() * memory.bytes_per_param
 
     def speed_shares(self, total: int) -> list[int]:

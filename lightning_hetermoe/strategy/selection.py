@@ -29,6 +29,7 @@ from ..configs import ConfigError, ModelConfig, OptimConfig
 from ..model_contract import ModelContractError, describe_model
 from ..routing_record import check_shape
 from .arguments import DISAGGREGATED, check_plan, check_waves, optimizer_of
+from .averaging import averages_on
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
 from ..materialize import built_on_meta
@@ -213,7 +214,8 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     model = _Description.of(module)
     try:
         per_rank, seq_len = loader_batch_shape(trainer)
-        clock.bind(model.config(), per_rank, seq_len, world, devices, precision, optimizer_of(module))
+        clock.bind(model.config(), per_rank, seq_len, world, devices, precision, optimizer_of(module),
+                   averages_on(trainer.callbacks if trainer is not None else [], strategy.root_device))
     except (ConfigError, ModelContractError) as err:
         if needs_clock:
             raise ConfigError(str(err)) from None
@@ -356,7 +358,8 @@ def _can_disaggregate(world: int, module: Any, model: _Description) -> bool:
 def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: bool, schedule: str = "zebra",
           optimizer: OptimConfig | None = None) -> Any:
     """The plan the run gives, or a new one from the planner for ``schedule`` (``None`` if
-    none fits and none is ``required``), its memory priced for ``optimizer``."""
+    none fits and none is ``required``), its memory priced for ``optimizer`` and the weight
+    averages the clock was bound with."""
     from ..plan import make_plan
     from ..plan.planner import ClusterView
 
@@ -373,6 +376,7 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
                          require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
                          expert_load=clock.expert_load, place_at_load=_place_at_load(args),
                          shard_optimizer_state=_zero_priced(args), optimizer=optimizer,
+                         weight_averages=clock.weight_averages,
                          max_waves=1)  # the loaders' batch is one wave: trainer.accumulate_grad_batches is the user's
     except ValueError as err:
         if required:
