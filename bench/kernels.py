@@ -72,7 +72,7 @@ import torch
 from lightning_hetermoe.kernels import (grouped_mlp, grouped_mlp_grouped_mm, grouped_mm_available, swiglu,
                                         triton_available, tuning)
 from lightning_hetermoe.kernels.measured import FILE, device_kind
-from lightning_hetermoe.moe.experts import grouped_mlp_torch
+from lightning_hetermoe.kernels import grouped_mlp_torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = ROOT / "kernels" / FILE

@@ -184,7 +184,6 @@ def test_predictions_of_ep_and_datacentric_price_the_optimizer_the_run_trains_wi
     room for fits with plain SGD's, and the planner's table and a run's clock ask with it."""
     from lightning_hetermoe import LinkConfig, ModelConfig, MoEConfig, get_device
     from lightning_hetermoe.profile import make_timer
-    from lightning_hetermoe.profile.memory import MemoryModel
     from lightning_hetermoe.simulate import ep_setup, predict_step
     from lightning_hetermoe.simulate.datacentric import datacentric_step_time
 

@@ -2,7 +2,8 @@
 
 from .capacity import apply_capacity, expert_capacity
 from .dispatch import LocalDispatcher
-from .experts import Experts, grouped_mlp_torch, resolve_backend
+from ..kernels import grouped_mlp_torch, resolve_backend
+from .experts import Experts
 from .layer import MoEAux, MoELayer, gate_losses
 from .module_experts import ExpertContractError, ModuleExperts
 from .routers import (

@@ -39,9 +39,8 @@ from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 GroupedMLP = Callable[..., Tensor]
 
 
-# Backends and their choice live with the kernels (one chooser, one message); re-exported
-# here, where the experts that run them are.
-from ..kernels import grouped_mlp_torch, resolve_backend, runs_on_host_counts  # noqa: E402
+# Backends and their choice live with the kernels (one chooser, one message).
+from ..kernels import resolve_backend, runs_on_host_counts  # noqa: E402
 
 
 class Experts(nn.Module):
