@@ -73,6 +73,12 @@ def test_every_member_of_every_group_issues_the_same_sequence(recordings, mode):
         # training rounds, validation rounds, checkpoint gathers, the clip norm: all were seen
         assert {("zp0.dispatch", "zebra.header"), ("zp0.dispatch", "zebra.rows"), ("zp0.combine", "zebra.answers"),
                 ("zp0", "experts.gather"), ("world", "zebra.loss")} <= ops, ops
+        # a header for each forward round only (a backward round moves its forward's sizes):
+        # rows = training forward + backward + validation forward rounds, headers = the forward ones
+        for calls in per_rank:
+            headers = sum(c.what == "zebra.header" for c in calls)
+            rows = sum(c.what == "zebra.rows" for c in calls)
+            assert rows / 2 <= headers < rows, (headers, rows)
     # every all-to-all moved rows somewhere: the sizes compared above were not all empty
     assert any(sum(c.in_splits) for calls in per_rank for c in calls if c.op == "all_to_all")
 

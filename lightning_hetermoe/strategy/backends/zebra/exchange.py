@@ -2,11 +2,13 @@
 thread, asynchronously, in the order the schedule gives (the same on every member).
 
 Every round ``r`` of ``schedule.rounds`` (one expert round trip, in the order attention
-ranks emit them) is three collectives on the ZP group:
+ranks emit them) is up to three collectives on the ZP group:
 
-1. **header** (host: gloo, the dispatch group's host side): an all-gather of every member's
-   rows per expert (forward rounds; backward rounds reuse the forward's sizes) and, under
-   emulation, the moment its rows left. Expert ranks post all headers when the step
+1. **header** (host: gloo, the dispatch group's host side), forward rounds only: an
+   all-gather of every member's rows per expert (a backward round moves its forward's
+   sizes, and has a header of its own only under emulation, for the moment its rows left:
+   one host collective less per backward round) and, under emulation, the moment its rows
+   left. Expert ranks post all headers when the step
    starts, since their share is empty and host traffic touches no device stream; attention
    ranks post theirs when the round is emitted. The header is the round's one host sync:
    the routing counts were copied to the host once, and every split size comes from here.
@@ -114,7 +116,8 @@ class Exchange:
     def start(self) -> None:
         if not self.lay.is_attention:
             for r in self.schedule.rounds:
-                self._post_header(r, None)
+                if self._has_header(r):
+                    self._post_header(r, None)
             self._issue(block=False)
 
     def finish(self) -> None:
@@ -153,7 +156,8 @@ class Exchange:
         sizes: it is held back until they are in (:meth:`pump`), so the rank goes on to its
         next task instead of waiting for the slowest member to emit the same round."""
         key = (r.layer, r.mb)
-        self._post_header(r, expert_counts, leaves_at)
+        if self._has_header(r):
+            self._post_header(r, expert_counts, leaves_at)
         if r.phase == "fwd":
             holders = self.lay.by_group_rank(r.layer)
             self._my_splits[key] = [int(expert_counts[h].sum()) if h else 0 for h in holders]
@@ -187,7 +191,7 @@ class Exchange:
         all that is needed). Whether any is still held."""
         while self._held and not (block and until is not None and until()):
             header, issue, _ = self._held[0]
-            if header is not None and not block and not self._headers[header].completed:
+            if header is not None and not block and not self._sizes_header(header).completed:
                 return True
             self._held.pop(0)
             issue()
@@ -236,7 +240,7 @@ class Exchange:
         got = self._dispatch.pop(r).wait()
         # emulated: the rows are in at their modelled arrival; the next header is looked for until then
         before = (lambda at: self._prefetch(r, lambda: time.perf_counter() >= at)) if early else None
-        self._arrive("dispatch", r, self._sent_at(r), before=before)
+        self._arrive("dispatch", r, self._sent_at(r) if self.emulator is not None else None, before=before)
         if r.phase == "bwd":
             return got
         counts, _ = self._round_sizes(r)
@@ -289,7 +293,7 @@ class Exchange:
         comes in before ``r`` could start anyway (``ready_to_run``: its rows are in and the
         device has nothing else queued); else :meth:`reply` issues it, after ``r``'s experts."""
         nxt = ("dispatch", self._after[r])
-        header = self._headers[nxt[1]]
+        header = self._sizes_header(nxt[1])
         while not header.completed and not ready_to_run():
             time.sleep(PREFETCH_POLL_S)
         if header.completed:
@@ -312,7 +316,7 @@ class Exchange:
                     raise RuntimeError(f"zebra exchange: {stop or 'the step end'} comes after the combine of {r}, "
                                        f"which this rank holds and has not answered; the issue order is broken")
                 return
-            if not block and kind == "dispatch" and not self._headers[r].completed:
+            if not block and kind == "dispatch" and not self._sizes_header(r).completed:
                 return
             if kind == "dispatch":
                 self._post_receive(r, at)
@@ -360,6 +364,16 @@ class Exchange:
         parts = [torch.empty_like(payload) for _ in range(self.G)]
         self._headers[r] = comm.host_all_gather(self.groups.dispatch, parts, payload, what="zebra.header",
                                                 async_op=True)
+
+    def _has_header(self, r: Round) -> bool:
+        """Whether round ``r`` has a header of its own: every forward round (its sizes); a
+        backward round moves its forward's sizes, so only under emulation (the moment its
+        rows left). Alike on every member: a host collective skipped on one would hang the rest."""
+        return r.phase == "fwd" or self.emulator is not None
+
+    def _sizes_header(self, r: Round) -> Pending:
+        """The header whose arrival gives round ``r``'s sizes: its own, or its forward's."""
+        return self._headers[r if self._has_header(r) else Round("fwd", r.layer, r.mb)]
 
     def _header(self, r: Round) -> Tensor:
         """``[G, E + 1]``: every member's header of round ``r`` (host)."""
