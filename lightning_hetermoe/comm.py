@@ -366,10 +366,12 @@ def _check(group: Group, traffic: str, what: str, *tensors: Tensor) -> Any:
     if not group.member or pg is None:
         raise CommError(f"{what}: rank {dist.get_rank()} issued {traffic} traffic on group {group.name}, which has no "
                         f"{traffic} side here (members {list(group.ranks)})")
-    for t in tensors:
-        if traffic == DEVICE:
+    if traffic == DEVICE:
+        for t in tensors:
             check_device_traffic(t, what, f"a device collective on group {group.name}")
-        if traffic == HOST and t.device.type != "cpu":
+        return pg
+    for t in tensors:  # (is_cpu: no device object built per tensor, on the step's path)
+        if not t.is_cpu:
             raise CommError(f"{what}: a host collective on group {group.name} got a tensor on {t.device}; host "
                             f"traffic is CPU tensors on gloo")
     return pg

@@ -91,6 +91,7 @@ class Exchange:
         self._ready: dict[Round, Pending] = {}  # emulation: when each member took part in a round's dispatch
         self._link_free = {"dispatch": 0.0, "combine": 0.0}
         self._seconds: dict[tuple[int, int], float] = {}  # modelled transfer of a (layer, mb)'s rows
+        self._onehot: dict[int, Tensor] = {}  # layer -> [E, G] which group rank holds each expert
         self._member = [[False] * self.G for _ in range(layout.num_layers)]  # [layer][group rank] holds experts
         for l in range(layout.num_layers):
             for d, held in enumerate(layout.by_group_rank(l)):
@@ -158,9 +159,8 @@ class Exchange:
         key = (r.layer, r.mb)
         if self._has_header(r):
             self._post_header(r, expert_counts, leaves_at)
-        if r.phase == "fwd":
-            holders = self.lay.by_group_rank(r.layer)
-            self._my_splits[key] = [int(expert_counts[h].sum()) if h else 0 for h in holders]
+        if r.phase == "fwd":  # rows to each member: the counts of the experts it holds
+            self._my_splits[key] = (expert_counts @ self._holder_of(r.layer)).tolist()
         wire = rows.to(self.wire).contiguous()
         holds = bool(self.lay.mine(r.layer))
         self._hold_back(Round("fwd", r.layer, r.mb) if holds else None,
@@ -389,10 +389,14 @@ class Exchange:
         return self._sizes[key]
 
     def _holder_of(self, layer: int) -> Tensor:
-        """``[E, G]`` one-hot: which group rank holds each expert of ``layer``."""
-        onehot = torch.zeros(self.E, self.G, dtype=torch.long, device="cpu")
-        for d, held in enumerate(self.lay.by_group_rank(layer)):
-            onehot[held, d] = 1
+        """``[E, G]`` one-hot: which group rank holds each expert of ``layer`` (built once a
+        step: every round of the layer asks)."""
+        onehot = self._onehot.get(layer)
+        if onehot is None:
+            onehot = torch.zeros(self.E, self.G, dtype=torch.long, device="cpu")
+            for d, held in enumerate(self.lay.by_group_rank(layer)):
+                onehot[held, d] = 1
+            self._onehot[layer] = onehot
         return onehot
 
     def _column(self, r: Round) -> list[int]:
