@@ -4,7 +4,8 @@
 the end of a multirun it reads every job's ``summary.json`` in the sweep directory and
 writes one table with a row per job (and, for ``recipes/plan.py`` sweeps, a row per job
 and schedule): the job's overrides, the mix, the schedule, tokens/s measured beside
-predicted and the step times. A job that failed (no summary) gets a row that says so.
+predicted and the step times. A job that failed (no summary) gets a row that says so, and
+a mix the planner refused (nothing fits) one with the planner's reason.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def job_rows(job_dir: Path) -> list[dict[str, Any]]:
         return [{**base, "status": "failed (no summary.json)"}]
     s = json.loads(path.read_text())
     devices = " ".join(s.get("devices", []))
+    if "error" in s and not s.get("schedules"):  # recipes/plan.py refused: nothing fits, and why
+        return [{**base, "cluster": s.get("cluster"), "devices": devices, "status": s["error"]}]
     if "schedules" in s:  # recipes/plan.py: predictions per schedule, nothing measured
         return [{**base, "cluster": s.get("cluster"), "devices": devices, "schedule": name,
                  "predicted_tokens_per_s": r.get("tokens_per_s"), "predicted_step_time_s": r.get("step_time_s"),

@@ -18,6 +18,7 @@ import os
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from lightning_hetermoe.cluster import ClusterConfig
@@ -33,6 +34,29 @@ from lightning_hetermoe.simulate import draw_gantt, draw_gantt_compare, simulate
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    try:
+        return plan_and_predict(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:
+        # A bad value is the user's to fix: one line naming the field, no stack trace.
+        raise SystemExit(f"[plan] config error: {err}") from None
+    except NoPlan as refused:
+        # In a sweep over mixes a mix the model does not fit is a row of the sweep's table
+        # (its summary.json says why), not the end of the sweep; a single run exits 1.
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise SystemExit(f"[plan] {refused}") from None
+        print(f"[plan] {refused}", flush=True)
+        return refused.summary
+
+
+class NoPlan(Exception):
+    """The planner refused: nothing fits (its message names why and what would)."""
+
+    def __init__(self, message: str, summary: dict) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+def plan_and_predict(cfg: DictConfig, out: str) -> dict:
     model = from_cfg(ModelConfig, cfg.model)
     cluster = from_cfg(ClusterConfig, cfg.cluster)
     profile = Profile.from_json(hydra.utils.to_absolute_path(cfg.plan.profile)) if cfg.plan.profile else None
@@ -53,34 +77,21 @@ def main(cfg: DictConfig) -> dict:
     # hundreds to thousands of GPUs take seconds to tens of seconds to plan: say what is under way
     print(f"planning {model.name} on {cluster.name} ({cluster.world_size} GPUs), {tokens // seq_len} sequences of "
           f"{seq_len} tokens per step", flush=True)
-    plan = make_plan(
-        cluster,
-        model,
-        seq_len=seq_len,
-        global_batch_tokens=tokens,
-        profile=profile,
-        asym_ea=cfg.plan.asym_ea,
-        num_microbatches=cfg.plan.num_microbatches,
-        max_microbatches=cfg.plan.max_microbatches,
-        max_waves=cfg.plan.max_waves,
-        num_attention_ranks=cfg.plan.num_attention_ranks,
-        num_zp_groups=cfg.plan.num_zp_groups,
-        require_expert_ranks=cfg.plan.require_expert_ranks,
-        shrink_to_fit=2 if cfg.plan.shrink_batch_to_fit else 0,
-        cost_model=cost,
-        expert_load=load,
-        place_at_load=bool(cfg.plan.get("place_at_load", True)),
-        **pricing,
-    )
-    out = HydraConfig.get().runtime.output_dir
+    summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "precision": precision,
+               "devices": list(cluster.devices)}
+    try:
+        plan = plan_for(cluster, model, seq_len, tokens, profile, cost, load, pricing, cfg)
+    except ValueError as err:
+        summary["error"] = f"no plan for {model.name} on {cluster.name}: {err}"
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump({**summary, "schedules": {}}, f, indent=1)
+        raise NoPlan(summary["error"], summary) from None
     print(plan)
     plan.to_json(os.path.join(out, "plan.json"))
     view = as_cluster(cluster)
     timer = make_timer(model, seq_len, profile, cost)
-    summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "precision": precision,
-               "plan": "plan.json", "expert_load": None if routing is None else {
-                   "path": str(cfg.plan.expert_load), "hottest_over_mean": routing.hottest_over_mean()},
-               "devices": list(cluster.devices), "schedules": {}}
+    summary.update({"plan": "plan.json", "schedules": {}, "expert_load": None if routing is None else {
+        "path": str(cfg.plan.expert_load), "hottest_over_mean": routing.hottest_over_mean()}})
     drawn = {}
     for sched in plan.predicted:
         try:
@@ -105,6 +116,30 @@ def main(cfg: DictConfig) -> dict:
         json.dump(summary, f, indent=1)
     print(f"\nwrote plan.json, summary.json and Gantt charts to {out}")
     return summary
+
+
+def plan_for(cluster: ClusterConfig, model: ModelConfig, seq_len: int, tokens: int, profile: Profile | None,
+             cost: CostModel, load, pricing: dict, cfg: DictConfig):
+    """The planner's plan for the recipe's ``plan`` group (``ValueError`` where none fits)."""
+    return make_plan(
+        cluster,
+        model,
+        seq_len=seq_len,
+        global_batch_tokens=tokens,
+        profile=profile,
+        asym_ea=cfg.plan.asym_ea,
+        num_microbatches=cfg.plan.num_microbatches,
+        max_microbatches=cfg.plan.max_microbatches,
+        max_waves=cfg.plan.max_waves,
+        num_attention_ranks=cfg.plan.num_attention_ranks,
+        num_zp_groups=cfg.plan.num_zp_groups,
+        require_expert_ranks=cfg.plan.require_expert_ranks,
+        shrink_to_fit=2 if cfg.plan.shrink_batch_to_fit else 0,
+        cost_model=cost,
+        expert_load=load,
+        place_at_load=bool(cfg.plan.get("place_at_load", True)),
+        **pricing,
+    )
 
 
 if __name__ == "__main__":

@@ -70,3 +70,29 @@ def test_paper_recipe_writes_table(tmp_path):
     assert tps[("o3", "16384", "zebra")] > tps[("o3", "16384", "distep")]
     md = (tmp_path / "paper_table.md").read_text()
     assert "| claim | paper |" in md and "1.67x" in md and "Asym-EA" in md
+
+
+def test_a_mix_the_model_does_not_fit_is_one_line_alone_and_a_row_in_a_sweep(tmp_path):
+    """A plan the planner refuses: a run alone exits 1 with the planner's reason on one line
+    (no stack trace) and a summary.json that says it; a sweep over mixes goes on and its
+    table has the refused mix's row with that reason beside the others'."""
+    proc = subprocess.run([sys.executable, "recipes/plan.py", "model=mixtral_8x7b", "cluster=o3",
+                           f"hydra.run.dir={tmp_path / 'alone'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("[plan] no plan for mixtral_8x7b on o3: experts exceed total memory"), last
+    summary = json.loads((tmp_path / "alone" / "summary.json").read_text())
+    assert summary["error"] in last and summary["schedules"] == {} and not (tmp_path / "alone" / "plan.json").exists()
+
+    run(["recipes/plan.py", "-m", "model=d2,mixtral_8x7b", "cluster=o3", "data.seq_len=8192", "plan.gantt=[]",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    fitted = [r for r in rows if "model=d2" in r["overrides"]]
+    refused = [r for r in rows if "model=mixtral_8x7b" in r["overrides"]]
+    assert fitted and all(r["status"] == "ok" for r in fitted if r["schedule"] == "zebra"), fitted
+    assert len(refused) == 1 and refused[0]["status"].startswith("no plan for mixtral_8x7b on o3: experts exceed"), \
+        refused
+    assert refused[0]["cluster"] == "o3"
