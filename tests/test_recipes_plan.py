@@ -86,6 +86,11 @@ def test_a_mix_the_model_does_not_fit_is_one_line_alone_and_a_row_in_a_sweep(tmp
     summary = json.loads((tmp_path / "alone" / "summary.json").read_text())
     assert summary["error"] in last and summary["schedules"] == {} and not (tmp_path / "alone" / "plan.json").exists()
 
+    bad = subprocess.run([sys.executable, "recipes/plan.py", "precision=fp8", f"hydra.run.dir={tmp_path / 'bad'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith("[plan] config error: precision='fp8' is invalid")
+
     run(["recipes/plan.py", "-m", "model=d2,mixtral_8x7b", "cluster=o3", "data.seq_len=8192", "plan.gantt=[]",
          f"hydra.sweep.dir={tmp_path / 'sweep'}"])
     with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
