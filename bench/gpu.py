@@ -10,7 +10,7 @@ to its exit. Steps, in order (a cold start first: by default Triton's cache is a
 empty directory, as on a new machine):
 
 1. ``selfcheck``: ``python -m lightning_hetermoe.selfcheck`` (every row; ``host syncs`` among them).
-2. ``kernels``: ``bench/kernels.py``, the expert backends beside transformers' grouped_mm
+2. ``kernels``: ``bench/expert_kernels.py``, the expert backends beside transformers' grouped_mm
    at the real models' layer shapes.
 3. ``train default`` / ``train hetermoe`` / ``train zebra``: ``bench/gpu_train.py``, the
    same model under Lightning's default strategy, ``strategy="hetermoe"`` (one device:
@@ -31,7 +31,7 @@ and R = 1 and ``strategy="hetermoe"``, about 3 minutes), their tables into
 ``<out>-profile/``.
 
 ``--extras`` then runs, each with its own deadline (under 6 minutes more in all), what was
-measured on the CPU and waits for a GPU: ``ablations`` (``bench/kernels.py --ablations``: the
+measured on the CPU and waits for a GPU: ``ablations`` (``bench/expert_kernels.py --ablations``: the
 Triton GEMMs one row tile at a time and with TMA loads, grouped_mm with SwiGLU on torch's
 ops), ``loss``
 (``bench/loss.py``: the head's loss whole, chunked on the cross-entropy kernel and on
@@ -207,7 +207,7 @@ def steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Path | N
     py = _python()
     self_json = work / "selfcheck.json"
     selfcheck = [*py, "-m", "lightning_hetermoe.selfcheck", "--json", str(self_json)]
-    kernels = [*py, str(ROOT / "bench" / "kernels.py"), "--json", str(work / "kernels.json")]
+    kernels = [*py, str(ROOT / "bench" / "expert_kernels.py"), "--json", str(work / "kernels.json")]
     if quick:
         selfcheck += ["--device", "cpu", "--quick"]
         kernels += ["--quick"]
@@ -233,7 +233,7 @@ def extra_steps(quick: bool, work: Path) -> list[tuple[str, list[str], float, Pa
     device = "cpu" if quick else "cuda"
     small = ["--model", "tiny", "--repeats", "1"] if quick else []
     cmds = {
-        "ablations": [str(bench / "kernels.py"), "--ablations", *(["--quick", "--reps", "1", "--passes", "1"]
+        "ablations": [str(bench / "expert_kernels.py"), "--ablations", *(["--quick", "--reps", "1", "--passes", "1"]
                                                                    if quick else [])],
         "loss": [str(bench / "loss.py"), "--device", device, "--dtype", "bf16", "--tokens",
                  "256" if quick else "16384", "--repeats", "1" if quick else "3"],

@@ -37,8 +37,8 @@ import torch
 
 def _load_gpu_train() -> Any:
     """``bench/gpu_train.py`` (the bench's model, data and loopback plan), loaded by its path:
-    putting ``bench/`` on ``sys.path`` would let its ``kernels.py`` shadow the ``kernels``
-    package transformers imports."""
+    ``bench/`` stays off ``sys.path`` (no bench script may shadow an installed package:
+    ``tests/test_bench_names.py``)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("hetermoe_bench_gpu_train", Path(__file__).with_name("gpu_train.py"))

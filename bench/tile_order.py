@@ -23,7 +23,7 @@ value, then per order the whole layer's bytes and the time they take at ``--band
 beside the time its FLOPs take at ``--tflops``: where the first is the larger, the layer is
 bound by memory, not by its tensor cores. The last line is one JSON object.
 
-What the GPU itself says about it is ``bench/kernels.py``'s ``triton_group1`` column (the
+What the GPU itself says about it is ``bench/expert_kernels.py``'s ``triton_group1`` column (the
 same kernels at ``GROUP=1``, timed beside the shipped order).
 """
 
@@ -169,11 +169,10 @@ def print_layer(r: dict, groups: list[int]) -> None:
 
 
 def kernels_bench():
-    """``bench/kernels.py`` as a module (loaded by path: ``kernels`` is also the package's
-    source folder)."""
+    """``bench/expert_kernels.py`` as a module (loaded by path: ``bench/`` is no package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "expert_kernels.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     groups = [int(g) for g in args.groups.split(",")]
     if not groups or any(g < 1 for g in groups):
         ap.error(f"--groups={args.groups!r} is invalid: comma-separated integers >= 1")
-    layers = kernels_bench()  # bench/kernels.py's four layers
+    layers = kernels_bench()  # bench/expert_kernels.py's four layers
     cases = layers.QUICK_SHAPES[:1] if args.quick else layers.model_cases()
     device = {"sms": args.sms, "l2_mb": args.l2_mb, "bandwidth_tbs": args.bandwidth, "tflops": args.tflops}
     print(f"# modelled, not measured: {args.sms} programs at once, {args.l2_mb:g} MiB LRU L2, "

@@ -34,7 +34,7 @@ kernel modules load on first use. Modules, one job each:
 - ``grouped_mm``: on ``torch._grouped_mm`` (the ``grouped_mm`` backend,
   ``grouped_mlp_grouped_mm``), pure torch.
 - ``loop``: one ``torch.mm`` per expert (the ``torch`` backend), pure torch.
-- ``measured``: the fastest backend per device kind, as ``bench/kernels.py --write``
+- ``measured``: the fastest backend per device kind, as ``bench/expert_kernels.py --write``
   recorded it in ``measured.json`` (package data), which ``expert_backend=auto`` follows.
 - ``chooser``: the one place ``expert_backend`` becomes a function (``resolve_backend``),
   and the one sentence for a backend that cannot run (``why_not``).

@@ -2,7 +2,7 @@
 grouped_mm, triton) on a device, to the function that runs it, or one message saying why
 it cannot run there.
 
-``auto``: first what ``bench/kernels.py --write`` measured fastest on this kind of device
+``auto``: first what ``bench/expert_kernels.py --write`` measured fastest on this kind of device
 (``measured.json``, keyed ``"cpu"``, ``"cuda:sm90"``, ...) if that backend can run here;
 otherwise Triton where it emits tensor-core code (CUDA, compute capability 8.0 and up)
 and the per-expert torch loop elsewhere: CPU, and V100 (sm70) / T4 (sm75), whose tensor

@@ -1,4 +1,4 @@
-"""Which expert backend was fastest on each kind of device, as ``bench/kernels.py --write`` measured.
+"""Which expert backend was fastest on each kind of device, as ``bench/expert_kernels.py --write`` measured.
 
 The measurements ship in this package as ``measured.json``: an object keyed by device
 kind (:func:`device_kind`: ``"cpu"``, ``"cuda:sm80"``, ``"cuda:sm90"``, ``"rocm:gfx942"``, ...), each entry

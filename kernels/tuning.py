@@ -89,7 +89,7 @@ def with_group(blocks: dict[str, int]) -> dict[str, int]:
 # From Hopper on, a copy engine (TMA) loads a whole tile by descriptor, bounds checked in
 # hardware: no per-element address arithmetic or masks in the kernel's main loop, the
 # operands straight to shared memory for wgmma. Off until a GPU has timed it beside the
-# pointer loads (`bench/kernels.py --ablations`, column `triton_tma`).
+# pointer loads (`bench/expert_kernels.py --ablations`, column `triton_tma`).
 TMA_CAPABILITY = (9, 0)
 _TMA = Setting(False)  # tma_loads's setting
 

@@ -1,4 +1,4 @@
-"""``bench/kernels.py``: its columns compute the same thing, and its table has the shape the
+"""``bench/expert_kernels.py``: its columns compute the same thing, and its table has the shape the
 GPU run reads (not how long anything took).
 
 Every column of a case (the pack's loop, grouped_mm and Triton backends, transformers'
@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench("kernels")
+    return load_bench("expert_kernels")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -176,7 +176,7 @@ def test_the_profiles_busy_time_is_the_union_of_the_kernels_spans():
     from types import SimpleNamespace
 
     profile = _load("gpu_profile")
-    # bench/ stays off sys.path: its kernels.py would shadow the `kernels` package transformers imports
+    # loaded by path: bench/ stays off sys.path
     assert str(ROOT / "bench") not in sys.path
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 

@@ -375,7 +375,7 @@ def test_shipped_measurements_drive_auto_on_cpu(monkeypatch):
     monkeypatch.setattr(chooser, "_AUTO", {})
     monkeypatch.setattr(chooser, "_WARNED", set())
     data = measured.load()
-    assert "cpu" in data, "bench/kernels.py --write has not recorded this device kind"
+    assert "cpu" in data, "bench/expert_kernels.py --write has not recorded this device kind"
     entry = data["cpu"]
     assert entry["best"] in measured.BACKENDS and entry["cases"]
     assert entry["best"] == max(entry["speedup_vs_torch"], key=entry["speedup_vs_torch"].get)
@@ -385,9 +385,9 @@ def test_shipped_measurements_drive_auto_on_cpu(monkeypatch):
 
 
 def test_bench_records_winner_per_device_kind(tmp_path, monkeypatch):
-    """bench/kernels.py --write on a tiny grid: every backend timed, the winner recorded
+    """bench/expert_kernels.py --write on a tiny grid: every backend timed, the winner recorded
     under this device kind, other kinds kept."""
-    bench = load_bench("kernels")
+    bench = load_bench("expert_kernels")
     monkeypatch.setattr(bench, "QUICK_SHAPES", [bench.Case("a", 16, 32, 4, 2, 24), bench.Case("b", 16, 32, 8, 3, 40)])
     out = tmp_path / "measured.json"
     out.write_text(json.dumps({"cuda:sm90": {"best": "triton"}}))
@@ -405,7 +405,7 @@ def test_bench_records_a_run_made_on_another_machine(tmp_path, monkeypatch):
     """--record: a lent GPU's bench/gpu.py report (the --json summary of its kernels step)
     becomes that device kind's entry here, with the run's own torch and date; a file with
     no kernels summary is refused, naming it."""
-    bench = load_bench("kernels")
+    bench = load_bench("expert_kernels")
     monkeypatch.setattr(bench, "QUICK_SHAPES", [bench.Case("a", 16, 32, 4, 2, 24)])
     summary_path = tmp_path / "kernels.json"
     summary = bench.main(["--quick", "--reps", "1", "--json", str(summary_path)])
@@ -421,7 +421,7 @@ def test_bench_records_a_run_made_on_another_machine(tmp_path, monkeypatch):
     assert (entry["best"], entry["torch"], entry["date"]) == ("grouped_mm", "2.11.0+cu130", "2026-12-04")
     assert [c["name"] for c in entry["cases"]] == [r["name"] for r in summary["results"]]
     report.write_text(json.dumps({"date": "2026-12-04", "steps": {"kernels": {"result": None}}}))
-    with pytest.raises(SystemExit, match="h200.json: no bench/kernels.py summary"):
+    with pytest.raises(SystemExit, match="h200.json: no bench/expert_kernels.py summary"):
         bench.main(["--record", str(report), "--write", str(out)])
 
 

@@ -31,7 +31,7 @@ def cuda_of(monkeypatch):
 
 
 def test_shipped_sm90_entry_is_the_h200_measurement():
-    """The sm90 entry is bench/kernels.py's run on an H200 (2026-12-04), at the four real
+    """The sm90 entry is bench/expert_kernels.py's run on an H200 (2026-12-04), at the four real
     models' layer shapes; its winner is consistent with its own figures at every shape and
     beats transformers' grouped_mm path (which was not a candidate) at every shape."""
     entry = measured.load()["cuda:sm90"]

@@ -48,11 +48,11 @@ PATH`` writes the same object to a file).
 decides) in ``kernels/measured.json``, which ships in the package and which
 ``expert_backend=auto`` follows; entries of other device kinds are kept.
 
-    python bench/kernels.py                # CPU: small grid; CUDA: the four models' shapes
-    python bench/kernels.py --write        # ... and record the winner for this device kind
-    python bench/kernels.py --quick        # small shapes anywhere
-    python bench/kernels.py --json out.json
-    python bench/kernels.py --record docs/gpu/h200-2026-12-04.json   # a lent GPU's run, recorded here
+    python bench/expert_kernels.py                # CPU: small grid; CUDA: the four models' shapes
+    python bench/expert_kernels.py --write        # ... and record the winner for this device kind
+    python bench/expert_kernels.py --quick        # small shapes anywhere
+    python bench/expert_kernels.py --json out.json
+    python bench/expert_kernels.py --record docs/gpu/h200-2026-12-04.json   # a lent GPU's run, recorded here
 """
 
 from __future__ import annotations
@@ -437,7 +437,7 @@ def print_table(results: list[dict], kinds: list[str], cuda: bool) -> None:
 
 
 def measured_entry(summary: dict, results: list[dict], kinds: list[str], *, date: str | None = None,
-                   source: str = "bench/kernels.py --write") -> dict:
+                   source: str = "bench/expert_kernels.py --write") -> dict:
     """The ``measured.json`` entry of this run: the winner among this pack's backends and
     every column's times per case (transformers' beside them, for the record)."""
     timed = [k for k in kinds if k != "dense"]
@@ -462,9 +462,9 @@ def record(report_path: Path, measured_path: Path) -> dict:
     report = json.loads(report_path.read_text(encoding="utf-8"))
     summary = report["steps"]["kernels"]["result"] if "steps" in report else report
     if not isinstance(summary, dict) or summary.get("bench") != "kernels" or not summary.get("results"):
-        raise SystemExit(f"{report_path}: no bench/kernels.py summary in it (a --json file, or bench/gpu.py's report)")
+        raise SystemExit(f"{report_path}: no bench/expert_kernels.py summary in it (a --json file, or bench/gpu.py's report)")
     entry = measured_entry(summary, summary["results"], summary["columns"], date=report.get("date"),
-                           source=f"bench/kernels.py on the device, recorded from {report_path.name}")
+                           source=f"bench/expert_kernels.py on the device, recorded from {report_path.name}")
     write_measured(measured_path, summary["kind"], entry)
     print(f"# wrote {summary['kind']}: best={summary['best']} to {measured_path}")
     return entry
