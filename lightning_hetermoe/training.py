@@ -107,8 +107,9 @@ def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningMo
         return MoELanguageModel(model_cfg, optim_cfg)
     try:
         from transformers import MixtralConfig, MixtralForCausalLM
-    except ImportError:
-        raise ConfigError("model.architecture=hf_mixtral needs transformers: pip install -e '.[hf]'") from None
+    except ImportError as err:  # not installed, or installed and broken: say which
+        raise ConfigError(f"model.architecture=hf_mixtral needs transformers: pip install -e '.[hf]' (importing it "
+                          f"failed: {err})") from None
     from .convert import HFMoELanguageModel, to_hetermoe
     from .convert.mixtral import mixtral_config_kwargs
 
