@@ -4,11 +4,10 @@ thread, asynchronously, in the order the schedule gives (the same on every membe
 Every round ``r`` of ``schedule.rounds`` (one expert round trip, in the order attention
 ranks emit them) is up to three collectives on the ZP group:
 
-1. **header** (host: gloo, the dispatch group's host side), forward rounds only: an
-   all-gather of every member's rows per expert (a backward round moves its forward's
-   sizes, and has a header of its own only under emulation, for the moment its rows left:
-   one host collective less per backward round) and, under emulation, the moment its rows
-   left. Expert ranks post all headers when the step
+1. **header** (host: gloo, the dispatch group's host side): an all-gather of every member's
+   rows per expert and, under emulation, the moment its rows left. A backward round moves
+   its forward's sizes: it has a header of its own only under emulation (for that moment),
+   elsewhere one host collective less per backward round. Expert ranks post all headers when the step
    starts, since their share is empty and host traffic touches no device stream; attention
    ranks post theirs when the round is emitted. The header is the round's one host sync:
    the routing counts were copied to the host once, and every split size comes from here.
