@@ -746,8 +746,7 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
             break
         best = plan
         searched.append(plan)
-        if waves * 2 > max_waves or not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"),
-                                                         kwargs.get("optimizer"), kwargs.get("weight_averages", 0)):
+        if waves * 2 > max_waves or not _activations_bind_as_asked(plan, view, model, kwargs):
             break
         waves *= 2
     if copied is not None and (best is None or _zebra_rate(copied) > _zebra_rate(best) * (1 + 1e-9)):
@@ -875,8 +874,7 @@ def _best_split_in_more_waves(best: Plan, view: ClusterView, model: Any, *, seq_
     faster than both). One split costs a fraction of the search. ``None`` where it does not
     bind or nothing plans."""
     split = len(best.attention_ranks)
-    if split == len(view.devices) or not activations_bind(best, view, model, kwargs.get("shard_optimizer_state"),
-                                                          kwargs.get("optimizer"), kwargs.get("weight_averages", 0)):
+    if split == len(view.devices) or not _activations_bind_as_asked(best, view, model, kwargs):
         return None  # every rank attending is its own family; unbound activations gain nothing from waves
     return _split_in_waves(view, model, split, best.waves * 2, seq_len=seq_len,
                            global_batch_tokens=global_batch_tokens, max_waves=max_waves, bar=bar, **kwargs)
@@ -902,8 +900,7 @@ def _split_in_waves(view: ClusterView, model: Any, split: int, first: int, *, se
             if best is not None and _zebra_rate(plan) <= _zebra_rate(best) * (1 + 1e-9):
                 break
             best = plan
-            if not activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer"),
-                                    kwargs.get("weight_averages", 0)):
+            if not _activations_bind_as_asked(plan, view, model, kwargs):
                 break
         waves *= 2
     return best
@@ -912,6 +909,12 @@ def _split_in_waves(view: ClusterView, model: Any, split: int, first: int, *, se
 def _zebra_rate(plan: Plan) -> float:
     """Predicted tokens/s of the plan's own schedule (0 where none was predicted)."""
     return (plan.predicted.get(plan.schedule) or {}).get("tokens_per_s") or 0.0
+
+
+def _activations_bind_as_asked(plan: Plan, view: ClusterView, model: Any, kwargs: dict) -> bool:
+    """:func:`activations_bind` priced as the caller's search (``kwargs``) prices memory."""
+    return activations_bind(plan, view, model, kwargs.get("shard_optimizer_state"), kwargs.get("optimizer"),
+                            kwargs.get("weight_averages", 0))
 
 
 def activations_bind(plan: Plan, cluster: Any, model: ModelConfig | dict, shard_optimizer_state: bool | None = None,

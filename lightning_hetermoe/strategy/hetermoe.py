@@ -187,9 +187,9 @@ class HeterMoEStrategy(DDPStrategy):
     def check_model(self, model: Any, trainer: Any = None) -> None:
         """Everything about the model (and the trainer's callbacks) that can be checked before processes start."""
         world = self.num_processes * self.num_nodes
-        self.args.check_model(model, self.root_device if self.parallel_devices else torch.device("cpu"), world)
-        self.args.check_memory(model, world, averages_on(trainer.callbacks, self.root_device if self.parallel_devices
-                                                          else torch.device("cpu")) if trainer is not None else 0)
+        device = self.root_device if self.parallel_devices else torch.device("cpu")
+        self.args.check_model(model, device, world)
+        self.args.check_memory(model, world, averages_on(trainer.callbacks, device) if trainer is not None else 0)
         if trainer is not None:
             self.args.check_callbacks(trainer.callbacks, model, world, trainer.state.fn == TrainerFn.FITTING)
 

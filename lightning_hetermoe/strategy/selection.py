@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import IterableDataset
 
 from ..cluster import ClusterConfig, DeviceSpec
-from ..configs import ConfigError, ModelConfig, OptimConfig
+from ..configs import ConfigError, ModelConfig
 from ..model_contract import ModelContractError, describe_model
 from ..routing_record import check_shape
 from .arguments import DISAGGREGATED, check_plan, check_waves, optimizer_of
@@ -307,13 +307,11 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
     if args.mode == "datacentric":
         return "datacentric", None
     if args.mode in DISAGGREGATED:
-        return args.mode, _plan(args, clock, world, model.config(), required=True, schedule=args.mode,
-                                optimizer=optimizer_of(module))
+        return args.mode, _plan(args, clock, world, model.config(), required=True, schedule=args.mode)
     if args.plan is not None:  # auto with a given plan runs what the plan was made for
         return args.plan.schedule, _plan(args, clock, world, model.config(), required=True)  # given: not planned
     disaggregable = _can_disaggregate(world, module, model)
-    plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra",
-                 optimizer=optimizer_of(module)) if disaggregable else None
+    plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra") if disaggregable else None
     throughput: dict[str, float] = {}
     for name in AUTO_CANDIDATES:
         if name in DISAGGREGATED:
@@ -355,10 +353,9 @@ def _can_disaggregate(world: int, module: Any, model: _Description) -> bool:
     return model.error is None
 
 
-def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: bool, schedule: str = "zebra",
-          optimizer: OptimConfig | None = None) -> Any:
+def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: bool, schedule: str = "zebra") -> Any:
     """The plan the run gives, or a new one from the planner for ``schedule`` (``None`` if
-    none fits and none is ``required``), its memory priced for ``optimizer`` and the weight
+    none fits and none is ``required``), its memory priced for the optimizer and the weight
     averages the clock was bound with."""
     from ..plan import make_plan
     from ..plan.planner import ClusterView
@@ -375,7 +372,7 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
                          profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
                          require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
                          expert_load=clock.expert_load, place_at_load=_place_at_load(args),
-                         shard_optimizer_state=_zero_priced(args), optimizer=optimizer,
+                         shard_optimizer_state=_zero_priced(args), optimizer=clock.optimizer,
                          weight_averages=clock.weight_averages,
                          max_waves=1)  # the loaders' batch is one wave: trainer.accumulate_grad_batches is the user's
     except ValueError as err:
