@@ -58,6 +58,7 @@ def test_a_user_script_exits_soon_after_its_work_ends(tmp_path):
     print(f"user script: every process gone {after_s:.1f} s after {marker!r}")
     assert code == 0, out[-3000:]
     assert "terminate called" not in out, out[-3000:]
+    assert "leaked" not in out, out[-3000:]  # nanobind's report of objects finalization never freed
     assert after_s < EXIT_S, f"the job's processes ended {after_s:.1f} s after {marker!r}:\n{out[-2000:]}"
 
 
@@ -167,18 +168,14 @@ def test_a_heartbeat_period_that_cannot_beat_within_the_timeout_is_refused(perio
         Heartbeat(0, 2, 0.3, lambda r: f"rank {r}", "127.0.0.1", 1, period_s=period)
 
 
-def test_leaving_at_exit_leaves_every_object_out_of_finalizations_garbage_collection():
-    """What a user's script spends after its work: finalization's collections over every
-    object torch and Lightning made (1.6-2.1 s after a Trainer.fit on 2 cores, 0.25-0.3 s once
-    ``leave_at_exit`` freezes them; the user-script test above times the whole exit)."""
+def test_leaving_at_exit_leaves_the_garbage_collector_as_it_found_it():
+    """Finalization must still collect what torch, Lightning and Triton made: objects frozen
+    out of it stay alive past their modules' teardown, and Triton's bindings (nanobind) then
+    print ~580 "leaked" objects on every exit of a user's script."""
     import gc
 
     from lightning_hetermoe.strategy.launchers import leave_at_exit
 
-    gc.unfreeze()
-    assert gc.get_freeze_count() == 0
-    try:
-        leave_at_exit()
-        assert gc.get_freeze_count() > 1000  # this process's objects, left out of every later collection
-    finally:
-        gc.unfreeze()
+    before = gc.get_freeze_count(), gc.isenabled()
+    leave_at_exit()
+    assert (gc.get_freeze_count(), gc.isenabled()) == before
