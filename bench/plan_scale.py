@@ -93,7 +93,8 @@ def main() -> None:
                                  "plan_s": seconds, "error": str(err)})
                     continue
                 seconds = time.perf_counter() - started
-                bound = throughput_bound(as_cluster(cluster).devices, make_timer(model, seq_len), model, seq_len)
+                bound = throughput_bound(as_cluster(cluster).devices, make_timer(model, seq_len), model, seq_len,
+                                         batch_tokens=per_gpu * world * seq_len)
                 tps = plan.predicted["zebra"]["tokens_per_s"]
                 top = max((v["tokens_per_s"] or 0, k) for k, v in plan.predicted.items())
                 g0 = plan.zp_groups[0]

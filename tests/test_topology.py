@@ -235,28 +235,43 @@ def test_the_throughput_bound_matches_a_brute_force_split_and_no_schedule_beats_
     from lightning_hetermoe.simulate.bound import per_token_seconds, throughput_bound
 
     m, S = workload_model("d1"), 8192
+    T = S * 32
     timer = make_timer(m, S)
     a40, v100 = get_device("a40"), get_device("v100")
     # one kind: every device does both kinds of work for its tokens
-    a, e = per_token_seconds(a40, timer, m, S)
-    assert throughput_bound([a40] * 3, timer, m, S) == pytest.approx(3 / (a + e))
+    a, e = per_token_seconds(a40, timer, m, S, T)
+    assert throughput_bound([a40] * 3, timer, m, S, T) == pytest.approx(3 / (a + e))
     # two kinds: a grid over the fraction of each kind's time spent on attention
     devs = [a40] * 2 + [v100] * 5
-    (aa, ea), (av, ev) = per_token_seconds(a40, timer, m, S), per_token_seconds(v100, timer, m, S)
+    (aa, ea), (av, ev) = per_token_seconds(a40, timer, m, S, T), per_token_seconds(v100, timer, m, S, T)
     grid = [i / 400 for i in range(401)]
     naive = max(min(2 * x / aa + 5 * y / av, 2 * (1 - x) / ea + 5 * (1 - y) / ev) for x in grid for y in grid)
-    bound = throughput_bound(devs, timer, m, S)
+    bound = throughput_bound(devs, timer, m, S, T)
     assert naive <= bound * (1 + 1e-9) and bound == pytest.approx(naive, rel=2e-3)
     for name in ("a40x2_v100x2", "o1", "n2_mixed", "n2_a40_v100"):
         c = shipped(name)
-        plan = make_plan(c, m, seq_len=S, global_batch_tokens=S * 32)
-        limit = throughput_bound(as_cluster(c).devices, timer, m, S)
+        plan = make_plan(c, m, seq_len=S, global_batch_tokens=T)
+        limit = throughput_bound(as_cluster(c).devices, timer, m, S, T)
         assert all(p["tokens_per_s"] <= limit for p in plan.predicted.values() if p.get("tokens_per_s"))
         # every plan carries it, and its table gives each schedule's fraction of it
         assert plan.bound_tokens_per_s == pytest.approx(limit)
         text = str(plan)
         zebra = plan.predicted["zebra"]["tokens_per_s"]
         assert "of bound" in text and f"{zebra / limit:.1%}" in text and f"{limit:,.0f}" in text
+    with pytest.raises(ValueError, match=r"batch_tokens=100 is invalid: must be at least one sequence \(seq_len=8192\)"):
+        throughput_bound(devs, timer, m, S, 100)
+
+
+@pytest.mark.parametrize("seq_len,seqs", [(64, 16), (128, 4), (128, 64)])
+def test_no_schedule_beats_the_bound_of_a_small_model_whose_launches_weigh(seq_len, seqs):
+    """The README's first example (the tiny model on an A40 and a V100): priced one sequence
+    at a time, its launches made the bound slower than every schedule (zebra at 221%)."""
+    from lightning_hetermoe.configs import ModelConfig
+
+    plan = make_plan(ClusterConfig(name="mix", devices=["a40", "v100"]), ModelConfig(), seq_len=seq_len,
+                     global_batch_tokens=seq_len * seqs)
+    speeds = {k: p["tokens_per_s"] for k, p in plan.predicted.items() if p.get("tokens_per_s")}
+    assert speeds and all(v <= plan.bound_tokens_per_s for v in speeds.values()), (plan.bound_tokens_per_s, speeds)
 
 
 def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():

@@ -1092,7 +1092,7 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
         _place_at_load(plan, search, expert_load)
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief, optimizer=optimizer,
                              weight_averages=weight_averages)
-    plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len)
+    plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len, batch_tokens=total * seq_len)
     cost = getattr(timer, "cost", None)
     if cost is not None:
         plan.precision = cost.describe()

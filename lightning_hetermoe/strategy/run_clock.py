@@ -170,7 +170,7 @@ class RunClock:
         steps = self.step_times(sim, expert_load, batch_loads)
         step = sum(steps) / len(steps)
         if self._bound is None:
-            self._bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len)
+            self._bound = throughput_bound(self.devices, self.timer, self.model, self.seq_len, self.tokens_per_step)
         bound = self._bound
         tokens = self.tokens_per_step * (sim.plan.waves if sim.plan is not None else 1)  # a plan's step is its waves
         # how far one step strays from the mean by its batch's routing alone (standard
