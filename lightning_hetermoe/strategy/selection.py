@@ -329,17 +329,27 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
     if not throughput:
         raise ConfigError("mode='auto': no schedule fits this cluster and model (every prediction failed); set "
                           "strategy.mode explicitly")
-    ranked = sorted(throughput, key=throughput.get, reverse=True)
-    best = ranked[0]
-    line = f"hetermoe[auto]: chose {best} ({_rate(throughput[best])} predicted)"
-    if len(ranked) > 1:
-        second = ranked[1]
-        line += f"; runner-up {second} ({_rate(throughput[second])}, {throughput[best] / throughput[second]:.2f}x slower)"
+    best, line = choice_line(throughput)
     print(line, flush=True)
     if best not in DISAGGREGATED:
         return best, None
     plan.schedule = best
     return best, plan
+
+
+def choice_line(throughput: dict[str, float]) -> tuple[str, str]:
+    """The fastest of the predicted ``throughput`` (tokens/s by schedule; the first in its
+    order among equals) and the line that announces it beside the runner-up."""
+    ranked = sorted(throughput, key=throughput.get, reverse=True)  # stable: ties keep their order
+    best = ranked[0]
+    line = f"hetermoe[auto]: chose {best} ({_rate(throughput[best])} predicted)"
+    if len(ranked) > 1:
+        second = ranked[1]
+        ratio = throughput[best] / throughput[second]
+        # a tie (a layout on which both run the same steps) is not "1.00x slower"
+        line += f"; runner-up {second} ({_rate(throughput[second])}, " + (
+            f"{ratio:.2f}x slower)" if ratio >= 1.005 else "within 0.5%)")
+    return best, line
 
 
 def _rate(tokens_per_s: float) -> str:
