@@ -202,7 +202,8 @@ class Plan(JsonDataclass):
             f"HeterMoE plan: model {self.model} on cluster {self.cluster} ({self.world_size} ranks), "
             f"schedule {self.schedule}",
             f"  seq_len {self.seq_len}, {self.step_seqs} sequences/step ({self.global_batch_tokens:,} "
-            f"tokens), R = {self.num_microbatches} micro-batches, precision {self.precision}",
+            f"tokens), R = {self.num_microbatches} micro-batch{'es' if self.num_microbatches != 1 else ''}, "
+            f"precision {self.precision}",
         ]
         if self.waves > 1:
             lines.append(f"  {self.waves} waves of {self.total_seqs} sequences per step (trainer.accumulate_grad_batches="
