@@ -13,7 +13,8 @@ the median seconds of a step over ``--repeats`` on ``--device`` (CUDA synchronis
 bytes every aten call read and wrote (per parameter: the memory traffic a GPU streams
 at its bandwidth), and the largest tensor one allocated (the step's temporaries). Then
 each over the fused step. ``optim.fused=auto`` takes the fused step on a GPU; the cost
-model prices a step at 36 bytes per parameter (``CostModel.optimizer_bytes_per_param``).
+model prices the clipped step at 36 bytes per parameter there, and every optimizer the
+``optim`` config names at its own count (``optimizer_step_traffic``).
 
 Then the fused step behind gradient clipping at 1.0 (it binds: the gradients' norm is in
 the hundreds), as the strategy clips: the global norm (``strategy/grad_norm.py``), then

@@ -5,10 +5,12 @@
 Prints the plan and writes ``plan.json``, ``summary.json`` and ``gantt_<schedule>.png``
 into the Hydra run directory. Routing is even unless ``plan.expert_load`` names the
 ``expert_load.json`` a training run of the same model shape wrote (its load monitor's):
-the search places experts and every schedule is priced at its shares. The memory model
-prices the optimizer of ``optim`` (``optim=sgd optim.momentum=0.9``: 4 bytes of state a
-parameter where AdamW keeps 8) and ``plan.weight_averages`` copies of the weights (1 for a
-run with Lightning's ``EMAWeightAveraging`` kept on the GPU).
+the search places experts and every schedule is priced at its shares. The plan prices
+the optimizer of ``optim``: its state in memory (``optim=sgd optim.momentum=0.9``: 4 bytes a
+parameter where AdamW keeps 8) and its step's traffic in every step's tail (28 bytes a
+parameter there where AdamW's fused step streams 36, 88 for AdamW with ``optim.fused=false``),
+and ``plan.weight_averages`` copies of the weights (1 for a run with Lightning's
+``EMAWeightAveraging`` kept on the GPU).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightning_hetermoe.cluster.devices import PRECISIONS
 from lightning_hetermoe.configs import ConfigError, ModelConfig, OptimConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
 from lightning_hetermoe.profile import CostModel, Profile, make_timer
-from lightning_hetermoe.profile.cost_model import tf32_allowed
+from lightning_hetermoe.profile.cost_model import optimizer_step_traffic, tf32_allowed
 from lightning_hetermoe.routing_record import read_routing
 from lightning_hetermoe.strategy.precision import check_bf16
 from lightning_hetermoe.simulate import draw_gantt, draw_gantt_compare, simulate_plan
@@ -65,7 +67,8 @@ def plan_and_predict(cfg: DictConfig, out: str) -> dict:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is invalid: must be one of {PRECISIONS}")
     check_bf16(precision, cluster.specs(), allow_emulated=False)
-    cost = CostModel(precision=precision, tf32=tf32_allowed())
+    optim = from_cfg(OptimConfig, cfg.optim)
+    cost = CostModel(precision=precision, tf32=tf32_allowed(), optimizer_bytes_per_param=optimizer_step_traffic(optim))
     routing = read_routing(hydra.utils.to_absolute_path(cfg.plan.expert_load), model, "plan.expert_load") \
         if cfg.plan.get("expert_load") else None
     load = routing.mean_share if routing is not None else None
@@ -73,7 +76,7 @@ def plan_and_predict(cfg: DictConfig, out: str) -> dict:
         print(f"routing from {cfg.plan.expert_load}: {routing.steps} steps of model {routing.model!r}, the hottest "
               f"expert {routing.hottest_over_mean():.2f}x the mean (its layer's)")
     # what each parameter costs beside its weight: the optimizer's state and the weight averages
-    pricing = dict(optimizer=from_cfg(OptimConfig, cfg.optim), weight_averages=cfg.plan.get("weight_averages", 0))
+    pricing = dict(optimizer=optim, weight_averages=cfg.plan.get("weight_averages", 0))
     # hundreds to thousands of GPUs take seconds to tens of seconds to plan: say what is under way
     print(f"planning {model.name} on {cluster.name} ({cluster.world_size} GPUs), {tokens // seq_len} sequences of "
           f"{seq_len} tokens per step", flush=True)

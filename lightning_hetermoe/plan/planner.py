@@ -47,7 +47,7 @@ import contextlib
 import copy
 import gc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..apportion import apportion
@@ -56,7 +56,7 @@ from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.topology import Topology, cluster_topology
 from ..configs import ModelConfig, OptimConfig, from_cfg
 from ..distinct import distinct
-from ..profile.cost_model import CostModel
+from ..profile.cost_model import CostModel, optimizer_step_traffic
 from ..profile.memory import MemoryModel, format_bytes, small_training_state
 from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
@@ -787,10 +787,15 @@ def _model_config(model: ModelConfig | dict) -> ModelConfig:
 
 
 def _search_timer(model: ModelConfig, seq_len: int, timer: Any, profile: Profile | None,
-                  cost_model: CostModel | None) -> CachedTimer:
-    """The timer a search asks: the given one, else the profile's or the cost model's, each
-    answer remembered."""
-    return CachedTimer(timer if timer is not None else make_timer(model, seq_len, profile, cost_model))
+                  cost_model: CostModel | None, optimizer: OptimConfig | None = None) -> CachedTimer:
+    """The timer a search asks, each answer remembered: the given one as it is, else the
+    profile's or the cost model's, its optimizer step priced as ``optimizer``'s where one
+    is given (:func:`optimizer_step_traffic`; else the cost model's own, the pack's default)."""
+    if timer is None:
+        if optimizer is not None:
+            cost_model = replace(cost_model or CostModel(), optimizer_bytes_per_param=optimizer_step_traffic(optimizer))
+        timer = make_timer(model, seq_len, profile, cost_model)
+    return CachedTimer(timer)
 
 
 def _from_copies(view: ClusterView, model: ModelConfig | dict, ks: list[int], *, seq_len: int,
@@ -829,7 +834,8 @@ def _predict_as_asked(plan: Plan, view: ClusterView, model: ModelConfig | dict, 
     """A plan found by a brief comparison predicted as its caller's search asks: every
     schedule in full, or zebra's step alone where that search is itself brief."""
     model = _model_config(model)
-    timer = _search_timer(model, seq_len, kwargs.get("timer"), kwargs.get("profile"), kwargs.get("cost_model"))
+    timer = _search_timer(model, seq_len, kwargs.get("timer"), kwargs.get("profile"), kwargs.get("cost_model"),
+                          kwargs.get("optimizer"))
     plan.predicted = predict(plan, view, model, timer, kwargs.get("schedules", SCHEDULES), kwargs.get("expert_load"),
                              brief=kwargs.get("_brief", False), optimizer=kwargs.get("optimizer"),
                              weight_averages=kwargs.get("weight_averages", 0))
@@ -1056,7 +1062,7 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
           brief: bool = False,
           bar: Plan | None = None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
-    timer = _search_timer(model, seq_len, timer, profile, cost_model)
+    timer = _search_timer(model, seq_len, timer, profile, cost_model, optimizer)
     search = _Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
                      sharded=_sharded(model, shard_optimizer_state), waves=waves, optimizer=optimizer,
                      weight_averages=weight_averages)
@@ -1178,7 +1184,7 @@ def largest_batch(cluster: Any, model: ModelConfig | dict, *, seq_len: int, prof
     view = as_cluster(cluster)
     if not view.devices:
         raise ValueError("empty cluster: name at least one device")
-    timer = _search_timer(model, seq_len, timer, profile, cost_model)
+    timer = _search_timer(model, seq_len, timer, profile, cost_model, optimizer)
     search = _Search(view, model, seq_len, 1, timer, True, max_microbatches,
                      sharded=_sharded(model, shard_optimizer_state), optimizer=optimizer,
                      weight_averages=weight_averages)

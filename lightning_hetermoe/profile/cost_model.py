@@ -55,6 +55,34 @@ import numpy as np
 
 from ..cluster.spec import LinkConfig
 from ..cluster.devices import DeviceSpec, precision_dtype_bytes
+from ..configs import OptimConfig
+
+# What one clipped optimizer step streams per fp32 parameter, as bench/optimizer_step.py
+# counts it (every tensor an aten call reads, and every one it may write): the clip's
+# global norm reads each gradient once; torch's fused step takes the clip's coefficient as
+# its gradient divisor and reads and writes the weight, the gradient and the optimizer's
+# state in one kernel; torch's multi-tensor step (its default on a GPU) needs the
+# gradients scaled first, then makes several passes, one more with weight decay (Adam's
+# L2 term two). Keyed by the ``optim`` config's name, ``sgd`` with momentum apart.
+CLIP_NORM_BYTES = 4.0
+CLIP_SCALE_BYTES = 8.0
+FUSED_STEP_BYTES = {"adamw": 32.0, "adam": 32.0, "sgd_momentum": 24.0, "sgd": 16.0}
+MULTI_TENSOR_STEP_BYTES = {  # (without weight decay, with it)
+    "adamw": (76.0, 84.0), "adam": (76.0, 88.0), "sgd_momentum": (32.0, 44.0), "sgd": (12.0, 24.0)}
+
+
+def optimizer_step_traffic(optim: OptimConfig | None) -> float:
+    """Bytes per parameter a clipped step of ``optim`` streams (see above): fused where
+    ``optim.fused`` is true or ``auto`` (which the pack's model resolves to torch's fused
+    step under ``HeterMoEStrategy``, whose precision plugin clips for it), else torch's
+    multi-tensor step behind the clip's scaling. ``None`` (an optimizer of the user's own):
+    AdamW's multi-tensor step, torch's default, without weight decay."""
+    if optim is None:
+        return CLIP_NORM_BYTES + CLIP_SCALE_BYTES + MULTI_TENSOR_STEP_BYTES["adamw"][0]
+    key = "sgd_momentum" if optim.name == "sgd" and optim.momentum > 0 else optim.name
+    if optim.fused in (True, "auto"):
+        return CLIP_NORM_BYTES + FUSED_STEP_BYTES[key]
+    return CLIP_NORM_BYTES + CLIP_SCALE_BYTES + MULTI_TENSOR_STEP_BYTES[key][optim.weight_decay > 0]
 
 
 def tf32_allowed() -> bool:
@@ -80,10 +108,9 @@ class CostModel:
     causal: bool = True
     # Backward of a kernel relative to its forward (dgrad + wgrad).
     backward_factor: float = 2.0
-    # The clipped AdamW step streams 36 bytes per fp32 parameter: the clip's norm reads the
-    # gradient (4), torch's fused step reads weight, gradient, m and v and writes all four
-    # (32: the gradient divided by the clip's coefficient, which the strategy folds into the
-    # step; scaling the gradients first would add a pass of 8). bench/optimizer_step.py.
+    # Bytes per fp32 parameter the clipped optimizer step streams: 36 for the pack's default
+    # (fused AdamW, the clip folded into the step); the run's optimizer's from
+    # :func:`optimizer_step_traffic` where the planner or the run's clock knows it.
     optimizer_bytes_per_param: float = 36.0
 
     def __post_init__(self) -> None:

@@ -72,10 +72,12 @@ class RunClock:
         """Fix the clock to the run's model, batch shape and precision (once, at the first
         set-up). An emulated cluster's clock runs the workload's own precision.
         ``optimizer``: the run's ``optim`` config, whose state EP's and data-centric's
-        predictions price (``None``: unfused AdamW), beside ``weight_averages`` copies of the
-        weights kept on the device (Lightning's weight averaging)."""
+        predictions price and whose step's traffic every prediction's tail does (``None``:
+        unfused AdamW), beside ``weight_averages`` copies of the weights kept on the device
+        (Lightning's weight averaging). An emulated cluster's clock is its workload's (the
+        pack's default step)."""
         from ..emulate import emulated_workload, rank_emulator
-        from ..profile.cost_model import CostModel, tf32_allowed
+        from ..profile.cost_model import CostModel, optimizer_step_traffic, tf32_allowed
         from ..profile.timer import make_timer
 
         self.per_rank, self.run_seq_len, self.world_size, self.devices = per_rank, seq_len, world_size, devices
@@ -87,7 +89,9 @@ class RunClock:
             self.emulator = rank_emulator(self.cluster, self.rank, self.workload)
         else:
             self.model, self.seq_len = run_model, seq_len
-            self.timer = make_timer(run_model, seq_len, self.profile, CostModel(precision=precision, tf32=tf32_allowed()))
+            cost = CostModel(precision=precision, tf32=tf32_allowed(),
+                             optimizer_bytes_per_param=optimizer_step_traffic(optimizer))
+            self.timer = make_timer(run_model, seq_len, self.profile, cost)
 
     def install(self, module: torch.nn.Module, device: torch.device, measure_busy: bool) -> Any:
         """Hooks on a model that runs its own tasks (expert parallelism, one device): the
