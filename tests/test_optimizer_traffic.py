@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.cluster.devices import get_device
@@ -16,37 +15,11 @@ from lightning_hetermoe.profile.cost_model import CostModel, optimizer_step_traf
 from lightning_hetermoe.strategy.grad_norm import clip_, squared_norm, unfold
 from lightning_hetermoe.strategy.run_clock import RunClock
 
-
-class Traffic(TorchDispatchMode):
-    """Bytes every operation read (its tensor arguments) and wrote (its new outputs and the
-    arguments its schema says it may write); views move nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        schema = func._schema
-        outs = out if isinstance(out, (list, tuple)) else [out]
-        fresh = [v for ret, v in zip(schema.returns, outs if len(schema.returns) == len(outs) else [outs])
-                 if ret.alias_info is None]
-        mutated = [v for a, v in zip(schema.arguments, args) if a.alias_info is not None and a.alias_info.is_write]
-        if schema.returns and not fresh and not mutated:
-            return out
-        self.bytes += sum(t.numel() * t.element_size() for t in _tensors([*args, *(kwargs or {}).values(), *fresh,
-                                                                          *mutated]))
-        return out
+from helpers_bench import load_bench
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out += _tensors(v)
-    return out
+# bench/optimizer_step.py's counter: every tensor an operation reads, and every one it may write
+Traffic = load_bench("clip_norm").Traffic
 
 
 def torch_optimizer(o: OptimConfig, params, fused: bool) -> torch.optim.Optimizer:
