@@ -4,8 +4,10 @@
 the end of a multirun it reads every job's ``summary.json`` in the sweep directory and
 writes one table with a row per job (and, for ``recipes/plan.py`` sweeps, a row per job
 and schedule): the job's overrides, the mix, the schedule, tokens/s measured beside
-predicted and the step times. A job that failed (no summary) gets a row that says so, and
-a mix the planner refused (nothing fits) one with the planner's reason.
+predicted, the step times and the prediction's share of the throughput bound. A job that
+failed (no summary) gets a row that says so, and a mix the planner refused (nothing fits)
+one with the planner's reason. The CSV has every column; the markdown table leaves out the
+columns no row fills (a plan sweep measures nothing).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 COLUMNS = ("job", "overrides", "cluster", "devices", "schedule", "tokens_per_s", "predicted_tokens_per_s",
-           "workload_tokens_per_s", "step_time_s", "predicted_step_time_s", "final_loss", "status")
+           "workload_tokens_per_s", "step_time_s", "predicted_step_time_s", "predicted_of_bound", "final_loss",
+           "status")
 
 
 def job_rows(job_dir: Path) -> list[dict[str, Any]]:
@@ -38,8 +41,10 @@ def job_rows(job_dir: Path) -> list[dict[str, Any]]:
     if "error" in s and not s.get("schedules"):  # recipes/plan.py refused: nothing fits, and why
         return [{**base, "cluster": s.get("cluster"), "devices": devices, "status": s["error"]}]
     if "schedules" in s:  # recipes/plan.py: predictions per schedule, nothing measured
+        bound = s.get("bound_tokens_per_s")
         return [{**base, "cluster": s.get("cluster"), "devices": devices, "schedule": name,
                  "predicted_tokens_per_s": r.get("tokens_per_s"), "predicted_step_time_s": r.get("step_time_s"),
+                 "predicted_of_bound": r["tokens_per_s"] / bound if bound and r.get("tokens_per_s") else None,
                  "status": "ok" if "error" not in r else r["error"]} for name, r in s["schedules"].items()]
     pred_step = s.get("predicted_step_time_s")
     tokens_per_step = s["tokens_per_s"] * s["step_time_s"] if s.get("step_time_s") else None
@@ -47,7 +52,8 @@ def job_rows(job_dir: Path) -> list[dict[str, Any]]:
              "schedule": s.get("predicted_schedule") or s.get("strategy"), "tokens_per_s": s.get("tokens_per_s"),
              "predicted_tokens_per_s": tokens_per_step / pred_step if tokens_per_step and pred_step else None,
              "workload_tokens_per_s": s.get("workload_tokens_per_s"), "step_time_s": s.get("step_time_s"),
-             "predicted_step_time_s": pred_step, "final_loss": s.get("final_loss"), "status": "ok"}]
+             "predicted_step_time_s": pred_step, "predicted_of_bound": s.get("predicted_fraction_of_bound"),
+             "final_loss": s.get("final_loss"), "status": "ok"}]
 
 
 def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
@@ -65,17 +71,25 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(v: Any) -> str:
+def _fmt(key: str, v: Any) -> str:
+    if v is None:
+        return ""
+    if key == "predicted_of_bound":
+        return f"{v:.1%}"
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
-    return "" if v is None else str(v)
+    return str(v)
+
+
+MARKDOWN = ("job", "overrides", "schedule", "tokens_per_s", "predicted_tokens_per_s", "workload_tokens_per_s",
+            "step_time_s", "predicted_step_time_s", "predicted_of_bound", "status")
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    shown = ("job", "overrides", "schedule", "tokens_per_s", "predicted_tokens_per_s", "workload_tokens_per_s",
-             "step_time_s", "predicted_step_time_s", "status")
+    """The table to read: the columns of :data:`MARKDOWN` that some row fills."""
+    shown = [k for k in MARKDOWN if any(r.get(k) is not None for r in rows)]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(_fmt(r.get(k)) for k in shown) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(k, r.get(k)) for k in shown) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -93,8 +93,10 @@ def plan_and_predict(cfg: DictConfig, out: str) -> dict:
     plan.to_json(os.path.join(out, "plan.json"))
     view = as_cluster(cluster)
     timer = make_timer(model, seq_len, profile, cost)
-    summary.update({"plan": "plan.json", "schedules": {}, "expert_load": None if routing is None else {
-        "path": str(cfg.plan.expert_load), "hottest_over_mean": routing.hottest_over_mean()}})
+    record = None if routing is None else {"path": str(cfg.plan.expert_load),
+                                           "hottest_over_mean": routing.hottest_over_mean()}
+    summary.update({"plan": "plan.json", "bound_tokens_per_s": plan.bound_tokens_per_s, "schedules": {},
+                    "expert_load": record})
     drawn = {}
     for sched in plan.predicted:
         try:
