@@ -23,6 +23,10 @@ import torch
 
 
 class GradNormMonitor(L.Callback):
+    """Logs ``name`` (default ``grad_norm``): the L2 norm of every gradient over all ranks,
+    before clipping and the loss scale, as one process on the global batch would see it,
+    every ``log_every_n_steps`` optimizer steps (the trainer's where ``None``)."""
+
     def __init__(self, log_every_n_steps: int | None = None, name: str = "grad_norm") -> None:
         if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int)
                                               or log_every_n_steps < 1):

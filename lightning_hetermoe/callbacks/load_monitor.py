@@ -49,6 +49,12 @@ BUSY_KINDS = ("attention", "experts", "comm", "idle")
 
 
 class ExpertLoadMonitor(L.Callback):
+    """Logs each expert's share of the routing and each rank's busy time every
+    ``log_every_n_steps`` optimizer steps, keeps a moving average of the shares
+    (``ema_decay``) for :class:`ExpertRebalancer`, and at the end of fit (unless
+    ``plots=False``) writes ``expert_load.json`` and its figures into ``output_dir`` (the
+    trainer's ``default_root_dir`` where not given). See the module docstring."""
+
     def __init__(self, log_every_n_steps: int = 10, ema_decay: float = 0.9, plots: bool = True,
                  output_dir: str | None = None, history: int = 10000) -> None:
         if log_every_n_steps < 1:

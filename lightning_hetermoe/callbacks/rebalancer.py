@@ -45,6 +45,12 @@ POLICIES = ("time", "eplb")
 
 
 class ExpertRebalancer(L.Callback):
+    """Re-places experts from the measured loads (an :class:`ExpertLoadMonitor` among the
+    callbacks) after ``warmup_steps`` and every ``every_n_steps``, where the predicted gain
+    is at least ``min_gain`` of a step and pays for the move within ``amortize_steps``;
+    ``redundant_experts`` copies of the hottest under expert parallelism. See the module
+    docstring."""
+
     def __init__(self, every_n_steps: int = 50, warmup_steps: int = 10, policy: str = "time",
                  redundant_experts: int = 0, capacity_slack: float = 2.0, min_gain: float = 0.02,
                  amortize_steps: int | None = 500) -> None:

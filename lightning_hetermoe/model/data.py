@@ -46,6 +46,11 @@ class ByteWindows(Dataset):
 
 
 class ByteCorpusDataModule(GlobalOrderDataModule):
+    """Windows of ``data.seq_len + 1`` bytes of a text that ships with Python
+    (``data.corpus="pydoc_topics"``: no download), the last ``val_fraction`` held out for
+    validation, in one global order per epoch however many ranks read it (``data``: a
+    :class:`DataConfig` or its dict)."""
+
     def setup(self, stage: str | None = None) -> None:
         cfg = self.cfg
         data = torch.frombuffer(bytearray(load_corpus(cfg.corpus)), dtype=torch.uint8)

@@ -51,6 +51,14 @@ def resolve_fused(setting: bool | str, params: list[Tensor], plugin: Any = None,
 
 
 class MoELanguageModel(L.LightningModule):
+    """The pack's MoE decoder (:class:`MoETransformer` of ``model``, a
+    :class:`ModelConfig` or its dict) trained on next-token cross-entropy plus every MoE
+    layer's balance and z-losses at ``model.moe``'s coefficients, with the optimizer
+    and warm-up of ``optim`` (an :class:`OptimConfig` or its dict). A batch is ``(tokens,
+    targets)`` or ``(tokens, targets, segments)`` (packed documents' ids), as
+    :class:`ByteCorpusDataModule` and :class:`TokenizedDataModule` give them; it logs
+    ``train_loss`` (the cross-entropy), ``balance_loss``, ``z_loss`` and ``val_loss``."""
+
     def __init__(self, model: ModelConfig | dict | None = None, optim: OptimConfig | dict | None = None) -> None:
         super().__init__()
         self.model_cfg = from_cfg(ModelConfig, model or {})

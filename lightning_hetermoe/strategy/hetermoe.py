@@ -68,6 +68,16 @@ from .together import stop_together
 
 
 class HeterMoEStrategy(DDPStrategy):
+    """Lightning's strategy for MoE training on mixed GPUs: ``Trainer(strategy="hetermoe")``
+    or ``HeterMoEStrategy(...)``. At set-up it plans (or takes ``plan``) and runs one
+    parallelism: ``mode="zebra"`` (HeterMoE: attention on the newer GPUs, experts on the
+    older ones, micro-batches interleaved), ``"distep"``, ``"ep"`` (expert parallelism,
+    ``batch_split="speed"`` for speed-proportional batches), ``"datacentric"`` (HEXA-MoE),
+    or ``"auto"``, the fastest its clock predicts. Every mode trains as one process would
+    on the global batch. ``cluster`` names the devices (a config or its dict; emulated
+    mixes run on CPU processes); README "Using the strategy" gives every argument.
+    Arguments it does not know go on to Lightning's ``DDPStrategy``."""
+
     strategy_name = "hetermoe"
 
     def __init__(
