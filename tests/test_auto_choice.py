@@ -1,4 +1,5 @@
-"""The line ``mode="auto"`` prints: the schedule it runs and the runner-up beside it."""
+"""What ``mode="auto"`` prints: the schedule it runs beside the runner-up, and a rank's name
+before it has chosen (a failure in set-up names the rank)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,11 @@ def test_a_tie_runs_the_first_candidate_and_is_not_called_slower():
 def test_a_single_candidate_has_no_runner_up():
     best, line = choice_line({"ep": 10.0})
     assert (best, line) == ("ep", "hetermoe[auto]: chose ep (10 tokens/s predicted)")
+
+
+def test_before_auto_chooses_a_rank_is_named_by_its_device_not_as_an_auto_rank():
+    from lightning_hetermoe import HeterMoEStrategy
+
+    cluster = {"name": "mix", "devices": ["a40", "v100"]}
+    assert HeterMoEStrategy(cluster=cluster).describe_rank(1) == "schedule not chosen yet, device v100"
+    assert HeterMoEStrategy(mode="ep", cluster=cluster).describe_rank(1) == "ep rank, device v100"

@@ -209,12 +209,14 @@ class HeterMoEStrategy(DDPStrategy):
         plan = self.args.plan
         if plan is not None:
             return f"{plan.roles[rank]} rank, device {plan.devices[rank]}"
+        # before set-up under mode="auto" no schedule is chosen yet: no "auto rank"
+        role = "schedule not chosen yet" if self.mode == "auto" else f"{self.mode} rank"
         if self.cluster is not None:
-            return f"{self.mode} rank, device {self.cluster.devices[rank]}"
+            return f"{role}, device {self.cluster.devices[rank]}"
         devices = self.parallel_devices or []
         if rank == self.global_rank and self.local_rank < len(devices):  # its own device is known before set-up
-            return f"{self.mode} rank, device {devices[self.local_rank]}"
-        return f"{self.mode} rank"  # another rank's device, without a cluster config: unknown here
+            return f"{role}, device {devices[self.local_rank]}"
+        return role  # another rank's device, without a cluster config: unknown here
 
     @override
     def setup_environment(self) -> None:
