@@ -1,5 +1,6 @@
-"""What ``mode="auto"`` prints: the schedule it runs beside the runner-up, and a rank's name
-before it has chosen (a failure in set-up names the rank)."""
+"""What set-up prints: the schedule ``mode="auto"`` runs beside the runner-up, the plan table at
+the run's own predictions, and a rank's name before it has chosen (a failure in set-up names
+the rank)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,28 @@ def test_before_auto_chooses_a_rank_is_named_by_its_device_not_as_an_auto_rank()
     cluster = {"name": "mix", "devices": ["a40", "v100"]}
     assert HeterMoEStrategy(cluster=cluster).describe_rank(1) == "schedule not chosen yet, device v100"
     assert HeterMoEStrategy(mode="ep", cluster=cluster).describe_rank(1) == "ep rank, device v100"
+
+
+def test_the_announced_plan_table_is_the_run_s_own_prediction_not_the_planner_s_at_the_placed_batches():
+    from lightning_hetermoe.cluster import ClusterConfig
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+    from lightning_hetermoe.plan import make_plan
+    from lightning_hetermoe.strategy.backends.base import Simulated
+    from lightning_hetermoe.strategy.run_clock import RunClock
+    from lightning_hetermoe.strategy.selection import priced_for_the_run
+
+    model = ModelConfig(n_layers=2, moe=MoEConfig(num_experts=4))
+    cluster = ClusterConfig(name="mix", devices=["a40", "v100", "v100"])
+    clock = RunClock(cluster, None, rank=0)
+    clock.bind(model, 4, 64, 3, cluster.specs())
+    placed_at = [[0.4, 0.3, 0.2, 0.1]] * 2  # the pooled routing the planner places experts at
+    clock.expert_load, clock.batch_loads = placed_at, [[[0.1, 0.2, 0.3, 0.4]] * 2, [[0.25] * 4] * 2]
+    plan = make_plan(cluster, model, seq_len=64, global_batch_tokens=12 * 64, timer=clock.timer,
+                     expert_load=placed_at, max_waves=1)
+    before = {k: dict(v) for k, v in plan.predicted.items()}
+    priced_for_the_run(plan, clock, 3)
+    zebra = clock.step_time(Simulated("zebra", plan=plan))  # the mean over the two held-out batches
+    assert plan.predicted["zebra"]["step_time_s"] == zebra != before["zebra"]["step_time_s"]
+    assert plan.predicted["zebra"]["tokens_per_s"] == clock.tokens_per_step / zebra
+    assert plan.predicted["ep"]["step_time_s"] == clock.step_time(Simulated("ep", ep_size=3))
+    assert set(plan.predicted) == set(before)  # every row re-priced, none added
