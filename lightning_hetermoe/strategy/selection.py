@@ -337,12 +337,14 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
 
 
 def _run_step(clock: Any, name: str, plan: Any, world: int) -> tuple[float, float]:
-    """``(tokens, seconds)`` of one step of schedule ``name`` in this run as its clock
-    predicts it: the mean over the held-out warm-up batches, zebra and DistEP on ``plan``,
-    the others on the run's batch. ``ValueError`` where it does not fit in memory."""
+    """``(tokens, seconds)`` of one optimizer step of schedule ``name`` in this run as its
+    clock predicts it: the mean over the held-out warm-up batches, zebra and DistEP on
+    ``plan``, the others on the run's batch, once per wave of a plan that has waves.
+    ``ValueError`` where it does not fit in memory."""
     if name in DISAGGREGATED:
         return plan.step_seqs * clock.seq_len, clock.step_time(Simulated(name, plan=plan))
-    return clock.tokens_per_step, clock.step_time(Simulated(name, ep_size=world))
+    waves = plan.waves if plan is not None else 1
+    return waves * clock.tokens_per_step, waves * clock.step_time(Simulated(name, ep_size=world))
 
 
 def priced_for_the_run(plan: Any, clock: Any, world: int) -> None:
