@@ -61,3 +61,29 @@ def test_the_announced_plan_table_is_the_run_s_own_prediction_not_the_planner_s_
     assert plan.predicted["zebra"]["tokens_per_s"] == clock.tokens_per_step / zebra
     assert plan.predicted["ep"]["step_time_s"] == clock.step_time(Simulated("ep", ep_size=3))
     assert set(plan.predicted) == set(before)  # every row re-priced, none added
+
+
+def test_a_given_plan_is_priced_for_the_run_on_a_copy_the_caller_s_plan_stays_as_given():
+    import copy
+
+    from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel
+    from lightning_hetermoe.cluster import ClusterConfig
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+    from lightning_hetermoe.plan import make_plan
+    from lightning_hetermoe.strategy.run_clock import RunClock
+    from lightning_hetermoe.strategy.selection import _decide, _Description
+
+    model = ModelConfig(n_layers=2, moe=MoEConfig(num_experts=4))
+    cluster = ClusterConfig(name="mix", devices=["a40", "v100", "v100"])
+    clock = RunClock(cluster, None, rank=0)
+    clock.bind(model, 4, 64, 3, cluster.specs())
+    clock.batch_loads = [[[0.1, 0.2, 0.3, 0.4]] * 2]  # held-out routing unlike the even one it was planned at
+    given = make_plan(cluster, model, seq_len=64, global_batch_tokens=12 * 64, max_waves=1)
+    before = copy.deepcopy(given.predicted)
+    module = MoELanguageModel(model)
+    for mode in ("zebra", "auto"):
+        strategy = HeterMoEStrategy(mode=mode, plan=given, cluster=cluster)
+        schedule, plan = _decide(strategy.args, clock, 3, module, _Description.of(module))
+        assert schedule == "zebra" and plan is not given
+        assert plan.predicted["zebra"]["step_time_s"] != before["zebra"]["step_time_s"]  # priced for the run
+        assert given.predicted == before  # the caller's plan as it was given

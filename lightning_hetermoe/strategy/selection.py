@@ -16,6 +16,7 @@ Rank 0 decides and broadcasts, so every rank builds the same backend from the sa
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,8 +253,6 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
                      measure_busy=strategy.measure_busy)
     clock.prediction = clock.predict(backend.simulated())
     if plan is not None and rank == 0:
-        if clock.bound:
-            priced_for_the_run(plan, clock, world)
         _announce_plan(trainer, plan)
     return backend
 
@@ -309,22 +308,24 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
     if args.mode == "datacentric":
         return "datacentric", None
     if args.mode in DISAGGREGATED:
-        return args.mode, _plan(args, clock, world, model.config(), required=True, schedule=args.mode)
-    if args.plan is not None:  # auto with a given plan runs what the plan was made for
-        return args.plan.schedule, _plan(args, clock, world, model.config(), required=True)  # given: not planned
+        return args.mode, priced_for_the_run(_plan(args, clock, world, model.config(), required=True,
+                                                   schedule=args.mode), clock, world)
+    if args.plan is not None:  # auto with a given plan runs what the plan was made for (given: not planned)
+        return args.plan.schedule, priced_for_the_run(_plan(args, clock, world, model.config(), required=True),
+                                                      clock, world)
     disaggregable = _can_disaggregate(world, module, model)
     plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra") if disaggregable else None
+    if plan is not None:
+        priced_for_the_run(plan, clock, world)  # the table it prints, and every candidate it holds, priced once
     throughput: dict[str, float] = {}
     for name in AUTO_CANDIDATES:
         if name in DISAGGREGATED and plan is None:
             continue
         if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
             continue  # identical devices: the speed split is the equal split
-        try:
-            tokens, step = _run_step(clock, name, plan, world)
-        except ValueError:
-            continue  # does not fit in memory
-        throughput[name] = tokens / step
+        rate = _run_throughput(clock, name, plan, world)
+        if rate:  # else it does not fit in memory
+            throughput[name] = rate
     if not throughput:
         raise ConfigError("mode='auto': no schedule fits this cluster and model (every prediction failed); set "
                           "strategy.mode explicitly")
@@ -347,12 +348,29 @@ def _run_step(clock: Any, name: str, plan: Any, world: int) -> tuple[float, floa
     return waves * clock.tokens_per_step, waves * clock.step_time(Simulated(name, ep_size=world))
 
 
-def priced_for_the_run(plan: Any, clock: Any, world: int) -> None:
-    """The plan's table at this run's own predictions, what ``mode="auto"`` compares and
-    summary.json reports (:func:`_run_step`). The planner's table prices the batches it
-    placed the experts at, which a placement fitted to them balances better than the
-    run's (the tiny model on an A40 and a V100: zebra at 1,021,192 tokens/s there, at
-    1,018,006 over the held-out batches, both printed by one run)."""
+def _run_throughput(clock: Any, name: str, plan: Any, world: int) -> float | None:
+    """Tokens/s of schedule ``name`` in this run (``None`` where it does not fit): the
+    plan's row where it has one (:func:`priced_for_the_run` priced it), else
+    :func:`_run_step`'s."""
+    row = plan.predicted.get(name) if plan is not None else None
+    if row is not None:
+        return row.get("tokens_per_s")
+    try:
+        tokens, step = _run_step(clock, name, plan, world)
+    except ValueError:
+        return None
+    return tokens / step
+
+
+def priced_for_the_run(plan: Any, clock: Any, world: int) -> Any:
+    """``plan`` with its table at this run's own predictions, what ``mode="auto"`` compares
+    and summary.json reports (:func:`_run_step`; as it was where the clock is not bound).
+    The planner's table prices the batches it placed the experts at, which a placement
+    fitted to them balances better than the run's (the tiny model on an A40 and a V100:
+    zebra at 1,021,192 tokens/s there, at 1,018,006 over the held-out batches, both
+    printed by one run)."""
+    if not clock.bound:
+        return plan
     for name, row in plan.predicted.items():
         try:
             tokens, step = _run_step(clock, name, plan, world)
@@ -360,6 +378,7 @@ def priced_for_the_run(plan: Any, clock: Any, world: int) -> None:
             row.update(tokens_per_s=None, step_time_s=None)  # the table says it does not fit
             continue
         row.update(tokens_per_s=tokens / step, step_time_s=step)
+    return plan
 
 
 def choice_line(throughput: dict[str, float]) -> tuple[str, str]:
@@ -400,7 +419,7 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
         if clock.per_rank * world != args.plan.total_seqs:
             raise ConfigError(f"the plan is for {args.plan.total_seqs} sequences per step, the loaders give "
                               f"{clock.per_rank} x {world} ranks = {clock.per_rank * world}")
-        return args.plan
+        return copy.deepcopy(args.plan)  # the run prices its table: the caller's plan stays as given
     cluster = args.cluster if args.cluster is not None else ClusterView("detected", clock.devices, clock.links())
     try:
         plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
