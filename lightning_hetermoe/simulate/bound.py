@@ -51,7 +51,9 @@ def throughput_bound(devices: Sequence[DeviceSpec], timer, model: ModelConfig, s
         raise ValueError("throughput_bound: no devices")
     costs: dict[str, tuple[float, float, int]] = {}
     for d in devices:  # devices of one kind are interchangeable: price each kind once
-        a, e, n = costs.get(d.name, (*per_token_seconds(d, timer, model, seq_len, batch_tokens), 0))
+        if d.name not in costs:
+            costs[d.name] = (*per_token_seconds(d, timer, model, seq_len, batch_tokens), 0)
+        a, e, n = costs[d.name]
         costs[d.name] = (a, e, n + 1)
     kinds = sorted(costs.values(), key=lambda c: c[0] / c[1])
     # A device's second gives 1/a tokens of attention or 1/e of experts. With the first j
