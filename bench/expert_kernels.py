@@ -526,8 +526,14 @@ def main(argv=None) -> dict:
         path = Path(args.write)
         write_measured(path, kind_name, measured_entry(summary, results, kinds))
         print(f"# wrote {kind_name}: best={best} to {path}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return emit(summary, args.json)
+
+
+def emit(summary: dict, path: str | None) -> dict:
+    """Print ``summary`` as the last line's JSON, also written to ``path`` where given
+    (``bench/tile_order.py``, which loads this script, ends the same way)."""
+    if path:
+        Path(path).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(summary))
     return summary
 

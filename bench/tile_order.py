@@ -30,7 +30,6 @@ same kernels at ``GROUP=1``, timed beside the shipped order).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections import OrderedDict
 from pathlib import Path
@@ -205,10 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"bench": "tile_order", "modelled": True, "device": device, "groups": groups, "layers": results,
                "bytes_ratio": {r["name"]: r["orders"][str(groups[0])]["bytes"] / r["orders"][str(groups[-1])]["bytes"]
                                for r in results}}
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps(summary))
-    return summary
+    return layers.emit(summary, args.json)
 
 
 if __name__ == "__main__":
