@@ -1,0 +1,163 @@
+"""Every command README gives runs as written: each ``python bench/<script>.py`` flag is one
+its parser takes, with a value it accepts, and each ``python recipes/<recipe>.py`` override
+composes into that recipe's Hydra config. A renamed flag or config field otherwise leaves the
+README pointing at nothing, which only a user finds."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from helpers_bench import load_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_CONFIG = {"train": "config", "plan": "plan", "paper": "paper", "prepare_data": "prepare_data",
+                 "profile_devices": "profile"}
+COMMAND = re.compile(r"python (bench|recipes)/(\w+)\.py\b(.*)")
+
+
+def code_spans(text: str) -> list[str]:
+    """Every inline code span (one may break across lines) and every line of a fenced block."""
+    spans, fenced = [], re.compile(r"^[ \t]*```.*?^[ \t]*```", re.S | re.M)  # fences indented in lists too
+    for block in fenced.findall(text):
+        spans += block.splitlines()[1:-1]
+    spans += [s.replace("\n", " ") for s in re.findall(r"`([^`]+)`", fenced.sub("", text))]
+    return spans
+
+
+def readme_commands() -> list[tuple[str, str, list[str]]]:
+    """``(folder, script, arguments)`` of each command, the shell's comments, continuations
+    and chained commands taken off."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    found = []
+    for span in code_spans(text):
+        for part in re.split(r"&&|;", span):
+            match = COMMAND.search(part)
+            if match:
+                words = shlex.split(match.group(3), comments=True)
+                found.append((match.group(1), match.group(2), [w for w in words if w != "..."]))
+    return found
+
+
+COMMANDS = readme_commands()
+
+
+class _Parser(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+
+def bench_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser ``bench/<name>.py``'s main builds, caught as it parses (nothing runs).
+    Its sibling modules import from ``bench/``, as when the script runs."""
+    loaded = set(sys.modules)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    module = load_bench(name)
+
+    def caught(self, *args, **kwargs):
+        raise _Parser(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    with pytest.raises(_Parser) as got:
+        module.main()
+    for sibling in set(sys.modules) - loaded:  # bench/ is off the path again: nor imported by name
+        if Path(getattr(sys.modules[sibling], "__file__", None) or "/").parent == ROOT / "bench":
+            del sys.modules[sibling]
+    return got.value.parser
+
+
+BENCH = sorted({(script, tuple(args)) for folder, script, args in COMMANDS if folder == "bench"})
+
+
+@pytest.mark.parametrize("script,args", BENCH, ids=[" ".join((s, *a)) for s, a in BENCH])
+def test_each_bench_command_parses(script, args, monkeypatch, capsys):
+    assert (ROOT / "bench" / f"{script}.py").exists(), f"README runs bench/{script}.py, which is not there"
+    parser = bench_parser(script, monkeypatch)
+    monkeypatch.undo()
+    for each in alternatives(args):
+        try:
+            parser.parse_args(each)
+        except SystemExit:
+            pytest.fail(f"python bench/{script}.py {' '.join(each)}: {capsys.readouterr().err.strip()}")
+
+
+def alternatives(args: tuple[str, ...]) -> list[list[str]]:
+    """A command whose value lists choices (``--strategy zebra|hetermoe``), once per choice."""
+    runs = [[]]
+    for a in args:
+        choices = a.split("|") if re.fullmatch(r"[\w-]+(\|[\w-]+)+", a) else [a]
+        runs = [r + [c] for r in runs for c in choices]
+    return runs
+
+
+def recipe_override_sets(args: tuple[str, ...]) -> list[list[str]]:
+    """The overrides of one command, a multirun's sweeps (``a=x,y``) one set per value;
+    placeholders (``<mix>``) and paths a user fills in are left out."""
+    overrides = [a for a in args if "=" in a and "<" not in a and not a.startswith("hydra.")]
+    sets = [[]]
+    for o in overrides:
+        key, value = o.split("=", 1)
+        values = value.split(",") if "-m" in args and "[" not in value else [value]
+        sets = [s + [f"{key}={v}"] for s in sets for v in values]
+    return sets
+
+
+RECIPES = sorted({(script, tuple(args)) for folder, script, args in COMMANDS
+                  if folder == "recipes" and script in RECIPE_CONFIG})
+
+
+@pytest.mark.parametrize("script,args", RECIPES, ids=[" ".join((s, *a)) for s, a in RECIPES])
+def test_each_recipe_command_composes(script, args):
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    assert (ROOT / "recipes" / f"{script}.py").exists(), f"README runs recipes/{script}.py, which is not there"
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        for overrides in recipe_override_sets(args):
+            try:
+                compose(RECIPE_CONFIG[script], overrides=overrides)
+            except (HydraException, OmegaConfBaseException) as err:
+                pytest.fail(f"python recipes/{script}.py {' '.join(overrides)}: {err}")
+
+
+def test_a_stale_flag_or_field_is_caught(monkeypatch, capsys):
+    """What the two tests above would say of a renamed flag and a renamed field."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    parser = bench_parser("plan_scale", monkeypatch)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--routings", "skewed"])  # --routing
+    assert "unrecognized arguments: --routings" in capsys.readouterr().err
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"), pytest.raises(HydraException):
+        compose("config", overrides=["strategy.modes=zebra"])  # strategy.mode
+
+
+CLI = sorted({tuple(args) for folder, script, args in COMMANDS if (folder, script) == ("recipes", "cli")})
+
+
+@pytest.mark.parametrize("args", CLI, ids=[" ".join(a) for a in CLI])
+def test_each_lightning_cli_command_parses(args, capsys):
+    """LightningCLI parses the whole command and prints the config it would run."""
+    import importlib.util
+
+    pytest.importorskip("jsonargparse")
+    spec = importlib.util.spec_from_file_location("recipe_cli", ROOT / "recipes" / "cli.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*args, "--print_config"])
+    out = capsys.readouterr()
+    assert exit_.value.code in (0, None), f"python recipes/cli.py {' '.join(args)}: {out.err.strip()[-2000:]}"
+    assert "strategy: hetermoe" in out.out
+
+
+def test_readme_gives_commands_of_every_kind():
+    kinds = {(folder, script in RECIPE_CONFIG or script) for folder, script, _ in COMMANDS if folder == "recipes"}
+    assert {("recipes", True), ("recipes", "cli")} <= kinds and len(BENCH) > 20, (kinds, len(BENCH))
