@@ -458,7 +458,8 @@ def test_fewest_microbatches_is_the_first_r_whose_every_microbatch_fits(seqs, S,
 def test_scoring_a_plan_leaves_it_as_it_is_and_keeps_the_base_placement_where_that_is_faster():
     import copy
 
-    from lightning_hetermoe.plan.planner import _Search, as_cluster
+    from lightning_hetermoe.plan.planner import as_cluster
+    from lightning_hetermoe.plan.search import Search
     from lightning_hetermoe.profile.timer import CachedTimer
     from lightning_hetermoe.simulate import predict_step
 
@@ -468,7 +469,7 @@ def test_scoring_a_plan_leaves_it_as_it_is_and_keeps_the_base_placement_where_th
     # serves waits for the expert rank's previous round; the full step prices that
     view = as_cluster(["a40", "a40"])
     timer = CachedTimer(make_timer(m, 4096))
-    search = _Search(view, m, 4096, 16, timer, True, 16)
+    search = Search(view, m, 4096, 16, timer, True, 16)
     plan = search.candidate(search.role_order(), 1, 1, 4)
     assert plan.expert_counts(0) != plan.base_counts  # Asym-EA moved experts
     before = copy.deepcopy(plan)
@@ -490,7 +491,7 @@ def test_rebalanced_seqs_even_out_attention_and_hosted_experts_against_every_spl
     every member keeps one sequence, and the shares add up."""
     import itertools
 
-    from lightning_hetermoe.plan.planner import rebalanced_seqs
+    from lightning_hetermoe.plan.search import rebalanced_seqs
 
     cases = [([1.0, 8.0, 8.0], [0.0, 20.0, 20.0], 12), ([1.0, 1.0], [5.0, 0.0], 9), ([2.0, 3.0, 5.0], [1.0, 1.0, 1.0], 10)]
     for per_seq, hosted, total in cases:
@@ -513,7 +514,7 @@ def test_evened_out_attention_shares_give_a_faster_plan_on_very_unequal_devices(
     from omegaconf import OmegaConf
 
     from lightning_hetermoe.configs import from_cfg
-    from lightning_hetermoe.plan import planner
+    from lightning_hetermoe.plan import search
     from lightning_hetermoe.profile import CostModel
 
     conf = os.path.join(os.path.dirname(__file__), "..", "conf")
@@ -522,16 +523,16 @@ def test_evened_out_attention_shares_give_a_faster_plan_on_very_unequal_devices(
     for cell in (("d1", 16384), ("d2", 4096)):
         m = from_cfg(ModelConfig, OmegaConf.to_container(OmegaConf.load(os.path.join(conf, "model", f"{cell[0]}.yaml"))))
         m = dataclasses.replace(m, activation_checkpointing=True)  # as the paper trained
-        for gain in (planner.SHARES_GAIN, 0.0):  # 0: the evened-out shares are never tried
-            old, planner.SHARES_GAIN = planner.SHARES_GAIN, gain
+        for gain in (search.SHARES_GAIN, 0.0):  # 0: the evened-out shares are never tried
+            old, search.SHARES_GAIN = search.SHARES_GAIN, gain
             try:
                 p = make_plan(c1, m, seq_len=cell[1], global_batch_tokens=1 << 20, shrink_to_fit=2, max_waves=1,
                               cost_model=CostModel(precision="16-mixed"), max_microbatches=16)
             finally:
-                planner.SHARES_GAIN = old
+                search.SHARES_GAIN = old
             steps[(cell, gain)] = p.predicted["zebra"]["step_time_s"]
-    assert steps[(("d1", 16384), planner.SHARES_GAIN)] < 0.9 * steps[(("d1", 16384), 0.0)], steps
-    assert steps[(("d2", 4096), planner.SHARES_GAIN)] <= steps[(("d2", 4096), 0.0)] * (1 + 1e-9), steps
+    assert steps[(("d1", 16384), search.SHARES_GAIN)] < 0.9 * steps[(("d1", 16384), 0.0)], steps
+    assert steps[(("d2", 4096), search.SHARES_GAIN)] <= steps[(("d2", 4096), 0.0)] * (1 + 1e-9), steps
 
 
 def test_on_many_ranks_a_group_count_far_behind_is_not_searched_over_every_r(monkeypatch):
@@ -540,24 +541,25 @@ def test_on_many_ranks_a_group_count_far_behind_is_not_searched_over_every_r(mon
     new user's mix of 64 GPUs: the same plan as searching every group count over every R,
     from fewer layouts."""
     import lightning_hetermoe.plan.planner as planner
+    import lightning_hetermoe.plan.search as search
     from lightning_hetermoe.configs import workload_model
 
     cluster = ClusterConfig(name="mix64", devices=["h100"] * 8 + ["a40"] * 24 + ["v100"] * 32)
     model = workload_model("d1")
-    assert cluster.world_size > planner.MAX_SPLITS
-    scored, real = [], planner._Search.scored
+    assert cluster.world_size > search.MAX_SPLITS
+    scored, real = [], search.Search.scored
 
     def counting(self, order, M, G, R):
         if ("scored", tuple(order[:M]), G, R) not in self._memo:
             scored.append((M, G, R))
         return real(self, order, M, G, R)
 
-    monkeypatch.setattr(planner._Search, "scored", counting)
+    monkeypatch.setattr(search.Search, "scored", counting)
     # the search's own layouts: the groups of every rank attending, planned besides it, apart
     monkeypatch.setattr(planner, "_all_attention", lambda *a, **k: None)
     plans, counts = [], []
-    for far in (float("inf"), planner.FAR_GROUPS):
-        monkeypatch.setattr(planner, "FAR_GROUPS", far)
+    for far in (float("inf"), search.FAR_GROUPS):
+        monkeypatch.setattr(search, "FAR_GROUPS", far)
         scored.clear()
         plans.append(make_plan(cluster, model, seq_len=8192, global_batch_tokens=4 * 64 * 8192))
         counts.append(len(scored))

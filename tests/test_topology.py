@@ -275,20 +275,20 @@ def test_no_schedule_beats_the_bound_of_a_small_model_whose_launches_weigh(seq_l
 
 
 def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():
-    from lightning_hetermoe.plan import planner
+    from lightning_hetermoe.plan import search
 
     m = workload_model("d1")
     devices = ["h100"] * 8 + ["a40"] * 24 + ["v100"] * 32  # 64 ranks: more role splits than MAX_SPLITS
     c = ClusterConfig(name="mix64", devices=devices)
     kw = dict(seq_len=8192, global_batch_tokens=8192 * 4 * 64)
     pruned = make_plan(c, m, **kw)
-    saved = planner.MAX_SPLITS
-    planner.MAX_SPLITS = 10_000  # every split, one by one, as the search ran before pruning
+    saved = search.MAX_SPLITS
+    search.MAX_SPLITS = 10_000  # every split, one by one, as the search ran before pruning
     try:
-        full_wide = planner.role_splits(list(range(1, 64)), devices) == list(range(1, 64))
+        full_wide = search.role_splits(list(range(1, 64)), devices) == list(range(1, 64))
         full = make_plan(c, m, **kw)
     finally:
-        planner.MAX_SPLITS = saved
+        search.MAX_SPLITS = saved
     assert full_wide
     assert pruned.predicted["zebra"]["step_time_s"] <= full.predicted["zebra"]["step_time_s"] * 1.02
 
@@ -303,6 +303,7 @@ def test_a_split_that_fits_only_with_fewer_groups_than_its_most_is_searched(monk
     search itself, in the two waves the plan runs (make_plan adds the wave count's choice and
     the groups of every rank attending, which would hide it)."""
     from lightning_hetermoe.plan import planner
+    from lightning_hetermoe.plan.search import Search
 
     m = workload_model("mixtral_8x7b")
     counts = [("h100", 1250, "nvlink4"), ("a40", 3750, "pcie4"), ("v100", 5000, "nvlink2")]
@@ -311,7 +312,7 @@ def test_a_split_that_fits_only_with_fewer_groups_than_its_most_is_searched(monk
     cluster = ClusterConfig(name="mix10000", nodes=nodes, network="ib_hdr")
     kw = dict(seq_len=4096, global_batch_tokens=2 * cluster.world_size * 4096, waves=2, schedules=("zebra",))
     plan = planner.plan_for_batch(cluster, m, **kw)
-    monkeypatch.setattr(planner._Search, "most_groups_that_fit", lambda self, order, M, R: None)
+    monkeypatch.setattr(Search, "most_groups_that_fit", lambda self, order, M, R: None)
     before = planner.plan_for_batch(cluster, m, **kw)
     assert plan.predicted["zebra"]["step_time_s"] < before.predicted["zebra"]["step_time_s"] / 2
     assert len(plan.zp_groups) > 1

@@ -411,8 +411,7 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
     """The plan the run gives, or a new one from the planner for ``schedule`` (``None`` if
     none fits and none is ``required``), its memory priced for the optimizer and the weight
     averages the clock was bound with."""
-    from ..plan import make_plan
-    from ..plan.planner import ClusterView
+    from ..plan import ClusterView, make_plan
 
     if args.plan is not None:
         check_plan(args.plan, model_cfg, world)
