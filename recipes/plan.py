@@ -96,7 +96,7 @@ def plan_and_predict(cfg: DictConfig, out: str) -> dict:
     record = None if routing is None else {"path": str(cfg.plan.expert_load),
                                            "hottest_over_mean": routing.hottest_over_mean()}
     summary.update({"plan": "plan.json", "bound_tokens_per_s": plan.bound_tokens_per_s, "schedules": {},
-                    "expert_load": record})
+                    "fastest_predicted": plan.fastest_predicted(), "expert_load": record})
     drawn = {}
     for sched in plan.predicted:
         try:

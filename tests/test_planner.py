@@ -397,6 +397,28 @@ HeterMoE plan: model d1 on cluster mix (3 ranks), schedule zebra
   (throughput vs zebra: below 1x is slower than zebra)"""
 
 
+
+def test_a_faster_schedule_than_the_plan_s_is_named_with_the_setting_that_runs_it():
+    from lightning_hetermoe.plan import ZPGroup
+
+    def plan(predicted):
+        return Plan(model="d1", cluster="mix", seq_len=4096, devices=["a40", "v100"], roles=["attention", "expert"],
+                    zp_groups=[ZPGroup([0], [1])], num_microbatches=2, seqs_per_rank=[4, 0],
+                    placement=[[1, 1], [1, 1]], predicted=predicted)
+
+    def row(tps):
+        return {"step_time_s": 1.0 / tps, "tokens_per_s": tps}
+
+    faster = plan({"zebra": row(100.0), "ep": row(90.0), "ep_ideal": row(500.0), "ep_balanced": row(173.0)})
+    assert faster.fastest_predicted() == "ep_balanced"  # ep_ideal is a yardstick: no mode runs it
+    assert str(faster).splitlines()[-1] == ("  fastest predicted: ep_balanced, 1.73x zebra: strategy.mode=ep "
+                                            "strategy.batch_split=speed runs it (strategy.mode=auto weighs it at "
+                                            "the run's own routing)")
+    for predicted in ({"zebra": row(100.0), "ep": row(90.0)}, {"zebra": row(100.0), "distep": row(100.4)}):
+        assert "fastest predicted" not in str(plan(predicted))  # the plan's own, or a tie
+    assert plan({"zebra": {"step_time_s": None, "tokens_per_s": None}}).fastest_predicted() is None
+
+
 # ---- memory: the fewest micro-batches that fit ----------------------------------------------
 def fewest_by_hand(mem, members, S):
     """Every micro-batch of every R, each member's sequences dealt as the step deals them

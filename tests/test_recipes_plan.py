@@ -42,6 +42,8 @@ def test_plan_recipe_writes_plan_summary_and_gantt(tmp_path):
         zebra["tokens_per_s"] > 0
         and abs(zebra["tokens_per_s"] - plan.predicted["zebra"]["tokens_per_s"]) < 1e-6 * zebra["tokens_per_s"]
     )
+    runnable = {k: v["tokens_per_s"] for k, v in summary["schedules"].items() if k != "ep_ideal" and "error" not in v}
+    assert summary["fastest_predicted"] == max(runnable, key=runnable.get)
     png = tmp_path / "gantt_zebra.png"
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from ..serialization import JsonDataclass
 
 ROLES = ("attention", "expert")
+# The schedules a run can be set to, and the settings that run each (ep_ideal, separate EP
+# jobs with nothing between them, is a yardstick, not a schedule)
+RUN_AS = {"zebra": "strategy.mode=zebra", "distep": "strategy.mode=distep", "ep": "strategy.mode=ep",
+          "ep_balanced": "strategy.mode=ep strategy.batch_split=speed", "datacentric": "strategy.mode=datacentric"}
 
 
 @dataclass
@@ -195,6 +199,13 @@ class Plan(JsonDataclass):
     json_indent = 1
 
     # ---- printing ------------------------------------------------------------------------
+    def fastest_predicted(self) -> str | None:
+        """The schedule a run can choose (:data:`RUN_AS`) with the most tokens/s in
+        :attr:`predicted`; ``None`` where none fits."""
+        rates = {name: p.get("tokens_per_s") for name, p in self.predicted.items() if name in RUN_AS}
+        rates = {name: tps for name, tps in rates.items() if tps}
+        return max(rates, key=rates.get) if rates else None
+
     def __str__(self) -> str:
         g0 = self.zp_groups[0]
         M, N = len(g0.attention_ranks), len(g0.expert_ranks)
@@ -262,6 +273,12 @@ class Plan(JsonDataclass):
                 lines.append(f"  {'bound':<12} {'':>10} {bound:>12,.0f}  (every device busy on the work it is "
                              f"fastest at, no communication: no schedule beats it)")
             lines.append(f"  (throughput vs {self.schedule}: below 1x is slower than {self.schedule})")
+            fastest = self.fastest_predicted()
+            if fastest is not None and fastest != self.schedule and base:
+                ratio = self.predicted[fastest]["tokens_per_s"] / base
+                if ratio >= 1.005:  # a tie (the same steps on this layout) is no advice
+                    lines.append(f"  fastest predicted: {fastest}, {ratio:.2f}x {self.schedule}: {RUN_AS[fastest]} "
+                                 f"runs it (strategy.mode=auto weighs it at the run's own routing)")
             if multi:
                 lines.append("  (over the network: the experts' exchange between nodes, every group, per step; "
                              "gradient rings that cross nodes are priced at the network's speed too)")
