@@ -193,3 +193,18 @@ def test_readme_s_first_example_trains_as_written(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "hetermoe[auto]: chose " in out and "`max_steps=3` reached" in out, out[-3000:]
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_contents_list_every_section_and_each_link_lands_on_one():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    outside_code = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.S | re.M)
+    headings = [h for h in re.findall(r"^#{2,3} (.+)$", outside_code, re.M) if h != "Contents"]
+    contents = text.split("## Contents\n", 1)[1].split("\n## ", 1)[0]
+    links = re.findall(r"\]\(#([^)]+)\)", contents)
+    assert links == [github_anchor(h) for h in headings], "README's Contents and its headings differ"
