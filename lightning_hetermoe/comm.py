@@ -457,6 +457,14 @@ def _back(t: Tensor, host: Tensor) -> None:
         t.copy_(host)
 
 
+def _single(name: str, before: str) -> Any:
+    """torch.distributed's single-tensor collective ``name``: torch 2.12's name for it, else
+    ``before``, the name every torch this pack supports (2.4 on) has and 2.12 deprecates
+    (``all_gather_single`` was ``all_gather_into_tensor``, ``reduce_scatter_single``
+    ``reduce_scatter_tensor``). Looked up at the call: the rename is by version, not by run."""
+    return getattr(dist, name, None) or getattr(dist, before)
+
+
 def _wire(t: Tensor) -> Tensor:
     """What the device process group is handed: the tensor, or on the CPU stand-in device
     (:mod:`lightning_hetermoe.standin`) the CPU memory it holds (gloo takes CPU tensors only)."""
@@ -539,10 +547,11 @@ def all_gather_into(group: Group, out: Tensor, t: Tensor, *, what: str, async_op
     _note(group, DEVICE, "all_gather_into", what, t)
     if group.staged:
         host = _host_like(out)
-        dist.all_gather_single(host, _host(t), group=pg)
+        _single("all_gather_single", "all_gather_into_tensor")(host, _host(t), group=pg)
         _back(out, host)
         return _done(group, None, (out, t), what, async_op)
-    work = dist.all_gather_single(_wire(out), _wire(t), group=pg, async_op=async_op)
+    work = _single("all_gather_single", "all_gather_into_tensor")(_wire(out), _wire(t), group=pg,
+                                                                  async_op=async_op)
     return _done(group, work, (out, t), what, async_op)
 
 
@@ -553,10 +562,10 @@ def reduce_scatter(group: Group, out: Tensor, t: Tensor, *, what: str) -> None:
     _note(group, DEVICE, "reduce_scatter", what, t)
     if group.staged:
         host = _host_like(out)
-        dist.reduce_scatter_single(host, _host(t), group=pg)
+        _single("reduce_scatter_single", "reduce_scatter_tensor")(host, _host(t), group=pg)
         _back(out, host)
         return
-    dist.reduce_scatter_single(_wire(out), _wire(t), group=pg)
+    _single("reduce_scatter_single", "reduce_scatter_tensor")(_wire(out), _wire(t), group=pg)
 
 
 @_watched
