@@ -37,6 +37,7 @@ CHECKS: list[Check] = [
     Check("host syncs", check_host_syncs, cuda_only=True),
     Check("collectives ep", check_collectives("ep")),
     Check("collectives zebra", check_collectives("zebra")),
+    Check("collectives datacentric", check_collectives("datacentric")),
     Check("wire dtype", check_wire_dtype),
     Check("streams", check_streams, cuda_only=True),
     Check("clocks", check_clocks, cuda_only=True),
