@@ -581,3 +581,22 @@ def test_the_model_run_outside_a_step_on_one_rank_fails_naming_the_others(mode, 
     assert (f"OutsideStepError: rank {alone} ran MoE layer 0 outside the Trainer's steps") in text, text[-3000:]
     assert f"rank(s) {1 - alone} did not run it within 3 s" in text
     assert "drop an `if trainer.is_global_zero:` around it" in text
+
+
+def test_the_norm_under_another_strategy_is_the_same_on_a_torch_before_get_total_norm(monkeypatch):
+    """``torch.nn.utils.get_total_norm`` came with torch 2.6; the project supports 2.4 on."""
+    from types import SimpleNamespace
+
+    from lightning_hetermoe.callbacks.gradient_norm import gradient_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    ddp = SimpleNamespace(root_device=torch.device("cpu"))  # a strategy without the pack's own norm
+    by_hand = torch.cat([p.grad.reshape(-1) for p in params]).double().norm()
+    now = gradient_norm(ddp, optimizer)
+    monkeypatch.delattr(torch.nn.utils, "get_total_norm", raising=False)
+    before = gradient_norm(ddp, optimizer)
+    assert torch.allclose(now.double(), by_hand) and torch.allclose(before.double(), by_hand)

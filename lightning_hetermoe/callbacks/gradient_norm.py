@@ -54,4 +54,7 @@ def gradient_norm(strategy: Any, optimizer: Any) -> torch.Tensor:
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if not grads:
         return torch.zeros((), device=strategy.root_device)
-    return torch.nn.utils.get_total_norm(grads)
+    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch 2.6 on
+    if total_norm is None:
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return total_norm(grads)
