@@ -16,6 +16,7 @@ or rank holding another number of experts. N and K (the model's widths) stay spe
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -58,8 +59,10 @@ def autotuner(fn, which: str, capability: tuple[int, int], dtype: torch.dtype, s
     cands = [tuning.as_config(t) for t in tuning.autotune_candidates(capability, dtype, which, smem)]
     key = _GEMM_KEY if which == "gemm" else _WGRAD_KEY
     # cache_results: timings also go to Triton's on-disk cache, so a later run of the same
-    # shapes (and Triton/driver/GPU) skips the benchmarks at set-up.
-    return triton.autotune(cands, key=key, cache_results=True)(jitted(fn))
+    # shapes (and Triton/driver/GPU) skips the benchmarks at set-up (Triton 3.4 on; before,
+    # every run benchmarks again)
+    cached = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(cands, key=key, **cached)(jitted(fn))
 
 
 @functools.cache

@@ -401,6 +401,31 @@ def test_row_buckets():
     assert {m_bucket(m) for m in range(0, 40000, 97)} == set(buckets)
 
 
+def test_the_autotuner_caches_on_disk_where_triton_can_and_builds_where_it_cannot(monkeypatch):
+    """``cache_results`` came with Triton 3.4; the project takes Triton 3.0 on, whose
+    ``autotune`` refuses the keyword."""
+    import triton
+
+    from lightning_hetermoe.kernels import launch, triton_src
+
+    real, seen = triton.autotune, []
+
+    def before_3_4(configs, key, prune_configs_by=None, reset_to_zero=None, restore_value=None, warmup=None,
+                   rep=None, use_cuda_graph=False, do_bench=None):
+        seen.append("3.0")
+        return real(configs, key)
+
+    def from_3_4(configs, key, cache_results=False, **kwargs):
+        seen.append(cache_results)
+        return real(configs, key)
+
+    for autotune in (before_3_4, from_3_4):
+        monkeypatch.setattr(triton, "autotune", autotune)
+        tuned = launch.autotuner.__wrapped__(triton_src.grouped_gemm_kernel, "gemm", (9, 0), torch.bfloat16, None)
+        assert "M_BUCKET" in tuned.keys
+    assert seen == ["3.0", True]
+
+
 @pytest.mark.parametrize("which", ["gemm", "wgrad"])
 def test_autotune_key_has_row_bucket(which, monkeypatch):
     """The autotuner is keyed on the row bucket, and each launch passes the bucket of its M."""
