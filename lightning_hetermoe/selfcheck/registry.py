@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .autotuning import check_autotuning
+from .checkpoints import check_sharded_checkpoint
 from .clocks import check_clocks
 from .collectives import check_collectives
 from .environment import check_environment
@@ -38,6 +39,7 @@ CHECKS: list[Check] = [
     Check("collectives ep", check_collectives("ep")),
     Check("collectives zebra", check_collectives("zebra")),
     Check("collectives datacentric", check_collectives("datacentric")),
+    Check("checkpoint sharded", check_sharded_checkpoint),
     Check("wire dtype", check_wire_dtype),
     Check("streams", check_streams, cuda_only=True),
     Check("clocks", check_clocks, cuda_only=True),

@@ -87,10 +87,11 @@ def _end_run(strategy: Any) -> None:
 
 
 @contextlib.contextmanager
-def one_run(ctx: Context, name: str, mode: str, plan: Any = None, **trainer_kwargs: Any) -> Iterator[tuple]:
+def one_run(ctx: Context, name: str, mode: str, plan: Any = None, strategy_args: dict[str, Any] | None = None,
+            **trainer_kwargs: Any) -> Iterator[tuple]:
     from .. import HeterMoEStrategy
 
-    strategy = HeterMoEStrategy(mode=mode, plan=plan)
+    strategy = HeterMoEStrategy(mode=mode, plan=plan, **(strategy_args or {}))
     try:
         yield strategy, _trainer(ctx, strategy, name, **trainer_kwargs)
     finally:
