@@ -17,6 +17,9 @@ ROLES = ("attention", "expert")
 # jobs with nothing between them, is a yardstick, not a schedule)
 RUN_AS = {"zebra": "strategy.mode=zebra", "distep": "strategy.mode=distep", "ep": "strategy.mode=ep",
           "ep_balanced": "strategy.mode=ep strategy.batch_split=speed", "datacentric": "strategy.mode=datacentric"}
+# Two predictions closer than this ratio are a tie (zebra and DistEP on a layout where every
+# rank attends run the same steps): neither is called faster
+TIE_RATIO = 1.005
 
 
 @dataclass
@@ -276,7 +279,7 @@ class Plan(JsonDataclass):
             fastest = self.fastest_predicted()
             if fastest is not None and fastest != self.schedule and base:
                 ratio = self.predicted[fastest]["tokens_per_s"] / base
-                if ratio >= 1.005:  # a tie (the same steps on this layout) is no advice
+                if ratio >= TIE_RATIO:
                     lines.append(f"  fastest predicted: {fastest}, {ratio:.2f}x {self.schedule}: {RUN_AS[fastest]} "
                                  f"runs it (strategy.mode=auto weighs it at the run's own routing)")
             if multi:

@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset
 from ..cluster import ClusterConfig, DeviceSpec
 from ..configs import ConfigError, ModelConfig
 from ..model_contract import ModelContractError, describe_model
+from ..plan.plan import RUN_AS, TIE_RATIO
 from ..routing_record import check_shape
 from .arguments import DISAGGREGATED, check_plan, check_waves, optimizer_of
 from .averaging import averages_on
@@ -36,7 +37,7 @@ from .batch import tensors
 from ..materialize import built_on_meta
 from .precision import check_bf16, precision_name
 
-AUTO_CANDIDATES = ("zebra", "distep", "ep", "ep_balanced", "datacentric")
+AUTO_CANDIDATES = tuple(RUN_AS)  # every schedule a run can be set to
 
 
 def loader_batch_shape(trainer) -> tuple[int, int]:
@@ -392,7 +393,7 @@ def choice_line(throughput: dict[str, float]) -> tuple[str, str]:
         ratio = throughput[best] / throughput[second]
         # a tie (a layout on which both run the same steps) is not "1.00x slower"
         line += f"; runner-up {second} ({_rate(throughput[second])}, " + (
-            f"{ratio:.2f}x slower)" if ratio >= 1.005 else "within 0.5%)")
+            f"{ratio:.2f}x slower)" if ratio >= TIE_RATIO else f"within {TIE_RATIO - 1:.1%})")
     return best, line
 
 
