@@ -461,7 +461,9 @@ def _single(name: str, before: str) -> Any:
     """torch.distributed's single-tensor collective ``name``: torch 2.12's name for it, else
     ``before``, the name every torch this pack supports (2.4 on) has and 2.12 deprecates
     (``all_gather_single`` was ``all_gather_into_tensor``, ``reduce_scatter_single``
-    ``reduce_scatter_tensor``). Looked up at the call: the rename is by version, not by run."""
+    ``reduce_scatter_tensor``). Looked up at each call (two attribute reads beside a
+    collective), so a process that imported this module can still be given the older torch's
+    names, as the test of the fallback does."""
     return getattr(dist, name, None) or getattr(dist, before)
 
 

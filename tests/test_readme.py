@@ -18,8 +18,9 @@ import pytest
 from helpers_bench import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE_CONFIG = {"train": "config", "plan": "plan", "paper": "paper", "prepare_data": "prepare_data",
-                 "profile_devices": "profile"}
+# each Hydra recipe's config, as its @hydra.main names it (recipes/cli.py is LightningCLI's)
+RECIPE_CONFIG = {path.stem: match.group(1) for path in sorted((ROOT / "recipes").glob("*.py"))
+                 if (match := re.search(r'@hydra\.main\([^)]*config_name="(\w+)"', path.read_text()))}
 COMMAND = re.compile(r"python (bench|recipes)/(\w+)\.py\b(.*)")
 
 

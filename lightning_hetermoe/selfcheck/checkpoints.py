@@ -17,9 +17,10 @@ STEPS = 2
 
 
 def _differences(saved: dict[str, Any], got: dict[str, Any], what: str) -> list[str]:
+    """The keys of ``saved`` (copies on the CPU) that ``got`` lacks or holds other values under."""
     out = [f"{what}: {k} missing" for k in saved if k not in got]
     out += [f"{what}: {k} differs" for k, v in saved.items()
-            if k in got and isinstance(v, torch.Tensor) and not torch.equal(v.cpu(), got[k].cpu())]
+            if k in got and isinstance(v, torch.Tensor) and not torch.equal(v, got[k].cpu())]
     return out
 
 
