@@ -71,3 +71,32 @@ def test_stop_workers_ends_the_idle_threads():
     fibers.stop_workers()
     assert all(not t.is_alive() for t in workers)
     assert len(set(_step(2))) == 2, "a later step starts new threads"
+
+
+def _threads_seen(monkeypatch, setting) -> tuple[int, int, int]:
+    """A fresh worker's intra-op threads, the creator's after it, and a plain thread's
+    started after it, with the rank at 2 threads and ``INTRAOP_THREADS`` at ``setting``."""
+    import torch
+
+    monkeypatch.setattr(fibers, "INTRAOP_THREADS", setting)
+    before = torch.get_num_threads()
+    fibers.stop_workers()  # the next fiber starts a worker of its own
+    torch.set_num_threads(2)
+    try:
+        f = fibers.Fiber(torch.get_num_threads, mb=0)
+        f.resume(expect=None)
+        plain: list[int] = []
+        t = threading.Thread(target=lambda: plain.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return f.result, torch.get_num_threads(), plain[0]
+    finally:
+        fibers.stop_workers()
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not fibers._openmp_backend(), reason="ATen's parallel backend here is not OpenMP")
+def test_a_worker_runs_one_intraop_thread_and_leaves_the_rank_its_own(monkeypatch):
+    # one OpenMP team per worker slept and woke as the baton passed (bench/fiber_threads.py)
+    assert _threads_seen(monkeypatch, 1) == (1, 2, 2)
+    assert _threads_seen(monkeypatch, None) == (2, 2, 2), "None leaves a worker at the rank's count"
