@@ -247,8 +247,12 @@ def test_routed_copies_beat_local_first_where_the_slow_holder_keeps_too_much():
     assert routes[0][4][1][0] > 0.1, "the T4 sends part of its hot choices to the A40"
     assert routes[0][4][0] == [1.0, 0.0], "the A40 keeps its own"
 
-    def step(placement):
-        return predict_step("ep", devs, model, LinkConfig(bandwidth_gbps=100.0), timer, seq_len=4096, total_seqs=4,
-                            num_microbatches=1, placement=placement, ep_size=2, expert_load=load).step_time
+    def step(placement, groups=1):
+        return predict_step("ep", devs * groups, model, LinkConfig(bandwidth_gbps=100.0), timer, seq_len=4096,
+                            total_seqs=4 * groups, num_microbatches=1, placement=placement, ep_size=2,
+                            expert_load=load).step_time
 
     assert step(Placement([held] * 2, routes)) < step(Placement([held] * 2)) * 0.99
+    # two such EP groups (A40, T4, A40, T4): each group's exchange and each route its own;
+    # the routes were dropped there (priced as one group of four holders, the rule alone)
+    assert step(Placement([held] * 2, routes), groups=2) < step(Placement([held] * 2), groups=2) * 0.99

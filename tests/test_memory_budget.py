@@ -56,6 +56,26 @@ def test_the_check_before_launch_prices_the_models_optimizer():
     HeterMoEStrategy(mode="ep", cluster=cluster).args.check_memory(make_model(4, optim=OptimConfig(name="sgd")), 2)
 
 
+def test_the_check_before_launch_prices_ep_groups_smaller_than_the_world():
+    """expert_parallel_size=1 on two ranks: each rank holds every expert (two EP groups of
+    one), twice what one world-wide group gives it. At a budget where the one group fits,
+    the two are refused, naming the setting that fits (they were priced as one group)."""
+    from lightning_hetermoe import OptimConfig
+
+    cluster = {"name": "small", "devices": ["cpu", "cpu"], "memory_scale": 1.2e-5}
+    model = make_model(4, optim=OptimConfig(name="sgd"))
+    HeterMoEStrategy(mode="ep", cluster=cluster).args.check_memory(model, 2)
+    HeterMoEStrategy(mode="ep", cluster=cluster, expert_parallel_size=2).args.check_memory(model, 2)
+    with pytest.raises(ConfigError, match=r"mode='ep' does not fit: rank 0 .*What would fit: expert_parallel_size=2 "
+                                          r"\(one EP group"):
+        HeterMoEStrategy(mode="ep", cluster=cluster, expert_parallel_size=1).args.check_memory(model, 2)
+    cfg, devices = model.model_cfg, [get_device("cpu")] * 4
+    experts = [m.weights for m in spread_memory(cfg, "ep", devices, ep_size=2)]
+    whole = [m.weights for m in spread_memory(cfg, "ep", devices)]
+    per_expert = MemoryModel(cfg).expert_params() * 4 * cfg.n_layers
+    assert [a - b for a, b in zip(experts, whole)] == pytest.approx([per_expert * cfg.moe.num_experts / 4] * 4)
+
+
 def fit_over_budget(rank: int, averaged: bool) -> tuple[str, float]:
     # one process: 16 GB x 1e-5 = 160 kB for a model whose state alone is ~240 kB
     cluster = {"name": "tiny", "devices": ["cpu"], "memory_scale": 1e-5}

@@ -249,12 +249,12 @@ class ServedLog(L.Callback):
             layer.experts.register_forward_pre_hook(served)
 
 
-def fit_served(rank: int, world: int, placement, routes=None):
+def fit_served(rank: int, world: int, placement, routes=None, ep_size=None):
     model = make_model(4, seed=rank)
     log = ServedLog(placement, routes)
-    t = trainer(HeterMoEStrategy(mode="ep"), world, max_steps=STEPS, callbacks=[log])
+    t = trainer(HeterMoEStrategy(mode="ep", expert_parallel_size=ep_size), world, max_steps=STEPS, callbacks=[log])
     t.fit(model, datamodule=data(world, 12))
-    return {"state": model.state_dict(), "calls": log.calls}
+    return {"state": model.state_dict(), "calls": log.calls, "copy_routing": t.strategy.copy_routing()}
 
 
 def local_first_by_hand(routed: list[list[int]], held: list[list[int]], routes=None) -> list[list[int]]:
@@ -308,3 +308,35 @@ def test_local_first_and_routed_dispatch_serve_by_the_rule_and_change_no_number(
         routed_away |= layer == 0 and routed[1][1] > 3  # rank 1 sends 3/4 of its expert-1 choices away
     assert split_somewhere, "a rank without a copy sent choices to two copies"
     assert routed_away, "a rank with a copy sent part of its choices to another copy by the route"
+
+
+# Two EP groups of two ranks (ranks 0-1 and 2-3), one placement and its routes for both:
+# layer 0 keeps expert 1 on both EP ranks, EP rank 0 sends half its expert-1 choices to
+# the other copy, EP rank 1 three quarters to EP rank 0's; layer 1 has no copies.
+GROUPS_PLACEMENT = [[[0, 1, 2], [1, 3]], [[0, 1], [2, 3]]]
+GROUPS_ROUTES = [[None, [[0.5, 0.5], [0.75, 0.25]], None, None], None]
+
+
+def test_routes_serve_in_every_ep_group_of_alike_ones_and_change_no_number():
+    """expert_parallel_size=2 on 4 ranks: each group's dispatch serves by the route, its
+    sources being its own ranks (the same rule by hand, group by group), the weights are
+    single-process training's, and the strategy offers routes (the groups are alike: one
+    device kind, even shares)."""
+    ranks = run_ranks(4, fit_served, 4, GROUPS_PLACEMENT, GROUPS_ROUTES, 2)
+    model = make_model(4, seed=0, optim=OptimConfig())
+    initial = copy.deepcopy(model.state_dict())
+    assert_same_params(ranks[0]["state"], reference_fit(model, STEPS, global_batch=12), initial)
+    assert all(r["copy_routing"] == ("local_first", [1.0, 1.0], None) for r in ranks)
+    calls = [r["calls"] for r in ranks]
+    assert len(calls[0]) == 2 * STEPS and all(len(c) == len(calls[0]) for c in calls)
+    routed_away = False
+    for group in ((0, 1), (2, 3)):
+        for i in range(len(calls[0])):
+            layer = calls[group[0]][i]["layer"]
+            routed = [calls[r][i]["routed"] for r in group]
+            held = calls[group[0]][i]["held"]
+            assert held == GROUPS_PLACEMENT[layer]
+            served = [calls[r][i]["served"] for r in group]
+            assert served == local_first_by_hand(routed, held, GROUPS_ROUTES[layer]), (group, i)
+            routed_away |= layer == 0 and served[0][1] > routed[0][1]  # EP rank 0's copy took EP rank 1's
+    assert routed_away, "EP rank 1 sent part of its expert-1 choices to EP rank 0's copy by the route"

@@ -280,6 +280,37 @@ def test_ep_balanced_gives_faster_ranks_more_and_helps():
     assert fast.tokens_per_s > even.tokens_per_s and fast.tokens == even.tokens
 
 
+def test_ep_groups_run_as_copies_of_one_group_and_sum_the_experts_gradients_over_them():
+    """expert_parallel_size < world: world / ep_size EP groups of consecutive ranks, each
+    holding every expert over its own ranks and exchanging inside itself; after the
+    backward each expert's gradients are summed over its copies in the other groups. On a
+    link that costs nothing the step is one group's on its share of the batch, for the
+    whole batch's tokens; on a real one the sum over the groups makes it longer. (It was
+    priced as one world-wide group whatever ep_size said: each rank half the experts it
+    holds, nothing summed over groups.) Groups of other devices: the slowest sets the step."""
+    model, timer = realistic()
+    E = model.moe.num_experts
+    free = LinkConfig(bandwidth_gbps=1e12, latency_us=0.0)
+
+    def ep(devs, seqs, link, **kw):
+        return simulate_ep(devs, model, seq_len=4096, total_seqs=seqs, link=link, timer=timer, num_microbatches=1,
+                           keep_timeline=False, **kw)
+
+    setup = ep_setup([A40] * 4, model, seq_len=4096, total_seqs=16, link=LinkConfig(), timer=timer, ep_size=2, group=1)
+    assert (setup.replicas, setup.replica_ranks, setup.dense_ranks) == (2, {2: [2, 0], 3: [3, 1]}, [0, 1, 2, 3])
+    assert [(lane.ranks, lane.expert_ids[0]) for lane in setup.lanes] == [([2], list(range(E // 2))),
+                                                                          ([3], list(range(E // 2, E)))]
+    two, one = ep([A40] * 4, 16, free, ep_size=2), ep([A40] * 2, 8, free)
+    assert two.step_time == pytest.approx(one.step_time, rel=1e-9) and two.tokens == 2 * one.tokens
+    assert two.step_time > ep([A40] * 4, 16, free).step_time  # one world-wide group: a quarter of the experts each
+    assert ep([A40] * 4, 16, LinkConfig(), ep_size=2).step_time > ep([A40] * 2, 8, LinkConfig()).step_time
+    mixed = ep([A40, A40, V100, V100], 16, free, ep_size=2)
+    assert mixed.step_time == pytest.approx(ep([V100] * 2, 8, free).step_time, rel=1e-9)
+    assert mixed.step_time > ep([A40] * 2, 8, free).step_time and mixed.tokens == 16 * 4096
+    with pytest.raises(ValueError, match="ep_size=3 is invalid: must divide the 4 ranks"):
+        ep([A40] * 4, 16, free, ep_size=3)
+
+
 def test_ep_ideal_sums_separate_homogeneous_runs():
     model, timer = realistic()
     devs = [A40, A40, V100, V100]

@@ -150,7 +150,9 @@ class ExpertRebalancer(L.Callback):
         from ..cluster.devices import get_device
 
         specs = [get_device(name, strategy.cluster.custom_devices) for name in strategy.holders()]
-        tokens = float(monitor.last_counts.sum(1).double().mean()) * clock.token_scale  # routed choices per layer
+        # routed choices per layer, of one group of holders (the monitor counts the world's;
+        # groups alike, each routes its share: one EP group of ep_size ranks, one ZP group)
+        tokens = float(monitor.last_counts.sum(1).double().mean()) * clock.token_scale * len(specs) / trainer.world_size
 
         def cost(h: int, t: float) -> float:
             return clock.expert_seconds(specs[h], t)

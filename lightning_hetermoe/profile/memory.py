@@ -351,9 +351,10 @@ def activation_bytes(model: ModelConfig, *, tokens_in_flight: float, mb_tokens: 
 
 
 def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, shard_optimizer_state: bool = True,
-                  param_bytes: float = 4.0, optimizer_bytes: float = 8.0, weight_averages: int = 0
-                  ) -> list[RankMemory]:
-    """Each rank's state and mode transients under ``ep`` (experts split evenly, contiguous)
+                  param_bytes: float = 4.0, optimizer_bytes: float = 8.0, weight_averages: int = 0,
+                  ep_size: int | None = None) -> list[RankMemory]:
+    """Each rank's state and mode transients under ``ep`` (experts split evenly, contiguous,
+    over each EP group of ``ep_size`` consecutive ranks; ``None``: one group of every rank)
     or ``datacentric`` (every expert tensor split in proportion to device memory), the dense
     part on every rank (its optimizer state split over them when sharded), and
     ``weight_averages`` copies of what it holds; activations are not counted (they depend
@@ -370,7 +371,8 @@ def spread_memory(model: ModelConfig, mode: str, devices: list[DeviceSpec], *, s
         held = [L * E * per_expert * d.memory_gb / total for d in devices]
         local = [h / L * param_bytes for h in held]
     elif mode in ("ep", "ep_balanced"):
-        counts = [E // W + (1 if r < E % W else 0) for r in range(W)]
+        ep = ep_size or W
+        counts = [E // ep + (1 if r % ep < E % ep else 0) for r in range(W)]
         held = [L * c * per_expert for c in counts]
         local = [c * per_expert * param_bytes for c in counts]
     else:

@@ -20,7 +20,8 @@ def replicated(setup, layer: int) -> bool:
 
 
 def _holders(setup) -> list[tuple[int, int]]:
-    """``(rank, lane index)`` of every rank, in rank order: the EP group's holder order."""
+    """``(rank, lane index)`` of every rank, in rank order: the EP group's holder order (a
+    setup is one EP group; the others are its replicas, :func:`~.schedules.ep_setup`)."""
     return sorted((r, i) for i, lane in enumerate(setup.lanes) for r in lane.ranks)
 
 
@@ -32,7 +33,7 @@ def flows(setup, layer: int, tokens: list[float]) -> Flows:
     nodes = [setup.topology.node_of[r] for r, _ in holders]
     routes = setup.copy_routes[layer] if setup.copy_routes is not None else None
     if routes is not None and any(r is not None and len(r) != len(holders) for r in routes):
-        routes = None  # routes are per EP group; with several groups the rule alone is priced
+        routes = None  # routes for another group size than the setup's: the rule alone is priced
     return expected_flows(held, setup.expert_load[layer], [tokens[i] * k for _, i in holders], nodes,
                           setup.replica_dispatch, routes)
 

@@ -37,7 +37,7 @@ def predict_step(
     total_seqs: int = 0,
     num_microbatches: int | None = None,
     placement: Placement | None = None,
-    ep_size: int = 1,
+    ep_size: int | None = None,
     expert_load: list[list[float]] | None = None,
     keep_timeline: bool = False,
     replica_dispatch: str = "local_first",
@@ -51,7 +51,9 @@ def predict_step(
     ``num_microbatches``: EP's micro-batches (``None``: the fewest that fit in memory).
     ``placement``: where the experts live instead of the plan's (over its ZP group's
     members) or EP's contiguous split (over ``ep_size`` EP ranks, rank ``r`` holding
-    ``r % ep_size``'s). ``expert_load``: per layer, each expert's share of the routing
+    ``r % ep_size``'s; ``None``: every rank in one EP group, else ``world / ep_size``
+    groups, each exchanging inside itself, the experts' gradients summed over the groups).
+    ``expert_load``: per layer, each expert's share of the routing
     (``None``: even). ``replica_dispatch``: which copy serves a token where EP keeps copies
     (:mod:`lightning_hetermoe.copy_routing`). ``optimizer``: the ``optim`` config the run
     trains with, whose state EP's fewest micro-batches and data-centric's memory check

@@ -83,47 +83,62 @@ def ep_setup(
     num_microbatches: int | None = None,
     expert_load: list[list[float]] | None = None,
     placement: Placement | None = None,
-    ep_size: int = 1,
+    ep_size: int | None = None,
+    group: int = 0,
     optimizer: OptimConfig | None = None,
     weight_averages: int = 0,
 ) -> StepSetup:
-    """The EP step: every rank attends its share of the batch and holds its contiguous
-    slice of the experts, or ``placement``'s (rank ``r`` holding ``r % ep_size``'s); the
-    micro-batches, where not given, the fewest that fit with ``optimizer``'s state
+    """The EP step of EP group ``group``: every rank attends its share of the batch and
+    holds its EP rank's contiguous slice of the experts, or ``placement``'s. ``ep_size``
+    consecutive ranks form an EP group (``None``: all of them, one group); with several,
+    the others are the setup's replicas, as the EP strategy runs them: each group's
+    exchange stays inside it, and each expert's gradients are summed over its copies in
+    the other groups after the backward. The micro-batches, where not given, the fewest
+    that fit on every rank with ``optimizer``'s state
     (:func:`~lightning_hetermoe.profile.memory.optimizer_pricing`) and ``weight_averages``
     copies of the weights."""
     W = len(devs)
     if W == 0:
         raise ValueError("EP needs at least one rank")
+    ep = ep_size or W
+    if ep < 1 or W % ep:
+        raise ValueError(f"ep_size={ep} is invalid: must divide the {W} ranks")
+    G = W // ep
+    if not 0 <= group < G:
+        raise ValueError(f"group={group} is invalid: {W} ranks form {G} EP group(s) of {ep}")
     ranks = list(ranks) if ranks is not None else list(range(W))
     if balanced:
         seqs = ep_balanced_shares(total_seqs, [ep_speed(d, timer, model, seq_len) for d in devs])
     else:
         seqs = apportion(total_seqs, [1.0] * W)
-    contiguous = contiguous_placement(model.moe.num_experts, W)  # what the EP strategy runs
-    ids = [[contiguous[i]] * model.n_layers for i in range(W)]
-    experts = [[len(contiguous[i])] * model.n_layers for i in range(W)]
+    contiguous = contiguous_placement(model.moe.num_experts, ep)  # what the EP strategy runs
+    ids = [[contiguous[i % ep]] * model.n_layers for i in range(W)]
+    experts = [[len(contiguous[i % ep])] * model.n_layers for i in range(W)]
+    if placement is not None:
+        held = [[placement.experts_of(i % ep, l) for l in range(placement.num_layers)] for i in range(ep)]
+        ids = [held[i % ep] for i in range(W)]
+        experts = [[len(x) for x in h] for h in ids]
+    # one number of micro-batches for every rank: the strategy runs one
     R = num_microbatches or MemoryModel.for_optimizer(model, optimizer, weight_averages).fewest_microbatches(
         [(d, n, sum(held)) for d, n, held in zip(devs, seqs, experts)], seq_len)
     if R is None:
         raise ValueError(
             f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
         )
-    members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i], ids[i]) for i in range(W)]
-    lanes = make_lanes(members)
-    if placement is not None:
-        for lane in lanes:
-            held = [placement.experts_of(lane.ranks[0] % ep_size, l) for l in range(placement.num_layers)]
-            lane.expert_ids, lane.experts = held, [len(x) for x in held]
+    mine = range(group * ep, (group + 1) * ep)
+    members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i], ids[i]) for i in mine]
     return StepSetup(
-        lanes=lanes,
+        lanes=make_lanes(members),
         model=model,
         seq_len=seq_len,
         num_microbatches=R,
         link=link,
-        replicas=1,
+        replicas=G,
         attention_dp=W,
         expert_load=expert_load,
+        # each rank's copies of its experts in the other groups, itself first
+        replica_ranks=({ranks[i]: [ranks[(i + h * ep) % W] for h in range(G)] for i in mine} if G > 1 else None),
+        dense_ranks=ranks if G > 1 else None,
         copy_routes=None if placement is None or placement.routes is None
         else [placement.layer_routes(l) for l in range(placement.num_layers)],
     )
@@ -131,14 +146,31 @@ def ep_setup(
 
 def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True,
                 expert_load: list[list[float]] | None = None, num_microbatches: int | None = None,
-                placement: Placement | None = None, ep_size: int = 1,
+                placement: Placement | None = None, ep_size: int | None = None,
                 replica_dispatch: str = "local_first", optimizer: OptimConfig | None = None,
                 weight_averages: int = 0) -> StepResult:
-    setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer, balanced=balanced,
-                     expert_load=expert_load, num_microbatches=num_microbatches, placement=placement, ep_size=ep_size,
-                     optimizer=optimizer, weight_averages=weight_averages)
-    setup.replica_dispatch = replica_dispatch
-    return simulate_step(setup, timer, "ep_balanced" if balanced else "ep", keep_timeline=keep_timeline)
+    """EP's step (see :func:`ep_setup`). With several EP groups every group of its own
+    kind (its devices and batch shares) is simulated and the slowest is the step: the
+    groups meet in the gradient sync after the backward."""
+    ep = ep_size or len(devs)
+    groups = len(devs) // ep if ep > 0 and len(devs) % ep == 0 else 1
+    kinds: dict[tuple, int] = {}
+    for g in range(groups):
+        kinds.setdefault(tuple(d.name for d in devs[g * ep:(g + 1) * ep]), g)
+    slowest: StepResult | None = None
+    for g in kinds.values():
+        setup = ep_setup(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
+                         balanced=balanced, expert_load=expert_load, num_microbatches=num_microbatches,
+                         placement=placement, ep_size=ep_size, group=g, optimizer=optimizer,
+                         weight_averages=weight_averages)
+        setup.replica_dispatch = replica_dispatch
+        res = simulate_step(setup, timer, "ep_balanced" if balanced else "ep", keep_timeline=keep_timeline)
+        if slowest is None or res.step_time > slowest.step_time:
+            slowest = res
+    if groups > 1:
+        # the whole batch, whichever group set the pace (groups' shares may differ)
+        slowest.tokens = seq_len * total_seqs
+    return slowest
 
 
 def simulate_ep_ideal(devs, model, *, seq_len, total_seqs, link, timer,

@@ -338,7 +338,7 @@ class StrategyArguments:
         zero = self.shard_optimizer_state and sharded  # ZeRO-1 runs with sharded checkpoints only
         state, _ = memory.optimizer_pricing(optimizer_of(model))
         need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=zero, optimizer_bytes=state,
-                                 weight_averages=weight_averages)
+                                 weight_averages=weight_averages, ep_size=self.expert_parallel_size)
                 for m in ("ep", "datacentric")}
         mine = need[self.mode]
         over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
@@ -347,6 +347,11 @@ class StrategyArguments:
         r, m, d = max(over, key=lambda x: x[1].total / x[2].usable_bytes)
         other = "datacentric" if self.mode == "ep" else "ep"
         fits_other = all(o.total <= dv.usable_bytes for o, dv in zip(need[other], devices))
+        # EP groups smaller than the world hold every expert over fewer ranks
+        wider = self.mode == "ep" and (self.expert_parallel_size or world_size) < world_size and all(
+            o.total <= dv.usable_bytes for o, dv in zip(spread_memory(
+                cfg, "ep", devices, shard_optimizer_state=zero, optimizer_bytes=state,
+                weight_averages=weight_averages), devices))
         state = sum(x.state for x in mine)
         more = math.ceil(state / min(dv.usable_bytes for dv in devices))
         raise ConfigError(
@@ -357,6 +362,8 @@ class StrategyArguments:
             f"{format_bytes(max(m.working, m.step))} of "
             + ("temporaries at its optimizer step" if m.step > m.working else "transients before any activation")
             + ". What would fit: "
+            + (f"expert_parallel_size={world_size} (one EP group: each rank a 1/{world_size} slice of the experts); "
+               if wider else "")
             + (f"mode={other!r}; " if fits_other else "")
             + ("WeightAveraging(device='cpu') (the average in host memory); " if m.averages else "")
             + ("shard_optimizer_state=true; " if not self.shard_optimizer_state else "")

@@ -843,9 +843,10 @@ class HeterMoEStrategy(DDPStrategy):
         return self.backend.holder_devices() if self.backend is not None else []
 
     def copy_routing(self) -> tuple[str, list[float], list[int] | None] | None:
-        """Where the placement may carry routes (expert parallelism over one EP group that
-        spans the world): the replica dispatch rule, each holder's share of the batch and
-        each holder's node (``None``: one node). ``None`` elsewhere."""
+        """Where the placement may carry routes (expert parallelism, over one EP group or
+        several alike ones: the same devices, batch shares and node pattern rank by rank):
+        the replica dispatch rule, each holder's share of its group's batch and each
+        holder's node (``None``: one node). ``None`` elsewhere."""
         return self.backend.copy_routing() if self.backend is not None else None
 
     def move_experts(self, new: Placement) -> int:

@@ -74,7 +74,7 @@ class Simulated:
 
     schedule: str  # one of lightning_hetermoe.simulate.SCHEDULES, or "single"
     plan: Any = None
-    ep_size: int = 1
+    ep_size: int | None = None  # EP: ranks per EP group (None: every rank, one group)
     placement: Placement | None = None
     replica_dispatch: str = "local_first"  # EP: which copy of a replicated expert serves a token
 

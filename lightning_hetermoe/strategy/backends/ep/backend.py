@@ -77,19 +77,31 @@ class ExpertParallelBackend(DenseDDPBackend):
             self._emulation = self.clock.install(module, self.device, self.measure_busy)
         self._shares = None  # computed from the first global batch
 
-    def _nodes(self) -> list[int] | None:
-        """Each EP group rank's node (local-first dispatch), where the run names a topology."""
+    def _nodes(self, ranks: list[int] | None = None) -> list[int] | None:
+        """Each EP group rank's node (local-first dispatch), where the run names a topology:
+        this rank's group's, or ``ranks``'."""
         if self.clock.cluster is None and self.clock.topology is None:
             return None
         node_of = self.clock.links().node_of
-        return [node_of[r] for r in self.groups.ep_group.ranks]
+        return [node_of[r] for r in (ranks if ranks is not None else self.groups.ep_group.ranks)]
 
     def copy_routing(self) -> tuple[str, list[float], list[int] | None] | None:
-        # routes are per EP group: with several (DP replicas of the experts) none are built
-        if self.ep_size != self.world_size:
+        # A route is per EP group (a source's share for each copy, by EP rank), and one
+        # placement serves every group: with several, routes are built only where the
+        # groups are alike (the same devices, batch shares and node pattern, rank by rank),
+        # so that what balances one balances each.
+        shares = [float(s) for s in (self.shares or [1] * self.world_size)]
+        groups = [list(range(g, g + self.ep_size)) for g in range(0, self.world_size, self.ep_size)]
+        names = [d.name for d in self.clock.devices] or ["cpu"] * self.world_size
+
+        def kind(ranks: list[int]) -> tuple:
+            nodes = self._nodes(ranks)
+            pattern = None if nodes is None else tuple(nodes.index(n) for n in nodes)
+            return tuple(names[r] for r in ranks), tuple(shares[r] for r in ranks), pattern
+
+        if any(kind(g) != kind(groups[0]) for g in groups[1:]):
             return None
-        shares = self.shares or [1] * self.world_size
-        return self.replica_dispatch, [float(s) for s in shares], self._nodes()
+        return self.replica_dispatch, shares[: self.ep_size], self._nodes()
 
     def _report(self, held: Placement | None) -> None:
         if self.rank != 0 or held is None:
