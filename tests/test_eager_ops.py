@@ -123,5 +123,7 @@ def test_the_overhead_bench_times_both_paths_on_the_cpu(capsys):
     assert set(result["ops"]) == {"stand-in scale", "grouped_mm mlp"}
     for row in result["ops"].values():
         assert row["op_us"] > 0 and row["eager_us"] > 0
-        assert row["op_over_eager"] == pytest.approx(row["op_us"] / row["eager_us"], rel=1e-2)
+        # the ratio is printed to 3 decimals, the microseconds to 2: a small ratio (a first
+        # eager call that paid a warm-up, 3 calls) is off by its rounding, not 1% of itself
+        assert row["op_over_eager"] == pytest.approx(row["op_us"] / row["eager_us"], rel=1e-2, abs=1e-3)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("{")
