@@ -32,7 +32,7 @@ def measure(shape: dict[str, int], microbatches: int, threads: int, rounds: int)
     import gpu_train
     from lightning_hetermoe.strategy.backends.zebra import fibers
 
-    plan_of = gpu_train.loopback_plan
+    plan_of, quick_shape, setting_before = gpu_train.loopback_plan, gpu_train.QUICK, fibers.INTRAOP_THREADS
 
     def plan(shape_: dict[str, int], device_kind: str) -> Any:
         p = plan_of(shape_, device_kind)
@@ -49,8 +49,8 @@ def measure(shape: dict[str, int], microbatches: int, threads: int, rounds: int)
                 torch.set_num_threads(threads)
                 steps[name].append(gpu_train.run("zebra", quick=True)["step_s"])
     finally:
-        gpu_train.loopback_plan = plan_of
-        fibers.INTRAOP_THREADS = CONTENDERS["one thread"]
+        gpu_train.QUICK, gpu_train.loopback_plan = quick_shape, plan_of
+        fibers.INTRAOP_THREADS = setting_before
     median = {name: statistics.median(s) for name, s in steps.items()}
     return {"microbatches": microbatches, "step_s": median, "runs": steps,
             "rank_count_over_one": median["rank's count"] / median["one thread"]}

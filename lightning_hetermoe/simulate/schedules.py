@@ -149,9 +149,10 @@ def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False
                 placement: Placement | None = None, ep_size: int | None = None,
                 replica_dispatch: str = "local_first", optimizer: OptimConfig | None = None,
                 weight_averages: int = 0) -> StepResult:
-    """EP's step (see :func:`ep_setup`). With several EP groups every group of its own
-    kind (its devices and batch shares) is simulated and the slowest is the step: the
-    groups meet in the gradient sync after the backward."""
+    """EP's step (see :func:`ep_setup`). With several EP groups each kind of group (its
+    devices, rank by rank) is simulated once, by its first group, and the slowest is the
+    step: the groups meet in the gradient sync after the backward. (A batch's remainder
+    goes to the lower ranks first, so a kind's first group carries the most of its kind.)"""
     ep = ep_size or len(devs)
     groups = len(devs) // ep if ep > 0 and len(devs) % ep == 0 else 1
     kinds: dict[tuple, int] = {}

@@ -336,22 +336,24 @@ class StrategyArguments:
         devices = self.cluster.specs()
         sharded = self.saves_sharded(sum(p.numel() for p in model.parameters()))
         zero = self.shard_optimizer_state and sharded  # ZeRO-1 runs with sharded checkpoints only
-        state, _ = memory.optimizer_pricing(optimizer_of(model))
-        need = {m: spread_memory(cfg, m, devices, shard_optimizer_state=zero, optimizer_bytes=state,
-                                 weight_averages=weight_averages, ep_size=self.expert_parallel_size)
-                for m in ("ep", "datacentric")}
-        mine = need[self.mode]
-        over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
-        if not over:
+        optimizer_bytes, _ = memory.optimizer_pricing(optimizer_of(model))
+
+        def need(mode: str, ep_size: int | None = None) -> list:
+            return spread_memory(cfg, mode, devices, shard_optimizer_state=zero, optimizer_bytes=optimizer_bytes,
+                                 weight_averages=weight_averages, ep_size=ep_size)
+
+        def fits(ranks: list) -> bool:
+            return all(m.total <= d.usable_bytes for m, d in zip(ranks, devices))
+
+        mine = need(self.mode, self.expert_parallel_size)
+        if fits(mine):
             return
+        over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
         r, m, d = max(over, key=lambda x: x[1].total / x[2].usable_bytes)
         other = "datacentric" if self.mode == "ep" else "ep"
-        fits_other = all(o.total <= dv.usable_bytes for o, dv in zip(need[other], devices))
+        fits_other = fits(need(other))
         # EP groups smaller than the world hold every expert over fewer ranks
-        wider = self.mode == "ep" and (self.expert_parallel_size or world_size) < world_size and all(
-            o.total <= dv.usable_bytes for o, dv in zip(spread_memory(
-                cfg, "ep", devices, shard_optimizer_state=zero, optimizer_bytes=state,
-                weight_averages=weight_averages), devices))
+        wider = self.mode == "ep" and (self.expert_parallel_size or world_size) < world_size and fits(need("ep"))
         state = sum(x.state for x in mine)
         more = math.ceil(state / min(dv.usable_bytes for dv in devices))
         raise ConfigError(

@@ -25,6 +25,7 @@ runs. On a GPU a worker's CPU work is launches.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from contextlib import AbstractContextManager, nullcontext
@@ -81,14 +82,9 @@ def _intraop_threads() -> int | None:
     return INTRAOP_THREADS if _openmp_backend() else None
 
 
+@functools.cache
 def _openmp_backend() -> bool:
-    global _OPENMP
-    if _OPENMP is None:
-        _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-    return _OPENMP
-
-
-_OPENMP: bool | None = None
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def _take_worker() -> _Worker:
@@ -120,8 +116,6 @@ def _forget_workers_in_child() -> None:
     global _idle_lock
     _idle.clear()
     _idle_lock = threading.Lock()
-
-INTRAOP_THREADS: int | None = 1  # a worker's intra-op CPU threads; None: the rank's own count
 
 
 os.register_at_fork(after_in_child=_forget_workers_in_child)
