@@ -66,8 +66,9 @@ def run_job(job: tuple) -> dict:
     fixed = n_new if kind == "ablation" and 0 < n_new < len(view.devices) else None
     groups = 1 if kind == "ablation" else None
     try:  # the largest batch (halving from the configured one) whose activations fit
+        # ep_groups="world": the paper's EP baseline, one group over every GPU
         plan = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, shrink_to_fit=2, asym_ea=asym,
-                         cost_model=COST,
+                         cost_model=COST, ep_groups="world",
                          max_microbatches=max_mb, max_waves=max_waves, num_attention_ranks=fixed,
                          num_zp_groups=groups)
     except ValueError as err:

@@ -83,7 +83,7 @@ def test_a_given_plan_is_priced_for_the_run_on_a_copy_the_caller_s_plan_stays_as
     module = MoELanguageModel(model)
     for mode in ("zebra", "auto"):
         strategy = HeterMoEStrategy(mode=mode, plan=given, cluster=cluster)
-        schedule, plan = _decide(strategy.args, clock, 3, module, _Description.of(module))
-        assert schedule == "zebra" and plan is not given
+        schedule, plan, ep_size = _decide(strategy.args, clock, 3, module, _Description.of(module))
+        assert schedule == "zebra" and plan is not given and ep_size is None
         assert plan.predicted["zebra"]["step_time_s"] != before["zebra"]["step_time_s"]  # priced for the run
         assert given.predicted == before  # the caller's plan as it was given

@@ -353,7 +353,7 @@ def selection_run(monkeypatch, world: int, mode: str):
             return None
 
     args = SimpleNamespace(mode=mode, cluster=None, emulated=False, batch_split="equal", allow_emulated_bf16=False,
-                           plan=None, expert_load=None)
+                           plan=None, expert_load=None, expert_parallel_size=world)
     strategy = SimpleNamespace(args=args, clock=Clock(), lightning_module=small_model("torch"), world_size=world,
                                global_rank=0, root_device=torch.device("cpu"), precision_plugin=Precision(),
                                measure_busy=False, broadcast=lambda obj, src=0: obj)

@@ -198,7 +198,8 @@ def _paper_homogeneous(seq_len):
         cluster = from_cfg(ClusterConfig, OmegaConf.to_container(OmegaConf.load(os.path.join(conf, "cluster",
                                                                                              f"{name}.yaml"))))
         plans[name] = make_plan(cluster, model, seq_len=seq_len, global_batch_tokens=1 << 20, shrink_to_fit=2,
-                                cost_model=CostModel(precision="16-mixed"), max_microbatches=16)
+                                cost_model=CostModel(precision="16-mixed"), max_microbatches=16,
+                                ep_groups="world")  # the paper's EP: one group over the four A40s
     return plans["a40x2_v100x2"], plans["a40x4"]
 
 

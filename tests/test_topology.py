@@ -18,7 +18,7 @@ from lightning_hetermoe.configs import ConfigError, from_cfg, workload_model
 from lightning_hetermoe.plan import make_plan
 from lightning_hetermoe.plan.planner import as_cluster
 from lightning_hetermoe.profile import make_timer
-from lightning_hetermoe.simulate import simulate_plan
+from lightning_hetermoe.simulate import predict_step, simulate_plan
 from lightning_hetermoe.simulate.schedules import plan_setup
 from lightning_hetermoe.simulate.step import exchange_legs
 from lightning_hetermoe.training import build_trainer_kwargs
@@ -199,9 +199,15 @@ def test_a_slower_network_costs_only_what_crosses_it():
     assert slow.predicted["zebra"]["network_gb"] == 0.0 and on_fast == on_slow and len(on_fast) > 0
     # ...but the gradient rings over both servers' attention ranks cross the network
     assert slow_res.step_time > fast_res.step_time
-    # EP over all eight ranks sends rows between the servers and slows with the network
-    assert slow.predicted["ep"]["network_gb"] > 0
-    assert slow.predicted["ep"]["step_time_s"] > 1.5 * fast.predicted["ep"]["step_time_s"]
+    # EP over all eight ranks sends rows between the servers and slows with the network...
+    world = {name: predict_step("ep", as_cluster(c).devices, m, as_cluster(c).topology, timer, plan=slow, ep_size=8)
+             for name, c in (("fast", two_servers("ib_ndr")), ("slow", slow_cluster))}
+    assert world["slow"].network_bytes > 0 and world["slow"].step_time > 1.5 * world["fast"].step_time
+    # ...so on the slow network the table's EP row is two groups of four, one per server: its
+    # exchange stays inside them, only the experts' gradient sum crosses (ep_groups.py)
+    assert slow.predicted["ep"]["ep_size"] == 4 and slow.predicted["ep"]["network_gb"] == 0.0
+    assert slow.predicted["ep"]["step_time_s"] < world["slow"].step_time
+    assert "strategy.expert_parallel_size=4" in slow.run_as("ep") and "EP groups of 4" in str(slow)
 
 
 def test_the_planner_keeps_zp_groups_inside_nodes_where_that_is_faster_and_the_table_says_so():

@@ -209,6 +209,12 @@ class Plan(JsonDataclass):
         rates = {name: tps for name, tps in rates.items() if tps}
         return max(rates, key=rates.get) if rates else None
 
+    def run_as(self, name: str) -> str:
+        """The settings that run schedule ``name`` as its row is priced: EP at the group size
+        its row names (``ep_size``, the fastest the planner found)."""
+        size = self.predicted.get(name, {}).get("ep_size")
+        return RUN_AS[name] + (f" strategy.expert_parallel_size={size}" if size and size != self.world_size else "")
+
     def __str__(self) -> str:
         g0 = self.zp_groups[0]
         M, N = len(g0.attention_ranks), len(g0.expert_ranks)
@@ -271,17 +277,23 @@ class Plan(JsonDataclass):
                 frac = f"  {tps / bound:>8.1%}" if bound else ""
                 gb = p.get("network_gb")
                 cross = f"  {f'{gb:.2f} GB/step' if gb is not None else 'n/a':>16}" if multi else ""
-                lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel:<20}{frac}{cross}".rstrip())
+                size = p.get("ep_size")
+                groups = f"  EP groups of {size}" if size and size != self.world_size else ""
+                lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel:<20}{frac}{cross}{groups}"
+                             .rstrip())
             if bound:
                 lines.append(f"  {'bound':<12} {'':>10} {bound:>12,.0f}  (every device busy on the work it is "
                              f"fastest at, no communication: no schedule beats it)")
             lines.append(f"  (throughput vs {self.schedule}: below 1x is slower than {self.schedule})")
+            if any(p.get("ep_size") not in (None, self.world_size) for p in self.predicted.values()):
+                lines.append("  (EP groups of k: world/k groups of k consecutive ranks, each holding every expert "
+                             "and exchanging inside itself, priced at the fastest k: strategy.expert_parallel_size=k)")
             fastest = self.fastest_predicted()
             if fastest is not None and fastest != self.schedule and base:
                 ratio = self.predicted[fastest]["tokens_per_s"] / base
                 if ratio >= TIE_RATIO:
-                    lines.append(f"  fastest predicted: {fastest}, {ratio:.2f}x {self.schedule}: {RUN_AS[fastest]} "
-                                 f"runs it (strategy.mode=auto weighs it at the run's own routing)")
+                    lines.append(f"  fastest predicted: {fastest}, {ratio:.2f}x {self.schedule}: "
+                                 f"{self.run_as(fastest)} runs it (strategy.mode=auto weighs it at the run's own routing)")
             if multi:
                 lines.append("  (over the network: the experts' exchange between nodes, every group, per step; "
                              "gradient rings that cross nodes are priced at the network's speed too)")

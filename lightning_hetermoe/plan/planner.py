@@ -48,6 +48,7 @@ from ..profile.memory import MemoryModel, small_training_state
 from ..profile.profile import Profile
 from ..profile.timer import CachedTimer, make_timer
 from ..simulate.bound import throughput_bound
+from ..simulate.ep_groups import fastest_ep
 from ..simulate.predict import predict_step, predict_step_time
 from ..simulate.schedules import SCHEDULES, ep_speed
 from .cluster_view import ClusterView, as_cluster
@@ -165,6 +166,7 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
 
 
 PINS = ("num_attention_ranks", "num_zp_groups", "num_microbatches")  # a pinned layout plans as pinned
+EP_GROUPS = ("fastest", "world")  # how the EP rows price EP's group size
 
 
 def _model_config(model: ModelConfig | dict) -> ModelConfig:
@@ -223,7 +225,8 @@ def _predict_as_asked(plan: Plan, view: ClusterView, model: ModelConfig | dict, 
                           kwargs.get("optimizer"))
     plan.predicted = predict(plan, view, model, timer, kwargs.get("schedules", SCHEDULES), kwargs.get("expert_load"),
                              brief=kwargs.get("_brief", False), optimizer=kwargs.get("optimizer"),
-                             weight_averages=kwargs.get("weight_averages", 0))
+                             weight_averages=kwargs.get("weight_averages", 0),
+                             ep_groups=kwargs.get("ep_groups", "fastest"))
 
 
 def _probe_pays(best: Plan, waves: int, cluster: Any, model: Any, **kwargs: Any) -> bool:
@@ -361,6 +364,7 @@ def plan_for_batch(
     optimizer: OptimConfig | None = None,
     weight_averages: int = 0,
     waves: int = 1,
+    ep_groups: str = "fastest",
     _splits: Sequence[int] | None = None,
     _brief: bool = False,
     _bar: Plan | None = None,
@@ -390,7 +394,9 @@ def plan_for_batch(
     bytes or none where AdamW keeps 8); ``None``: AdamW's, unfused. ``weight_averages``:
     copies of the weights kept on the device beside them for the whole run, 4 bytes per
     parameter each (Lightning's ``WeightAveraging``/``EMAWeightAveraging`` on the GPU: one;
-    with ``device="cpu"``: none).
+    with ``device="cpu"``: none). ``ep_groups``: the EP rows at the fastest group size a run
+    can be set to (``"fastest"``, ``simulate/ep_groups.py``; the row's ``ep_size``) or as
+    one group over every rank (``"world"``: the papers' EP baseline).
 
     Where memory binds, every layout the plan format can express is checked (see
     ``fit.py``): a batch that fits in one gets a plan, and a refusal names the binding
@@ -414,6 +420,8 @@ def plan_for_batch(
     if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1 or total % waves:
         raise ValueError(f"waves={waves!r} is invalid: must be an integer >= 1 that divides the batch's {total} "
                          f"sequences")
+    if ep_groups not in EP_GROUPS:
+        raise ValueError(f"ep_groups={ep_groups!r} is invalid: choose from {EP_GROUPS}")
     with _cycle_collector_paused():
         return _plan(view, model, seq_len=seq_len, total=total // waves, waves=waves, profile=profile,
                      cost_model=cost_model,
@@ -422,7 +430,7 @@ def plan_for_batch(
                      require_expert_ranks=require_expert_ranks, schedules=schedules, timer=timer,
                      expert_load=expert_load, place_at_load=place_at_load,
                      shard_optimizer_state=shard_optimizer_state, optimizer=optimizer,
-                     weight_averages=weight_averages, splits=_splits, brief=_brief, bar=_bar)
+                     weight_averages=weight_averages, ep_groups=ep_groups, splits=_splits, brief=_brief, bar=_bar)
 
 
 @contextlib.contextmanager
@@ -443,9 +451,8 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
           num_microbatches: int | None, max_microbatches: int, num_attention_ranks: int | None,
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
           expert_load, place_at_load: bool, shard_optimizer_state: bool | None,
-          optimizer: OptimConfig | None = None, weight_averages: int = 0, splits: Sequence[int] | None = None,
-          brief: bool = False,
-          bar: Plan | None = None) -> Plan:
+          optimizer: OptimConfig | None = None, weight_averages: int = 0, ep_groups: str = "fastest",
+          splits: Sequence[int] | None = None, brief: bool = False, bar: Plan | None = None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = _search_timer(model, seq_len, timer, profile, cost_model, optimizer)
     search = Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
@@ -482,7 +489,7 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
     if place_at_load and expert_load is not None:
         _place_at_load(plan, search, expert_load)
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief, optimizer=optimizer,
-                             weight_averages=weight_averages)
+                             weight_averages=weight_averages, ep_groups=ep_groups)
     plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len, batch_tokens=total * seq_len)
     cost = getattr(timer, "cost", None)
     if cost is not None:
@@ -595,12 +602,13 @@ def _check_total_memory(mem: MemoryModel, model: ModelConfig, view: ClusterView)
 
 def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequence[str] = SCHEDULES,
             expert_load: list[list[float]] | None = None, brief: bool = False,
-            optimizer: OptimConfig | None = None, weight_averages: int = 0) -> dict:
+            optimizer: OptimConfig | None = None, weight_averages: int = 0, ep_groups: str = "fastest") -> dict:
     """Step time and tokens/s of ``plan`` under each schedule and data-centric (``None``
     and the error where one does not fit). ``brief``: each schedule's step time and
     tokens/s alone (zebra and DistEP by the search's own simulation), no data-centric.
     ``optimizer`` and ``weight_averages``: what EP's micro-batches and data-centric's
-    memory are priced with, as the plan itself was."""
+    memory are priced with, as the plan itself was. ``ep_groups``: EP at its fastest group
+    size (the row's ``ep_size``) or as one group over every rank (``"world"``)."""
     view = as_cluster(cluster)
     out: dict[str, dict[str, float]] = {}
     for s in list(schedules) + ([] if brief else ["datacentric"]):
@@ -608,14 +616,22 @@ def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequ
             step = predict_step_time(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load)
             out[s] = {"step_time_s": step, "tokens_per_s": plan.step_seqs * plan.seq_len / step if step > 0 else 0.0}
             continue
+        ep_size = None
         try:
-            res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load,
-                               optimizer=optimizer, weight_averages=weight_averages)
+            if s in ("ep", "ep_balanced") and ep_groups == "fastest":  # as a run can be set to
+                ep_size, res = fastest_ep(s, view.devices, model, view.topology, timer, seq_len=plan.seq_len,
+                                          total_seqs=plan.step_seqs, plan=plan, expert_load=expert_load,
+                                          optimizer=optimizer, weight_averages=weight_averages)
+            else:
+                res = predict_step(s, view.devices, model, view.topology, timer, plan=plan, expert_load=expert_load,
+                                   optimizer=optimizer, weight_averages=weight_averages)
         except ValueError as err:
             # None, not NaN: the plan stays valid JSON and compares equal to its round trip
             out[s] = {"step_time_s": None, "tokens_per_s": None, "error": str(err)}
             continue
         out[s] = {"step_time_s": res.step_time, "tokens_per_s": res.tokens_per_s}
+        if ep_size is not None:
+            out[s]["ep_size"] = ep_size
         if view.topology.num_nodes > 1 and res.network_bytes is not None:
             out[s]["network_gb"] = res.network_bytes / 1e9
     return out

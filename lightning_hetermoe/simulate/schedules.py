@@ -119,8 +119,9 @@ def ep_setup(
         ids = [held[i % ep] for i in range(W)]
         experts = [[len(x) for x in h] for h in ids]
     # one number of micro-batches for every rank: the strategy runs one
-    R = num_microbatches or MemoryModel.for_optimizer(model, optimizer, weight_averages).fewest_microbatches(
-        [(d, n, sum(held)) for d, n, held in zip(devs, seqs, experts)], seq_len)
+    R = num_microbatches or _fewest_microbatches(MemoryModel.for_optimizer(model, optimizer, weight_averages),
+                                                 [(d, n, sum(held)) for d, n, held in zip(devs, seqs, experts)],
+                                                 ep, seq_len)
     if R is None:
         raise ValueError(
             f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
@@ -142,6 +143,14 @@ def ep_setup(
         copy_routes=None if placement is None or placement.routes is None
         else [placement.layer_routes(l) for l in range(placement.num_layers)],
     )
+
+
+def _fewest_microbatches(memory: MemoryModel, members: list[tuple], ep: int, seq_len: int) -> int | None:
+    """The fewest micro-batches with which every EP group fits: each group's experts see
+    its own members' tokens, not the world's (groups alike are checked once)."""
+    groups = {tuple(members[g * ep:(g + 1) * ep]) for g in range(len(members) // ep)}
+    fewest = [memory.fewest_microbatches(list(g), seq_len) for g in groups]
+    return None if None in fewest else max(fewest)
 
 
 def simulate_ep(devs, model, *, seq_len, total_seqs, link, timer, balanced=False, keep_timeline=True,

@@ -162,6 +162,33 @@ class RunClock:
                              weight_averages=self.weight_averages).step_time
                 for load in self.loads(expert_load, batch_loads)]
 
+    def fastest_ep_size(self, schedule: str) -> int:
+        """The EP group size (``expert_parallel_size``, among
+        :func:`~lightning_hetermoe.simulate.ep_groups.ep_group_sizes`) whose step this run
+        prices shortest (:meth:`step_time`; a tie keeps the larger group). A group smaller
+        than the world counts only where each rank holds its experts and its share of the
+        batch in one micro-batch, as the EP backend runs it (each holds more experts than
+        in one world-wide group, which is priced as before)."""
+        from ..simulate import predict_step
+        from ..simulate.ep_groups import ep_group_sizes
+
+        best: tuple[int, float] | None = None
+        for k in ep_group_sizes(self.links(), self.world_size):
+            if k < self.world_size:
+                try:
+                    fits = predict_step(schedule, self.devices, self.model, self.links(), self.timer,
+                                        seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, ep_size=k,
+                                        optimizer=self.optimizer, weight_averages=self.weight_averages
+                                        ).num_microbatches == 1
+                except ValueError:
+                    fits = False
+                if not fits:
+                    continue
+            step = self.step_time(Simulated(schedule, ep_size=k))
+            if best is None or step < best[1]:
+                best = (k, step)
+        return best[0] if best is not None else self.world_size
+
     def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None,
                 batch_loads: list[list[list[float]]] | None = None) -> dict[str, Any] | None:
         """The predicted step of this very run, in wall seconds (scaled like the emulated

@@ -38,6 +38,7 @@ from ..materialize import built_on_meta
 from .precision import check_bf16, precision_name
 
 AUTO_CANDIDATES = tuple(RUN_AS)  # every schedule a run can be set to
+EP_SCHEDULES = ("ep", "ep_balanced")  # priced at their fastest EP group size
 
 
 def loader_batch_shape(trainer) -> tuple[int, int]:
@@ -238,12 +239,13 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
         # a model on the meta device cannot run yet: it plans with even routing
         clock.expert_load, clock.batch_loads = split_routing(
             warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world, strategy.precision_plugin))
+    ep_size = None
     if single:
         choice, plan = "single", None
     else:
-        choice, plan = _decide(args, clock, world, module, model) if rank == 0 else (None, None)
-        choice, plan, clock.expert_load, clock.batch_loads = strategy.broadcast(
-            (choice, None if plan is None else plan.to_dict(), clock.expert_load, clock.batch_loads), src=0)
+        choice, plan, ep_size = _decide(args, clock, world, module, model) if rank == 0 else (None, None, None)
+        choice, plan, ep_size, clock.expert_load, clock.batch_loads = strategy.broadcast(
+            (choice, None if plan is None else plan.to_dict(), ep_size, clock.expert_load, clock.batch_loads), src=0)
         if plan is not None:
             from ..plan import Plan
 
@@ -251,11 +253,32 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     if plan is not None:  # on every rank, once all have the plan
         check_waves(plan, trainer.accumulate_grad_batches)
     backend = _build(args, clock, choice, plan, module, model, strategy.root_device, rank, world,
-                     measure_busy=strategy.measure_busy)
+                     measure_busy=strategy.measure_busy, ep_size=ep_size)
     clock.prediction = clock.predict(backend.simulated())
     if plan is not None and rank == 0:
         _announce_plan(trainer, plan)
+    if rank == 0 and args.mode == "ep" and args.expert_parallel_size is None:
+        suggest_ep_size(clock, choice, world)
     return backend
+
+
+def suggest_ep_size(clock: Any, name: str, world: int) -> str | None:
+    """``mode="ep"`` left at one group over the world: where the run's clock prices a
+    smaller group faster (past a tie), one line saying which and by how much (printed and
+    returned)."""
+    if not clock.bound or world < 2:
+        return None
+    k = clock.fastest_ep_size(name)
+    if k == world:
+        return None
+    one, best = clock.step_time(Simulated(name, ep_size=world)), clock.step_time(Simulated(name, ep_size=k))
+    if one < best * TIE_RATIO:
+        return None
+    line = (f"hetermoe[ep]: {world // k} EP groups of {k} are predicted {one / best:.2f}x faster here than one group "
+            f"of {world} (each holds every expert and exchanges inside itself): set "
+            f"strategy.expert_parallel_size={k}")
+    print(line, flush=True)
+    return line
 
 
 def dense_backend(strategy: Any) -> ParallelBackend | None:
@@ -302,54 +325,69 @@ class _Description:
         return self.config_or_none
 
 
-def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description) -> tuple[str, Any]:
-    """Rank 0: the schedule (and its plan, if it runs one)."""
+def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description) -> tuple[str, Any, int | None]:
+    """Rank 0: the schedule, its plan if it runs one, and EP's group size where ``auto``
+    chose EP (``None``: the strategy's own ``expert_parallel_size``)."""
     if args.mode == "ep":
-        return ("ep_balanced" if args.batch_split == "speed" else "ep"), None
+        return ("ep_balanced" if args.batch_split == "speed" else "ep"), None, None
     if args.mode == "datacentric":
-        return "datacentric", None
+        return "datacentric", None, None
     if args.mode in DISAGGREGATED:
         return args.mode, priced_for_the_run(_plan(args, clock, world, model.config(), required=True,
-                                                   schedule=args.mode), clock, world)
+                                                   schedule=args.mode), clock, world), None
     if args.plan is not None:  # auto with a given plan runs what the plan was made for (given: not planned)
         return args.plan.schedule, priced_for_the_run(_plan(args, clock, world, model.config(), required=True),
-                                                      clock, world)
+                                                      clock, world), None
     disaggregable = _can_disaggregate(world, module, model)
     plan = _plan(args, clock, world, model.config(), required=False, schedule="zebra") if disaggregable else None
     if plan is not None:
         priced_for_the_run(plan, clock, world)  # the table it prints, and every candidate it holds, priced once
     throughput: dict[str, float] = {}
+    sizes: dict[str, int] = {}
     for name in AUTO_CANDIDATES:
         if name in DISAGGREGATED and plan is None:
             continue
         if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
             continue  # identical devices: the speed split is the equal split
-        rate = _run_throughput(clock, name, plan, world)
+        if name in EP_SCHEDULES:
+            sizes[name] = _ep_size(clock, name, plan, world)
+        rate = _run_throughput(clock, name, plan, world, sizes.get(name))
         if rate:  # else it does not fit in memory
             throughput[name] = rate
     if not throughput:
         raise ConfigError("mode='auto': no schedule fits this cluster and model (every prediction failed); set "
                           "strategy.mode explicitly")
-    best, line = choice_line(throughput)
+    labels = {name: f"{name} (expert_parallel_size={k})" for name, k in sizes.items() if k != world}
+    best, line = choice_line(throughput, labels)
     print(line, flush=True)
     if best not in DISAGGREGATED:
-        return best, None
+        return best, None, sizes.get(best)
     plan.schedule = best
-    return best, plan
+    return best, plan, None
 
 
-def _run_step(clock: Any, name: str, plan: Any, world: int) -> tuple[float, float]:
+def _ep_size(clock: Any, name: str, plan: Any, world: int) -> int:
+    """EP's group size for ``name`` in this run: the one its row in ``plan`` was priced at
+    (:func:`priced_for_the_run`), else the fastest on the run's clock."""
+    row = plan.predicted.get(name) if plan is not None else None
+    if row is not None:
+        return row.get("ep_size") or world
+    return clock.fastest_ep_size(name) if clock.bound else world
+
+
+def _run_step(clock: Any, name: str, plan: Any, world: int, ep_size: int | None = None) -> tuple[float, float]:
     """``(tokens, seconds)`` of one optimizer step of schedule ``name`` in this run as its
     clock predicts it: the mean over the held-out warm-up batches, zebra and DistEP on
-    ``plan``, the others on the run's batch, once per wave of a plan that has waves.
-    ``ValueError`` where it does not fit in memory."""
+    ``plan``, the others on the run's batch (EP in groups of ``ep_size``, by default one
+    group), once per wave of a plan that has waves. ``ValueError`` where it does not fit
+    in memory."""
     if name in DISAGGREGATED:
         return plan.step_seqs * clock.seq_len, clock.step_time(Simulated(name, plan=plan))
     waves = plan.waves if plan is not None else 1
-    return waves * clock.tokens_per_step, waves * clock.step_time(Simulated(name, ep_size=world))
+    return waves * clock.tokens_per_step, waves * clock.step_time(Simulated(name, ep_size=ep_size or world))
 
 
-def _run_throughput(clock: Any, name: str, plan: Any, world: int) -> float | None:
+def _run_throughput(clock: Any, name: str, plan: Any, world: int, ep_size: int | None = None) -> float | None:
     """Tokens/s of schedule ``name`` in this run (``None`` where it does not fit): the
     plan's row where it has one (:func:`priced_for_the_run` priced it), else
     :func:`_run_step`'s."""
@@ -357,7 +395,7 @@ def _run_throughput(clock: Any, name: str, plan: Any, world: int) -> float | Non
     if row is not None:
         return row.get("tokens_per_s")
     try:
-        tokens, step = _run_step(clock, name, plan, world)
+        tokens, step = _run_step(clock, name, plan, world, ep_size)
     except ValueError:
         return None
     return tokens / step
@@ -373,26 +411,33 @@ def priced_for_the_run(plan: Any, clock: Any, world: int) -> Any:
     if not clock.bound:
         return plan
     for name, row in plan.predicted.items():
+        ep_size = None
         try:
-            tokens, step = _run_step(clock, name, plan, world)
+            if name in EP_SCHEDULES:  # its fastest group size at the run's routing
+                ep_size = clock.fastest_ep_size(name)
+            tokens, step = _run_step(clock, name, plan, world, ep_size)
         except ValueError:
             row.update(tokens_per_s=None, step_time_s=None)  # the table says it does not fit
             continue
         row.update(tokens_per_s=tokens / step, step_time_s=step)
+        if ep_size is not None:
+            row["ep_size"] = ep_size
     return plan
 
 
-def choice_line(throughput: dict[str, float]) -> tuple[str, str]:
+def choice_line(throughput: dict[str, float], labels: dict[str, str] | None = None) -> tuple[str, str]:
     """The fastest of the predicted ``throughput`` (tokens/s by schedule; the first in its
-    order among equals) and the line that announces it beside the runner-up."""
+    order among equals) and the line that announces it beside the runner-up (each named by
+    its ``labels`` entry where it has one)."""
     ranked = sorted(throughput, key=throughput.get, reverse=True)  # stable: ties keep their order
     best = ranked[0]
-    line = f"hetermoe[auto]: chose {best} ({_rate(throughput[best])} predicted)"
+    name = (labels or {}).get
+    line = f"hetermoe[auto]: chose {name(best, best)} ({_rate(throughput[best])} predicted)"
     if len(ranked) > 1:
         second = ranked[1]
         ratio = throughput[best] / throughput[second]
         # a tie (a layout on which both run the same steps) is not "1.00x slower"
-        line += f"; runner-up {second} ({_rate(throughput[second])}, " + (
+        line += f"; runner-up {name(second, second)} ({_rate(throughput[second])}, " + (
             f"{ratio:.2f}x slower)" if ratio >= TIE_RATIO else f"within {TIE_RATIO - 1:.1%})")
     return best, line
 
@@ -455,7 +500,7 @@ def _zero_priced(args: Any) -> bool | None:
 
 
 def _build(args: Any, clock: Any, choice: str, plan: Any, module: Any, model: _Description, device: torch.device,
-           rank: int, world: int, *, measure_busy: bool) -> ParallelBackend:
+           rank: int, world: int, *, measure_busy: bool, ep_size: int | None = None) -> ParallelBackend:
     if choice == "single":
         from .backends.single import SingleDeviceBackend
 
@@ -463,8 +508,8 @@ def _build(args: Any, clock: Any, choice: str, plan: Any, module: Any, model: _D
     if choice in ("ep", "ep_balanced"):
         from .backends.ep import ExpertParallelBackend
 
-        return ExpertParallelBackend(args.expert_parallel_size, choice == "ep_balanced", clock, rank, world, device,
-                                     measure_busy=measure_busy, replica_dispatch=args.replica_dispatch)
+        return ExpertParallelBackend(ep_size or args.expert_parallel_size, choice == "ep_balanced", clock, rank,
+                                     world, device, measure_busy=measure_busy, replica_dispatch=args.replica_dispatch)
     if choice == "datacentric":
         from .backends.datacentric import DataCentricBackend
 

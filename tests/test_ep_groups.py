@@ -1,0 +1,206 @@
+"""EP priced at its fastest group size (``simulate/ep_groups.py``): the sizes a run can be
+set to, the fastest of them in the planner's table and in ``mode="auto"``'s choice, and a
+run on gloo ranks that auto put in groups smaller than the world."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness import run_ranks
+from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel, OptimConfig
+from lightning_hetermoe.cluster import ClusterConfig, LinkConfig
+from lightning_hetermoe.cluster.topology import Topology
+from lightning_hetermoe.configs import ModelConfig, from_cfg, workload_model
+from lightning_hetermoe.plan import Plan, make_plan
+from lightning_hetermoe.plan.planner import as_cluster
+from lightning_hetermoe.profile import make_timer
+from lightning_hetermoe.simulate import predict_step
+from lightning_hetermoe.simulate.ep_groups import ep_group_sizes, fastest_ep
+from reference import assert_same_params, data, make_model, trainer
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def shipped(name: str) -> ClusterConfig:
+    return from_cfg(ClusterConfig, OmegaConf.load(CONF / "cluster" / f"{name}.yaml"), "cluster")
+
+
+def naive_sizes(node_of: list[int]) -> list[int]:
+    """Every divisor k of the world whose groups of k consecutive ranks each lie in one node
+    or are exactly the ranks of the nodes they touch: by sets of ranks."""
+    world = len(node_of)
+    out = []
+    for k in range(world, 0, -1):
+        if world % k:
+            continue
+        ok = True
+        for g in range(world // k):
+            ranks = set(range(g * k, (g + 1) * k))
+            nodes = {node_of[r] for r in ranks}
+            whole = {r for r in range(world) if node_of[r] in nodes}
+            ok &= len(nodes) == 1 or ranks == whole
+        if ok:
+            out.append(k)
+    return out
+
+
+@pytest.mark.parametrize("node_of", [
+    [0] * 12, [0] * 4 + [1] * 4, [0] * 3 + [1] * 3, [0] * 2 + [1] * 4, [0] * 4 + [1] * 2,
+    [n for n in range(8) for _ in range(8)], [0] * 6 + [1] * 6 + [2] * 6 + [3] * 6])
+def test_group_sizes_are_the_divisors_whose_groups_sit_in_a_node_or_cover_whole_nodes(node_of):
+    nodes = max(node_of) + 1
+    link = LinkConfig()
+    topo = Topology(node_of=tuple(node_of), links=(link,) * nodes, network=link if nodes > 1 else None)
+    got = ep_group_sizes(topo, len(node_of))
+    assert got == naive_sizes(node_of) and got[0] == len(node_of) and got[-1] == 1
+    if nodes == 1:  # one node: every divisor
+        assert got == [k for k in range(len(node_of), 0, -1) if len(node_of) % k == 0]
+        assert ep_group_sizes(link, len(node_of)) == got
+    with pytest.raises(ValueError, match="EP needs at least one rank"):
+        ep_group_sizes(topo, 0)
+
+
+@pytest.mark.parametrize("cluster,seqs", [("n2_mixed", 32), ("a40x2_v100x2", 16), ("n2_h100_mi250x", 32)])
+def test_the_fastest_size_is_the_brute_force_fastest_of_every_size(cluster, seqs):
+    model = workload_model("d1")
+    view = as_cluster(shipped(cluster))
+    timer = make_timer(model, 4096)
+    kw = dict(seq_len=4096, total_seqs=seqs, keep_timeline=False)
+    steps = {}
+    for k in ep_group_sizes(view.topology, len(view.devices)):
+        try:
+            steps[k] = predict_step("ep", view.devices, model, view.topology, timer, ep_size=k, **kw).step_time
+        except ValueError:
+            pass
+    size, res = fastest_ep("ep", view.devices, model, view.topology, timer, **kw)
+    assert steps[size] == res.step_time == min(steps.values())
+    world = len(view.devices)
+    if cluster == "a40x2_v100x2":  # one node: a quarter of the experts each beats half or all
+        assert size == world
+    else:  # two servers: each keeps its exchange inside itself, only the gradient sum crosses
+        assert size == world // 2 and steps[world] > 1.3 * res.step_time
+    with pytest.raises(ValueError, match="fastest_ep prices ep and ep_balanced, not 'zebra'"):
+        fastest_ep("zebra", view.devices, model, view.topology, timer, **kw)
+
+
+def test_the_plan_prices_ep_at_its_fastest_group_size_and_says_how_to_run_it():
+    model = workload_model("d1")
+    cluster = shipped("n2_mixed")
+    view = as_cluster(cluster)
+    timer = make_timer(model, 4096)
+    plan = make_plan(cluster, model, seq_len=4096, global_batch_tokens=4096 * 32)
+    for name in ("ep", "ep_balanced"):
+        size, res = fastest_ep(name, view.devices, model, view.topology, timer, seq_len=4096,
+                               total_seqs=plan.step_seqs, plan=plan)
+        row = plan.predicted[name]
+        assert (row["ep_size"], row["step_time_s"]) == (size, res.step_time) == (4, res.step_time)
+        assert plan.run_as(name).endswith("strategy.expert_parallel_size=4")
+    text = str(plan)
+    assert "EP groups of 4" in text and "strategy.expert_parallel_size=k" in text
+    assert Plan.from_dict(plan.to_dict()).predicted == plan.predicted  # the size survives plan.json
+    world = make_plan(cluster, model, seq_len=4096, global_batch_tokens=4096 * 32, ep_groups="world")
+    one = predict_step("ep", view.devices, model, view.topology, timer, plan=world)
+    assert "ep_size" not in world.predicted["ep"] and world.predicted["ep"]["step_time_s"] == one.step_time
+    assert world.run_as("ep") == "strategy.mode=ep" and "EP groups of" not in str(world)
+    assert world.predicted["ep"]["step_time_s"] > 1.3 * plan.predicted["ep"]["step_time_s"]
+    with pytest.raises(ValueError, match=r"ep_groups='some' is invalid: choose from \('fastest', 'world'\)"):
+        make_plan(cluster, model, seq_len=4096, global_batch_tokens=4096 * 32, ep_groups="some")
+
+
+def test_auto_weighs_every_ep_group_size_and_names_the_one_it_chose(capsys):
+    """OLMoE on two servers (H100s, MI250Xs) joined by 200 Gbit/s: EP in a group per server
+    is predicted faster than zebra's plan there; EP over both servers was 4.5x slower."""
+    from lightning_hetermoe.strategy.backends.base import Simulated
+    from lightning_hetermoe.strategy.run_clock import RunClock
+    from lightning_hetermoe.strategy.selection import _decide, _Description
+
+    model = workload_model("olmoe_1b_7b")
+    cluster = shipped("n2_h100_mi250x")
+    clock = RunClock(cluster, None, rank=0)
+    clock.bind(model, 4, 4096, 8, cluster.specs())
+    # the model run is a small one of the workload's shape: the clock prices the workload
+    small = MoELanguageModel(ModelConfig(d_model=32, n_heads=2, n_layers=model.n_layers,
+                                         moe=dataclasses.replace(model.moe, d_ff=64)))
+    schedule, plan, size = _decide(HeterMoEStrategy(mode="auto", cluster=cluster).args, clock, 8, small,
+                                   _Description.of(small))
+    steps = {k: clock.step_time(Simulated(schedule, ep_size=k)) for k in (8, 4)}
+    assert schedule in ("ep", "ep_balanced") and plan is None and size == 4 == clock.fastest_ep_size(schedule)
+    assert steps[8] > 2 * steps[4]
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("hetermoe[auto]")][-1]
+    assert line.startswith(f"hetermoe[auto]: chose {schedule} (expert_parallel_size=4) (") and "runner-up zebra" in line
+
+
+class ManualStep(MoELanguageModel):
+    """Manual optimization (auto then weighs EP and data-centric only: zebra runs the
+    backward itself)."""
+
+    def __init__(self) -> None:
+        base = make_model(4, seed=0, optim=OptimConfig())
+        super().__init__(base.model_cfg, base.optim_cfg)
+        self.load_state_dict(base.state_dict())
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.losses(batch)["loss"]
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()
+        return loss
+
+
+# two servers, A40s and V100s, 25 Gbit/s between them, D1's tasks at 4K on the clock: EP
+# over all four ranks sends every layer's rows over the network
+TWO_SERVERS = dict(name="two", nodes=[{"name": "s0", "devices": ["a40", "a40"], "link": "pcie4"},
+                                      {"name": "s1", "devices": ["v100", "v100"], "link": "nvlink2"}],
+                   network={"bandwidth_gbps": 25, "latency_us": 20}, emulate=True, time_scale=0.5,
+                   emulate_workload={"model": "d1", "seq_len": 4096})
+STEPS = 3
+
+
+def fit_auto(rank: int, world: int) -> dict | None:
+    model = ManualStep()
+    strategy = HeterMoEStrategy(mode="auto", cluster=TWO_SERVERS)
+    trainer(strategy, world, max_steps=STEPS).fit(model, datamodule=data(world, 8))
+    backend = strategy.backend
+    return {"state": model.state_dict(), "ep_size": backend.ep_size, "schedule": strategy.schedule,
+            "ep_rank": backend.groups.ep_rank}
+
+
+@pytest.mark.slow
+def test_auto_runs_ep_in_the_groups_it_chose_on_every_rank_and_trains_as_one_process():
+    per_rank = run_ranks(4, fit_auto, 4)
+    assert [(r["schedule"], r["ep_size"], r["ep_rank"]) for r in per_rank] == [
+        ("ep", 2, 0), ("ep", 2, 1), ("ep", 2, 0), ("ep", 2, 1)]
+    reference = ManualStep()
+    initial = copy.deepcopy(reference.state_dict())
+    trainer("auto", 1, max_steps=STEPS).fit(reference, datamodule=data(1, 8))
+    for got in per_rank:
+        assert_same_params(got["state"], reference.state_dict(), initial)
+
+
+def test_ep_left_at_one_group_says_where_smaller_groups_are_predicted_faster(capsys):
+    from lightning_hetermoe.strategy.backends.base import Simulated
+    from lightning_hetermoe.strategy.run_clock import RunClock
+    from lightning_hetermoe.strategy.selection import suggest_ep_size
+
+    model = workload_model("d1")
+    for name, world, size in (("n2_mixed", 8, 4), ("a40x2_v100x2", 4, None)):
+        cluster = shipped(name)
+        clock = RunClock(cluster, None, rank=0)
+        clock.bind(model, 4, 4096, world, cluster.specs())
+        line = suggest_ep_size(clock, "ep", world)
+        if size is None:  # one server: one group over the world is the fastest; nothing said
+            assert line is None and clock.fastest_ep_size("ep") == world
+            continue
+        ratio = clock.step_time(Simulated("ep", ep_size=world)) / clock.step_time(Simulated("ep", ep_size=size))
+        assert ratio > 1.2 and line == (
+            f"hetermoe[ep]: 2 EP groups of 4 are predicted {ratio:.2f}x faster here than one group of 8 (each holds "
+            f"every expert and exchanges inside itself): set strategy.expert_parallel_size=4")
+        assert line in capsys.readouterr().out
