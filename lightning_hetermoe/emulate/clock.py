@@ -163,11 +163,23 @@ class Emulator:
         the order of each of ``groups``' ranks), every group taken to move the same."""
         return self._legs_seconds(self._topology([r for g in groups for r in g]).matrix_legs(rows, groups))
 
-    def exchange_seconds(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float]) -> float:
-        """An exchange over ``ranks`` from this rank's own rows: those to and from its node's
-        ranks over the node's link, the rest through the node's network port, which every
-        rank of the node loads alike (what the simulator's node sums give under even
-        routing)."""
+    def needs_matrix(self, ranks: Sequence[int]) -> bool:
+        """Whether an exchange over ``ranks`` crosses nodes: its network port carries every
+        rank of a node together, so its time needs every member's rows
+        (:meth:`exchange_seconds`' ``rows``), not this rank's alone."""
+        return self.topology is not None and len({self.topology.node_of[r] for r in ranks}) > 1
+
+    def exchange_seconds(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float],
+                         rows: Sequence[Sequence[float]] | None = None) -> float:
+        """An exchange over ``ranks``: from every member's rows where ``rows`` gives them
+        (``rows[s][d]``, as the simulator prices a round: the busiest member on each node's
+        link, each node's rows through its port); else from this rank's own, those to and
+        from its node's ranks over the node's link, the rest through the node's network
+        port, which every rank of the node is taken to load alike (what the node sums give
+        under even routing; under skew a rank's port share is not the node's, which timed
+        EP over two emulated servers 21% past the simulator)."""
+        if rows is not None:
+            return self.round_seconds(rows, [ranks])
         topo = self._topology(ranks)
         node = topo.node_of[self.rank]
         mine = list(ranks).index(self.rank)

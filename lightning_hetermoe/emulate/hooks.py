@@ -55,6 +55,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+import lightning_hetermoe.comm as comm
 from ..backward import inside_backward
 from .clock import EmulatedWorkload, Emulator, TaskStats, emulated_workload, rank_emulator
 from .meter import BusyMeter
@@ -391,6 +392,16 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
     handle._exchanges.append(disp)
 
 
+def _every_members_splits(group, send_splits: list[int]) -> list[list[int]]:
+    """``rows[s][d]``: what each member of ``group`` sends each (one host all-gather, on an
+    emulated run whose exchange crosses nodes only; every member reaches it in the same
+    order, right before the exchange itself)."""
+    mine = torch.tensor(send_splits, dtype=torch.long)
+    outs = [torch.empty_like(mine) for _ in group.ranks]
+    comm.host_all_gather(group, outs, mine, what="emulate.ep_splits")
+    return [o.tolist() for o in outs]
+
+
 def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: list[_BlockCall],
                    settled: Callable[[Callable[[], None]], Callable[[], None]]) -> None:
     em = handle.emulator
@@ -398,7 +409,9 @@ def _wrap_exchange(handle: EmulationHandle, moe, disp, layer_idx: int, current: 
 
     def exchange(x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
         call = current[-1] if current else None
-        seconds = em.exchange_seconds(disp.group.ranks, send_splits, recv_splits)
+        ranks = disp.group.ranks
+        rows = _every_members_splits(disp.group, send_splits) if em.needs_matrix(ranks) else None
+        seconds = em.exchange_seconds(ranks, send_splits, recv_splits, rows)
         if isinstance(call, _Recompute):  # a transfer of its own inside the block's backward
             call.enter_expert_path()
             started = em.now()

@@ -172,7 +172,11 @@ class BusyMeter:
     def experts(self, counts, backward: bool = False) -> float:
         return 0.0
 
-    def exchange_seconds(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float]) -> float:
+    def needs_matrix(self, ranks: Sequence[int]) -> bool:
+        return False  # a real device's exchange is timed, not modelled
+
+    def exchange_seconds(self, ranks: Sequence[int], send: Sequence[float], recv: Sequence[float],
+                         rows: Sequence[Sequence[float]] | None = None) -> float:
         return 0.0
 
     def pad(self, task: str, key: Any, started: Any, modelled: float, *,
