@@ -19,7 +19,7 @@ from lightning_hetermoe.configs import ModelConfig, from_cfg, workload_model
 from lightning_hetermoe.plan import Plan, make_plan
 from lightning_hetermoe.plan.planner import as_cluster
 from lightning_hetermoe.profile import make_timer
-from lightning_hetermoe.simulate import predict_step
+from lightning_hetermoe.simulate import predict_step, simulate_plan
 from lightning_hetermoe.simulate.ep_groups import ep_group_sizes, fastest_ep
 from reference import assert_same_params, data, make_model, trainer
 
@@ -102,6 +102,9 @@ def test_the_plan_prices_ep_at_its_fastest_group_size_and_says_how_to_run_it():
         assert plan.run_as(name).endswith("strategy.expert_parallel_size=4")
     text = str(plan)
     assert "EP groups of 4" in text and "strategy.expert_parallel_size=k" in text
+    # what recipes/plan.py simulates and draws for a row is the row's step
+    drawn = simulate_plan(plan, view.devices, model, view.topology, timer, schedule="ep", keep_timeline=False)
+    assert drawn.step_time == plan.predicted["ep"]["step_time_s"]
     assert Plan.from_dict(plan.to_dict()).predicted == plan.predicted  # the size survives plan.json
     world = make_plan(cluster, model, seq_len=4096, global_batch_tokens=4096 * 32, ep_groups="world")
     one = predict_step("ep", view.devices, model, view.topology, timer, plan=world)

@@ -92,9 +92,12 @@ def predict_step(
 def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", keep_timeline: bool = True,
                   expert_load: list[list[float]] | None = None, optimizer: OptimConfig | None = None,
                   weight_averages: int = 0) -> StepResult:
-    """Predict one step of ``plan`` under ``schedule`` (see :func:`predict_step`)."""
+    """Predict one step of ``plan`` under ``schedule`` (see :func:`predict_step`); EP in
+    the groups its row in the plan's table was priced at (``ep_size``; none: one group)."""
+    ep_size = (plan.predicted.get(schedule) or {}).get("ep_size") if schedule in ("ep", "ep_balanced") else None
     return predict_step(schedule, devs, model, link, timer, plan=plan, keep_timeline=keep_timeline,
-                        expert_load=expert_load, optimizer=optimizer, weight_averages=weight_averages)
+                        expert_load=expert_load, optimizer=optimizer, weight_averages=weight_averages,
+                        ep_size=ep_size)
 
 
 def predict_step_time(schedule: str, devs: Sequence[DeviceSpec], model: ModelConfig, link: LinkConfig | Topology,
