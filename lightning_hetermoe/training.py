@@ -300,6 +300,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         "wall_s": time.perf_counter() - started,
         "init_on_meta": on_meta,
     })
+    if strategy.expert_parallel_size is not None:
+        summary["expert_parallel_size"] = strategy.expert_parallel_size
     if saved is not None:
         summary["checkpoint"] = saved
     if ckpt_path is not None:

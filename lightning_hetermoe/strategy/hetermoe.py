@@ -165,6 +165,12 @@ class HeterMoEStrategy(DDPStrategy):
         return self.backend.schedule if self.backend is not None else None
 
     @property
+    def expert_parallel_size(self) -> int | None:
+        """Ranks per EP group where EP runs (after set-up): the size asked for, or the one
+        ``mode="auto"`` chose; ``None`` under the other schedules."""
+        return getattr(self.backend, "ep_size", None) if self.schedule in ("ep", "ep_balanced") else None
+
+    @property
     def plan(self) -> Any:
         """The plan that runs (zebra, distep), else the one given."""
         return getattr(self.backend, "plan", None) or self.args.plan
