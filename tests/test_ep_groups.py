@@ -136,6 +136,14 @@ def test_auto_weighs_every_ep_group_size_and_names_the_one_it_chose(capsys):
     assert steps[8] > 2 * steps[4]
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("hetermoe[auto]")][-1]
     assert line.startswith(f"hetermoe[auto]: chose {schedule} (expert_parallel_size=4) (") and "runner-up zebra" in line
+    # with 60% of the memory a group of 4's ranks no longer hold their experts and batch in
+    # one micro-batch (EP runs one): the world-wide group is chosen though 4 would step faster
+    tight = from_cfg(ClusterConfig, {**OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "n2_h100_mi250x.yaml")),
+                                     "memory_scale": 0.6}, "cluster")
+    clock = RunClock(tight, None, rank=0)
+    clock.bind(model, 4, 4096, 8, tight.specs())
+    assert clock.step_time(Simulated("ep", ep_size=4)) < clock.step_time(Simulated("ep", ep_size=8))
+    assert clock.fastest_ep_size("ep") == 8
 
 
 class ManualStep(MoELanguageModel):

@@ -169,17 +169,17 @@ class RunClock:
         than the world counts only where each rank holds its experts and its share of the
         batch in one micro-batch, as the EP backend runs it (each holds more experts than
         in one world-wide group, which is priced as before)."""
-        from ..simulate import predict_step
+        from ..simulate import ep_setup
         from ..simulate.ep_groups import ep_group_sizes
 
         best: tuple[int, float] | None = None
         for k in ep_group_sizes(self.links(), self.world_size):
             if k < self.world_size:
-                try:
-                    fits = predict_step(schedule, self.devices, self.model, self.links(), self.timer,
-                                        seq_len=self.seq_len, total_seqs=self.per_rank * self.world_size, ep_size=k,
-                                        optimizer=self.optimizer, weight_averages=self.weight_averages
-                                        ).num_microbatches == 1
+                try:  # the layout alone (its fewest micro-batches), nothing simulated
+                    fits = ep_setup(self.devices, self.model, seq_len=self.seq_len,
+                                    total_seqs=self.per_rank * self.world_size, link=self.links(), timer=self.timer,
+                                    balanced=schedule == "ep_balanced", ep_size=k, optimizer=self.optimizer,
+                                    weight_averages=self.weight_averages).num_microbatches == 1
                 except ValueError:
                     fits = False
                 if not fits:
