@@ -7,9 +7,10 @@ several nodes a group kept inside a node keeps the per-layer all-to-alls off the
 and sends only that sum across it: on two servers of 2 A40 + 2 V100 joined by 25 Gbit/s
 Ethernet, D1 at 4K tokens steps 1.37x faster in two groups of 4 than in one of 8; on 64
 GPUs of ``bench/plan_scale.py``'s mix in nodes of 8, D1 at 8K, 3.2x faster in groups of 8
-than in one of 64. On one node the
-world-wide group is usually the fastest (each rank holds fewer experts, and nothing is
-summed over groups). So the planner's EP rows and ``mode="auto"`` price every size a run
+than in one of 64. On one node the world-wide group is usually the fastest (each rank
+holds fewer experts, and nothing is summed over groups), but not always: D1 with 8 experts
+at 4K on four A40s (the paper's yardstick) steps 1.37x faster as plain data parallelism
+(groups of 1: every expert on every rank, no all-to-all). So the planner's EP rows and ``mode="auto"`` price every size a run
 could use and keep the fastest.
 """
 
