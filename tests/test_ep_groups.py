@@ -211,6 +211,20 @@ def test_ep_left_at_one_group_says_where_smaller_groups_are_predicted_faster(cap
             continue
         ratio = clock.step_time(Simulated("ep", ep_size=world)) / clock.step_time(Simulated("ep", ep_size=size))
         assert ratio > 1.2 and line == (
-            f"hetermoe[ep]: 2 EP groups of 4 are predicted {ratio:.2f}x faster here than one group of 8 (each holds "
-            f"every expert and exchanges inside itself): set strategy.expert_parallel_size=4")
+            f"hetermoe[ep]: 2 EP groups of 4 (each holds every expert and exchanges inside itself) is predicted "
+            f"{ratio:.2f}x faster here than one group of 8: set strategy.expert_parallel_size=4")
         assert line in capsys.readouterr().out
+    # the README's `strategy.mode=ep cluster=cpu2` job, its routing skewed (half the choices
+    # on one expert): plain data parallelism is predicted faster, by less than HINT_RATIO:
+    # nothing is said (it said "1.02x faster", a nag)
+    from lightning_hetermoe.strategy.selection import HINT_RATIO
+
+    tiny = from_cfg(ModelConfig, OmegaConf.load(CONF / "model" / "tiny.yaml"), "model")
+    cluster = shipped("cpu2")
+    clock = RunClock(cluster, None, rank=0)
+    clock.bind(tiny, 8, 64, 2, cluster.specs(), optimizer=OptimConfig())
+    E = tiny.moe.num_experts
+    clock.batch_loads = [[[0.5] + [0.5 / (E - 1)] * (E - 1)] * tiny.n_layers]
+    ratio = clock.step_time(Simulated("ep", ep_size=2)) / clock.step_time(Simulated("ep", ep_size=1))
+    assert clock.fastest_ep_size("ep") == 1 and 1 < ratio < HINT_RATIO
+    assert suggest_ep_size(clock, "ep", 2) is None and "hetermoe[ep]" not in capsys.readouterr().out

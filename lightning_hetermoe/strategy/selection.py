@@ -262,20 +262,24 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     return backend
 
 
+HINT_RATIO = 1.1  # a smaller EP group predicted this much faster is worth a line at set-up
+
+
 def suggest_ep_size(clock: Any, name: str, world: int) -> str | None:
     """``mode="ep"`` left at one group over the world: where the run's clock prices a
-    smaller group faster (past a tie), one line saying which and by how much (printed and
-    returned)."""
+    smaller group at least :data:`HINT_RATIO` faster, one line saying which and by how much
+    (printed and returned)."""
     if not clock.bound or world < 2:
         return None
     k = clock.fastest_ep_size(name)
     if k == world:
         return None
     one, best = clock.step_time(Simulated(name, ep_size=world)), clock.step_time(Simulated(name, ep_size=k))
-    if one < best * TIE_RATIO:
+    if one < best * HINT_RATIO:
         return None
-    line = (f"hetermoe[ep]: {world // k} EP groups of {k} are predicted {one / best:.2f}x faster here than one group "
-            f"of {world} (each holds every expert and exchanges inside itself): set "
+    groups = ("plain data parallelism (every rank holding every expert, no all-to-all)" if k == 1 else
+              f"{world // k} EP groups of {k} (each holds every expert and exchanges inside itself)")
+    line = (f"hetermoe[ep]: {groups} is predicted {one / best:.2f}x faster here than one group of {world}: set "
             f"strategy.expert_parallel_size={k}")
     print(line, flush=True)
     return line
