@@ -131,8 +131,9 @@ def test_auto_weighs_every_ep_group_size_and_names_the_one_it_chose(capsys):
                                          moe=dataclasses.replace(model.moe, d_ff=64)))
     schedule, plan, size = _decide(HeterMoEStrategy(mode="auto", cluster=cluster).args, clock, 8, small,
                                    _Description.of(small))
-    steps = {k: clock.step_time(Simulated(schedule, ep_size=k)) for k in (8, 4)}
-    assert schedule in ("ep", "ep_balanced") and plan is None and size == 4 == clock.fastest_ep_size(schedule)
+    steps = clock.ep_step_times(schedule)
+    assert steps[8] == clock.step_time(Simulated(schedule, ep_size=8)) and min(steps.values()) == steps[4]
+    assert schedule in ("ep", "ep_balanced") and plan is None and size == 4
     assert steps[8] > 2 * steps[4]
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("hetermoe[auto]")][-1]
     assert line.startswith(f"hetermoe[auto]: chose {schedule} (expert_parallel_size=4) (") and "runner-up zebra" in line
@@ -143,7 +144,8 @@ def test_auto_weighs_every_ep_group_size_and_names_the_one_it_chose(capsys):
     clock = RunClock(tight, None, rank=0)
     clock.bind(model, 4, 4096, 8, tight.specs())
     assert clock.step_time(Simulated("ep", ep_size=4)) < clock.step_time(Simulated("ep", ep_size=8))
-    assert clock.fastest_ep_size("ep") == 8
+    times = clock.ep_step_times("ep")
+    assert 4 not in times and min(times, key=times.get) == 8
 
 
 class ManualStep(MoELanguageModel):
@@ -207,7 +209,8 @@ def test_ep_left_at_one_group_says_where_smaller_groups_are_predicted_faster(cap
         clock.bind(model, 4, 4096, world, cluster.specs())
         line = suggest_ep_size(clock, "ep", world)
         if size is None:  # one server: one group over the world is the fastest; nothing said
-            assert line is None and clock.fastest_ep_size("ep") == world
+            times = clock.ep_step_times("ep")
+            assert line is None and min(times, key=times.get) == world
             continue
         ratio = clock.step_time(Simulated("ep", ep_size=world)) / clock.step_time(Simulated("ep", ep_size=size))
         assert ratio > 1.2 and line == (
@@ -226,5 +229,6 @@ def test_ep_left_at_one_group_says_where_smaller_groups_are_predicted_faster(cap
     E = tiny.moe.num_experts
     clock.batch_loads = [[[0.5] + [0.5 / (E - 1)] * (E - 1)] * tiny.n_layers]
     ratio = clock.step_time(Simulated("ep", ep_size=2)) / clock.step_time(Simulated("ep", ep_size=1))
-    assert clock.fastest_ep_size("ep") == 1 and 1 < ratio < HINT_RATIO
+    times = clock.ep_step_times("ep")
+    assert min(times, key=times.get) == 1 and 1 < ratio < HINT_RATIO
     assert suggest_ep_size(clock, "ep", 2) is None and "hetermoe[ep]" not in capsys.readouterr().out

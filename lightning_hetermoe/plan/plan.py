@@ -209,11 +209,17 @@ class Plan(JsonDataclass):
         rates = {name: tps for name, tps in rates.items() if tps}
         return max(rates, key=rates.get) if rates else None
 
+    def _smaller_ep_group(self, row: dict) -> int | None:
+        """A row's EP group size (``ep_size``, the fastest the planner found) where it is
+        smaller than the world; ``None`` for one group or another schedule."""
+        size = row.get("ep_size")
+        return size if size and size != self.world_size else None
+
     def run_as(self, name: str) -> str:
         """The settings that run schedule ``name`` as its row is priced: EP at the group size
-        its row names (``ep_size``, the fastest the planner found)."""
-        size = self.predicted.get(name, {}).get("ep_size")
-        return RUN_AS[name] + (f" strategy.expert_parallel_size={size}" if size and size != self.world_size else "")
+        its row names."""
+        size = self._smaller_ep_group(self.predicted.get(name, {}))
+        return RUN_AS[name] + (f" strategy.expert_parallel_size={size}" if size else "")
 
     def __str__(self) -> str:
         g0 = self.zp_groups[0]
@@ -277,15 +283,15 @@ class Plan(JsonDataclass):
                 frac = f"  {tps / bound:>8.1%}" if bound else ""
                 gb = p.get("network_gb")
                 cross = f"  {f'{gb:.2f} GB/step' if gb is not None else 'n/a':>16}" if multi else ""
-                size = p.get("ep_size")
-                groups = f"  EP groups of {size}" if size and size != self.world_size else ""
+                size = self._smaller_ep_group(p)
+                groups = f"  EP groups of {size}" if size else ""
                 lines.append(f"  {name:<12} {format_seconds(step):>10} {tps:>12,.0f}  {rel:<20}{frac}{cross}{groups}"
                              .rstrip())
             if bound:
                 lines.append(f"  {'bound':<12} {'':>10} {bound:>12,.0f}  (every device busy on the work it is "
                              f"fastest at, no communication: no schedule beats it)")
             lines.append(f"  (throughput vs {self.schedule}: below 1x is slower than {self.schedule})")
-            if any(p.get("ep_size") not in (None, self.world_size) for p in self.predicted.values()):
+            if any(self._smaller_ep_group(p) for p in self.predicted.values()):
                 lines.append("  (EP groups of k: world/k groups of k consecutive ranks, each holding every expert "
                              "and exchanging inside itself, priced at the fastest k: strategy.expert_parallel_size=k)")
             fastest = self.fastest_predicted()
@@ -293,7 +299,8 @@ class Plan(JsonDataclass):
                 ratio = self.predicted[fastest]["tokens_per_s"] / base
                 if ratio >= TIE_RATIO:
                     lines.append(f"  fastest predicted: {fastest}, {ratio:.2f}x {self.schedule}: "
-                                 f"{self.run_as(fastest)} runs it (strategy.mode=auto weighs it at the run's own routing)")
+                                 f"{self.run_as(fastest)} runs it (strategy.mode=auto weighs it at the run's own "
+                                 f"routing)")
             if multi:
                 lines.append("  (over the network: the experts' exchange between nodes, every group, per step; "
                              "gradient rings that cross nodes are priced at the network's speed too)")

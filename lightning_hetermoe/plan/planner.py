@@ -50,7 +50,7 @@ from ..profile.timer import CachedTimer, make_timer
 from ..simulate.bound import throughput_bound
 from ..simulate.ep_groups import fastest_ep
 from ..simulate.predict import predict_step, predict_step_time
-from ..simulate.schedules import SCHEDULES, ep_speed
+from ..simulate.schedules import EP_SCHEDULES, SCHEDULES, ep_speed
 from .cluster_view import ClusterView, as_cluster
 from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .load_placement import place_at_load
@@ -618,7 +618,7 @@ def predict(plan: Plan, cluster: Any, model: ModelConfig, timer, schedules: Sequ
             continue
         ep_size = None
         try:
-            if s in ("ep", "ep_balanced") and ep_groups == "fastest":  # as a run can be set to
+            if s in EP_SCHEDULES and ep_groups == "fastest":  # as a run can be set to
                 ep_size, res = fastest_ep(s, view.devices, model, view.topology, timer, seq_len=plan.seq_len,
                                           total_seqs=plan.step_seqs, plan=plan, expert_load=expert_load,
                                           optimizer=optimizer, weight_averages=weight_averages)

@@ -10,8 +10,8 @@ GPUs of ``bench/plan_scale.py``'s mix in nodes of 8, D1 at 8K, 3.2x faster in gr
 than in one of 64. On one node the world-wide group is usually the fastest (each rank
 holds fewer experts, and nothing is summed over groups), but not always: D1 with 8 experts
 at 4K on four A40s (the paper's yardstick) steps 1.37x faster as plain data parallelism
-(groups of 1: every expert on every rank, no all-to-all). So the planner's EP rows and ``mode="auto"`` price every size a run
-could use and keep the fastest.
+(groups of 1: every expert on every rank, no all-to-all). So the planner's EP rows and
+``mode="auto"`` price every size a run could use and keep the fastest.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..cluster.spec import LinkConfig
 from ..cluster.topology import Topology
 from ..configs import ModelConfig
 from .predict import predict_step
+from .schedules import EP_SCHEDULES
 from .step import StepResult
 
 
@@ -58,7 +59,7 @@ def fastest_ep(schedule: str, devs: Sequence[DeviceSpec], model: ModelConfig, li
     step is the shortest, and that step (a tie keeps the larger group: fewer experts on
     each rank); ``kwargs`` go to :func:`~.predict.predict_step`. ``ValueError`` where no
     size fits, the world-wide group's."""
-    if schedule not in ("ep", "ep_balanced"):
+    if schedule not in EP_SCHEDULES:
         raise ValueError(f"fastest_ep prices ep and ep_balanced, not {schedule!r}")
     best: tuple[int, StepResult] | None = None
     first_error: ValueError | None = None

@@ -19,7 +19,7 @@ from ..configs import ModelConfig, OptimConfig
 from ..placement import Placement
 from .datacentric import datacentric_step_time
 from .lane_vectors import simulate_step_time
-from .schedules import SCHEDULES, plan_setup, simulate_ep, simulate_ep_ideal
+from .schedules import EP_SCHEDULES, SCHEDULES, plan_setup, simulate_ep, simulate_ep_ideal
 from .step import StepResult, simulate_step
 
 PREDICTED = SCHEDULES + ("datacentric",)
@@ -71,7 +71,7 @@ def predict_step(
             plan.placement = placement.owners()
         setup = plan_setup(plan, devs, model, link, schedule=schedule, expert_load=expert_load)
         return simulate_step(setup, timer, schedule, keep_timeline)
-    if schedule in ("ep", "ep_balanced"):
+    if schedule in EP_SCHEDULES:
         return simulate_ep(devs, model, seq_len=seq_len, total_seqs=total_seqs, link=link, timer=timer,
                            balanced=schedule == "ep_balanced", keep_timeline=keep_timeline, expert_load=expert_load,
                            num_microbatches=num_microbatches, placement=placement, ep_size=ep_size,
@@ -94,7 +94,7 @@ def simulate_plan(plan, devs, model, link, timer, *, schedule: str = "zebra", ke
                   weight_averages: int = 0) -> StepResult:
     """Predict one step of ``plan`` under ``schedule`` (see :func:`predict_step`); EP in
     the groups its row in the plan's table was priced at (``ep_size``; none: one group)."""
-    ep_size = (plan.predicted.get(schedule) or {}).get("ep_size") if schedule in ("ep", "ep_balanced") else None
+    ep_size = (plan.predicted.get(schedule) or {}).get("ep_size") if schedule in EP_SCHEDULES else None
     return predict_step(schedule, devs, model, link, timer, plan=plan, keep_timeline=keep_timeline,
                         expert_load=expert_load, optimizer=optimizer, weight_averages=weight_averages,
                         ep_size=ep_size)

@@ -32,6 +32,7 @@ from ..task_order import answers_layered
 from .step import Lane, StepResult, StepSetup, simulate_step
 
 SCHEDULES = ("zebra", "distep", "ep", "ep_balanced", "ep_ideal")
+EP_SCHEDULES = ("ep", "ep_balanced")  # the runnable EP schedules: priced at a group size a run can be set to
 
 
 def make_lanes(members: list[tuple]) -> list[Lane]:

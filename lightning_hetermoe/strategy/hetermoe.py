@@ -41,6 +41,7 @@ from ..model_contract import describe_model, moe_layers
 from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
+from ..simulate.schedules import EP_SCHEDULES
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
@@ -168,7 +169,7 @@ class HeterMoEStrategy(DDPStrategy):
     def expert_parallel_size(self) -> int | None:
         """Ranks per EP group where EP runs (after set-up): the size asked for, or the one
         ``mode="auto"`` chose; ``None`` under the other schedules."""
-        return getattr(self.backend, "ep_size", None) if self.schedule in ("ep", "ep_balanced") else None
+        return getattr(self.backend, "ep_size", None) if self.schedule in EP_SCHEDULES else None
 
     @property
     def plan(self) -> Any:

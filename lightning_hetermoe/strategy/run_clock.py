@@ -162,17 +162,16 @@ class RunClock:
                              weight_averages=self.weight_averages).step_time
                 for load in self.loads(expert_load, batch_loads)]
 
-    def fastest_ep_size(self, schedule: str) -> int:
-        """The EP group size (``expert_parallel_size``, among
-        :func:`~lightning_hetermoe.simulate.ep_groups.ep_group_sizes`) whose step this run
-        prices shortest (:meth:`step_time`; a tie keeps the larger group). A group smaller
-        than the world counts only where each rank holds its experts and its share of the
-        batch in one micro-batch, as the EP backend runs it (each holds more experts than
-        in one world-wide group, which is priced as before)."""
+    def ep_step_times(self, schedule: str) -> dict[int, float]:
+        """:meth:`step_time` of EP at each group size (``expert_parallel_size``) a run can be
+        set to, largest first (:func:`~lightning_hetermoe.simulate.ep_groups.ep_group_sizes`).
+        A group smaller than the world counts only where each rank holds its experts and
+        its share of the batch in one micro-batch, as the EP backend runs it (each holds
+        more experts than in one world-wide group, which is always priced, as before)."""
         from ..simulate import ep_setup
         from ..simulate.ep_groups import ep_group_sizes
 
-        best: tuple[int, float] | None = None
+        times: dict[int, float] = {}
         for k in ep_group_sizes(self.links(), self.world_size):
             if k < self.world_size:
                 try:  # the layout alone (its fewest micro-batches), nothing simulated
@@ -184,10 +183,8 @@ class RunClock:
                     fits = False
                 if not fits:
                     continue
-            step = self.step_time(Simulated(schedule, ep_size=k))
-            if best is None or step < best[1]:
-                best = (k, step)
-        return best[0] if best is not None else self.world_size
+            times[k] = self.step_time(Simulated(schedule, ep_size=k))
+        return times
 
     def predict(self, sim: Simulated, expert_load: list[list[float]] | None = None,
                 batch_loads: list[list[list[float]]] | None = None) -> dict[str, Any] | None:

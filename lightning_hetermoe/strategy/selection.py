@@ -30,6 +30,7 @@ from ..configs import ConfigError, ModelConfig
 from ..model_contract import ModelContractError, describe_model
 from ..plan.plan import RUN_AS, TIE_RATIO
 from ..routing_record import check_shape
+from ..simulate.schedules import EP_SCHEDULES
 from .arguments import DISAGGREGATED, check_plan, check_waves, optimizer_of
 from .averaging import averages_on
 from .backends.base import ParallelBackend, Simulated
@@ -38,7 +39,6 @@ from ..materialize import built_on_meta
 from .precision import check_bf16, precision_name
 
 AUTO_CANDIDATES = tuple(RUN_AS)  # every schedule a run can be set to
-EP_SCHEDULES = ("ep", "ep_balanced")  # priced at their fastest EP group size
 
 
 def loader_batch_shape(trainer) -> tuple[int, int]:
@@ -271,10 +271,8 @@ def suggest_ep_size(clock: Any, name: str, world: int) -> str | None:
     (printed and returned)."""
     if not clock.bound or world < 2:
         return None
-    k = clock.fastest_ep_size(name)
-    if k == world:
-        return None
-    one, best = clock.step_time(Simulated(name, ep_size=world)), clock.step_time(Simulated(name, ep_size=k))
+    k, times = _fastest_ep(clock, name)
+    one, best = times[world], times[k]
     if one < best * HINT_RATIO:
         return None
     groups = ("plain data parallelism (every rank holding every expert, no all-to-all)" if k == 1 else
@@ -353,9 +351,17 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
             continue
         if name == "ep_balanced" and len({d.name for d in clock.devices}) < 2:
             continue  # identical devices: the speed split is the equal split
-        if name in EP_SCHEDULES:
-            sizes[name] = _ep_size(clock, name, plan, world)
-        rate = _run_throughput(clock, name, plan, world, sizes.get(name))
+        row = plan.predicted.get(name) if plan is not None else None
+        if name in EP_SCHEDULES and row is None:  # else the row priced_for_the_run priced, at its size
+            try:
+                sizes[name], tokens, step = _ep_step(clock, name, plan)
+            except ValueError:
+                continue
+            rate = tokens / step
+        else:
+            rate = _run_throughput(clock, name, plan, world)
+            if name in EP_SCHEDULES:
+                sizes[name] = row.get("ep_size") or world
         if rate:  # else it does not fit in memory
             throughput[name] = rate
     if not throughput:
@@ -370,28 +376,35 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
     return best, plan, None
 
 
-def _ep_size(clock: Any, name: str, plan: Any, world: int) -> int:
-    """EP's group size for ``name`` in this run: the one its row in ``plan`` was priced at
-    (:func:`priced_for_the_run`), else the fastest on the run's clock."""
-    row = plan.predicted.get(name) if plan is not None else None
-    if row is not None:
-        return row.get("ep_size") or world
-    return clock.fastest_ep_size(name) if clock.bound else world
+def _fastest_ep(clock: Any, name: str) -> tuple[int, dict[int, float]]:
+    """EP ``name``'s group size whose step the run's clock prices shortest (the sizes come
+    largest first: a tie keeps the larger group), and every size's step
+    (:meth:`~.run_clock.RunClock.ep_step_times`)."""
+    times = clock.ep_step_times(name)
+    return min(times, key=times.get), times
 
 
-def _run_step(clock: Any, name: str, plan: Any, world: int, ep_size: int | None = None) -> tuple[float, float]:
+def _ep_step(clock: Any, name: str, plan: Any) -> tuple[int, float, float]:
+    """EP ``name`` in this run at its fastest group size: that size and ``(tokens,
+    seconds)`` of one optimizer step, once per wave of a plan that has waves (as
+    :func:`_run_step`)."""
+    size, times = _fastest_ep(clock, name)
+    waves = plan.waves if plan is not None else 1
+    return size, waves * clock.tokens_per_step, waves * times[size]
+
+
+def _run_step(clock: Any, name: str, plan: Any, world: int) -> tuple[float, float]:
     """``(tokens, seconds)`` of one optimizer step of schedule ``name`` in this run as its
     clock predicts it: the mean over the held-out warm-up batches, zebra and DistEP on
-    ``plan``, the others on the run's batch (EP in groups of ``ep_size``, by default one
-    group), once per wave of a plan that has waves. ``ValueError`` where it does not fit
-    in memory."""
+    ``plan``, the others on the run's batch, once per wave of a plan that has waves.
+    ``ValueError`` where it does not fit in memory."""
     if name in DISAGGREGATED:
         return plan.step_seqs * clock.seq_len, clock.step_time(Simulated(name, plan=plan))
     waves = plan.waves if plan is not None else 1
-    return waves * clock.tokens_per_step, waves * clock.step_time(Simulated(name, ep_size=ep_size or world))
+    return waves * clock.tokens_per_step, waves * clock.step_time(Simulated(name, ep_size=world))
 
 
-def _run_throughput(clock: Any, name: str, plan: Any, world: int, ep_size: int | None = None) -> float | None:
+def _run_throughput(clock: Any, name: str, plan: Any, world: int) -> float | None:
     """Tokens/s of schedule ``name`` in this run (``None`` where it does not fit): the
     plan's row where it has one (:func:`priced_for_the_run` priced it), else
     :func:`_run_step`'s."""
@@ -399,7 +412,7 @@ def _run_throughput(clock: Any, name: str, plan: Any, world: int, ep_size: int |
     if row is not None:
         return row.get("tokens_per_s")
     try:
-        tokens, step = _run_step(clock, name, plan, world, ep_size)
+        tokens, step = _run_step(clock, name, plan, world)
     except ValueError:
         return None
     return tokens / step
@@ -417,9 +430,10 @@ def priced_for_the_run(plan: Any, clock: Any, world: int) -> Any:
     for name, row in plan.predicted.items():
         ep_size = None
         try:
-            if name in EP_SCHEDULES:  # its fastest group size at the run's routing
-                ep_size = clock.fastest_ep_size(name)
-            tokens, step = _run_step(clock, name, plan, world, ep_size)
+            if name in EP_SCHEDULES:  # at its fastest group size at the run's routing
+                ep_size, tokens, step = _ep_step(clock, name, plan)
+            else:
+                tokens, step = _run_step(clock, name, plan, world)
         except ValueError:
             row.update(tokens_per_s=None, step_time_s=None)  # the table says it does not fit
             continue
@@ -509,7 +523,7 @@ def _build(args: Any, clock: Any, choice: str, plan: Any, module: Any, model: _D
         from .backends.single import SingleDeviceBackend
 
         return SingleDeviceBackend(clock, device, measure_busy=measure_busy)
-    if choice in ("ep", "ep_balanced"):
+    if choice in EP_SCHEDULES:
         from .backends.ep import ExpertParallelBackend
 
         return ExpertParallelBackend(ep_size or args.expert_parallel_size, choice == "ep_balanced", clock, rank,
