@@ -16,7 +16,7 @@ import torch
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, HFMoELanguageModel, MoELayer
-from lightning_hetermoe.ckpt.export import export_hf
+from lightning_hetermoe.convert.export import export_hf
 from lightning_hetermoe.convert import from_pretrained  # where README imports it from
 from lightning_hetermoe.convert.hf import export_info
 from lightning_hetermoe.convert.pretrained import HFWeights, PretrainedError, materialize_whole
@@ -165,12 +165,18 @@ def test_pretrained_weights_per_rank_train_like_one_process_and_export_back(tmp_
 
 
 def test_the_offline_command_exports_and_says_what_it_wrote_or_why_not(tmp_path, capsys):
-    from lightning_hetermoe.ckpt.__main__ import main
+    from lightning_hetermoe.ckpt.__main__ import main as ckpt_main
+    from lightning_hetermoe.convert.__main__ import main
 
     pack = make_model(EXPERTS)
     ckpt = tmp_path / "pack.ckpt"
     torch.save({"state_dict": pack.state_dict(), "hyper_parameters": dict(pack.hparams)}, ckpt)
     assert main(["to-hf", str(ckpt), str(tmp_path / "out")]) == 0
     assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "config.json").is_file()
-    assert main(["consolidate", str(tmp_path), str(tmp_path / "whole.ckpt")]) == 2
+    assert main(["to-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "out2")]) == 2
+    assert "to-hf:" in capsys.readouterr().err and not (tmp_path / "out2").exists()
+    assert ckpt_main(["consolidate", str(tmp_path), str(tmp_path / "whole.ckpt")]) == 2
     assert "is not a sharded checkpoint directory" in capsys.readouterr().err
+    # the export's old place names its new one
+    assert ckpt_main(["to-hf", str(ckpt), str(tmp_path / "out3"), "--max-shard-gb", "1"]) == 2
+    assert "python -m lightning_hetermoe.convert to-hf" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Offline checkpoint tools (one process, no GPU, no process group).
 
     python -m lightning_hetermoe.ckpt consolidate CKPT_DIR OUT.ckpt   # a sharded checkpoint as one file
-    python -m lightning_hetermoe.ckpt to-hf CKPT OUT_DIR             # a checkpoint as a Hugging Face directory
+
+(A checkpoint as a Hugging Face directory: ``python -m lightning_hetermoe.convert to-hf``.)
 """
 
 from __future__ import annotations
@@ -20,29 +21,21 @@ def main(argv: list[str] | None = None) -> int:
                                            "(holds the whole model in this process)")
     c.add_argument("checkpoint", help="the sharded checkpoint directory")
     c.add_argument("out", help="the file to write")
-    h = sub.add_parser("to-hf", help="a checkpoint (sharded directory or full file) as a Hugging Face directory, "
-                                     "streamed one MoE block at a time")
-    h.add_argument("checkpoint")
-    h.add_argument("out", help="the directory to write (config.json, safetensors shards and their index)")
-    h.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file (default 2)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["to-hf"]:  # the Hugging Face export is a conversion: it lives with the converters
+        print("[hetermoe] to-hf moved: python -m lightning_hetermoe.convert to-hf CKPT OUT_DIR [--max-shard-gb N]",
+              file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
-        if args.command == "consolidate":
-            from .consolidate import consolidate
+        from .consolidate import consolidate
 
-            ckpt = consolidate(args.checkpoint, args.out)
-            n = sum(t.numel() for t in ckpt["state_dict"].values())
-            print(f"[hetermoe] wrote {args.out}: {len(ckpt['state_dict'])} tensors, {n / 1e6:,.1f}M elements, "
-                  f"{len(ckpt.get('optimizer_states', []))} optimizer state(s), "
-                  f"in {time.perf_counter() - started:.1f} s", flush=True)
-        else:
-            from .export import export_hf
-
-            out = export_hf(args.checkpoint, args.out, int(args.max_shard_gb * (1 << 30)))
-            files = sorted(p.name for p in out.glob("*.safetensors"))
-            print(f"[hetermoe] wrote {out}: config.json and {len(files)} safetensors file(s), "
-                  f"in {time.perf_counter() - started:.1f} s", flush=True)
+        ckpt = consolidate(args.checkpoint, args.out)
+        n = sum(t.numel() for t in ckpt["state_dict"].values())
+        print(f"[hetermoe] wrote {args.out}: {len(ckpt['state_dict'])} tensors, {n / 1e6:,.1f}M elements, "
+              f"{len(ckpt.get('optimizer_states', []))} optimizer state(s), "
+              f"in {time.perf_counter() - started:.1f} s", flush=True)
     except (CheckpointFormatError, FileNotFoundError, ValueError) as err:
         print(f"[hetermoe] {args.command}: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Offline: a checkpoint as a Hugging Face ``save_pretrained`` directory, streamed.
+"""Offline: a checkpoint as a Hugging Face ``save_pretrained`` directory, streamed
+(``python -m lightning_hetermoe.convert to-hf``).
 
 The checkpoint (sharded directory or full file) of a converted Hugging Face model
 (:class:`~lightning_hetermoe.convert.HFMoELanguageModel`) records the model's config; the
@@ -22,8 +23,8 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from . import dcp
-from .consolidate import read_meta, state_dict_of
+from ..ckpt import dcp
+from ..ckpt.consolidate import read_meta, state_dict_of
 
 DEFAULT_SHARD_BYTES = 2 << 30
 
@@ -62,7 +63,7 @@ class _HFNames:
     def __init__(self, hf: dict[str, Any]) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ..convert.hf import SPARSE_BLOCKS, HFMoEBlock, to_hetermoe
+        from .hf import SPARSE_BLOCKS, HFMoEBlock, to_hetermoe
 
         self.prefix = hf["prefix"]
         config = dict(hf["config"])
@@ -75,7 +76,7 @@ class _HFNames:
         self.blocks = sorted((n for n, m in model.named_modules() if isinstance(m, HFMoEBlock)), key=len, reverse=True)
 
     def convert(self, tensors: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        from ..convert.hf import moe_tensors_to_hf
+        from .hf import moe_tensors_to_hf
 
         pending: dict[str, dict[str, Tensor]] = {}
         for name, t in tensors:
@@ -113,7 +114,7 @@ class _MixtralNames:
         from transformers import MixtralConfig
 
         from ..configs import ModelConfig, from_cfg
-        from ..convert.mixtral import mixtral_config_kwargs
+        from .mixtral import mixtral_config_kwargs
 
         hparams = meta.get("hyper_parameters") or {}
         if "model" not in hparams:
@@ -123,7 +124,7 @@ class _MixtralNames:
         self.config = MixtralConfig(**mixtral_config_kwargs(self.cfg))
 
     def convert(self, tensors: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        from ..convert.hf import moe_tensors_to_hf
+        from .hf import moe_tensors_to_hf
 
         experts = {}
         for name, t in tensors:
