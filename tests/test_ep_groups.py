@@ -177,17 +177,19 @@ TWO_SERVERS = dict(name="two", nodes=[{"name": "s0", "devices": ["a40", "a40"], 
 STEPS = 3
 
 
-def fit_auto(rank: int, world: int) -> dict | None:
+def fit_auto(rank: int, world: int, asked: dict) -> dict | None:
     model = ManualStep()
-    strategy = HeterMoEStrategy(mode="auto", cluster=TWO_SERVERS)
+    strategy = HeterMoEStrategy(cluster=TWO_SERVERS, **asked)
     trainer(strategy, world, max_steps=STEPS).fit(model, datamodule=data(world, 8))
     return {"state": model.state_dict(), "ep_size": strategy.expert_parallel_size, "schedule": strategy.schedule,
             "ep_rank": strategy.backend.groups.ep_rank}
 
 
 @pytest.mark.slow
-def test_auto_runs_ep_in_the_groups_it_chose_on_every_rank_and_trains_as_one_process():
-    per_rank = run_ranks(4, fit_auto, 4)
+@pytest.mark.parametrize("asked", [dict(mode="auto"), dict(mode="ep", expert_parallel_size="auto")],
+                         ids=["mode_auto", "ep_size_auto"])
+def test_auto_runs_ep_in_the_groups_it_chose_on_every_rank_and_trains_as_one_process(asked):
+    per_rank = run_ranks(4, fit_auto, 4, asked)
     assert [(r["schedule"], r["ep_size"], r["ep_rank"]) for r in per_rank] == [
         ("ep", 2, 0), ("ep", 2, 1), ("ep", 2, 0), ("ep", 2, 1)]
     reference = ManualStep()
@@ -215,7 +217,7 @@ def test_ep_left_at_one_group_says_where_smaller_groups_are_predicted_faster(cap
         ratio = clock.step_time(Simulated("ep", ep_size=world)) / clock.step_time(Simulated("ep", ep_size=size))
         assert ratio > 1.2 and line == (
             f"hetermoe[ep]: 2 EP groups of 4 (each holds every expert and exchanges inside itself) is predicted "
-            f"{ratio:.2f}x faster here than one group of 8: set strategy.expert_parallel_size=4")
+            f"{ratio:.2f}x faster here than one group of 8: set strategy.expert_parallel_size=4 (or auto)")
         assert line in capsys.readouterr().out
     # the README's `strategy.mode=ep cluster=cpu2` job, its routing skewed (half the choices
     # on one expert): plain data parallelism is predicted faster, by less than HINT_RATIO:
@@ -232,3 +234,48 @@ def test_ep_left_at_one_group_says_where_smaller_groups_are_predicted_faster(cap
     times = clock.ep_step_times("ep")
     assert min(times, key=times.get) == 1 and 1 < ratio < HINT_RATIO
     assert suggest_ep_size(clock, "ep", 2) is None and "hetermoe[ep]" not in capsys.readouterr().out
+
+
+def test_ep_size_auto_takes_the_fastest_group_that_fits_and_says_so(capsys):
+    """``expert_parallel_size="auto"`` under ``mode="ep"``: the size :meth:`ep_step_times`
+    prices shortest, in one line; where one group over the world is fastest, it says that."""
+    from lightning_hetermoe.strategy.run_clock import RunClock
+    from lightning_hetermoe.strategy.selection import chosen_ep_size
+
+    model = workload_model("d1")
+    for name, world in (("n2_mixed", 8), ("a40x2_v100x2", 4)):
+        cluster = shipped(name)
+        clock = RunClock(cluster, None, rank=0)
+        clock.bind(model, 4, 4096, world, cluster.specs())
+        times = clock.ep_step_times("ep")
+        k = chosen_ep_size(clock, "ep", world)
+        line = capsys.readouterr().out.strip()
+        assert k == min(times, key=times.get) and line.startswith(f"hetermoe[ep]: expert_parallel_size=auto: {k}, ")
+        if k == world:
+            assert line.endswith(f"one EP group of {world} (each rank a 1/{world} slice of the experts)")
+        else:
+            assert f"{world // k} EP groups of {k}" in line and \
+                line.endswith(f"predicted {times[world] / times[k]:.2f}x faster than one group of {world}")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="zebra", expert_parallel_size="auto"), "expert_parallel_size is for mode='ep'"),
+    (dict(mode="ep", expert_parallel_size="fast"), "expert_parallel_size='fast' is invalid: must be an integer >= 1 "
+                                                   "or 'auto'"),
+    (dict(mode="ep", expert_parallel_size=0), "expert_parallel_size=0 is invalid"),
+])
+def test_ep_size_takes_a_number_or_auto_and_names_the_field_otherwise(kwargs, message):
+    from lightning_hetermoe.configs import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        HeterMoEStrategy(**kwargs)
+
+
+def test_ep_size_auto_fits_any_world():
+    """Any world size divides into the sizes auto picks from (its memory check:
+    ``test_memory_budget.py``)."""
+    args = HeterMoEStrategy(mode="ep", expert_parallel_size="auto").args
+    for world in (1, 3, 6):
+        args.check_world(world)
+    assert args.fixed_ep_size is None
+    assert HeterMoEStrategy(mode="ep", expert_parallel_size=2).args.fixed_ep_size == 2

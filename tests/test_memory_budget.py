@@ -69,6 +69,12 @@ def test_the_check_before_launch_prices_ep_groups_smaller_than_the_world():
     with pytest.raises(ConfigError, match=r"mode='ep' does not fit: rank 0 .*What would fit: expert_parallel_size=2 "
                                           r"\(one EP group"):
         HeterMoEStrategy(mode="ep", cluster=cluster, expert_parallel_size=1).args.check_memory(model, 2)
+    # "auto" takes only sizes that fit: it passes where the world-wide group does, and is
+    # refused with it where that does not fit either
+    HeterMoEStrategy(mode="ep", cluster=cluster, expert_parallel_size="auto").args.check_memory(model, 2)
+    with pytest.raises(ConfigError, match=r"mode='ep' does not fit: rank \d "):
+        HeterMoEStrategy(mode="ep", cluster={**cluster, "memory_scale": 0.6e-5},
+                         expert_parallel_size="auto").args.check_memory(model, 2)
     cfg, devices = model.model_cfg, [get_device("cpu")] * 4
     experts = [m.weights for m in spread_memory(cfg, "ep", devices, ep_size=2)]
     whole = [m.weights for m in spread_memory(cfg, "ep", devices)]

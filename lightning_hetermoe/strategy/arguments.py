@@ -89,7 +89,7 @@ class StrategyArguments:
     mode: str = "auto"
     plan: Any = None
     cluster: ClusterConfig | dict | None = None
-    expert_parallel_size: int | None = None
+    expert_parallel_size: int | str | None = None  # ranks per EP group; "auto": the fastest the clock prices
     batch_split: str = "equal"
     replica_dispatch: str = "local_first"
     num_microbatches: int | None = None
@@ -122,7 +122,9 @@ class StrategyArguments:
         if self.plan is not None and self.mode == "auto" and self.plan.schedule not in DISAGGREGATED:
             raise ConfigError(f"strategy plan: its schedule {self.plan.schedule!r} is not one a plan runs "
                               f"({DISAGGREGATED}); set mode explicitly")
-        _positive_int("expert_parallel_size", self.expert_parallel_size)
+        if self.expert_parallel_size != "auto":
+            _positive_int("expert_parallel_size", self.expert_parallel_size, " or 'auto' (the fastest group size the "
+                          "run's clock prices)")
         if self.expert_parallel_size is not None and self.mode != "ep":
             raise ConfigError("strategy expert_parallel_size is for mode='ep' (auto, zebra and distep take their "
                               "groups from the plan)")
@@ -189,6 +191,12 @@ class StrategyArguments:
     def mixes_vendors(self) -> bool:
         return len(set(self.vendors or ())) > 1
 
+    @property
+    def fixed_ep_size(self) -> int | None:
+        """The EP group size asked for as a number (``None``: the world's, or ``"auto"``'s,
+        chosen at set-up)."""
+        return None if self.expert_parallel_size == "auto" else self.expert_parallel_size
+
     # -- once the world is known --------------------------------------------------------
     def check_world(self, world_size: int, precision: str = "32-true") -> None:
         cluster, plan = self.cluster, self.plan
@@ -197,7 +205,7 @@ class StrategyArguments:
         if cluster is not None and cluster.world_size != world_size:
             raise ConfigError(f"cluster '{cluster.name}' names {cluster.world_size} devices but the trainer runs "
                               f"{world_size} processes: set trainer devices*num_nodes={cluster.world_size}")
-        ep = self.expert_parallel_size or world_size
+        ep = self.fixed_ep_size or world_size
         if world_size % ep:
             raise ConfigError(f"strategy expert_parallel_size={ep} is invalid: must divide the world size {world_size}")
         if self.batch_split == "speed" and cluster is None:
@@ -345,7 +353,7 @@ class StrategyArguments:
         def fits(ranks: list) -> bool:
             return all(m.total <= d.usable_bytes for m, d in zip(ranks, devices))
 
-        mine = need(self.mode, self.expert_parallel_size)
+        mine = need(self.mode, self.fixed_ep_size)  # "auto" chooses among the sizes that fit: the world's, at least
         if fits(mine):
             return
         over = [(r, m, d) for r, (m, d) in enumerate(zip(mine, devices)) if m.total > d.usable_bytes]
@@ -353,7 +361,7 @@ class StrategyArguments:
         other = "datacentric" if self.mode == "ep" else "ep"
         fits_other = fits(need(other))
         # EP groups smaller than the world hold every expert over fewer ranks
-        wider = self.mode == "ep" and (self.expert_parallel_size or world_size) < world_size and fits(need("ep"))
+        wider = self.mode == "ep" and (self.fixed_ep_size or world_size) < world_size and fits(need("ep"))
         state = sum(x.state for x in mine)
         more = math.ceil(state / min(dv.usable_bytes for dv in devices))
         raise ConfigError(

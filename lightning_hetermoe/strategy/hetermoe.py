@@ -86,7 +86,7 @@ class HeterMoEStrategy(DDPStrategy):
         mode: str = "auto",
         plan: Any = None,
         cluster: ClusterConfig | dict | None = None,
-        expert_parallel_size: int | None = None,
+        expert_parallel_size: int | str | None = None,
         batch_split: str = "equal",
         replica_dispatch: str = "local_first",
         num_microbatches: int | None = None,
@@ -168,7 +168,8 @@ class HeterMoEStrategy(DDPStrategy):
     @property
     def expert_parallel_size(self) -> int | None:
         """Ranks per EP group where EP runs (after set-up): the size asked for, or the one
-        ``mode="auto"`` chose; ``None`` under the other schedules."""
+        ``mode="auto"`` or ``expert_parallel_size="auto"`` chose; ``None`` under the other
+        schedules."""
         return getattr(self.backend, "ep_size", None) if self.schedule in EP_SCHEDULES else None
 
     @property

@@ -213,7 +213,8 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     clock.topology = run_topology(args.cluster, strategy.root_device)
     precision = precision_name(strategy.precision_plugin)
     check_bf16(precision, devices, args.allow_emulated_bf16)  # detected devices too
-    needs_clock = args.mode in ("auto", *DISAGGREGATED) and world > 1 or args.emulated or args.batch_split == "speed"
+    needs_clock = (args.mode in ("auto", *DISAGGREGATED) and world > 1 or args.emulated or args.batch_split == "speed"
+                   or args.expert_parallel_size == "auto")
     model = _Description.of(module)
     try:
         per_rank, seq_len = loader_batch_shape(trainer)
@@ -275,12 +276,28 @@ def suggest_ep_size(clock: Any, name: str, world: int) -> str | None:
     one, best = times[world], times[k]
     if one < best * HINT_RATIO:
         return None
-    groups = ("plain data parallelism (every rank holding every expert, no all-to-all)" if k == 1 else
-              f"{world // k} EP groups of {k} (each holds every expert and exchanges inside itself)")
-    line = (f"hetermoe[ep]: {groups} is predicted {one / best:.2f}x faster here than one group of {world}: set "
-            f"strategy.expert_parallel_size={k}")
+    line = (f"hetermoe[ep]: {ep_groups_phrase(k, world)} is predicted {one / best:.2f}x faster here than one group "
+            f"of {world}: set strategy.expert_parallel_size={k} (or auto)")
     print(line, flush=True)
     return line
+
+
+def chosen_ep_size(clock: Any, name: str, world: int) -> int:
+    """``expert_parallel_size="auto"``: the group size whose step the run's clock prices
+    shortest among those that fit (rank 0), in one line beside one world-wide group."""
+    k, times = _fastest_ep(clock, name)
+    beside = f", predicted {times[world] / times[k]:.2f}x faster than one group of {world}" if k != world else ""
+    print(f"hetermoe[{name}]: expert_parallel_size=auto: {k}, {ep_groups_phrase(k, world)}{beside}", flush=True)
+    return k
+
+
+def ep_groups_phrase(k: int, world: int) -> str:
+    """What EP in groups of ``k`` ranks out of ``world`` is, in words."""
+    if k == 1:
+        return "plain data parallelism (every rank holding every expert, no all-to-all)"
+    if k == world:
+        return f"one EP group of {world} (each rank a 1/{world} slice of the experts)"
+    return f"{world // k} EP groups of {k} (each holds every expert and exchanges inside itself)"
 
 
 def dense_backend(strategy: Any) -> ParallelBackend | None:
@@ -331,7 +348,8 @@ def _decide(args: Any, clock: Any, world: int, module: Any, model: _Description)
     """Rank 0: the schedule, its plan if it runs one, and EP's group size where ``auto``
     chose EP (``None``: the strategy's own ``expert_parallel_size``)."""
     if args.mode == "ep":
-        return ("ep_balanced" if args.batch_split == "speed" else "ep"), None, None
+        name = "ep_balanced" if args.batch_split == "speed" else "ep"
+        return name, None, (chosen_ep_size(clock, name, world) if args.expert_parallel_size == "auto" else None)
     if args.mode == "datacentric":
         return "datacentric", None, None
     if args.mode in DISAGGREGATED:
@@ -526,7 +544,7 @@ def _build(args: Any, clock: Any, choice: str, plan: Any, module: Any, model: _D
     if choice in EP_SCHEDULES:
         from .backends.ep import ExpertParallelBackend
 
-        return ExpertParallelBackend(ep_size or args.expert_parallel_size, choice == "ep_balanced", clock, rank,
+        return ExpertParallelBackend(ep_size or args.fixed_ep_size, choice == "ep_balanced", clock, rank,
                                      world, device, measure_busy=measure_busy, replica_dispatch=args.replica_dispatch)
     if choice == "datacentric":
         from .backends.datacentric import DataCentricBackend
