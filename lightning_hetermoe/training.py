@@ -229,6 +229,42 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
     return out
 
 
+VERDICT_TOLERANCE = 0.05  # a step within this of its prediction is said to be on it
+
+
+def prediction_verdict(summary: dict[str, Any], output_dir: str | os.PathLike) -> str | None:
+    """One line for the user: the measured step against the set-up's prediction and, where
+    the run measured its routing, against the same prediction at that routing, and what
+    the difference points to (``None`` where nothing was predicted or measured)."""
+    measured, predicted = summary.get("step_time_s"), summary.get("predicted_step_time_s")
+    if not measured or not predicted:
+        return None
+    line = (f"[hetermoe] step {measured:.4g} s measured, {predicted:.4g} s predicted at set-up "
+            f"({(measured - predicted) / predicted:+.1%})")
+    at_load = summary.get("predicted_step_time_at_measured_load_s")
+    off = abs(measured - predicted) / predicted > VERDICT_TOLERANCE
+    if not at_load:
+        return line + ("" if off else ": on the prediction")
+    off_at_load = abs(measured - at_load) / at_load > VERDICT_TOLERANCE
+    line += f"; at the routing the timed steps had, {at_load:.4g} s ({(measured - at_load) / at_load:+.1%})"
+    if off and not off_at_load:
+        # (which experts grew matters more than how hot the hottest is: no figure for it here)
+        record = Path(output_dir) / "expert_load.json"
+        again = f"; strategy.expert_load={record} plans the next run at it" if record.is_file() else ""
+        return line + f": the routing moved from the one sampled at set-up{again}"
+    if off_at_load:
+        emulation = summary.get("emulation")
+        if emulation is None:
+            why = ("the clock prices these devices off: a measured profile (recipes/profile_devices.py, then "
+                   "strategy.profile=<its JSON>) prices them as they run")
+        elif not emulation.get("faithful", True):
+            why = "the emulated clock was not faithful (summary.json's emulation.warning)"
+        else:
+            why = "the simulator misses this run at its steps' own routing"
+        return line + f": {why}"
+    return line + ": on the prediction"
+
+
 def _save_checkpoint(cfg: DictConfig, trainer: L.Trainer, output_dir: str | os.PathLike) -> str | None:
     """``save_checkpoint``: a path (relative to the run directory) the trained state is
     saved to after fitting, in the strategy's checkpoint format; null: none."""
@@ -330,5 +366,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     shown = ", ".join(f"{k}={summary[k]:.4g}" for k in ("first_loss", "final_loss", "val_loss", "tokens_per_s")
                       if isinstance(summary.get(k), (int, float)))
     print(f"[hetermoe] wrote {path}: {shown}", flush=True)
+    verdict = prediction_verdict(summary, output_dir)
+    if verdict:
+        print(verdict, flush=True)
     strategy.shutdown()
     return summary
