@@ -239,7 +239,7 @@ def prediction_verdict(summary: dict[str, Any], output_dir: str | os.PathLike) -
     measured, predicted = summary.get("step_time_s"), summary.get("predicted_step_time_s")
     if not measured or not predicted:
         return None
-    line = (f"[hetermoe] step {measured:.4g} s measured, {predicted:.4g} s predicted at set-up "
+    line = (f"[hetermoe] prediction: step {measured:.4g} s measured, {predicted:.4g} s predicted at set-up "
             f"({(measured - predicted) / predicted:+.1%})")
     at_load = summary.get("predicted_step_time_at_measured_load_s")
     off = abs(measured - predicted) / predicted > VERDICT_TOLERANCE

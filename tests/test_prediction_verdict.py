@@ -22,7 +22,7 @@ def test_nothing_to_say_without_a_prediction_or_a_measured_step(tmp_path):
 
 def test_a_step_on_its_prediction_says_so_with_both_errors(tmp_path):
     line = prediction_verdict(summary(1.02, 1.0, at_load=1.01), tmp_path)
-    assert line == ("[hetermoe] step 1.02 s measured, 1 s predicted at set-up (+2.0%); at the routing the timed "
+    assert line == ("[hetermoe] prediction: step 1.02 s measured, 1 s predicted at set-up (+2.0%); at the routing the timed "
                     "steps had, 1.01 s (+1.0%): on the prediction")
     assert prediction_verdict(summary(0.98, 1.0), tmp_path).endswith("(-2.0%): on the prediction")
 

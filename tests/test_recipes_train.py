@@ -41,7 +41,7 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     assert summary["tokens_per_s"] > 0 and summary["workload_tokens_per_s"] > summary["tokens_per_s"]
     assert "HeterMoE plan: model d1 on cluster emu_a40_v100_d1_8k" in out, "the plan is printed"
     # and at the end, how the step kept to that prediction (test_prediction_verdict.py)
-    verdict = next(line for line in out.splitlines() if line.startswith("[hetermoe] step "))
+    verdict = next(line for line in out.splitlines() if line.startswith("[hetermoe] prediction: "))
     assert f"{summary['step_time_s']:.4g} s measured, {summary['predicted_step_time_s']:.4g} s predicted" in verdict
     # output is not a terminal here: a progress line instead of a redrawn bar
     assert "[hetermoe] step 10/12, train_loss" in out and "it/s]" not in out
