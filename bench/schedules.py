@@ -140,6 +140,7 @@ def measure(mix: str, clock: str, schedule: str, extra: list[str] = (), activati
         for key in ("measured_s", "predicted_s", "predicted_at_load_s"):
             if row[key] is not None:
                 row[key] /= slowdown
+        row["at_load_by_step_s"] = [t / slowdown for t in row.get("at_load_by_step_s") or ()] or None
         row["time_scale_x"] = slowdown
         if before is not None:
             row["rel_error_faster_clock"] = before
@@ -169,8 +170,11 @@ def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra
     spread = row.get("batch_spread")
     chance = (f"; one step strays {spread:.1%} from the prediction by its batch's routing alone, a mean of "
               f"{row['timed_steps']} timed steps about {spread / row['timed_steps'] ** 0.5:.1%}") if spread else ""
+    by_step = row.get("at_load_by_step_s")
+    drift = (f"; each timed step at its own routing " + ", ".join(f"{t / row['predicted_s'] - 1:+.1%}" for t in by_step)
+             + " from the prediction") if by_step else ""
     print(f"  ({cell_name(row)}: {row['rel_error']:+.1%} at x{slowdown:g}; the same job with frozen weights: "
-          f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'}{chance})", flush=True)
+          f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'}{chance}{drift})", flush=True)
     return row
 
 
@@ -184,6 +188,7 @@ def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdow
            "measured_s": s["step_time_s"],
            "predicted_s": s["predicted_step_time_s"], "rel_error": s["step_time_rel_error"],
            "predicted_at_load_s": s.get("predicted_step_time_at_measured_load_s"),
+           "at_load_by_step_s": s.get("predicted_step_time_at_measured_load_by_step_s"),
            "batch_spread": s.get("predicted_step_time_batch_spread"),
            "timed_steps": s["steps"] - s.get("timing_warmup_steps", 1),
            "rel_error_at_load": s.get("step_time_rel_error_at_measured_load"),
@@ -228,7 +233,10 @@ def accuracy(rows: list[dict]) -> dict:
                  "rerun_cells": {cell_name(r): {"x": r["time_scale_x"], "rel_error_faster_clock":
                                                 r.get("rel_error_faster_clock"),
                                                 **({"frozen_weights_rel_error": r["frozen_weights_rel_error"],
-                                                    "batch_spread": r.get("batch_spread")}
+                                                    "batch_spread": r.get("batch_spread"),
+                                                    # each timed step at its own routing, off the prediction
+                                                    "at_load_by_step_rel_error": [
+                                                        t / r["predicted_s"] - 1 for t in r["at_load_by_step_s"] or ()]}
                                                    if "frozen_weights_rel_error" in r else {})}
                                  for r in rows if r["time_scale_x"] != 1.0},
                  "max_slip_fraction": max((r["slip_fraction"] for r in faithful), default=None),

@@ -199,6 +199,8 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
             # the same prediction with the routing this run's timed steps really had, step by step
             seen = strategy.predict(batch_loads=steps)
             at_load = out["predicted_step_time_at_measured_load_s"] = seen["step_time_s"]
+            # step by step: a routing that drifts as the model trains shows as a trend
+            out["predicted_step_time_at_measured_load_by_step_s"] = seen["step_times_s"]
             out["expert_load_max_over_mean"] = seen["expert_load_max_over_mean"]
             if measured and at_load:
                 out["step_time_rel_error_at_measured_load"] = (measured - at_load) / at_load

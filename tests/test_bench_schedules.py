@@ -4,6 +4,8 @@ are real jobs (minutes each); here one cell's run is replaced by its figures."""
 
 from __future__ import annotations
 
+import pytest
+
 from helpers_bench import BENCH, load_bench
 
 
@@ -21,7 +23,7 @@ def schedules_bench(monkeypatch, errors: dict[tuple[bool, float], float]):
                 "measured_s": slowdown * (1 + err),
                 "predicted_s": slowdown * 1.0, "rel_error": err, "predicted_at_load_s": None,
                 "rel_error_at_load": None, "overrun_fraction": 0.0, "slip_fraction": 0.0, "faithful": True,
-                "wall_s": 1.0}
+                "wall_s": 1.0, "at_load_by_step_s": [slowdown * 1.048, slowdown * 1.052]}
 
     monkeypatch.setattr(bench, "_measure_once", run_once)
     return bench, calls
@@ -37,6 +39,9 @@ def test_a_cell_still_off_at_the_slower_clock_gets_its_frozen_weights_control(mo
     summary = bench.accuracy([row])
     assert summary["max_rel_error"] == 0.055
     assert summary["rerun_cells"]["l40s+t4 1+3 16K zebra"]["frozen_weights_rel_error"] == 0.016
+    # each timed step priced at its own routing, on the grid's clock: the drift step by step
+    assert summary["rerun_cells"]["l40s+t4 1+3 16K zebra"]["at_load_by_step_rel_error"] == \
+        pytest.approx([0.048, 0.052])
 
 
 def test_a_cell_within_reach_at_the_slower_clock_runs_no_control(monkeypatch):

@@ -114,8 +114,10 @@ def test_zebra_measures_its_exchange_and_the_four_kinds_add_up_to_the_step():
         assert got["transfers"] == 2 * 2 * 2 * 2 and got["spans"] > 0, got
         for busy, _ in got["steps"]:
             assert busy is not None and set(busy) == set(KINDS), busy
-            assert busy["comm"] > 0, (rank, busy)
             assert busy["attention" if rank == 0 else "experts"] > 0, (rank, busy)
+        # a step whose every transfer had landed before its rank waited counts its wait idle
+        # (seen once in a loaded CI run, on the attention rank): over the run, some is comm
+        assert sum(busy["comm"] for busy, _ in got["steps"]) > 0, (rank, got["steps"])
         busy = got["steps"][-1][0]
         assert sum(busy.values()) == pytest.approx(got["device_step"], rel=1e-9), (rank, busy, got["device_step"])
 

@@ -206,6 +206,8 @@ class RunClock:
         spread = (sum((t - step) ** 2 for t in steps) / len(steps)) ** 0.5 / step if step > 0 else 0.0
         return {"schedule": sim.schedule, "step_time_s": step * self.time_scale, "device_step_time_s": step,
                 "step_time_batch_spread": spread,
+                # each routing's step (each held-out batch's, or each measured step's)
+                "step_times_s": [t * self.time_scale for t in steps],
                 "workload_tokens_per_step": tokens,
                 # what no schedule beats on these devices, and this run's predicted share of it
                 "bound_tokens_per_s": bound,
