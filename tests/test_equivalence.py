@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 
 from harness import run_ranks
 from lightning_hetermoe import HeterMoEStrategy, OptimConfig
+from lightning_hetermoe.model_contract import moe_layers
 from reference import assert_same_params, data, make_model, reference_fit, trainer
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -27,6 +29,8 @@ CASES = {
         # At these tiny shapes kernel launches dominate, so the slow device launches slowly.
         dict(name="speed_split", strategy=dict(batch_split="speed", cluster=dict(
             name="mix", devices=["a40", "slow"], custom_devices={"slow": {"base": "v100", "launch_overhead_s": 1e-4}}))),
+        # EP groups of one: each rank holds every expert and dispatches as one device
+        dict(name="groups_of_one", strategy=dict(expert_parallel_size=1)),
     ],
     4: [
         dict(name="adamw_uneven", num_experts=3),  # 1+1+1+0 experts
@@ -41,17 +45,32 @@ def build(case: dict, seed: int):
     return make_model(case.get("num_experts", 4), seed=seed, optim=OptimConfig(**case.get("optim", {})))
 
 
+class Dispatchers(L.Callback):
+    """Whether each MoE layer's dispatcher ran as one device (``alone``) in the first step
+    (the strategy puts the layers' own back at the end of fit)."""
+
+    def __init__(self) -> None:
+        self.alone: list[bool] | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.alone is None:
+            self.alone = [getattr(layer.dispatcher, "alone", None) is not None for _, layer in moe_layers(pl_module)]
+
+
 def fit_cases(rank: int, world: int, cases: list[dict]) -> list[dict] | None:
     out = []
     for case in cases:
         model = build(case, seed=rank)  # differently seeded ranks: rank 0's weights must win
         strategy = HeterMoEStrategy(**{"mode": "ep", **case.get("strategy", {})})
+        seen = Dispatchers()
         t = trainer(strategy, world, max_steps=STEPS, accumulate_grad_batches=case.get("accumulate", 1),
-                    gradient_clip_val=case.get("clip"))
+                    gradient_clip_val=case.get("clip"), callbacks=[seen])
         t.fit(model, datamodule=data(world))
         out.append({k: v.clone() for k, v in model.state_dict().items()})
         if case["name"] == "speed_split":
             out[-1]["__shares__"] = torch.tensor(strategy.backend.shares)
+        if case["name"] == "groups_of_one":  # no exchange with itself, no count read on the host
+            out[-1]["__alone__"] = torch.tensor(seen.alone)
     return out if rank == 0 else None
 
 
@@ -67,6 +86,8 @@ def test_distributed_equals_single_process_at_default_settings(world):
             unclipped = reference_fit(model, STEPS, accumulate=case.get("accumulate", 1))
             gap = (expected["model.head.weight"] - unclipped["model.head.weight"]).abs().max()
             assert gap > 1e-4, f"{case['name']}: clipping never bit, the clip check would be vacuous"
+        alone = actual.pop("__alone__", None)
+        assert alone is None or bool(alone.all()), f"{case['name']}: a layer exchanged within a group of one"
         shares = actual.pop("__shares__", None)
         if shares is not None:
             assert shares.tolist()[0] > shares.tolist()[1], f"a40 must get the larger share: {shares.tolist()}"

@@ -4,7 +4,8 @@ Swapped into each :class:`~lightning_hetermoe.moe.MoELayer` from outside (the mo
 sees a process group). Per layer and forward, one host sync: the kept rows per expert are
 copied to the host once, exchanged over the group's host side (gloo), and every split size
 comes from there; the rows themselves go over the device side with an all-to-all whose
-backward runs the reverse exchange.
+backward runs the reverse exchange. A group of one (``expert_parallel_size=1``: each rank
+holds every expert) dispatches as a single device does: no sync, no exchange.
 
 Copies of an expert are served local first (:mod:`lightning_hetermoe.copy_routing`): this
 rank's choices for an expert it holds stay here, else go to the copies on its node, else
@@ -24,8 +25,8 @@ from torch import Tensor
 import lightning_hetermoe.comm as comm
 from ....comm import Group
 from ....copy_routing import holders_of, source_split
-from ....moe.dispatch import (SHARE_UNITS, keep_mask, position_counts, scatter_to_slots, sort_by_position,
-                              split_over_copies)
+from ....moe.dispatch import (SHARE_UNITS, LocalDispatcher, keep_mask, position_counts, scatter_to_slots,
+                              sort_by_position, split_over_copies)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -99,6 +100,9 @@ class AllToAllDispatcher:
         self._on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}  # copied once per device, not per call
         self.replicated = most > 1  # some expert's choices split over several copies here
         self.experts_per_rank = [len(p) for p in self.placement]
+        # A group of one holding every expert in order is a single device: its layer
+        # dispatches as one (no count read on the host, no exchange with itself)
+        self.alone = LocalDispatcher() if self.size == 1 and self.placement[0] == list(range(num_experts)) else None
 
     def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if device not in self._on_device:
@@ -113,6 +117,8 @@ class AllToAllDispatcher:
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
         if self.guard is not None:
             self.guard()
+        if self.alone is not None:
+            return self.alone(x, indices, keep, experts)
         keep = keep_mask(indices, keep)  # the split sizes are read on the host either way
         mine = self.experts_per_rank[self.rank]
         if experts.num_local_experts != mine:
