@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 import time
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from .cluster import ClusterConfig
 from .configs import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
 from .emulate import FAITHFUL_SLIP
 from .model import MoELanguageModel, build_datamodule
+from .quiet import mute_dependency_noise
 from .strategy import HeterMoEStrategy
 
 log = logging.getLogger(__name__)
@@ -282,10 +282,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     """Validate every config group, train, validate, and (rank 0) write ``summary.json``.
 
     Returns the summary on global rank 0 and ``None`` on other ranks."""
-    # Lightning's loops test ``isinstance(spec, LeafSpec)``, which torch 2.13 deprecates: a
-    # FutureWarning per loop and rank that no user of the job can act on
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning)
+    mute_dependency_noise()
     model_cfg = from_cfg(ModelConfig, cfg.model, "model")
     data_cfg = from_cfg(DataConfig, cfg.data, "data")
     optim_cfg = from_cfg(OptimConfig, cfg.optim, "optim")

@@ -87,7 +87,11 @@ def start_server() -> None:
 @contextlib.contextmanager
 def environment(device_type: str) -> Iterator[None]:
     """For a check's duration: Triton's interpreter on CPU (the kernels read the variable
-    per launch, so a scoped setting is enough), and Lightning's banners muted."""
+    per launch, so a scoped setting is enough), and Lightning's banners and the
+    dependencies' noise muted (the child ends with the check)."""
+    from ..quiet import mute_dependency_noise
+
+    mute_dependency_noise()
     saved = os.environ.get("TRITON_INTERPRET")
     if device_type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"

@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Any, Callable, Sequence
 
 from .report import Context, Failed, joined
-from .runs import data, loopback_plan, one_run, tiny_model
+from .runs import data, loopback_plan, one_run, through_the_exchange, tiny_model
 
 
 def _traffic_problems(calls: Sequence[Any], compute: str) -> list[str]:
@@ -43,8 +43,9 @@ def check_collectives(mode: str) -> Callable[[Context], str]:
         ckpt = ModelCheckpoint(dirpath=os.path.join(ctx.workdir, f"ckpt-{mode}"), every_n_train_steps=1,
                                save_top_k=-1)
         with comm.record() as calls:
+            exchange = [through_the_exchange()] if mode == "ep" else []
             with one_run(ctx, f"collectives-{mode}", mode, plan, max_steps=2, limit_val_batches=1,
-                          enable_checkpointing=True, callbacks=[ckpt]) as (strategy, trainer):
+                          enable_checkpointing=True, callbacks=[ckpt, *exchange]) as (strategy, trainer):
                 trainer.fit(tiny_model(), datamodule=data())
                 compute = str(strategy.root_device)
                 schedule = strategy.schedule

@@ -50,6 +50,23 @@ def loopback_plan(ctx: Context, n_layers: int = 2, num_microbatches: int = 2) ->
                 base_counts=[[EXPERTS] * n_layers])
 
 
+def through_the_exchange() -> Any:
+    """A callback sending one-rank EP's rows through its all-to-all, as a group of two or more
+    does: a group of one dispatches as one device and issues none, and one GPU has no
+    larger group to check the exchange with."""
+    import lightning as L
+
+    from ..model_contract import moe_layers
+
+    class ThroughTheExchange(L.Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:  # the strategy has swapped the dispatchers
+            for _, layer in moe_layers(pl_module):
+                if getattr(layer.dispatcher, "alone", None) is not None:
+                    layer.dispatcher.alone = None
+
+    return ThroughTheExchange()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

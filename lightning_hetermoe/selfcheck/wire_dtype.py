@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from .report import Context, Failed, joined
-from .runs import data, loopback_plan, mixed_precision, one_run, tiny_model
+from .runs import data, loopback_plan, mixed_precision, one_run, through_the_exchange, tiny_model
 
 # The data collectives whose rows the receiver computes in the autocast dtype, per mode.
 DATA_COLLECTIVES = {"ep": ("ep.rows",), "zebra": ("zebra.rows", "zebra.answers")}
@@ -44,7 +44,9 @@ def check_wire_dtype(ctx: Context) -> str:
     for mode in DATA_COLLECTIVES:
         plan = loopback_plan(ctx) if mode == "zebra" else None
         with comm.record() as calls:
-            with one_run(ctx, f"wire-{mode}", mode, plan, max_steps=2, precision=precision) as (_, trainer):
+            exchange = [through_the_exchange()] if mode == "ep" else []
+            with one_run(ctx, f"wire-{mode}", mode, plan, max_steps=2, precision=precision,
+                         callbacks=exchange) as (_, trainer):
                 trainer.fit(tiny_model(), datamodule=data())
         details.append(judge_wire(calls, mode, want, priced))
     return f"{precision}, priced at {priced} B a value; " + "; ".join(details)
