@@ -20,11 +20,19 @@ def test_no_bench_module_shadows_an_importable_name():
     path = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
     clashes = []
     for script in sorted(BENCH.glob("*.py")):
+        # a bench module an earlier test imported (a script's own `import runs`) is found in
+        # sys.modules first, whatever the path: set aside while the path is searched
+        cached = sys.modules.get(script.stem)
+        mine = cached is not None and Path(getattr(cached, "__file__", None) or "").resolve().parent == BENCH
         saved, sys.path[:] = list(sys.path), path
+        if mine:
+            del sys.modules[script.stem]
         try:
             spec = importlib.util.find_spec(script.stem)
         finally:
             sys.path[:] = saved
+            if mine:
+                sys.modules[script.stem] = cached
         if spec is not None:
             clashes.append(f"bench/{script.name} shadows {spec.origin}")
     assert not clashes, clashes
