@@ -59,5 +59,8 @@ def run_job(overrides: list[str], timeout: float = 300.0, workdir: Path | None =
         plan = Path(tmp) / "plan.json"
         if plan.exists():
             summary["plan_json"] = json.loads(plan.read_text())
+        record = Path(tmp) / "expert_load.json"  # the routing its steps had (the load monitor's)
+        if record.exists():
+            summary["expert_load_record"] = json.loads(record.read_text())
     summary["process_wall_s"] = wall
     return summary

@@ -31,7 +31,12 @@ off then runs once more with the weights all but frozen (``optim.lr=1e-12``: the
 steps, updates too small to move a router): what is left there is the simulator's error,
 and what went away was the routing drifting as the model trained (the prediction is made
 at set-up, from the freshly initialised model's routing); the JSON names each such cell's
-error with frozen weights (``frozen_weights_rel_error``).
+error with frozen weights (``frozen_weights_rel_error``), each timed step's error at its own
+routing (``at_load_by_step_rel_error``), and the remedy the job's last line names: the same
+job once more, planned and predicted at the routing its trained steps had
+(``strategy.expert_load=``, the load monitor's record), as a next run of it is: its error
+from that prediction (``planned_at_record_rel_error``) and how much faster it stepped
+(``planned_at_record_speedup``).
 
 Per cell it prints the measured s/step, the simulator's s/step for the same plan (as
 planned: the mean over held-out warm-up batches, each at its own routing) and its relative
@@ -69,7 +74,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 from runs import TEARDOWN_ABORTS, cluster_overrides, run_job
 
@@ -175,7 +182,26 @@ def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra
              + " from the prediction") if by_step else ""
     print(f"  ({cell_name(row)}: {row['rel_error']:+.1%} at x{slowdown:g}; the same job with frozen weights: "
           f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'}{chance}{drift})", flush=True)
+    if row.get("record"):
+        planned_at_record(row, mix, clock, schedule, extra, slowdown, activations)
     return row
+
+
+def planned_at_record(row: dict, mix: str, clock: str, schedule: str, extra: list[str], slowdown: float,
+                      activations: str = "checkpointed") -> None:
+    """The remedy the job's last line names where routing moved: the same job again,
+    planned and predicted at the routing its trained steps had (``strategy.expert_load=``,
+    the load monitor's record of them), as a next run of it is. Into ``row``: its error
+    from that prediction (faithful or ``None``) and how much faster it stepped."""
+    with tempfile.TemporaryDirectory(prefix="bench_record_") as tmp:
+        path = Path(tmp) / "expert_load.json"
+        path.write_text(json.dumps(row["record"]))
+        again = _measure_once(mix, clock, schedule, [*extra, f"strategy.expert_load={path}"], slowdown, activations)
+    row["planned_at_record_rel_error"] = again["rel_error"] if again["faithful"] else None
+    row["planned_at_record_speedup"] = row["measured_s"] / (again["measured_s"] / slowdown)
+    print(f"  ({cell_name(row)}: planned at its own steps' recorded routing, as the next run of it is: "
+          f"{again['rel_error']:+.1%} from that prediction{'' if again['faithful'] else ', UNFAITHFUL'}, "
+          f"{row['planned_at_record_speedup']:.3f}x the steps' speed)", flush=True)
 
 
 def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdown: float,
@@ -189,6 +215,7 @@ def _measure_once(mix: str, clock: str, schedule: str, extra: list[str], slowdow
            "predicted_s": s["predicted_step_time_s"], "rel_error": s["step_time_rel_error"],
            "predicted_at_load_s": s.get("predicted_step_time_at_measured_load_s"),
            "at_load_by_step_s": s.get("predicted_step_time_at_measured_load_by_step_s"),
+           "record": s.get("expert_load_record"),
            "batch_spread": s.get("predicted_step_time_batch_spread"),
            "timed_steps": s["steps"] - s.get("timing_warmup_steps", 1),
            "rel_error_at_load": s.get("step_time_rel_error_at_measured_load"),
@@ -236,7 +263,9 @@ def accuracy(rows: list[dict]) -> dict:
                                                     "batch_spread": r.get("batch_spread"),
                                                     # each timed step at its own routing, off the prediction
                                                     "at_load_by_step_rel_error": [
-                                                        t / r["predicted_s"] - 1 for t in r["at_load_by_step_s"] or ()]}
+                                                        t / r["predicted_s"] - 1 for t in r["at_load_by_step_s"] or ()],
+                                                    "planned_at_record_rel_error": r.get("planned_at_record_rel_error"),
+                                                    "planned_at_record_speedup": r.get("planned_at_record_speedup")}
                                                    if "frozen_weights_rel_error" in r else {})}
                                  for r in rows if r["time_scale_x"] != 1.0},
                  "max_slip_fraction": max((r["slip_fraction"] for r in faithful), default=None),
