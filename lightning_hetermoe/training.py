@@ -246,11 +246,11 @@ def prediction_verdict(summary: dict[str, Any], output_dir: str | os.PathLike) -
     at_load = summary.get("predicted_step_time_at_measured_load_s")
     off = abs(measured - predicted) / predicted > VERDICT_TOLERANCE
     if not at_load:
-        return line + ("" if off else ": on the prediction")
+        return line + (f": more than {VERDICT_TOLERANCE:.0%} off; the load monitor (callbacks.load_monitor) records "
+                       f"the routing that would say why" if off else ": on the prediction")
     off_at_load = abs(measured - at_load) / at_load > VERDICT_TOLERANCE
     line += f"; at the routing the timed steps had, {at_load:.4g} s ({(measured - at_load) / at_load:+.1%})"
     if off and not off_at_load:
-        # (which experts grew matters more than how hot the hottest is: no figure for it here)
         record = Path(output_dir) / "expert_load.json"
         again = f"; strategy.expert_load={record} plans the next run at it" if record.is_file() else ""
         return line + f": the routing moved from the one sampled at set-up{again}"

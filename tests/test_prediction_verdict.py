@@ -25,6 +25,9 @@ def test_a_step_on_its_prediction_says_so_with_both_errors(tmp_path):
     assert line == ("[hetermoe] prediction: step 1.02 s measured, 1 s predicted at set-up (+2.0%); at the routing the timed "
                     "steps had, 1.01 s (+1.0%): on the prediction")
     assert prediction_verdict(summary(0.98, 1.0), tmp_path).endswith("(-2.0%): on the prediction")
+    # no routing measured (the load monitor left out): off, and where to look
+    assert prediction_verdict(summary(1.2, 1.0), tmp_path).endswith(
+        "(+20.0%): more than 5% off; the load monitor (callbacks.load_monitor) records the routing that would say why")
 
 
 def test_a_miss_the_steps_routing_explains_names_the_routing_and_the_record_to_plan_at(tmp_path):
