@@ -177,8 +177,10 @@ def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra
     spread = row.get("batch_spread")
     chance = (f"; one step strays {spread:.1%} from the prediction by its batch's routing alone, a mean of "
               f"{row['timed_steps']} timed steps about {spread / row['timed_steps'] ** 0.5:.1%}") if spread else ""
-    by_step = row.get("at_load_by_step_s")
-    drift = (f"; each timed step at its own routing " + ", ".join(f"{t / row['predicted_s'] - 1:+.1%}" for t in by_step)
+    # each timed step at its own routing, off the prediction
+    by_step = row["at_load_by_step_rel_error"] = [t / row["predicted_s"] - 1
+                                                  for t in row.get("at_load_by_step_s") or ()]
+    drift = (f"; each timed step at its own routing " + ", ".join(f"{e:+.1%}" for e in by_step)
              + " from the prediction") if by_step else ""
     print(f"  ({cell_name(row)}: {row['rel_error']:+.1%} at x{slowdown:g}; the same job with frozen weights: "
           f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'}{chance}{drift})", flush=True)
@@ -261,9 +263,7 @@ def accuracy(rows: list[dict]) -> dict:
                                                 r.get("rel_error_faster_clock"),
                                                 **({"frozen_weights_rel_error": r["frozen_weights_rel_error"],
                                                     "batch_spread": r.get("batch_spread"),
-                                                    # each timed step at its own routing, off the prediction
-                                                    "at_load_by_step_rel_error": [
-                                                        t / r["predicted_s"] - 1 for t in r["at_load_by_step_s"] or ()],
+                                                    "at_load_by_step_rel_error": r["at_load_by_step_rel_error"],
                                                     "planned_at_record_rel_error": r.get("planned_at_record_rel_error"),
                                                     "planned_at_record_speedup": r.get("planned_at_record_speedup")}
                                                    if "frozen_weights_rel_error" in r else {})}
