@@ -459,7 +459,7 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
                      sharded=_sharded(model, shard_optimizer_state), waves=waves, optimizer=optimizer,
                      weight_averages=weight_averages)
     if bar is not None and bar.predicted.get("zebra"):
-        search.bar = (bar.predicted["zebra"]["step_time_s"], bar)
+        search.bar = (search.per_batch(bar.predicted["zebra"]["step_time_s"], bar), bar)
     W = len(view.devices)
     mem = search.mem
     _check_total_memory(mem, model, view)
