@@ -560,11 +560,11 @@ MAX_GROUP_COUNTS = 6
 # slower than the best is not searched over every R.
 FAR_GROUPS = 0.10
 
-# On up to MAX_SPLITS ranks pass 2 also searches the role splits whose pass-1 step is within
-# this much of the best one's, up to PASS2_SPLITS of them. Pass 1 prices a split at one ZP group and R <= 2, which
-# ranks splits that need more micro-batches or groups to overlap too low: over the paper's
-# 100 configurations the two best alone left zebra at 85.7% of the bound, every split 86.8%,
-# this 86.6% in 1.3x the search time.
+# Where pass 1 tried every role split (up to MAX_SPLITS of them), pass 2 also searches those
+# whose pass-1 step is within this much of the best one's, up to PASS2_SPLITS. Pass 1 prices
+# a split at one ZP group and R <= 2, which ranks splits that need more micro-batches or
+# groups to overlap too low: over the paper's 100 configurations the two best alone left
+# zebra at 85.7% of the bound, every split 86.8%, this 86.6% in 1.3x the search time.
 PASS2_MARGIN = 0.30
 PASS2_SPLITS = 6
 
