@@ -790,12 +790,11 @@ def test_the_search_finds_the_fastest_role_split_where_one_micro_batch_ranks_it_
     micro-batches to overlap and ranks third there. Pass 2 searches the splits near the best
     too: the plan is as fast per sequence as a brute force over every split, group count
     and R (with the two best alone it was 9% slower)."""
-    from lightning_hetermoe.plan.planner import plan_for_batch
-    from lightning_hetermoe.profile import CostModel
-
     import yaml
 
     from lightning_hetermoe.configs import from_cfg
+    from lightning_hetermoe.plan.planner import plan_for_batch
+    from lightning_hetermoe.profile import CostModel
 
     with open("conf/model/d3.yaml") as f:
         model = from_cfg(ModelConfig, {**yaml.safe_load(f), "activation_checkpointing": True})

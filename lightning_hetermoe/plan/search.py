@@ -317,7 +317,8 @@ class Search:
                                  expert_load=self.expert_load)
 
     def score(self, plan: Plan) -> tuple[float, Plan]:
-        """Simulated zebra step time, and the plan to keep. Asym-EA's greedy scores forward
+        """Simulated zebra step time per the search's batch (:meth:`per_batch`: what the search
+        ranks layouts by), and the plan to keep. Asym-EA's greedy scores forward
         times only; if the full step (backward, LM head, transfers) says its moves do not
         pay, the plan with the base placement (nothing offloaded beyond what memory forces)
         is kept instead. ``plan`` itself is left as it is."""
