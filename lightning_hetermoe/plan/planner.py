@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -56,7 +57,7 @@ from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .load_placement import place_at_load
 from .plan import Plan
 from .replica import copy_counts, one_copy, stands_in
-from .search import Search, many_splits
+from .search import Search, kind_counts, many_splits
 
 MAX_WAVES = 4  # make_plan's default: at most this many batches accumulated per optimizer step
 
@@ -94,8 +95,8 @@ def make_plan(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_b
 def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, global_batch_tokens: int,
                    max_waves: int, copies: bool = True, **kwargs: Any) -> Plan:
     """The fastest plan of the batch in 1, 2, 4, ... waves. More waves are searched only where
-    the last count's activations bound its plan (each wave adds a pipeline fill and drain)
-    and only while they pay. On more than ``MAX_SPLITS`` ranks, where one search takes
+    the last count's activations bound its plan (each wave adds a pipeline fill and drain),
+    on more than ``MAX_SPLITS`` ranks only while they pay. There, where one search takes
     seconds, the next count is searched only once the best layout so far, probed in that
     many waves, is faster (a probe is one layout, not a second search); there, two families
     of one role split each are also planned in more waves, where the gate cannot see them:
@@ -129,7 +130,13 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
             waves *= 2
             continue
         if best is not None and _zebra_rate(plan) <= _zebra_rate(best) * (1 + 1e-9):
-            break
+            # one search costs seconds on many ranks; on few, a count that did not pay can
+            # come before one that does (O2 W1 4K: 2 waves 0.04% slower than 1, 4 waves 2.1% faster)
+            if many_splits(len(view.devices)) or waves * 2 > max_waves or \
+                    not _activations_bind_as_asked(plan, view, model, kwargs):
+                break
+            waves *= 2
+            continue
         best = plan
         searched.append(plan)
         if waves * 2 > max_waves or not _activations_bind_as_asked(plan, view, model, kwargs):
@@ -189,11 +196,11 @@ def _from_copies(view: ClusterView, model: ModelConfig | dict, ks: list[int], *,
                  global_batch_tokens: int, max_waves: int, **kwargs: Any) -> Plan | None:
     """The cluster as ``k`` alike copies of a smaller one, for each ``k`` in ``ks``
     (``replica.py``): each copy planned by the whole search (waves and all), then the whole
-    cluster searched at each copy's role split times k, over every group count and R, at
+    cluster searched at each copy's attention ranks of each kind times k, over every group count and R, at
     that copy's waves: the fastest, or ``None`` where no copy plans."""
     # only zebra's step is compared on the way; the plan kept is predicted in full after
     zebra = {**kwargs, "schedules": ("zebra",), "_brief": True}
-    splits: dict[int, list[int]] = {}  # waves -> attention-rank counts
+    splits: dict[int, list[int | tuple[int, ...]]] = {}  # waves -> role splits (see plan_for_batch's _splits)
     for k in ks:
         try:
             one = _fastest_waves(one_copy(view, k), model, seq_len=seq_len,
@@ -201,7 +208,10 @@ def _from_copies(view: ClusterView, model: ModelConfig | dict, ks: list[int], *,
                                  **zebra)
         except ValueError:
             continue  # the copy is too small to hold the model: larger ones may
-        splits.setdefault(one.waves, []).append(k * len(one.attention_ranks))
+        # the copy's attention ranks of each kind times k, and as many first in the role order
+        # (where the copy's are not its own role order's first, either can be the faster whole)
+        splits.setdefault(one.waves, []).extend([tuple(k * n for n in kind_counts(one.devices, one.attention_ranks)),
+                                                 k * len(one.attention_ranks)])
     best = None
     for waves, Ms in splits.items():
         try:
@@ -254,8 +264,8 @@ def _all_attention(view: ClusterView, model: Any, *, seq_len: int, global_batch_
     10,000 GPUs on nodes: 250 groups of 40 in two waves, +25% over the plan of the whole's
     search), yet the search, which only probes its best layout of one wave in more waves
     where one search costs seconds, never sees them. ``None`` where none fits."""
-    return _split_in_waves(view, model, len(view.devices), 1, seq_len=seq_len, global_batch_tokens=global_batch_tokens,
-                           max_waves=max_waves, bar=bar, **kwargs)
+    return _split_in_waves(view, model, [len(view.devices)], 1, seq_len=seq_len,
+                           global_batch_tokens=global_batch_tokens, max_waves=max_waves, bar=bar, **kwargs)
 
 
 def _best_split_in_more_waves(best: Plan, view: ClusterView, model: Any, *, seq_len: int, global_batch_tokens: int,
@@ -267,16 +277,25 @@ def _best_split_in_more_waves(best: Plan, view: ClusterView, model: Any, *, seq_
     attending in two, while at the one-wave split 125 groups of 40+40 in four waves plan 17%
     faster than both). One split costs a fraction of the search. ``None`` where it does not
     bind or nothing plans."""
-    split = len(best.attention_ranks)
-    if split == len(view.devices) or not _activations_bind_as_asked(best, view, model, kwargs):
+    split, W = len(best.attention_ranks), len(view.devices)
+    if split == W or not _activations_bind_as_asked(best, view, model, kwargs):
         return None  # every rank attending is its own family; unbound activations gain nothing from waves
-    return _split_in_waves(view, model, split, best.waves * 2, seq_len=seq_len,
+
+    def most_groups(M: int) -> int:
+        return math.gcd(M, W - M)
+
+    # and a split one rank either side that deals into more ZP groups: where memory bound the
+    # fewer waves to fewer groups, the search's best split there can be one that divides
+    # badly (Mixtral on 64 GPUs: 25 attention ranks, one group, in one wave; in two, 24 in two
+    # groups is 1.53x faster than every plan the search made)
+    near = [M for M in (split - 1, split + 1) if 1 <= M < W and most_groups(M) > most_groups(split)]
+    return _split_in_waves(view, model, [split, *near], best.waves * 2, seq_len=seq_len,
                            global_batch_tokens=global_batch_tokens, max_waves=max_waves, bar=bar, **kwargs)
 
 
-def _split_in_waves(view: ClusterView, model: Any, split: int, first: int, *, seq_len: int, global_batch_tokens: int,
-                    max_waves: int, bar: Plan | None = None, **kwargs: Any) -> Plan | None:
-    """The fastest plan at ``split`` attention ranks, over every group count and R, in
+def _split_in_waves(view: ClusterView, model: Any, splits: list[int], first: int, *, seq_len: int,
+                    global_batch_tokens: int, max_waves: int, bar: Plan | None = None, **kwargs: Any) -> Plan | None:
+    """The fastest plan at any of ``splits`` attention ranks, over every group count and R, in
     ``first``, twice as many, ... waves while each count plans faster than the last and its
     activations bind. Zebra's step alone is compared (the caller predicts the plan it keeps;
     group counts far slower than ``bar``, the plan to beat, are not searched over every R)."""
@@ -287,7 +306,7 @@ def _split_in_waves(view: ClusterView, model: Any, split: int, first: int, *, se
     while waves <= max_waves and total >= waves and total % waves == 0:
         try:
             plan = plan_for_batch(view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens, waves=waves,
-                                  _splits=[split], _bar=best or bar, **brief)
+                                  _splits=splits, _bar=best or bar, **brief)
         except ValueError:
             plan = None
         if plan is not None:
@@ -365,7 +384,7 @@ def plan_for_batch(
     weight_averages: int = 0,
     waves: int = 1,
     ep_groups: str = "fastest",
-    _splits: Sequence[int] | None = None,
+    _splits: Sequence[int | tuple[int, ...]] | None = None,
     _brief: bool = False,
     _bar: Plan | None = None,
 ) -> Plan:
@@ -374,7 +393,9 @@ def plan_for_batch(
 
     ``profile`` (measured times) replaces the cost model when given; ``timer`` (any task
     timer, e.g. an emulated workload's clock) replaces both. ``num_microbatches``,
-    ``num_attention_ranks`` and ``num_zp_groups`` pin a choice instead of searching it.
+    ``num_attention_ranks`` and ``num_zp_groups`` pin a choice instead of searching it
+    (a pinned count of attention ranks: the ranks most suited to attention, first in the
+    role order; searched, any count of each device kind may attend).
     The search may give every rank the attention role (experts sharded over them: the EP
     layout, still with zebra's micro-batch overlap) when that is fastest; with
     ``require_expert_ranks`` at least one rank per ZP group serves experts only.
@@ -402,9 +423,10 @@ def plan_for_batch(
     ``fit.py``): a batch that fits in one gets a plan, and a refusal names the binding
     constraint and the largest batch that plans.
 
-    The planner's own calls narrow the search to some role splits (``_splits``,
-    attention-rank counts, each over every group count and R: what plans of the cluster's
-    alike copies suggest, ``replica.py``) and, where they only compare the plans' own
+    The planner's own calls narrow the search to some role splits (``_splits``, each the
+    role order's first ranks, or a tuple of attention ranks of each device kind, kinds
+    sorted by name, each over every group count and R: what plans of the cluster's alike
+    copies suggest, ``replica.py``) and, where they only compare the plans' own
     steps, ask for those alone (``_brief``: no data-centric prediction, no network bytes);
     ``_bar``, a plan found elsewhere, is the mark group counts are probed against.
     """
@@ -452,7 +474,8 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
           num_zp_groups: int | None, require_expert_ranks: bool, schedules: Sequence[str], timer,
           expert_load, place_at_load: bool, shard_optimizer_state: bool | None,
           optimizer: OptimConfig | None = None, weight_averages: int = 0, ep_groups: str = "fastest",
-          splits: Sequence[int] | None = None, brief: bool = False, bar: Plan | None = None) -> Plan:
+          splits: Sequence[int | tuple[int, ...]] | None = None, brief: bool = False,
+          bar: Plan | None = None) -> Plan:
     """:func:`plan_for_batch` once its arguments are checked."""
     timer = _search_timer(model, seq_len, timer, profile, cost_model, optimizer)
     search = Search(view, model, seq_len, total, timer, asym_ea, max_microbatches, expert_load,
@@ -480,12 +503,15 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
                                     require_expert_ranks=require_expert_ranks)
 
     if splits is not None:
-        got = search.finals(order, [M for M in dict.fromkeys(splits) if M in Ms], Rs, num_zp_groups)
+        sets = [order[:s] if isinstance(s, int) else search.attention_of(s, order) for s in dict.fromkeys(splits)]
+        sets = [a for a in sets if len(a) in Ms and all(search.holdable(r) for r in a)]
+        got = search.finals([(search.led_by(a, order), len(a)) for a in sets], Rs, num_zp_groups)
         if got is None:
-            raise ValueError(f"no layout of {sorted(splits)} attention ranks fits {view.name}")
+            raise ValueError(f"no layout of the attention splits {list(splits)} fits {view.name}")
         plan = got[1]
     else:
-        plan = search.best(order, Ms, Rs, num_zp_groups)
+        # a pinned count pins the split: the role order's first ranks, the ones most suited to attention
+        plan = search.best(order, Ms, Rs, num_zp_groups, every_set=num_attention_ranks is None)
     if place_at_load and expert_load is not None:
         _place_at_load(plan, search, expert_load)
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief, optimizer=optimizer,
