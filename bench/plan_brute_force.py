@@ -1,6 +1,6 @@
 """The planner's plan against a brute force over every layout, on the paper's configurations.
 
-    python bench/plan_brute_force.py                          # C1, C2, O1-O3: about N minutes
+    python bench/plan_brute_force.py                          # C1, C2, O1-O3: about 7 minutes
     python bench/plan_brute_force.py --clusters c2 --models w1 --seq-lens 16384
 
 For each configuration ``recipes/paper.py`` plans (its clusters, models and sequence
