@@ -6,12 +6,13 @@
 For each configuration ``recipes/paper.py`` plans (its clusters, models and sequence
 lengths, fp16, every block checkpointed, up to 16 micro-batches and 4 waves, the batch
 halved where it does not fit), ``make_plan`` plans it; then every set of attention ranks
-(how many of each device kind attend, kinds alike within) in 1, 2 and 4 waves is searched
-over every group count and R (``plan_for_batch``'s ``_splits``: that set alone) at the
-batch the plan planned (more waves only while the last count's activations bind a member's
-experts, as the planner does: otherwise a wave adds only a pipeline fill and drain). Prints each configuration's planned zebra tokens/s, the brute
-force's best and their ratio (> 1: the search missed a faster layout), with the layout that
-won; the last line is JSON with the worst ratio and the configurations missed by more than 0.1%.
+(how many of each device kind attend, kinds alike within) is searched over every group
+count and R (``plan_for_batch``'s ``_splits``: that set alone) at the batch the plan
+planned, in 1, 2 and 4 waves (more waves only while the last count's activations bind a
+member's experts, as the planner does: otherwise a wave adds only a pipeline fill and
+drain). Prints each configuration's planned zebra tokens/s, the brute force's best and
+their ratio (> 1: the search missed a faster layout), with the layout that won; the last
+line is JSON with the worst ratio and the configurations missed by more than 0.1%.
 """
 
 from __future__ import annotations

@@ -501,6 +501,7 @@ class Search:
         # where pass 1 tried every split (a grid on more ranks, whose pass 2 searches
         # hundreds of group counts per split): the splits near the best as well
         most = PASS2_SPLITS if len(Ms) <= MAX_SPLITS else 2
+
         def near(ranked: list[tuple[float, tuple[int, ...]]]) -> list[tuple[int, ...]]:
             got = [k for t, k in ranked if t <= ranked[0][0] * (1 + PASS2_MARGIN)][:most]
             return got if len(got) >= 2 else [k for _, k in ranked[:2]]
@@ -510,7 +511,8 @@ class Search:
             own = {tuple(order[:M]) for M in Ms}
             first += [k for k in near([(t, k) for t, k in ranked if k in own]) if k not in first]
         binds = not first
-        first += [k for _, k in sorted(((t, k) for k, t in fitted.items()), key=lambda tk: tk[0])[:1] if k not in first]
+        fits = sorted(((t, k) for k, t in fitted.items()), key=lambda tk: tk[0])
+        first += [k for _, k in fits[:1] if k not in first]
         best = self.finals([(leads[k], len(k)) for k in first], Rs, pinned)
         if binds:  # no split fits as pass 1 probes it: the layouts the memory check passes
             try:
