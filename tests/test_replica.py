@@ -138,6 +138,7 @@ def test_groups_of_every_rank_attending_are_searched_in_every_wave_count_the_sea
     assert len(searched.expert_ranks) > 0 and rate(plan) > 1.04 * rate(searched)
 
 
+@pytest.mark.slow  # three plans of Mixtral on 64 GPUs and a family pinned: 6 s
 def test_a_split_beside_the_search_s_best_that_deals_into_more_groups_is_searched_in_more_waves(monkeypatch):
     """Mixtral-8x7B on 64 GPUs in one flat list: in one wave memory allows one ZP group, and the
     search's best split is 25 attention ranks, which deal into no more groups in any wave
