@@ -789,10 +789,12 @@ def test_on_few_ranks_more_waves_are_searched_past_a_count_that_did_not_pay():
     """4 A40 + 8 V100 (the paper's O2) with W1 at 4K: every rank attending plans 0.04% slower
     in two waves than in one and 2.1% faster in four, while the activations bind all along.
     On up to 48 ranks (a search costs a second or less) the wave counts go on past one that
-    did not pay: the plan is the fastest of the search's own at 1, 2 and 4 waves."""
+    fell short by at most WAVES_SLACK: the plan is the fastest of the search's own at 1, 2 and
+    4 waves."""
     import yaml
 
     from lightning_hetermoe.configs import from_cfg
+    from lightning_hetermoe.plan import planner
     from lightning_hetermoe.plan.planner import plan_for_batch
     from lightning_hetermoe.profile import CostModel
 
@@ -803,6 +805,7 @@ def test_on_few_ranks_more_waves_are_searched_past_a_count_that_did_not_pay():
               max_microbatches=16, schedules=("zebra",))
     rate = {w: plan_for_batch(cluster, model, waves=w, **kw).predicted["zebra"]["tokens_per_s"] for w in (1, 2, 4)}
     assert rate[2] < rate[1] < rate[4]  # the case: the count past one that did not pay is the fastest
+    assert rate[2] >= rate[1] * (1 - planner.WAVES_SLACK)
     plan = make_plan(cluster, model, max_waves=4, **kw)
     assert plan.waves == 4 and plan.predicted["zebra"]["tokens_per_s"] == pytest.approx(rate[4], rel=1e-12)
 
