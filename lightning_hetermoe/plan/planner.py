@@ -510,8 +510,11 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
                                     require_expert_ranks=require_expert_ranks)
 
     if splits is not None:
-        sets = [order[:s] if isinstance(s, int) else search.attention_of(s, order) for s in dict.fromkeys(splits)]
-        sets = [a for a in sets if len(a) in Ms and all(search.holdable(r) for r in a)]
+        # a count and a vector can name the same ranks (a copy's set that is its own prefix):
+        # each set once
+        named = [order[:s] if isinstance(s, int) else search.attention_of(s, order) for s in splits]
+        fit = [a for a in named if len(a) in Ms and all(search.holdable(r) for r in a)]
+        sets = list({tuple(sorted(a)): a for a in fit}.values())
         got = search.finals([(search.led_by(a, order), len(a)) for a in sets], Rs, num_zp_groups)
         if got is None:
             raise ValueError(f"no layout of the attention splits {list(splits)} fits {view.name}")

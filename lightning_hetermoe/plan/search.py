@@ -430,8 +430,9 @@ class Search:
         for vec in itertools.product(*(range(a + 1) for a in able)):
             if sum(vec) in allowed:
                 att = self.attention_of(vec, order)
-                if tuple(sorted(att)) not in seen:
-                    seen.add(tuple(sorted(att)))
+                key = tuple(sorted(att))
+                if key not in seen:
+                    seen.add(key)
                     out.append(att)
         return out
 
