@@ -760,28 +760,35 @@ def test_bad_wave_counts_are_named():
             Plan.from_dict({**d, "waves": bad})
 
 
-def _brute_force_step(cluster, model, *, seq_len: int, tokens: int, cost) -> float:
-    """The fastest zebra step per sequence over every role split of the role order, every
-    group count and every R (each pinned, so the planner's own search only builds and
-    prices that one layout), in one wave."""
+def _fastest_pinned(cluster, model, Gs, Rs, **kw) -> float:
+    """The fastest zebra step per sequence over group counts ``Gs`` and micro-batch counts
+    ``Rs``, each pinned with the rest of the layout as ``kw`` pins it (so the planner's own
+    search only builds and prices that one layout); layouts that do not fit are skipped."""
     import math
 
     from lightning_hetermoe.plan.planner import plan_for_batch
-    from lightning_hetermoe.plan.search import R_CANDIDATES
 
     best = math.inf
-    W = len(cluster.devices)
-    for M in range(1, W + 1):
-        for G in (g for g in range(1, M + 1) if M % g == 0 and (W - M) % g == 0):  # each group alike
-            for R in R_CANDIDATES:
-                try:
-                    p = plan_for_batch(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, cost_model=cost,
-                                       num_attention_ranks=M, num_zp_groups=G, num_microbatches=R, max_microbatches=32,
-                                       schedules=("zebra",))
-                except ValueError:
-                    continue
-                best = min(best, p.predicted["zebra"]["step_time_s"] / p.total_seqs)
+    for G in Gs:
+        for R in Rs:
+            try:
+                p = plan_for_batch(cluster, model, num_zp_groups=G, num_microbatches=R, schedules=("zebra",), **kw)
+            except ValueError:
+                continue
+            best = min(best, p.predicted["zebra"]["step_time_s"] / p.total_seqs)
     return best
+
+
+def _brute_force_step(cluster, model, *, seq_len: int, tokens: int, cost) -> float:
+    """The fastest zebra step per sequence over every role split of the role order, every
+    group count and every R (each pinned), in one wave."""
+    from lightning_hetermoe.plan.search import R_CANDIDATES
+
+    W = len(cluster.devices)
+    return min(_fastest_pinned(cluster, model, [g for g in range(1, M + 1) if M % g == 0 and (W - M) % g == 0],
+                               R_CANDIDATES, seq_len=seq_len, global_batch_tokens=tokens, cost_model=cost,
+                               num_attention_ranks=M, max_microbatches=32)
+               for M in range(1, W + 1))  # each group alike
 
 
 @pytest.mark.slow  # four searches of 12 ranks: 4 s
@@ -813,28 +820,20 @@ def test_on_few_ranks_more_waves_are_searched_past_a_count_that_did_not_pay():
 def _every_set_step(cluster, model, *, seq_len: int, tokens: int, waves: int, cost) -> float:
     """The fastest zebra step per sequence over every set of attention ranks (each device
     kind's count, as ``plan_for_batch``'s ``_splits`` names one), every group count and
-    every R, each pinned, so the planner builds and prices that one layout."""
+    every R, each pinned."""
     import itertools
     import math
 
-    from lightning_hetermoe.plan.planner import plan_for_batch
     from lightning_hetermoe.plan.search import R_CANDIDATES
 
     kinds = sorted(set(cluster.devices))
     counts = [cluster.devices.count(k) for k in kinds]
     best = math.inf
     for vec in itertools.product(*(range(c + 1) for c in counts)):
-        M = sum(vec)
-        alike = [g for g in range(1, M + 1) if all(a % g == 0 and (c - a) % g == 0 for a, c in zip(vec, counts))]
-        for G in alike:
-            for R in (r for r in R_CANDIDATES if r <= 16):
-                try:
-                    p = plan_for_batch(cluster, model, seq_len=seq_len, global_batch_tokens=tokens, waves=waves,
-                                       cost_model=cost, num_zp_groups=G, num_microbatches=R, max_microbatches=16,
-                                       schedules=("zebra",), _splits=[vec])
-                except ValueError:
-                    continue
-                best = min(best, p.predicted["zebra"]["step_time_s"] / p.total_seqs)
+        alike = [g for g in range(1, sum(vec) + 1) if all(a % g == 0 and (c - a) % g == 0 for a, c in zip(vec, counts))]
+        best = min(best, _fastest_pinned(cluster, model, alike, [r for r in R_CANDIDATES if r <= 16], seq_len=seq_len,
+                                         global_batch_tokens=tokens, waves=waves, cost_model=cost, max_microbatches=16,
+                                         _splits=[vec]))
     return best
 
 
