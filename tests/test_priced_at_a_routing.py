@@ -142,7 +142,7 @@ def test_each_lanes_expert_task_is_the_sum_of_its_experts_asked_one_at_a_time(la
 
 @pytest.mark.parametrize("layout", ["flat", "nodes"])
 def test_every_layers_exchange_at_once_is_each_layers_alone(layout):
-    m, view, plan, load = routed_plan(layout, 2)
+    m, view, plan, load = routed_plan(layout, 3)  # a routing whose three layers exchange unalike on both
     timer = make_timer(m, 1024)
     setup = plan_setup(plan, view.devices, m, view.topology, expert_load=load)
     for mb_tokens in zip(*lane_tokens(setup)):

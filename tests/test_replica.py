@@ -72,6 +72,7 @@ def rate(plan) -> float:
     return plan.predicted["zebra"]["tokens_per_s"]
 
 
+@pytest.mark.slow  # three plans, the copy's of 16 ranks over a grid of attention sets: 13 s
 def test_a_cluster_of_copies_plans_at_least_as_fast_per_gpu_as_its_copy(monkeypatch):
     """DeepSeek-V2-Lite on 64 GPUs, four copies of (2 h100, 6 a40, 8 v100), transfers free
     (each copy's share of the work is then exactly a quarter): the 16-GPU copy's plan
