@@ -861,7 +861,7 @@ def test_the_search_tries_every_set_of_attention_ranks_not_only_the_role_orders_
     found = plan.predicted["zebra"]["step_time_s"] / plan.total_seqs
     attending = [plan.devices[r] for r in plan.attention_ranks]
     assert attending.count("l40s") == 1 and attending.count("t4") >= 1  # no prefix of the role order
-    monkeypatch.setattr(Search, "attention_sets", lambda self, order, Ms: None)  # prefixes alone
+    monkeypatch.setattr(Search, "attention_sets", lambda self, order, Ms, grid=True: None)  # prefixes alone
     prefix = plan_for_batch(cluster, model, **kw)
     assert found * 1.1 < prefix.predicted["zebra"]["step_time_s"] / prefix.total_seqs
     monkeypatch.undo()
@@ -886,12 +886,14 @@ def test_past_every_set_each_kinds_attending_counts_are_powers_of_two_thinned_un
     assert count_grid([1] * 7, 64) is None  # 127 sets with every kind at none or all
 
 
-@pytest.mark.slow  # three searches of 20 ranks: 6 s
+@pytest.mark.slow  # four searches of 20 ranks: 7 s
 def test_past_64_sets_of_attention_ranks_a_grid_of_counts_finds_a_set_no_prefix_is(monkeypatch):
     """4 L40S + 16 T4 with W1 at 4K: 84 sets of attention ranks, more than pass 1 tries one by
     one. The fastest has every T4 attending and the L40S serving experts, which no prefix of
     the role order (the L40S first) is: the prefixes alone plan 1.067x slower. The grid of
-    each kind's counts holds that set: the plan is the one every set tried one by one plans."""
+    each kind's counts holds that set: the plan is the one every set tried one by one plans.
+    A copy's search (``_grid=False``, inside a large cluster's, where its seconds add up)
+    takes the prefixes alone."""
     import yaml
 
     from lightning_hetermoe.configs import from_cfg
@@ -912,8 +914,12 @@ def test_past_64_sets_of_attention_ranks_a_grid_of_counts_finds_a_set_no_prefix_
     assert [plan.devices[r] for r in plan.attention_ranks] == ["t4"] * 16
     monkeypatch.setattr(search, "MAX_ATTENTION_SETS", 10**6)  # every set, one by one
     assert rate(plan) == pytest.approx(rate(plan_for_batch(cluster, model, **kw)), rel=1e-9)
-    monkeypatch.setattr(search.Search, "attention_sets", lambda self, order, Ms: None)  # prefixes alone
-    assert rate(plan) > 1.05 * rate(plan_for_batch(cluster, model, **kw))
+    monkeypatch.setattr(search.Search, "attention_sets", lambda self, order, Ms, grid=True: None)  # prefixes alone
+    prefixes = plan_for_batch(cluster, model, **kw)
+    assert rate(plan) > 1.05 * rate(prefixes)
+    # a copy's search inside a larger cluster's asks for no grid: the prefixes alone
+    monkeypatch.undo()
+    assert rate(plan_for_batch(cluster, model, _grid=False, **kw)) == pytest.approx(rate(prefixes), rel=1e-12)
 
 
 @pytest.mark.slow  # the brute force plans about 150 layouts: 6 s

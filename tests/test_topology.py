@@ -289,7 +289,7 @@ def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():
     pruned = make_plan(c, m, **kw)
     saved = search.MAX_SPLITS, search.Search.attention_sets
     search.MAX_SPLITS = 10_000  # every split, one by one, as the search ran before pruning
-    search.Search.attention_sets = lambda self, order, Ms: None  # of the role order, as the pruned search's
+    search.Search.attention_sets = lambda self, order, Ms, grid=True: None  # of the role order, as the pruned search's
     try:
         full_wide = search.role_splits(list(range(1, 64)), devices) == list(range(1, 64))
         full = make_plan(c, m, **kw)

@@ -412,13 +412,13 @@ class Search:
         attn, expert = sorted(order[:M]), sorted(order[M:])
         return next((G for G in reversed(self.group_counts(M, None)) if self.groups(attn, expert, G) is not None), 1)
 
-    def attention_sets(self, order: list[int], Ms: list[int]) -> list[list[int]] | None:
+    def attention_sets(self, order: list[int], Ms: list[int], grid: bool = True) -> list[list[int]] | None:
         """The sets of attention ranks pass 1 tries one by one, the prefixes of the role order
         first: each count of each device kind that can hold the attention stack (a kind's
         first ranks in role order) up to ``MAX_ATTENTION_SETS``; beyond, as many on a grid of
         each kind's counts (none, powers of two, all: :func:`count_grid`); ``None`` where no
-        grid is that small (pass 1 then tries prefixes of the role order alone). A prefix
-        can miss the fastest set: on 2 L40S and 8 T4 one L40S and three T4s attending beat
+        grid is that small or ``grid`` is False (pass 1 then tries prefixes of the role order
+        alone). A prefix can miss the fastest set: on 2 L40S and 8 T4 one L40S and three T4s attending beat
         every prefix by 1.15x (W1 at 16K), the other L40S holding experts the T4s would be
         slow at; on 4 L40S and 16 T4 (84 sets) every T4 attending and the L40S serving
         experts beat them by 1.067x (W1 at 4K). Between the grid's counts, over 60 plans of
@@ -426,7 +426,7 @@ class Search:
         names = sorted({d.name for d in self.devs})
         able = [sum(1 for r in order if self.devs[r].name == n and self.holdable(r)) for n in names]
         every = math.prod(a + 1 for a in able) - 1 <= MAX_ATTENTION_SETS  # none attending is no set
-        levels = [list(range(a + 1)) for a in able] if every else count_grid(able, MAX_ATTENTION_SETS)
+        levels = [list(range(a + 1)) for a in able] if every else count_grid(able, MAX_ATTENTION_SETS) if grid else None
         if levels is None:
             return None
         allowed = set(Ms)
@@ -448,14 +448,14 @@ class Search:
         return list(attention) + [r for r in order if r not in held]
 
     def best(self, order: list[int], Ms: list[int], Rs: list[int], pinned: int | None,
-             every_set: bool = True) -> Plan:
+             every_set: bool = True, grid: bool = True) -> Plan:
         """Pass 1 ranks the role splits (each with one ZP group and a small R, and on wide
         clusters its most groups too); pass 2 searches every group count and R on the two
         best and on the others within ``PASS2_MARGIN`` of the best (at most ``PASS2_SPLITS``),
         and on the best of the splits that fit only with fewer groups than their most. A
-        split is a set of attention ranks (:meth:`attention_sets`; ``every_set`` False: the
-        prefixes of ``order`` alone), searched as the prefix of a role order that puts it
-        first."""
+        split is a set of attention ranks (:meth:`attention_sets`, which takes ``grid``;
+        ``every_set`` False: the prefixes of ``order`` alone), searched as the prefix of a
+        role order that puts it first."""
         probe = [r for r in Rs if r <= 2][-1:] or Rs[:1]
         # attention ranks (in role order) -> the role order they lead, and its pass-1 step
         leads: dict[tuple[int, ...], list[int]] = {}
@@ -497,7 +497,7 @@ class Search:
                         fitted[key] = fit[0]
             return tried[key]
 
-        sets = self.attention_sets(order, Ms) if every_set and len(Ms) <= MAX_SPLITS else None
+        sets = self.attention_sets(order, Ms, grid) if every_set and len(Ms) <= MAX_SPLITS else None
         kinds = [self.devs[r].name for r in order]
         for att in sets if sets is not None else [order[:M] for M in role_splits(Ms, kinds)]:
             split_time(lead(att))
