@@ -72,7 +72,6 @@ def rate(plan) -> float:
     return plan.predicted["zebra"]["tokens_per_s"]
 
 
-@pytest.mark.slow  # three plans, the copy's of 16 ranks over a grid of attention sets: 13 s
 def test_a_cluster_of_copies_plans_at_least_as_fast_per_gpu_as_its_copy(monkeypatch):
     """DeepSeek-V2-Lite on 64 GPUs, four copies of (2 h100, 6 a40, 8 v100), transfers free
     (each copy's share of the work is then exactly a quarter): the 16-GPU copy's plan
@@ -83,7 +82,8 @@ def test_a_cluster_of_copies_plans_at_least_as_fast_per_gpu_as_its_copy(monkeypa
     m = workload_model("deepseek_v2_lite")
     kw = dict(seq_len=4096, global_batch_tokens=4 * 64 * 4096)
     whole = make_plan(flat(64, FREE), m, **kw)
-    copy = make_plan(flat(16, FREE), m, seq_len=4096, global_batch_tokens=4 * 16 * 4096)
+    # planned as the whole plans its copies (the role order's prefixes past 64 sets)
+    copy = make_plan(flat(16, FREE), m, seq_len=4096, global_batch_tokens=4 * 16 * 4096, _grid=False)
     assert rate(whole) >= 4 * rate(copy) * (1 - 1e-6)  # the dense sync over more groups: ~1e-8
     # the plan kept is predicted as any plan is: every schedule and data-centric
     assert set(whole.predicted) == {*SCHEDULES, "datacentric"}
