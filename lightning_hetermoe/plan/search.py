@@ -418,16 +418,16 @@ class Search:
         first ranks in role order) up to ``MAX_ATTENTION_SETS``; beyond, as many on a grid of
         each kind's counts (none, powers of two, all: :func:`count_grid`); ``None`` where no
         grid is that small or ``grid`` is False (pass 1 then tries prefixes of the role order
-        alone). A prefix can miss the fastest set: on 2 L40S and 8 T4 one L40S and three T4s attending beat
-        every prefix by 1.15x (W1 at 16K), the other L40S holding experts the T4s would be
-        slow at; on 4 L40S and 16 T4 (84 sets) every T4 attending and the L40S serving
-        experts beat them by 1.067x (W1 at 4K). Between the grid's counts, over 60 plans of
-        16 and 20 mixed GPUs, every set tried one by one found nothing faster."""
+        alone). A prefix can miss the fastest set: on 2 L40S and 8 T4 one L40S and three T4s
+        attending beat every prefix by 1.15x (W1 at 16K), the other L40S holding experts the
+        T4s would be slow at; on 4 L40S and 16 T4 (84 sets) every T4 attending and the L40S
+        serving experts beat them by 1.067x (W1 at 4K). Between the grid's counts, over 60
+        plans of 16 and 20 mixed GPUs, every set tried one by one found nothing faster."""
         names = sorted({d.name for d in self.devs})
         able = [sum(1 for r in order if self.devs[r].name == n and self.holdable(r)) for n in names]
-        every = math.prod(a + 1 for a in able) - 1 <= MAX_ATTENTION_SETS  # none attending is no set
-        levels = [list(range(a + 1)) for a in able] if every else count_grid(able, MAX_ATTENTION_SETS) if grid else None
-        if levels is None:
+        if math.prod(a + 1 for a in able) - 1 <= MAX_ATTENTION_SETS:  # none attending is no set
+            levels = [list(range(a + 1)) for a in able]
+        elif not grid or (levels := count_grid(able, MAX_ATTENTION_SETS)) is None:
             return None
         allowed = set(Ms)
         prefixes = [order[:M] for M in Ms]
