@@ -35,7 +35,7 @@ import threading
 from typing import Any, Iterator, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 NAME = "standin"
 ENV = "HETERMOE_STANDIN"
@@ -345,7 +345,7 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
             return _CPU
         return x
 
-    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    out = func(*_map(unwrap, args), **_map(unwrap, kwargs))
     target = kwargs.get("device")
     to_host = target is not None and torch.device(target).type == "cpu"
 
@@ -359,14 +359,44 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
             return given
         return x if to_host or isinstance(x, StandInTensor) else StandInTensor(x)
 
-    return tree_map(wrap, out)
+    return _map(wrap, out)
+
+
+def _map(fn: Any, x: Any) -> Any:
+    """``tree_map`` over what an op takes and returns: its plain tuples, lists and dicts
+    walked here, since torch's general pytree was most of a stand-in op's cost; any other
+    container (a named tuple of results) goes to torch's."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        return kind(_map(fn, y) for y in x)
+    if kind is dict:
+        return {k: _map(fn, v) for k, v in x.items()}
+    if isinstance(x, (tuple, list, dict)):
+        return tree_map(fn, x)
+    return fn(x)
+
+
+def _tensors(x: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors among ``x``'s leaves (as :func:`_map` walks it), appended to ``into``."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        for y in x:
+            _tensors(y, into)
+    elif kind is dict:
+        for y in x.values():
+            _tensors(y, into)
+    elif isinstance(x, torch.Tensor):
+        into.append(x)
+    elif isinstance(x, (tuple, list, dict)):
+        into.extend(t for t in tree_leaves(x) if isinstance(t, torch.Tensor))
+    return into
 
 
 def _check_devices(func: Any, args: tuple, kwargs: dict) -> None:
     name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     if name in _CROSSING:
         return
-    tensors = [x for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    tensors = _tensors(kwargs, _tensors(args, []))
     if not any(isinstance(t, StandInTensor) for t in tensors):
         return
     host = [t for t in tensors if not isinstance(t, StandInTensor) and t.device.type == "cpu" and t.dim() > 0]
@@ -375,8 +405,3 @@ def _check_devices(func: Any, args: tuple, kwargs: dict) -> None:
                            f"{DEVICE} and cpu! (in {func}: a host tensor of shape {tuple(host[0].shape)} beside "
                            f"the compute device's; on a GPU this op fails the same way)")
 
-
-def _leaves(tree: Any) -> list[Any]:
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(tree)

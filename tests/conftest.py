@@ -24,9 +24,21 @@ def pytest_configure(config):
     ~29,000 lines again (1.5-2 s of CPU each). Python still reads a ``.pyc`` it finds, and
     checks it against the source's timestamp; the installed packages got theirs from pip."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        _a_share_of_the_cores()
         return  # the controller compiled them before starting the workers
     for folder in ("lightning_hetermoe", "kernels", "recipes", "tests", "bench"):
         compileall.compile_dir(ROOT / folder, quiet=1, workers=1)
+
+
+def _a_share_of_the_cores() -> None:
+    """A worker computes in its own process beside the others: at torch's default (a thread
+    per core) the workers' OpenMP teams outnumber the cores and spin waiting on each other
+    (the quick loop ran 5% longer on 2 cores). Each takes its share; the ranks and recipes
+    a test starts set their own."""
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture

@@ -81,7 +81,7 @@ class CollectBetweenSteps:
         self.active, self._frozen = True, False
         self.collections, self._last_step = 0, None
         self._was_enabled = gc.isenabled()
-        self._unfreeze = gc.get_freeze_count() == 0
+        self._unfreeze = False  # decided when this schedule freezes (before_batch)
         self._device_bytes, self._where = device_bytes, where
         self._warn_bytes = WARN_FREED_SHARE * device_total if device_bytes is not None and device_total else float("inf")
         self._turn_off()
@@ -95,6 +95,10 @@ class CollectBetweenSteps:
         if global_step > 0 and global_step % self.every_n_steps == 0:
             self._collect(global_step)
             if not self._frozen:
+                # Counted here rather than at start: the count walks every frozen object
+                # (40 ms a call where a fork server froze its imports, at every fit's start),
+                # where beside a full collection it costs nothing.
+                self._unfreeze = gc.get_freeze_count() == 0
                 gc.freeze()
                 self._frozen = True
 
