@@ -23,7 +23,7 @@ def test_a_slow_test_starts_processes_freely():
 def what_a_rank_inherited(rank: int) -> tuple[list[str], int, str | None]:
     import gc
 
-    preloads = ["lightning", "lightning_hetermoe", "reference", "preload_end"]
+    preloads = ["lightning", "lightning_hetermoe", "omegaconf", "reference", "helpers_zebra", "preload_end"]
     return [m for m in preloads if m in sys.modules], gc.get_freeze_count(), os.environ.get("PYTHONPATH")
 
 
@@ -35,6 +35,7 @@ def test_a_rank_starts_with_every_preload_imported_and_frozen_out_of_its_collect
     from harness import run_ranks
 
     (imported, frozen, path), = run_ranks(1, what_a_rank_inherited)
-    assert imported == ["lightning", "lightning_hetermoe", "reference", "preload_end"], imported
+    assert imported == ["lightning", "lightning_hetermoe", "omegaconf", "reference", "helpers_zebra", "preload_end"], \
+        imported
     assert frozen > 100_000, frozen
     assert path == os.environ.get("PYTHONPATH"), "a rank's environment is its caller's, not the server's"
