@@ -35,7 +35,7 @@ import threading
 from typing import Any, Iterator, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 NAME = "standin"
 ENV = "HETERMOE_STANDIN"
@@ -330,10 +330,10 @@ class StandInTensor(torch.Tensor):
 def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on the CPU tensors the stand-in tensors hold; results stay on the
     stand-in unless the op asked for the CPU (``.cpu()``, ``.to("cpu")``)."""
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     if _syncs is not None:
-        _note_op(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func), args, kwargs)
-    _check_devices(func, args, kwargs)
-    originals: dict[int, Any] = {}
+        _note_op(name, args, kwargs)
+    originals: dict[int, Any] = {}  # every tensor the op was given, by the id of what it runs on
 
     def unwrap(x: Any) -> Any:
         if isinstance(x, StandInTensor):
@@ -345,7 +345,9 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
             return _CPU
         return x
 
-    out = func(*_map(unwrap, args), **_map(unwrap, kwargs))
+    host_args, host_kwargs = _map(unwrap, args), _map(unwrap, kwargs)
+    _check_devices(func, name, list(originals.values()))
+    out = func(*host_args, **host_kwargs)
     target = kwargs.get("device")
     to_host = target is not None and torch.device(target).type == "cpu"
 
@@ -376,27 +378,10 @@ def _map(fn: Any, x: Any) -> Any:
     return fn(x)
 
 
-def _tensors(x: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors among ``x``'s leaves (as :func:`_map` walks it), appended to ``into``."""
-    kind = type(x)
-    if kind is tuple or kind is list:
-        for y in x:
-            _tensors(y, into)
-    elif kind is dict:
-        for y in x.values():
-            _tensors(y, into)
-    elif isinstance(x, torch.Tensor):
-        into.append(x)
-    elif isinstance(x, (tuple, list, dict)):
-        into.extend(t for t in tree_leaves(x) if isinstance(t, torch.Tensor))
-    return into
-
-
-def _check_devices(func: Any, args: tuple, kwargs: dict) -> None:
-    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+def _check_devices(func: Any, name: str, tensors: list[torch.Tensor]) -> None:
+    """``tensors``: those ``func`` (its op's ``name``) was given."""
     if name in _CROSSING:
         return
-    tensors = _tensors(kwargs, _tensors(args, []))
     if not any(isinstance(t, StandInTensor) for t in tensors):
         return
     host = [t for t in tensors if not isinstance(t, StandInTensor) and t.device.type == "cpu" and t.dim() > 0]
