@@ -7,8 +7,8 @@ HOST_TRAFFIC = ("batch.shapes", "batch.tokens", "zebra.header", "zebra.answer_he
                 "strategy.checkpoint.mkdir", "strategy.memory_report", "strategy.callback_metrics", "batch.counts",
                 "zebra.eval", "strategy.batches", "zebra.train_outputs", "lightning.sigterm", "lightning.sigterm.agree",
                 "batch.gather.host", "strategy.broadcast", "strategy.barrier", "strategy.decision",
-                "cluster.devices", "profile.devices", "experts.optimizer_keys")
+                "cluster.devices", "profile.devices", "experts.optimizer_keys", "strategy.warmup.shape")
 DEVICE_TRAFFIC = ("zebra.rows", "zebra.answers", "zebra.loss", "zebra.clip", "zebra.grads.dense",
-                  "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "ep.weights",
+                  "zebra.grads.replicas", "zebra.weights", "ep.rows", "ep.balance", "ep.clip", "strategy.weights",
                   "ep.grads.copies", "ep.grads.replicas", "experts.gather", "batch.gather",
-                  "zero.params", "zero.clip", "zebra.outputs", "zebra.metrics", "averaging.dense")
+                  "zero.params", "zero.clip", "zebra.outputs", "zebra.metrics", "averaging.dense", "strategy.warmup")

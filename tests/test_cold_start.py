@@ -330,6 +330,52 @@ def test_routing_warm_up_runs_on_the_torch_loop_under_the_run_autocast(monkeypat
     assert all(m.experts.backend == "triton" for m in model.modules() if isinstance(m, MoELayer)), "restored"
 
 
+def warm_up_in_ranks(rank: int, world: int, failing: int | None):
+    import torch.distributed as dist
+
+    from lightning_hetermoe import comm
+    from lightning_hetermoe.moe import MoELayer
+    from lightning_hetermoe.strategy.selection import warmup_routing
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    comm.configure(torch.device("cpu"))
+    model = small_model("torch")
+    seen = []
+    first = next(m for m in model.modules() if isinstance(m, MoELayer))
+    first.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+    if rank == failing:
+        def fail(mod, args):
+            raise torch.cuda.OutOfMemoryError("this rank's share does not fit")
+        first.register_forward_pre_hook(fail)
+    shares = warmup_routing(model, fake_trainer(warm_up_samples()), 4, 6, None, rank, world)
+    return {"shares": shares, "forwarded": seen}
+
+
+def warm_up_samples():
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 64, (16,), generator=gen), torch.randint(0, 64, (16,), generator=gen))
+            for _ in range(24)]
+
+
+@pytest.mark.slow  # starts processes
+def test_the_routing_warm_up_is_dealt_over_the_ranks_and_sums_to_one_rank_forwarding_it_all():
+    """Every rank forwards its deal of the chunks (chunk i to rank i mod world) and the
+    counts are summed: the shares equal one process forwarding every chunk (the naive
+    reference), on every rank; a rank whose forward fails gives even routing on every rank,
+    without leaving the others in the sum."""
+    from harness import run_ranks
+    from lightning_hetermoe.strategy.selection import warmup_batches, warmup_routing
+
+    alone = warmup_routing(small_model("torch"), fake_trainer(warm_up_samples()), 4, 6)
+    batches = warmup_batches(24, 6, 16)
+    assert alone is not None and len(alone) == len(batches) == 4  # the dataset binds: 4 batches of 6
+    got = run_ranks(3, warm_up_in_ranks, 3, None)
+    assert [r["shares"] for r in got] == [alone] * 3
+    # 4 batches of 6 cut into chunks of 4 and 2: 8 chunks, 4 2 4 2 4 2 4 2, dealt in turn
+    assert [r["forwarded"] for r in got] == [[4, 2, 4], [2, 4, 2], [4, 2]]
+    assert [r["shares"] for r in run_ranks(3, warm_up_in_ranks, 3, 1)] == [None] * 3
+
+
 def selection_run(monkeypatch, world: int, mode: str):
     from lightning.pytorch.plugins.precision import Precision
 

@@ -26,7 +26,11 @@ def fit_predicted(rank: int, world: int) -> dict:
     model = make_model(4, seed=rank, optim=OptimConfig())
     strategy = HeterMoEStrategy(mode="ep", cluster={"name": "two", "devices": ["a40", "v100"]})
     monitor = ExpertLoadMonitor(plots=False)
+    first = next(m for m in model.modules() if isinstance(m, MoELayer))
+    calls = []  # (training, tokens) of every forward of the first MoE layer on this rank
+    first.register_forward_pre_hook(lambda mod, args: calls.append((mod.training, args[0].shape[:-1].numel())))
     trainer(strategy, world, max_steps=STEPS, callbacks=[monitor]).fit(model, datamodule=data(world))
+    trained = next(i for i, (training, _) in enumerate(calls) if training)
     even = [[0.25] * 4] * 2
     timed = monitor.step_shares(skip=1)
     return {"load": strategy.clock.expert_load, "batches": strategy.clock.batch_loads,
@@ -34,7 +38,7 @@ def fit_predicted(rank: int, world: int) -> dict:
             "each": [strategy.predict(expert_load=b) for b in strategy.clock.batch_loads or []],
             "timed": timed, "each_timed": [strategy.predict(expert_load=b)["step_time_s"] for b in timed],
             "summary": timing_summary({"step_time_s": 1.0, "timing_warmup_steps": 1}, strategy, None, None, monitor),
-            "state": model.state_dict()}
+            "state": model.state_dict(), "warmup_tokens": [n for _, n in calls[:trained]]}
 
 
 def shares_by_hand(model, tokens) -> list[list[float]]:
@@ -57,10 +61,11 @@ def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_
 
     got = run_ranks(2, fit_predicted, 2)
     assert got[0]["load"] == got[1]["load"] and got[0]["batches"] == got[1]["batches"], \
-        "rank 0 measures, every rank predicts with the same routing"
-    # by hand: rank 0's initial model (every rank starts from it), eval mode, global batches
-    # of 8 samples drawn from a seeded permutation of the dataset, as many as hold the
-    # warm-up's tokens (at most WARMUP_BATCHES, as the dataset allows)
+        "every rank predicts with the same routing"
+    # by hand: rank 0's initial model (every rank starts from it: the ranks were seeded
+    # apart, and each forwards its half of every batch), eval mode, global batches of 8
+    # samples drawn from a seeded permutation of the dataset, as many as hold the warm-up's
+    # tokens (at most WARMUP_BATCHES, as the dataset allows)
     model = make_model(4, seed=0, optim=OptimConfig())
     initial = copy.deepcopy(model.state_dict())
     dataset = data(1, 8).train_set
@@ -71,6 +76,8 @@ def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_
     model.eval()
     by_hand = [shares_by_hand(model, torch.stack([dataset[i][0] for i in order[b * 8:(b + 1) * 8]]))
                for b in range(want)]
+    # each rank forwarded its own 4 sequences of each batch, one chunk a batch, not rank 0 all 8
+    assert [r["warmup_tokens"] for r in got] == [[4 * seq_len] * want] * 2
     half = want // 2
     # the planner places at the pooled shares of the first half ...
     pooled = [[sum(b[l][e] for b in by_hand[:half]) / half for e in range(4)] for l in range(2)]

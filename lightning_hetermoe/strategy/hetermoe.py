@@ -45,7 +45,7 @@ from ..simulate.schedules import EP_SCHEDULES
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
-from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend
+from .backends.base import OUTSIDE_STEP_TIMEOUT_S, ParallelBackend, broadcast_whole
 from .averaging import (average_bytes, averagers, averages, averages_on, follow_layout, load_average, made_whole,
                         saved_with_average)
 from .expert_state import ExpertState, expert_tensor_names
@@ -283,6 +283,11 @@ class HeterMoEStrategy(DDPStrategy):
             self._built_whole = not on_meta
             if self._built_whole:
                 self._warn_built_whole()
+            if self._built_whole and self.world_size > 1:
+                # rank 0's values everywhere before anything reads them: every rank forwards
+                # its share of the routing warm-up, then the backend slices out its part
+                # (processes seeded apart start equal)
+                broadcast_whole(self.lightning_module, "strategy.weights")
             self._saves_sharded = self._checkpoint_sharded()  # before the backend slices: alike on every rank
             # each parameter's whole size, for the model summaries (meta tensors have theirs)
             self._whole_numel = {name: p.numel() for name, p in self.lightning_module.named_parameters()}

@@ -8,7 +8,7 @@ differ) and ``datacentric`` (HEXA-MoE's experts-to-the-tokens). One device train
 printed; a plan, when one runs, is printed as a table and written to ``plan.json``.
 
 Routing is never even: before planning, a few sampled global batches go through the freshly
-initialised model; the planner searches at their pooled expert shares, and every
+initialised model, each rank forwarding its share of them; the planner searches at their pooled expert shares, and every
 prediction is the mean of the step at each batch's own routing (:func:`warmup_routing`).
 
 Rank 0 decides and broadcasts, so every rank builds the same backend from the same plan.
@@ -75,19 +75,25 @@ WARMUP_TOKENS = 65536
 WARMUP_BATCHES = 16  # the most batches the warm-up runs (each a forward of a global batch)
 
 
-def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
-                   precision: Any = None) -> list[list[list[float]]] | None:
+def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int, precision: Any = None,
+                   rank: int = 0, world: int = 1) -> list[list[list[float]]] | None:
     """Each sampled batch's routing, per layer each expert's share (``[batch][layer][expert]``),
     through the model as initialised: what the routers do at the start, which the planner
     and the predictions take instead of even routing. Each batch is a global batch
     (``sequences`` samples: few tokens exaggerate the hottest expert, one rank's share more
     so), drawn as a shuffling loader would (a fixed seed, the run's RNG untouched); as many
     batches as hold :data:`WARMUP_TOKENS` (at most :data:`WARMUP_BATCHES`, at least one,
-    as the dataset allows). Run ``chunk`` samples at a time (the memory of one rank's
-    share), forward only, in eval mode, under the run's autocast (``precision``, the
-    precision plugin: its ``forward_context``), and on the torch expert loop: only the
-    routing is read, and the Triton kernels would compile (or tune) for row counts no step
-    launches. ``None`` when the model cannot be run on the batch's first tensor alone."""
+    as the dataset allows). The batches are cut into chunks of ``chunk`` samples (the memory
+    of one rank's share) dealt over the ``world`` ranks, chunk ``i`` to rank ``i mod world``,
+    and their counts summed (one all-reduce): each rank forwards about one rank's share of
+    each batch, however many ranks there are, where one rank forwarding them all would take
+    ``world`` forwards a batch. A collective where ``world > 1``: every rank calls it, with
+    its weights already rank 0's (the strategy broadcasts them first). Forward only, in eval
+    mode, under the run's autocast (``precision``, the precision plugin: its
+    ``forward_context``), and on the torch expert loop: only the routing is read, and the
+    Triton kernels would compile (or tune) for row counts no step launches. ``None`` (on
+    every rank) when the model cannot be run on the batch's first tensor alone on some
+    rank."""
     import contextlib
 
     from ..model_contract import moe_layers
@@ -96,12 +102,18 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
             TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
     layers = [layer for _, layer in moe_layers(module)]
     if not layers:
-        return None
-    counts: dict[int, Any] = {}
+        return None  # alike on every rank: each built the same model
+    sizes = [layer.num_experts for layer in layers]
+    offsets = [sum(sizes[:l]) for l in range(len(layers))]
+    # the counts stay on the device until the sum: one read to the host at the end, not
+    # one per layer and chunk
+    counts: Any = None
+    batch, fired = [0], set()
 
     def hook(l: int):
         def record(mod, args, output):
-            counts[l] = counts.get(l, 0) + mod.aux_of(output).tokens_per_expert.detach().double().cpu()
+            counts[batch[0], offsets[l]:offsets[l] + sizes[l]] += mod.aux_of(output).tokens_per_expert.detach()
+            fired.add(l)
         return record
 
     handles = [layer.register_forward_hook(hook(l)) for l, layer in enumerate(layers)]
@@ -109,28 +121,30 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
     backends = [getattr(layer.experts, "backend", None) for layer in layers]
     was_training = module.training
     context = precision.forward_context() if precision is not None else contextlib.nullcontext()
-    batches: list[list[list[float]]] = []
     try:
         loader = loop._data_source.dataloader()
         loader = loader[0] if isinstance(loader, (list, tuple)) else loader
         dataset = loader.dataset
+        batches = warmup_batches(len(dataset), sequences, int(tensors(dataset[0])[0].shape[0]))
+        step = max(chunk, 1)
+        chunks = [(b, start) for b, indices in enumerate(batches) for start in range(0, len(indices), step)]
+        counts = torch.zeros(len(batches), sum(sizes), dtype=torch.float64, device=module.device)
         module.eval()
         for layer, backend in zip(layers, backends, strict=True):
             if backend is not None:
                 layer.experts.backend = "torch"
-        step = max(chunk, 1)
         with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
                 context:
-            for indices in warmup_batches(len(dataset), sequences, int(tensors(dataset[0])[0].shape[0])):
-                counts.clear()
-                for start in range(0, len(indices), step):
-                    samples = [dataset[i] for i in indices[start:start + step]]
-                    module(tensors(loader.collate_fn(samples))[0].to(module.device))
-                if len(counts) != len(layers):
-                    return None
-                batches.append([(c / c.sum().clamp(min=1)).tolist() for c in (counts[l] for l in range(len(layers)))])
+            for b, start in chunks[rank::world]:
+                batch[0] = b
+                fired.clear()
+                samples = [dataset[i] for i in batches[b][start:start + step]]
+                module(tensors(loader.collate_fn(samples))[0].to(module.device))
+                if len(fired) != len(layers):
+                    counts = None  # a layer the forward skipped: its routing is not all there
+                    break
     except Exception:
-        return None  # a forward that needs more than the tokens: plan with even routing
+        counts = None  # a forward that needs more than the tokens: plan with even routing
     finally:
         module.train(was_training)
         for layer, backend in zip(layers, backends, strict=True):
@@ -138,7 +152,25 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int,
                 layer.experts.backend = backend
         for h in handles:
             h.remove()
-    return batches or None
+    return _summed_shares(counts, sizes, world)
+
+
+def _summed_shares(counts: Any, sizes: list[int], world: int) -> list[list[list[float]]] | None:
+    """The ranks' warm-up counts (``[batch, every layer's experts]``, ``None`` where this
+    rank could not run its chunks) summed over the world, as each batch's per-layer shares;
+    ``None`` on every rank where any rank has none. Outside the run's autocast: the sum
+    travels as float64 (integer counts, exact)."""
+    if world > 1:
+        from .. import comm
+
+        shapes = comm.gather_objects(comm.world(), None if counts is None else tuple(counts.shape),
+                                     what="strategy.warmup.shape")
+        if None in shapes or len(set(shapes)) > 1:
+            return None
+        comm.all_reduce(comm.world(), counts, what="strategy.warmup")
+    if counts is None:
+        return None
+    return [[(c / c.sum().clamp(min=1)).tolist() for c in row.split(sizes)] for row in counts.cpu()]
 
 
 def warmup_batches(n_samples: int, sequences: int, seq_len: int) -> list[list[int]]:
@@ -236,10 +268,12 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
         if rank == 0:
             print(f"hetermoe: planning at the routing of strategy expert_load ({record.steps} steps of model "
                   f"{record.model!r}; the hottest expert {record.hottest_over_mean():.2f}x the mean)", flush=True)
-    elif clock.bound and rank == 0 and not built_on_meta(module) and not single:
+    elif clock.bound and not built_on_meta(module) and not single:
+        # every rank forwards its deal of the warm-up (the strategy made the weights rank 0's);
         # a model on the meta device cannot run yet: it plans with even routing
         clock.expert_load, clock.batch_loads = split_routing(
-            warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world, strategy.precision_plugin))
+            warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world, strategy.precision_plugin,
+                           rank, world))
     ep_size = None
     if single:
         choice, plan = "single", None

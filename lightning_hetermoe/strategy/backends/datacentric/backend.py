@@ -45,7 +45,7 @@ from ....moe.balance import GlobalBalance
 from ....ckpt.pieces import Pieces
 from ....materialize import Holding, Materializer
 from ...grad_norm import squared_norm
-from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, GlobalBalanceCounts
+from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, GlobalBalanceCounts
 from .dispatcher import DataCentricDispatcher
 from .gather import Gathered
 from .shards import Shard, covering_rows, shard_ranges
@@ -97,8 +97,7 @@ class DataCentricBackend(DenseDDPBackend):
             # generator), cut down to the ranges below
             spans = [covering_rows(shards.values(), self.rank) for shards in self.shards]
             materialize(module, Holding(dense=True, rows=[list(range(a, b)) for a, b in spans]))
-        else:
-            broadcast_whole(module, "datacentric.weights")
+        else:  # rank 0's weights already (the strategy broadcast them before planning)
             spans = [(0, layer.num_experts) for layer in self._layers]
         self.num_experts, self.layer_bytes = [], []
         for layer, shards, (first, _) in zip(self._layers, self.shards, spans, strict=True):

@@ -22,7 +22,7 @@ from ....moe.balance import GlobalBalance
 from ....placement import Placement
 from ...expert_state import gather_experts, slice_experts
 from ....materialize import Holding, Materializer
-from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, broadcast_whole, GlobalBalanceCounts
+from ..base import DenseDDPBackend, Simulated, StepFn, TailShape, GlobalBalanceCounts
 from .dispatch import AllToAllDispatcher
 from .grads import expert_grad_sq_norm, reduce_expert_grads
 from .groups import ExpertParallelGroups
@@ -59,10 +59,7 @@ class ExpertParallelBackend(DenseDDPBackend):
             rows = [held.experts_of(self.groups.ep_rank, l) for l in range(len(self._layers))]
             if materialize is not None:
                 materialize(module, Holding(dense=True, rows=rows))
-            else:
-                # DDP would broadcast the dense weights at wrap time, but not the experts (they
-                # stay outside DDP) and not in evaluation: rank 0's values go everywhere first
-                broadcast_whole(module, "ep.weights")
+            else:  # rank 0's values already (the strategy broadcast them before planning)
                 for layer, mine in zip(self._layers, rows, strict=True):
                     slice_experts(layer, mine)
             for l, layer in enumerate(self._layers):

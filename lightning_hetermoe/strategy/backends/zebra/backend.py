@@ -55,7 +55,7 @@ from ....simulate.step import tail_carried
 from ....task_order import answers_layered, build_schedule
 from ....apportion import apportion, split_microbatches
 from ....materialize import Holding, Materializer
-from ..base import (ParallelBackend, Simulated, StepFn, TailShape, broadcast_whole, step_context,
+from ..base import (ParallelBackend, Simulated, StepFn, TailShape, step_context,
                     zero_missing_grads)
 from ...batch import GlobalBatch, gather_global_batch, ignore_index_of, map_batch, split_sizes, take
 from ...expert_state import gather_experts, restore_local, slice_experts
@@ -216,9 +216,7 @@ class ZebraBackend(ParallelBackend):
         if materialize is not None:
             # expert ranks never allocate the dense part at all
             self._stripped = materialize(module, Holding(dense=self.layout.is_attention, rows=mine)).stripped
-        else:
-            # rank 0's weights everywhere, before anyone slices (on the device: set-up moved the model)
-            broadcast_whole(module, "zebra.weights")
+        else:  # rank 0's weights already (the strategy broadcast them before planning)
             for layer, ids in zip(self.layers, mine, strict=True):
                 slice_experts(layer, ids)
             if not self.layout.is_attention:

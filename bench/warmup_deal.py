@@ -1,0 +1,144 @@
+"""The routing warm-up at set-up dealt over the ranks (each forwards its share of every
+sampled batch, the counts summed in one all-reduce) against rank 0 forwarding every chunk
+alone while the others wait (the set-up before), side by side in one run.
+
+    python bench/warmup_deal.py                     # 2 CPU processes, about a minute
+    python bench/warmup_deal.py --world 2 --rounds 3 --d-model 256
+
+``--world`` processes over gloo, each computing on its share of this machine's cores (its
+"device": those of the ranks that wait stay idle, as their GPUs would). Both deals sample the same batches through
+the same model and must give the same shares (checked); per contender the median wall
+seconds of the warm-up on rank 0, the tokens rank 0 forwarded, and the ratio alone / dealt.
+Rank 0's forwards drop by the world size; its wall time by less where the cores are
+shared (2 ranks on 2 cores). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _trainer(dataset: Any, per_rank: int) -> Any:
+    """What :func:`warmup_routing` reads of a trainer: the fitting stage's loader."""
+    import torch
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    loader = torch.utils.data.DataLoader(dataset, batch_size=per_rank)
+    loop = SimpleNamespace(_data_source=SimpleNamespace(dataloader=lambda: loader))
+    return SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), fit_loop=loop, validate_loop=None,
+                           test_loop=None, predict_loop=None)
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_hetermoe import ModelConfig, MoEConfig, MoELanguageModel, MoELayer, OptimConfig, comm
+    from lightning_hetermoe.strategy.selection import warmup_routing
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    comm.configure(torch.device("cpu"))
+    torch.manual_seed(0)  # every rank the same model: the strategy broadcasts rank 0's first
+    cfg = ModelConfig(vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=4, max_seq_len=args.seq,
+                      moe=MoEConfig(num_experts=args.experts, top_k=2, d_ff=2 * args.d_model, expert_backend="torch"))
+    model = MoELanguageModel(cfg, OptimConfig())
+    first = next(m for m in model.modules() if isinstance(m, MoELayer))
+    gen = torch.Generator().manual_seed(1)
+    samples = [(t, t) for t in torch.randint(0, 256, (args.samples, args.seq), generator=gen)]
+    trainer = _trainer(samples, args.per_rank)
+    # a rank's device is its share of the cores, as each GPU is its rank's alone: the cores of
+    # the ranks that wait stay idle, as their GPUs would
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    times: dict[str, list[float]] = {"alone": [], "dealt": []}
+    tokens: dict[str, int] = {}
+    shares: dict[str, Any] = {}
+    for _ in range(args.rounds):
+        for name in times:
+            alone = name == "alone"
+            seen = [0]
+            hook = first.register_forward_pre_hook(
+                lambda mod, a: seen.__setitem__(0, seen[0] + a[0].shape[:-1].numel()))
+            dist.barrier()
+            start = time.perf_counter()
+            if alone:  # rank 0 forwards every chunk; the others wait for its answer
+                got = warmup_routing(model, trainer, args.per_rank, args.per_rank * world) if rank == 0 else None
+                box = [got]
+                dist.broadcast_object_list(box, src=0)
+                got = box[0]
+            else:
+                got = warmup_routing(model, trainer, args.per_rank, args.per_rank * world, None, rank, world)
+            times[name].append(time.perf_counter() - start)
+            hook.remove()
+            tokens[name], shares[name] = seen[0], got
+    if rank == 0:
+        out.put({"times": times, "tokens": tokens, "same": shares["alone"] == shares["dealt"],
+                 "batches": len(shares["dealt"] or [])})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch.multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each contender, alternated (default 3)")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    ap.add_argument("--per-rank", type=int, default=16, help="sequences per rank's share (default 16)")
+    ap.add_argument("--samples", type=int, default=512, help="sequences in the dataset (default 512)")
+    args = ap.parse_args(argv)
+    if args.world < 2 or args.rounds < 1:
+        ap.error(f"--world={args.world} --rounds={args.rounds}: at least 2 processes and 1 round")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    import queue as queues
+
+    while True:  # a rank that died ends the bench, not a wait for ever
+        try:
+            res = queue.get(timeout=5)
+            break
+        except queues.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit("a rank failed (its traceback is above)")
+    for p in procs:
+        p.join(timeout=120)
+    median = {n: statistics.median(v) for n, v in res["times"].items()}
+    out = {"world": args.world, "batches": res["batches"], "same_shares": res["same"],
+           "alone_s": median["alone"], "dealt_s": median["dealt"], "alone_over_dealt": median["alone"] / median["dealt"],
+           "rank0_tokens_alone": res["tokens"]["alone"], "rank0_tokens_dealt": res["tokens"]["dealt"]}
+    for name in ("alone", "dealt"):
+        print(f"{name:6}: {median[name]:.3f} s on rank 0 (median of {args.rounds}), rank 0 forwarded "
+              f"{res['tokens'][name]:,} tokens", flush=True)
+    print(f"{out['batches']} warm-up batches over {args.world} ranks: alone / dealt {out['alone_over_dealt']:.2f}x, "
+          f"the same shares: {out['same_shares']}")
+    print(json.dumps(out), flush=True)
+    if not out["same_shares"]:
+        raise SystemExit("the two deals measured different routing")
+    return out
+
+
+if __name__ == "__main__":
+    main()
