@@ -8,7 +8,11 @@ At tiny shapes (``--rows``, default 64) the device work is negligible, so the se
 call are the host's: what the op's Python layers add is the difference. On the CPU only
 the ``grouped_mm`` expert MLP runs its real body (the Triton kernels need CUDA; Triton's
 interpreter would swamp the difference), as does a stand-in op of the same shape of call
-(``scale``: one multiply, registered like the kernels are) that measures the layers alone.
+(``scale``: one multiply, registered like the kernels are) that measures the layers alone. The
+torch expert loop (the ``torch`` backend, an ``autograd.Function`` and no custom op) is
+compared with itself as it was: its "through op" column is the same Function with a
+separate ``setup_context``, whose arguments torch binds through ``inspect.signature`` at
+every call, its "eager" column the ctx-style ``LoopMLP`` it is now.
 On CUDA every kernel runs: RMSNorm, rotary, SwiGLU (no autograd: called from the expert
 backward) and both expert MLPs. Contenders interleaved rep by rep, medians, then the ratio
 op / eager (> 1: the eager call is cheaper) and the microseconds saved per call. The last
@@ -48,9 +52,28 @@ def _stand_in() -> tuple[Callable, Callable]:
     return op, eager.differentiable(op, _scale, setup_context, backward)
 
 
+def _loop_with_setup_context() -> Callable:
+    """The torch expert loop's ``autograd.Function`` with a separate ``setup_context`` (as it
+    was before 2026-12-06): torch binds its arguments through ``inspect.signature`` at every
+    call. Beside ``LoopMLP`` (ctx-style) it measures that binding alone."""
+    from lightning_hetermoe.kernels import algorithm, loop
+
+    setup_context, grads = algorithm.autograd(loop._backward)
+
+    def forward(x, gather_idx, counts, w_up, b_up, w_down, b_down, activation, recompute):
+        with torch.autocast(x.device.type, enabled=False):
+            return algorithm.forward(loop.LoopGemms(counts), x, gather_idx, w_up, b_up, w_down, b_down, activation,
+                                     recompute)
+
+    fn = type("LoopMLPSetupContext", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(grads)})
+    return fn.apply
+
+
 def cases(device: torch.device, rows: int) -> dict[str, tuple[Callable, Callable, list[Any], bool]]:
     """``name -> (through the op, eager, args, backward)``: each runs where ``device`` runs it."""
-    from lightning_hetermoe.kernels import grouped_mm, rms_norm, rotary, swiglu
+    from lightning_hetermoe.kernels import grouped_mm, loop, rms_norm, rotary, swiglu
 
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -63,7 +86,8 @@ def cases(device: torch.device, rows: int) -> dict[str, tuple[Callable, Callable
     mlp_args = [t(rows, d), idx, counts, t(E, d, 2 * f) * 0.1, None, t(E, f, d) * 0.1, None, "swiglu", False]
     op, eager = _stand_in()
     out = {"stand-in scale": (op, eager, [t(rows, d), t(d)], True),
-           "grouped_mm mlp": (grouped_mm.grouped_mm_mlp_op, grouped_mm.mlp_eager, mlp_args, True)}
+           "grouped_mm mlp": (grouped_mm.grouped_mm_mlp_op, grouped_mm.mlp_eager, mlp_args, True),
+           "torch loop mlp": (_loop_with_setup_context(), loop.LoopMLP.apply, mlp_args, True)}
     if device.type == "cuda":
         from lightning_hetermoe.kernels import mlp
 

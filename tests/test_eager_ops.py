@@ -116,11 +116,12 @@ def test_under_torch_compile_the_graph_holds_the_op():
 
 def test_the_overhead_bench_times_both_paths_on_the_cpu(capsys):
     """``bench/op_overhead.py`` on the CPU: the stand-in op and the grouped_mm MLP, each
-    through the op and eagerly, a figure for both and their ratio."""
+    through the op and eagerly, and the torch loop's Function with a separate setup_context
+    beside its ctx-style one: a figure for both and their ratio."""
     from helpers_bench import load_bench
 
     result = load_bench("op_overhead").main(["--calls", "3", "--repeats", "1", "--rows", "16"])
-    assert set(result["ops"]) == {"stand-in scale", "grouped_mm mlp"}
+    assert set(result["ops"]) == {"stand-in scale", "grouped_mm mlp", "torch loop mlp"}
     for row in result["ops"].values():
         assert row["op_us"] > 0 and row["eager_us"] > 0
         # the ratio is printed to 3 decimals, the microseconds to 2: a small ratio (a first
