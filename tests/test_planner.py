@@ -366,6 +366,56 @@ def test_plan_validation_rejects_inconsistent_plans(plan_43):
         Plan.from_dict(d)
 
 
+def _wide_plan(groups: int = 9) -> Plan:
+    """``groups`` ZP groups of 2 A40s attending and 6 V100s holding experts, a node each."""
+    from lightning_hetermoe.plan import ZPGroup
+
+    world = 8 * groups
+    return Plan(model="d1", cluster="wide", seq_len=4096, devices=(["a40"] * 2 + ["v100"] * 6) * groups,
+                roles=(["attention"] * 2 + ["expert"] * 6) * groups,
+                zp_groups=[ZPGroup([8 * g, 8 * g + 1], list(range(8 * g + 2, 8 * g + 8))) for g in range(groups)],
+                num_microbatches=4, seqs_per_rank=([4, 4] + [0] * 6) * groups,
+                placement=[[2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7], [0, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]],
+                nodes=[r // 8 for r in range(world)])
+
+
+def test_a_plan_of_many_ranks_prints_a_row_per_kind_of_rank_read_from_the_placement_once(monkeypatch):
+    """Past 64 ranks the table gives a row per kind of rank (device, role, sequences,
+    experts per layer), how many and which; past 8 ZP groups how many nodes they span. The
+    rows agree with a naive per-rank reading (``experts_on``), and printing does not search
+    the groups per rank and layer (22 s for 10,000 ranks of 16 layers did)."""
+    from lightning_hetermoe.plan.plan import rank_ranges
+
+    assert rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert rank_ranges([0, 2, 4, 6, 8, 10]) == "0, 2, 4, 6 and 2 more ranges"
+    assert rank_ranges([3, 9, 10, 11, 20]) == "3, 9-11, 20" and rank_ranges([0, 2, 4, 6, 8]).endswith("and 1 more range")
+    plan = _wide_plan()
+    naive: dict[tuple, list[int]] = {}
+    for r in range(plan.world_size):
+        key = (plan.devices[r], plan.roles[r], plan.seqs_per_rank[r],
+               tuple(len(plan.experts_on(r, l)) for l in range(plan.num_layers)))
+        naive.setdefault(key, []).append(r)
+    monkeypatch.setattr(Plan, "experts_on", lambda *a: pytest.fail("the table searched the groups per rank"))
+    monkeypatch.setattr(Plan, "group_of", lambda *a: pytest.fail("the table searched the groups per rank"))
+    lines = str(plan).splitlines()
+    start = lines.index(f"  72 ranks in {len(naive)} kinds (device, role, sequences and experts per layer alike); "
+                        f"plan.json has each rank's")
+    rows = lines[start + 2:start + 2 + len(naive)]
+    for row, ((device, role, seqs, held), ranks) in zip(rows, naive.items(), strict=True):
+        count, dev, rol, sq, *rest = row.split()
+        assert (int(count), dev, rol, int(sq)) == (len(ranks), device, role, seqs)
+        assert tuple(int(c) for c in rest[:len(held)]) == held
+        assert " ".join(rest[len(held):]) == rank_ranges(ranks)
+    assert rows[0].endswith("  0, 8, 16, 24 and 5 more ranges")  # the first attention rank of every group
+    assert "  ZP groups' nodes: each of the 9 groups spans 1 node(s) (plan.json has each group's ranks and nodes)" \
+        in lines
+    # 8 groups (64 ranks): a row per rank, each group's nodes named
+    small = str(_wide_plan(8)).splitlines()
+    assert "  rank  node  device   role      zp  seqs  experts per layer" in small
+    assert sum(1 for line in small if re.match(r"\s+\d+\s+\d+\s+(a40|v100)\s", line)) == 64
+    assert any(line.startswith("  ZP groups' nodes: group 0: 0; group 1: 1") for line in small)
+
+
 def test_plan_table_wording_snapshot():
     """The table a user reads: speed-ups that cannot be read backwards, n_min/n_max said in
     words, units that suit the size, and a cut batch flagged."""

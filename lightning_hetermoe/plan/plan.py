@@ -8,6 +8,7 @@ is the global rank that holds expert ``e`` of layer ``l`` in group ``g``.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..serialization import JsonDataclass
@@ -20,6 +21,25 @@ RUN_AS = {"zebra": "strategy.mode=zebra", "distep": "strategy.mode=distep", "ep"
 # Two predictions closer than this ratio are a tie (zebra and DistEP on a layout where every
 # rank attends run the same steps): neither is called faster
 TIE_RATIO = 1.005
+# Past this many ranks the printed plan gives a row per kind of rank, not per rank; past this
+# many ZP groups, how many nodes they span, not each one's
+TABLE_RANKS = 64
+TABLE_GROUPS = 8
+RANGES_SHOWN = 4  # a kind's rank ranges printed before "and N more"
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as ranges (``0-7, 16-23``), the first :data:`RANGES_SHOWN` of them and
+    how many more."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = [f"{a}-{b}" if b > a else f"{a}" for a, b in spans]
+    more = len(text) - RANGES_SHOWN
+    return ", ".join(text[:RANGES_SHOWN]) + (f" and {more} more range{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 @dataclass
@@ -221,6 +241,35 @@ class Plan(JsonDataclass):
         size = self._smaller_ep_group(self.predicted.get(name, {}))
         return RUN_AS[name] + (f" strategy.expert_parallel_size={size}" if size else "")
 
+    def _rank_table(self, multi: bool) -> list[str]:
+        """A row per rank, up to :data:`TABLE_RANKS` ranks; past that a row per kind of rank
+        (device, role, sequences and experts per layer alike), with how many and which: a
+        1,024-rank plan printed a 1,043-line table at every run's start."""
+        # each rank's group and member index found once (group_of and experts_on search the
+        # groups: asked per rank and layer, 22 s for 10,000 ranks of 16 layers)
+        where = {r: (g, i) for g, grp in enumerate(self.zp_groups) for i, r in enumerate(grp.members)}
+        held = [Counter(row) for row in self.placement]  # per layer, experts per member index
+        rows = [(self.devices[r], self.roles[r], self.seqs_per_rank[r],
+                 " ".join(f"{layer[where[r][1]]:>2}" for layer in held)) for r in range(self.world_size)]
+        if self.world_size <= TABLE_RANKS:
+            node_head = f"{'node':>4}  " if multi else ""
+            out = ["", f"  {'rank':>4}  {node_head}{'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer"]
+            for r, (device, role, seqs, per_layer) in enumerate(rows):
+                node = f"{self.nodes[r]:>4}  " if multi else ""
+                out.append(f"  {r:>4}  {node}{device:<8} {role:<9} {where[r][0]:>2}  {seqs:>4}  {per_layer}")
+            return out
+        kinds: dict[tuple, list[int]] = {}
+        for r, row in enumerate(rows):
+            kinds.setdefault(row, []).append(r)
+        width = max(len(row[3]) for row in rows)
+        out = ["", f"  {self.world_size} ranks in {len(kinds)} kinds (device, role, sequences and experts per layer "
+                   f"alike); plan.json has each rank's",
+               f"  {'ranks':>5}  {'device':<8} {'role':<9} {'seqs':>4}  {'experts per layer':<{width}}  which"]
+        for (device, role, seqs, per_layer), ranks in kinds.items():
+            out.append(f"  {len(ranks):>5}  {device:<8} {role:<9} {seqs:>4}  {per_layer:<{width}}  "
+                       f"{rank_ranges(ranks)}")
+        return out
+
     def __str__(self) -> str:
         g0 = self.zp_groups[0]
         M, N = len(g0.attention_ranks), len(g0.expert_ranks)
@@ -253,20 +302,17 @@ class Plan(JsonDataclass):
         if self.placed_at_load:
             lines.append("  which expert goes where: chosen at the routing planned at (place_at_load), not id order")
         multi = len(set(self.nodes)) > 1
-        node_head = f"{'node':>4}  " if multi else ""
-        lines += ["", f"  {'rank':>4}  {node_head}{'device':<8} {'role':<9} {'zp':>2}  {'seqs':>4}  experts per layer"]
-        for r in range(self.world_size):
-            g = self.group_of(r)
-            per_layer = [len(self.experts_on(r, l)) for l in range(self.num_layers)]
-            node = f"{self.nodes[r]:>4}  " if multi else ""
-            lines.append(
-                f"  {r:>4}  {node}{self.devices[r]:<8} {self.roles[r]:<9} {g:>2}  {self.seqs_per_rank[r]:>4}  "
-                + " ".join(f"{c:>2}" for c in per_layer)
-            )
+        lines += self._rank_table(multi)
         if multi:
             spans = [sorted({self.nodes[r] for r in grp.members}) for grp in self.zp_groups]
-            lines.append("  ZP groups' nodes: " + "; ".join(f"group {g}: {', '.join(map(str, s))}"
-                                                      for g, s in enumerate(spans)))
+            if len(spans) <= TABLE_GROUPS:
+                lines.append("  ZP groups' nodes: " + "; ".join(f"group {g}: {', '.join(map(str, s))}"
+                                                          for g, s in enumerate(spans)))
+            else:
+                wide = sorted({len(s) for s in spans})
+                lines.append(f"  ZP groups' nodes: each of the {len(spans)} groups spans "
+                             f"{wide[0] if len(wide) == 1 else f'{wide[0]}-{wide[-1]}'} node(s) (plan.json has each "
+                             f"group's ranks and nodes)")
         if self.predicted:
             base = self.predicted.get(self.schedule, {}).get("tokens_per_s")
             net = f"  {'over the network':>16}" if multi else ""
