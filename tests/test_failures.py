@@ -103,6 +103,24 @@ def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
     assert not left, f"processes left behind: {left}"
 
 
+@pytest.mark.parametrize("fault,kind,step", [("StopInExperts", "silent: no heartbeat for", 1),
+                                             ("SleepInExperts", "stuck: in step 8 for", 8)])
+def test_on_three_ranks_a_rank_that_stops_or_sticks_is_named_though_not_every_rank_reads_it(tmp_path, fault, kind,
+                                                                                            step):
+    """Past two ranks, not every rank reads every other's beat (rank 0 reads all, the others
+    rank 0's and the next one's; only rank 0 reads progress): the last rank, stopped or
+    asleep in its experts, is still named and the job ends, nothing left behind."""
+    proc, wall = run_main_job(tmp_path, "cluster=cpu4", "cluster.devices=[cpu,cpu,cpu]", "cluster.name=cpu3",
+                              "strategy.heartbeat_timeout_s=3", "strategy.progress_timeout_s=3",
+                              f"+callbacks.fault._target_=faults.{fault}", "+callbacks.fault.rank=2",
+                              f"+callbacks.fault.step={step}", timeout=90)
+    assert proc.returncode != 0
+    assert f"[hetermoe] rank 2 (ep rank, device cpu) is {kind}" in proc.stderr, proc.stderr[-3000:]
+    assert wall < 60, f"the job took {wall:.0f} s to end after rank 2 stopped"
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+
+
 @pytest.mark.parametrize("mode,who", [("ep", "ep rank"), ("zebra", "expert rank"), ("distep", "expert rank"),
                                       ("datacentric", "datacentric rank")])
 def test_a_rank_alive_but_stuck_in_a_step_is_named_and_the_job_ends(tmp_path, mode, who):

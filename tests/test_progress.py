@@ -85,3 +85,28 @@ def test_a_rank_computing_inside_the_bound_is_named_when_its_peer_waits_past_it(
     # a rank outside any step is no culprit: the waiting one is named
     rank, _ = stuck_report([Seen(0, 8, 8.0, 12, "zebra.answers"), Seen(1, 8, -1.0, 0, "")], 3.0, describe)
     assert rank == 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 8, 10_000])
+def test_every_rank_is_watched_by_rank_0_and_the_one_before_it_and_the_store_serves_keys_in_the_world_size(world):
+    """Who reads whose beat (``Heartbeat.watched``): rank 0 every rank's, every other rank
+    rank 0's and the next one's round the ring of ranks 1.. . Every rank is read by rank 0
+    and (past two ranks) by one more, so one silent watcher does not hide a rank; the keys read per beat
+    grow with the world, not its square (every rank reading every rank: 10,000^2)."""
+    from types import SimpleNamespace
+
+    from lightning_hetermoe.strategy.heartbeat import Heartbeat
+
+    reads = {r: Heartbeat.watched(SimpleNamespace(rank=r, world_size=world)) for r in range(world)}
+    assert reads[0] == list(range(1, world))
+    readers: dict[int, set[int]] = {r: set() for r in range(world)}
+    for r, watched in reads.items():
+        assert r not in watched and len(set(watched)) == len(watched)
+        if r:
+            assert watched[0] == 0  # the store's host first: has it finished?
+        for w in watched:
+            readers[w].add(r)
+    for r in range(1, world):
+        assert 0 in readers[r] and (world == 2 or len(readers[r]) >= 2), (r, readers[r])
+        assert world == 2 or (r - 2) % (world - 1) + 1 in readers[r]  # the one before it, ranks 1.. in a ring
+    assert sum(map(len, reads.values())) <= 3 * world
