@@ -6,6 +6,7 @@ disturbing training."""
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -38,7 +39,8 @@ def fit_predicted(rank: int, world: int) -> dict:
             "each": [strategy.predict(expert_load=b) for b in strategy.clock.batch_loads or []],
             "timed": timed, "each_timed": [strategy.predict(expert_load=b)["step_time_s"] for b in timed],
             "summary": timing_summary({"step_time_s": 1.0, "timing_warmup_steps": 1}, strategy, None, None, monitor),
-            "state": model.state_dict(), "warmup_tokens": [n for _, n in calls[:trained]]}
+            "state": model.state_dict(), "warmup_tokens": [n for _, n in calls[:trained]],
+            "gloo_lazy": os.environ.get("TORCH_GLOO_LAZY_INIT")}
 
 
 def shares_by_hand(model, tokens) -> list[list[float]]:
@@ -76,6 +78,8 @@ def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_
     model.eval()
     by_hand = [shares_by_hand(model, torch.stack([dataset[i][0] for i in order[b * 8:(b + 1) * 8]]))
                for b in range(want)]
+    # the strategy had gloo connect pairs on first use (where the environment did not say)
+    assert [r["gloo_lazy"] for r in got] == [os.environ.get("TORCH_GLOO_LAZY_INIT", "1")] * 2
     # each rank forwarded its own 4 sequences of each batch, one chunk a batch, not rank 0 all 8
     assert [r["warmup_tokens"] for r in got] == [[4 * seq_len] * want] * 2
     half = want // 2

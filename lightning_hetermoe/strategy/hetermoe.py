@@ -52,6 +52,7 @@ from .expert_state import ExpertState, expert_tensor_names
 from ..materialize import Materializer, built_on_meta
 from .sharded_state import FORMAT_VERSION, META_FILE, WEIGHTS_ONLY_RESUME, ShardedState
 from .grad_norm import clip_, step_takes_scale, unfold
+from .gloo_at_scale import connect_lazily, raise_open_files
 from .memory_watch import (MemoryWatch, optimizer_bytes_per_param, optimizer_step_bytes, predict_rank,
                            return_freed_memory)
 from .zero import ELEMENTWISE, OptimizerSharding, shardable
@@ -231,6 +232,11 @@ class HeterMoEStrategy(DDPStrategy):
         watch_launcher()
         self.args.check_world(self.world_size, precision_name(self.precision_plugin))
         self._standin = None  # the CPU accelerator checks its device first (every stage)
+        # before the process group's gloo groups connect (gloo_at_scale's doc)
+        lazy = connect_lazily()
+        short = raise_open_files(self.world_size, warn=not lazy)
+        if short is not None:
+            rank_zero_warn(short)
         super().setup_environment()
         if super().root_device.type == "cpu" and standin.requested():
             self._standin = standin.enable()  # after the CPU accelerator checked its device
