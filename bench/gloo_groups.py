@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
+
+from gloo_ranks import run_ranks
 
 
 def _fds() -> int:
@@ -46,20 +47,8 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
 
 
 def contender(world: int, lazy: bool) -> dict:
-    import torch.multiprocessing as mp
-
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"  # the spawned processes read it
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = sorted(queue.get(timeout=300) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
+    rows = sorted(run_ranks(_rank, world, timeout_s=300))  # rank 0's first
     return {"fds_built": rows[0][1], "fds_used": rows[0][2], "build_s": max(r[3] for r in rows)}
 
 

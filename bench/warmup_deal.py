@@ -19,13 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_ranks import run_ranks
 
 
 def _trainer(dataset: Any, per_rank: int) -> Any:
@@ -39,7 +37,7 @@ def _trainer(dataset: Any, per_rank: int) -> Any:
                            test_loop=None, predict_loop=None)
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _rank(rank: int, world: int, port: int, out: Any, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
@@ -88,8 +86,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import torch.multiprocessing as mp
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2, help="processes (default 2)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each contender, alternated (default 3)")
@@ -102,32 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.world < 2 or args.rounds < 1:
         ap.error(f"--world={args.world} --rounds={args.rounds}: at least 2 processes and 1 round")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    import queue as queues
-
-    while True:  # a rank that died ends the bench, not a wait for ever
-        try:
-            res = queue.get(timeout=5)
-            break
-        except queues.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise SystemExit("a rank failed (its traceback is above)")
-    for p in procs:
-        p.join(timeout=120)
+    res = run_ranks(_rank, args.world, args, results=1)[0]
     median = {n: statistics.median(v) for n, v in res["times"].items()}
     out = {"world": args.world, "batches": res["batches"], "same_shares": res["same"],
-           "alone_s": median["alone"], "dealt_s": median["dealt"], "alone_over_dealt": median["alone"] / median["dealt"],
+           "alone_s": median["alone"], "dealt_s": median["dealt"],
+           "alone_over_dealt": median["alone"] / median["dealt"],
            "rank0_tokens_alone": res["tokens"]["alone"], "rank0_tokens_dealt": res["tokens"]["dealt"]}
     for name in ("alone", "dealt"):
         print(f"{name:6}: {median[name]:.3f} s on rank 0 (median of {args.rounds}), rank 0 forwarded "
