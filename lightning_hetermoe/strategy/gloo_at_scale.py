@@ -20,6 +20,7 @@ files".
 
 from __future__ import annotations
 
+LAZY = "TORCH_GLOO_LAZY_INIT"
 PER_PEER = 4  # descriptors a process holds per peer of the job (measured: see the module's doc)
 SPARE = 512  # the process's own: files, loaders' workers, the store, CUDA's
 
@@ -52,11 +53,8 @@ def raise_open_files(world_size: int, warn: bool = True) -> str | None:
         return None
     return (f"HeterMoEStrategy: this process may open {target} files (the hard limit), and a job of {world_size} "
             f"ranks may need about {want} (its gloo groups connect to every peer when built, {LAZY} being off): "
-            f"raise the limit where the job starts (`ulimit -n {want}`, or the scheduler's setting for it), or the process group may fail "
-            f"with 'Too many open files'")
-
-
-LAZY = "TORCH_GLOO_LAZY_INIT"
+            f"raise the limit where the job starts (`ulimit -n {want}`, or the scheduler's setting for it), or "
+            f"the process group may fail with 'Too many open files'")
 
 
 def connect_lazily(environ: dict | None = None) -> bool:

@@ -6,9 +6,9 @@ closed connection. So every rank runs a small thread that bumps its own counter 
 job's key-value store (the TCPStore the process group started from: Lightning's rank 0 or
 torchrun's agent) every ``timeout / 6`` seconds and reads some others': rank 0 every rank's,
 every other rank rank 0's and the next one's (:meth:`Heartbeat.watched`), so the store
-serves a number of keys in the world's size, not its square. A rank whose
-counter has not moved for ``timeout`` seconds is silent: the first rank to see it prints
-which rank, its role and device, and ends the job (under the pack's launcher the launching
+serves a number of keys in the world's size, not its square. A rank whose counter has not
+moved for ``timeout`` seconds is silent: the first rank to see it prints which rank, its
+role and device, and ends the job (under the pack's launcher the launching
 rank kills the others, the stopped one included; under torchrun every rank exits and the
 agent tears the job down). If the store itself stops answering, its host (rank 0 under
 Lightning's launcher) is the silent one.
@@ -17,9 +17,8 @@ A counter only says the process is alive (a stopped process, or one whose interp
 never lets the thread run, is silent). A rank alive but stuck inside a step is the
 progress watchdog's (:mod:`.progress`): its state travels beside the beat, rank 0 reads
 every rank's, and a step far longer than any before ends the job the same way, naming the
-rank. A rank that finished
-marks itself done first, so a job whose ranks end at different times is not mistaken for
-a failure; a rank that sees the store's host finish and the store then go quiet ends its
+rank. A rank that finished marks itself done first, so a job whose ranks end at different
+times is not mistaken for a failure; a rank that sees the store's host finish and the store then go quiet ends its
 watch quietly.
 
 The thread is stopped *and joined* before the process group goes and before the interpreter
@@ -116,9 +115,10 @@ class Heartbeat:
 
     def watched(self) -> list[int]:
         """The ranks whose beats this rank reads: rank 0 reads every other one; the others
-        read rank 0's (the store's host under Lightning's launcher: has it finished?) and
-        their :data:`WATCHED` next ranks round the ring of ranks 1 to ``world - 1``, so that
-        every rank is watched by rank 0 and by the one before it on that ring. Before, every
+        read rank 0's first (the store's host under Lightning's launcher: has it finished?
+        ``_run`` reads it at index 0) and their :data:`WATCHED` next ranks round the ring of
+        ranks 1 to ``world - 1``, so that every rank is watched by rank 0 and by the one
+        before it on that ring. Before, every
         rank read every rank's beat and progress: ``3 x world`` keys a rank a beat, three
         times ``world^2`` at the store, 300 million keys every 5 s on 10,000 ranks at the
         default timeout."""

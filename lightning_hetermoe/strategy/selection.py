@@ -8,8 +8,9 @@ differ) and ``datacentric`` (HEXA-MoE's experts-to-the-tokens). One device train
 printed; a plan, when one runs, is printed as a table and written to ``plan.json``.
 
 Routing is never even: before planning, a few sampled global batches go through the freshly
-initialised model, each rank forwarding its share of them; the planner searches at their pooled expert shares, and every
-prediction is the mean of the step at each batch's own routing (:func:`warmup_routing`).
+initialised model, each rank forwarding its share of them; the planner searches at their
+pooled expert shares, and every prediction is the mean of the step at each batch's own
+routing (:func:`warmup_routing`).
 
 Rank 0 decides and broadcasts, so every rank builds the same backend from the same plan.
 """
