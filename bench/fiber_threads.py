@@ -32,24 +32,16 @@ def measure(shape: dict[str, int], microbatches: int, threads: int, rounds: int)
     import gpu_train
     from lightning_hetermoe.strategy.backends.zebra import fibers
 
-    plan_of, quick_shape, setting_before = gpu_train.loopback_plan, gpu_train.QUICK, fibers.INTRAOP_THREADS
-
-    def plan(shape_: dict[str, int], device_kind: str) -> Any:
-        p = plan_of(shape_, device_kind)
-        p.num_microbatches = microbatches
-        return p
-
+    setting_before = fibers.INTRAOP_THREADS
     steps: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    gpu_train.QUICK, gpu_train.loopback_plan = shape, plan
     try:
         for _ in range(rounds):
             for name, setting in CONTENDERS.items():
                 fibers.stop_workers()
                 fibers.INTRAOP_THREADS = setting
                 torch.set_num_threads(threads)
-                steps[name].append(gpu_train.run("zebra", quick=True)["step_s"])
+                steps[name].append(gpu_train.run("zebra", quick=True, shape=shape, microbatches=microbatches)["step_s"])
     finally:
-        gpu_train.QUICK, gpu_train.loopback_plan = quick_shape, plan_of
         fibers.INTRAOP_THREADS = setting_before
     median = {name: statistics.median(s) for name, s in steps.items()}
     return {"microbatches": microbatches, "step_s": median, "runs": steps,

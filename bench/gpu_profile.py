@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     model, dm = gpu_train.model_and_data(shape)
     strategy: Any = {"default": "auto", "hetermoe": "hetermoe"}.get(args.strategy)
     if strategy is None:
-        plan = gpu_train.loopback_plan(shape, "h100" if cuda else "cpu")
-        plan.num_microbatches = args.microbatches
+        plan = gpu_train.loopback_plan(shape, "h100" if cuda else "cpu", args.microbatches)
         strategy = HeterMoEStrategy(mode="zebra", plan=plan)
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
                         max_steps=shape["steps"], logger=False, enable_checkpointing=False,

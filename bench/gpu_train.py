@@ -41,7 +41,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def model_and_data(shape: dict[str, int]) -> tuple[Any, Any]:
+def model_and_data(shape: dict[str, int], accumulate: int = 1) -> tuple[Any, Any]:
     from lightning_hetermoe import ByteCorpusDataModule, DataConfig, ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
 
     torch.manual_seed(0)
@@ -49,17 +49,17 @@ def model_and_data(shape: dict[str, int]) -> tuple[Any, Any]:
                       max_seq_len=shape["seq"], moe=MoEConfig(num_experts=shape["experts"], top_k=shape["top_k"],
                                                               d_ff=shape["d_ff"]))
     dm = ByteCorpusDataModule(DataConfig(seq_len=shape["seq"], batch_size=shape["batch"],
-                                         train_windows=shape["batch"] * (shape["steps"] + 1), val_windows=8))
+                                         train_windows=shape["batch"] * (shape["steps"] * accumulate + 1), val_windows=8))
     return MoELanguageModel(cfg, OptimConfig()), dm
 
 
-def loopback_plan(shape: dict[str, int], device_kind: str) -> Any:
+def loopback_plan(shape: dict[str, int], device_kind: str, microbatches: int = 2) -> Any:
     """One rank that attends and holds every expert: zebra's exchange talks to itself, so
     what it costs over a plain single device is the schedule's own overhead."""
     from lightning_hetermoe.plan import Plan, ZPGroup
 
     return Plan(model="gpu-bench", cluster="loopback", seq_len=shape["seq"], devices=[device_kind],
-                roles=["attention"], zp_groups=[ZPGroup(attention_ranks=[0], expert_ranks=[])], num_microbatches=2,
+                roles=["attention"], zp_groups=[ZPGroup(attention_ranks=[0], expert_ranks=[])], num_microbatches=microbatches,
                 seqs_per_rank=[shape["batch"]], placement=[[0] * shape["experts"] for _ in range(shape["n_layers"])],
                 base_counts=[[shape["experts"]] * shape["n_layers"]], schedule="zebra")
 
@@ -103,28 +103,32 @@ class Timing:
             torch.cuda.synchronize()
 
 
-def run(strategy_name: str, quick: bool, steps: int | None = None) -> dict[str, Any]:
+def run(strategy_name: str, quick: bool, steps: int | None = None, *, shape: dict[str, int] | None = None,
+        microbatches: int = 2, accumulate: int = 1) -> dict[str, Any]:
+    """One fit. ``shape`` overrides the model and batch (default FULL, QUICK with ``quick``);
+    ``microbatches``: the zebra plan's R; ``accumulate``: Lightning's ``accumulate_grad_batches``
+    (a step is then an optimizer step, over ``accumulate`` batches of ``shape["batch"]``)."""
     import lightning as L
 
     import lightning_hetermoe  # noqa: F401  (registers strategy="hetermoe")
     from lightning_hetermoe import HeterMoEStrategy
 
     cuda = torch.cuda.is_available() and not quick
-    shape = dict(QUICK if quick else FULL, **({"steps": steps} if steps is not None else {}))
+    shape = dict(shape or (QUICK if quick else FULL), **({"steps": steps} if steps is not None else {}))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    model, dm = model_and_data(shape)
+    model, dm = model_and_data(shape, accumulate)
     if strategy_name == "default":
         strategy: Any = "auto"
     elif strategy_name == "hetermoe":
         strategy = "hetermoe"
     else:
-        strategy = HeterMoEStrategy(mode="zebra", plan=loopback_plan(shape, "h100" if cuda else "cpu"))
+        strategy = HeterMoEStrategy(mode="zebra", plan=loopback_plan(shape, "h100" if cuda else "cpu", microbatches))
     timing = Timing(shape["warm"], cuda)
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
                         max_steps=shape["steps"], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[timing.callback])
+                        limit_val_batches=0, callbacks=[timing.callback], accumulate_grad_batches=accumulate)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -144,7 +148,7 @@ def run(strategy_name: str, quick: bool, steps: int | None = None) -> dict[str, 
         "final_loss": float(timing.last_loss) if timing.last_loss is not None else None,
     }
     if out["step_s"]:
-        out["tokens_per_s"] = shape["batch"] * shape["seq"] / out["step_s"]
+        out["tokens_per_s"] = shape["batch"] * accumulate * shape["seq"] / out["step_s"]
     return out
 
 

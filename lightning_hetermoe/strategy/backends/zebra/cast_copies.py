@@ -15,7 +15,8 @@ more cast of each weight per micro-batch's backward, memory-bound and small besi
 GEMMs that read it. Nothing else is touched: activations, and tensors saved inside an
 activation checkpoint (whose own hooks are innermost), are saved as before. Sound because
 nothing writes a parameter between a step's forwards and backwards (the optimizer steps
-after them).
+after them). With one micro-batch in flight (R = 1) there is one copy, as in one process,
+and the backend enters no hooks.
 """
 
 from __future__ import annotations

@@ -33,6 +33,13 @@ def expert_order(counts: Tensor, rows: int, device: torch.device) -> Tensor:
     return torch.argsort(expert_of_row, stable=True)
 
 
+def arrived_in_expert_order(counts: Tensor) -> bool:
+    """Whether the rows of ``counts`` (host ``[G, local experts]``) came from one sender at
+    most (a ZP group of one attention rank, the common plan): they are in expert order as
+    they are, and :func:`expert_order` would be the identity."""
+    return int((counts.sum(1) > 0).sum()) <= 1
+
+
 class ExpertTasks:
     """``work`` (a :class:`~.executor.WorkLog`) hears from the experts' own hooks when a
     round's experts really ran, forward and backward."""
@@ -67,7 +74,9 @@ class ExpertTasks:
         rows = got.rows
         per_expert = counts.sum(0)
         self.counts[(layer, mb)] = per_expert.tolist()
-        by_expert = expert_order(counts, rows.shape[0], rows.device)
+        in_order = arrived_in_expert_order(counts)  # no sort, and no rows to put back
+        by_expert = torch.arange(rows.shape[0], device=rows.device) if in_order else \
+            expert_order(counts, rows.shape[0], rows.device)
         inp = rows.detach().requires_grad_(torch.is_grad_enabled())
         self._running = (work, layer, mb)
         try:
@@ -78,7 +87,7 @@ class ExpertTasks:
                 y = experts(inp, by_expert, per_expert)
         finally:
             self._running = None
-        out = scatter_to_slots(y, by_expert, rows.shape[0]) if rows.shape[0] else y
+        out = scatter_to_slots(y, by_expert, rows.shape[0]) if rows.shape[0] and not in_order else y
         if torch.is_grad_enabled():
             if out.requires_grad:
                 out.register_hook(lambda g: work.note("expert_bwd", layer, mb))  # its backward began
