@@ -48,7 +48,7 @@ def contenders(rs: list[int]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def measure(rs: list[int], rounds: int) -> dict[str, list[float]]:
+def measure(rs: list[int], rounds: int, fit_steps: int) -> dict[str, list[float]]:
     import gpu_train
 
     runs = contenders(rs)
@@ -57,7 +57,7 @@ def measure(rs: list[int], rounds: int) -> dict[str, list[float]]:
     gpu_train.run("default", quick=True, shape=dict(SHAPE, steps=SHAPE["warm"] + 1))
     for i in range(rounds):
         for name, how in runs.items():
-            shape = dict(SHAPE)
+            shape = dict(SHAPE, steps=fit_steps)
             accumulate = how.get("accumulate", 1)
             shape["batch"] //= accumulate
             step_s = gpu_train.run(how["strategy"], quick=True, shape=shape, accumulate=accumulate,
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--microbatches", default="1,2", help="zebra's R values, comma-separated (each divides 4)")
     p.add_argument("--rounds", type=int, default=3, help="runs of each contender, in turn")
+    p.add_argument("--steps", type=int, default=SHAPE["steps"], help=f"steps a fit; the first {SHAPE['warm']} are warm-up")
     p.add_argument("--core", type=int, default=0, help="the one CPU core every thread runs on (-1: any)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         args.core = None
     elif args.core < 0 or (hasattr(os, "sched_getaffinity") and args.core not in os.sched_getaffinity(0)):
         p.error(f"--core={args.core} is invalid: give a core this process may run on, or -1 for any")
+    if args.steps <= SHAPE["warm"]:
+        p.error(f"--steps={args.steps} is invalid: must be > {SHAPE['warm']} (the warm-up steps)")
     if args.rounds < 1:
         p.error(f"--rounds={args.rounds} is invalid: must be >= 1")
     try:
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    steps = measure(rs, args.rounds)
+    steps = measure(rs, args.rounds, args.steps)
     ms = {name: statistics.median(s) * 1e3 for name, s in steps.items()}
     ratios = {"hetermoe / lightning": ms["hetermoe"] / ms["lightning"]}
     for r in rs:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>14}: {v:6.1f} ms/step")
     for name, v in ratios.items():
         print(f"{name}: {v:.2f}x")
-    result = {"shape": SHAPE, "ms_per_step": ms, "ratios": ratios, "runs_s": steps}
+    result = {"shape": dict(SHAPE, steps=args.steps), "core": args.core, "ms_per_step": ms, "ratios": ratios, "runs_s": steps}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
