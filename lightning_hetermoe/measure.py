@@ -350,7 +350,8 @@ def profile_summary(profile: Profile, cfg=None, cost_model=None) -> dict[str, An
             m = cfg_model
             row["cost_model_attention_fwd_ms"] = cm.attention_time(
                 spec, tokens=n_att, seq_len=profile.seq_len, d_model=m.d_model, n_heads=m.n_heads,
-                num_experts=m.moe.num_experts) * 1e3
+                num_experts=m.moe.num_experts, shared_d_ff=m.moe.shared_expert_d_ff, shared_activation=m.moe.activation,
+                shared_gate=m.moe.shared_expert_gate) * 1e3
             row["cost_model_expert_fwd_ms"] = cm.expert_time(
                 spec, tokens=n_exp, d_model=m.d_model, d_ff=m.moe.d_ff, activation=m.moe.activation) * 1e3
         out["devices"][kind] = row

@@ -239,3 +239,53 @@ def test_paper_trend_unit_ratios_at_d1():
     assert 1.15 <= x <= 1.40, x
     a = {s: attn("v100", s) / attn("a40", s) for s in (4096, 8192, 16384, 32768)}
     assert 2.0 <= a[4096] < a[8192] < a[16384] < a[32768] <= 3.7, a
+
+
+@pytest.mark.parametrize("activation, gated", [("swiglu", True), ("swiglu", False), ("gelu", True)])
+def test_the_attention_task_prices_the_shared_expert_as_the_layer_computes_it(activation, gated):
+    """A shared expert (every token's dense MLP, Qwen2-MoE's gated or DeepSeek's ungated) runs
+    where attention runs, before the dispatch: the attention task's price grows by its FLOPs,
+    forward and backward, as torch's FLOP counter counts them on the layer's own module
+    (a device whose bandwidth never binds and whose launches are free prices FLOPs alone)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_hetermoe.cluster.devices import DeviceSpec
+    from lightning_hetermoe.moe.layer import SharedExpert
+
+    dev = DeviceSpec(name="flops only", memory_gb=80, fp16_tflops=100, mem_bw_gbps=1e15, flash_attention=True,
+                     launch_overhead_s=0.0)
+    cm = CostModel(activation_checkpointing=False)
+    rate = cm._peak(dev) * dev.gemm_efficiency
+    tokens, d, ff = 96, 64, 48
+    module = SharedExpert(d, ff, activation, bias=False, gated=gated)
+    x = torch.randn(tokens, d, requires_grad=True)
+    with FlopCounterMode(display=False) as fwd:
+        y = module(x)
+    with FlopCounterMode(display=False) as bwd:
+        y.sum().backward()
+
+    def priced(backward, shared):
+        kw = dict(shared_d_ff=ff, shared_activation=activation, shared_gate=gated) if shared else {}
+        return cm.attention_time(dev, tokens=tokens, seq_len=32, d_model=d, n_heads=4, backward=backward, **kw)
+
+    assert (priced(False, True) - priced(False, False)) * rate == pytest.approx(fwd.get_total_flops(), rel=1e-6)
+    assert (priced(True, True) - priced(True, False)) * rate == pytest.approx(bwd.get_total_flops(), rel=1e-6)
+
+
+def test_a_model_with_a_shared_expert_plans_its_attention_with_it():
+    """The planner's timer passes the model's shared expert to the attention task (the
+    profiler's measured attention already ran it: a real block with its experts skipped)."""
+    from lightning_hetermoe.configs import ModelConfig, MoEConfig
+    from lightning_hetermoe.profile.timer import CostModelTimer
+
+    plain = ModelConfig(d_model=256, n_layers=2, n_heads=4, moe=MoEConfig(num_experts=8, top_k=2, d_ff=128))
+    shared = dataclasses.replace(plain, moe=dataclasses.replace(plain.moe, shared_expert_d_ff=512,
+                                                                 shared_expert_gate=False))
+    a40 = get_device("a40")
+    for backward in (False, True):
+        timer = CostModelTimer(shared, 128)
+        got = timer.attention(a40, 4096, backward)
+        assert got == timer.cost.attention_time(a40, tokens=4096, seq_len=128, d_model=256, n_heads=4, num_experts=8,
+                                                backward=backward, shared_d_ff=512, shared_gate=False)
+        assert got > CostModelTimer(plain, 128).attention(a40, 4096, backward)

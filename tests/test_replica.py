@@ -73,17 +73,18 @@ def rate(plan) -> float:
 
 
 def test_a_cluster_of_copies_plans_at_least_as_fast_per_gpu_as_its_copy(monkeypatch):
-    """DeepSeek-V2-Lite on 64 GPUs, four copies of (2 h100, 6 a40, 8 v100), transfers free
+    """Qwen1.5-MoE-A2.7B on 64 GPUs, four copies of (2 h100, 6 a40, 8 v100), transfers free
     (each copy's share of the work is then exactly a quarter): the 16-GPU copy's plan
     repeated is a plan of the whole, which the whole's own search did not find. (The
     search's best split searched again in more waves finds one as fast here: left out, so
-    that what the copies add is what is measured.)"""
+    that what the copies add is what is measured. DeepSeek-V2-Lite showed it until the
+    attention task priced the shared experts: its own search now finds as fast a plan.)"""
     monkeypatch.setattr(planner, "_best_split_in_more_waves", lambda *args, **kwargs: None)
-    m = workload_model("deepseek_v2_lite")
-    kw = dict(seq_len=4096, global_batch_tokens=4 * 64 * 4096)
+    m = workload_model("qwen15_moe_a27b")
+    kw = dict(seq_len=4096, global_batch_tokens=8 * 64 * 4096)
     whole = make_plan(flat(64, FREE), m, **kw)
     # planned as the whole plans its copies (the role order's prefixes past 64 sets)
-    copy = make_plan(flat(16, FREE), m, seq_len=4096, global_batch_tokens=4 * 16 * 4096, _grid=False)
+    copy = make_plan(flat(16, FREE), m, seq_len=4096, global_batch_tokens=8 * 16 * 4096, _grid=False)
     assert rate(whole) >= 4 * rate(copy) * (1 - 1e-6)  # the dense sync over more groups: ~1e-8
     # the plan kept is predicted as any plan is: every schedule and data-centric
     assert set(whole.predicted) == {*SCHEDULES, "datacentric"}

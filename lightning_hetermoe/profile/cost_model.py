@@ -181,8 +181,14 @@ class CostModel:
         n_heads: int,
         num_experts: int = 8,
         backward: bool = False,
+        shared_d_ff: int = 0,
+        shared_activation: str = "swiglu",
+        shared_gate: bool = False,
     ) -> float:
-        """Attention block + router of one layer for one micro-batch of ``tokens`` tokens."""
+        """Attention block + router of one layer for one micro-batch of ``tokens`` tokens, and
+        the layer's shared expert where it has one (``shared_d_ff``: every token's dense MLP,
+        run beside the router where attention runs; ``shared_gate``: scaled by a per-token
+        sigmoid gate, Qwen2-MoE's)."""
         if seq_len < 1 or d_model % max(n_heads, 1) != 0:
             raise ValueError(
                 f"attention_time: need seq_len >= 1 and d_model % n_heads == 0, got {seq_len}, {d_model}, {n_heads}"
@@ -196,8 +202,26 @@ class CostModel:
         t += self.attention_core_time(dev, tokens=tokens, seq_len=seq_len, d_model=d)
         # Two RMSNorms, rotary, two residual adds, router softmax/top-k: ~12 passes of [t, d].
         t += self.elementwise_time(dev, 12 * tokens * d * self.dtype_bytes)
+        if shared_d_ff:
+            t += self._mlp_time(dev, tokens, d, shared_d_ff, shared_activation)[0]
+            t += self.elementwise_time(dev, 2 * tokens * d * self.dtype_bytes)  # its output added to the layer's
+            if shared_gate:
+                t += self.gemm_time(dev, tokens, d, 1) + self.elementwise_time(dev, 2 * tokens * d * self.dtype_bytes)
         t += dev.launch_overhead_s
         return self._bwd(t) if backward else t
+
+    def _mlp_time(self, dev: DeviceSpec, tokens, d_model: int, d_ff: int, activation: str):
+        """An MLP's forward on ``tokens`` tokens (a number, or an array of them), and its
+        up-projection's share of it."""
+        if activation == "swiglu":
+            up = self.gemm_time(dev, tokens, d_model, 2 * d_ff)
+            t = up + self.gemm_time(dev, tokens, d_ff, d_model)
+            return t + self.elementwise_time(dev, 3 * tokens * d_ff * self.dtype_bytes), up
+        if activation == "gelu":
+            up = self.gemm_time(dev, tokens, d_model, d_ff)
+            t = up + self.gemm_time(dev, tokens, d_ff, d_model)
+            return t + self.elementwise_time(dev, 2 * tokens * d_ff * self.dtype_bytes), up
+        raise ValueError(f"an MLP's activation={activation!r} is not one of ('swiglu', 'gelu')")
 
     def expert_time(
         self,
@@ -218,16 +242,9 @@ class CostModel:
         many = isinstance(tokens, np.ndarray)
         if not many and tokens <= 0:
             return 0.0
-        if activation == "swiglu":
-            up = self.gemm_time(dev, tokens, d_model, 2 * d_ff)
-            t = up + self.gemm_time(dev, tokens, d_ff, d_model)
-            t += self.elementwise_time(dev, 3 * tokens * d_ff * self.dtype_bytes)
-        elif activation == "gelu":
-            up = self.gemm_time(dev, tokens, d_model, d_ff)
-            t = up + self.gemm_time(dev, tokens, d_ff, d_model)
-            t += self.elementwise_time(dev, 2 * tokens * d_ff * self.dtype_bytes)
-        else:
+        if activation not in ("swiglu", "gelu"):
             raise ValueError(f"expert_time: activation={activation!r} is not one of ('swiglu', 'gelu')")
+        t, up = self._mlp_time(dev, tokens, d_model, d_ff, activation)
         t = t + dev.launch_overhead_s
         if backward:
             again = up if recompute_hidden and not self.activation_checkpointing else 0.0

@@ -39,6 +39,9 @@ class CostModelTimer:
             n_heads=m.n_heads,
             num_experts=m.moe.num_experts,
             backward=backward,
+            shared_d_ff=m.moe.shared_expert_d_ff,
+            shared_activation=m.moe.activation,
+            shared_gate=m.moe.shared_expert_gate,
         )
 
     def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
