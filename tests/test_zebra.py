@@ -291,3 +291,18 @@ def test_received_rows_are_put_in_expert_order_by_senders_then_arrival(counts):
     naive = [starts[(g, e)] + i for e in range(c.shape[1]) for g in range(c.shape[0]) for i in range(counts[g][e])]
     got = expert_order(c, int(c.sum()), torch.device("cpu"))
     assert got.tolist() == naive and got.dtype == torch.long
+
+
+@pytest.mark.parametrize("counts, one_sender", [([[0, 0, 0], [1, 4, 2]], True), ([[5]], True), ([[0, 0]], True),
+                                                ([[3, 0, 2], [1, 4, 0]], False), ([[0, 2], [0, 0], [1, 0]], False)])
+def test_rows_from_one_sender_are_taken_as_they_came(counts, one_sender):
+    """Where at most one member sent rows (a ZP group of one attention rank), the experts
+    run on them as they came, with no sort and no scatter back: the naive order is the
+    identity there (and the sort stays wherever two members sent rows)."""
+    from lightning_hetermoe.strategy.backends.zebra.expert_tasks import arrived_in_expert_order, expert_order
+
+    c = torch.tensor(counts)
+    rows = int(c.sum())
+    assert arrived_in_expert_order(c) == one_sender
+    identity = expert_order(c, rows, torch.device("cpu")).tolist() == list(range(rows))
+    assert identity or not one_sender
