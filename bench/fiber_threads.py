@@ -16,13 +16,12 @@ thread is faster). The last line is JSON.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
-
-from bench_cli import emit, microbatch_values
 
 CONTENDERS = {"one thread": 1, "rank's count": None}  # fibers.INTRAOP_THREADS
 
@@ -64,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
     if args.steps <= 10:
         p.error(f"--steps={args.steps} is invalid: must be > 10 (the first 10 are warm-up)")
-    rs = microbatch_values(p, args.microbatches)
+    try:
+        rs = [int(r) for r in args.microbatches.split(",")]
+    except ValueError:
+        p.error(f"--microbatches={args.microbatches!r} is invalid: give integers >= 1, e.g. 1,2")
+    if any(r < 1 for r in rs):
+        p.error(f"--microbatches={args.microbatches!r} is invalid: every R must be >= 1")
     # before torch starts OpenMP, and so that Lightning leaves the count as set here
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         one, own = ms["one thread"], ms["rank's count"]
         print(f"R={r} at {args.threads} threads: one thread {one} ms/step, the rank's count {own} ms/step, "
               f"ratio {row['rank_count_over_one']:.2f}x", flush=True)
-    return emit({"threads": args.threads, "shape": shape, "rows": rows}, args.json)
+    result = {"threads": args.threads, "shape": shape, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

@@ -29,13 +29,12 @@ overhead) and ``hetermoe / lightning``; the last line is JSON.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
-
-from bench_cli import emit, microbatch_values
 
 SHAPE = dict(d_model=32, n_layers=8, n_heads=2, experts=4, top_k=2, d_ff=32, seq=32, batch=4, steps=40, warm=10)
 
@@ -84,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps={args.steps} is invalid: must be > {SHAPE['warm']} (the warm-up steps)")
     if args.rounds < 1:
         p.error(f"--rounds={args.rounds} is invalid: must be >= 1")
-    rs = microbatch_values(p, args.microbatches, lambda r: SHAPE["batch"] % r == 0,
-                           f"divide the batch of {SHAPE['batch']}")
+    try:
+        rs = [int(r) for r in args.microbatches.split(",")]
+    except ValueError:
+        p.error(f"--microbatches={args.microbatches!r} is invalid: give integers, e.g. 1,2")
+    if any(r < 1 or SHAPE["batch"] % r for r in rs):
+        p.error(f"--microbatches={args.microbatches!r} is invalid: every R must divide the batch of {SHAPE['batch']}")
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts OpenMP: the arithmetic stays small and serial
     if args.core is not None and hasattr(os, "sched_setaffinity"):
         # every thread made from here on (zebra's fibers, gloo's) inherits it: hand-offs
@@ -105,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>14}: {v:6.1f} ms/step")
     for name, v in ratios.items():
         print(f"{name}: {v:.2f}x")
-    return emit({"shape": dict(SHAPE, steps=args.steps), "core": args.core, "ms_per_step": ms, "ratios": ratios,
-                 "runs_s": steps}, args.json)
+    result = {"shape": dict(SHAPE, steps=args.steps), "core": args.core, "ms_per_step": ms, "ratios": ratios, "runs_s": steps}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -12,10 +11,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
-    """``bench/<name>.py``, loaded as ``bench_<name>``; its imports of the other scripts
-    resolve as when it runs (last on the path: nothing installed is shadowed)."""
-    if str(BENCH) not in sys.path:
-        sys.path.append(str(BENCH))
+    """``bench/<name>.py``, loaded as ``bench_<name>``."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
