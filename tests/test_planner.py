@@ -608,6 +608,31 @@ def test_evened_out_attention_shares_give_a_faster_plan_on_very_unequal_devices(
     assert steps[(("d2", 4096), search.SHARES_GAIN)] <= steps[(("d2", 4096), 0.0)] * (1 + 1e-9), steps
 
 
+def test_equal_attention_shares_are_tried_on_the_fastest_splits(monkeypatch):
+    """OLMoE-1B-7B on o3 (6 A40 + 3 V100, 52 sequences of 4K): shares in proportion to
+    attention speed split the attention ranks' micro-batches unevenly; pass 3 tries the
+    fastest splits again with equal shares and plans a faster step, with every attention
+    rank one sequence apart at most."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from lightning_hetermoe.configs import from_cfg
+    from lightning_hetermoe.plan import search
+
+    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
+    o3 = from_cfg(ClusterConfig, OmegaConf.to_container(OmegaConf.load(os.path.join(conf, "cluster", "o3.yaml"))))
+    m = from_cfg(ModelConfig, OmegaConf.to_container(OmegaConf.load(os.path.join(conf, "model", "olmoe_1b_7b.yaml"))))
+    kw = dict(seq_len=4096, global_batch_tokens=52 * 4096)
+    tried = make_plan(o3, m, **kw)
+    monkeypatch.setattr(search, "EQUAL_SHARE_SPLITS", 0)
+    before = make_plan(o3, m, **kw)
+    assert tried.predicted["zebra"]["tokens_per_s"] > 1.03 * before.predicted["zebra"]["tokens_per_s"]
+    shares = [tried.seqs_per_rank[r] for g in tried.zp_groups for r in g.attention_ranks]
+    old = [before.seqs_per_rank[r] for g in before.zp_groups for r in g.attention_ranks]
+    assert max(shares) - min(shares) <= 1 < max(old) - min(old), (shares, old)
+
+
 def test_on_many_ranks_a_group_count_far_behind_is_not_searched_over_every_r(monkeypatch):
     """On more than MAX_SPLITS ranks pass 2 first tries each group count at the best plan's
     R and searches it over every R only where it comes within FAR_GROUPS of the best. On the
@@ -784,7 +809,7 @@ def test_the_planner_splits_a_step_into_waves_only_where_activations_bind_and_it
     best = make_plan(c1, d1, **kw)
     assert best.waves == 2 and best.global_batch_tokens == 1 << 20
     rate = lambda p: p.predicted["zebra"]["tokens_per_s"]  # noqa: E731
-    assert rate(best) > 1.2 * rate(one)
+    assert rate(best) > 1.1 * rate(one)  # 1.14x since one wave tries equal attention shares too (1.2x+ before)
     # the reference: the fastest of the plans made with each number of waves
     each = {w: planner.plan_for_batch(c1, d1, waves=w, **kw) for w in (1, 2, 4)}
     assert rate(best) == max(rate(p) for p in each.values())
@@ -941,7 +966,8 @@ def test_past_every_set_each_kinds_attending_counts_are_powers_of_two_thinned_un
 def test_past_64_sets_of_attention_ranks_a_grid_of_counts_finds_a_set_no_prefix_is(monkeypatch):
     """4 L40S + 16 T4 with W1 at 4K: 84 sets of attention ranks, more than pass 1 tries one by
     one. The fastest has every T4 attending and the L40S serving experts, which no prefix of
-    the role order (the L40S first) is: the prefixes alone plan 1.067x slower. The grid of
+    the role order (the L40S first) is: the prefixes alone plan 1.04x slower (1.067x before
+    pass 3 tried equal attention shares on the fastest splits, a prefix's among them). The grid of
     each kind's counts holds that set: the plan is the one every set tried one by one plans.
     A copy's search (``_grid=False``, inside a large cluster's, where its seconds add up)
     takes the prefixes alone."""
@@ -967,7 +993,7 @@ def test_past_64_sets_of_attention_ranks_a_grid_of_counts_finds_a_set_no_prefix_
     assert rate(plan) == pytest.approx(rate(plan_for_batch(cluster, model, **kw)), rel=1e-9)
     monkeypatch.setattr(search.Search, "attention_sets", lambda self, order, Ms, grid=True: None)  # prefixes alone
     prefixes = plan_for_batch(cluster, model, **kw)
-    assert rate(plan) > 1.05 * rate(prefixes)
+    assert rate(plan) > 1.03 * rate(prefixes)
     # a copy's search inside a larger cluster's asks for no grid: the prefixes alone
     monkeypatch.undo()
     assert rate(plan_for_batch(cluster, model, _grid=False, **kw)) == pytest.approx(rate(prefixes), rel=1e-12)
