@@ -76,9 +76,9 @@ def test_a_cast_of_an_activation_or_a_non_contiguous_weight_is_kept_as_it_is():
     assert torch.equal(cast_copies._unpack(cast_copies._pack(view)), view)
 
 
-def _fit_bf16(rank: int, world: int, recast: bool, R: int = 2) -> dict:
-    """Zebra, one attention and one expert rank, R micro-batches, bf16-mixed: the recasts
-    each rank's backward made, and the weights after three steps."""
+def _fit_bf16(rank: int, world: int, recast: bool, Rs: tuple[int, ...] = (2,)) -> list[dict]:
+    """Zebra, one attention and one expert rank, bf16-mixed, a fit at each R micro-batches
+    (the same seed): the recasts each rank's backward made, and the weights after three steps."""
     import lightning_hetermoe.strategy.backends.zebra.backend as zebra_backend
 
     made = {"n": 0}
@@ -91,28 +91,28 @@ def _fit_bf16(rank: int, world: int, recast: bool, R: int = 2) -> dict:
     cast_copies._unpack = counting
     if not recast:
         zebra_backend.recast_saved_weights = contextlib.nullcontext
-    model = make_model(4, seed=0)
-    t = trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(2, [0], R=R)), world, max_steps=3,
-                precision="bf16-mixed")
-    t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
-    return {"recasts": made["n"], "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    out = []
+    for R in Rs:
+        made["n"] = 0
+        model = make_model(4, seed=0)
+        t = trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(2, [0], R=R)), world, max_steps=3,
+                    precision="bf16-mixed")
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+        out.append({"recasts": made["n"], "state": {k: v.clone() for k, v in model.state_dict().items()}})
+    return out
 
 
 @pytest.mark.slow
 def test_zebra_recasts_on_both_ranks_and_trains_as_with_the_copies_kept():
-    on = run_ranks(2, _fit_bf16, 2, True)
+    """At R = 2 both ranks recast and train as with the casts kept. At R = 1 one micro-batch
+    in flight keeps one cast of each weight, as one process does: no hooks, so no recasts
+    (they cost a call into Python per saved tensor)."""
+    on = run_ranks(2, _fit_bf16, 2, True, (2, 1))
     off = run_ranks(2, _fit_bf16, 2, False)
     # rank 0 attends (its linear layers' weights), rank 1 runs the expert rounds (the experts')
-    assert on[0]["recasts"] > 0 and on[1]["recasts"] > 0, [r["recasts"] for r in on]
-    assert off[0]["recasts"] == off[1]["recasts"] == 0
+    assert on[0][0]["recasts"] > 0 and on[1][0]["recasts"] > 0, [r[0]["recasts"] for r in on]
+    assert off[0][0]["recasts"] == off[1][0]["recasts"] == 0
     for rank in range(2):
-        for name, value in on[rank]["state"].items():
-            assert torch.equal(value, off[rank]["state"][name]), (rank, name)
-
-
-@pytest.mark.slow
-def test_zebra_keeps_its_one_micro_batch_casts_at_r1():
-    """One micro-batch in flight keeps one cast of each weight, as one process does: no
-    hooks, so no backward recasts (they cost a call into Python per saved tensor)."""
-    got = run_ranks(2, _fit_bf16, 2, True, 1)
-    assert got[0]["recasts"] == got[1]["recasts"] == 0, [r["recasts"] for r in got]
+        for name, value in on[rank][0]["state"].items():
+            assert torch.equal(value, off[rank][0]["state"][name]), (rank, name)
+    assert on[0][1]["recasts"] == on[1][1]["recasts"] == 0, [r[1]["recasts"] for r in on]

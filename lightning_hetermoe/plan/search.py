@@ -716,7 +716,7 @@ def many_splits(ranks: int) -> bool:
 # much of the first shares' (or less); placed again at most this many times
 SHARES_GAIN = 0.97
 EVEN_ROUNDS = 2
-EQUAL_SHARE_SPLITS = 5  # role splits pass 3 tries again with equal attention shares
+EQUAL_SHARE_SPLITS = 2  # role splits pass 3 tries again with equal attention shares
 
 
 def rebalanced_seqs(total: int, per_seq: list[float], hosted: list[float], lo: int = 1) -> list[int]:
