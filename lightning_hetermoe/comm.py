@@ -606,7 +606,9 @@ def host_all_gather(group: Group, outs: list[Tensor], t: Tensor, *, what: str, a
 def host_all_reduce(group: Group, t: Tensor, *, what: str, async_op: bool = False) -> Pending | None:
     pg = _check(group, HOST, what, t)
     _note(group, HOST, "all_reduce", what, t)
-    work = dist.all_reduce(t, group=pg, async_op=async_op)
+    # one member's sum is its own tensor: no round trip through gloo (a single device's
+    # per-step agreements, a ZP plan's one attention rank's balance counts)
+    work = dist.all_reduce(t, group=pg, async_op=async_op) if group.size > 1 else None
     return Pending(work, (t,), what) if async_op else None
 
 

@@ -106,12 +106,22 @@ def collectives_on_the_standin(rank: int, world: int) -> dict:
             call()
         except comm.CommError as e:
             errors[name] = str(e)
+    # a host sum over one member is its own tensor, with no round trip, recorded as any other
+    solos = [comm.new_group(f"solo{r}", [r], device=False, host=True) for r in range(world)]
+    mine = torch.full((2,), float(rank + 5))
+    with comm.record() as calls:
+        pending = comm.host_all_reduce(solos[rank], mine, what="test.solo", async_op=True)
+    solo = {"done_at_once": pending.completed and pending.work is None, "sum": pending.wait().tolist(),
+            "same_tensor": pending.wait() is mine, "recorded": [(c.group, c.what) for c in calls]}
     comm.forget()
-    return {"sum": t.cpu().tolist(), "gathered": out.cpu().tolist(), "device": str(t.device), "errors": errors}
+    return {"sum": t.cpu().tolist(), "gathered": out.cpu().tolist(), "device": str(t.device), "errors": errors,
+            "solo": solo}
 
 
 @pytest.mark.slow
 def test_comm_carries_standin_tensors_on_gloo_and_names_a_host_tensor_on_device_traffic():
+    """Stand-in tensors travel over gloo, a tensor on the wrong side is named; and a host sum
+    over a group of one is its member's own tensor, done at once and recorded."""
     results = run_ranks(2, collectives_on_the_standin, 2)
     for got in results:
         assert got["device"] == "standin:0"
@@ -119,6 +129,9 @@ def test_comm_carries_standin_tensors_on_gloo_and_names_a_host_tensor_on_device_
         assert "test.host_on_device" in got["errors"]["host tensor on device traffic"]
         assert "on cpu" in got["errors"]["host tensor on device traffic"]
         assert "test.device_on_host" in got["errors"]["device tensor on host traffic"]
+    for rank, got in enumerate(results):
+        assert got["solo"] == {"done_at_once": True, "sum": [rank + 5.0] * 2, "same_tensor": True,
+                               "recorded": [(f"solo{rank}", "test.solo")]}, got["solo"]
 
 
 class LogsANumber(L.Callback):

@@ -219,9 +219,6 @@ class Exchange:
 
     def post_balance(self, key: Any, counts: Tensor) -> None:
         """Routing counts of one layer and balance group, summed over every attention rank (host)."""
-        if self.groups.dense.size == 1:  # the only attention rank (a common plan): its counts are the sum
-            self._balance[key] = Pending(None, (counts,), "zebra.balance")
-            return
         self._balance[key] = comm.host_all_reduce(self.groups.dense, counts.clone(), what="zebra.balance",
                                                   async_op=True)
 
