@@ -167,12 +167,15 @@ class Search:
         not fit. On several nodes the groups are dealt both ways (by turns and by nodes), and
         attention shares are tried both ways (:meth:`_candidate`): the fastest, as the
         simulator prices them, is kept."""
-        ways = [False, True] if G > 1 and self.view.topology.num_nodes > 1 else [False]
-        plans = [p for by_node in ways for p in self._candidate(order, M, G, R, by_node)]
+        plans = [p for by_node in self._ways(G) for p in self._candidate(order, M, G, R, by_node)]
         if len(plans) < 2:
             return plans[0] if plans else None
         self._chosen = min(((p, self._sim(p)) for p in plans), key=lambda pt: pt[1])
         return self._chosen[0]
+
+    def _ways(self, G: int) -> list[bool]:
+        """How ``G`` groups are dealt (``by_node``): by turns, and on several nodes by nodes too."""
+        return [False, True] if G > 1 and self.view.topology.num_nodes > 1 else [False]
 
     def _candidate(self, order: list[int], M: int, G: int, R: int, by_node: bool, equal: bool = False
                    ) -> list[Plan]:
@@ -415,8 +418,7 @@ class Search:
             return got
 
         def score_equal() -> tuple[float, Plan] | None:
-            ways = [False, True] if G > 1 and self.view.topology.num_nodes > 1 else [False]
-            plans = [p for by_node in ways for p in self._candidate(order, M, G, R, by_node, equal=True)]
+            plans = [p for by_node in self._ways(G) for p in self._candidate(order, M, G, R, by_node, equal=True)]
             self.last_error = ""  # equal shares that do not fit say nothing the search has not said
             return min((self.score(p) for p in plans), key=lambda tp: tp[0], default=None)
 
