@@ -739,6 +739,32 @@ def test_the_base_placement_from_one_merged_order_per_side_equals_a_heap_per_lay
         assert _base_counts(inp) == want
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_base_placement_where_no_expert_member_fills_up_equals_a_heap_per_layer(seed):
+    """Where the expert members have room for what every layer gives them, _base_counts
+    takes the first E of the merged order once for all layers: the reference's counts, with
+    room to spare, room exactly used up, and one expert short (the layers then differ)."""
+    import random
+
+    from lightning_hetermoe.plan.asym_ea import _base_counts
+
+    rng = random.Random(seed)
+    for _ in range(30):
+        L, E, M, N = rng.randint(1, 12), rng.randint(1, 40), rng.randint(1, 4), rng.randint(1, 9)
+        q = (lambda a, b: round(rng.uniform(a, b), 1)) if rng.random() < 0.5 else rng.uniform  # ties
+        exp = [max(q(0.05, 3), 0.05) for _ in range(N)]
+        roomy = AsymEAInput(L, E, [1.0] * M, [0.5] * M, exp, [L * E] * M, [L * E] * N)
+        counts, used, n_min = _base_counts(roomy)
+        assert (counts, used, n_min) == _base_counts_by_layer_heaps(roomy)
+        assert n_min == 0 and all(len(set(row)) == 1 for row in counts[M:])
+        per = [used[M + i] for i in range(N)]
+        for slack in (0, -1):  # room exactly what the layers give, then one expert short
+            busiest = max(range(N), key=lambda i: per[i])
+            cap = [p + (slack if i == busiest else 0) for i, p in enumerate(per)]
+            inp = AsymEAInput(L, E, [1.0] * M, [0.5] * M, exp, [L * E] * M, cap)
+            assert _base_counts(inp) == _base_counts_by_layer_heaps(inp)
+
+
 def _paper_cell(cluster_name: str, model_name: str):
     import os
 
@@ -1021,3 +1047,30 @@ def test_the_search_finds_the_fastest_role_split_where_one_micro_batch_ranks_it_
                           max_microbatches=32, schedules=("zebra",))
     found = plan.predicted["zebra"]["step_time_s"] / plan.total_seqs
     assert found <= _brute_force_step(cluster, model, seq_len=16384, tokens=tokens, cost=cost) * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_on_many_ranks_pass_3_tries_equal_attention_shares_on_the_fastest_split(monkeypatch):
+    """Past MAX_SPLITS ranks pass 3 tries the fastest role split again with equal attention
+    shares (it was off there). DeepSeek-V2-Lite on 64 GPUs on nodes (8 H100, 24 A40, 32
+    V100; 4 sequences of 4K each): shares in proportion to attention speed give the V100s
+    attending half an H100's sequences and leave the fast ranks no time for experts; equal
+    shares plan a step more than 1.1x faster, every attention rank one sequence apart at
+    most."""
+    from lightning_hetermoe.configs import workload_model
+    from lightning_hetermoe.plan import search
+
+    nodes = [{"name": f"{kind}{i}", "devices": [kind] * 8, "link": link}
+             for kind, n, link in (("h100", 1, "nvlink4"), ("a40", 3, "pcie4"), ("v100", 4, "nvlink2"))
+             for i in range(n)]
+    cluster = ClusterConfig(name="mix64_nodes", nodes=nodes, network="ib_hdr")
+    assert cluster.world_size > search.MAX_SPLITS
+    model = workload_model("deepseek_v2_lite")
+    kw = dict(seq_len=4096, global_batch_tokens=4 * 64 * 4096)
+    tried = make_plan(cluster, model, **kw)
+    monkeypatch.setattr(search.Search, "equal_share_splits", lambda self: 0)
+    before = make_plan(cluster, model, **kw)
+    assert tried.predicted["zebra"]["tokens_per_s"] > 1.1 * before.predicted["zebra"]["tokens_per_s"]
+    shares = [tried.seqs_per_rank[r] for g in tried.zp_groups for r in g.attention_ranks]
+    old = [before.seqs_per_rank[r] for g in before.zp_groups for r in g.attention_ranks]
+    assert max(shares) - min(shares) <= 1 < max(old) - min(old), (shares, old)

@@ -243,8 +243,25 @@ def _base_counts(inp: AsymEAInput) -> tuple[list[list[int]], list[int], int]:
                 at[l] = i
                 return p
 
-    n_min = 0
     sides = {}  # per side: its merged order, how to make more, each layer's place in it
+    if N:
+        # Where no expert member fills up, every layer takes the same first E of the merged
+        # order (a member skipped for want of room is what makes layers differ): E picks
+        # instead of L x E, and the same counts (planning 1,024 GPUs places thousands of
+        # times, each group of 61 expert members 6,144 experts)
+        order, more = merged(range(M, M + N), lambda p, c: c * exp[p - M])
+        while len(order) < E:
+            more()
+        per = [0] * N
+        for p in order[:E]:
+            per[p - M] += 1
+        if all(L * n <= cap[M + i] for i, n in enumerate(per)):
+            for i, n in enumerate(per):
+                counts[M + i] = [n] * L
+                used[M + i] = L * n
+            return counts, used, 0
+        sides["expert"] = (order, more, [0] * L)
+    n_min = 0
     room = {"expert": sum(used[p] < cap[p] for p in range(M, M + N)), "attention": sum(used[p] < cap[p] for p in range(M))}
     for e in range(E):
         for l in range(L):
@@ -311,7 +328,8 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
     where the squeeze ran into it: a member that took ``g`` of the chunk and still had room
     takes the same with any room >= ``g``; one that filled up, only with the same room.
     Where the layer's column is unchanged and every member's room passes, the chunk is the
-    one found before (``reuse=False``: found afresh each round, the reference)."""
+    one found before, and layers of one column share the round's chunk (``reuse=False``:
+    each layer's found afresh each round, the reference)."""
     L, M, N = inp.num_layers, len(inp.attn), len(inp.exp)
     cap = _capacity(inp)
     ta, te = _side_times(inp, counts)
@@ -334,11 +352,15 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
         room = [max(cap[i] - used[i], 0) for i in range(M)]
         trial_a, trial_e = ta[:], te[:]
         moves: list = [None] * L
+        alike: dict[tuple[int, ...], tuple | None] = {}  # layers of one column this round: one chunk
         for l in range(L):
             before = cols[l]
             hit = found.get(l) if reuse else None
             if hit is None or hit[0] is not before or not still(hit[2], room):
-                moved = _chunk(inp, before, used, cap)
+                key = tuple(before) if reuse else l
+                if key not in alike:
+                    alike[key] = _chunk(inp, before, used, cap)
+                moved = alike[key]
                 entry, took = None, []
                 if moved is not None:
                     col, n = moved
