@@ -349,26 +349,29 @@ def _offload(inp: AsymEAInput, counts: list[list[int]], used: list[int], R: int,
     # a chunk keeps the base times and is masked out.
     exp = inp.exp
     while True:
-        room = [max(cap[i] - used[i], 0) for i in range(M)]
+        room = [r if (r := cap[i] - used[i]) > 0 else 0 for i in range(M)]
         trial_a, trial_e = ta[:], te[:]
         moves: list = [None] * L
-        alike: dict[tuple[int, ...], tuple | None] = {}  # layers of one column this round: one chunk
+        # layers of one column this round have one chunk (a layer's side times are its
+        # column's): found once
+        alike: dict[tuple[int, ...] | int, tuple] = {}
         for l in range(L):
             before = cols[l]
             hit = found.get(l) if reuse else None
             if hit is None or hit[0] is not before or not still(hit[2], room):
                 key = tuple(before) if reuse else l
                 if key not in alike:
-                    alike[key] = _chunk(inp, before, used, cap)
-                moved = alike[key]
-                entry, took = None, []
-                if moved is not None:
-                    col, n = moved
-                    took = [(i, col[i] - before[i], room[i] == col[i] - before[i])
-                            for i in range(M) if col[i] > before[i]]
-                    # only receivers' attention side grows: the layer's max over the others stands
-                    entry = (col, n, max([ta[l]] + [inp.attn[i] + col[i] * inp.attn_exp[i] for i, _, _ in took]),
-                             max(map(mul, col[M:], exp)))
+                    moved = _chunk(inp, before, used, cap)
+                    entry, took = None, []
+                    if moved is not None:
+                        col, n = moved
+                        took = [(i, col[i] - before[i], room[i] == col[i] - before[i])
+                                for i in range(M) if col[i] > before[i]]
+                        # only receivers' attention side grows: the layer's max over the others stands
+                        entry = (col, n, max([ta[l]] + [inp.attn[i] + col[i] * inp.attn_exp[i] for i, _, _ in took]),
+                                 max(map(mul, col[M:], exp)))
+                    alike[key] = (entry, took)
+                entry, took = alike[key]
                 found[l] = (before, entry, took)
             entry = found[l][1]
             if entry is not None:
