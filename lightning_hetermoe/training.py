@@ -196,8 +196,10 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         if steps is not None:
             # a simulation per step: a long run's steps, evenly thinned to AT_LOAD_STEPS
             steps = steps[::-(-len(steps) // AT_LOAD_STEPS)]
-            # the same prediction with the routing this run's timed steps really had, step by step
-            seen = strategy.predict(batch_loads=steps)
+            # the same prediction with the routing this run's timed steps really had, step by
+            # step, and the experts where the run left them: after a rebalancer's moves the
+            # plan's placement is not the run's (a step timed before a move is priced after it)
+            seen = strategy.predict(strategy.trained_placement, batch_loads=steps)
             at_load = out["predicted_step_time_at_measured_load_s"] = seen["step_time_s"]
             # step by step: a routing that drifts as the model trains shows as a trend
             out["predicted_step_time_at_measured_load_by_step_s"] = seen["step_times_s"]

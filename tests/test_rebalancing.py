@@ -17,6 +17,7 @@ from lightning_hetermoe import ExpertLoadMonitor, ExpertRebalancer, HeterMoEStra
 from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.placement import Placement
 from lightning_hetermoe.model_contract import moe_layers
+from lightning_hetermoe.training import timing_summary
 from reference import MoveAt, assert_same_params, data, global_batches, make_model, reference_fit, trainer, whole_checkpoint
 from helpers_zebra import make_test_plan
 from helpers_bench import load_bench
@@ -49,6 +50,15 @@ def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = 
         out.append({"state": model.state_dict(), "moved": move.moved, "after": move.after, "kept": move.kept,
                     "counts": callbacks[1].last_counts, "decisions": callbacks[2].decisions if case.get("rebalancer")
                     else None, "routes": move.final.routes})
+        if case.get("cluster") is not None:
+            # the summary's prediction at the timed steps' routing, beside the simulator's at
+            # the placement the run ended with and at the plan's
+            steps = callbacks[1].step_shares(skip=1)
+            summary = timing_summary({"step_time_s": None, "timing_warmup_steps": 1}, strategy, case["cluster"],
+                                     None, callbacks[1])
+            out[-1]["at_load"] = (summary["predicted_step_time_at_measured_load_s"],
+                                  strategy.predict(strategy.trained_placement, batch_loads=steps)["step_time_s"],
+                                  strategy.predict(batch_loads=steps)["step_time_s"])
     return out if rank == 0 else None
 
 
@@ -90,6 +100,9 @@ def test_moves_and_copies_in_the_middle_of_training_change_no_number(moved):
         if case.get("rebalancer"):
             applied = [d for d in got["decisions"] if d["apply"]]
             assert applied and applied[-1]["routed"] and got["routes"] is not None, got["decisions"]
+            # the summary prices the timed steps with the experts where the moves left them
+            summary, at_end, at_plan = got["at_load"]
+            assert summary == at_end and at_end != pytest.approx(at_plan, rel=1e-3), (got["at_load"], got["decisions"])
 
 
 def test_zebra_moves_between_expert_ranks_and_onto_the_attention_rank():

@@ -147,6 +147,7 @@ class HeterMoEStrategy(DDPStrategy):
         self.memory: MemoryWatch | None = None  # this rank's memory: what it holds, its peak, its budget
         self.progress: StepProgress | None = None  # this rank's steps, for the stuck-rank watchdog
         self._expert_bias: ExpertBiasUpdater | None = None  # when some router balances by a bias
+        self._placement_at_end: Placement | None = None  # where the experts were when the last fit ended
         # Set by ExpertLoadMonitor before set-up: time each task of a rank on its real device.
         self.measure_busy = False
         self._standin: torch.device | None = None  # HETERMOE_STANDIN: a CPU run computes on the stand-in
@@ -857,6 +858,14 @@ class HeterMoEStrategy(DDPStrategy):
             return None
         return self.backend.placement()
 
+    @property
+    def trained_placement(self) -> Placement | None:
+        """Where the experts are, or, once a fit is over and the model whole again, where they
+        were when it ended (a rebalancer's moves included: not the plan's placement);
+        ``None`` where they were never spread over ranks."""
+        now = self.placement
+        return now if now is not None else self._placement_at_end
+
     def holders(self) -> list[str]:
         """Device names of the ranks that can hold experts, in the placement's holder order."""
         return self.backend.holder_devices() if self.backend is not None else []
@@ -1118,6 +1127,10 @@ class HeterMoEStrategy(DDPStrategy):
         trainer = getattr(module, "_trainer", None) if module is not None else None
         succeeded = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         if self.backend is not None:
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                # before the experts gather: what the run trained with (a validation or test
+                # after it lays them out from the plan again, and is not what trained)
+                self._placement_at_end = self.placement
             # a model built whole is whole again after a successful run; one built on the meta
             # device stays laid out (it may not fit anywhere whole): checkpoints save it sharded
             whole = succeeded and self._built_whole
