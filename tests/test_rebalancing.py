@@ -30,6 +30,28 @@ STEPS = 6
 SGD = dict(name="sgd", lr=0.1, momentum=0.9, warmup_steps=0)
 
 
+class PricedRebalancer(ExpertRebalancer):
+    """The rebalancer as it is, recording at each decision what the simulator gives for the
+    placement then at the recent steps' own routings and at the moving average."""
+
+    @property
+    def state_key(self) -> str:
+        return ExpertRebalancer.__qualname__  # its checkpoints resume under the rebalancer's own key
+
+    def decide(self, trainer):
+        from lightning_hetermoe.callbacks.rebalancer import RECENT_STEPS
+
+        decision = super().decide(trainer)  # a decision moves nothing: the placement is still the one it priced
+        if decision is not None:
+            monitor, strategy = self._monitor(trainer), trainer.strategy
+            steps = monitor.step_shares(skip=0)
+            recent = steps[-min(len(steps), self.every_n_steps, RECENT_STEPS):]
+            placed = strategy.placement
+            decision["priced"] = (strategy.predict(placed, None, recent)["device_step_time_s"],
+                                  strategy.predict(placed, monitor.load_share())["device_step_time_s"], len(recent))
+        return decision
+
+
 def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = None):
     out = []
     for case in cases:
@@ -38,7 +60,7 @@ def fit_moving(rank: int, world: int, cases: list[dict], ckpt_dir: str | None = 
         move = MoveAt(2, case["placement"])
         callbacks = [move, ExpertLoadMonitor(log_every_n_steps=1, plots=False)]
         if case.get("rebalancer"):
-            callbacks.append(ExpertRebalancer(every_n_steps=2, warmup_steps=3, min_gain=0.0, **case["rebalancer"]))
+            callbacks.append(PricedRebalancer(every_n_steps=2, warmup_steps=3, min_gain=0.0, **case["rebalancer"]))
         if case.get("hot"):
             callbacks.append(SKEW.SkewedRouter(hot=case["hot"], bias=2.0))
         where = case.get("ckpt_dir", ckpt_dir)
@@ -100,6 +122,12 @@ def test_moves_and_copies_in_the_middle_of_training_change_no_number(moved):
         if case.get("rebalancer"):
             applied = [d for d in got["decisions"] if d["apply"]]
             assert applied and applied[-1]["routed"] and got["routes"] is not None, got["decisions"]
+            # whether a move pays is priced at the recent steps' own routings, not at the
+            # moving average the search explores with
+            for d in got["decisions"]:
+                at_steps, at_average, n = d["priced"]
+                assert d["predicted_before_s"] == at_steps and n == 2, d
+                assert at_steps != pytest.approx(at_average, rel=1e-6), d
             # the summary prices the timed steps with the experts where the moves left them
             summary, at_end, at_plan = got["at_load"]
             assert summary == at_end and at_end != pytest.approx(at_plan, rel=1e-3), (got["at_load"], got["decisions"])
