@@ -44,8 +44,7 @@ class PricedRebalancer(ExpertRebalancer):
         decision = super().decide(trainer)  # a decision moves nothing: the placement is still the one it priced
         if decision is not None:
             monitor, strategy = self._monitor(trainer), trainer.strategy
-            steps = monitor.step_shares(skip=0)
-            recent = steps[-min(len(steps), self.every_n_steps, RECENT_STEPS):]
+            recent = monitor.step_shares(skip=0)[-min(self.every_n_steps, RECENT_STEPS):]  # every step, then the last
             placed = strategy.placement
             decision["priced"] = (strategy.predict(placed, None, recent)["device_step_time_s"],
                                   strategy.predict(placed, monitor.load_share())["device_step_time_s"], len(recent))

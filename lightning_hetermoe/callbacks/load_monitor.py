@@ -234,10 +234,10 @@ class ExpertLoadMonitor(L.Callback):
         total = counts.sum(0)
         return (total / total.sum(1, keepdim=True).clamp(min=1)).tolist()
 
-    def step_shares(self, skip: int = 1) -> list[list[list[float]]] | None:
-        """Each recorded step's own routing (after ``skip``), per layer each expert's share:
-        ``[step][layer][expert]``."""
-        counts = self._counts(skip)
+    def step_shares(self, skip: int = 1, last: int | None = None) -> list[list[list[float]]] | None:
+        """Each recorded step's own routing (after ``skip``; only the ``last`` of them if
+        given), per layer each expert's share: ``[step][layer][expert]``."""
+        counts = self._counts(skip, last)
         return None if counts is None else (counts / counts.sum(2, keepdim=True).clamp(min=1)).tolist()
 
     def routing_record(self, pl_module: Any, skip: int = 1) -> RoutingRecord:
@@ -249,10 +249,13 @@ class ExpertLoadMonitor(L.Callback):
         return RoutingRecord(model=getattr(cfg, "name", type(pl_module).__name__), mean_share=self.mean_share(skip),
                              steps=int(counts.shape[0]), choices_per_step=float(counts[:, 0].sum(1).mean()))
 
-    def _counts(self, skip: int) -> torch.Tensor | None:
+    def _counts(self, skip: int, last: int | None = None) -> torch.Tensor | None:
         """The recorded steps' tokens ``[S, L, E]`` after the first ``skip`` (all of them where
-        no more were recorded)."""
+        no more were recorded), only the ``last`` of them if given (a long history is not
+        copied for a few steps)."""
         steps = self.history[skip:] or self.history
+        if last is not None:
+            steps = steps[-last:]
         return torch.tensor(steps, dtype=torch.float64, device="cpu") if steps else None
 
     # -- plots ----------------------------------------------------------------------------

@@ -18,8 +18,9 @@ measured times.
 
 It applies the placement only if the predicted gain per step, priced at each of the recent
 steps' own routings (up to ``RECENT_STEPS`` since the last check; the search itself prices
-at the moving average), is at least ``min_gain`` of the step and, over ``amortize_steps`` steps (how long a placement is expected to last),
-outweighs the migration (every moved copy's weights and optimizer state over the link). Every rank then moves experts in place
+at the moving average), is at least ``min_gain`` of the step and, over ``amortize_steps``
+steps (how long a placement is expected to last), outweighs the migration (every moved
+copy's weights and optimizer state over the link). Every rank then moves experts in place
 (:meth:`HeterMoEStrategy.move_experts`): weights and every optimizer tensor travel with
 their expert. What moved, the predicted gain and the measured migration time go to the
 loggers (``rebalance/...``) and to ``decisions``.
@@ -215,11 +216,11 @@ class ExpertRebalancer(L.Callback):
         # and the zebra step is not linear in it (A40+V100 under zebra, two hot experts: a
         # move the average priced 2.8% faster was 0.1% at each timed step's routing, and
         # measured 1.3% slower)
-        recent = monitor.step_shares(skip=0)
-        recent = recent[-min(len(recent), self.every_n_steps, RECENT_STEPS):] if recent else None
+        # (a step is recorded: last_counts was checked above)
+        recent = monitor.step_shares(skip=0, last=min(self.every_n_steps, RECENT_STEPS))
 
         def at_steps(p: Placement) -> float:
-            return strategy.predict(p, None if recent else share, recent)["device_step_time_s"]
+            return strategy.predict(p, None, recent)["device_step_time_s"]
 
         t_now = at_steps(placed)  # with the routes it runs
         t_new = at_steps(chosen) if chosen != placed else t_now

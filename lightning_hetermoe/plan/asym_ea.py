@@ -271,10 +271,8 @@ def _base_counts(inp: AsymEAInput) -> tuple[list[list[int]], list[int], int]:
                 if not room[side]:
                     raise ValueError(f"experts exceed total memory: no member of the ZP group has room for expert "
                                      f"{e} of layer {l}; add ranks or use more memory-rich GPUs")
-            if side not in sides:
-                made = (merged(range(M, M + N), lambda p, c: c * exp[p - M]) if side == "expert"
-                        else merged(range(M), lambda p, c: attn[p] + c * attn_exp[p]))
-                sides[side] = (*made, [0] * L)
+            if side not in sides:  # the expert side's order is made above, wherever it has members
+                sides[side] = (*merged(range(M), lambda p, c: attn[p] + c * attn_exp[p]), [0] * L)
             p = pick(*sides[side], l)
             counts[p][l] += 1
             used[p] += 1

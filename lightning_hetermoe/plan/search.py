@@ -30,7 +30,7 @@ from ..profile.memory import MemoryModel, format_bytes
 from ..profile.profile import Profile
 from ..simulate.predict import predict_step_time
 from ..simulate.schedules import ep_speed
-from .asym_ea import AsymEAInput, AsymEAResult, assign_experts, placement_from_counts
+from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .cluster_view import ClusterView
 from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .plan import Plan, ZPGroup
@@ -234,15 +234,14 @@ class Search:
                 cap, t = alike[key]
                 attn_cap.append(cap)
                 attn_t.append(t)
-            # the same member times and room recur (groups dealt by turns and by nodes, the
-            # shares pass 3 tries again): each placement is made once
-            key = ("asym", tuple(attn_t), tuple(attn_xt), tuple(exp_t), tuple(attn_cap), tuple(exp_cap), min(R, 4))
-            got = self._once(key, lambda: asym_ea_or_error(
-                AsymEAInput(L, E, attn_t, attn_xt, exp_t, attn_cap, exp_cap, num_microbatches=min(R, 4)), self.asym))
-            if isinstance(got, str):
-                self.last_error = got
+            try:
+                return assign_experts(
+                    AsymEAInput(L, E, attn_t, attn_xt, exp_t, attn_cap, exp_cap, num_microbatches=min(R, 4)),
+                    asym=self.asym,
+                )
+            except ValueError as err:
+                self.last_error = str(err)
                 return None
-            return got
 
         if equal:
             same = apportion(group_seqs, [1.0] * len(g0.attention_ranks))
@@ -719,14 +718,6 @@ MAX_SPLITS = 48
 # plans of 16 and 20 mixed GPUs (two and three kinds, 81 to 245 sets) the grid planned as
 # fast as every set tried one by one, in half to a third of the time.
 MAX_ATTENTION_SETS = 64
-
-
-def asym_ea_or_error(inp: AsymEAInput, asym: bool) -> AsymEAResult | str:
-    """Asym-EA's placement, or why the group cannot hold its experts."""
-    try:
-        return assign_experts(inp, asym=asym)
-    except ValueError as err:
-        return str(err)
 
 
 def many_splits(ranks: int) -> bool:
