@@ -146,12 +146,19 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    """A Mixtral-style decoder: RMSNorm, causal attention, an MoE FFN in every layer."""
+    """A Mixtral-style decoder: RMSNorm, causal attention, an MoE FFN in its ``n_layers``
+    MoE layers, after ``dense_layers`` decoder layers whose FFN is a dense MLP (DeepSeek's
+    ``first_k_dense_replace``)."""
 
     name: str = "tiny"
     vocab_size: int = 256
     d_model: int = 64
+    # Decoder layers with an MoE FFN (the layers whose experts a plan places).
     n_layers: int = 2
+    # Decoder layers before them whose FFN is one dense MLP of dense_d_ff (DeepSeek-V2-Lite's
+    # first layer): run and priced where attention runs, in addition to n_layers.
+    dense_layers: int = 0
+    dense_d_ff: int = 0
     n_heads: int = 4
     max_seq_len: int = 128
     # Key/value heads for grouped-query attention; None = n_heads (multi-head attention).
@@ -176,6 +183,13 @@ class ModelConfig:
                  f"must be one of {ARCHITECTURES}")
         _require(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "must be >= 2")
         _require(self.n_layers >= 1, "model.n_layers", self.n_layers, "must be >= 1")
+        _require(isinstance(self.dense_layers, int) and not isinstance(self.dense_layers, bool)
+                 and self.dense_layers >= 0, "model.dense_layers", self.dense_layers,
+                 "must be an integer >= 0 (decoder layers with a dense MLP, before the n_layers MoE layers)")
+        _require(isinstance(self.dense_d_ff, int) and not isinstance(self.dense_d_ff, bool)
+                 and (self.dense_d_ff >= 1 if self.dense_layers else self.dense_d_ff >= 0), "model.dense_d_ff",
+                 self.dense_d_ff, "must be an integer >= 1 where model.dense_layers > 0 (the dense MLP's hidden "
+                 "width), >= 0 otherwise")
         _require(self.n_heads >= 1, "model.n_heads", self.n_heads, "must be >= 1")
         _require(
             self.d_model >= 1 and self.d_model % self.n_heads == 0,

@@ -96,9 +96,41 @@ def describe_model(module: nn.Module) -> ModelConfig:
         raise ModelContractError(f"d_model={d_model} is not a multiple of {heads} attention heads in {name}")
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=2)
+    planned = _planned_moe(moe)
+    dense_layers, dense_d_ff = _dense_layers(module, blocks, planned.activation)
     return ModelConfig(name=type(module).__name__.lower(), vocab_size=max(vocab, 2), d_model=d_model,
-                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20,
-                       activation_checkpointing=recomputes_blocks(module), moe=_planned_moe(moe))
+                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20, dense_layers=dense_layers,
+                       dense_d_ff=dense_d_ff, activation_checkpointing=recomputes_blocks(module), moe=planned)
+
+
+def _params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _dense_layers(module: nn.Module, blocks: list[tuple[str, nn.Module, MoELayer]], activation: str
+                  ) -> tuple[int, int]:
+    """``(count, d_ff)`` of the decoder layers without an MoE layer (DeepSeek-V3's first
+    ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers``): the other children of the
+    module list that holds the blocks. Their MLP's width is what their parameters hold
+    beyond an MoE block's own (attention and norms, the same in both), over the MLP's
+    matrices."""
+    named = dict(module.named_modules())
+    block_ids = {id(b) for _, b, _ in blocks}
+    lists = {name.rpartition(".")[0] for name, _, _ in blocks}
+    dense = [child for name in lists if isinstance(named.get(name), nn.ModuleList)
+             for child in named[name] if id(child) not in block_ids]
+    if not dense:
+        return 0, 0
+    _, block, moe = blocks[0]
+    mats = 3 if activation == "swiglu" else 2
+    d_model = moe.router.weight.shape[1]
+    mlp = _params(dense[0]) - (_params(block) - _params(moe))
+    if mlp < mats * d_model:
+        raise ModelContractError(
+            f"{type(dense[0]).__name__} sits among the MoE blocks without an MoE layer, but holds {mlp} parameters "
+            f"beyond an MoE block's attention and norms: too few for a dense MLP of d_model={d_model} (planning "
+            f"prices it as one; give the LightningModule a model_cfg with dense_layers and dense_d_ff)")
+    return len(dense), round(mlp / (mats * d_model))
 
 
 def checkpoints_activations(module: nn.Module) -> bool:

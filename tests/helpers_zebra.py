@@ -107,7 +107,8 @@ def fit_cases(rank: int, world: int, cases: list[dict]) -> list | None:
     out = []
     default_bucket = zebra_backend.BUCKET_BYTES
     for case in cases:
-        model = make_model(case.get("num_experts", 4), seed=rank, optim=OptimConfig(), **case.get("moe", {}))
+        model = make_model(case.get("num_experts", 4), seed=rank, optim=OptimConfig(), **case.get("model", {}),
+                           **case.get("moe", {}))
         zebra_backend.BUCKET_BYTES = case.get("bucket_bytes", default_bucket)
         strategy = HeterMoEStrategy(mode=case.get("mode", "zebra"), plan=case.get("plan"))
         held = Holdings()
@@ -126,11 +127,19 @@ def fit_cases(rank: int, world: int, cases: list[dict]) -> list | None:
     return out
 
 
+def stored(model: dict) -> dict:
+    """The reference's model keeps its activations: recomputing changes no value, and the
+    pieces' balance recorder (reference.pieces_loss) is gone by the time a backward would
+    recompute."""
+    return {k: v for k, v in model.items() if k != "activation_checkpointing"}
+
+
 def check(world: int, cases: list[dict]) -> list:
     per_rank = run_ranks(world, fit_cases, world, cases)
     for c, case in enumerate(cases):
         actual = per_rank[0][c]
-        model = make_model(case.get("num_experts", 4), seed=0, optim=OptimConfig(), **case.get("moe", {}))
+        model = make_model(case.get("num_experts", 4), seed=0, optim=OptimConfig(), **stored(case.get("model", {})),
+                           **case.get("moe", {}))
         initial = copy.deepcopy(model.state_dict())
         plan = case.get("plan")
         mode = case.get("mode", "zebra")

@@ -30,11 +30,13 @@ SLOW = {"slow": {"base": "v100", "launch_overhead_s": 1e-4}}
 
 
 def make_model(num_experts: int = 4, n_layers: int = 2, seed: int = 0, optim: OptimConfig | None = None,
-               activation_checkpointing: bool = False, **moe: Any) -> MoELanguageModel:
-    """A tiny model at the default loss coefficients (balance and z-loss on) unless ``moe`` says otherwise."""
+               activation_checkpointing: bool = False, dense_layers: int = 0, **moe: Any) -> MoELanguageModel:
+    """A tiny model at the default loss coefficients (balance and z-loss on) unless ``moe`` says
+    otherwise; ``dense_layers`` decoder layers with a dense MLP (of 20) before the MoE ones."""
     torch.manual_seed(seed)
     cfg = ModelConfig(d_model=16, n_layers=n_layers, n_heads=2, max_seq_len=SEQ,
-                      activation_checkpointing=activation_checkpointing,
+                      activation_checkpointing=activation_checkpointing, dense_layers=dense_layers,
+                      dense_d_ff=20 if dense_layers else 0,
                       moe=MoEConfig(num_experts=num_experts, d_ff=12, **moe))
     return MoELanguageModel(cfg, optim or OptimConfig())
 

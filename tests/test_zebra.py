@@ -72,6 +72,10 @@ def test_one_attention_one_expert_rank_zebra_distep_and_ep_agree():
         dict(plan=make_test_plan(2, [0], R=1)),
         dict(plan=make_test_plan(2, [0], R=2), mode="distep"),
         dict(mode="ep"),
+        # a dense decoder layer before the MoE ones (DeepSeek's first), recomputed in its
+        # backward: it runs on the attention rank in the piece before the first block's cut
+        dict(plan=make_test_plan(2, [0], R=2), model=dict(dense_layers=1, activation_checkpointing=True)),
+        dict(mode="ep", model=dict(dense_layers=1)),
     ])
 
 

@@ -61,6 +61,9 @@ def mixtral_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
         raise ValueError(f"model.architecture=hf_mixtral needs moe.activation=swiglu, router=topk, bias=false and no "
                          f"shared expert; got activation={moe.activation}, router={moe.router}, bias={moe.bias}, "
                          f"shared_expert_d_ff={moe.shared_expert_d_ff}")
+    if cfg.dense_layers:
+        raise ValueError(f"model.dense_layers={cfg.dense_layers}: a Mixtral has an MoE FFN in every layer; "
+                         f"model.architecture=hf_mixtral (and the Mixtral export) needs model.dense_layers=0")
     return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=moe.d_ff,
                 num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                 num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, max_position_embeddings=cfg.max_seq_len,

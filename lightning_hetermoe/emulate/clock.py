@@ -70,8 +70,13 @@ def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) ->
         moe = replace(work.moe, num_experts=run_model.moe.num_experts, top_k=run_model.moe.top_k,
                       aux_loss_coef=run_model.moe.aux_loss_coef, capacity_factor=run_model.moe.capacity_factor,
                       recompute_activation=run_model.moe.recompute_activation)
+        # the run's dense layers at the workload's MLP width (where it has none, the run's
+        # width scaled as d_model is)
+        dense_d_ff = work.dense_d_ff if work.dense_layers else \
+            max(1, round(run_model.dense_d_ff * work.d_model / run_model.d_model)) if run_model.dense_layers else 0
         model = replace(work, n_layers=run_model.n_layers, max_seq_len=max(work.max_seq_len, seq_len), moe=moe,
-                        activation_checkpointing=run_model.activation_checkpointing)
+                        activation_checkpointing=run_model.activation_checkpointing,
+                        dense_layers=run_model.dense_layers, dense_d_ff=dense_d_ff)
         scale = seq_len / run_seq_len
     return EmulatedWorkload(model, seq_len, scale, make_timer(model, seq_len,
                                                               cost=emulation_cost_model(precision=precision)))

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from ..configs import ModelConfig
 from ..kernels import rms_norm, rotary
 from ..moe import MoEAux, MoELayer
+from ..moe.layer import SharedExpert
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise, seed_scope
 
 
@@ -81,7 +82,7 @@ class CausalSelfAttention(nn.Module):
         self.init_seed = draw_seed()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        self.n_layers = cfg.n_layers
+        self.n_layers = cfg.n_layers + cfg.dense_layers  # the depth the output projection is scaled for
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         initialise(self)
@@ -129,6 +130,22 @@ class DecoderBlock(nn.Module):
         return x + y, aux
 
 
+class DenseBlock(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)): a decoder layer whose FFN is one
+    dense MLP every token passes through (DeepSeek's first layers)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SharedExpert(cfg.d_model, cfg.dense_d_ff, cfg.moe.activation, cfg.moe.bias, gated=False)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), mask, positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
 class MoETransformer(nn.Module):
     """Built on the meta device (``Trainer.init_module(empty_init=True)``), it holds no
     storage and a strategy materialises each process's share; the values equal an eager
@@ -140,7 +157,10 @@ class MoETransformer(nn.Module):
         self.init_seed = draw_seed()  # one draw from the caller's generator, meta or not
         with seed_scope(self.init_seed):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+            # the dense layers first, in the same list (as a Hugging Face model keeps them, where
+            # the model contract reads them); none: no draws, such models initialise as before
+            self.blocks = nn.ModuleList([*(DenseBlock(cfg) for _ in range(cfg.dense_layers)),
+                                         *(DecoderBlock(cfg) for _ in range(cfg.n_layers))])
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         initialise(self)
@@ -173,8 +193,12 @@ class MoETransformer(nn.Module):
         auxes = []
         for block in self.blocks:
             if self.cfg.activation_checkpointing and torch.is_grad_enabled():
-                x, aux = checkpoint(block, x, mask, positions, use_reentrant=False)
+                out = checkpoint(block, x, mask, positions, use_reentrant=False)
             else:
-                x, aux = block(x, mask, positions)
-            auxes.append(aux)
+                out = block(x, mask, positions)
+            if isinstance(block, DenseBlock):
+                x = out
+            else:
+                x, aux = out
+                auxes.append(aux)
         return self.norm(x), auxes

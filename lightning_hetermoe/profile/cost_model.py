@@ -198,7 +198,8 @@ class CostModel:
         d = d_model
         t = self.gemm_time(dev, tokens, d, 3 * d)  # QKV
         t += self.gemm_time(dev, tokens, d, d)  # output projection
-        t += self.gemm_time(dev, tokens, d, num_experts)  # router
+        if num_experts:  # none: a dense layer's (see dense_layer_time)
+            t += self.gemm_time(dev, tokens, d, num_experts)  # router
         t += self.attention_core_time(dev, tokens=tokens, seq_len=seq_len, d_model=d)
         # Two RMSNorms, rotary, two residual adds, router softmax/top-k: ~12 passes of [t, d].
         t += self.elementwise_time(dev, 12 * tokens * d * self.dtype_bytes)
@@ -209,6 +210,13 @@ class CostModel:
                 t += self.gemm_time(dev, tokens, d, 1) + self.elementwise_time(dev, 2 * tokens * d * self.dtype_bytes)
         t += dev.launch_overhead_s
         return self._bwd(t) if backward else t
+
+    def dense_layer_time(self, dev: DeviceSpec, *, tokens: float, seq_len: int, d_model: int, n_heads: int,
+                         d_ff: int, activation: str = "swiglu", backward: bool = False) -> float:
+        """One dense decoder layer (attention and one dense MLP every token passes through,
+        no router) for one micro-batch of ``tokens`` tokens."""
+        return self.attention_time(dev, tokens=tokens, seq_len=seq_len, d_model=d_model, n_heads=n_heads,
+                                   num_experts=0, backward=backward, shared_d_ff=d_ff, shared_activation=activation)
 
     def _mlp_time(self, dev: DeviceSpec, tokens, d_model: int, d_ff: int, activation: str):
         """An MLP's forward on ``tokens`` tokens (a number, or an array of them), and its

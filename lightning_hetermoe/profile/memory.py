@@ -130,15 +130,16 @@ class MemoryModel:
     # ---- parameter counts ----------------------------------------------------------------
     def attention_stack_params(self) -> float:
         """Everything but the routed experts: embeddings, LM head, attention (keys and values
-        over the key/value heads), router, norms, a shared expert."""
+        over the key/value heads), router, norms, a shared expert, the dense layers."""
         m = self.model
         d = m.d_model
-        kv = 2 * d * (m.kv_heads * m.head_dim)
-        per_layer = 2 * d * d + kv + d * m.moe.num_experts + 2 * d
+        mats = 3 if m.moe.activation == "swiglu" else 2
+        attention = 2 * d * d + 2 * d * (m.kv_heads * m.head_dim) + 2 * d  # and the layer's two norms
+        per_layer = attention + d * m.moe.num_experts
         if m.moe.shared_expert_d_ff:
-            mats = 3 if m.moe.activation == "swiglu" else 2
             per_layer += mats * d * m.moe.shared_expert_d_ff + (d if m.moe.shared_expert_gate else 0)
-        return m.n_layers * per_layer + 2 * m.vocab_size * d + d
+        dense_layer = attention + mats * d * m.dense_d_ff
+        return m.n_layers * per_layer + m.dense_layers * dense_layer + 2 * m.vocab_size * d + d
 
     def expert_params(self) -> float:
         m = self.model
@@ -162,7 +163,7 @@ class MemoryModel:
         m = self.model
         per_param = self.bytes_per_param - self.optimizer_bytes_per_param * (1.0 - optimizer_share)
         state = self.attention_stack_params() * per_param + self.grad_sync_bytes()
-        ckpt = tokens_in_flight * m.n_layers * m.d_model * self.act_bytes * 2
+        ckpt = tokens_in_flight * (m.n_layers + m.dense_layers) * m.d_model * self.act_bytes * 2
         work = mb_tokens * self.attention_working_tensors * m.d_model * self.act_bytes
         # the loss, model.loss_chunk_tokens at a time (model/loss.py): the head's 16-bit output
         # beside its fp32 copy, which becomes the softmax's gradient in place; and, whatever
@@ -346,7 +347,8 @@ def activation_bytes(model: ModelConfig, *, tokens_in_flight: float, mb_tokens: 
     out = mem.attention_bytes(tokens_in_flight=tokens_in_flight, mb_tokens=mb_tokens) \
         - mem.attention_stack_params() * mem.bytes_per_param - mem.grad_sync_bytes()
     if not model.activation_checkpointing:
-        out += tokens_in_flight * model.n_layers * model.d_model * act_bytes * (mem.attention_working_tensors - 2)
+        out += (tokens_in_flight * (model.n_layers + model.dense_layers) * model.d_model * act_bytes
+                * (mem.attention_working_tensors - 2))
     return out
 
 

@@ -30,6 +30,24 @@ class CostModelTimer:
                 self.model.activation_checkpointing)))
 
     def attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        """One MoE layer's attention-side task (attention, router, shared expert) and its
+        share of the dense layers (see :meth:`dense_share`)."""
+        own = self._moe_attention(dev, tokens, backward)
+        return own + self.dense_share(dev, tokens, backward) if self.model.dense_layers else own
+
+    def dense_share(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        """The dense layers' time on ``tokens`` tokens over the MoE layers, ``dense_layers /
+        n_layers`` of one dense layer each: they run where attention runs, between the same
+        exchanges, so every schedule prices them inside the attention tasks (spread evenly,
+        not at the first layers where they sit: the same work on the same ranks, the
+        pipeline's fill a layer's dense share shorter)."""
+        m = self.model
+        one = self.cost.dense_layer_time(dev, tokens=tokens, seq_len=self.seq_len, d_model=m.d_model,
+                                         n_heads=m.n_heads, d_ff=m.dense_d_ff, activation=m.moe.activation,
+                                         backward=backward)
+        return m.dense_layers / m.n_layers * one
+
+    def _moe_attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
         m = self.model
         return self.cost.attention_time(
             dev,
@@ -93,7 +111,12 @@ class ProfileTimer(CostModelTimer):
             )
 
     def attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
-        return self.profile.get(dev.name).attention(tokens, backward)
+        measured = self.profile.get(dev.name).attention(tokens, backward)
+        if not self.model.dense_layers or measured <= 0:
+            return measured
+        # the profiler times an MoE block's attention; the dense layers at the cost model's
+        # ratio to it, so they run at the speed measured
+        return measured * (1.0 + self.dense_share(dev, tokens, backward) / self._moe_attention(dev, tokens, backward))
 
     def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
         return self.profile.get(dev.name).expert(tokens, backward)
