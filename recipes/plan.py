@@ -27,11 +27,14 @@ from lightning_hetermoe.cluster import ClusterConfig
 from lightning_hetermoe.cluster.devices import PRECISIONS
 from lightning_hetermoe.configs import ConfigError, ModelConfig, OptimConfig, from_cfg
 from lightning_hetermoe.plan import as_cluster, make_plan
+from lightning_hetermoe.plan.progress import watched
 from lightning_hetermoe.profile import CostModel, Profile, make_timer
 from lightning_hetermoe.profile.cost_model import optimizer_step_traffic, tf32_allowed
 from lightning_hetermoe.routing_record import read_routing
 from lightning_hetermoe.strategy.precision import check_bf16
 from lightning_hetermoe.simulate import draw_gantt, draw_gantt_compare, simulate_plan
+
+PROGRESS_S = 10.0  # a plan running longer says how far it got this often
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
@@ -77,13 +80,15 @@ def plan_and_predict(cfg: DictConfig, out: str) -> dict:
               f"expert {routing.hottest_over_mean():.2f}x the mean (its layer's)")
     # what each parameter costs beside its weight: the optimizer's state and the weight averages
     pricing = dict(optimizer=optim, weight_averages=cfg.plan.get("weight_averages", 0))
-    # hundreds to thousands of GPUs take seconds to tens of seconds to plan: say what is under way
+    # hundreds to thousands of GPUs take seconds to tens of seconds to plan: say what is under
+    # way, and every PROGRESS_S seconds how far it got
     print(f"planning {model.name} on {cluster.name} ({cluster.world_size} GPUs), {tokens // seq_len} sequences of "
           f"{seq_len} tokens per step", flush=True)
     summary = {"model": model.name, "cluster": cluster.name, "seq_len": seq_len, "precision": precision,
                "devices": list(cluster.devices)}
     try:
-        plan = plan_for(cluster, model, seq_len, tokens, profile, cost, load, pricing, cfg)
+        with watched(every_s=PROGRESS_S):
+            plan = plan_for(cluster, model, seq_len, tokens, profile, cost, load, pricing, cfg)
     except ValueError as err:
         summary["error"] = f"no plan for {model.name} on {cluster.name}: {err}"
         with open(os.path.join(out, "summary.json"), "w") as f:

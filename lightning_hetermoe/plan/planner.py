@@ -56,6 +56,7 @@ from .cluster_view import ClusterView, as_cluster
 from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .load_placement import place_at_load
 from .plan import Plan
+from . import progress
 from .replica import copy_counts, one_copy, stands_in
 from .search import Search, kind_counts, many_splits
 
@@ -125,6 +126,8 @@ def _fastest_waves(cluster: Any, model: ModelConfig | dict, *, seq_len: int, glo
         if best is not None and many_splits(len(view.devices)) and not _probe_pays(
                 best, waves, view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens, **kwargs):
             break
+        progress.stage(f"{'all' if copies else 'a copy of'} {len(view.devices):,} GPUs in {waves} "
+                       f"wave{'s' if waves > 1 else ''}")
         try:
             plan = plan_for_batch(view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens,
                                   waves=waves, **kwargs)
@@ -223,6 +226,7 @@ def _from_copies(view: ClusterView, model: ModelConfig | dict, ks: list[int], *,
                                                  k * len(one.attention_ranks)])
     best = None
     for waves, Ms in splits.items():
+        progress.stage(f"all {len(view.devices):,} GPUs at the copies' role splits")
         try:
             plan = plan_for_batch(view, model, seq_len=seq_len, global_batch_tokens=global_batch_tokens, waves=waves,
                                   _splits=Ms, **zebra)
@@ -530,6 +534,8 @@ def _plan(view, model: ModelConfig, *, seq_len: int, total: int, waves: int, pro
         plan = search.best(order, Ms, Rs, num_zp_groups, every_set=num_attention_ranks is None, grid=grid)
     if place_at_load and expert_load is not None:
         _place_at_load(plan, search, expert_load)
+    if not brief:
+        progress.stage(f"the plan's step under each schedule ({', '.join(schedules)})")
     plan.predicted = predict(plan, view, model, timer, schedules, expert_load, brief=brief, optimizer=optimizer,
                              weight_averages=weight_averages, ep_groups=ep_groups)
     plan.bound_tokens_per_s = throughput_bound(view.devices, timer, model, seq_len, batch_tokens=total * seq_len)

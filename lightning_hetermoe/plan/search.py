@@ -34,6 +34,7 @@ from .asym_ea import AsymEAInput, assign_experts, placement_from_counts
 from .cluster_view import ClusterView
 from .fit import LayoutSearch, member_capacity, optimizer_shares
 from .plan import Plan, ZPGroup
+from . import progress
 
 
 R_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -328,6 +329,7 @@ class Search:
         simulated again when it is scored right after."""
         if self._chosen is not None and self._chosen[0] is plan:
             return self._chosen[1]
+        progress.simulated()
         return predict_step_time("zebra", self.devs, self.model, self.view.topology, self.timer, plan=plan,
                                  expert_load=self.expert_load)
 

@@ -298,6 +298,7 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
     return backend
 
 
+PLAN_PROGRESS_S = 10.0  # a plan running longer says what it is doing this often
 HINT_RATIO = 1.1  # a smaller EP group predicted this much faster is worth a line at set-up
 
 
@@ -529,6 +530,7 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
     none fits and none is ``required``), its memory priced for the optimizer and the weight
     averages the clock was bound with."""
     from ..plan import ClusterView, make_plan
+    from ..plan.progress import watched
 
     if args.plan is not None:
         check_plan(args.plan, model_cfg, world)
@@ -538,13 +540,14 @@ def _plan(args: Any, clock: Any, world: int, model_cfg: ModelConfig, required: b
         return copy.deepcopy(args.plan)  # the run prices its table: the caller's plan stays as given
     cluster = args.cluster if args.cluster is not None else ClusterView("detected", clock.devices, clock.links())
     try:
-        plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
-                         profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
-                         require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
-                         expert_load=clock.expert_load, place_at_load=_place_at_load(args),
-                         shard_optimizer_state=_zero_priced(args), optimizer=clock.optimizer,
-                         weight_averages=clock.weight_averages,
-                         max_waves=1)  # the loaders' batch is one wave: trainer.accumulate_grad_batches is the user's
+        with watched(every_s=PLAN_PROGRESS_S):  # rank 0 plans while the others wait: a long plan says so
+            plan = make_plan(cluster, clock.model, seq_len=clock.seq_len, global_batch_tokens=clock.tokens_per_step,
+                             profile=args.profile, asym_ea=args.asym_ea, num_microbatches=args.num_microbatches,
+                             require_expert_ranks=args.require_expert_ranks, timer=clock.timer,
+                             expert_load=clock.expert_load, place_at_load=_place_at_load(args),
+                             shard_optimizer_state=_zero_priced(args), optimizer=clock.optimizer,
+                             weight_averages=clock.weight_averages,
+                             max_waves=1)  # the loaders' batch is one wave: accumulate_grad_batches is the user's
     except ValueError as err:
         if required:
             raise ConfigError(f"mode={args.mode!r}: no plan fits: {err}") from None
