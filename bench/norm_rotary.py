@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> dict:
     batch = max(1, args.tokens // seq)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(batch * seq, cfg.d_model, generator=g).to(device)
-    q = torch.randn(batch, seq, cfg.n_heads, cfg.head_dim, generator=g).to(device, dtype)
+    q = torch.randn(batch, seq, cfg.n_heads, cfg.head_size, generator=g).to(device, dtype)
     norm = RMSNorm(cfg.d_model).to(device)
-    cos, sin = rotary_tables(seq, cfg.head_dim, device)
-    up_x, up_q = torch.randn_like(x), torch.randn(batch, cfg.n_heads, seq, cfg.head_dim, device=device)
+    cos, sin = rotary_tables(seq, cfg.head_size, device)
+    up_x, up_q = torch.randn_like(x), torch.randn(batch, cfg.n_heads, seq, cfg.head_size, device=device)
 
     def run_norm():
         xx = x.clone().requires_grad_()
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         return y.detach(), qq.grad
 
     cases = {"rms_norm": (run_norm, rms_norm), "rotary": (run_rotary, rotary)}
-    print(f"{args.model}: d {cfg.d_model}, {cfg.n_heads} heads of {cfg.head_dim}, {batch} x {seq} tokens, queries "
+    print(f"{args.model}: d {cfg.d_model}, {cfg.n_heads} heads of {cfg.head_size}, {batch} x {seq} tokens, queries "
           f"{args.dtype}, on {device}; kernels {'run' if device.type == 'cuda' else 'do not run here'}", flush=True)
     rows = {}
     for name, (run, module) in cases.items():

@@ -163,6 +163,10 @@ class ModelConfig:
     max_seq_len: int = 128
     # Key/value heads for grouped-query attention; None = n_heads (multi-head attention).
     n_kv_heads: int | None = None
+    # Width of each attention head; None = d_model / n_heads. Set where a model's heads are
+    # wider than that (Qwen3-30B-A3B: 32 heads of 128 over d_model 2048): the queries and the
+    # output projection are n_heads x head_dim wide.
+    head_dim: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     # Recompute each decoder block's forward in its backward instead of storing its
@@ -191,11 +195,14 @@ class ModelConfig:
                  self.dense_d_ff, "must be an integer >= 1 where model.dense_layers > 0 (the dense MLP's hidden "
                  "width), >= 0 otherwise")
         _require(self.n_heads >= 1, "model.n_heads", self.n_heads, "must be >= 1")
+        _require(isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool) and self.head_dim >= 2
+                 and self.head_dim % 2 == 0 if self.head_dim is not None else True, "model.head_dim", self.head_dim,
+                 "must be null (= d_model / n_heads) or an even integer >= 2 (rotary embeddings pair its dimensions)")
         _require(
-            self.d_model >= 1 and self.d_model % self.n_heads == 0,
+            self.d_model >= 1 and (self.head_dim is not None or self.d_model % self.n_heads == 0),
             "model.d_model",
             self.d_model,
-            f"must be a positive multiple of n_heads={self.n_heads}",
+            f"must be a positive multiple of n_heads={self.n_heads} (or give model.head_dim)",
         )
         _require(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "must be >= 1")
         _require(isinstance(self.loss_chunk_tokens, int) and not isinstance(self.loss_chunk_tokens, bool)
@@ -215,8 +222,14 @@ class ModelConfig:
                  and self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be a number > 0")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim``, or ``d_model / n_heads`` where it is null."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """The queries' and the attention output's width, ``n_heads x head_size``."""
+        return self.n_heads * self.head_size
 
     @property
     def kv_heads(self) -> int:

@@ -42,7 +42,7 @@ from .model.transformer import DecoderBlock, RMSNorm
 from .profile.cost_model import CostModel
 from .profile.memory import MemoryModel
 from .profile.profile import DeviceProfile, Profile
-from .profile.timer import make_timer
+from .profile.timer import CostModelTimer, make_timer
 
 log = logging.getLogger(__name__)
 
@@ -348,10 +348,7 @@ def profile_summary(profile: Profile, cfg=None, cost_model=None) -> dict[str, An
         if cfg_model is not None:
             spec = get_device(kind, cluster.custom_devices if cluster else None)
             m = cfg_model
-            row["cost_model_attention_fwd_ms"] = cm.attention_time(
-                spec, tokens=n_att, seq_len=profile.seq_len, d_model=m.d_model, n_heads=m.n_heads,
-                num_experts=m.moe.num_experts, shared_d_ff=m.moe.shared_expert_d_ff, shared_activation=m.moe.activation,
-                shared_gate=m.moe.shared_expert_gate) * 1e3
+            row["cost_model_attention_fwd_ms"] = CostModelTimer(m, profile.seq_len, cm).block_attention(spec, n_att) * 1e3
             row["cost_model_expert_fwd_ms"] = cm.expert_time(
                 spec, tokens=n_exp, d_model=m.d_model, d_ff=m.moe.d_ff, activation=m.moe.activation) * 1e3
         out["devices"][kind] = row

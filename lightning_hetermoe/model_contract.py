@@ -12,8 +12,11 @@ The model contract (also in the README):
   (count, ``top_k``, ``d_ff``, activation) from the MoE layers, the number of layers from
   how many there are, the vocabulary from the largest ``nn.Embedding``, and the attention
   heads from an ``int`` attribute ``n_heads`` (or ``num_heads``, ``num_attention_heads``)
-  of some module inside each block. A LightningModule with a ``model_cfg``
-  (:class:`~lightning_hetermoe.configs.ModelConfig`) gives all of it directly.
+  of some module inside each block (or its ``config``), the key/value heads and each head's
+  width from ``n_kv_heads`` (``num_key_value_heads``) and ``head_dim`` beside it, and the
+  dense decoder layers from the other members of the module list that holds the blocks. A
+  LightningModule with a ``model_cfg`` (:class:`~lightning_hetermoe.configs.ModelConfig`)
+  gives all of it directly.
 * The zebra and distep modes drive the LightningModule's ``training_step`` (and
   ``validation_step``/``test_step``/``predict_step``) once per micro-batch, with automatic
   optimization; a batch is a tensor or a tuple/list/dict of tensors whose first dimension
@@ -35,6 +38,7 @@ from .configs import ModelConfig
 from .moe import MoELayer, ModuleExperts
 
 HEAD_ATTRIBUTES = ("n_heads", "num_heads", "num_attention_heads")
+KV_HEAD_ATTRIBUTES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 
 
 class ModelContractError(ValueError):
@@ -64,14 +68,28 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module, MoELayer]]:
     return out
 
 
-def _heads(block_name: str, block: nn.Module) -> int:
-    # Hugging Face attention modules keep the count only in their config object.
+def _positive_int(owner: object, attrs: tuple[str, ...]) -> int | None:
+    for attr in attrs:
+        n = getattr(owner, attr, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def _heads(block_name: str, block: nn.Module) -> tuple[int, int | None, int | None]:
+    """``(heads, kv_heads, head_dim)`` of the block's attention, the last two ``None`` where
+    the module that gives the head count does not say (as wide as the heads, and
+    ``d_model / heads``). A latent attention's (DeepSeek's, with a ``kv_lora_rank``) is
+    priced as plain attention of its heads."""
+    # Hugging Face attention modules keep the counts only in their config object.
     for m in block.modules():
         for owner in (m, getattr(m, "config", None)):
-            for attr in HEAD_ATTRIBUTES:
-                n = getattr(owner, attr, None)
-                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                    return n
+            n = _positive_int(owner, HEAD_ATTRIBUTES)
+            if n is not None:
+                latent = getattr(owner, "kv_lora_rank", None) is not None
+                kv = None if latent else _positive_int(owner, KV_HEAD_ATTRIBUTES)
+                return n, kv if kv is not None and n % kv == 0 else None, \
+                    None if latent else _positive_int(owner, ("head_dim",))
     raise ModelContractError(
         f"block {block_name or type(block).__name__} ({type(block).__name__}) has no attention head count: planning "
         f"and emulation read an int attribute {' / '.join(HEAD_ATTRIBUTES)} of a module inside each MoE block "
@@ -91,15 +109,18 @@ def describe_model(module: nn.Module) -> ModelConfig:
         return cfg
     name, block, moe = blocks[0]
     d_model = moe.router.weight.shape[1]
-    heads = _heads(name, block)
-    if d_model % heads:
+    heads, kv_heads, head_dim = _heads(name, block)
+    if head_dim is not None and (head_dim * heads == d_model or head_dim % 2):
+        head_dim = None  # the default's width, or one rotary embeddings cannot pair: priced as d_model / heads
+    if head_dim is None and d_model % heads:
         raise ModelContractError(f"d_model={d_model} is not a multiple of {heads} attention heads in {name}")
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=2)
     planned = _planned_moe(moe)
     dense_layers, dense_d_ff = _dense_layers(module, blocks, planned.activation)
     return ModelConfig(name=type(module).__name__.lower(), vocab_size=max(vocab, 2), d_model=d_model,
-                       n_layers=len(blocks), n_heads=heads, max_seq_len=1 << 20, dense_layers=dense_layers,
+                       n_layers=len(blocks), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+                       max_seq_len=1 << 20, dense_layers=dense_layers,
                        dense_d_ff=dense_d_ff, activation_checkpointing=recomputes_blocks(module), moe=planned)
 
 

@@ -145,8 +145,8 @@ class _MixtralNames:
                 elif rest == "moe_norm.weight":
                     yield hf + "post_attention_layernorm.weight", t
                 elif rest == "attn.qkv.weight":
-                    d, kv = self.cfg.d_model, self.cfg.kv_heads * self.cfg.head_dim
-                    q, k, v = t.split([d, kv, kv], dim=0)
+                    width, kv = self.cfg.attention_width, self.cfg.kv_heads * self.cfg.head_size
+                    q, k, v = t.split([width, kv, kv], dim=0)
                     yield hf + "self_attn.q_proj.weight", q
                     yield hf + "self_attn.k_proj.weight", k
                     yield hf + "self_attn.v_proj.weight", v

@@ -28,8 +28,9 @@ def model_config_from_mixtral(config: Any, **moe_options: Any) -> ModelConfig:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     problems = []
-    if (getattr(config, "head_dim", None) or d // heads) * heads != d:
-        problems.append(f"head_dim={config.head_dim} is not hidden_size / num_attention_heads")
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    if head_dim * heads != d and head_dim % 2:
+        problems.append(f"head_dim={head_dim} is odd (rotary embeddings pair its dimensions)")
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_type={rope['rope_type']!r} (only plain rotary embeddings)")
     if config.hidden_act not in ("silu", "swish"):
@@ -49,6 +50,7 @@ def model_config_from_mixtral(config: Any, **moe_options: Any) -> ModelConfig:
                     d_ff=config.intermediate_size, router="topk", activation="swiglu", **moe_options)
     return ModelConfig(name="mixtral", vocab_size=config.vocab_size, d_model=d, n_layers=config.num_hidden_layers,
                        n_heads=heads, n_kv_heads=config.num_key_value_heads, max_seq_len=max_len,
+                       head_dim=None if head_dim * heads == d else head_dim,
                        rope_theta=float(theta), norm_eps=float(config.rms_norm_eps), moe=moe)
 
 
@@ -65,7 +67,7 @@ def mixtral_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
         raise ValueError(f"model.dense_layers={cfg.dense_layers}: a Mixtral has an MoE FFN in every layer; "
                          f"model.architecture=hf_mixtral (and the Mixtral export) needs model.dense_layers=0")
     return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=moe.d_ff,
-                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, head_dim=cfg.head_size,
                 num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, max_position_embeddings=cfg.max_seq_len,
                 rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, num_local_experts=moe.num_experts,
                 num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef * cfg.n_layers / moe.top_k,

@@ -80,25 +80,25 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.init_seed = draw_seed()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_size
         self.rope_theta = cfg.rope_theta
         self.n_layers = cfg.n_layers + cfg.dense_layers  # the depth the output projection is scaled for
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_size, bias=False)
+        self.proj = nn.Linear(cfg.attention_width, cfg.d_model, bias=False)
         initialise(self)
 
     def reset_parameters(self) -> None:
-        d_model = self.proj.weight.shape[0]
+        d_model, width = self.proj.weight.shape  # width: n_heads x head_dim, d_model where heads split it
         gen = generator(self.init_seed)
         fill_normal_(self.qkv.weight, 1.0 / math.sqrt(d_model), gen)
-        fill_normal_(self.proj.weight, 1.0 / math.sqrt(d_model * 2 * self.n_layers), gen)
+        fill_normal_(self.proj.weight, 1.0 / math.sqrt(width * 2 * self.n_layers), gen)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """``mask`` and ``positions`` (:func:`document_layout`): packed documents; neither:
         one causal sequence per row."""
-        b, s, d = x.shape
-        kv = self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([d, kv, kv], dim=-1)
+        b, s, _ = x.shape
+        width, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([width, kv, kv], dim=-1)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         cos, sin = rotary_tables(s, self.head_dim, x.device, self.rope_theta, positions)
@@ -110,7 +110,7 @@ class CausalSelfAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+        return self.proj(out.transpose(1, 2).reshape(b, s, width))
 
 
 class DecoderBlock(nn.Module):

@@ -155,16 +155,20 @@ class CostModel:
     def elementwise_time(self, dev: DeviceSpec, nbytes: float) -> float:
         return nbytes / dev.stream_bw
 
-    def attention_core_time(self, dev: DeviceSpec, *, tokens: float, seq_len: int, d_model: int) -> float:
-        """``softmax(QKᵀ)V`` for ``tokens`` tokens cut into sequences of ``seq_len``."""
+    def attention_core_time(self, dev: DeviceSpec, *, tokens: float, seq_len: int, d_model: int,
+                            kv_width: int | None = None) -> float:
+        """``softmax(QKᵀ)V`` for ``tokens`` tokens cut into sequences of ``seq_len``, the
+        queries ``d_model`` wide (all heads together), the keys and values ``kv_width``
+        (grouped-query attention's fewer heads; ``None``: as wide as the queries)."""
         if tokens <= 0:
             return 0.0
+        kv_width = d_model if kv_width is None else kv_width
         n_seq = tokens / seq_len
         flops = 4.0 * seq_len * seq_len * d_model * n_seq
         if dev.flash_attention and self.causal:
             flops *= 0.5  # causal block skipping
         # Q, K, V read and O written once (tiled kernels keep S×S on chip).
-        nbytes = 4 * tokens * d_model * self.dtype_bytes
+        nbytes = 2 * tokens * (d_model + kv_width) * self.dtype_bytes
         return max(flops / (self._peak(dev) * dev.attn_efficiency), nbytes / dev.stream_bw)
 
     def _bwd(self, fwd: float) -> float:
@@ -184,23 +188,30 @@ class CostModel:
         shared_d_ff: int = 0,
         shared_activation: str = "swiglu",
         shared_gate: bool = False,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
     ) -> float:
         """Attention block + router of one layer for one micro-batch of ``tokens`` tokens, and
         the layer's shared expert where it has one (``shared_d_ff``: every token's dense MLP,
         run beside the router where attention runs; ``shared_gate``: scaled by a per-token
-        sigmoid gate, Qwen2-MoE's)."""
-        if seq_len < 1 or d_model % max(n_heads, 1) != 0:
+        sigmoid gate, Qwen2-MoE's). ``kv_heads``: grouped-query attention's key/value heads
+        (``None``: ``n_heads``); ``head_dim``: each head's width (``None``: ``d_model /
+        n_heads``; wider heads widen the queries, the core and the output projection)."""
+        if seq_len < 1 or (head_dim is None and d_model % max(n_heads, 1) != 0):
             raise ValueError(
-                f"attention_time: need seq_len >= 1 and d_model % n_heads == 0, got {seq_len}, {d_model}, {n_heads}"
+                f"attention_time: need seq_len >= 1 and d_model % n_heads == 0 (or a head_dim), got {seq_len}, "
+                f"{d_model}, {n_heads}"
             )
         if tokens <= 0:
             return 0.0
         d = d_model
-        t = self.gemm_time(dev, tokens, d, 3 * d)  # QKV
-        t += self.gemm_time(dev, tokens, d, d)  # output projection
+        hd = d // n_heads if head_dim is None else head_dim
+        width, kv_width = n_heads * hd, (n_heads if kv_heads is None else kv_heads) * hd
+        t = self.gemm_time(dev, tokens, d, width + 2 * kv_width)  # QKV
+        t += self.gemm_time(dev, tokens, width, d)  # output projection
         if num_experts:  # none: a dense layer's (see dense_layer_time)
             t += self.gemm_time(dev, tokens, d, num_experts)  # router
-        t += self.attention_core_time(dev, tokens=tokens, seq_len=seq_len, d_model=d)
+        t += self.attention_core_time(dev, tokens=tokens, seq_len=seq_len, d_model=width, kv_width=kv_width)
         # Two RMSNorms, rotary, two residual adds, router softmax/top-k: ~12 passes of [t, d].
         t += self.elementwise_time(dev, 12 * tokens * d * self.dtype_bytes)
         if shared_d_ff:
@@ -212,11 +223,13 @@ class CostModel:
         return self._bwd(t) if backward else t
 
     def dense_layer_time(self, dev: DeviceSpec, *, tokens: float, seq_len: int, d_model: int, n_heads: int,
-                         d_ff: int, activation: str = "swiglu", backward: bool = False) -> float:
+                         d_ff: int, activation: str = "swiglu", backward: bool = False, kv_heads: int | None = None,
+                         head_dim: int | None = None) -> float:
         """One dense decoder layer (attention and one dense MLP every token passes through,
         no router) for one micro-batch of ``tokens`` tokens."""
         return self.attention_time(dev, tokens=tokens, seq_len=seq_len, d_model=d_model, n_heads=n_heads,
-                                   num_experts=0, backward=backward, shared_d_ff=d_ff, shared_activation=activation)
+                                   num_experts=0, backward=backward, shared_d_ff=d_ff, shared_activation=activation,
+                                   kv_heads=kv_heads, head_dim=head_dim)
 
     def _mlp_time(self, dev: DeviceSpec, tokens, d_model: int, d_ff: int, activation: str):
         """An MLP's forward on ``tokens`` tokens (a number, or an array of them), and its

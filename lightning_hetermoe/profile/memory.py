@@ -134,7 +134,8 @@ class MemoryModel:
         m = self.model
         d = m.d_model
         mats = 3 if m.moe.activation == "swiglu" else 2
-        attention = 2 * d * d + 2 * d * (m.kv_heads * m.head_dim) + 2 * d  # and the layer's two norms
+        # queries and output n_heads x head_dim wide, keys and values over the kv heads, two norms
+        attention = 2 * d * m.attention_width + 2 * d * (m.kv_heads * m.head_size) + 2 * d
         per_layer = attention + d * m.moe.num_experts
         if m.moe.shared_expert_d_ff:
             per_layer += mats * d * m.moe.shared_expert_d_ff + (d if m.moe.shared_expert_gate else 0)

@@ -32,7 +32,7 @@ class CostModelTimer:
     def attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
         """One MoE layer's attention-side task (attention, router, shared expert) and its
         share of the dense layers (see :meth:`dense_share`)."""
-        own = self._moe_attention(dev, tokens, backward)
+        own = self.block_attention(dev, tokens, backward)
         return own + self.dense_share(dev, tokens, backward) if self.model.dense_layers else own
 
     def dense_share(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
@@ -44,10 +44,11 @@ class CostModelTimer:
         m = self.model
         one = self.cost.dense_layer_time(dev, tokens=tokens, seq_len=self.seq_len, d_model=m.d_model,
                                          n_heads=m.n_heads, d_ff=m.dense_d_ff, activation=m.moe.activation,
-                                         backward=backward)
+                                         backward=backward, kv_heads=m.kv_heads, head_dim=m.head_size)
         return m.dense_layers / m.n_layers * one
 
-    def _moe_attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+    def block_attention(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
+        """One MoE layer's own attention-side task, by the cost model (what a profile measures)."""
         m = self.model
         return self.cost.attention_time(
             dev,
@@ -60,6 +61,8 @@ class CostModelTimer:
             shared_d_ff=m.moe.shared_expert_d_ff,
             shared_activation=m.moe.activation,
             shared_gate=m.moe.shared_expert_gate,
+            kv_heads=m.kv_heads,
+            head_dim=m.head_size,
         )
 
     def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
@@ -116,7 +119,7 @@ class ProfileTimer(CostModelTimer):
             return measured
         # the profiler times an MoE block's attention; the dense layers at the cost model's
         # ratio to it, so they run at the speed measured
-        return measured * (1.0 + self.dense_share(dev, tokens, backward) / self._moe_attention(dev, tokens, backward))
+        return measured * (1.0 + self.dense_share(dev, tokens, backward) / self.block_attention(dev, tokens, backward))
 
     def expert(self, dev: DeviceSpec, tokens: float, backward: bool = False) -> float:
         return self.profile.get(dev.name).expert(tokens, backward)
