@@ -1055,8 +1055,9 @@ def test_on_many_ranks_pass_3_tries_equal_attention_shares_on_the_fastest_split(
     shares (it was off there). DeepSeek-V2-Lite on 64 GPUs on nodes (8 H100, 24 A40, 32
     V100; 4 sequences of 4K each): shares in proportion to attention speed give the V100s
     attending half an H100's sequences and leave the fast ranks no time for experts; equal
-    shares plan a step more than 1.1x faster, every attention rank one sequence apart at
-    most."""
+    shares plan a step more than 1.05x faster (1.09x since its dense first layer is priced
+    as one; 1.13x when it was priced as a 27th MoE layer), every attention rank one sequence
+    apart at most."""
     from lightning_hetermoe.configs import workload_model
     from lightning_hetermoe.plan import search
 
@@ -1070,7 +1071,7 @@ def test_on_many_ranks_pass_3_tries_equal_attention_shares_on_the_fastest_split(
     tried = make_plan(cluster, model, **kw)
     monkeypatch.setattr(search.Search, "equal_share_splits", lambda self: 0)
     before = make_plan(cluster, model, **kw)
-    assert tried.predicted["zebra"]["tokens_per_s"] > 1.1 * before.predicted["zebra"]["tokens_per_s"]
+    assert tried.predicted["zebra"]["tokens_per_s"] > 1.05 * before.predicted["zebra"]["tokens_per_s"]
     shares = [tried.seqs_per_rank[r] for g in tried.zp_groups for r in g.attention_ranks]
     old = [before.seqs_per_rank[r] for g in before.zp_groups for r in g.attention_ranks]
     assert max(shares) - min(shares) <= 1 < max(old) - min(old), (shares, old)
