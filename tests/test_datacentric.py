@@ -259,3 +259,30 @@ def test_the_plan_table_and_a_runs_clock_price_the_optimizer_it_trains_with():
         else:
             with pytest.raises(ValueError, match="cannot hold"):
                 clock.step_time(Simulated("datacentric"))
+
+
+def fit_checkpointed(rank: int, world: int) -> dict | None:
+    from lightning_hetermoe import comm
+
+    m = make_model(4, seed=rank, optim=OptimConfig(), activation_checkpointing=True)
+    s = HeterMoEStrategy(mode="datacentric", cluster=mixed_cluster(world))
+    with comm.record() as issued:
+        trainer(s, world, max_steps=STEPS).fit(m, datamodule=data(world))
+    gathers = sum(1 for c in issued if c.what.startswith("datacentric.gather."))
+    return {"state": m.state_dict(), "gathers": gathers, "peak": s.backend.peak_alive_bytes,
+            "layer_bytes": s.backend.layer_bytes} if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_checkpointed_blocks_gather_each_layer_once_in_the_backward_and_equal_one_process():
+    """A checkpointed block's backward runs its experts twice (the block's recompute, then
+    the experts' own): the layer gathered for the first serves the second, so a step
+    gathers each layer twice (forward, backward), not three times; the weights equal one
+    process's with stored activations, and no more than two layers' full experts live."""
+    got = run_ranks(2, fit_checkpointed, 2)[0]
+    layers, tensors = 2, 2  # each layer's w_up and w_down
+    assert got["gathers"] == STEPS * layers * tensors * 2, got["gathers"]
+    assert got["peak"] <= 2 * max(got["layer_bytes"]) * 2, got  # two layers' full tensors (the shards x world)
+    m = make_model(4, seed=0, optim=OptimConfig())
+    initial = copy.deepcopy(m.state_dict())
+    assert_same_params(got["state"], reference_fit(m, STEPS), initial)

@@ -422,7 +422,8 @@ def test_the_data_centric_step_waits_at_every_layers_collectives():
 def test_checkpointed_data_centric_blocks_gather_and_run_their_experts_again_by_hand():
     """Checkpointed, a data-centric block's backward first runs its forward again: the
     attention, a gather in step with the other ranks, the experts; then the experts' own
-    recompute gathers once more. The backward prices include the recompute (3 x forward)."""
+    recompute runs on the weights that gather brought (no second gather). The backward
+    prices include the recompute (3 x forward)."""
     from lightning_hetermoe.simulate.datacentric import _synchronised_step
 
     experts_heavy = {"head": 0.0, "attn_fwd": [1.0, 1.0], "attn_bwd": [3.0, 3.0], "experts_fwd": [3.0, 3.0],
@@ -430,11 +431,12 @@ def test_checkpointed_data_centric_blocks_gather_and_run_their_experts_again_by_
     attention_heavy = {"head": 0.0, "attn_fwd": [2.0, 2.0], "attn_bwd": [6.0, 6.0], "experts_fwd": [1.0, 1.0],
                        "experts_bwd": [3.0, 3.0]}
     # forward as above: 9.5 and 6.5. Backward, layer 1: recomputed attention to 10.5 and 8.5,
-    # gather 10.5 -> 11, experts to 14 and 12; gather 14 -> 14.5, experts (a forward and the
-    # backward less the forward already run) to 23.5 and 17.5, scatter -> 24, attention (its
-    # backward less the recompute) to 26 and 28. Layer 0: to 27 and 30, gather -> 30.5,
-    # experts to 33.5 and 31.5, gather -> 34, to 43 and 37, scatter -> 43.5, to 45.5 and 47.5
-    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5, recompute=True) == 47.5
+    # gather 10.5 -> 11, experts (the block's forward, their own recompute and the backward
+    # less the forward already run: experts_fwd + experts_bwd) to 23 and 15, scatter -> 23.5,
+    # attention (its backward less the recompute) to 25.5 and 27.5. Layer 0: to 26.5 and
+    # 29.5, gather -> 30, experts to 42 and 34, scatter -> 42.5, to 44.5 and 46.5 (with the
+    # second gather the experts' recompute once made: 47.5)
+    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5, recompute=True) == 46.5
 
 
 def test_issue_order_puts_the_next_dispatch_first_only_where_it_is_safe():

@@ -345,7 +345,8 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
     """Data-centric experts: the layer's weight gathers and gradient reduce-scatters are
     transfers of the workload's layer of experts (as the simulator prices them). A forward
     gather was issued ahead (during the previous layer): it arrives at its issue time
-    plus its modelled time; the backward gathers again and reduce-scatters, each in full."""
+    plus its modelled time; the backward gathers again (once: a checkpointed block's
+    recompute keeps the layer for its experts' own) and reduce-scatters, each in full."""
     from ..simulate.datacentric import weight_move_seconds
 
     em = handle.emulator
@@ -366,6 +367,8 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
             parts["call"] = call  # whose backward the reduce-scatters interrupt
         started, issued = em.now(), disp.issued_at
         out = weights(names, tensors)
+        if not disp.gathered:  # kept from the block's recompute: nothing moved
+            return out
         if in_backward or issued is None:
             em.transfer_done((layer_idx, "gather", "bwd" if in_backward else "fwd"), started, seconds)
         else:

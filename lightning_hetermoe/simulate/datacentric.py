@@ -10,7 +10,9 @@ every gather and reduce-scatter starts when the last rank reaches it, so a rank 
 experts and one heavy on attention wait for each other at every layer (per-rank sums, the
 slowest taken, missed 10-17% of the step on emulated A40+V100 at 16K). Against expert parallelism
 the trade is visible in the terms: no all-to-all of ``tokens * top_k`` rows, but three
-moves of a layer's expert weights per layer and step.
+moves of a layer's expert weights per layer and step (a gather each way and a
+reduce-scatter; with checkpointed blocks the backward's recompute and the experts' own
+share one gather).
 """
 
 from __future__ import annotations
@@ -114,8 +116,9 @@ def _synchronised_step(work: list[dict], L: int, move: float, scatter: float, re
     than another waits for it at every layer's reduce-scatter, and the other at the next.
 
     ``recompute``: the blocks are checkpointed, so a block's backward first runs its forward
-    again: the attention, a gather and the experts (whose own recompute then gathers once
-    more); the backward tasks are what is left of their recomputing price."""
+    again: the attention, a gather and the experts (whose own recompute then runs on the
+    weights that gather brought: no second gather); the backward tasks are what is left of
+    their recomputing price."""
     clock = [0.0] * len(work)
     issued = None  # when the last rank issued the next layer's gather
     for l in range(L):
@@ -127,11 +130,12 @@ def _synchronised_step(work: list[dict], L: int, move: float, scatter: float, re
     clock = [c + w["head"] for c, w in zip(clock, work)]
     for l in reversed(range(L)):
         again = [(w["attn_fwd"][l], w["experts_fwd"][l]) if recompute else (0.0, 0.0) for w in work]
-        if recompute:  # the block's forward once more, its gather in step with the other ranks
-            gathered = max(c + a for c, (a, _) in zip(clock, again)) + move
-            clock = [gathered + x for _, x in again]
-        gathered = max(clock) + move  # the backward gathers the layer again
-        reached = [gathered + w["experts_fwd"][l] + w["experts_bwd"][l] - x for w, (_, x) in zip(work, again)]
+        # the backward gathers the layer again: for the block's recompute (its attention
+        # first) where the blocks are checkpointed, else for the experts' own recompute
+        gathered = max(c + a for c, (a, _) in zip(clock, again)) + move
+        # the experts' recompute and backward on those weights; where the block's recompute
+        # ran them too, that forward is the one a checkpointed block's experts_bwd holds
+        reached = [gathered + w["experts_fwd"][l] + w["experts_bwd"][l] for w in work]
         scattered = max(reached) + scatter
         clock = [scattered + w["attn_bwd"][l] - a for w, (a, _) in zip(work, again)]
     return max(clock)

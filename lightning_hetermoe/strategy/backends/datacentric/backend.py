@@ -8,7 +8,10 @@
   layer's full tensors are all-gathered (the next layer's gather was issued when this one
   began, so it overlaps this layer's compute), used, and dropped: the expert computation is
   a checkpointed region, so autograd keeps the ranges, never the full weights, and the
-  backward gathers the layer again. At most two layers' full experts are alive at once.
+  backward gathers the layer again. Where the blocks are checkpointed too, the backward
+  runs a layer's experts twice (the block's recompute, then the experts' own): the layer
+  gathered for the first is kept for the second, not gathered twice. At most two layers'
+  full experts are alive at once.
 * **Gradients reduce-scattered.** The backward of a gather sums the full-weight gradient
   over the ranks and each keeps its range (divided by the world size, as DDP averages the
   dense gradients).
@@ -63,6 +66,8 @@ class DataCentricBackend(DenseDDPBackend):
         self.num_experts: list[int] = []
         self._sharded = False
         self._prefetched: dict[int, list[tuple[Pending, Shard]]] = {}
+        # the layer a backward gathered for a block's recompute, kept for its experts' own
+        self._held: tuple[int, list[Tensor]] | None = None
         self.issued_at: dict[int, float] = {}  # when each layer's last gather was issued
         self._shares: list[int] | None = None
         self._loss_weight = 1.0
@@ -150,16 +155,28 @@ class DataCentricBackend(DenseDDPBackend):
 
     def full_weights(self, layer: int, names: list[str], parts: tuple[Tensor, ...], disp: DataCentricDispatcher
                      ) -> list[Tensor]:
-        """Layer ``layer``'s full expert tensors, each differentiable into its range."""
+        """Layer ``layer``'s full expert tensors, each differentiable into its range.
+        ``disp.gathered`` says afterwards whether they came over the wire for this call."""
+        backward = inside_backward()
+        held, self._held = self._held, None  # a kept layer serves its next use at most, then goes
+        if backward and held is not None and held[0] == layer:
+            disp.gathered = False
+            return [Gathered.apply(part, full, self.shards[layer][name], disp)
+                    for name, part, full in zip(names, parts, held[1], strict=True)]
+        disp.gathered = True
         issued = self._prefetched.pop(layer, None)
-        if issued is None or inside_backward():
+        if issued is None or backward:
             if issued is not None:  # a stale prefetch (recompute inside a backward): finish it, gather afresh
                 for pending, _ in issued:
                     pending.wait()
             issued = self._issue(layer, names, list(parts))
         fulls = [self._unpad(issued, part, disp) for part in parts]  # each padded buffer dropped once unpadded
-        if not inside_backward():
+        if not backward:
             self.prefetch(layer + 1)  # overlaps this layer's compute
+        elif disp.in_block_recompute:
+            # a checkpointed block's recompute: its experts' own recompute comes next, on the
+            # same weights
+            self._held = (layer, [f.detach() for f in fulls])
         return fulls
 
     def _unpad(self, issued: list[tuple[Pending, Shard]], part: Tensor, disp: DataCentricDispatcher) -> Tensor:
@@ -197,6 +214,7 @@ class DataCentricBackend(DenseDDPBackend):
             self._finish_prefetch()
 
     def _finish_prefetch(self) -> None:
+        self._held = None
         for issued in self._prefetched.values():
             for pending, _ in issued:
                 pending.wait()

@@ -26,6 +26,10 @@ class DataCentricDispatcher:
     def __init__(self, layer: int, backend: Any) -> None:
         # backend: the DataCentricBackend whose gathers and ranges serve this layer (no import: it imports us)
         self.layer, self.backend = layer, backend
+        # a checkpointed block's recompute is running this layer (inside a backward, through
+        # the layer's forward): the experts' own recompute follows on the same weights
+        self.in_block_recompute = False
+        self.gathered = True  # whether the last weights() came over the wire (else: kept from the last)
 
     @property
     def issued_at(self) -> float | None:
@@ -66,8 +70,12 @@ class DataCentricDispatcher:
         if torch.is_grad_enabled():
             # checkpointed: autograd keeps x and the ranges, and the backward gathers again;
             # recomputed to the end (no early stop), so the experts' recompute is one whole task
-            with set_checkpoint_early_stop(False):
-                out = checkpoint(run, x, *parts, use_reentrant=False)
+            self.in_block_recompute = inside_backward()
+            try:
+                with set_checkpoint_early_stop(False):
+                    out = checkpoint(run, x, *parts, use_reentrant=False)
+            finally:
+                self.in_block_recompute = False
         else:
             out = run(x, *parts)
         return scatter_to_slots(out, sc.slot, indices.numel())
