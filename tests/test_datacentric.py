@@ -261,27 +261,59 @@ def test_the_plan_table_and_a_runs_clock_price_the_optimizer_it_trains_with():
                 clock.step_time(Simulated("datacentric"))
 
 
+class WeightCalls(L.Callback):
+    """Each layer's weights() calls in the last step: (layer, in a backward, came over the
+    wire, issued ahead)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool, bool, bool]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from lightning_hetermoe.backward import inside_backward
+        from lightning_hetermoe.model_contract import moe_layers
+
+        for _, layer in moe_layers(pl_module):
+            disp, weights = layer.dispatcher, layer.dispatcher.weights
+
+            def watched(names, parts, disp=disp, weights=weights):
+                out = weights(names, parts)
+                self.calls.append((disp.layer, inside_backward(), disp.gathered, disp.ahead))
+                return out
+
+            disp.weights = watched
+
+    def on_train_batch_start(self, *args) -> None:
+        self.calls.clear()
+
+
 def fit_checkpointed(rank: int, world: int) -> dict | None:
     from lightning_hetermoe import comm
 
     m = make_model(4, seed=rank, optim=OptimConfig(), activation_checkpointing=True)
     s = HeterMoEStrategy(mode="datacentric", cluster=mixed_cluster(world))
+    calls = WeightCalls()
     with comm.record() as issued:
-        trainer(s, world, max_steps=STEPS).fit(m, datamodule=data(world))
+        trainer(s, world, max_steps=STEPS, callbacks=[calls]).fit(m, datamodule=data(world))
     gathers = sum(1 for c in issued if c.what.startswith("datacentric.gather."))
     return {"state": m.state_dict(), "gathers": gathers, "peak": s.backend.peak_alive_bytes,
-            "layer_bytes": s.backend.layer_bytes} if rank == 0 else None
+            "layer_bytes": s.backend.layer_bytes, "calls": calls.calls} if rank == 0 else None
 
 
 @pytest.mark.slow
 def test_checkpointed_blocks_gather_each_layer_once_in_the_backward_and_equal_one_process():
     """A checkpointed block's backward runs its experts twice (the block's recompute, then
     the experts' own): the layer gathered for the first serves the second, so a step
-    gathers each layer twice (forward, backward), not three times; the weights equal one
-    process's with stored activations, and no more than two layers' full experts live."""
+    gathers each layer twice (forward, backward), not three times; every gather but the
+    top layer's backward was issued ahead of its use (the backward's once the layer above
+    was reduce-scattered; the first layer's forward one just before); the weights equal one process's with stored
+    activations, and no more than two layers' full experts live."""
     got = run_ranks(2, fit_checkpointed, 2)[0]
     layers, tensors = 2, 2  # each layer's w_up and w_down
     assert got["gathers"] == STEPS * layers * tensors * 2, got["gathers"]
+    # (layer, in a backward, came over the wire, issued ahead) per weights() call of the last step
+    assert got["calls"] == [(0, False, True, True), (1, False, True, True),  # layer 0's leaves as its experts start
+                            (1, True, True, False), (1, True, False, False),
+                            (0, True, True, True), (0, True, False, False)], got["calls"]
     assert got["peak"] <= 2 * max(got["layer_bytes"]) * 2, got  # two layers' full tensors (the shards x world)
     m = make_model(4, seed=0, optim=OptimConfig())
     initial = copy.deepcopy(m.state_dict())

@@ -399,9 +399,9 @@ def test_a_placement_given_to_predict_step_is_priced_and_the_plan_keeps_its_own(
 
 
 def test_the_data_centric_step_waits_at_every_layers_collectives():
-    """Two ranks, one heavy on experts and one on attention: each layer's backward gather and
-    reduce-scatter start when the last rank reaches them, so the step is longer than either
-    rank's own sum (the waits); worked by hand."""
+    """Two ranks, one heavy on experts and one on attention: each layer's gathers leave when
+    the last rank issues them and its reduce-scatter starts when the last rank reaches it,
+    so the step is longer than either rank's own sum (the waits); worked by hand."""
     from lightning_hetermoe.simulate.datacentric import _synchronised_step
 
     experts_heavy = {"head": 0.0, "attn_fwd": [1.0, 1.0], "attn_bwd": [1.0, 1.0], "experts_fwd": [3.0, 3.0],
@@ -410,13 +410,14 @@ def test_the_data_centric_step_waits_at_every_layers_collectives():
                        "experts_bwd": [1.0, 1.0]}
     # forward: layer 0's gather leaves at 2 (the last rank ready), arrives 2.5; both start
     # then, the next gather leaves at 2.5; the experts-heavy rank ends the forward at 9.5.
-    # backward, layer 1: gather 9.5 -> 10, experts to 16 and 12, scatter 16 -> 16.5, attention
-    # to 17.5 and 18.5; layer 0: gather 18.5 -> 19, experts to 25 and 21, scatter -> 25.5,
-    # attention to 26.5 and 27.5
-    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5) == 27.5
-    # each alone: 24.5 and 16.5 (the same walk with no one to wait for)
-    assert _synchronised_step([experts_heavy], 2, 0.5, 0.5) == 24.5
-    assert _synchronised_step([attention_heavy], 2, 0.5, 0.5) == 16.5
+    # backward, layer 1: gather 9.5 -> 10, experts to 16 and 12, scatter 16 -> 16.5 (layer 0's
+    # gather leaves then, arrives 17), attention to 17.5 and 18.5; layer 0: its gather already
+    # there, experts to 23.5 and 20.5, scatter -> 24, attention to 25 and 26 (26.5 and 27.5
+    # with layer 0's backward gather issued only when the last rank needed it)
+    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5) == 26.0
+    # each alone: 24 and 16 (the same walk with no one to wait for)
+    assert _synchronised_step([experts_heavy], 2, 0.5, 0.5) == 24.0
+    assert _synchronised_step([attention_heavy], 2, 0.5, 0.5) == 16.0
 
 
 def test_checkpointed_data_centric_blocks_gather_and_run_their_experts_again_by_hand():
@@ -432,11 +433,12 @@ def test_checkpointed_data_centric_blocks_gather_and_run_their_experts_again_by_
                        "experts_bwd": [3.0, 3.0]}
     # forward as above: 9.5 and 6.5. Backward, layer 1: recomputed attention to 10.5 and 8.5,
     # gather 10.5 -> 11, experts (the block's forward, their own recompute and the backward
-    # less the forward already run: experts_fwd + experts_bwd) to 23 and 15, scatter -> 23.5,
-    # attention (its backward less the recompute) to 25.5 and 27.5. Layer 0: to 26.5 and
-    # 29.5, gather -> 30, experts to 42 and 34, scatter -> 42.5, to 44.5 and 46.5 (with the
-    # second gather the experts' recompute once made: 47.5)
-    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5, recompute=True) == 46.5
+    # less the forward already run: experts_fwd + experts_bwd) to 23 and 15, scatter -> 23.5
+    # (layer 0's gather leaves, arrives 24), attention (its backward less the recompute) to
+    # 25.5 and 27.5. Layer 0: recomputed attention to 26.5 and 29.5, its gather there, experts
+    # to 38.5 and 33.5, scatter -> 39, to 41 and 43 (46.5 with the backward gather issued when
+    # needed, 47.5 with the second gather the experts' recompute once made)
+    assert _synchronised_step([experts_heavy, attention_heavy], 2, 0.5, 0.5, recompute=True) == 43.0
 
 
 def test_issue_order_puts_the_next_dispatch_first_only_where_it_is_safe():

@@ -345,8 +345,9 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
     """Data-centric experts: the layer's weight gathers and gradient reduce-scatters are
     transfers of the workload's layer of experts (as the simulator prices them). A forward
     gather was issued ahead (during the previous layer): it arrives at its issue time
-    plus its modelled time; the backward gathers again (once: a checkpointed block's
-    recompute keeps the layer for its experts' own) and reduce-scatters, each in full."""
+    plus its modelled time; so does the backward's (issued once the layer above was
+    reduce-scattered; once: a checkpointed block's recompute keeps the layer for its
+    experts' own), whose reduce-scatters take their modelled time in full."""
     from ..simulate.datacentric import weight_move_seconds
 
     em = handle.emulator
@@ -369,10 +370,11 @@ def _wrap_gathers(handle: EmulationHandle, disp, layer_idx: int, current: list[_
         out = weights(names, tensors)
         if not disp.gathered:  # kept from the block's recompute: nothing moved
             return out
-        if in_backward or issued is None:
-            em.transfer_done((layer_idx, "gather", "bwd" if in_backward else "fwd"), started, seconds)
+        key = (layer_idx, "gather", "bwd" if in_backward else "fwd")
+        if disp.ahead and issued is not None:  # issued ahead: it arrives its modelled time after
+            em.arrive("transfer", key, issued + seconds, seconds)
         else:
-            em.arrive("transfer", (layer_idx, "gather", "fwd"), issued + seconds, seconds)
+            em.transfer_done(key, started, seconds)
         return out
 
     def scattered(shard, grad):

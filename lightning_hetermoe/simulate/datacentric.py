@@ -10,9 +10,9 @@ every gather and reduce-scatter starts when the last rank reaches it, so a rank 
 experts and one heavy on attention wait for each other at every layer (per-rank sums, the
 slowest taken, missed 10-17% of the step on emulated A40+V100 at 16K). Against expert parallelism
 the trade is visible in the terms: no all-to-all of ``tokens * top_k`` rows, but three
-moves of a layer's expert weights per layer and step (a gather each way and a
-reduce-scatter; with checkpointed blocks the backward's recompute and the experts' own
-share one gather).
+moves of a layer's expert weights per layer and step (a gather each way, each issued
+ahead of its use, and a reduce-scatter; with checkpointed blocks the backward's recompute
+and the experts' own share one gather).
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ def _synchronised_step(work: list[dict], L: int, move: float, scatter: float, re
     """Each rank's clock through one step, the collectives synchronising them layer by layer:
     a layer's gather completes ``move`` after the last rank issued it (the forward's is
     issued as the previous layer's experts start, so it hides behind them); in the backward
-    every rank gathers again, recomputes and runs its experts' backward, then the
-    reduce-scatter starts when the last rank reaches it, and the block's backward follows.
+    every rank gathers again (issued as the layer above's reduce-scatter ends, so it hides
+    behind that layer's attention backward), recomputes and runs its experts' backward, then
+    the reduce-scatter starts when the last rank reaches it, and the block's backward follows.
     Per-rank sums would miss the waits: a rank with more expert work and less attention
     than another waits for it at every layer's reduce-scatter, and the other at the next.
 
@@ -128,14 +129,18 @@ def _synchronised_step(work: list[dict], L: int, move: float, scatter: float, re
         issued = max(start)  # the next layer's gather, prefetched as this layer's experts start
         clock = [s + w["experts_fwd"][l] for s, w in zip(start, work)]
     clock = [c + w["head"] for c, w in zip(clock, work)]
+    issued = None  # when the last rank issued the layer's backward gather (the layer above's scatter)
     for l in reversed(range(L)):
         again = [(w["attn_fwd"][l], w["experts_fwd"][l]) if recompute else (0.0, 0.0) for w in work]
-        # the backward gathers the layer again: for the block's recompute (its attention
-        # first) where the blocks are checkpointed, else for the experts' own recompute
-        gathered = max(c + a for c, (a, _) in zip(clock, again)) + move
+        # the backward gathers the layer again, for the block's recompute (its attention
+        # first) where the blocks are checkpointed, else for the experts' own recompute:
+        # the top layer's when the last rank needs it, every other issued ahead
+        ready = [c + a for c, (a, _) in zip(clock, again)]
+        start = [max(r, (max(ready) if issued is None else issued) + move) for r in ready]
         # the experts' recompute and backward on those weights; where the block's recompute
         # ran them too, that forward is the one a checkpointed block's experts_bwd holds
-        reached = [gathered + w["experts_fwd"][l] + w["experts_bwd"][l] for w in work]
+        reached = [s + w["experts_fwd"][l] + w["experts_bwd"][l] for s, w in zip(start, work)]
         scattered = max(reached) + scatter
+        issued = scattered  # the layer below's gather leaves once this layer's is scattered
         clock = [scattered + w["attn_bwd"][l] - a for w, (a, _) in zip(work, again)]
     return max(clock)

@@ -8,10 +8,12 @@
   layer's full tensors are all-gathered (the next layer's gather was issued when this one
   began, so it overlaps this layer's compute), used, and dropped: the expert computation is
   a checkpointed region, so autograd keeps the ranges, never the full weights, and the
-  backward gathers the layer again. Where the blocks are checkpointed too, the backward
-  runs a layer's experts twice (the block's recompute, then the experts' own): the layer
-  gathered for the first is kept for the second, not gathered twice. At most two layers'
-  full experts are alive at once.
+  backward gathers the layer again, issued ahead too: the layer below's gather leaves once
+  this layer's gradients are reduce-scattered, so it overlaps this layer's attention
+  backward and the layer's own recompute. Where the blocks are checkpointed too, the
+  backward runs a layer's experts twice (the block's recompute, then the experts' own):
+  the layer gathered for the first is kept for the second, not gathered twice. At most two
+  layers' full experts are alive at once.
 * **Gradients reduce-scattered.** The backward of a gather sums the full-weight gradient
   over the ranks and each keeps its range (divided by the world size, as DDP averages the
   dense gradients).
@@ -66,6 +68,8 @@ class DataCentricBackend(DenseDDPBackend):
         self.num_experts: list[int] = []
         self._sharded = False
         self._prefetched: dict[int, list[tuple[Pending, Shard]]] = {}
+        self._ahead_in_backward: set[int] = set()  # the layers whose gather a backward issued ahead
+        self._scattered: dict[int, int] = {}  # each layer's tensors reduce-scattered in this backward
         # the layer a backward gathered for a block's recompute, kept for its experts' own
         self._held: tuple[int, list[Tensor]] | None = None
         self.issued_at: dict[int, float] = {}  # when each layer's last gather was issued
@@ -160,15 +164,20 @@ class DataCentricBackend(DenseDDPBackend):
         backward = inside_backward()
         held, self._held = self._held, None  # a kept layer serves its next use at most, then goes
         if backward and held is not None and held[0] == layer:
-            disp.gathered = False
+            disp.gathered = disp.ahead = False
             return [Gathered.apply(part, full, self.shards[layer][name], disp)
                     for name, part, full in zip(names, parts, held[1], strict=True)]
         disp.gathered = True
         issued = self._prefetched.pop(layer, None)
-        if issued is None or backward:
-            if issued is not None:  # a stale prefetch (recompute inside a backward): finish it, gather afresh
-                for pending, _ in issued:
-                    pending.wait()
+        ahead_in_backward = layer in self._ahead_in_backward
+        self._ahead_in_backward.discard(layer)
+        if issued is not None and backward and not ahead_in_backward:
+            # a forward's gather issued ahead and not used there: finish it, gather afresh
+            for pending, _ in issued:
+                pending.wait()
+            issued = None
+        disp.ahead = issued is not None
+        if issued is None:
             issued = self._issue(layer, names, list(parts))
         fulls = [self._unpad(issued, part, disp) for part in parts]  # each padded buffer dropped once unpadded
         if not backward:
@@ -201,6 +210,18 @@ class DataCentricBackend(DenseDDPBackend):
         # each rank backpropagated its share of the global mean loss (see backward): the sum
         return out[: shard.sizes[self.rank]]
 
+    def scattered(self, layer: int) -> None:
+        """One of ``layer``'s tensors was reduce-scattered; after the last, the layer below's
+        gather leaves (every rank reaches this point in the same order), to arrive behind
+        this layer's attention backward and the layer below's recompute."""
+        self._scattered[layer] = self._scattered.get(layer, 0) + 1
+        if self._scattered[layer] < len(self.shards[layer]):
+            return
+        del self._scattered[layer]
+        if inside_backward() and layer > 0 and layer - 1 not in self._prefetched:
+            self.prefetch(layer - 1)
+            self._ahead_in_backward.add(layer - 1)
+
     def sync_grads(self, module: nn.Module) -> None:
         self.sum_dense_grads(module)
 
@@ -215,6 +236,8 @@ class DataCentricBackend(DenseDDPBackend):
 
     def _finish_prefetch(self) -> None:
         self._held = None
+        self._ahead_in_backward.clear()
+        self._scattered.clear()
         for issued in self._prefetched.values():
             for pending, _ in issued:
                 pending.wait()

@@ -30,6 +30,7 @@ class DataCentricDispatcher:
         # the layer's forward): the experts' own recompute follows on the same weights
         self.in_block_recompute = False
         self.gathered = True  # whether the last weights() came over the wire (else: kept from the last)
+        self.ahead = False  # whether that gather had been issued ahead (at ``issued_at``)
 
     @property
     def issued_at(self) -> float | None:
@@ -48,6 +49,10 @@ class DataCentricDispatcher:
 
     def reduce_scatter(self, shard: Shard, grad: Tensor) -> Tensor:
         return self.backend.reduce_scatter(shard, grad)
+
+    def after_reduce_scatter(self) -> None:
+        """Once a reduce-scatter is done (on an emulated clock: its modelled time too)."""
+        self.backend.scattered(self.layer)
 
     def __call__(self, x: Tensor, indices: Tensor, keep: Tensor | None, experts) -> Tensor:
         # every expert runs here (its weights gathered); the kernels' counts stay on the device

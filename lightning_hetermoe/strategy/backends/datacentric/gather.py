@@ -25,4 +25,6 @@ class Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return ctx.disp.reduce_scatter(ctx.shard, grad.to(ctx.dtype)), None, None, None
+        mine = ctx.disp.reduce_scatter(ctx.shard, grad.to(ctx.dtype))
+        ctx.disp.after_reduce_scatter()  # the layer below's gather may leave now
+        return mine, None, None, None
