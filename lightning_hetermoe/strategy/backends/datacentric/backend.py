@@ -70,6 +70,7 @@ class DataCentricBackend(DenseDDPBackend):
         self._prefetched: dict[int, list[tuple[Pending, Shard]]] = {}
         self._ahead_in_backward: set[int] = set()  # the layers whose gather a backward issued ahead
         self._scattered: dict[int, int] = {}  # each layer's tensors reduce-scattered in this backward
+        self._wire: dict[int, list[torch.dtype]] = {}  # each layer's tensors' dtypes on the wire, last forward
         # the layer a backward gathered for a block's recompute, kept for its experts' own
         self._held: tuple[int, list[Tensor]] | None = None
         self.issued_at: dict[int, float] = {}  # when each layer's last gather was issued
@@ -132,13 +133,20 @@ class DataCentricBackend(DenseDDPBackend):
                 for name, shard in shards.items()}
 
     # -- gathers ------------------------------------------------------------------------
-    def _issue(self, layer: int, names: list[str], parts: list[Tensor]) -> list[tuple[Pending, Shard]]:
+    def _issue(self, layer: int, names: list[str], parts: list[Tensor],
+               wire: list[torch.dtype] | None = None) -> list[tuple[Pending, Shard]]:
+        """``wire``: each tensor's dtype on the wire (default: as the autocast state in force
+        says, recorded for :meth:`scattered`'s gathers, which leave from autograd's backward,
+        where autocast is off)."""
         self.issued_at[layer] = time.perf_counter()
+        if wire is None:
+            wire = [comm.wire_dtype(part) for part in parts]
+            self._wire[layer] = wire
         issued = []
-        for name, part in zip(names, parts, strict=True):
+        for name, part, dtype in zip(names, parts, wire, strict=True):
             shard = self.shards[layer][name]
             # in the dtype the experts compute in; the gradients come back in fp32 (Gathered)
-            part = part.detach().to(comm.wire_dtype(part))
+            part = part.detach().to(dtype)
             out = part.new_empty(self.world_size * shard.chunk)
             # a layer's full weights count from the moment they are in flight (the padding not)
             # until they are unpadded (the communication library may hold its buffer a moment longer)
@@ -149,13 +157,14 @@ class DataCentricBackend(DenseDDPBackend):
             issued.append((pending, shard))
         return issued
 
-    def prefetch(self, layer: int) -> None:
+    def prefetch(self, layer: int, wire: list[torch.dtype] | None = None) -> None:
         """Issue layer ``layer``'s gathers now (every rank reaches this at the same point)."""
         if layer >= len(self._layers) or layer in self._prefetched:
             return
         experts = self._layers[layer].experts
         names = [n for n, _ in experts.named_parameters(recurse=False)]
-        self._prefetched[layer] = self._issue(layer, names, [p for _, p in experts.named_parameters(recurse=False)])
+        self._prefetched[layer] = self._issue(layer, names, [p for _, p in experts.named_parameters(recurse=False)],
+                                              wire)
 
     def full_weights(self, layer: int, names: list[str], parts: tuple[Tensor, ...], disp: DataCentricDispatcher
                      ) -> list[Tensor]:
@@ -219,7 +228,8 @@ class DataCentricBackend(DenseDDPBackend):
             return
         del self._scattered[layer]
         if inside_backward() and layer > 0 and layer - 1 not in self._prefetched:
-            self.prefetch(layer - 1)
+            # at the width the step's forward gathered it (autocast is off in autograd's backward)
+            self.prefetch(layer - 1, self._wire.get(layer - 1))
             self._ahead_in_backward.add(layer - 1)
 
     def sync_grads(self, module: nn.Module) -> None:
