@@ -296,7 +296,8 @@ def fit_checkpointed(rank: int, world: int) -> dict | None:
         trainer(s, world, max_steps=STEPS, callbacks=[calls]).fit(m, datamodule=data(world))
     gathers = sum(1 for c in issued if c.what.startswith("datacentric.gather."))
     return {"state": m.state_dict(), "gathers": gathers, "peak": s.backend.peak_alive_bytes,
-            "layer_bytes": s.backend.layer_bytes, "calls": calls.calls} if rank == 0 else None
+            "alive": s.backend.alive_bytes, "layer_bytes": s.backend.layer_bytes,
+            "calls": calls.calls} if rank == 0 else None
 
 
 @pytest.mark.slow
@@ -315,6 +316,7 @@ def test_checkpointed_blocks_gather_each_layer_once_in_the_backward_and_equal_on
                             (1, True, True, False), (1, True, False, False),
                             (0, True, True, True), (0, True, False, False)], got["calls"]
     assert got["peak"] <= 2 * max(got["layer_bytes"]) * 2, got  # two layers' full tensors (the shards x world)
+    assert got["alive"] == 0, got  # every full tensor, kept ones too, counted once and let go
     m = make_model(4, seed=0, optim=OptimConfig())
     initial = copy.deepcopy(m.state_dict())
     assert_same_params(got["state"], reference_fit(m, STEPS), initial)

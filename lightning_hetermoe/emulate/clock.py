@@ -72,8 +72,9 @@ def emulated_workload(cluster: Any, run_model: ModelConfig, run_seq_len: int) ->
                       recompute_activation=run_model.moe.recompute_activation)
         # the run's dense layers at the workload's MLP width (where it has none, the run's
         # width scaled as d_model is)
-        dense_d_ff = work.dense_d_ff if work.dense_layers else \
-            max(1, round(run_model.dense_d_ff * work.d_model / run_model.d_model)) if run_model.dense_layers else 0
+        dense_d_ff = work.dense_d_ff
+        if run_model.dense_layers and not work.dense_layers:
+            dense_d_ff = max(1, round(run_model.dense_d_ff * work.d_model / run_model.d_model))
         model = replace(work, n_layers=run_model.n_layers, max_seq_len=max(work.max_seq_len, seq_len), moe=moe,
                         activation_checkpointing=run_model.activation_checkpointing,
                         dense_layers=run_model.dense_layers, dense_d_ff=dense_d_ff)

@@ -174,8 +174,12 @@ class DataCentricBackend(DenseDDPBackend):
         held, self._held = self._held, None  # a kept layer serves its next use at most, then goes
         if backward and held is not None and held[0] == layer:
             disp.gathered = disp.ahead = False
-            return [Gathered.apply(part, full, self.shards[layer][name], disp)
-                    for name, part, full in zip(names, parts, held[1], strict=True)]
+            kept = [full.detach() for full in held[1]]
+            # the first use's tensors go here, and with them their count (one storage, one
+            # count): the second use's are counted from now on
+            held = None
+            return [self._alive(Gathered.apply(part, full, self.shards[layer][name], disp))
+                    for name, part, full in zip(names, parts, kept, strict=True)]
         disp.gathered = True
         issued = self._prefetched.pop(layer, None)
         ahead_in_backward = layer in self._ahead_in_backward
@@ -193,17 +197,21 @@ class DataCentricBackend(DenseDDPBackend):
             self.prefetch(layer + 1)  # overlaps this layer's compute
         elif disp.in_block_recompute:
             # a checkpointed block's recompute: its experts' own recompute comes next, on the
-            # same weights
-            self._held = (layer, [f.detach() for f in fulls])
+            # same weights (kept as they are: counted alive until that use takes them over)
+            self._held = (layer, fulls)
         return fulls
 
     def _unpad(self, issued: list[tuple[Pending, Shard]], part: Tensor, disp: DataCentricDispatcher) -> Tensor:
         pending, shard = issued.pop(0)
-        full = Gathered.apply(part, shard.unpad(pending.wait()), shard, disp)
+        full = self._alive(Gathered.apply(part, shard.unpad(pending.wait()), shard, disp))
+        self._freed(full.numel() * full.element_size())  # the buffer it came in
+        return full
+
+    def _alive(self, full: Tensor) -> Tensor:
+        """``full`` counted alive until the computation lets go of it."""
         n = full.numel() * full.element_size()
-        self._grow(n)  # the full tensor, alive until the computation lets go of it
+        self._grow(n)
         weakref.finalize(full, self._freed, n)
-        self._freed(n)  # the buffer it came in
         return full
 
     def _grow(self, n: int) -> None:
