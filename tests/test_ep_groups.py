@@ -88,6 +88,47 @@ def test_the_fastest_size_is_the_brute_force_fastest_of_every_size(cluster, seqs
         fastest_ep("zebra", view.devices, model, view.topology, timer, **kw)
 
 
+@pytest.mark.parametrize("layout", ["flat", "nodes"])
+@pytest.mark.parametrize("schedule", ["ep", "ep_balanced"])
+def test_at_even_routing_alike_ranks_share_a_lane_and_price_as_a_lane_per_rank(layout, schedule):
+    """EP's group at even routing merges its alike ranks into lanes (the expert ids they
+    hold price nothing there); the same setup with a lane per rank, the graph before, gives
+    the same step, per-rank busy time and network bytes, to rounding (sums over a lane's
+    ranks, not rank by rank), at every group size."""
+    from lightning_hetermoe.simulate import ep_setup
+    from lightning_hetermoe.simulate.step import Lane, simulate_step
+
+    devices = ["h100"] * 2 + ["a40"] * 6 + ["v100"] * 8
+    if layout == "flat":
+        cluster = ClusterConfig(name="mix16", devices=devices)
+    else:
+        cluster = ClusterConfig(name="mix16_nodes", network="ib_hdr", nodes=[
+            {"name": f"n{i}", "devices": devices[i * 4:(i + 1) * 4], "link": "pcie4"} for i in range(4)])
+    view = as_cluster(cluster)
+    model = workload_model("olmoe_1b_7b")
+    timer = make_timer(model, 4096)
+    sizes = ep_group_sizes(view.topology, len(view.devices))
+    assert len(sizes) >= 3
+    for k in sizes:
+        for seqs in (32, 35):  # 35: the remainder's ranks differ from their kind's others
+            try:
+                setup = ep_setup(view.devices, model, seq_len=4096, total_seqs=seqs, link=view.topology,
+                                 timer=timer, balanced=schedule == "ep_balanced", ep_size=k)
+            except ValueError:
+                continue
+            per_rank = dataclasses.replace(setup, lanes=[
+                Lane(device=lane.device, ranks=[r], seqs=list(lane.seqs), experts=list(lane.experts), role=lane.role)
+                for lane in setup.lanes for r in lane.ranks])
+            assert len(setup.lanes) < len(per_rank.lanes) == k
+            merged, each = simulate_step(setup, timer, schedule), simulate_step(per_rank, timer, schedule)
+            assert merged.step_time == pytest.approx(each.step_time, rel=1e-12, abs=0)
+            assert merged.busy.keys() == each.busy.keys()
+            assert all(merged.busy[r] == pytest.approx(each.busy[r], rel=1e-12, abs=0) for r in each.busy)
+            assert merged.network_bytes == pytest.approx(each.network_bytes, rel=1e-12, abs=0)
+            if layout == "nodes" and k > 4:
+                assert each.network_bytes > 0
+
+
 def test_the_plan_prices_ep_at_its_fastest_group_size_and_says_how_to_run_it():
     model = workload_model("d1")
     cluster = shipped("n2_mixed")

@@ -298,8 +298,14 @@ def test_ep_groups_run_as_copies_of_one_group_and_sum_the_experts_gradients_over
 
     setup = ep_setup([A40] * 4, model, seq_len=4096, total_seqs=16, link=LinkConfig(), timer=timer, ep_size=2, group=1)
     assert (setup.replicas, setup.replica_ranks, setup.dense_ranks) == (2, {2: [2, 0], 3: [3, 1]}, [0, 1, 2, 3])
-    assert [(lane.ranks, lane.expert_ids[0]) for lane in setup.lanes] == [([2], list(range(E // 2))),
-                                                                          ([3], list(range(E // 2, E)))]
+    # at even routing the group's two alike ranks are one lane of half the experts each
+    assert [(lane.ranks, lane.experts[0], lane.expert_ids) for lane in setup.lanes] == [([2, 3], E // 2, [])]
+    # at a measured routing each rank's experts are priced at their own loads
+    load = [[1 / E] * E for _ in range(model.n_layers)]
+    measured = ep_setup([A40] * 4, model, seq_len=4096, total_seqs=16, link=LinkConfig(), timer=timer, ep_size=2,
+                        group=1, expert_load=load)
+    assert [(lane.ranks, lane.expert_ids[0]) for lane in measured.lanes] == [([2], list(range(E // 2))),
+                                                                             ([3], list(range(E // 2, E)))]
     two, one = ep([A40] * 4, 16, free, ep_size=2), ep([A40] * 2, 8, free)
     assert two.step_time == pytest.approx(one.step_time, rel=1e-9) and two.tokens == 2 * one.tokens
     assert two.step_time > ep([A40] * 4, 16, free).step_time  # one world-wide group: a quarter of the experts each

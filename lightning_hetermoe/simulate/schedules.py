@@ -128,7 +128,12 @@ def ep_setup(
             f"EP does not fit: even one sequence of {seq_len} tokens per micro-batch exceeds a rank's memory"
         )
     mine = range(group * ep, (group + 1) * ep)
-    members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i], ids[i]) for i in mine]
+    # Expert ids price a measured routing or a placement's copies; at even routing only the
+    # counts do, and leaving the ids out lets the group's alike ranks share a lane (a group of
+    # hundreds of ranks of a few kinds is then a graph of a few lanes).
+    by_id = expert_load is not None or placement is not None
+    members = [(ranks[i], devs[i], "ep", split_microbatches(seqs[i], R), experts[i], *([ids[i]] if by_id else []))
+               for i in mine]
     return StepSetup(
         lanes=make_lanes(members),
         model=model,
