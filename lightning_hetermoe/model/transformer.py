@@ -33,11 +33,36 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+# Every layer of every micro-batch asked for the same tables and built them again: eight
+# small ops each time (a launch each on a GPU, 2,048 a step for 32 layers at R = 8, twice
+# with checkpointed blocks). Built once per shape and kept; a few shapes at most are live.
+_TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
+TABLES_KEPT = 8
+
+
 def rotary_tables(seq_len: int, head_dim: int, device: torch.device, theta: float = 10000.0,
                   positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """cos and sin of every position's rotary angles: ``[seq_len, head_dim / 2]`` for
     positions ``0..seq_len-1``, or ``[batch, 1, seq_len, head_dim / 2]`` (one row per
-    sequence, broadcast over heads) for given ``positions`` ``[batch, seq_len]``."""
+    sequence, broadcast over heads) for given ``positions`` ``[batch, seq_len]``.
+
+    The first form is kept per shape and device and returned again (read only: shared by
+    every caller). Inference mode keeps its own (an inference tensor cannot be saved for a
+    backward), and a graph being compiled builds them inside itself, as before."""
+    if positions is not None or torch.compiler.is_compiling():
+        return _angles(seq_len, head_dim, device, theta, positions)
+    key = (seq_len, head_dim, torch.device(device), float(theta), torch.is_inference_mode_enabled())
+    tables = _TABLES.get(key)
+    if tables is None:
+        tables = _angles(seq_len, head_dim, device, theta, None)
+        if len(_TABLES) >= TABLES_KEPT:
+            _TABLES.pop(next(iter(_TABLES)))  # the oldest shape
+        _TABLES[key] = tables
+    return tables
+
+
+def _angles(seq_len: int, head_dim: int, device: torch.device, theta: float,
+            positions: Tensor | None) -> tuple[Tensor, Tensor]:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if positions is None:
         ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
