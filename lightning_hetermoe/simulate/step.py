@@ -494,10 +494,15 @@ def round_transfer_time(setup: StepSetup, timer, layer: int, tokens: list[float]
                     busiest[id(link)] = (rows, link)
             setup._leg_time[key] = max((timer.transfer(rows, link) for rows, link in busiest.values()), default=0.0)
             return setup._leg_time[key]
-        # at a measured routing each layer's legs differ: every layer's for these tokens at once
-        layers = [layer] if setup.expert_load is None else [
-            l for l in range(setup.model.n_layers)
-            if l == layer or (setup.leg_key(l, tokens) not in setup._leg_time and not copies.replicated(setup, l))]
+        # every layer's legs for these tokens at once (each distinct one: at even routing
+        # layers whose ranks hold alike counts share theirs), in one pass over the arrays: a
+        # search asks each (layer, micro-batch) of a step, and the passes' fixed cost was most of it
+        layers, keys = [layer], {key}
+        for l in range(setup.model.n_layers):
+            k = setup.leg_key(l, tokens)
+            if k not in keys and k not in setup._leg_time and not copies.replicated(setup, l):
+                layers.append(l)
+                keys.add(k)
         if topo.num_nodes == 1:
             for l, rows in zip(layers, _flat_rows(setup, layers, tokens)):
                 setup._leg_time[setup.leg_key(l, tokens)] = timer.transfer(float(rows), topo.links[0])
