@@ -104,10 +104,11 @@ class Timing:
 
 
 def run(strategy_name: str, quick: bool, steps: int | None = None, *, shape: dict[str, int] | None = None,
-        microbatches: int = 2, accumulate: int = 1) -> dict[str, Any]:
+        microbatches: int = 2, accumulate: int = 1, callbacks: list[Any] | None = None) -> dict[str, Any]:
     """One fit. ``shape`` overrides the model and batch (default FULL, QUICK with ``quick``);
     ``microbatches``: the zebra plan's R; ``accumulate``: Lightning's ``accumulate_grad_batches``
-    (a step is then an optimizer step, over ``accumulate`` batches of ``shape["batch"]``)."""
+    (a step is then an optimizer step, over ``accumulate`` batches of ``shape["batch"]``);
+    ``callbacks``: the fit's own besides the timing."""
     import lightning as L
 
     import lightning_hetermoe  # noqa: F401  (registers strategy="hetermoe")
@@ -128,7 +129,8 @@ def run(strategy_name: str, quick: bool, steps: int | None = None, *, shape: dic
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
                         max_steps=shape["steps"], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[timing.callback], accumulate_grad_batches=accumulate)
+                        limit_val_batches=0, callbacks=[timing.callback, *(callbacks or [])],
+                        accumulate_grad_batches=accumulate)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

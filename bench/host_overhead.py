@@ -23,7 +23,11 @@ Contenders, in turn in this one process (``--rounds`` times each, the median rep
   exchange talks to itself) at R micro-batches.
 
 It prints milliseconds a step and the ratios ``zebra R / lightning xR`` (the schedule's own
-overhead) and ``hetermoe / lightning``; the last line is JSON.
+overhead) and ``hetermoe / lightning``; the last line is JSON. ``--ops`` also counts, once
+per contender, the aten calls a step makes in every thread (zebra's fibers included; torch's
+profiler over ``OP_STEPS`` steps after ``OP_WARM``): each call is a trip through torch's
+dispatcher from Python or autograd (an op called by another op not counted), the host work
+a GPU step pays whatever its widths, and a count that does not drift with the machine's load.
 """
 
 from __future__ import annotations
@@ -67,6 +71,58 @@ def measure(rs: list[int], rounds: int, fit_steps: int) -> dict[str, list[float]
     return steps
 
 
+OP_STEPS = 3  # steps each --ops fit profiles, after OP_WARM: the counts are steady from the third
+OP_WARM = 3  # step on (the first two make the optimizer's state and the strategy's caches)
+
+
+def aten_calls(events: Any) -> int:
+    """The profiled aten ops no other aten op called (events with a parent chain)."""
+    def called_by_aten(e: Any) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name.startswith("aten::"):
+                return True
+            p = p.cpu_parent
+        return False
+
+    return sum(1 for e in events if e.name.startswith("aten::") and not called_by_aten(e))
+
+
+def count_ops(rs: list[int]) -> dict[str, float]:
+    """Each contender's aten calls a step (:func:`aten_calls`), every thread, one fit each."""
+    import gpu_train
+    import lightning as L
+    import torch
+
+    class Profiled(L.Callback):
+        def __init__(self) -> None:
+            self.prof: Any = None
+            self.steps = 0
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == OP_WARM and self.prof is None:
+                config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   experimental_config=config)
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if self.prof is not None and not self.steps and trainer.global_step == OP_WARM + OP_STEPS:
+                self.prof.__exit__(None, None, None)
+                self.steps = OP_STEPS
+
+    out: dict[str, float] = {}
+    for name, how in contenders(rs).items():
+        accumulate = how.get("accumulate", 1)
+        shape = dict(SHAPE, steps=OP_WARM + OP_STEPS + 1, warm=OP_WARM, batch=SHAPE["batch"] // accumulate)
+        profiled = Profiled()
+        gpu_train.run(how["strategy"], quick=True, shape=shape, accumulate=accumulate,
+                      microbatches=how.get("microbatches", 2), callbacks=[profiled])
+        out[name] = aten_calls(profiled.prof.events()) / profiled.steps
+        print(f"{name}: {out[name]:,.0f} aten calls a step", file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--microbatches", default="1,2", help="zebra's R values, comma-separated (each divides 4)")
@@ -74,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=SHAPE["steps"], help=f"steps a fit; the first {SHAPE['warm']} are warm-up")
     p.add_argument("--core", type=int, default=0, help="the one CPU core every thread runs on (-1: any)")
     p.add_argument("--json", help="also write the result here")
+    p.add_argument("--ops", action="store_true", help="also count each contender's aten calls a step")
     args = p.parse_args(argv)
     if args.core == -1:
         args.core = None
@@ -109,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, v in ratios.items():
         print(f"{name}: {v:.2f}x")
     result = {"shape": dict(SHAPE, steps=args.steps), "core": args.core, "ms_per_step": ms, "ratios": ratios, "runs_s": steps}
+    if args.ops:
+        calls = count_ops(rs)
+        result["aten_calls_per_step"] = calls
+        for name, v in calls.items():
+            print(f"{name:>14}: {v:8,.0f} aten calls/step")
+        for r in rs:
+            floor = "lightning" if r == 1 else f"lightning x{r}"
+            result["ratios"][f"zebra {r} / {floor} aten calls"] = calls[f"zebra {r}"] / calls[floor]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))

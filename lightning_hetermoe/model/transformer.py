@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-# Every layer of every micro-batch asked for the same tables and built them again: eight
-# small ops each time (a launch each on a GPU, 2,048 a step for 32 layers at R = 8, twice
+# Every layer of every micro-batch asked for the same tables and built them again: nine
+# small ops each time (a launch each on a GPU, 2,304 a step for 32 layers at R = 8, twice
 # with checkpointed blocks). Built once per shape and kept; a few shapes at most are live.
 _TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
 TABLES_KEPT = 8
@@ -56,7 +56,7 @@ def rotary_tables(seq_len: int, head_dim: int, device: torch.device, theta: floa
     if tables is None:
         tables = _angles(seq_len, head_dim, device, theta, None)
         if len(_TABLES) >= TABLES_KEPT:
-            _TABLES.pop(next(iter(_TABLES)))  # the oldest shape
+            _TABLES.pop(next(iter(_TABLES), None), None)  # the oldest shape
         _TABLES[key] = tables
     return tables
 
