@@ -25,7 +25,7 @@ Contenders, in turn in this one process (``--rounds`` times each, the median rep
 It prints milliseconds a step and the ratios ``zebra R / lightning xR`` (the schedule's own
 overhead) and ``hetermoe / lightning``; the last line is JSON. ``--ops`` also counts, once
 per contender, the aten calls a step makes in every thread (zebra's fibers included; torch's
-profiler over ``OP_STEPS`` steps after ``OP_WARM``): each call is a trip through torch's
+profiler over ``--op-steps`` steps after ``OP_WARM``): each call is a trip through torch's
 dispatcher from Python or autograd (an op called by another op not counted), the host work
 a GPU step pays whatever its widths, and a count that does not drift with the machine's load.
 """
@@ -71,8 +71,8 @@ def measure(rs: list[int], rounds: int, fit_steps: int) -> dict[str, list[float]
     return steps
 
 
-OP_STEPS = 3  # steps each --ops fit profiles, after OP_WARM: the counts are steady from the third
-OP_WARM = 3  # step on (the first two make the optimizer's state and the strategy's caches)
+OP_WARM = 3  # steps before --ops profiles: the first two make the optimizer's state and the strategy's
+# caches; from the third a step's count moves by under 1% (a mean of --op-steps steps, 3 by default)
 
 
 def aten_calls(events: Any) -> int:
@@ -88,8 +88,9 @@ def aten_calls(events: Any) -> int:
     return sum(1 for e in events if e.name.startswith("aten::") and not called_by_aten(e))
 
 
-def count_ops(rs: list[int]) -> dict[str, float]:
-    """Each contender's aten calls a step (:func:`aten_calls`), every thread, one fit each."""
+def count_ops(rs: list[int], steps: int = 3) -> dict[str, float]:
+    """Each contender's aten calls a step (:func:`aten_calls`) over ``steps`` steps, every
+    thread, one fit each."""
     import gpu_train
     import lightning as L
     import torch
@@ -107,14 +108,14 @@ def count_ops(rs: list[int]) -> dict[str, float]:
                 self.prof.__enter__()
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            if self.prof is not None and not self.steps and trainer.global_step == OP_WARM + OP_STEPS:
+            if self.prof is not None and not self.steps and trainer.global_step == OP_WARM + steps:
                 self.prof.__exit__(None, None, None)
-                self.steps = OP_STEPS
+                self.steps = steps
 
     out: dict[str, float] = {}
     for name, how in contenders(rs).items():
         accumulate = how.get("accumulate", 1)
-        shape = dict(SHAPE, steps=OP_WARM + OP_STEPS + 1, warm=OP_WARM, batch=SHAPE["batch"] // accumulate)
+        shape = dict(SHAPE, steps=OP_WARM + steps + 1, warm=OP_WARM, batch=SHAPE["batch"] // accumulate)
         profiled = Profiled()
         gpu_train.run(how["strategy"], quick=True, shape=shape, accumulate=accumulate,
                       microbatches=how.get("microbatches", 2), callbacks=[profiled])
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--core", type=int, default=0, help="the one CPU core every thread runs on (-1: any)")
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--ops", action="store_true", help="also count each contender's aten calls a step")
+    p.add_argument("--op-steps", type=int, default=3, help="--ops: steps profiled in each contender's fit")
     args = p.parse_args(argv)
     if args.core == -1:
         args.core = None
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps={args.steps} is invalid: must be > {SHAPE['warm']} (the warm-up steps)")
     if args.rounds < 1:
         p.error(f"--rounds={args.rounds} is invalid: must be >= 1")
+    if args.op_steps < 1:
+        p.error(f"--op-steps={args.op_steps} is invalid: must be >= 1")
     try:
         rs = [int(r) for r in args.microbatches.split(",")]
     except ValueError:
@@ -167,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {v:.2f}x")
     result = {"shape": dict(SHAPE, steps=args.steps), "core": args.core, "ms_per_step": ms, "ratios": ratios, "runs_s": steps}
     if args.ops:
-        calls = count_ops(rs)
-        result["aten_calls_per_step"] = calls
+        calls = count_ops(rs, args.op_steps)
+        result["aten_calls_per_step"], result["op_steps"] = calls, args.op_steps
         for name, v in calls.items():
             print(f"{name:>14}: {v:8,.0f} aten calls/step")
         for r in rs:

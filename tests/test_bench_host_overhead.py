@@ -15,6 +15,7 @@ from helpers_bench import BENCH, load_bench
     (["--microbatches", "1,x"], "--microbatches='1,x' is invalid: give integers"),
     (["--microbatches", "3"], "--microbatches='3' is invalid: every R must divide the batch of 4"),
     (["--rounds", "0"], "--rounds=0 is invalid: must be >= 1"),
+    (["--op-steps", "0"], "--op-steps=0 is invalid: must be >= 1"),
     (["--core", "-2"], "--core=-2 is invalid: give a core this process may run on, or -1 for any"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(argv, message, capsys):
@@ -27,7 +28,8 @@ def test_bad_arguments_are_refused_naming_the_flag(argv, message, capsys):
 def test_every_contender_runs_and_the_ratios_are_theirs(tmp_path):
     out = tmp_path / "host_overhead.json"
     proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--steps", "11", "--rounds", "1",
-                           "--microbatches", "2", "--core", "-1", "--ops", "--json", str(out)],
+                           "--microbatches", "2", "--core", "-1", "--ops", "--op-steps", "1",
+                           "--json", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
