@@ -3,6 +3,7 @@ of the same model in the same micro-batches, when the work per op is too small t
 
     python bench/host_overhead.py                          # R = 1 and 2, 3 rounds, about 2 minutes
     python bench/host_overhead.py --microbatches 2 --rounds 5
+    python bench/host_overhead.py --ops                    # and each one's aten calls a step, about 3 minutes
 
 On a GPU a small model's step is host-bound: on one H200 (2026-12-04) issue #38's model
 stepped in 82 ms under Lightning's default strategy and 211 ms under a zebra loopback plan
