@@ -76,7 +76,8 @@ class Timing:
             def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
                 if outer.first_batch_at is None:
                     outer.first_batch_at = time.perf_counter()
-                if trainer.global_step == warm:
+                # once: under accumulate_grad_batches every batch of the step starts at this count
+                if trainer.global_step == warm and outer.window_start is None:
                     outer._sync()
                     outer.window_start = time.perf_counter()
 

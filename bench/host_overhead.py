@@ -3,7 +3,7 @@ of the same model in the same micro-batches, when the work per op is too small t
 
     python bench/host_overhead.py                          # R = 1 and 2, 3 rounds, about 2 minutes
     python bench/host_overhead.py --microbatches 2 --rounds 5
-    python bench/host_overhead.py --ops                    # and each one's aten calls a step, about 3 minutes
+    python bench/host_overhead.py --ops                    # and each one's aten calls a step
 
 On a GPU a small model's step is host-bound: on one H200 (2026-12-04) issue #38's model
 stepped in 82 ms under Lightning's default strategy and 211 ms under a zebra loopback plan
@@ -24,9 +24,10 @@ Contenders, in turn in this one process (``--rounds`` times each, the median rep
   exchange talks to itself) at R micro-batches.
 
 It prints milliseconds a step and the ratios ``zebra R / lightning xR`` (the schedule's own
-overhead) and ``hetermoe / lightning``; the last line is JSON. ``--ops`` also counts, once
-per contender, the aten calls a step makes in every thread (zebra's fibers included; torch's
-profiler over ``--op-steps`` steps after ``OP_WARM``): each call is a trip through torch's
+overhead) and ``hetermoe / lightning``; the last line is JSON. ``--ops`` also counts each
+contender's aten calls a step in every thread (zebra's fibers included; torch's profiler over
+``--op-steps`` of the first round's warm-up steps, from ``OP_WARM``, so the timed steps are
+untouched and no fit is added): each call is a trip through torch's
 dispatcher from Python or autograd (an op called by another op not counted), the host work
 a GPU step pays whatever its widths, and a count that does not drift with the machine's load.
 """
@@ -53,11 +54,16 @@ def contenders(rs: list[int]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def measure(rs: list[int], rounds: int, fit_steps: int) -> dict[str, list[float]]:
+def measure(rs: list[int], rounds: int, fit_steps: int, op_steps: int = 0
+            ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each contender's seconds a step, ``rounds`` fits each in turn; with ``op_steps``, its
+    aten calls a step too, profiled over that many of the first round's warm-up steps (from
+    ``OP_WARM``: the timed window, after the warm-up, is not touched)."""
     import gpu_train
 
     runs = contenders(rs)
     steps: dict[str, list[float]] = {name: [] for name in runs}
+    calls: dict[str, float] = {}
     # the process's first fit pays imports and first-call set-up: not a contender's
     gpu_train.run("default", quick=True, shape=dict(SHAPE, steps=SHAPE["warm"] + 1))
     for i in range(rounds):
@@ -65,41 +71,50 @@ def measure(rs: list[int], rounds: int, fit_steps: int) -> dict[str, list[float]
             shape = dict(SHAPE, steps=fit_steps)
             accumulate = how.get("accumulate", 1)
             shape["batch"] //= accumulate
+            profiled = [op_counter(op_steps)] if op_steps and i == 0 else []
             step_s = gpu_train.run(how["strategy"], quick=True, shape=shape, accumulate=accumulate,
-                                   microbatches=how.get("microbatches", 2))["step_s"]
+                                   microbatches=how.get("microbatches", 2), callbacks=profiled)["step_s"]
             steps[name].append(step_s)
+            if profiled:
+                calls[name] = aten_calls(profiled[0].prof) / op_steps
+                print(f"{name}: {calls[name]:,.0f} aten calls a step", file=sys.stderr, flush=True)
             print(f"round {i + 1}/{rounds}: {name} {step_s * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
-    return steps
+    return steps, calls
 
 
-OP_WARM = 3  # steps before --ops profiles: the first two make the optimizer's state and the strategy's
-# caches; from the third a step's count moves by under 1% (a mean of --op-steps steps, 3 by default)
+OP_WARM = 3  # the warm-up step --ops starts at: the first two make the optimizer's state and the
+# strategy's caches; from the third a step's count moves by under 1% (a mean of --op-steps steps)
 
 
-def aten_calls(events: Any) -> int:
-    """The profiled aten ops no other aten op called (events with a parent chain)."""
-    def called_by_aten(e: Any) -> bool:
-        p = e.cpu_parent
-        while p is not None:
-            if p.name.startswith("aten::"):
-                return True
-            p = p.cpu_parent
-        return False
+def aten_calls(prof: Any) -> int:
+    """The aten ops of a finished ``torch.profiler.profile`` that no other aten op called,
+    every thread: on each thread an op inside another's span was called by it. From the
+    profiler's raw events (building torch's event tree for a step's tens of thousands took
+    seconds)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.name().startswith("aten::"):
+            spans.setdefault(e.start_thread_id(), []).append((e.start_ns(), -e.duration_ns()))
+    calls = 0
+    for thread in spans.values():
+        thread.sort()  # by start, the longer (the caller) first where two start together
+        end = None  # where the outermost op open on this thread ends
+        for start, minus in thread:
+            if end is None or start >= end:
+                calls += 1
+                end = start - minus
+    return calls
 
-    return sum(1 for e in events if e.name.startswith("aten::") and not called_by_aten(e))
 
-
-def count_ops(rs: list[int], steps: int = 3) -> dict[str, float]:
-    """Each contender's aten calls a step (:func:`aten_calls`) over ``steps`` steps, every
-    thread, one fit each."""
-    import gpu_train
+def op_counter(steps: int) -> Any:
+    """A Lightning callback that profiles ``steps`` steps from ``OP_WARM`` in every thread."""
     import lightning as L
     import torch
 
     class Profiled(L.Callback):
         def __init__(self) -> None:
             self.prof: Any = None
-            self.steps = 0
+            self.done = False
 
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
             if trainer.global_step == OP_WARM and self.prof is None:
@@ -109,20 +124,12 @@ def count_ops(rs: list[int], steps: int = 3) -> dict[str, float]:
                 self.prof.__enter__()
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            if self.prof is not None and not self.steps and trainer.global_step == OP_WARM + steps:
+            # under accumulate_grad_batches the step's count holds over its batches: once
+            if self.prof is not None and not self.done and trainer.global_step == OP_WARM + steps:
                 self.prof.__exit__(None, None, None)
-                self.steps = steps
+                self.done = True
 
-    out: dict[str, float] = {}
-    for name, how in contenders(rs).items():
-        accumulate = how.get("accumulate", 1)
-        shape = dict(SHAPE, steps=OP_WARM + steps + 1, warm=OP_WARM, batch=SHAPE["batch"] // accumulate)
-        profiled = Profiled()
-        gpu_train.run(how["strategy"], quick=True, shape=shape, accumulate=accumulate,
-                      microbatches=how.get("microbatches", 2), callbacks=[profiled])
-        out[name] = aten_calls(profiled.prof.events()) / profiled.steps
-        print(f"{name}: {out[name]:,.0f} aten calls a step", file=sys.stderr, flush=True)
-    return out
+    return Profiled()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps={args.steps} is invalid: must be > {SHAPE['warm']} (the warm-up steps)")
     if args.rounds < 1:
         p.error(f"--rounds={args.rounds} is invalid: must be >= 1")
-    if args.op_steps < 1:
-        p.error(f"--op-steps={args.op_steps} is invalid: must be >= 1")
+    if not 1 <= args.op_steps <= SHAPE["warm"] - OP_WARM:
+        p.error(f"--op-steps={args.op_steps} is invalid: must be 1 to {SHAPE['warm'] - OP_WARM} "
+                f"(warm-up steps after the first {OP_WARM})")
     try:
         rs = [int(r) for r in args.microbatches.split(",")]
     except ValueError:
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    steps = measure(rs, args.rounds, args.steps)
+    steps, calls = measure(rs, args.rounds, args.steps, args.op_steps if args.ops else 0)
     ms = {name: statistics.median(s) * 1e3 for name, s in steps.items()}
     ratios = {"hetermoe / lightning": ms["hetermoe"] / ms["lightning"]}
     for r in rs:
@@ -172,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {v:.2f}x")
     result = {"shape": dict(SHAPE, steps=args.steps), "core": args.core, "ms_per_step": ms, "ratios": ratios, "runs_s": steps}
     if args.ops:
-        calls = count_ops(rs, args.op_steps)
         result["aten_calls_per_step"], result["op_steps"] = calls, args.op_steps
         for name, v in calls.items():
             print(f"{name:>14}: {v:8,.0f} aten calls/step")
