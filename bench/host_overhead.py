@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 SHAPE = dict(d_model=32, n_layers=8, n_heads=2, experts=4, top_k=2, d_ff=32, seq=32, batch=4, steps=40, warm=10)
+OP_WARM = 3  # the warm-up step --ops starts at: the first two make the optimizer's state and the
+# strategy's caches; from the third a step's count moves by under 1% (a mean of --op-steps steps)
 
 
 def contenders(rs: list[int]) -> dict[str, dict[str, Any]]:
@@ -80,10 +82,6 @@ def measure(rs: list[int], rounds: int, fit_steps: int, op_steps: int = 0
                 print(f"{name}: {calls[name]:,.0f} aten calls a step", file=sys.stderr, flush=True)
             print(f"round {i + 1}/{rounds}: {name} {step_s * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
     return steps, calls
-
-
-OP_WARM = 3  # the warm-up step --ops starts at: the first two make the optimizer's state and the
-# strategy's caches; from the third a step's count moves by under 1% (a mean of --op-steps steps)
 
 
 def aten_calls(prof: Any) -> int:
