@@ -1,65 +1,74 @@
 """lightning-hetermoe: HeterMoE zebra parallelism as a PyTorch Lightning strategy.
 
-Importing this package registers ``Trainer(strategy="hetermoe")`` (and ``"hetermoe_spawn"``).
+Importing this package registers ``Trainer(strategy="hetermoe")`` (and ``"hetermoe_spawn"``):
+at once where Lightning is loaded, else as Lightning finishes loading (``registration``).
+The names below load on first use, so a script that only plans (cluster, profile, plan,
+simulate) starts in a fraction of a second, without Lightning or torch.
 Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit under the MoE layer.
 """
 
-from .callbacks import ExpertLoadMonitor, ExpertRebalancer, GradNormMonitor, RunSummary
-from .ckpt import load_checkpoint
-from .cluster import ClusterConfig, DeviceSpec, LinkConfig, get_device, register_device, resolve_cluster
-from .configs import DataConfig, ModelConfig, MoEConfig, OptimConfig, from_cfg
-from .convert import HFMoELanguageModel, from_hf, to_hetermoe, to_hf
-from .emulate import apply_emulation
-from .model import ByteCorpusDataModule, MoELanguageModel, MoETransformer, TokenizedDataModule, build_datamodule
-from .moe import MoEAux, MoELayer, ModuleExperts, Router, RouterOutput, gate_losses
-from .plan import Plan, make_plan
-from .profile import CostModel, Profile
-from .routing_record import RoutingRecord
-from .measure import profile_cluster
-from .simulate import simulate_plan
-from .strategy import HeterMoEStrategy, register_strategies
+from importlib import import_module
+from typing import Any
 
-register_strategies()
+from .registration import register_with_lightning
 
-__all__ = [
-    "ByteCorpusDataModule",
-    "TokenizedDataModule",
-    "build_datamodule",
-    "ClusterConfig",
-    "CostModel",
-    "DataConfig",
-    "DeviceSpec",
-    "ExpertLoadMonitor",
-    "ExpertRebalancer",
-    "GradNormMonitor",
-    "HFMoELanguageModel",
-    "HeterMoEStrategy",
-    "LinkConfig",
-    "ModelConfig",
-    "MoEConfig",
-    "MoELanguageModel",
-    "MoEAux",
-    "MoELayer",
-    "MoETransformer",
-    "ModuleExperts",
-    "OptimConfig",
-    "Plan",
-    "Profile",
-    "Router",
-    "RouterOutput",
-    "RoutingRecord",
-    "RunSummary",
-    "apply_emulation",
-    "from_cfg",
-    "from_hf",
-    "gate_losses",
-    "get_device",
-    "load_checkpoint",
-    "make_plan",
-    "profile_cluster",
-    "register_device",
-    "resolve_cluster",
-    "simulate_plan",
-    "to_hetermoe",
-    "to_hf",
-]
+# each public name -> the module that defines it (imported when the name is first read)
+_HOME = {
+    "ByteCorpusDataModule": ".model",
+    "TokenizedDataModule": ".model",
+    "build_datamodule": ".model",
+    "ClusterConfig": ".cluster",
+    "CostModel": ".profile",
+    "DataConfig": ".configs",
+    "DeviceSpec": ".cluster",
+    "ExpertLoadMonitor": ".callbacks",
+    "ExpertRebalancer": ".callbacks",
+    "GradNormMonitor": ".callbacks",
+    "HFMoELanguageModel": ".convert",
+    "HeterMoEStrategy": ".strategy",
+    "LinkConfig": ".cluster",
+    "ModelConfig": ".configs",
+    "MoEConfig": ".configs",
+    "MoELanguageModel": ".model",
+    "MoEAux": ".moe",
+    "MoELayer": ".moe",
+    "MoETransformer": ".model",
+    "ModuleExperts": ".moe",
+    "OptimConfig": ".configs",
+    "Plan": ".plan",
+    "Profile": ".profile",
+    "Router": ".moe",
+    "RouterOutput": ".moe",
+    "RoutingRecord": ".routing_record",
+    "RunSummary": ".callbacks",
+    "apply_emulation": ".emulate",
+    "from_cfg": ".configs",
+    "from_hf": ".convert",
+    "gate_losses": ".moe",
+    "get_device": ".cluster",
+    "load_checkpoint": ".ckpt",
+    "make_plan": ".plan",
+    "profile_cluster": ".measure",
+    "register_device": ".cluster",
+    "resolve_cluster": ".cluster",
+    "simulate_plan": ".simulate",
+    "to_hetermoe": ".convert",
+    "to_hf": ".convert",
+}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_HOME[name], __name__), name)
+    globals()[name] = value  # read once: the module's own attribute from then on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+register_with_lightning()

@@ -31,7 +31,7 @@ from lightning_hetermoe.plan.progress import watched
 from lightning_hetermoe.profile import CostModel, Profile, make_timer
 from lightning_hetermoe.profile.cost_model import optimizer_step_traffic, tf32_allowed
 from lightning_hetermoe.routing_record import read_routing
-from lightning_hetermoe.strategy.precision import check_bf16
+from lightning_hetermoe.cluster.devices import check_bf16
 from lightning_hetermoe.simulate import draw_gantt, draw_gantt_compare, simulate_plan
 
 PROGRESS_S = 10.0  # a plan running longer says how far it got this often
@@ -71,7 +71,8 @@ def plan_and_predict(cfg: DictConfig, out: str) -> dict:
         raise ConfigError(f"precision={precision!r} is invalid: must be one of {PRECISIONS}")
     check_bf16(precision, cluster.specs(), allow_emulated=False)
     optim = from_cfg(OptimConfig, cfg.optim)
-    cost = CostModel(precision=precision, tf32=tf32_allowed(), optimizer_bytes_per_param=optimizer_step_traffic(optim))
+    cost = CostModel(precision=precision, tf32=tf32_allowed(precision),
+                     optimizer_bytes_per_param=optimizer_step_traffic(optim))
     routing = read_routing(hydra.utils.to_absolute_path(cfg.plan.expert_load), model, "plan.expert_load") \
         if cfg.plan.get("expert_load") else None
     load = routing.mean_share if routing is not None else None

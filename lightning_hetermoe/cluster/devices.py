@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
+
+from ..configs import ConfigError
+
+# bf16 in hardware: Ampere and newer (on a V100 or T4 PyTorch only emulates it)
+BF16_MIN_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ class DeviceSpec:
     @property
     def has_bf16(self) -> bool:
         """bf16 in hardware: CUDA compute capability 8.0 and up (non-CUDA devices: assumed)."""
-        return self.compute_capability == (0, 0) or self.compute_capability >= (8, 0)
+        return self.compute_capability == (0, 0) or self.compute_capability >= BF16_MIN_CAPABILITY
 
     def peak_tflops(self, precision: str, tf32: bool = False) -> float:
         """The dense peak a GEMM reaches in ``precision``: tensor cores for 16-mixed and
@@ -120,6 +125,19 @@ def precision_dtype_bytes(precision: str) -> int:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid: must be one of {PRECISIONS}")
     return 4 if precision == "32-true" else 2
+
+
+def check_bf16(precision: str, devices: Iterable[DeviceSpec], allow_emulated: bool) -> None:
+    """Reject bf16 on a cluster whose CUDA devices cannot run it natively."""
+    if not precision.startswith("bf16") or allow_emulated:
+        return
+    old = sorted({d.name for d in devices if not d.has_bf16})
+    if old:
+        raise ConfigError(
+            f"trainer precision={precision!r} is invalid on {', '.join(old)}: compute capability below "
+            f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} has no bf16 hardware, PyTorch only emulates it there; "
+            f"use precision='16-mixed' (fp16 with loss scaling, tensor cores), or strategy allow_emulated_bf16=true "
+            f"to run the emulation anyway")
 
 
 def _spec(name, mem, tflops, bw, flash, cc, gemm, attn, fp32=0.0, tf32=0.0, **kw) -> DeviceSpec:

@@ -85,9 +85,12 @@ def optimizer_step_traffic(optim: OptimConfig | None) -> float:
     return CLIP_NORM_BYTES + CLIP_SCALE_BYTES + MULTI_TENSOR_STEP_BYTES[key][optim.weight_decay > 0]
 
 
-def tf32_allowed() -> bool:
-    """Whether torch lets fp32 matmuls use TF32 tensor cores in this process (read the way
-    the kernels read it, so the plan prices what they run)."""
+def tf32_allowed(precision: str) -> bool:
+    """Whether a run at ``precision`` has its fp32 matmuls on TF32 tensor cores: only
+    ``32-true`` computes in fp32, and there as torch allows in this process (read the way
+    the kernels read it, so the plan prices what they run; torch is imported only then)."""
+    if precision != "32-true":
+        return False
     from ..kernels.availability import tf32_enabled
 
     return tf32_enabled()

@@ -4,6 +4,5 @@
 from ..placement import Placement, contiguous_placement
 from .arguments import MODES
 from .hetermoe import HeterMoEStrategy
-from .registry import register_strategies
 
-__all__ = ["HeterMoEStrategy", "MODES", "Placement", "contiguous_placement", "register_strategies"]
+__all__ = ["HeterMoEStrategy", "MODES", "Placement", "contiguous_placement"]

@@ -17,7 +17,7 @@ from ..materialize import built_on_meta
 from ..model_contract import ModelContractError, describe_model, moe_layers
 from ..profile import memory
 from ..routing_record import load_record
-from .precision import check_bf16
+from ..cluster.devices import check_bf16
 
 MODES = ("auto", "ep", "zebra", "distep", "datacentric")
 DISAGGREGATED = ("zebra", "distep")

@@ -22,12 +22,13 @@ hardware has it.
 * **bf16** needs compute capability 8.0 (Ampere) or newer; on a V100 or T4 PyTorch only
   emulates it, far below the fp16 speed the planner assumes. A cluster with such a device
   and a bf16 precision is a config error before launch, unless the user asks for the
-  emulation (``allow_emulated_bf16=True``).
+  emulation (``allow_emulated_bf16=True``): ``cluster.devices.check_bf16``, which the plan
+  recipe asks too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -40,27 +41,9 @@ import lightning_hetermoe.comm as comm
 
 from .grad_norm import clip_coefficient, fold_into_step, step_takes_scale
 
-from ..configs import ConfigError
-
-BF16_MIN_CAPABILITY = (8, 0)
-
-
 def precision_name(plugin: Any) -> str:
     """Lightning's precision string of a plugin (``32-true``, ``16-mixed``, ``bf16-mixed`` ...)."""
     return str(getattr(plugin, "precision", "32-true"))
-
-
-def check_bf16(precision: str, devices: Iterable[Any], allow_emulated: bool) -> None:
-    """Reject bf16 on a cluster whose CUDA devices cannot run it natively."""
-    if not precision.startswith("bf16") or allow_emulated:
-        return
-    old = sorted({d.name for d in devices if not d.has_bf16})
-    if old:
-        raise ConfigError(
-            f"trainer precision={precision!r} is invalid on {', '.join(old)}: compute capability below "
-            f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} has no bf16 hardware, PyTorch only emulates it there; "
-            f"use precision='16-mixed' (fp16 with loss scaling, tensor cores), or strategy allow_emulated_bf16=true "
-            f"to run the emulation anyway")
 
 
 class AgreedGradScaler(torch.amp.GradScaler):

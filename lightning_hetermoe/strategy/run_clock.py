@@ -89,7 +89,7 @@ class RunClock:
             self.emulator = rank_emulator(self.cluster, self.rank, self.workload)
         else:
             self.model, self.seq_len = run_model, seq_len
-            cost = CostModel(precision=precision, tf32=tf32_allowed(),
+            cost = CostModel(precision=precision, tf32=tf32_allowed(precision),
                              optimizer_bytes_per_param=optimizer_step_traffic(optimizer))
             self.timer = make_timer(run_model, seq_len, self.profile, cost)
 

@@ -37,7 +37,8 @@ from .averaging import averages_on
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
 from ..materialize import built_on_meta
-from .precision import check_bf16, precision_name
+from ..cluster.devices import check_bf16
+from .precision import precision_name
 
 AUTO_CANDIDATES = tuple(RUN_AS)  # every schedule a run can be set to
 
