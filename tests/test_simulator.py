@@ -1,7 +1,9 @@
 """The step simulator against hand-computed timelines, and the schedules' basic laws."""
 
+import dataclasses
 import os
 
+import numpy as np
 import pytest
 
 from lightning_hetermoe.cluster import LinkConfig, get_device
@@ -327,8 +329,38 @@ def test_ep_ideal_sums_separate_homogeneous_runs():
     assert set(ideal.busy) == {0, 1, 2, 3}
 
 
-def test_gantt_png_is_written(tmp_path):
-    res = simulate_step(zebra_setup(), FakeTimer())
+def test_the_gantt_chart_draws_every_task_of_the_timeline_and_each_lane_s_share_of_the_step(tmp_path):
+    """Each task of the wave the timeline holds is one bar, in its row, from its start to its
+    end; a lane's label says its share of the whole step (both waves' busy time), as the
+    result's utilization does; the title says one wave of two is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from lightning_hetermoe.simulate import gantt
+    from lightning_hetermoe.simulate.step import lane_resource
+
+    setup = dataclasses.replace(zebra_setup(), waves=2)
+    res = simulate_step(setup, FakeTimer())
+    fig, ax = plt.subplots()
+    gantt._draw(ax, res, "zebra")
+    rows = gantt._rows(res)
+    drawn = []
+    for collection in ax.collections:
+        for path in collection.get_paths():
+            xs, ys = path.vertices[:, 0], path.vertices[:, 1]
+            drawn.append((round((ys.min() + ys.max()) / 2), xs.min(), xs.max()))
+    tl = res.timeline
+    expected = [(rows.index(t.resource), s, e) for t, s, e in zip(tl.tasks, tl.start, tl.end) if e > s]
+    assert len(drawn) == len(expected) > 4
+    assert np.allclose(sorted(drawn), sorted(expected))
+    labels = [label.get_text() for label in ax.get_yticklabels()]
+    for i, lane in enumerate(setup.lanes):
+        share = res.utilization[lane.ranks[0]]
+        assert 0.5 < share <= 1 and labels[rows.index(lane_resource(i, lane))].endswith(f"{share:.0%} busy"), labels
+    assert ax.get_title() == "zebra; 1 of 2 waves shown"
+    plt.close(fig)
     path = draw_gantt(res, str(tmp_path / "g.png"))
     assert os.path.getsize(path) > 1000
     with open(path, "rb") as f:

@@ -258,6 +258,8 @@ class StepResult:
     # the experts' exchange that crosses the network between nodes, per step (None: not
     # modelled, as in the data-centric closed form)
     network_bytes: float | None = 0.0
+    # the step's waves: its timeline and bubbles are one wave's, its busy time and tokens all
+    waves: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -1005,4 +1007,5 @@ def simulate_step(setup: StepSetup, timer, schedule: str = "zebra", keep_timelin
     network = (setup.waves * network_rows(setup) * setup.model.d_model * timer.cost.dtype_bytes
                if setup.topology.num_nodes > 1 else 0.0)
     return StepResult(schedule, step, tokens, busy, devices, bubbles, [lane.name for lane in lanes],
-                      setup.num_microbatches, tl if keep_timeline else None, network_bytes=network)
+                      setup.num_microbatches, tl if keep_timeline else None, network_bytes=network,
+                      waves=setup.waves)
