@@ -194,7 +194,13 @@ def test_every_tail_starts_after_the_last_task_of_any_rank():
     # from 15, not from 13. In several waves it ends the step: 2 x 15 + 10
     waves = zebra_setup()
     waves.waves = 2
-    assert simulate_step(waves, SlowOptimizer()).step_time == pytest.approx(40.0)
+    two = simulate_step(waves, SlowOptimizer(), keep_timeline=True)
+    assert two.step_time == pytest.approx(40.0)
+    # a rank's idle in the step: its bubbles in both waves, then the wait after them for the tails
+    after_waves = two.step_time - 2 * two.timeline.makespan
+    summary = two.summary()
+    for lane, rank in zip(two.lanes, (0, 1)):
+        assert summary["bubble_s"][lane] + after_waves == pytest.approx(summary["idle_s"][str(rank)])
     # In one wave each rank goes on into the next step when its own tail ends: the attention
     # rank at once, the expert rank 10 later. A: Af(0,0)[0,1] Af(0,1)[1,2]  X: Xf(0,0)[10,11]
     # Xf(0,1)[11,12]  A: Af(1,0)[11,12] Af(1,1)[12,13]  X: Xf(1,0)[12,13] Xf(1,1)[13,14]

@@ -287,7 +287,9 @@ class StepResult:
             "utilization_by_device": {d: sum(v) / len(v) for d, v in sorted(by_dev.items())},
             "busy_s": {str(r): b for r, b in sorted(self.busy.items())},
             "idle_s": {str(r): b for r, b in sorted(self.idle.items())},
-            "bubble_s": {lane: sum(e - s for s, e in gaps) for lane, gaps in self.bubbles.items()},
+            # the step's: every wave's bubbles (the timeline is one wave's); a rank's idle is
+            # these and the time after the waves (waiting for the slowest tail)
+            "bubble_s": {lane: self.waves * sum(e - s for s, e in gaps) for lane, gaps in self.bubbles.items()},
             "network_bytes": self.network_bytes,
         }
 
