@@ -33,6 +33,7 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     assert code == 0, out[-3000:]
     assert exit_after_s < EXIT_S and "terminate called" not in out, (exit_after_s, out[-2000:])
     assert "LeafSpec" not in out, "Lightning's deprecation noise under torch 2.13 is filtered"
+    assert "Tip:" not in out and "GPU available: False" in out, "Lightning's advert is muted, its facts are not"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["world_size"] == 2 and summary["steps"] == 12
