@@ -264,13 +264,20 @@ class _Durations:
                     for c, n, i, l in first:
                         table[c, n] = times(i, kind, l, mb)
                     tables[(kind, mb)] = table
-            dur = [tables[(prog.round_kind[k], prog.round_mb[k])][code[idx[k]], counts[idx[k], prog.round_layer[k]]]
-                   for k in range(nR)]
+            # each layer's (device code, experts held) per holder, looked up once a layer, not a round
+            at_layer = [(code[by_layer[l]], counts[by_layer[l], l]) for l in range(L)]
+            dur = [tables[(prog.round_kind[k], prog.round_mb[k])][at_layer[prog.round_layer[k]]] for k in range(nR)]
             return idx, dur
 
         self.att_holders, self.att_expert = holders(att)
         self.exp_holders, self.exp_expert = holders(exp)
         self.n_att, self.n_exp = len(att), len(exp)
+
+
+def _top(a: np.ndarray) -> float:
+    """The largest of a few lanes' values (a lane per kind of rank: numpy's reduction costs
+    more than the list's, called a few hundred times a simulated step)."""
+    return max(a.tolist())
 
 
 def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: np.ndarray,
@@ -304,7 +311,7 @@ def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: 
             if c >= 0 and counts[c] > wait:
                 wait = counts[c]
             busy = np.maximum(busy, wait) + d.attention[(task_kind, mb)]
-            attn_end[i] = end = busy.max() if d.n_att else 0.0
+            attn_end[i] = end = _top(busy) if d.n_att else 0.0
             if out >= 0:
                 emitted[out] = end
         elif kind == ATTN_X:
@@ -312,7 +319,7 @@ def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: 
             if len(idx):
                 done = np.maximum(busy[idx], dispatch[i]) + d.att_expert[i]
                 busy[idx] = done
-                att_x[i] = done.max()
+                att_x[i] = _top(done)
         elif kind == EXPERT:
             idx = d.exp_holders[i]
             if len(idx):
@@ -327,8 +334,8 @@ def _run(prog: _Program, d: _Durations, legs: list[float], dense: float, moved: 
                     now = moved[idx, i]
                     hold[idx] = np.where(now, i + 1, nR)
                     if now.any():
-                        late_max[i] = done[now].max()
-            last_max[i] = last.max() if d.n_exp else 0.0
+                        late_max[i] = _top(done[now])
+            last_max[i] = _top(last) if d.n_exp else 0.0
         elif kind == DISPATCH:
             s = dispatch[i - 1] if i else 0.0
             if prog.emitter[i] >= 0 and attn_end[prog.emitter[i]] > s:
