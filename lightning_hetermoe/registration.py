@@ -41,14 +41,15 @@ def register_strategies() -> None:
 
 class _OnceLightningLoads(MetaPathFinder):
     """Finds nothing itself: hands back the spec the other finders give ``lightning`` with
-    the registration run after its module executes, and leaves ``sys.meta_path``."""
+    the registration run after its module executes. It leaves ``sys.meta_path`` only then: a
+    probe (``importlib.util.find_spec("lightning")``, as libraries ask whether a package is
+    installed) asks finders too, and throws the spec away without loading it."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "lightning":
             return None
-        sys.meta_path.remove(self)
         for finder in sys.meta_path:
-            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            spec = finder.find_spec(name, path, target) if finder is not self and hasattr(finder, "find_spec") else None
             if spec is not None:
                 break
         else:
@@ -58,6 +59,8 @@ class _OnceLightningLoads(MetaPathFinder):
 
             def execute_then_register(module: Any) -> None:
                 execute(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
                 register_strategies()
 
             spec.loader.exec_module = execute_then_register

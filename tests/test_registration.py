@@ -48,14 +48,17 @@ def test_planning_loads_neither_lightning_nor_torch():
 @pytest.mark.slow
 def test_the_names_register_when_lightning_loads_after_the_package():
     """The package first and Lightning after (through a subpackage: ``lightning`` loads
-    first all the same), and the strategy class read first, whose own import loads
-    Lightning: a Trainer builds the strategy by name either way, and the finder is gone."""
+    first all the same; asked for by ``find_spec`` before that), and the strategy class read
+    first, whose own import loads Lightning: a Trainer builds the strategy by name either
+    way, and the finder is gone."""
     check = ("from lightning.pytorch import Trainer\n"
              "trainer = Trainer(strategy='{name}', logger=False, enable_progress_bar=False)\n"
              "finders = [type(f).__name__ for f in sys.meta_path]\n"
              "print(type(trainer.strategy).__name__, trainer.strategy._start_method, '_OnceLightningLoads' in finders)\n")
-    package_first = _python("import sys, lightning_hetermoe\n"
-                            "assert 'lightning' not in sys.modules\n" + check.format(name="hetermoe"))
+    # a library asking whether Lightning is installed, before it loads, is answered and forgotten
+    package_first = _python("import importlib.util, sys, lightning_hetermoe\n"
+                            "assert importlib.util.find_spec('lightning') and 'lightning' not in sys.modules\n"
+                            + check.format(name="hetermoe"))
     class_first = _python("import sys\nfrom lightning_hetermoe import HeterMoEStrategy\n"
                           + check.format(name="hetermoe_spawn"))
     for proc, expected in ((package_first, "HeterMoEStrategy popen False"),
