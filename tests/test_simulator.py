@@ -199,6 +199,7 @@ def test_every_tail_starts_after_the_last_task_of_any_rank():
     # a rank's idle in the step: its bubbles in both waves, then the wait after them for the tails
     after_waves = two.step_time - 2 * two.timeline.makespan
     summary = two.summary()
+    assert summary["waves"] == 2
     for lane, rank in zip(two.lanes, (0, 1)):
         assert summary["bubble_s"][lane] + after_waves == pytest.approx(summary["idle_s"][str(rank)])
     # In one wave each rank goes on into the next step when its own tail ends: the attention

@@ -284,6 +284,7 @@ class StepResult:
             "tokens": self.tokens,
             "tokens_per_s": self.tokens_per_s,
             "num_microbatches": self.num_microbatches,
+            "waves": self.waves,
             "utilization_by_device": {d: sum(v) / len(v) for d, v in sorted(by_dev.items())},
             "busy_s": {str(r): b for r, b in sorted(self.busy.items())},
             "idle_s": {str(r): b for r, b in sorted(self.idle.items())},
