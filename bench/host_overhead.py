@@ -47,11 +47,16 @@ OP_WARM = 3  # the warm-up step --ops starts at: the first two make the optimize
 # strategy's caches; from the third a step's count moves by under 1% (a mean of --op-steps steps)
 
 
+def floor_of(r: int) -> str:
+    """The contender zebra at R is set against: Lightning in as many micro-batches."""
+    return "lightning" if r == 1 else f"lightning x{r}"
+
+
 def contenders(rs: list[int]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"lightning": dict(strategy="default"), "hetermoe": dict(strategy="hetermoe")}
     for r in rs:
         if r > 1:
-            out[f"lightning x{r}"] = dict(strategy="default", accumulate=r)
+            out[floor_of(r)] = dict(strategy="default", accumulate=r)
         out[f"zebra {r}"] = dict(strategy="zebra", microbatches=r)
     return out
 
@@ -170,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = {name: statistics.median(s) * 1e3 for name, s in steps.items()}
     ratios = {"hetermoe / lightning": ms["hetermoe"] / ms["lightning"]}
     for r in rs:
-        floor = "lightning" if r == 1 else f"lightning x{r}"
-        ratios[f"zebra {r} / {floor}"] = ms[f"zebra {r}"] / ms[floor]
+        ratios[f"zebra {r} / {floor_of(r)}"] = ms[f"zebra {r}"] / ms[floor_of(r)]
     for name, v in ms.items():
         print(f"{name:>14}: {v:6.1f} ms/step")
     for name, v in ratios.items():
@@ -182,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in calls.items():
             print(f"{name:>14}: {v:8,.0f} aten calls/step")
         for r in rs:
-            floor = "lightning" if r == 1 else f"lightning x{r}"
-            result["ratios"][f"zebra {r} / {floor} aten calls"] = calls[f"zebra {r}"] / calls[floor]
+            result["ratios"][f"zebra {r} / {floor_of(r)} aten calls"] = calls[f"zebra {r}"] / calls[floor_of(r)]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
