@@ -29,14 +29,12 @@ def _draw(ax, result: StepResult, title: str) -> None:
     tl = result.timeline
     rows = _rows(result)
     y = {r: i for i, r in enumerate(rows)}
-    busy: dict[str, float] = {}
     # one collection of bars a row: a bar per call (matplotlib's barh) took most of a plan
     # recipe's seconds on a step of a few thousand tasks
     bars: dict[str, tuple[list[tuple[float, float]], list[str]]] = {r: ([], []) for r in rows}
     for t, s, e in zip(tl.tasks, tl.start, tl.end, strict=True):
         if e <= s:
             continue
-        busy[t.resource] = busy.get(t.resource, 0.0) + (e - s)
         spans, colors = bars[t.resource]
         spans.append((s, e - s))
         colors.append(COLORS.get(t.kind, "grey"))
@@ -49,8 +47,9 @@ def _draw(ax, result: StepResult, title: str) -> None:
     labels = []
     for r in rows:
         name = CHANNELS.get(r, r.split(":", 1)[1] if ":" in r else r)
+        busy = sum(width for _, width in bars[r][0])
         # the chart is one wave; the share is of the step, every wave's busy time in it
-        share = result.waves * busy.get(r, 0.0) / result.step_time if result.step_time > 0 else 0.0
+        share = result.waves * busy / result.step_time if result.step_time > 0 else 0.0
         labels.append(f"{name}  {share:.0%} busy")
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()

@@ -41,6 +41,7 @@ import lightning_hetermoe.comm as comm
 
 from .grad_norm import clip_coefficient, fold_into_step, step_takes_scale
 
+
 def precision_name(plugin: Any) -> str:
     """Lightning's precision string of a plugin (``32-true``, ``16-mixed``, ``bf16-mixed`` ...)."""
     return str(getattr(plugin, "precision", "32-true"))
