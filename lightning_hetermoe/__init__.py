@@ -7,9 +7,7 @@ simulate) starts in a fraction of a second, without Lightning or torch.
 Data flows cluster -> profile -> plan -> strategy -> callbacks; kernels sit under the MoE layer.
 """
 
-from importlib import import_module
-from typing import Any
-
+from .lazy_names import lazy_names
 from .registration import register_with_lightning
 
 # each public name -> the module that defines it (imported when the name is first read)
@@ -57,18 +55,6 @@ _HOME = {
 }
 
 __all__ = list(_HOME)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_HOME[name], __name__), name)
-    globals()[name] = value  # read once: the module's own attribute from then on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_names(__name__, _HOME)
 
 register_with_lightning()

@@ -21,9 +21,26 @@ class _NoAdverts(logging.Filter):
 
 
 def mute_dependency_noise() -> None:
-    """Ignore :data:`NOISE` and :data:`ADVERTS` in this process."""
+    """Ignore :data:`NOISE` and :data:`ADVERTS` in this process, and print each of
+    Lightning's lines once (:func:`one_console_for_lightning`)."""
     for message, category in NOISE:
         warnings.filterwarnings("ignore", message=message, category=category)
     logger = logging.getLogger(ADVERTS_LOGGER)
     if not any(isinstance(f, _NoAdverts) for f in logger.filters):
         logger.addFilter(_NoAdverts())
+    one_console_for_lightning()
+
+
+def one_console_for_lightning() -> None:
+    """Lightning's package puts a console handler on its ``lightning`` logger when imported,
+    and its subpackages send their lines up to it and on to the root logger when that has
+    handlers. Imported after the job's logging is configured (the main job reads its config
+    before loading Lightning, and Hydra configures the root logger before that), every line
+    would print twice, once in each format: Lightning's own handler goes, and its lines go the
+    job's way (Hydra's format, and its log file)."""
+    if not logging.getLogger().handlers:
+        return  # nothing configured: Lightning's handler is the one that prints
+    lightning = logging.getLogger("lightning")
+    for handler in list(lightning.handlers):
+        if type(handler) is logging.StreamHandler:
+            lightning.removeHandler(handler)

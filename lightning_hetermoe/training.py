@@ -14,48 +14,19 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
 from .callbacks.progress import ProgressLog
 from .cluster import ClusterConfig
-from .configs import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
+from .configs import ConfigError, ModelConfig, OptimConfig
 from .emulate import FAITHFUL_SLIP
 from .model import MoELanguageModel, build_datamodule
 from .quiet import mute_dependency_noise
+from .run_config import RunConfig, read_run_config
 from .strategy import HeterMoEStrategy
 
 log = logging.getLogger(__name__)
-
-STRATEGY_FIELDS = ("mode", "expert_parallel_size", "batch_split", "replica_dispatch", "plan", "num_microbatches",
-                   "asym_ea",
-                   "require_expert_ranks", "profile", "expert_load", "place_at_load", "heartbeat_timeout_s",
-                   "progress_timeout_s", "allow_emulated_bf16",
-                   "checkpoint_format", "shard_optimizer_state", "gc_every_n_steps")
-
-
-# Trainer arguments that must be whole numbers (None and -1 keep Lightning's meaning).
-INT_TRAINER_FIELDS = ("max_steps", "min_steps", "max_epochs", "min_epochs", "num_nodes", "log_every_n_steps",
-                      "accumulate_grad_batches", "num_sanity_val_steps", "check_val_every_n_epoch")
-
-
-def build_trainer_kwargs(cfg: DictConfig, cluster: ClusterConfig) -> dict[str, Any]:
-    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    for key in INT_TRAINER_FIELDS:
-        value = kwargs.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigError(f"trainer.{key}={value!r} is invalid: must be an integer")
-    if "logger" in kwargs:
-        raise ConfigError("trainer.logger is set by the logger config group: use logger=csv, logger=tensorboard or "
-                          "logger=none (files land in the run directory)")
-    for key in ("accumulate_grad_batches", "log_every_n_steps"):
-        if kwargs.get(key) is not None and kwargs[key] < 1:
-            raise ConfigError(f"trainer.{key}={kwargs[key]!r} is invalid: must be >= 1")
-    if cluster.nodes and not cluster.emulate and kwargs.get("num_nodes") is None:
-        kwargs["num_nodes"] = cluster.num_nodes  # a cluster of nodes runs one Lightning node per node
-    if kwargs.get("devices") is None:
-        kwargs["devices"] = cluster.world_size // int(kwargs.get("num_nodes") or 1)
-    return kwargs
 
 
 def instantiate_group(cfg: DictConfig, group: str, what: str, **defaults: Any) -> list[Any]:
@@ -83,25 +54,6 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     return instantiate_group(cfg, "callbacks", "the callback's class path")
 
 
-# Above SMALL_STATE_BYTES of training state (profile/memory.py), the recipe builds the model
-# on the meta device by default: each process then allocates only its share at set-up. Below
-# it, the model is built whole: small, and the planner gets the routing of warm-up batches
-# through it (a model on the meta device plans with even routing). The strategy's
-# checkpoint_format: auto draws the same line.
-
-
-def builds_on_meta(cfg: DictConfig, model_cfg: ModelConfig) -> bool:
-    """``init_on_meta``: true, false or auto (by the model's training state)."""
-    choice = cfg.get("init_on_meta", "auto")
-    if choice in (True, False):
-        return choice
-    if choice != "auto":
-        raise ConfigError(f"init_on_meta={choice!r} is invalid: must be true, false or auto")
-    from .profile.memory import MemoryModel, small_training_state
-
-    return not small_training_state(MemoryModel(model_cfg).model_params())
-
-
 def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningModule:
     """The LightningModule ``model.architecture`` names, at ``model_cfg``'s shape."""
     if model_cfg.architecture == "pack":
@@ -125,49 +77,6 @@ def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningMo
                    recompute_activation=moe.recompute_activation, jitter_eps=moe.jitter_eps,
                    expert_bias=moe.expert_bias, bias_update_rate=moe.bias_update_rate)
     return HFMoELanguageModel(to_hetermoe(hf, **options), optim_cfg, loss_chunk_tokens=model_cfg.loss_chunk_tokens)
-
-
-def build_strategy(cfg: DictConfig, cluster: ClusterConfig, start_method: str = "popen") -> HeterMoEStrategy:
-    scfg = OmegaConf.to_container(cfg.strategy, resolve=True)
-    unknown = sorted(set(scfg) - set(STRATEGY_FIELDS))
-    if unknown:
-        raise ConfigError(f"strategy: unknown field(s) {unknown}; valid fields are {list(STRATEGY_FIELDS)}")
-    from hydra.utils import to_absolute_path
-
-    for key in ("plan", "profile", "expert_load"):  # paths are relative to where the user started the job
-        if isinstance(scfg.get(key), str) and HydraConfig.initialized():
-            scfg[key] = to_absolute_path(scfg[key])
-    return HeterMoEStrategy(cluster=cluster, start_method=start_method, **scfg)
-
-
-def fit_data_and_model(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[DataConfig, ModelConfig]:
-    """A tokenised corpus: ``data.path`` made absolute (Hydra keeps the launch directory)
-    and read, the model's vocabulary raised to the corpus's when smaller (printed); a
-    larger one is kept (rows no id reaches, as padded vocabularies have). The tokenizer
-    decides which ids exist: an embedding smaller than them could not run, so it is never
-    right to keep, and ``model.vocab_size`` need not repeat what ``meta.json`` records."""
-    if data_cfg.corpus != "tokenized":
-        return data_cfg, model_cfg
-    from dataclasses import replace
-
-    from .model.corpus import read_meta
-
-    path = data_cfg.path
-    if HydraConfig.initialized():
-        from hydra.utils import to_absolute_path
-
-        path = to_absolute_path(path)
-    data_cfg = replace(data_cfg, path=str(path))
-    meta = read_meta(path)
-    if model_cfg.vocab_size < meta.vocab_size:
-        if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-            print(f"[hetermoe] model.vocab_size={model_cfg.vocab_size} -> {meta.vocab_size}: the corpus's tokenizer "
-                  f"({Path(path) / 'meta.json'})", flush=True)
-        model_cfg = replace(model_cfg, vocab_size=meta.vocab_size)
-    if data_cfg.document_mask and model_cfg.architecture != "pack":
-        raise ConfigError(f"data.document_mask=true is invalid with model.architecture={model_cfg.architecture!r}: "
-                          f"only the pack's model takes segment ids (packed documents); set data.document_mask=false")
-    return data_cfg, model_cfg
 
 
 AT_LOAD_STEPS = 64  # the most timed steps whose routing the at-load prediction averages over
@@ -280,30 +189,28 @@ def _save_checkpoint(cfg: DictConfig, trainer: L.Trainer, output_dir: str | os.P
     return str(path)
 
 
-def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "popen") -> dict[str, Any] | None:
-    """Validate every config group, train, validate, and (rank 0) write ``summary.json``.
+def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "popen",
+          run: RunConfig | None = None) -> dict[str, Any] | None:
+    """Check every config group (``run``: already checked, :func:`read_run_config`), train,
+    validate, and (rank 0) write ``summary.json``.
 
     Returns the summary on global rank 0 and ``None`` on other ranks."""
     mute_dependency_noise()
-    model_cfg = from_cfg(ModelConfig, cfg.model, "model")
-    data_cfg = from_cfg(DataConfig, cfg.data, "data")
-    optim_cfg = from_cfg(OptimConfig, cfg.optim, "optim")
-    cluster = from_cfg(ClusterConfig, cfg.cluster, "cluster")
-    data_cfg, model_cfg = fit_data_and_model(data_cfg, model_cfg)
-    if data_cfg.seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
+    if run is None:
+        run = read_run_config(cfg)
+    model_cfg, data_cfg, optim_cfg, cluster = run.model, run.data, run.optim, run.cluster
     from .kernels import why_not
 
     device = torch.device("cuda" if cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") else "cpu")
     problem = why_not(model_cfg.moe.expert_backend, device)
     if problem:
         raise ConfigError(problem)
-    strategy = build_strategy(cfg, cluster, start_method)
+    strategy = HeterMoEStrategy(cluster=cluster, start_method=start_method, **run.strategy)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     summary_cb = RunSummary(warmup_steps=int(cfg.get("timing_warmup_steps", 1)))
     callbacks = [summary_cb, *build_callbacks(cfg)]
-    trainer_kwargs = build_trainer_kwargs(cfg, cluster)
+    trainer_kwargs = dict(run.trainer)
     if trainer_kwargs.get("enable_progress_bar") is None:
         # A bar on a terminal; a line every few steps in a log file, where a bar floods.
         trainer_kwargs["enable_progress_bar"] = sys.stderr.isatty()
@@ -312,7 +219,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     loggers = build_loggers(cfg, output_dir)
     trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=loggers or False,
                         default_root_dir=str(output_dir), **trainer_kwargs)
-    on_meta = builds_on_meta(cfg, model_cfg)
+    on_meta = run.init_on_meta
     with trainer.init_module(empty_init=True) if on_meta else nullcontext():
         model = build_model(model_cfg, optim_cfg)
     data = build_datamodule(data_cfg)

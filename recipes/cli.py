@@ -14,7 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 
 # importing the package registers strategy="hetermoe"
 from lightning_hetermoe import ByteCorpusDataModule, MoELanguageModel
-from lightning_hetermoe.strategy.launchers import run_and_exit
+from lightning_hetermoe.process_exit import run_and_exit
 
 
 def main(args=None) -> LightningCLI:

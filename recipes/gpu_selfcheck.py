@@ -7,7 +7,7 @@ The same as ``python -m lightning_hetermoe.selfcheck`` (see that module for the 
 """
 
 from lightning_hetermoe.selfcheck import main
-from lightning_hetermoe.strategy.launchers import exit_now
+from lightning_hetermoe.process_exit import exit_now
 
 if __name__ == "__main__":
     exit_now(main())  # the table is out: no finalization to wait for

@@ -12,14 +12,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError
-from lightning_hetermoe.strategy.launchers import run_and_exit
-from lightning_hetermoe.training import train
+from lightning_hetermoe.process_exit import run_and_exit
+from lightning_hetermoe.run_config import read_run_config
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        train(cfg, HydraConfig.get().runtime.output_dir)
+        # every group checked before Lightning and torch load: a wrong field answers at once
+        run = read_run_config(cfg)
+        from lightning_hetermoe.training import train
+
+        train(cfg, HydraConfig.get().runtime.output_dir, run=run)
     except ConfigError as err:
         # A bad value is the user's to fix: one line naming the field, no stack trace.
         raise SystemExit(f"[hetermoe] config error: {err}") from None

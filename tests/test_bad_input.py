@@ -74,7 +74,7 @@ def test_a_typo_in_the_hydra_strategy_config_is_named():
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
 
-    from lightning_hetermoe.training import build_strategy
+    from lightning_hetermoe.run_config import read_run_config
 
     conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
     with initialize_config_dir(config_dir=conf, version_base=None):
@@ -82,7 +82,7 @@ def test_a_typo_in_the_hydra_strategy_config_is_named():
         with pytest.raises(ConfigCompositionException, match=r"Could not override 'strategy.mdoe'"):
             compose("config", overrides=["strategy.mdoe=ep"])
         cfg = compose("config", overrides=["+strategy.mdoe=ep"])  # added on purpose: the pack names it
-    refused(lambda: build_strategy(cfg, None), "unknown field(s) ['mdoe']", "'mode'")
+    refused(lambda: read_run_config(cfg), "unknown field(s) ['mdoe']", "'mode'")
 
 
 # -- models a mode cannot run, and attributes the strategy reads ----------------------------

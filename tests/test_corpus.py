@@ -293,7 +293,7 @@ def test_jsonl_documents_and_a_tokenizer_on_disk(corpus, tmp_path):
 
 
 def test_the_model_takes_the_corpus_vocabulary(corpus):
-    from lightning_hetermoe.training import fit_data_and_model
+    from lightning_hetermoe.run_config import fit_data_and_model
 
     out, _, meta, _ = corpus
     data, model = fit_data_and_model(data_cfg(out), ModelConfig())

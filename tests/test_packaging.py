@@ -81,7 +81,7 @@ def test_the_strategy_yaml_names_exactly_the_strategys_arguments():
     from omegaconf import OmegaConf
 
     from lightning_hetermoe.strategy.arguments import StrategyArguments
-    from lightning_hetermoe.training import STRATEGY_FIELDS
+    from lightning_hetermoe.run_config import STRATEGY_FIELDS
 
     yaml = set(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "strategy" / "hetermoe.yaml"))
     arguments = {f.name for f in fields(StrategyArguments)} - {"cluster"}

@@ -171,6 +171,28 @@ def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("override, named", [
+    ("strategy.mode=zebar", "strategy mode='zebar' is invalid"),
+    ("trainer.max_steps=1.5", "trainer.max_steps=1.5 is invalid: must be an integer"),
+    ("strategy.plan=no_such_plan.json", "no such file"),
+    ("init_on_meta=maybe", "init_on_meta='maybe' is invalid"),
+])
+def test_a_config_error_is_named_before_lightning_or_torch_is_imported(tmp_path, override, named):
+    """Every config group is read and checked before the run loads Lightning and torch
+    (seconds): ``-X importtime`` lists each module the process imported, on stderr."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "recipes" / "train.py"), override,
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "lightning_hetermoe.run_config" in imported and not imported & {"torch", "lightning"}, \
+        sorted(imported & {"torch", "lightning"})
+    errors = [line for line in lines if line.startswith("[hetermoe] config error:")]
+    assert len(errors) == 1 and named in errors[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_torchrun_launches_the_ranks_and_the_pack_spawns_none(tmp_path):
     """``torchrun --nproc_per_node=2 recipes/train.py``: Lightning's TorchElastic environment
     sees processes that already exist; the strategy's launcher must not start more."""

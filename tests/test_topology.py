@@ -21,7 +21,7 @@ from lightning_hetermoe.profile import make_timer
 from lightning_hetermoe.simulate import predict_step, simulate_plan
 from lightning_hetermoe.simulate.schedules import plan_setup
 from lightning_hetermoe.simulate.step import exchange_legs
-from lightning_hetermoe.training import build_trainer_kwargs
+from lightning_hetermoe.run_config import build_trainer_kwargs
 
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -1,23 +1,25 @@
 """The strategy's arguments, checked the moment they are given and again once the world is
-known (before any process starts): every error names the field and what would be valid."""
+known (before any process starts): every error names the field and what would be valid.
+
+The arguments themselves import neither Lightning nor torch (the main job's recipe checks
+its strategy group before they load, in a fraction of the seconds they take); the checks of
+a model or a trainer's callbacks import what they read where they run."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import lightning as L
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..cluster import ClusterConfig
 from ..configs import ConfigError, OptimConfig, from_cfg
-from ..materialize import built_on_meta
-from ..model_contract import ModelContractError, describe_model, moe_layers
 from ..profile import memory
 from ..routing_record import load_record
 from ..cluster.devices import check_bf16
+
+if TYPE_CHECKING:
+    import torch
 
 MODES = ("auto", "ep", "zebra", "distep", "datacentric")
 DISAGGREGATED = ("zebra", "distep")
@@ -249,6 +251,9 @@ class StrategyArguments:
             return  # they average only in fit
         from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
+        from ..materialize import built_on_meta
+        from ..model_contract import moe_layers
+
         averaging = [type(cb).__name__ for cb in callbacks if isinstance(cb, WeightAveraging)]
         if averaging and built_on_meta(model):
             raise ConfigError(f"{averaging[0]} copies the model in its set-up, which Lightning runs before the "
@@ -269,6 +274,8 @@ class StrategyArguments:
 
     def check_model(self, model: Any, device: torch.device, world_size: int = 1) -> None:
         """Everything about the model that can be checked before processes start."""
+        from ..model_contract import ModelContractError, describe_model, moe_layers
+
         if getattr(model, "_compiler_ctx", None):  # Lightning's mark on a module it took from torch.compile
             raise ConfigError(
                 "HeterMoEStrategy does not train a torch.compile'd LightningModule: the strategy swaps each MoE "
@@ -335,6 +342,8 @@ class StrategyArguments:
         the device beside them."""
         if self.cluster is None or self.mode not in ("ep", "datacentric") or self.cluster.world_size != world_size:
             return
+        from ..model_contract import ModelContractError, describe_model
+
         try:
             cfg = describe_model(model)
         except ModelContractError:
@@ -409,6 +418,7 @@ def check_passed_on(kwargs: dict[str, Any]) -> None:
 
 
 def _builds_in_configure_model(model: Any) -> bool:
+    import lightning as L
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     return isinstance(model, L.LightningModule) and is_overridden("configure_model", model)

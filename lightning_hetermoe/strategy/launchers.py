@@ -13,7 +13,8 @@ about which rank died.
 * Every thread started here is stopped and joined before the process ends
   (:func:`stop_watching`; an ``atexit`` hook for scripts that never call the strategy's
   ``shutdown``), and :func:`leave_at_exit` leaves the heartbeat and the process group
-  before the interpreter's finalization, which ends daemon threads mid-call.
+  before the interpreter's finalization, which ends daemon threads mid-call (the pack's own
+  commands run it through :func:`lightning_hetermoe.process_exit.exit_now`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from .. import process_exit
+from . import heartbeat
 
 PreLaunch = Callable[[Any, Any], None]  # (model, trainer)
 DescribeRank = Callable[[int], str]
@@ -100,8 +104,6 @@ def _leave_previous_job() -> None:
         for proc in _children_of_job:
             proc.wait()
         _children_of_job.clear()
-        from . import heartbeat
-
         heartbeat.stop()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -189,7 +191,6 @@ def leave_at_exit() -> None:
     idle threads (joined) and the process group (a script that never called the strategy's
     ``shutdown``: a user's ``Trainer.fit``, LightningCLI), before finalization ends daemon
     threads inside C++ calls (SIGABRT)."""
-    from . import heartbeat
     from .backends.zebra import fibers
 
     heartbeat.leave(failed=heartbeat.exiting_on_error())
@@ -209,48 +210,9 @@ def leave_at_exit() -> None:
     # nanobind reports as ~580 leaked objects on every exit: noise that reads as a bug.
 
 
-def exit_now(code: int = 0) -> None:
-    """End a command of the pack's own whose work is done and written (a recipe, the
-    self-check): leave as at exit, flush, and exit without the interpreter's finalization,
-    whose garbage collections walk every object torch and Lightning made, twice (seconds of
-    CPU, many more on a busy machine, after the last line is out)."""
-    import logging
-
-    leave_at_exit()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
-
-
-def run_and_exit(main: Callable[[], Any]) -> None:
-    """Run a command of the pack's own and end the process through :func:`exit_now`, whether
-    its work finished or failed. A failure is reported as the interpreter would report it
-    (the traceback, or a ``SystemExit`` message) with its exit code (1 for an uncaught error;
-    a Ctrl-C outside Lightning's loop too, where the interpreter would end on SIGINT), but
-    without the finalization after it: its seconds of garbage collection are seconds the job's other
-    ranks spend waiting on a collective for this one to go."""
-    try:
-        main()
-        code = 0
-    except SystemExit as done:
-        code = done.code
-        if code is None:
-            code = 0
-        elif not isinstance(code, int):  # a message: printed, exit code 1, as the interpreter does
-            print(code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    if code:
-        from . import heartbeat
-
-        heartbeat.mark_failed()  # gone on an error: its peers are not told it finished
-    exit_now(code)
+# the pack's own commands end through process_exit.exit_now, which leaves first
+process_exit.when_leaving(leave_at_exit)
+process_exit.when_failing(heartbeat.mark_failed)  # gone on an error: its peers are not told it finished
 
 
 _exit_hook = {"registered": False}

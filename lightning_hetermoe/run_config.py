@@ -1,0 +1,139 @@
+"""A training job's config read and checked whole before anything heavy loads.
+
+``recipes/train.py`` reads every group here first: a wrong field is named in well under a
+second, where building the run imports Lightning and torch (about 4 s) before it could say
+so. Only what needs them is left to :func:`lightning_hetermoe.training.train`: whether an
+expert backend runs on the device, the callbacks' and loggers' classes, Lightning's own
+checks of the trainer's arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from .cluster import ClusterConfig
+from .configs import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
+from .strategy.arguments import StrategyArguments
+
+# the strategy group's fields: the strategy's own arguments (its cluster is the cluster group)
+STRATEGY_FIELDS = tuple(f.name for f in fields(StrategyArguments) if f.name != "cluster")
+
+# Trainer arguments that must be whole numbers (None and -1 keep Lightning's meaning).
+INT_TRAINER_FIELDS = ("max_steps", "min_steps", "max_epochs", "min_epochs", "num_nodes", "log_every_n_steps",
+                      "accumulate_grad_batches", "num_sanity_val_steps", "check_val_every_n_epoch")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The job's config groups as checked dataclasses and keyword arguments."""
+
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    cluster: ClusterConfig
+    strategy: dict[str, Any]  # HeterMoEStrategy's keyword arguments, paths absolute (its cluster apart)
+    trainer: dict[str, Any]  # Lightning Trainer's keyword arguments
+    init_on_meta: bool
+
+
+def read_run_config(cfg: DictConfig) -> RunConfig:
+    """Every config group checked (see the module): raises :class:`ConfigError` naming the
+    first wrong field and what would be valid."""
+    model_cfg = from_cfg(ModelConfig, cfg.model, "model")
+    data_cfg = from_cfg(DataConfig, cfg.data, "data")
+    optim_cfg = from_cfg(OptimConfig, cfg.optim, "optim")
+    cluster = from_cfg(ClusterConfig, cfg.cluster, "cluster")
+    data_cfg, model_cfg = fit_data_and_model(data_cfg, model_cfg)
+    if data_cfg.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
+    strategy = strategy_kwargs(cfg)
+    StrategyArguments(cluster=cluster, **strategy)  # every field's check; the strategy repeats them as it is built
+    return RunConfig(model=model_cfg, data=data_cfg, optim=optim_cfg, cluster=cluster, strategy=strategy,
+                     trainer=build_trainer_kwargs(cfg, cluster), init_on_meta=builds_on_meta(cfg, model_cfg))
+
+
+def strategy_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The strategy group's fields, unknown ones named; paths made absolute (Hydra runs the
+    job in its own directory, the user named them from where they started it)."""
+    scfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    unknown = sorted(set(scfg) - set(STRATEGY_FIELDS))
+    if unknown:
+        raise ConfigError(f"strategy: unknown field(s) {unknown}; valid fields are {list(STRATEGY_FIELDS)}")
+    from hydra.utils import to_absolute_path
+
+    for key in ("plan", "profile", "expert_load"):
+        if isinstance(scfg.get(key), str) and HydraConfig.initialized():
+            scfg[key] = to_absolute_path(scfg[key])
+    return scfg
+
+
+def build_trainer_kwargs(cfg: DictConfig, cluster: ClusterConfig) -> dict[str, Any]:
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    for key in INT_TRAINER_FIELDS:
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"trainer.{key}={value!r} is invalid: must be an integer")
+    if "logger" in kwargs:
+        raise ConfigError("trainer.logger is set by the logger config group: use logger=csv, logger=tensorboard or "
+                          "logger=none (files land in the run directory)")
+    for key in ("accumulate_grad_batches", "log_every_n_steps"):
+        if kwargs.get(key) is not None and kwargs[key] < 1:
+            raise ConfigError(f"trainer.{key}={kwargs[key]!r} is invalid: must be >= 1")
+    if cluster.nodes and not cluster.emulate and kwargs.get("num_nodes") is None:
+        kwargs["num_nodes"] = cluster.num_nodes  # a cluster of nodes runs one Lightning node per node
+    if kwargs.get("devices") is None:
+        kwargs["devices"] = cluster.world_size // int(kwargs.get("num_nodes") or 1)
+    return kwargs
+
+
+# Above SMALL_STATE_BYTES of training state (profile/memory.py), the recipe builds the model
+# on the meta device by default: each process then allocates only its share at set-up. Below
+# it, the model is built whole: small, and the planner gets the routing of warm-up batches
+# through it (a model on the meta device plans with even routing). The strategy's
+# checkpoint_format: auto draws the same line.
+
+
+def builds_on_meta(cfg: DictConfig, model_cfg: ModelConfig) -> bool:
+    """``init_on_meta``: true, false or auto (by the model's training state)."""
+    choice = cfg.get("init_on_meta", "auto")
+    if choice in (True, False):
+        return choice
+    if choice != "auto":
+        raise ConfigError(f"init_on_meta={choice!r} is invalid: must be true, false or auto")
+    from .profile.memory import MemoryModel, small_training_state
+
+    return not small_training_state(MemoryModel(model_cfg).model_params())
+
+
+def fit_data_and_model(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[DataConfig, ModelConfig]:
+    """A tokenised corpus: ``data.path`` made absolute (Hydra keeps the launch directory)
+    and read, the model's vocabulary raised to the corpus's when smaller (printed); a
+    larger one is kept (rows no id reaches, as padded vocabularies have). The tokenizer
+    decides which ids exist: an embedding smaller than them could not run, so it is never
+    right to keep, and ``model.vocab_size`` need not repeat what ``meta.json`` records."""
+    if data_cfg.corpus != "tokenized":
+        return data_cfg, model_cfg
+    from .model.corpus import read_meta
+
+    path = data_cfg.path
+    if HydraConfig.initialized():
+        from hydra.utils import to_absolute_path
+
+        path = to_absolute_path(path)
+    data_cfg = replace(data_cfg, path=str(path))
+    meta = read_meta(path)
+    if model_cfg.vocab_size < meta.vocab_size:
+        if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+            print(f"[hetermoe] model.vocab_size={model_cfg.vocab_size} -> {meta.vocab_size}: the corpus's tokenizer "
+                  f"({Path(path) / 'meta.json'})", flush=True)
+        model_cfg = replace(model_cfg, vocab_size=meta.vocab_size)
+    if data_cfg.document_mask and model_cfg.architecture != "pack":
+        raise ConfigError(f"data.document_mask=true is invalid with model.architecture={model_cfg.architecture!r}: "
+                          f"only the pack's model takes segment ids (packed documents); set data.document_mask=false")
+    return data_cfg, model_cfg
