@@ -149,6 +149,35 @@ def test_a_lone_overrun_is_counted_and_the_warning_waits_for_a_slip_a_faithful_r
     assert "cluster.time_scale >= 2 would have covered it" in ours[0]
 
 
+def test_the_first_calls_slow_start_is_counted_but_not_judged_by_the_warning(virtual_clock):
+    """Each key's warm-up calls pay one-time costs (on a fresh install, the modules a task
+    imports first compile inside it): their slip stays in the counts summary.json judges, and
+    the warning judges only the calls after them, so a slow start alone does not warn of a
+    clock that slips, and a clock that does slip after it still warns."""
+    clock = virtual_clock(emulate_clock)
+    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=1)
+
+    def task(key: str, real: float, modelled: float) -> None:
+        started = clock.perf_counter()
+        clock.advance(real)
+        em.pad("attention", key, started, modelled)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in range(4):
+            task(f"layer {layer}", 0.030, 0.010)  # first calls: 20 ms past 10 each
+        for i in range(8):
+            task(f"layer {i % 4}", 0.005, 0.010)
+        # 1 ms past: 80 ms slipped in 130 ms modelled over every call, 1 ms in 90 past warm-up
+        task("layer 0", 0.011, 0.010)
+        assert not caught, [str(w.message) for w in caught]
+        assert em.stats["attention"].slip_s == pytest.approx(0.081)  # counted whole
+        for i in range(2):  # 2 ms past each past warm-up: 3 of 100 ms, then 5 of 110
+            task(f"layer {i}", 0.012, 0.010)
+    ours = [str(w.message) for w in caught if issubclass(w.category, EmulationWarning)]
+    assert len(ours) == 1 and "its tasks so far ran 3.0% past their modelled time" in ours[0], ours
+
+
 def test_an_overrun_is_the_tasks_own_work_not_what_its_caller_did_after_it(virtual_clock):
     """``done``: the task's work ended there; the caller then waited inside the modelled time
     (zebra issues held-back sends while it pads): the pad sleeps what is left, no overrun. A

@@ -117,7 +117,9 @@ class Emulator:
     """One emulated device's clock. Durations returned are already times ``time_scale``.
 
     ``warmup_calls`` first calls of each task key are not warned about (allocator and
-    thread-pool start-up), only counted."""
+    thread-pool start-up, modules imported on first use: on a fresh install each first
+    import compiles its bytecode inside the task), only counted: the warning judges the
+    calls after them."""
 
     def __init__(self, device, timer, *, link, time_scale: float = 1.0, token_scale: float = 1.0,
                  warmup_calls: int = 1, sleep: Callable[[float], None] | None = None, topology: Any = None,
@@ -135,6 +137,10 @@ class Emulator:
         self._seen: dict[Any, int] = {}
         self._warned = False
         self._needed_scale = 0.0
+        # the padded tasks' modelled and slipped seconds past each key's warm-up calls: what
+        # the warning judges (summary.json's slip_fraction counts every call)
+        self._judged_modelled_s = 0.0
+        self._judged_slip_s = 0.0
         self._lock = threading.Lock()
         self._deferred: tuple[str, Any, float, float, float] | None = None  # see defer
 
@@ -239,11 +245,16 @@ class Emulator:
             st.modelled_s += modelled
             st.slept_s += slept
             seen = self._seen[key] = self._seen.get(key, 0) + 1
+            judged = seen > self.warmup_calls and task != "transfer"
+            if judged:
+                self._judged_modelled_s += modelled
             if modelled > 0:
                 st.worst_ratio = max(st.worst_ratio, real / modelled)
             if real > modelled and modelled > 0:
                 st.overruns += 1
                 st.slip_s += real - modelled
+                if judged:
+                    self._judged_slip_s += real - modelled
                 if seen > self.warmup_calls:
                     self._overrun(task, key, real, modelled)
         return slept
@@ -288,8 +299,9 @@ class Emulator:
         if self._warned:
             return
         # one task's hiccup (the OS, the collector) is not a clock that slips: warn once the
-        # tasks so far have run past what a faithful run allows, as summary.json will judge it
-        slip = self._slip_so_far()
+        # tasks so far (past their warm-up calls) have run past what a faithful run allows,
+        # as summary.json will judge the run
+        slip = self._judged_slip_s / self._judged_modelled_s if self._judged_modelled_s > 0 else 0.0
         if slip <= FAITHFUL_SLIP:
             return
         self._warned = True
@@ -300,13 +312,6 @@ class Emulator:
                f"and every overrun before it (warned once; summary.json's emulation says whether the whole run "
                f"stayed faithful)")
         warnings.warn(msg, EmulationWarning, stacklevel=3)
-
-    def _slip_so_far(self) -> float:
-        """This rank's seconds past its padded tasks' modelled time, as a share of it (the
-        run's ``slip_fraction`` as far as it has gone)."""
-        padded = [s for k, s in self.stats.items() if k != "transfer"]
-        modelled = sum(s.modelled_s for s in padded)
-        return sum(s.slip_s for s in padded) / modelled if modelled > 0 else 0.0
 
     @property
     def needed_time_scale(self) -> float:
