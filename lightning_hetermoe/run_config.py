@@ -54,8 +54,53 @@ def read_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
     strategy = strategy_kwargs(cfg)
     StrategyArguments(cluster=cluster, **strategy)  # every field's check; the strategy repeats them as it is built
+    trainer = build_trainer_kwargs(cfg, cluster)
+    if trainer.get("accelerator") == "cpu":
+        check_host_memory(model_cfg, optim_cfg, trainer)
     return RunConfig(model=model_cfg, data=data_cfg, optim=optim_cfg, cluster=cluster, strategy=strategy,
-                     trainer=build_trainer_kwargs(cfg, cluster), init_on_meta=builds_on_meta(cfg, model_cfg))
+                     trainer=trainer, init_on_meta=builds_on_meta(cfg, model_cfg))
+
+
+def check_host_memory(model_cfg: ModelConfig, optim_cfg: OptimConfig, trainer: dict[str, Any]) -> None:
+    """On CPU processes the model's training state lives in the machines' memory, every
+    parameter's weight, gradient and optimizer state at least once however the ranks share
+    it: a model whose state cannot fit in what this machine has available would end in the
+    kernel's out-of-memory kill of a rank, minutes in. Refused here, with the numbers (where
+    the system says what is available: Linux's ``MemAvailable``)."""
+    available = available_host_bytes()
+    if available is None:
+        return
+    from .profile.memory import MemoryModel, optimizer_pricing
+
+    half = str(trainer.get("precision")) in ("bf16-true", "16-true", "bf16", "16")  # weights stored at 2 bytes
+    state_bytes = optimizer_pricing(optim_cfg)[0] / (2 if half else 1)
+    per_param = (2 if half else 4) * 2 + state_bytes  # weight, gradient, optimizer state
+    params = MemoryModel(model_cfg).model_params()
+    need = params * per_param / max(int(trainer.get("num_nodes") or 1), 1)
+    if need <= available:
+        return
+    accelerator = trainer.get("accelerator")
+    where = "trainer.accelerator=cpu" if accelerator == "cpu" else f"trainer.accelerator={accelerator} without a GPU"
+    raise ConfigError(
+        f"model {model_cfg.name!r} does not fit this machine's memory: {where} keeps its training "
+        f"state in host memory, and its {params / 1e9:.3g} B parameters need at least {need / 1e9:.3g} GB "
+        f"(weight, gradient and {optim_cfg.name} state, {per_param:g} bytes a parameter, each held once over the "
+        f"ranks) where {available / 1e9:.3g} GB is available. An emulated cluster times its workload's GPU tasks "
+        f"but trains the model itself on the CPU: train a small model on it (model=tiny, the main job's), or this "
+        f"one on GPUs (trainer.accelerator=gpu)")
+
+
+def available_host_bytes() -> float | None:
+    """This machine's memory available to new work (Linux's ``MemAvailable``); ``None``
+    where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def strategy_kwargs(cfg: DictConfig) -> dict[str, Any]:

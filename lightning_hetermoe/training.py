@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
@@ -23,7 +24,7 @@ from .configs import ConfigError, ModelConfig, OptimConfig
 from .emulate import FAITHFUL_SLIP
 from .model import MoELanguageModel, build_datamodule
 from .quiet import mute_dependency_noise
-from .run_config import RunConfig, read_run_config
+from .run_config import RunConfig, check_host_memory, read_run_config
 from .strategy import HeterMoEStrategy
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,12 @@ def prediction_verdict(summary: dict[str, Any], output_dir: str | os.PathLike) -
         return line + f": the routing moved from the one sampled at set-up{again}"
     if off_at_load:
         emulation = summary.get("emulation")
-        if emulation is None:
+        priced = {d: (summary.get("devices") or []).count(d) for d in summary.get("devices") or [] if d != "cpu"}
+        if emulation is None and summary.get("ran_on") == "cpu" and priced:
+            kinds = ", ".join(f"{n} {d}" for d, n in priced.items())
+            why = (f"the ranks ran on the CPU and the prediction is for the cluster's devices ({kinds}): "
+                   f"cluster.emulate=true plays their clock on CPU processes (the emu_* clusters do)")
+        elif emulation is None:
             why = ("the clock prices these devices off: a measured profile (recipes/profile_devices.py, then "
                    "strategy.profile=<its JSON>) prices them as they run")
         elif not emulation.get("faithful", True):
@@ -201,7 +207,16 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     model_cfg, data_cfg, optim_cfg, cluster = run.model, run.data, run.optim, run.cluster
     from .kernels import why_not
 
-    device = torch.device("cuda" if cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") else "cpu")
+    accelerator = run.trainer.get("accelerator")
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available() and not (
+            accelerator == "gpu" and torch.backends.mps.is_available()):
+        raise ConfigError(f"trainer.accelerator={accelerator!r} is invalid here: torch sees no GPU "
+                          f"(torch.cuda.is_available() is False, torch {torch.__version__}); use "
+                          f"trainer.accelerator=cpu (or auto: the GPUs where there are some)")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and accelerator != "cpu":
+        check_host_memory(model_cfg, optim_cfg, run.trainer)  # (accelerator=cpu: checked with the config)
+    device = torch.device("cpu" if on_cpu else "cuda")
     problem = why_not(model_cfg.moe.expert_backend, device)
     if problem:
         raise ConfigError(problem)
@@ -217,8 +232,15 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         if not trainer_kwargs["enable_progress_bar"]:
             callbacks.append(ProgressLog(every_n_steps=int(trainer_kwargs.get("log_every_n_steps") or 10)))
     loggers = build_loggers(cfg, output_dir)
-    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=loggers or False,
-                        default_root_dir=str(output_dir), **trainer_kwargs)
+    try:
+        trainer = L.Trainer(strategy=strategy, callbacks=callbacks, logger=loggers or False,
+                            default_root_dir=str(output_dir), **trainer_kwargs)
+    except ConfigError:
+        raise
+    except (MisconfigurationException, ValueError) as err:
+        # what Lightning's constructor raises for arguments it cannot take (an unknown precision
+        # is a ValueError there): the trainer group's to fix, before any process starts
+        raise ConfigError(f"trainer: {err}") from None
     on_meta = run.init_on_meta
     with trainer.init_module(empty_init=True) if on_meta else nullcontext():
         model = build_model(model_cfg, optim_cfg)
@@ -244,6 +266,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         "mode": strategy.mode,
         "cluster": cluster.name,
         "devices": cluster.devices,
+        "ran_on": strategy.root_device.type,  # what the ranks ran on (the devices above are what was priced)
         "model": model_cfg.name,
         "corpus": data_cfg.path or data_cfg.corpus,
         "wall_s": time.perf_counter() - started,

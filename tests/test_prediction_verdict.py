@@ -51,3 +51,17 @@ def test_a_miss_at_the_steps_own_routing_points_at_the_clock(tmp_path):
     assert missed.endswith("the simulator misses this run at its steps' own routing")
     # within the tolerance at set-up, off at the steps' routing: still the clock's miss
     assert prediction_verdict(summary(1.0, 1.0, at_load=1.0 / off), tmp_path).endswith("own routing")
+
+
+def test_a_gpu_cluster_run_on_cpu_processes_says_so_not_that_the_clock_prices_its_devices_off(tmp_path):
+    """``cluster=o1`` trained on this machine: CPU processes, a prediction for the cluster's
+    GPUs, no emulated clock. The miss is neither the routing's nor the cost model's."""
+    off = 1.0 + 2 * VERDICT_TOLERANCE
+    cpus = summary(off, 1.0, at_load=1.0, emulation=None, ran_on="cpu", devices=["a40", "a40", "v100"])
+    assert prediction_verdict(cpus, tmp_path).endswith(
+        "the ranks ran on the CPU and the prediction is for the cluster's devices (2 a40, 1 v100): cluster.emulate=true "
+        "plays their clock on CPU processes (the emu_* clusters do)")
+    # on the devices it priced (the GPUs themselves, or CPUs priced as CPUs), the clock is what is left
+    for ran_on, devices in (("cuda", ["a40", "a40", "v100"]), ("cpu", ["cpu", "cpu"])):
+        line = prediction_verdict(dict(cpus, ran_on=ran_on, devices=devices), tmp_path)
+        assert line.endswith("strategy.profile=<its JSON>) prices them as they run"), line

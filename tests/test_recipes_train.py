@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers_exit import EXIT_S, run_to_exit
 from helpers_recipe import compose
@@ -147,6 +148,11 @@ def test_a_launch_outside_hydra_asks_whether_hydra_runs_without_importing_it(mon
     (["data.num_workers=-1"], "data.num_workers=-1 is invalid: must be an integer >= 0"),
     (["trainer.max_steps=1.5"], "trainer.max_steps=1.5 is invalid: must be an integer"),
     (["+model.d_modle=32"], "model: unknown field(s) ['d_modle']"),
+    (["trainer.precision=fp77"], "trainer: Precision 'fp77' is invalid. Allowed precision values:"),
+    (["trainer.val_check_interval=-3"], "trainer: You have passed invalid value -3 for val_check_interval"),
+    pytest.param(["trainer.accelerator=gpu"], "trainer.accelerator='gpu' is invalid here: torch sees no GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+    (["model=mixtral_8x7b"], "model 'mixtral_8x7b' does not fit this machine's memory: trainer.accelerator=cpu"),
 ])
 def test_bad_config_is_rejected_naming_the_field(tmp_path, overrides, message):
     """Rejected in the launching process (``train`` here), before any rank exists."""
@@ -176,6 +182,7 @@ def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tm
     ("trainer.max_steps=1.5", "trainer.max_steps=1.5 is invalid: must be an integer"),
     ("strategy.plan=no_such_plan.json", "no such file"),
     ("init_on_meta=maybe", "init_on_meta='maybe' is invalid"),
+    ("model=mixtral_8x7b", "need at least 747 GB"),
 ])
 def test_a_config_error_is_named_before_lightning_or_torch_is_imported(tmp_path, override, named):
     """Every config group is read and checked before the run loads Lightning and torch
