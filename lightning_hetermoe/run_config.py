@@ -40,6 +40,11 @@ class RunConfig:
     strategy: dict[str, Any]  # HeterMoEStrategy's keyword arguments, paths absolute (its cluster apart)
     trainer: dict[str, Any]  # Lightning Trainer's keyword arguments
     init_on_meta: bool
+    ckpt_path: str | None = None  # the checkpoint fit resumes from (a path made absolute, or Lightning's names)
+
+
+# ckpt_path values Lightning resolves itself, from the trainer's checkpoint callbacks or the cluster
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
 def read_run_config(cfg: DictConfig) -> RunConfig:
@@ -58,7 +63,28 @@ def read_run_config(cfg: DictConfig) -> RunConfig:
     if trainer.get("accelerator") == "cpu":
         check_host_memory(model_cfg, optim_cfg, trainer)
     return RunConfig(model=model_cfg, data=data_cfg, optim=optim_cfg, cluster=cluster, strategy=strategy,
-                     trainer=trainer, init_on_meta=builds_on_meta(cfg, model_cfg))
+                     trainer=trainer, init_on_meta=builds_on_meta(cfg, model_cfg), ckpt_path=resume_path(cfg))
+
+
+def resume_path(cfg: DictConfig) -> str | None:
+    """``ckpt_path``: a checkpoint to resume from, made absolute (Hydra runs the job in its
+    own directory), which must exist: a file, or a sharded checkpoint's directory. Lightning's
+    own names pass as they are."""
+    path = cfg.get("ckpt_path")
+    if path is None:
+        return None
+    path = str(path)
+    if path in LIGHTNING_CKPT_NAMES or path.startswith("registry:") or "://" in path:
+        return path  # Lightning's to resolve (a model registry's version, a remote file system's URL)
+    if HydraConfig.initialized():
+        from hydra.utils import to_absolute_path
+
+        path = to_absolute_path(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: no such file or directory ({path}); give a "
+                          f"checkpoint file, a sharded checkpoint's directory, or one of Lightning's "
+                          f"{LIGHTNING_CKPT_NAMES}")
+    return path
 
 
 def check_host_memory(model_cfg: ModelConfig, optim_cfg: OptimConfig, trainer: dict[str, Any]) -> None:

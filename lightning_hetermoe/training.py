@@ -13,7 +13,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
@@ -246,11 +245,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         model = build_model(model_cfg, optim_cfg)
     data = build_datamodule(data_cfg)
     started = time.perf_counter()
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is not None:
-        from hydra.utils import to_absolute_path
-
-        ckpt_path = to_absolute_path(str(ckpt_path)) if HydraConfig.initialized() else str(ckpt_path)
+    ckpt_path = run.ckpt_path
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     saved = _save_checkpoint(cfg, trainer, output_dir)
     emulation = strategy.emulation_report()  # a collective: before the ranks part ways

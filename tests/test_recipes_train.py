@@ -153,6 +153,7 @@ def test_a_launch_outside_hydra_asks_whether_hydra_runs_without_importing_it(mon
     pytest.param(["trainer.accelerator=gpu"], "trainer.accelerator='gpu' is invalid here: torch sees no GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     (["model=mixtral_8x7b"], "model 'mixtral_8x7b' does not fit this machine's memory: trainer.accelerator=cpu"),
+    (["ckpt_path=/no/such.ckpt"], "ckpt_path='/no/such.ckpt' is invalid: no such file or directory"),
 ])
 def test_bad_config_is_rejected_naming_the_field(tmp_path, overrides, message):
     """Rejected in the launching process (``train`` here), before any rank exists."""
