@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from .cluster import ClusterConfig
 from .cluster.devices import DeviceSpec, detect_cuda_devices, get_device, match_device_name
-from .configs import ModelConfig, from_cfg
+from .configs import ConfigError, ModelConfig, from_cfg
 from .emulate import Emulator, emulation_cost_model, install
 from .model.loss import linear_cross_entropy
 from .model.transformer import DecoderBlock, RMSNorm
@@ -108,7 +108,7 @@ def measure_device(
 
     cfg = from_cfg(ModelConfig, model_cfg)
     if seq_len < 1 or seq_len > cfg.max_seq_len:
-        raise ValueError(f"profile: seq_len={seq_len} is invalid: must be in [1, model.max_seq_len={cfg.max_seq_len}]")
+        raise ConfigError(f"profile: seq_len={seq_len} is invalid: must be in [1, model.max_seq_len={cfg.max_seq_len}]")
     device = torch.device(device) if device is not None else torch.device("cpu")
     dtype = dtype or _default_dtype(device)
     scale = emulator.time_scale if emulator is not None else 1.0
@@ -131,7 +131,7 @@ def measure_device(
         params = list(block.parameters())
         for n in sorted(set(int(s) for s in attention_seqs)):
             if n < 1:
-                raise ValueError(f"profile: attention_seqs must be >= 1, got {n}")
+                raise ConfigError(f"profile: attention_seqs must be >= 1, got {n}")
             x = torch.randn(n, seq_len, cfg.d_model, generator=gen).to(device, dtype).requires_grad_()
 
             def attention(x=x) -> Tensor:
@@ -155,7 +155,7 @@ def measure_device(
         eparams = list(experts.parameters())
         for t in sorted(set(int(t) for t in expert_tokens)):
             if t < 1:
-                raise ValueError(f"profile: expert_tokens must be >= 1, got {t}")
+                raise ConfigError(f"profile: expert_tokens must be >= 1, got {t}")
             x = torch.randn(t, cfg.d_model, generator=gen).to(device, dtype).requires_grad_()
             idx = torch.arange(t, device=device)
             counts = torch.zeros(experts.num_local_experts, dtype=torch.long, device=device)
@@ -234,7 +234,7 @@ def profile_cluster(
     kinds = _rank_kinds(cl)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_world_size() != len(kinds):
-        raise ValueError(f"profile: cluster names {len(kinds)} ranks, the process group has {dist.get_world_size()}")
+        raise ConfigError(f"profile: cluster names {len(kinds)} ranks, the process group has {dist.get_world_size()}")
     rank = dist.get_rank() if distributed else 0
     first_rank = {}
     for r, k in enumerate(kinds):
@@ -249,7 +249,7 @@ def profile_cluster(
         mine = [k for k in first_rank if k == here]
         missing = sorted(set(first_rank) - set(mine))
         if missing:
-            raise ValueError(f"profile: cannot measure {missing} from this process (it has {here!r}); run one "
+            raise ConfigError(f"profile: cannot measure {missing} from this process (it has {here!r}); run one "
                              "process per rank, or set cluster.emulate=true")
     kw = dict(seq_len=seq_len, attention_seqs=attention_seqs, expert_tokens=expert_tokens, repeats=repeats,
               warmup=warmup)
@@ -304,7 +304,7 @@ def run_profile(cfg) -> Profile:
     p = OmegaConf.to_container(cfg.profile, resolve=True)
     unknown = sorted(set(p) - {"seq_len", "attention_seqs", "expert_tokens", "repeats", "warmup"})
     if unknown:
-        raise ValueError(f"profile: unknown field(s) {unknown}")
+        raise ConfigError(f"profile: unknown field(s) {unknown}")
     seq_len = int(p.get("seq_len") or cfg.data.seq_len)
     seqs = sorted(set(int(s) for s in p.get("attention_seqs") or DEFAULT_ATTENTION_SEQS) | {int(cfg.data.batch_size)})
     created = False

@@ -66,6 +66,11 @@ def plan_and_predict(cfg: DictConfig, out: str) -> dict:
     cluster = from_cfg(ClusterConfig, cfg.cluster)
     profile = Profile.from_json(hydra.utils.to_absolute_path(cfg.plan.profile)) if cfg.plan.profile else None
     seq_len, tokens = int(cfg.data.seq_len), int(cfg.data.global_batch_tokens)
+    if not 1 <= seq_len <= model.max_seq_len:
+        raise ConfigError(f"data.seq_len={seq_len} is invalid: must be in [1, model.max_seq_len={model.max_seq_len}]")
+    if tokens < seq_len:
+        raise ConfigError(f"data.global_batch_tokens={tokens} is invalid: must be at least one sequence, data.seq_len="
+                          f"{seq_len}")
     precision = str(cfg.get("precision", "16-mixed"))
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is invalid: must be one of {PRECISIONS}")

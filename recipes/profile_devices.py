@@ -19,6 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.measure import profile_summary, run_profile
 
 
@@ -26,7 +27,11 @@ from lightning_hetermoe.measure import profile_summary, run_profile
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     started = time.perf_counter()
-    profile = run_profile(cfg)
+    try:
+        profile = run_profile(cfg)
+    except ConfigError as err:
+        # A bad value is the user's to fix: one line naming the field, no stack trace.
+        raise SystemExit(f"[profile] config error: {err}") from None
     if int(os.environ.get("RANK", "0")) != 0:
         return
     profile.to_json(str(out / "profile.json"))

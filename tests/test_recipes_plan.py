@@ -103,3 +103,26 @@ def test_a_mix_the_model_does_not_fit_is_one_line_alone_and_a_row_in_a_sweep(tmp
     assert len(refused) == 1 and refused[0]["status"].startswith("no plan for mixtral_8x7b on o3: experts exceed"), \
         refused
     assert refused[0]["cluster"] == "o3"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, override, line", [
+    ("plan.py", "data.seq_len=0", "[plan] config error: data.seq_len=0 is invalid: must be in [1, model.max_seq_len="),
+    ("plan.py", "data.global_batch_tokens=5", "[plan] config error: data.global_batch_tokens=5 is invalid: must be "
+                                              "at least one sequence"),
+    ("profile_devices.py", "cluster=o1", "[profile] config error: profile: cannot measure ['a40', 'v100'] from this "
+                                         "process (it has 'cpu')"),
+])
+def test_a_bad_shape_or_a_cluster_this_process_cannot_measure_is_one_line(tmp_path, recipe, override, line):
+    if recipe == "profile_devices.py" and torch_sees_a_gpu():
+        pytest.skip("this machine has a GPU: the process measures what it has")
+    proc = subprocess.run([sys.executable, f"recipes/{recipe}", override, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-1000:]
+
+
+def torch_sees_a_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
