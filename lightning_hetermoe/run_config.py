@@ -58,8 +58,15 @@ def read_run_config(cfg: DictConfig) -> RunConfig:
     if data_cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"data.seq_len={data_cfg.seq_len} is invalid: must be <= model.max_seq_len={model_cfg.max_seq_len}")
     strategy = strategy_kwargs(cfg)
-    StrategyArguments(cluster=cluster, **strategy)  # every field's check; the strategy repeats them as it is built
+    # every field's check; the strategy repeats them as it is built
+    arguments = StrategyArguments(cluster=cluster, **strategy)
     trainer = build_trainer_kwargs(cfg, cluster)
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, int) and not isinstance(devices, bool) and isinstance(nodes, int):
+        # the world against the cluster, the plan and the mode; the precision the strategy checks once
+        # Lightning has resolved it (16-mixed is bf16 on a CPU)
+        arguments.check_world(devices * nodes)
+        arguments.check_nodes(nodes, devices)
     if trainer.get("accelerator") == "cpu":
         check_host_memory(model_cfg, optim_cfg, trainer)
     return RunConfig(model=model_cfg, data=data_cfg, optim=optim_cfg, cluster=cluster, strategy=strategy,

@@ -184,12 +184,14 @@ def test_bad_config_on_the_command_line_is_one_line_before_any_process_starts(tm
     ("strategy.plan=no_such_plan.json", "no such file"),
     ("init_on_meta=maybe", "init_on_meta='maybe' is invalid"),
     ("model=mixtral_8x7b", "need at least 747 GB"),
+    ("trainer.devices=3", "cluster 'emu_a40_v100_d1_8k' names 2 devices but the trainer runs 3 processes"),
+    ("strategy.mode=ep strategy.expert_parallel_size=3", "expert_parallel_size=3 is invalid: must divide the world"),
 ])
 def test_a_config_error_is_named_before_lightning_or_torch_is_imported(tmp_path, override, named):
     """Every config group is read and checked before the run loads Lightning and torch
     (seconds): ``-X importtime`` lists each module the process imported, on stderr."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "recipes" / "train.py"), override,
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "recipes" / "train.py"), *override.split(),
                            f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
