@@ -7,8 +7,13 @@
 Writes ``summary.json`` into the Hydra run directory.
 """
 
+import json
+import os
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError
@@ -18,15 +23,32 @@ from lightning_hetermoe.run_config import read_run_config
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    out = HydraConfig.get().runtime.output_dir
     try:
         # every group checked before Lightning and torch load: a wrong field answers at once
         run = read_run_config(cfg)
+    except ConfigError as err:
+        return refused(cfg, out, f"config error: {err}")
+    try:
         from lightning_hetermoe.training import train
 
-        train(cfg, HydraConfig.get().runtime.output_dir, run=run)
+        train(cfg, out, run=run)
     except ConfigError as err:
         # A bad value is the user's to fix: one line naming the field, no stack trace.
         raise SystemExit(f"[hetermoe] config error: {err}") from None
+
+
+def refused(cfg: DictConfig, out: str, error: str) -> None:
+    """A job whose config is refused before any process starts: alone, it exits 1 on one
+    line; in a sweep, that line is printed, the job's summary.json says it (its row in the
+    sweep's table) and the sweep goes on to the next job."""
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        raise SystemExit(f"[hetermoe] {error}")
+    print(f"[hetermoe] {error}", file=sys.stderr, flush=True)
+    cluster = cfg.get("cluster") or {}
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"error": error, "cluster": cluster.get("name"), "devices": list(cluster.get("devices") or [])}, f,
+                  indent=2)
 
 
 if __name__ == "__main__":

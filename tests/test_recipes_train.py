@@ -1,5 +1,6 @@
 """The main job end to end, in subprocesses, as a user runs it (including a multirun sweep)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -218,3 +219,19 @@ def test_torchrun_launches_the_ranks_and_the_pack_spawns_none(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 3
     # two ranks, each started by torchrun: exactly two "Initializing distributed" lines, no third process
     assert (proc.stdout + proc.stderr).count("Initializing distributed:") == 2
+
+
+@pytest.mark.slow
+def test_a_sweep_job_whose_config_is_refused_is_a_row_and_the_sweep_goes_on(tmp_path):
+    """``-m strategy.mode=zebar,ep``: the first job's config is refused before any process
+    starts; the sweep still trains the second, and its table has both rows, the refused one
+    saying why (it ended the whole sweep, the valid job never run, no table)."""
+    proc = run_recipe("-m", "strategy.mode=zebar,ep", "trainer.max_steps=2", "trainer.limit_val_batches=1",
+                      f"hydra.sweep.dir={tmp_path}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[hetermoe] config error: strategy mode='zebar' is invalid" in proc.stderr
+    with open(tmp_path / "sweep_summary.csv") as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert rows["0"]["status"].startswith("config error: strategy mode='zebar' is invalid"), rows["0"]
+    assert rows["1"]["status"] == "ok" and rows["1"]["schedule"] == "ep" and float(rows["1"]["tokens_per_s"]) > 0
+    assert not (tmp_path / "1" / "summary.json").read_text().count('"error"')
