@@ -162,6 +162,21 @@ def test_each_lightning_cli_command_parses(args, capsys):
     assert "strategy: hetermoe" in out.out
 
 
+def test_the_lightning_cli_names_a_config_refusal_in_one_line(capsys):
+    """A field the pack refuses (``--model.model.d_model=30``) reaches LightningCLI wrapped in
+    jsonargparse's own error under its traceback: the recipe exits with the pack's sentence."""
+    import importlib.util
+
+    pytest.importorskip("jsonargparse")
+    spec = importlib.util.spec_from_file_location("recipe_cli", ROOT / "recipes" / "cli.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["fit", "--trainer.accelerator=cpu", "--model.model.d_model=30"])
+    assert str(exit_.value.code).startswith("[hetermoe] config error: model.d_model=30 is invalid: must be a positive "
+                                            "multiple of n_heads=4"), exit_.value.code
+
+
 def test_readme_gives_commands_of_every_kind():
     kinds = {(folder, script in RECIPE_CONFIG or script) for folder, script, _ in COMMANDS if folder == "recipes"}
     assert {("recipes", True), ("recipes", "cli")} <= kinds and len(BENCH) > 20, (kinds, len(BENCH))
