@@ -50,6 +50,9 @@ def run_job(overrides: list[str], timeout: float = 300.0, workdir: Path | None =
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise RuntimeError(f"run failed (exit {proc.returncode}): {' '.join(overrides)}")
         summary = json.loads((Path(tmp) / "summary.json").read_text())
+        if "status" in summary:  # a fit that ended early (interrupted, failed): its figures are partial
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+            raise RuntimeError(f"run {summary['status']}: {' '.join(overrides)}")
         if proc.returncode != 0:
             # the run trained and wrote its summary; a rank aborted while its process exited
             # (a C++ thread of gloo or the store torn down mid-flight): its figures stand, and

@@ -53,7 +53,7 @@ def job_rows(job_dir: Path) -> list[dict[str, Any]]:
              "predicted_tokens_per_s": tokens_per_step / pred_step if tokens_per_step and pred_step else None,
              "workload_tokens_per_s": s.get("workload_tokens_per_s"), "step_time_s": s.get("step_time_s"),
              "predicted_step_time_s": pred_step, "predicted_of_bound": s.get("predicted_fraction_of_bound"),
-             "final_loss": s.get("final_loss"), "status": "ok"}]
+             "final_loss": s.get("final_loss"), "status": s.get("status", "ok")}]
 
 
 def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig
 
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
@@ -183,6 +184,28 @@ def prediction_verdict(summary: dict[str, Any], output_dir: str | os.PathLike) -
     return line + ": on the prediction"
 
 
+def run_identity(strategy: HeterMoEStrategy, run: RunConfig) -> dict[str, Any]:
+    """What ran, on what, for summary.json."""
+    return {"strategy": f"hetermoe:{strategy.schedule}", "mode": strategy.mode, "cluster": run.cluster.name,
+            "devices": run.cluster.devices,
+            "ran_on": strategy.root_device.type,  # what the ranks ran on (the devices above are what was priced)
+            "model": run.model.name, "corpus": run.data.path or run.data.corpus, "init_on_meta": run.init_on_meta}
+
+
+def ended_by(trainer: L.Trainer, err: BaseException) -> str:
+    """How a fit that raised ended, for its summary's ``status``."""
+    step = trainer.global_step
+    if isinstance(err, (KeyboardInterrupt, SystemExit)) and trainer.state.status == TrainerStatus.INTERRUPTED:
+        return f"interrupted at step {step}"  # Lightning turns a Ctrl-C into SystemExit(1)
+    return f"failed at step {step}: {type(err).__name__}: {err}"
+
+
+def _write_summary(output_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    path = Path(output_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    return path
+
+
 def _save_checkpoint(cfg: DictConfig, trainer: L.Trainer, output_dir: str | os.PathLike) -> str | None:
     """``save_checkpoint``: a path (relative to the run directory) the trained state is
     saved to after fitting, in the strategy's checkpoint format; null: none."""
@@ -246,7 +269,14 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     data = build_datamodule(data_cfg)
     started = time.perf_counter()
     ckpt_path = run.ckpt_path
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    except BaseException as err:
+        if trainer.is_global_zero:
+            # what the steps so far measured stays (the sweep's row says how the job ended)
+            _write_summary(output_dir, {**summary_cb.summary(trainer), **run_identity(strategy, run),
+                                        "wall_s": time.perf_counter() - started, "status": ended_by(trainer, err)})
+        raise
     saved = _save_checkpoint(cfg, trainer, output_dir)
     emulation = strategy.emulation_report()  # a collective: before the ranks part ways
     if cfg.get("final_validation", True):
@@ -256,17 +286,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         strategy.shutdown()
         return None
     summary = summary_cb.summary(trainer)
-    summary.update({
-        "strategy": f"hetermoe:{strategy.schedule}",
-        "mode": strategy.mode,
-        "cluster": cluster.name,
-        "devices": cluster.devices,
-        "ran_on": strategy.root_device.type,  # what the ranks ran on (the devices above are what was priced)
-        "model": model_cfg.name,
-        "corpus": data_cfg.path or data_cfg.corpus,
-        "wall_s": time.perf_counter() - started,
-        "init_on_meta": on_meta,
-    })
+    summary.update({**run_identity(strategy, run), "wall_s": time.perf_counter() - started})
     if strategy.expert_parallel_size is not None:
         summary["expert_parallel_size"] = strategy.expert_parallel_size
     if saved is not None:
@@ -286,8 +306,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     rebalancer = next((c for c in trainer.callbacks if isinstance(c, ExpertRebalancer)), None)
     if rebalancer is not None:
         summary["rebalance"] = rebalancer.decisions
-    path = Path(output_dir) / "summary.json"
-    path.write_text(json.dumps(summary, indent=2))
+    path = _write_summary(output_dir, summary)
     log.info(f"summary: {json.dumps(summary)}")
     shown = ", ".join(f"{k}={summary[k]:.4g}" for k in ("first_loss", "final_loss", "val_loss", "tokens_per_s")
                       if isinstance(summary.get(k), (int, float)))

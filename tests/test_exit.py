@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,42 @@ def test_leaving_at_exit_leaves_the_garbage_collector_as_it_found_it():
     before = gc.get_freeze_count(), gc.isenabled()
     leave_at_exit()
     assert (gc.get_freeze_count(), gc.isenabled()) == before
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_ends_the_job_at_once_and_keeps_what_its_steps_measured(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the launcher's whole process group) while the main job
+    trains: every rank gone within seconds, exit code 1, no rank reported as failed (the
+    children's exits are the user's stop), and the run directory keeps the steps so far:
+    summary.json saying it was interrupted, the routing record and its figure."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep",
+           "trainer.max_steps=100000", "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True,  # a group of its own, as a terminal's foreground job
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[hetermoe] step 3/"):
+                break
+        assert lines and lines[-1].startswith("[hetermoe] step 3/"), "".join(lines)[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        lines.extend(proc.stdout)  # to end-of-file: every process holding the pipe is gone
+        code = proc.wait(timeout=60)
+        gone_s = time.monotonic() - interrupted
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    assert code == 1 and gone_s < EXIT_S, (code, gone_s, out[-3000:])
+    assert "exited with" not in out and "stopping the other ranks" not in out, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"].startswith("interrupted at step ") and summary["steps"] >= 3, summary
+    assert summary["step_time_s"] > 0 and summary["strategy"] == "hetermoe:ep", summary
+    assert (tmp_path / "expert_load.json").is_file() and (tmp_path / "expert_load.png").is_file()

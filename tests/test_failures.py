@@ -1,5 +1,6 @@
 """A rank that dies or raises ends the whole run quickly, and the output says which rank."""
 
+import json
 import os
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def test_a_child_rank_raising_is_named_and_everything_stops(tmp_path):
     expect = "[hetermoe] rank 1 (ep rank, device cpu) exited with exit code 1; stopping the other ranks"
     assert expect in proc.stderr, proc.stderr[-3000:]
     assert wall < 60, f"the run took {wall:.0f} s to end after rank 1 failed"
-    assert not (tmp_path / "summary.json").exists()
+    assert_no_summary_of_success(tmp_path)
 
 
 @pytest.mark.parametrize("fault,rank,expect", [
@@ -70,7 +71,16 @@ def test_zebra_rank_failing_mid_schedule_ends_every_rank(tmp_path, fault, rank, 
     code, out, after_s = run_to_exit(cmd, expect, cwd=ROOT, timeout=120)
     assert code != 0
     assert after_s < EXIT_S, f"the job's processes ended {after_s:.1f} s after rank {rank} failed:\n{out[-3000:]}"
-    assert not (tmp_path / "summary.json").exists()
+    assert_no_summary_of_success(tmp_path)
+
+
+def assert_no_summary_of_success(run_dir) -> None:
+    """A failed job's summary.json, where rank 0 wrote one before it was stopped, says it failed
+    (its steps' figures kept): never one that reads as a finished run."""
+    path = run_dir / "summary.json"
+    if path.exists():
+        status = json.loads(path.read_text()).get("status", "")
+        assert status.startswith("failed at step "), status
 
 
 @pytest.mark.parametrize("launch", ["pack", "torchrun"])

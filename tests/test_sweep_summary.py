@@ -46,3 +46,14 @@ def test_a_training_sweep_keeps_measured_beside_predicted_and_the_run_s_share_of
     assert md[0] == ("| job | overrides | schedule | tokens_per_s | predicted_tokens_per_s | workload_tokens_per_s "
                      "| step_time_s | predicted_step_time_s | predicted_of_bound | status |")
     assert md[2].endswith("| 87.9% | ok |")
+
+
+def test_a_training_job_that_ended_early_says_how_in_its_row(tmp_path):
+    """summary.json of a fit interrupted or failed: its steps' figures and how it ended."""
+    job(tmp_path, 0, ["cluster=emu"], {"cluster": "emu", "devices": ["a40", "v100"], "strategy": "hetermoe:zebra",
+                                      "tokens_per_s": 700.0, "step_time_s": 1.4, "status": "interrupted at step 14"})
+    job(tmp_path, 1, ["cluster=emu"], {"cluster": "emu", "devices": ["a40", "v100"], "strategy": "hetermoe:zebra",
+                                      "tokens_per_s": 700.0, "step_time_s": 1.4})
+    rows = summarize(tmp_path)
+    assert [(r["job"], r["tokens_per_s"], r["status"]) for r in rows] == [("0", 700.0, "interrupted at step 14"),
+                                                                          ("1", 700.0, "ok")]

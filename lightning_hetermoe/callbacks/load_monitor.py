@@ -260,6 +260,19 @@ class ExpertLoadMonitor(L.Callback):
 
     # -- plots ----------------------------------------------------------------------------
     def on_fit_end(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A fit that fails or is interrupted (Ctrl-C) keeps the routing its steps had, as far
+        as they were summed (no collective here: the peers may be gone); writing it never
+        hides the exception."""
+        try:
+            self._write(trainer, pl_module)
+        except Exception as err:
+            rank_zero_warn(f"ExpertLoadMonitor: the routing so far was not written: {err}")
+
+    def _write(self, trainer, pl_module) -> None:
+        """Rank 0 writes ``expert_load.json`` and the figures of the steps recorded."""
         if not self.plots or trainer.global_rank != 0 or not self.history:
             return
         out = Path(self.output_dir or trainer.default_root_dir)

@@ -139,8 +139,33 @@ def exit_description(code: int) -> str:
     return f"exit code {code}"
 
 
+# A Ctrl-C at the terminal reaches every rank of the launcher's process group: the children's
+# exits that follow are the user's stop, which Lightning's own interrupt handling carries out
+# (its callbacks write what they hold, then it kills the children), not a rank failing.
+_interrupted = threading.Event()
+
+
+def note_interrupts() -> None:
+    """In the main thread: mark a SIGINT before the handler in place (Python's, which raises
+    ``KeyboardInterrupt``) runs. Where SIGINT is ignored or handled by a non-Python handler,
+    left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or getattr(previous, "notes_interrupts", False):
+        return
+
+    def handler(signum, frame):
+        _interrupted.set()
+        previous(signum, frame)
+
+    handler.notes_interrupts = True
+    signal.signal(signal.SIGINT, handler)
+
+
 class RankObserver(threading.Thread):
-    """Polls the child ranks; on the first bad exit, says who and stops every rank."""
+    """Polls the child ranks; on the first bad exit, says who and stops every rank (not after
+    a Ctrl-C: see :func:`note_interrupts`)."""
 
     def __init__(self, procs: list[subprocess.Popen], describe_rank: DescribeRank | None, node_rank_offset: int,
                  period_s: float = 1.0) -> None:
@@ -153,6 +178,8 @@ class RankObserver(threading.Thread):
             if all(p.poll() == 0 for p in self.procs):
                 return
             dead = first_dead(self.procs)
+            if dead is not None and _interrupted.is_set():
+                return  # the user's stop, under way in the main thread
             if dead is not None:
                 report_dead(self.offset + dead[0], dead[1], self.describe_rank)
                 self.stop_all()
@@ -312,6 +339,7 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             _launched.extend(self.procs)
             if self.procs:
+                note_interrupts()
                 observer = RankObserver(self.procs, self.describe_rank,
                                         self.cluster_environment.node_rank() * self.num_processes)
                 _observers.append(observer)
@@ -321,8 +349,9 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
         return function(*args, **kwargs)
 
     def report_dead_children(self, wait_s: float = 3.0) -> bool:
-        """After a failed collective on rank 0: say which launched rank died, if one did."""
-        dead = first_dead(self.procs, wait_s) if self.procs else None
+        """After a failed collective on rank 0: say which launched rank died, if one did (after
+        a Ctrl-C, every rank stopping is the user's stop: nothing to say)."""
+        dead = first_dead(self.procs, wait_s) if self.procs and not _interrupted.is_set() else None
         if dead is not None:
             report_dead(self.cluster_environment.node_rank() * self.num_processes + dead[0], dead[1],
                         self.describe_rank)
