@@ -117,18 +117,26 @@ def test_pad_sleeps_the_modelled_time_less_what_the_task_already_took(virtual_cl
     assert st.slip_s == pytest.approx(0.002)  # how far the overrun went past its 5 ms
 
 
-def test_a_lone_overrun_is_counted_and_the_warning_waits_for_a_slip_a_faithful_run_would_not_have(virtual_clock):
-    """One task past its time (the OS, the collector) among many on time leaves the run
-    faithful (summary.json judges a rank by its slip over its modelled time): it is counted
-    and priced into the needed time scale, not warned about; overruns that add up to more
-    than FAITHFUL_SLIP of the modelled time so far are, once."""
+def attention_clock(virtual_clock, warmup_calls: int):
+    """An A40's emulator on the virtual clock, and ``task(key, real, modelled)``: an attention
+    task of ``real`` seconds padded on it to its ``modelled`` time."""
     clock = virtual_clock(emulate_clock)
-    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=0)
+    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=warmup_calls)
 
     def task(key: str, real: float, modelled: float) -> None:
         started = clock.perf_counter()
         clock.advance(real)
         em.pad("attention", key, started, modelled)
+
+    return em, task
+
+
+def test_a_lone_overrun_is_counted_and_the_warning_waits_for_a_slip_a_faithful_run_would_not_have(virtual_clock):
+    """One task past its time (the OS, the collector) among many on time leaves the run
+    faithful (summary.json judges a rank by its slip over its modelled time): it is counted
+    and priced into the needed time scale, not warned about; overruns that add up to more
+    than FAITHFUL_SLIP of the modelled time so far are, once."""
+    em, task = attention_clock(virtual_clock, warmup_calls=0)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -154,13 +162,7 @@ def test_the_first_calls_slow_start_is_counted_but_not_judged_by_the_warning(vir
     imports first compile inside it): their slip stays in the counts summary.json judges, and
     the warning judges only the calls after them, so a slow start alone does not warn of a
     clock that slips, and a clock that does slip after it still warns."""
-    clock = virtual_clock(emulate_clock)
-    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=1)
-
-    def task(key: str, real: float, modelled: float) -> None:
-        started = clock.perf_counter()
-        clock.advance(real)
-        em.pad("attention", key, started, modelled)
+    em, task = attention_clock(virtual_clock, warmup_calls=1)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
