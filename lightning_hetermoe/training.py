@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
@@ -195,6 +196,8 @@ def run_identity(strategy: HeterMoEStrategy, run: RunConfig) -> dict[str, Any]:
 def ended_by(trainer: L.Trainer, err: BaseException) -> str:
     """How a fit that raised ended, for its summary's ``status``."""
     step = trainer.global_step
+    if isinstance(err, SIGTERMException):
+        return f"stopped at step {step}: the job got SIGTERM"  # a preemption, not a fault
     if isinstance(err, (KeyboardInterrupt, SystemExit)) and trainer.state.status == TrainerStatus.INTERRUPTED:
         return f"interrupted at step {step}"  # Lightning turns a Ctrl-C into SystemExit(1)
     return f"failed at step {step}: {type(err).__name__}: {err}"

@@ -1,4 +1,4 @@
-"""Lightning's SIGTERM question, asked over the host side.
+"""Lightning's SIGTERM question, asked over the host side, by every rank.
 
 Lightning lets a job end cleanly on SIGTERM: the rank that got the signal broadcasts a 1 from
 rank 0 in its signal handler (``_SignalConnector._sigterm_notifier_fn``), and before every
@@ -10,8 +10,21 @@ Both broadcasts carry a device tensor on the default group. On a GPU the per-bat
 for everything queued on every rank's stream before it: an expert rank's optimizer step among
 it. The ranks would meet at every step's start, and zebra's attention ranks could not begin
 the next step while the expert ranks step their experts (``simulate.step.carries_tails``).
-:func:`ask_on_the_host` sends both over a host group of their own (gloo, CPU tensors: no
-device work is waited for, and no other traffic's order is met), keeping the protocol."""
+:func:`ask_on_the_host` asks over a host group of its own (gloo, CPU tensors: no device work
+is waited for, and no other traffic's order is met).
+
+And it asks without a collective in the signal handler. A preemption signals every rank of
+the job at about the same moment; a handler's broadcast then paired with whichever broadcast
+the other rank was at, its handler's or its next batch's: where they differed, one rank
+stopped a broadcast before the other, which waited on it, and the job ended 35 s later by the
+heartbeat's verdict (3 of 7 group SIGTERMs on the main job, 2026-12-06); a SIGTERM that
+reached a child rank alone was never heard. And Lightning also stops a rank at the end of a
+batch where its own handler set ``received_sigterm``, whatever the others do: the rank the
+signal reached a moment later waited for it in the next batch's question. Here a handler only
+notes the signal (and, on the launcher, passes it to its children, as Lightning's does), and
+before every batch every rank adds its note to one all-reduce; ``received_sigterm`` is set
+where the ranks agree: one collective per batch on every rank, and any rank's SIGTERM stops
+every rank before the same batch."""
 
 from __future__ import annotations
 
@@ -28,8 +41,9 @@ log = logging.getLogger(__name__)
 
 
 def ask_on_the_host(trainer: Any, world_size: int) -> bool:
-    """Replace ``trainer``'s two SIGTERM broadcasts with host ones (a collective: every rank
-    calls it at the same point, before the first training batch). ``False`` where there is
+    """Replace ``trainer``'s two SIGTERM broadcasts with a note in the handler and a host
+    all-reduce before every batch (a collective: every rank calls it at the same point, before
+    the first training batch). ``False`` where there is
     nothing to replace on some rank: one process, or a Lightning without the per-batch
     question or the composed SIGTERM handler (a handler of the user's own in its place, say):
     then every rank keeps Lightning's own, as one rank asking on the host while another
@@ -49,23 +63,26 @@ def ask_on_the_host(trainer: Any, world_size: int) -> bool:
         return False
     group = comm.new_group("sigterm", range(world_size), device=False, host=True)
 
-    def from_rank_zero(flag: int) -> int:
-        t = torch.tensor([flag], dtype=torch.int64, device="cpu")
-        comm.host_broadcast(group, t, 0, what="lightning.sigterm")
-        return int(t[0])
+    # This rank's SIGTERM, noted apart from Lightning's ``received_sigterm``: Lightning reads that
+    # flag on each rank alone too (at the end of every batch and epoch, in validation) and stops
+    # there, while a rank the signal reached a moment later went on into the next batch's
+    # all-reduce and waited for it. Set once every rank agreed, it stops them all at one point.
+    noted = [False]
 
     def before_batch() -> None:
-        if from_rank_zero(1 if connector.received_sigterm else 0) == 1:
+        heard = torch.tensor([int(noted[0])], dtype=torch.int64, device="cpu")
+        comm.host_all_reduce(group, heard, what="lightning.sigterm")
+        if int(heard[0]) > 0:
+            connector.received_sigterm = True
             raise SIGTERMException()
 
     def notified(signum: int, frame: Any) -> None:
         log.info(f"rank {trainer.global_rank}: received SIGTERM: {signum}")
-        if not connector.received_sigterm:
+        if not noted[0]:
             launcher = trainer.strategy.launcher
             if launcher is not None:
                 launcher.kill(signum)
-        from_rank_zero(1)
-        connector.received_sigterm = True
+        noted[0] = True
 
     loop._broadcast_sigterm_tensor = before_batch
     handlers.signal_handlers = [notified if h == notifier else h for h in handlers.signal_handlers]
