@@ -105,7 +105,8 @@ def check_host_memory(model_cfg: ModelConfig, optim_cfg: OptimConfig, trainer: d
         return
     from .profile.memory import MemoryModel, optimizer_pricing
 
-    half = str(trainer.get("precision")) in ("bf16-true", "16-true", "bf16", "16")  # weights stored at 2 bytes
+    # weights stored at 2 bytes (Lightning's "16" and "bf16" are its -mixed: fp32 weights)
+    half = str(trainer.get("precision")) in ("bf16-true", "16-true")
     state_bytes = optimizer_pricing(optim_cfg)[0] / (2 if half else 1)
     per_param = (2 if half else 4) * 2 + state_bytes  # weight, gradient, optimizer state
     params = MemoryModel(model_cfg).model_params()

@@ -23,6 +23,7 @@ def test_the_default_job_reads_into_checked_groups_with_a_process_per_device():
     (OptimConfig(), "32-true", 1, 16),  # fp32 weight and gradient, AdamW's two fp32 moments
     (OptimConfig(name="sgd", momentum=0.0), "32-true", 1, 8),  # no optimizer state
     (OptimConfig(), "bf16-true", 1, 8),  # every tensor at 2 bytes
+    (OptimConfig(), "bf16", 1, 16),  # Lightning's alias of bf16-mixed: fp32 weights, as 32-true
     (OptimConfig(), "32-true", 4, 4),  # four machines share it
 ])
 def test_a_model_is_refused_on_cpu_exactly_where_its_state_passes_the_available_memory(monkeypatch, optim, precision,
