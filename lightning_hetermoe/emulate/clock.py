@@ -245,7 +245,7 @@ class Emulator:
             st.modelled_s += modelled
             st.slept_s += slept
             seen = self._seen[key] = self._seen.get(key, 0) + 1
-            judged = seen > self.warmup_calls and task != "transfer"
+            judged = seen > self.warmup_calls  # (transfers arrive, they are not padded)
             if judged:
                 self._judged_modelled_s += modelled
             if modelled > 0:
@@ -255,7 +255,6 @@ class Emulator:
                 st.slip_s += real - modelled
                 if judged:
                     self._judged_slip_s += real - modelled
-                if seen > self.warmup_calls:
                     self._overrun(task, key, real, modelled)
         return slept
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cluster import ClusterConfig
+from ..cluster.devices import check_bf16
 from ..configs import ConfigError, OptimConfig, from_cfg
 from ..profile import memory
 from ..routing_record import load_record
-from ..cluster.devices import check_bf16
 
 if TYPE_CHECKING:
     import torch
