@@ -180,6 +180,34 @@ def test_the_first_calls_slow_start_is_counted_but_not_judged_by_the_warning(vir
     assert len(ours) == 1 and "its tasks so far ran 3.0% past their modelled time" in ours[0], ours
 
 
+def test_told_of_steps_the_warning_skips_the_warm_up_step_and_judges_whole_steps(virtual_clock):
+    """The strategy tells its emulator of steps: the first step's slow start is not judged,
+    and a task past its time a few tasks into a later step (a few ms on the CPU's slow start)
+    is judged with the whole step at its end, not against the few ms modelled before it; a
+    step that slips past FAITHFUL_SLIP in all still warns, at its end."""
+    clock = virtual_clock(emulate_clock)
+    em = Emulator(get_device("a40"), make_timer(ModelConfig(), 64), link=LinkConfig(), warmup_calls=1,
+                  warmup_steps=1)
+
+    def step(slow: dict[tuple[int, int], float]) -> None:  # 2 micro-batches of 10 layers
+        for micro in range(2):
+            for layer in range(10):
+                started = clock.perf_counter()
+                clock.advance(slow.get((micro, layer), 0.005))
+                em.pad("attention", f"layer {layer}", started, 0.010)
+        em.step_done()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step({(1, 0): 0.030, (1, 1): 0.030})  # the warm-up step: 20 ms past, past each key's first call
+        step({(0, 1): 0.013})  # 3 ms past 10: 15% of what was modelled before it, 1.5% of the step
+        assert not caught, [str(w.message) for w in caught]
+        assert em.stats["attention"].overruns == 3  # counted, as summary.json judges
+        step({(0, 0): 0.014, (0, 1): 0.014})  # 8 ms more: 11 of 400 ms, 2.75%
+        assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "its tasks so far ran 2.8% past their modelled time" in str(caught[0].message)
+
+
 def test_an_overrun_is_the_tasks_own_work_not_what_its_caller_did_after_it(virtual_clock):
     """``done``: the task's work ended there; the caller then waited inside the modelled time
     (zebra issues held-back sends while it pads): the pad sleeps what is left, no overrun. A

@@ -119,18 +119,26 @@ class Emulator:
     ``warmup_calls`` first calls of each task key are not warned about (allocator and
     thread-pool start-up, modules imported on first use: on a fresh install each first
     import compiles its bytecode inside the task), only counted: the warning judges the
-    calls after them."""
+    calls after them. Where the caller tells it of steps (``warmup_steps`` not ``None``,
+    then :meth:`step_done` after each), the first ``warmup_steps`` steps are not judged
+    either, and the warning judges at a step's end, not at an overrun: the CPU's slow start
+    runs on past a key's first call (the first micro-batches of a step, a few ms past a
+    clock that then holds), and judged a few tasks into a step, one such task was 20-30% of
+    the time so far: a 2-step main job warned every time while its summary.json judged it
+    faithful (slip 0.03-0.4%)."""
 
     def __init__(self, device, timer, *, link, time_scale: float = 1.0, token_scale: float = 1.0,
-                 warmup_calls: int = 1, sleep: Callable[[float], None] | None = None, topology: Any = None,
-                 rank: int = 0) -> None:
+                 warmup_calls: int = 1, warmup_steps: int | None = None, sleep: Callable[[float], None] | None = None,
+                 topology: Any = None, rank: int = 0) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale={time_scale!r} is invalid: must be > 0")
         self.device, self.timer, self.link = device, timer, link
         # which link each transfer crosses (None: every transfer on ``link``), and this rank
         self.topology, self.rank = topology, rank
         self.time_scale, self.token_scale = float(time_scale), float(token_scale)
-        self.warmup_calls = warmup_calls
+        self.warmup_calls, self.warmup_steps = warmup_calls, warmup_steps
+        self._steps_done = 0
+        self._latest_overrun: tuple[str, Any, float, float] | None = None
         # sleeps and stamps from one clock, this module's ``time`` (the tests run it virtually)
         self._sleep = sleep if sleep is not None else time.sleep
         self.stats: dict[str, TaskStats] = {t: TaskStats() for t in TASKS}
@@ -245,7 +253,8 @@ class Emulator:
             st.modelled_s += modelled
             st.slept_s += slept
             seen = self._seen[key] = self._seen.get(key, 0) + 1
-            judged = seen > self.warmup_calls  # (transfers arrive, they are not padded)
+            # (transfers arrive, they are not padded)
+            judged = seen > self.warmup_calls and self._steps_done >= (self.warmup_steps or 0)
             if judged:
                 self._judged_modelled_s += modelled
             if modelled > 0:
@@ -257,6 +266,14 @@ class Emulator:
                     self._judged_slip_s += real - modelled
                     self._overrun(task, key, real, modelled)
         return slept
+
+    def step_done(self) -> None:
+        """A training step ended (its tail padded): past ``warmup_steps`` of them, the
+        warning judges the steps' tasks so far."""
+        with self._lock:
+            self._steps_done += 1
+            if self._latest_overrun is not None:
+                self._judge(*self._latest_overrun, stacklevel=4)  # the step's caller
 
     def defer(self, task: str, key: Any, started: float, modelled: float) -> None:
         """Work of ``modelled`` seconds from ``started`` that the device runs while the host
@@ -295,6 +312,12 @@ class Emulator:
     def _overrun(self, task: str, key: Any, real: float, modelled: float) -> None:
         needed = self.time_scale * real / modelled if modelled > 0 else math.inf
         self._needed_scale = max(self._needed_scale, needed)
+        if self.warmup_steps is None:
+            self._judge(task, key, real, modelled, stacklevel=4)  # the padded task's caller
+        else:
+            self._latest_overrun = (task, key, real, modelled)
+
+    def _judge(self, task: str, key: Any, real: float, modelled: float, stacklevel: int) -> None:
         if self._warned:
             return
         # one task's hiccup (the OS, the collector) is not a clock that slips: warn once the
@@ -310,7 +333,7 @@ class Emulator:
                f"{self.time_scale:g}: cluster.time_scale >= {math.ceil(self._needed_scale):d} would have covered it "
                f"and every overrun before it (warned once; summary.json's emulation says whether the whole run "
                f"stayed faithful)")
-        warnings.warn(msg, EmulationWarning, stacklevel=3)
+        warnings.warn(msg, EmulationWarning, stacklevel=stacklevel)
 
     @property
     def needed_time_scale(self) -> float:
@@ -327,7 +350,8 @@ class Emulator:
                 "tasks": {k: v.as_dict() for k, v in self.stats.items()}}
 
 
-def rank_emulator(cluster: Any, rank: int, workload: EmulatedWorkload, warmup_calls: int = 1) -> Emulator:
+def rank_emulator(cluster: Any, rank: int, workload: EmulatedWorkload, warmup_calls: int = 1,
+                  warmup_steps: int | None = None) -> Emulator:
     from ..cluster.devices import get_device
 
     if not 0 <= rank < cluster.world_size:
@@ -337,4 +361,4 @@ def rank_emulator(cluster: Any, rank: int, workload: EmulatedWorkload, warmup_ca
     device = get_device(cluster.devices[rank], cluster.custom_devices)
     return Emulator(device, workload.timer, link=cluster.bottleneck_link, time_scale=cluster.time_scale,
                     token_scale=workload.token_scale, warmup_calls=warmup_calls,
-                    topology=cluster_topology(cluster), rank=rank)
+                    warmup_steps=warmup_steps, topology=cluster_topology(cluster), rank=rank)

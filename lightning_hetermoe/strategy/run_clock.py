@@ -86,7 +86,8 @@ class RunClock:
         if self.cluster is not None and self.cluster.emulate:
             self.workload = emulated_workload(self.cluster, run_model, seq_len)
             self.model, self.seq_len, self.timer = self.workload.model, self.workload.seq_len, self.workload.timer
-            self.emulator = rank_emulator(self.cluster, self.rank, self.workload)
+            # the strategy tells it of steps: its first (the run's timing warm-up) is not judged
+            self.emulator = rank_emulator(self.cluster, self.rank, self.workload, warmup_steps=1)
         else:
             self.model, self.seq_len = run_model, seq_len
             cost = CostModel(precision=precision, tf32=tf32_allowed(precision),
@@ -257,6 +258,8 @@ class RunClock:
                 self.emulator.defer("tail", "tail", tail_started, modelled)
             else:
                 self.emulator.pad("tail", "tail", tail_started, modelled)
+        if self.emulator is not None:
+            self.emulator.step_done()
         if self._step_started is None:
             return
         self.last_step_s = time.perf_counter() - self._step_started
