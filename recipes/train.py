@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.process_exit import run_and_exit
 from lightning_hetermoe.run_config import read_run_config
+from lightning_hetermoe.strategy import early_ranks
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -29,13 +30,22 @@ def main(cfg: DictConfig) -> None:
         run = read_run_config(cfg)
     except ConfigError as err:
         return refused(cfg, out, f"config error: {err}")
+    # the other local ranks start now, beside this one's imports and set-up, and wait for
+    # its launch to join (lightning_hetermoe/strategy/early_ranks.py)
+    early_ranks.start(run.trainer)
     try:
         from lightning_hetermoe.training import train
 
         train(cfg, out, run=run)
     except ConfigError as err:
+        early_ranks.leave_quietly_unless_launched()  # (a rank started early: rank 0 says it)
         # A bad value is the user's to fix: one line naming the field, no stack trace.
         raise SystemExit(f"[hetermoe] config error: {err}") from None
+    except BaseException:
+        early_ranks.leave_quietly_unless_launched()
+        raise
+    finally:
+        early_ranks.release()  # any nobody launched (this job failed before its launch)
 
 
 def refused(cfg: DictConfig, out: str, error: str) -> None:

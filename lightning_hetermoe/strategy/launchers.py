@@ -34,45 +34,13 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from .. import process_exit
-from . import heartbeat
+from . import early_ranks, heartbeat
+from .early_ranks import LAUNCHER_PID as _LAUNCHER_PID
+from .early_ranks import hydra_job_command
 
 PreLaunch = Callable[[Any, Any], None]  # (model, trainer)
 DescribeRank = Callable[[int], str]
-_LAUNCHER_PID = "HETERMOE_LAUNCHER_PID"
 JOIN_S = 2.0  # how long stopping a watcher thread waits for it to end
-
-
-def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
-    """The command that re-runs *this one Hydra job* in a child process.
-
-    Lightning's default re-runs ``sys.argv``, which under ``-m`` re-runs the whole sweep in
-    every child. Here the child gets the current job's own overrides (``overrides.task``),
-    no ``-m``, and the job's output directory as its run dir.
-    """
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import get_original_cwd, to_absolute_path
-
-    import __main__
-
-    hc = HydraConfig.get()
-    if __main__.__spec__ is None:
-        command = [sys.executable, to_absolute_path(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
-    if hc.job.config_name:
-        command += [f"--config-name={hc.job.config_name}"]
-    for source in hc.runtime.config_sources:
-        if source.provider == "command-line":
-            command += [f"--config-dir={source.path}"]
-    command += list(hc.overrides.task)
-    command += [
-        f'hydra.run.dir="{hc.runtime.output_dir}"',
-        f"hydra.job.name={hc.job.name}_rank{local_rank}",
-        "hydra.output_subdir=null",
-        "hydra/job_logging=none",
-        "hydra/hydra_logging=none",
-    ]
-    return command, get_original_cwd()
 
 
 def _hydra_in_use() -> bool:
@@ -329,12 +297,15 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
         self.pre_launch, self.describe_rank = pre_launch, describe_rank
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        early_ranks.await_launch()  # a child started with the job: its launcher's word first
         if self.pre_launch is not None and args:
             self.pre_launch(args[0], trainer)
         if _hydra_in_use():
             _leave_previous_job()
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally:
+            early_ranks.release()  # (none were started early where this was foreseen)
+        else:
             os.environ[_LAUNCHER_PID] = str(os.getpid())
             self._call_children_scripts()
             _launched.extend(self.procs)
@@ -367,11 +338,21 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(env.node_rank())
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        # children the job started with its config checked (early_ranks), where they are this
+        # launch's: the same job and world on one node; told where to join, not started again
+        early = early_ranks.take(self.num_processes) if self.num_nodes == 1 and env.node_rank() == 0 else {}
+        if not early:
+            early_ranks.release()
+        rendezvous = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ["MASTER_PORT"]}
         for local_rank in range(1, self.num_processes):
-            child_env = os.environ.copy()
-            child_env["LOCAL_RANK"] = str(local_rank)
-            command, cwd = hydra_job_command(local_rank)
-            proc = subprocess.Popen(command, env=child_env, cwd=cwd)
+            if local_rank in early:
+                proc = early[local_rank]
+                early_ranks.launch(local_rank, rendezvous)
+            else:
+                child_env = os.environ.copy()
+                child_env["LOCAL_RANK"] = str(local_rank)
+                command, cwd = hydra_job_command(local_rank)
+                proc = subprocess.Popen(command, env=child_env, cwd=cwd)
             self.procs.append(proc)
             _children_of_job.append(proc)
 

@@ -1,0 +1,246 @@
+"""Child ranks started when the job starts, not when it reaches ``fit``.
+
+A Hydra job's launcher (:class:`~.launchers.HydraAwareScriptLauncher`) starts the other
+local ranks at ``fit``, after the launching process has imported torch and Lightning and
+built its model, data and trainer; each child then does all of that again before it joins
+the process group: on a 2-core machine the main job's child joined 4.7 s after it started,
+the whole time with rank 0 waiting. Started as soon as the job's config is checked (before
+either process imports torch), the children do that work beside rank 0.
+
+A child started early does everything up to the launch on its own and then waits for its
+launcher's word (:func:`await_launch`): the rendezvous address, given only then because
+Lightning picks the port at the launch (picked seconds earlier, another process could take
+it meanwhile). If the launching process fails or is stopped before the launch (a config
+error, a model it refuses, Ctrl-C), its children never join: they are killed, or see the
+word's pipe close and leave without a word of their own (:func:`leave_quietly_unless_launched`),
+so a mistake is reported once, by rank 0, as before; a Ctrl-C waits in them (blocked) until
+the word.
+
+The launcher takes the early children only where it would have started the same ones (the
+same Hydra job, the same number of local ranks, one node, Lightning's own environment); a
+run whose ranks another program starts (torchrun, SLURM, MPI, Kubeflow, LSF) starts none
+early, and any left unclaimed are killed at the launch or when the job ends.
+
+This module imports nothing heavy: the recipe calls it before torch loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+LAUNCH_FD = "HETERMOE_LAUNCH_FD"  # in a child started early: the pipe its launcher's word comes on
+LAUNCHER_PID = "HETERMOE_LAUNCHER_PID"
+# set where another program starts the ranks (Lightning's cluster environments detect these)
+# or where this process is already a rank: no child is started early there
+_STARTED_ELSEWHERE = ("LOCAL_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID",
+                      "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
+    """The command that re-runs *this one Hydra job* in a child process.
+
+    Lightning's default re-runs ``sys.argv``, which under ``-m`` re-runs the whole sweep in
+    every child. Here the child gets the current job's own overrides (``overrides.task``),
+    no ``-m``, and the job's output directory as its run dir.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hc = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    if hc.job.config_name:
+        command += [f"--config-name={hc.job.config_name}"]
+    for source in hc.runtime.config_sources:
+        if source.provider == "command-line":
+            command += [f"--config-dir={source.path}"]
+    command += list(hc.overrides.task)
+    command += [
+        f'hydra.run.dir="{hc.runtime.output_dir}"',
+        f"hydra.job.name={hc.job.name}_rank{local_rank}",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+    ]
+    return command, get_original_cwd()
+
+
+def _hydra_job() -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir
+
+
+@dataclass
+class _Early:
+    job: str  # the Hydra job's output directory
+    num_processes: int
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # local rank -> process
+    words: dict[int, int] = field(default_factory=dict)  # local rank -> the write end of its pipe
+
+
+_early: list[_Early] = []  # at most one: this job's
+
+
+def starts_early(trainer: dict[str, Any]) -> int:
+    """How many local ranks the launcher of a run with these Trainer arguments would start
+    (``devices - 1``) where it is this process that starts them; 0 where none would be."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 2 or nodes != 1:
+        return 0
+    if any(var in os.environ for var in _STARTED_ELSEWHERE):
+        return 0
+    return devices - 1
+
+
+def start(trainer: dict[str, Any]) -> int:
+    """In a Hydra job's launching process, with its config checked: start the local ranks its
+    launcher would start at ``fit`` now, each to wait for the launcher's word before it joins
+    (see the module's docstring). Returns how many were started."""
+    release()
+    count = starts_early(trainer)
+    if not count:
+        return 0
+    early = _Early(job=_hydra_job(), num_processes=count + 1)
+    _early.append(early)
+    env = dict(os.environ, NODE_RANK="0", WORLD_SIZE=str(count + 1), **{LAUNCHER_PID: str(os.getpid())})
+    for var in _RENDEZVOUS:
+        env.pop(var, None)  # given with the word: a child must not use any other
+    # A Ctrl-C before the launch is this process's to act on (it kills them): they start with
+    # SIGINT blocked (the mask is inherited) until the word, so none of them prints a
+    # KeyboardInterrupt from the middle of its imports. Blocked here meanwhile, not ignored:
+    # one that comes now is delivered when the mask is restored.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for local_rank in range(1, count + 1):
+            command, cwd = hydra_job_command(local_rank)
+            read, write = os.pipe()
+            try:
+                proc = subprocess.Popen(command, cwd=cwd, pass_fds=(read,),
+                                        env={**env, "LOCAL_RANK": str(local_rank), LAUNCH_FD: str(read)})
+            except BaseException:
+                os.close(write)
+                raise
+            finally:
+                os.close(read)
+            early.procs[local_rank], early.words[local_rank] = proc, write
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    _leave_hooks()
+    return count
+
+
+def take(num_processes: int) -> dict[int, subprocess.Popen]:
+    """For the launcher about to start ``num_processes - 1`` local ranks of this Hydra job:
+    the ones started early for it, still alive and not yet told (to be told with
+    :func:`launch`), by local rank; none where they were started for another job or world
+    (those are killed)."""
+    if not _early:
+        return {}
+    early = _early[0]
+    if early.job != _hydra_job() or early.num_processes != num_processes:
+        release()
+        return {}
+    return {rank: proc for rank, proc in early.procs.items() if rank in early.words}
+
+
+def launch(local_rank: int, rendezvous: dict[str, str]) -> None:
+    """Tell the early child ``local_rank`` to join at ``rendezvous`` (``MASTER_ADDR`` and
+    ``MASTER_PORT``); from then on it is the launcher's, as a child it started itself."""
+    early = _early[0]
+    write = early.words.pop(local_rank)
+    try:
+        os.write(write, (json.dumps(rendezvous) + "\n").encode())
+    except BrokenPipeError:
+        pass  # it died before the word: the launcher's observer reports its exit
+    finally:
+        os.close(write)
+    del early.procs[local_rank]
+    if not early.words:
+        _early.clear()
+
+
+def release() -> None:
+    """Kill the early children nobody launched (the job failed or ended before its launch,
+    or its ranks turned out to be started otherwise), and reap them."""
+    while _early:
+        early = _early.pop()
+        for rank, proc in early.procs.items():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            write = early.words.pop(rank, None)
+            if write is not None:
+                os.close(write)
+
+
+_hooked = {"done": False}
+
+
+def _leave_hooks() -> None:
+    # the recipe ends through process_exit (no atexit); a script that ends otherwise has atexit
+    if _hooked["done"]:
+        return
+    import atexit
+
+    from .. import process_exit
+
+    _hooked["done"] = True
+    process_exit.when_leaving(release)
+    atexit.register(release)
+
+
+# -- in a child started early --------------------------------------------------------------
+
+def _read_word() -> dict[str, str] | None:
+    """Block until the launcher's word (``None``: its pipe closed without one)."""
+    fd = int(os.environ.pop(LAUNCH_FD))
+    with os.fdopen(fd, "rb") as pipe:
+        line = pipe.readline()
+    if not line.strip():
+        return None
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a rank of the job from here on
+    return json.loads(line)
+
+
+def await_launch() -> None:
+    """In a child started early, at its launch: wait for the launcher's word and take the
+    rendezvous it names; leave quietly if the launcher ended without launching. Elsewhere
+    (and in a later fit of the same child) nothing to do."""
+    if LAUNCH_FD not in os.environ:
+        return
+    word = _read_word()
+    if word is None:
+        _leave_quietly()
+    os.environ.update({var: str(word[var]) for var in _RENDEZVOUS})
+
+
+def leave_quietly_unless_launched() -> None:
+    """In a child started early that failed before its launch: the launching process runs
+    the same job, so it fails the same way and says why. Wait for its word: none (it ended
+    without launching) ends this process without a word of its own; a launch means this
+    rank alone failed, and the caller goes on to report it."""
+    if LAUNCH_FD not in os.environ:
+        return
+    if _read_word() is None:
+        _leave_quietly()
+
+
+def _leave_quietly() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)

@@ -1,0 +1,150 @@
+"""The main job starts its other local ranks as soon as its config is checked, beside rank 0's
+imports and set-up, not at ``fit`` (lightning_hetermoe/strategy/early_ranks.py): they join at
+the launch, and a job that fails or is stopped before it leaves no rank behind and one voice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers_exit import EXIT_S
+from lightning_hetermoe.strategy.early_ranks import starts_early
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported and its Trainer built
+
+
+@pytest.mark.parametrize("trainer, env, count", [
+    ({"devices": 2, "num_nodes": 1}, {}, 1),
+    ({"devices": 4}, {}, 3),
+    ({"devices": 1}, {}, 0),
+    ({"devices": "auto"}, {}, 0),
+    ({"devices": [0, 1]}, {}, 0),
+    ({"devices": True}, {}, 0),
+    ({"devices": 2, "num_nodes": 2}, {}, 0),  # each node's launcher starts its own
+    ({"devices": 2}, {"LOCAL_RANK": "1"}, 0),  # this process is a rank already
+    ({"devices": 2}, {"TORCHELASTIC_RUN_ID": "x"}, 0),  # torchrun starts the ranks
+    ({"devices": 2}, {"SLURM_NTASKS": "2"}, 0),
+    ({"devices": 2}, {"OMPI_COMM_WORLD_SIZE": "2"}, 0),
+])
+def test_ranks_start_early_only_where_this_process_would_start_them(monkeypatch, trainer, env, count):
+    for var in ("LOCAL_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "LSB_JOBID",
+                "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert starts_early(trainer) == count
+
+
+class Job:
+    """The main job in a session of its own (a terminal's foreground job): its output line by
+    line with the moment each came, and the moment its first child process was seen."""
+
+    def __init__(self, tmp_path: Path, *overrides: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep",
+               f"hydra.run.dir={tmp_path}", *overrides]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.lines: list[tuple[float, str]] = []
+        self.children: set[int] = set()
+        self.child_seen: float | None = None
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def watch_children(self, until: float) -> None:
+        """Note the launcher's children every 10 ms until ``until`` or its exit."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        while time.monotonic() < until and self.proc.poll() is None:
+            try:
+                kids = {int(pid) for pid in path.read_text().split()}
+            except (OSError, ValueError):
+                kids = set()
+            if kids and self.child_seen is None:
+                self.child_seen = time.monotonic()
+            self.children |= kids
+            time.sleep(0.01)
+
+    def first(self, text: str) -> float | None:
+        return next((t for t, line in self.lines if text in line), None)
+
+    def finish(self, timeout: float = 120.0) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+            self._pump.join(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return code, "".join(line for _, line in self.lines)
+
+    def alive_children(self) -> list[int]:
+        alive = []
+        for pid in self.children:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        return alive
+
+
+@pytest.mark.slow
+def test_the_child_rank_starts_before_rank_0_has_loaded_lightning_and_the_job_trains(tmp_path):
+    job = Job(tmp_path, "trainer.max_steps=2")
+    job.watch_children(until=time.monotonic() + 60)
+    code, out = job.finish()
+    assert code == 0, out[-3000:]
+    lightning_line = job.first(FIRST_LIGHTNING_LINE)
+    assert job.child_seen is not None and lightning_line is not None, out[-3000:]
+    # started with the config checked, not at fit: seconds before rank 0 had imported Lightning
+    # and built its Trainer (at fit, a child came 0.01 s after that line)
+    assert job.child_seen < lightning_line - 1.0, (lightning_line - job.child_seen, out[-3000:])
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out
+    assert (tmp_path / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_config_error_after_the_start_is_said_once_and_leaves_no_rank_behind(tmp_path):
+    """Lightning's Trainer refuses the precision (only its own check knows): rank 0 says so
+    on one line; the child, started before, fails the same way and says nothing."""
+    job = Job(tmp_path, "trainer.precision=fp77")
+    job.watch_children(until=time.monotonic() + 60)
+    code, out = job.finish()
+    assert code == 1, out[-3000:]
+    assert job.children, "no child rank was started early"
+    assert out.count("config error") == 1 and "Traceback" not in out, out[-3000:]
+    assert "trainer: Precision 'fp77' is invalid" in out
+    assert not job.alive_children()
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_during_start_up_ends_every_rank_with_one_report(tmp_path):
+    """Ctrl-C (SIGINT to the job's process group) while the ranks import: the child started
+    early holds it (blocked until its launcher's word), rank 0 acts on it and kills it."""
+    job = Job(tmp_path, "trainer.max_steps=2")
+    deadline = time.monotonic() + 60
+    while job.child_seen is None and time.monotonic() < deadline and job.proc.poll() is None:
+        job.watch_children(until=time.monotonic() + 0.05)
+    assert job.child_seen is not None
+    time.sleep(0.5)  # into their imports
+    os.killpg(job.proc.pid, signal.SIGINT)
+    signalled = time.monotonic()
+    code, out = job.finish(timeout=60)
+    gone_s = time.monotonic() - signalled
+    assert code == 1 and gone_s < EXIT_S, (code, gone_s, out[-3000:])
+    assert out.count("KeyboardInterrupt") <= 1 and out.count("Traceback") <= 1, out[-3000:]
+    assert not job.alive_children()
