@@ -81,6 +81,7 @@ def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningMo
     return HFMoELanguageModel(to_hetermoe(hf, **options), optim_cfg, loss_chunk_tokens=model_cfg.loss_chunk_tokens)
 
 
+PREEMPTED_EXIT = 128 + 15  # rank 0's exit code after a SIGTERM stopped the fit (128 + SIGTERM)
 AT_LOAD_STEPS = 64  # the most timed steps whose routing the at-load prediction averages over
 
 
@@ -279,6 +280,12 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
             # what the steps so far measured stays (the sweep's row says how the job ended)
             _write_summary(output_dir, {**summary_cb.summary(trainer), **run_identity(strategy, run),
                                         "wall_s": time.perf_counter() - started, "status": ended_by(trainer, err)})
+            if isinstance(err, SIGTERMException) and err.code is None:
+                # Lightning's carries no code: the job would exit 0, and a scheduler or torchrun
+                # that reads it would take a preempted run for a finished one. Rank 0's says it
+                # was ended by the signal, as a process the signal ends does (the other ranks
+                # exit 0: rank 0's launcher would take their code for a failure)
+                err.code = PREEMPTED_EXIT
         raise
     saved = _save_checkpoint(cfg, trainer, output_dir)
     emulation = strategy.emulation_report()  # a collective: before the ranks part ways

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers_exit import EXIT_S, run_to_exit
+from lightning_hetermoe.training import PREEMPTED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,6 +251,7 @@ def test_a_sigterm_stops_every_rank_before_one_batch_and_the_job_ends_at_once(tm
 
     code, gone_s, out = main_job_signalled_at_step_3(tmp_path, send)
     assert gone_s < EXIT_S and "Traceback" not in out and "silent" not in out, (code, gone_s, out[-3000:])
+    assert code == PREEMPTED_EXIT, (code, out[-3000:])  # not 0: the run did not finish
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"].startswith("stopped at step ") and summary["status"].endswith("the job got SIGTERM")
     assert summary["steps"] >= 3, summary
