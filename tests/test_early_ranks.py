@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers_exit import EXIT_S
-from lightning_hetermoe.strategy.early_ranks import starts_early
+from lightning_hetermoe.strategy.early_ranks import JOB_MARK, starts_early
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported and its Trainer built
@@ -33,14 +33,18 @@ FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported 
     ({"devices": 2}, {"TORCHELASTIC_RUN_ID": "x"}, 0),  # torchrun starts the ranks
     ({"devices": 2}, {"SLURM_NTASKS": "2"}, 0),
     ({"devices": 2}, {"OMPI_COMM_WORLD_SIZE": "2"}, 0),
+    # a sweep's next job, in the process whose launch of the job before set these
+    ({"devices": 2}, {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "NODE_RANK": "0", JOB_MARK: "/sweep/0"}, 1),
+    ({"devices": 2}, {"LOCAL_RANK": "0", "WORLD_SIZE": "2", JOB_MARK: "/sweep/1"}, 0),  # this job's own launch
+    ({"devices": 2}, {"LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x", JOB_MARK: "/sweep/0"}, 0),
 ])
 def test_ranks_start_early_only_where_this_process_would_start_them(monkeypatch, trainer, env, count):
     for var in ("LOCAL_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "LSB_JOBID",
-                "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+                "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", JOB_MARK):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    assert starts_early(trainer) == count
+    assert starts_early(trainer, job="/sweep/1") == count
 
 
 class Job:

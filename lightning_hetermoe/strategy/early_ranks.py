@@ -41,6 +41,10 @@ LAUNCHER_PID = "HETERMOE_LAUNCHER_PID"
 _STARTED_ELSEWHERE = ("LOCAL_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID",
                       "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
+# what a launch sets in its own process, and the Hydra job it set them for: a sweep's next job
+# in the same process finds them there until its own launch drops them
+LAUNCH_VARS = (*_RENDEZVOUS, "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+JOB_MARK = "HETERMOE_HYDRA_JOB"
 
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -93,13 +97,16 @@ class _Early:
 _early: list[_Early] = []  # at most one: this job's
 
 
-def starts_early(trainer: dict[str, Any]) -> int:
-    """How many local ranks the launcher of a run with these Trainer arguments would start
-    (``devices - 1``) where it is this process that starts them; 0 where none would be."""
+def starts_early(trainer: dict[str, Any], job: str | None = None) -> int:
+    """How many local ranks the launcher of Hydra job ``job``, run with these Trainer
+    arguments, would start (``devices - 1``) where it is this process that starts them; 0
+    where none would be."""
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 2 or nodes != 1:
         return 0
-    if any(var in os.environ for var in _STARTED_ELSEWHERE):
+    earlier_job = os.environ.get(JOB_MARK) not in (None, job)
+    left_by_earlier_job = LAUNCH_VARS if earlier_job else ()
+    if any(var in os.environ for var in _STARTED_ELSEWHERE if var not in left_by_earlier_job):
         return 0
     return devices - 1
 
@@ -109,12 +116,13 @@ def start(trainer: dict[str, Any]) -> int:
     launcher would start at ``fit`` now, each to wait for the launcher's word before it joins
     (see the module's docstring). Returns how many were started."""
     release()
-    count = starts_early(trainer)
+    job = _hydra_job()
+    count = starts_early(trainer, job)
     if not count:
         return 0
-    early = _Early(job=_hydra_job(), num_processes=count + 1)
+    early = _Early(job=job, num_processes=count + 1)
     _early.append(early)
-    env = dict(os.environ, NODE_RANK="0", WORLD_SIZE=str(count + 1), **{LAUNCHER_PID: str(os.getpid())})
+    env = dict(os.environ, NODE_RANK="0", WORLD_SIZE=str(count + 1), **{LAUNCHER_PID: str(os.getpid()), JOB_MARK: job})
     for var in _RENDEZVOUS:
         env.pop(var, None)  # given with the word: a child must not use any other
     # A Ctrl-C before the launch is this process's to act on (it kills them): they start with
