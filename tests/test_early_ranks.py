@@ -150,5 +150,8 @@ def test_a_ctrl_c_during_start_up_ends_every_rank_with_one_report(tmp_path):
     code, out = job.finish(timeout=60)
     gone_s = time.monotonic() - signalled
     assert code == 1 and gone_s < EXIT_S, (code, gone_s, out[-3000:])
-    assert out.count("KeyboardInterrupt") <= 1 and out.count("Traceback") <= 1, out[-3000:]
+    # rank 0's report at most (a traceback, where the interrupt landed in an import: one
+    # chain, whose last line names it once, however many exceptions it chains); none of the child's
+    reports = [line for line in out.splitlines() if line.strip() == "KeyboardInterrupt"]
+    assert len(reports) <= 1, out[-3000:]
     assert not job.alive_children()
