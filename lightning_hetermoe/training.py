@@ -320,6 +320,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     log.info(f"summary: {json.dumps(summary)}")
     shown = ", ".join(f"{k}={summary[k]:.4g}" for k in ("first_loss", "final_loss", "val_loss", "tokens_per_s")
                       if isinstance(summary.get(k), (int, float)))
+    if summary.get("tokens_per_s") is None:
+        shown += f"; no step timed past the warm-up (timing_warmup_steps={summary_cb.warmup_steps})"
     print(f"[hetermoe] wrote {path}: {shown}", flush=True)
     verdict = prediction_verdict(summary, output_dir)
     if verdict:

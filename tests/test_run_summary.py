@@ -25,6 +25,22 @@ def test_step_time_and_losses_are_per_optimizer_step_under_accumulation():
     assert abs(out["tokens_per_s"] * out["step_time_s"] - 2 * 8 * 16) < 1e-6 * 256
 
 
+def test_a_run_with_no_step_past_its_warm_up_has_no_throughput_and_its_summary_is_json():
+    """One step, the warm-up: nothing timed. Its tokens/s is null, not NaN, which is no JSON:
+    strict readers (JavaScript's JSON.parse, jq) refuse the whole summary.json over it."""
+    import json
+
+    summary = RunSummary(warmup_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[summary])
+    trainer.fit(make_model(4), datamodule=data(1))
+    out = summary.summary(trainer)
+    assert out["steps"] == 1 and out["first_loss"] is not None
+    assert out["tokens_per_s"] is None and out["step_time_s"] is None
+    json.dumps(out, allow_nan=False)  # raises on a NaN or an infinity
+
+
 SLOW_S = 0.6  # rank 1's extra time in each optimizer step, after the backward's collectives
 
 

@@ -73,9 +73,11 @@ class RunSummary(L.Callback):
             self.step_times = [max(step) for step in zip(*every)]
 
     @property
-    def tokens_per_s(self) -> float:
+    def tokens_per_s(self) -> float | None:
+        """``None`` before a step past the warm-up was timed (JSON's null: a NaN there is not
+        JSON, and strict readers refuse the whole file)."""
         elapsed = sum(self.step_times)
-        return self._tokens / elapsed if elapsed > 0 else float("nan")
+        return self._tokens / elapsed if elapsed > 0 else None
 
     def summary(self, trainer: L.Trainer) -> dict[str, Any]:
         tail = self.losses[-5:]
