@@ -30,10 +30,10 @@ def main(cfg: DictConfig) -> None:
         run = read_run_config(cfg)
     except ConfigError as err:
         return refused(cfg, out, f"config error: {err}")
-    # the other local ranks start now, beside this one's imports and set-up, and wait for
-    # its launch to join (lightning_hetermoe/strategy/early_ranks.py)
-    early_ranks.start(run.trainer)
     try:
+        # the other local ranks start now, beside this one's imports and set-up, and wait for
+        # its launch to join (lightning_hetermoe/strategy/early_ranks.py)
+        early_ranks.start(run.trainer)
         from lightning_hetermoe.training import train
 
         train(cfg, out, run=run)

@@ -122,6 +122,7 @@ def start(trainer: dict[str, Any]) -> int:
         return 0
     early = _Early(job=job, num_processes=count + 1)
     _early.append(early)
+    _leave_hooks()
     env = dict(os.environ, NODE_RANK="0", WORLD_SIZE=str(count + 1), **{LAUNCHER_PID: str(os.getpid()), JOB_MARK: job})
     for var in _RENDEZVOUS:
         env.pop(var, None)  # given with the word: a child must not use any other
@@ -145,7 +146,6 @@ def start(trainer: dict[str, Any]) -> int:
             early.procs[local_rank], early.words[local_rank] = proc, write
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    _leave_hooks()
     return count
 
 
