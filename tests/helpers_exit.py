@@ -10,6 +10,22 @@ import time
 from pathlib import Path
 
 EXIT_S = 5.0  # from the marker that says the work ended to the last process of the job gone
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_main_job(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    """The main job (two CPU ranks, ep) in a process group of its own, as a terminal's
+    foreground job or a scheduler's task (SIGINT at its default, which a shell's background
+    job would not have), its output merged into one text pipe, read as it comes."""
+    import signal
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep",
+           f"hydra.run.dir={tmp_path}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def run_to_exit(cmd: list[str], marker: str, cwd: Path, timeout: float = 240.0) -> tuple[int, str, float]:

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers_exit import EXIT_S
+from helpers_exit import EXIT_S, start_main_job
 from lightning_hetermoe.strategy.early_ranks import JOB_MARK, starts_early
 
-ROOT = Path(__file__).resolve().parents[1]
 FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported and its Trainer built
 
 
@@ -52,13 +49,7 @@ class Job:
     line with the moment each came, and the moment its first child process was seen."""
 
     def __init__(self, tmp_path: Path, *overrides: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
-        env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep",
-               f"hydra.run.dir={tmp_path}", *overrides]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True,
-                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.proc = start_main_job(tmp_path, *overrides)
         self.lines: list[tuple[float, str]] = []
         self.children: set[int] = set()
         self.child_seen: float | None = None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_exit import EXIT_S, run_to_exit
+from helpers_exit import EXIT_S, run_to_exit, start_main_job
 from lightning_hetermoe.training import PREEMPTED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,12 +190,7 @@ def main_job_signalled_at_step_3(tmp_path, send) -> tuple[int, float, str]:
     gone (the pipe's end-of-file), and its output."""
     import signal
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
-    env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep",
-           "trainer.max_steps=100000", "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = start_main_job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1")
     lines = []
     try:
         for line in proc.stdout:
