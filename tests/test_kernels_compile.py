@@ -64,6 +64,14 @@ def compile_for(fn, dtype: str, capability: int, config: "triton.Config", flags:
                           options={"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
+@pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory) -> str:
+    """A Triton cache that starts empty in each run (every kernel compiled for real, none read
+    from an earlier run's), shared by the module's tests: a kernel two tests compile alike
+    (the same source, constants and target) is compiled once."""
+    return str(tmp_path_factory.mktemp("triton_cache"))
+
+
 def need_ptxas():
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if shutil.which("ptxas") is None and not bundled.exists():
@@ -101,9 +109,9 @@ DEFAULTS = [(70, torch.float16), (80, torch.bfloat16), (80, torch.float32), (90,
 
 
 @pytest.mark.parametrize("capability,dtype", DEFAULTS, ids=[f"sm{c}-{TRITON_DTYPE[d]}" for c, d in DEFAULTS])
-def test_heuristic_defaults_compile_to_cubin(capability, dtype, tmp_path, monkeypatch):
+def test_heuristic_defaults_compile_to_cubin(capability, dtype, fresh_cache, monkeypatch):
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from a cache
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     cap = (capability // 10, capability % 10)
     buckets = (tuning.M_BUCKET_MIN, tuning.M_BUCKET_MAX)
     kernels = compile_tiles(capability, dtype, {
@@ -111,19 +119,19 @@ def test_heuristic_defaults_compile_to_cubin(capability, dtype, tmp_path, monkey
     assert kernels
 
 
-def test_hopper_autotune_candidates_compile_to_cubin(tmp_path, monkeypatch):
+def test_hopper_autotune_candidates_compile_to_cubin(fresh_cache, monkeypatch):
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     cands = {which: tuning.autotune_candidates((9, 0), torch.bfloat16, which) for which in ("gemm", "wgrad")}
     assert all(1 <= len(c) <= tuning.MAX_CANDIDATES for c in cands.values())
     assert compile_tiles(90, torch.bfloat16, cands)
 
 
-def test_the_grouped_launch_order_reaches_the_compiled_gemm(tmp_path, monkeypatch):
+def test_the_grouped_launch_order_reaches_the_compiled_gemm(fresh_cache, monkeypatch):
     """GROUP is compiled in: the grouped order reads the grid's size (the row tiles of the
     last, short group), the one-row-tile-at-a-time order does not."""
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     tile = tuning.default_tile((9, 0), torch.bfloat16, "gemm", tuning.M_BUCKET_MAX)
     assert tile.group > 1
     grouped, plain = compile_tiles(90, torch.bfloat16, {"gemm": [tile, Tile(*astuple(tile)[:5], 1)]})
@@ -131,10 +139,10 @@ def test_the_grouped_launch_order_reaches_the_compiled_gemm(tmp_path, monkeypatc
     assert "tt.get_num_programs" not in plain.asm["ttir"]
 
 
-def test_the_row_tile_map_and_the_autotuners_scan_compile(tmp_path, monkeypatch):
+def test_the_row_tile_map_and_the_autotuners_scan_compile(fresh_cache, monkeypatch):
     """The map's one-program kernel, and the GEMM without a map (under the autotuner)."""
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     for capability in (70, 90):
         kernel = compile_for(triton_src.row_tile_map_kernel, "i64", capability,
                              triton.Config({"BLOCK_M": 128, "BLOCK": launch.MAP_BLOCK}, num_warps=1, num_stages=1), {})
@@ -146,9 +154,9 @@ def test_the_row_tile_map_and_the_autotuners_scan_compile(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("capability,dtype", [(70, "fp16"), (90, "bf16"), (90, "fp32")])
-def test_the_fused_swiglu_compiles(capability, dtype, tmp_path, monkeypatch):
+def test_the_fused_swiglu_compiles(capability, dtype, fresh_cache, monkeypatch):
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     blocks = {k: v for k, v in launch.ELEMENTWISE.items() if k != "num_warps"}
     config = triton.Config(blocks, num_warps=launch.ELEMENTWISE["num_warps"], num_stages=1)
     for fn in (triton_src.swiglu_forward_kernel, triton_src.swiglu_backward_kernel):
@@ -156,9 +164,9 @@ def test_the_fused_swiglu_compiles(capability, dtype, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("capability,dtype", [(70, "fp16"), (90, "bf16")])
-def test_the_cross_entropy_rows_compile(capability, dtype, tmp_path, monkeypatch):
+def test_the_cross_entropy_rows_compile(capability, dtype, fresh_cache, monkeypatch):
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     config = triton.Config({"BLOCK_V": launch.CROSS_ENTROPY["BLOCK_V"]}, num_warps=launch.CROSS_ENTROPY["num_warps"],
                            num_stages=1)
     for write_grad in (True, False):
@@ -168,32 +176,32 @@ def test_the_cross_entropy_rows_compile(capability, dtype, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("capability,dtype,block", [(70, "fp16", 1024), (90, "bf16", 4096), (90, "fp32", 16384)])
-def test_the_rms_norm_kernels_compile(capability, dtype, block, tmp_path, monkeypatch):
+def test_the_rms_norm_kernels_compile(capability, dtype, block, fresh_cache, monkeypatch):
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     config = triton.Config({"BLOCK_D": block}, num_warps=launch._norm_warps(block), num_stages=1)
     for fn in (triton_src.rms_norm_forward_kernel, triton_src.rms_norm_backward_kernel):
         assert compile_for(fn, dtype, capability, config, {"ROUND": dtype != "fp32"}).asm.get("cubin")
 
 
 @pytest.mark.parametrize("capability,dtype", [(70, "fp16"), (90, "bf16")])
-def test_the_rotary_kernel_compiles(capability, dtype, tmp_path, monkeypatch):
+def test_the_rotary_kernel_compiles(capability, dtype, fresh_cache, monkeypatch):
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     config = triton.Config({"BLOCK_S": launch.ROTARY["BLOCK_S"], "BLOCK_HALF": 64},
                            num_warps=launch.ROTARY["num_warps"], num_stages=1)
     for sign in (1.0, -1.0):
         assert compile_for(triton_src.rotary_kernel, dtype, capability, config, {"SIGN": sign}).asm.get("cubin")
 
 
-def test_tma_loads_compile_for_hopper_in_tf32(tmp_path, monkeypatch):
+def test_tma_loads_compile_for_hopper_in_tf32(fresh_cache, monkeypatch):
     """Every descriptor combination the launches pass on sm90 (the up GEMM gathers its rows:
     weights only; the down GEMM and the gradient GEMMs: rows and weights; the weight
     gradient: its rows and dy), on fp32 (TF32) large-bucket tiles, down to cubins whose PTX
     copies by TMA (``cp.async.bulk.tensor``); bf16 as launched: the expert MLP's test below."""
     dtype = torch.float32
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     name = TRITON_DTYPE[dtype]
     precision = launch.input_precision(dtype, "cuda", (9, 0), tf32=True)
     gemm = tuning.default_tile((9, 0), dtype, "gemm", tuning.M_BUCKET_MAX)
@@ -281,7 +289,7 @@ MLP_LAUNCHES = ("up (gathered)", "down", "down's weight gradient", "down's input
 
 
 @pytest.mark.parametrize("capability,tma", [(80, False), (90, False), (90, True)])
-def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, tmp_path, monkeypatch):
+def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, fresh_cache, monkeypatch):
     """The six GEMMs of the expert MLP's forward and backward in bf16 (``TritonGemms``, as
     ``algorithm`` calls them), compiled as launched on the large-bucket tiles: every one
     pipelined as deep as the others (the same shared memory, copies issued ahead: cp.async,
@@ -292,7 +300,7 @@ def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, t
     from lightning_hetermoe.kernels.mlp import TritonGemms
 
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     counts = torch.tensor([700, 0, 1348])  # 2048 rows: the large-bucket tiles
     rows, T, D, F = int(counts.sum()), 1024, 256, 512
     x, idx = torch.empty(T, D, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.long)
@@ -337,7 +345,7 @@ def test_the_expert_mlps_gemms_are_pipelined_and_do_not_spill(capability, tma, t
         assert "cp.async.bulk.tensor" in kernels["up's weight gradient (gathered)"].asm["ptx"]
 
 
-def test_the_elementwise_kernels_move_16_bytes_an_access(tmp_path, monkeypatch):
+def test_the_elementwise_kernels_move_16_bytes_an_access(fresh_cache, monkeypatch):
     """The memory-bound kernels beside the GEMMs (SwiGLU both ways, the cross-entropy rows,
     RMSNorm both ways, the rotary embedding), compiled for sm90 in bf16 as launched at model
     widths: their rows move in 128-bit loads and stores (a narrower access would multiply
@@ -345,7 +353,7 @@ def test_the_elementwise_kernels_move_16_bytes_an_access(tmp_path, monkeypatch):
     import re
 
     need_ptxas()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", fresh_cache)
     bf16 = torch.bfloat16
     rows, F, D, V = 4096, 1024, 4096, 32768
     h, g = torch.empty(rows, 2 * F, dtype=bf16), torch.empty(rows, F, dtype=bf16)

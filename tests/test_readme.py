@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -198,17 +197,24 @@ def test_every_import_readme_shows_imports():
 
 
 @pytest.mark.slow
-def test_readme_s_first_example_trains_as_written(tmp_path):
+def test_readme_s_first_example_trains_as_written_and_exits_soon_after(tmp_path):
     """The front page's script, run as a user runs it (two CPU processes, auto mode), its
-    50 steps cut to 3."""
+    50 steps cut to 3. It is also a user's script that just ends after ``fit`` (no
+    ``strategy.shutdown()``, no ``destroy_process_group()``): every process of it is gone
+    within seconds of its work (issue #38), with no abort and nothing leaked."""
+    from helpers_exit import EXIT_S, run_to_exit
+
     first = python_blocks()[0]
-    assert "max_steps=50" in first and "trainer.fit(" in first
+    assert "max_steps=50" in first and first.rstrip().splitlines()[-1].startswith("trainer.fit(")
     script = tmp_path / "example.py"
     script.write_text(first.replace("max_steps=50", "max_steps=3"))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    assert "hetermoe[auto]: chose " in out and "`max_steps=3` reached" in out, out[-3000:]
+    marker = "`max_steps=3` reached"
+    code, out, after_s = run_to_exit([sys.executable, str(script)], marker, cwd=tmp_path)
+    assert code == 0, out[-3000:]
+    assert "hetermoe[auto]: chose " in out, out[-3000:]
+    assert "terminate called" not in out, out[-3000:]
+    assert "leaked" not in out, out[-3000:]  # nanobind's report of objects finalization never freed
+    assert after_s < EXIT_S, f"the script's processes ended {after_s:.1f} s after {marker!r}:\n{out[-2000:]}"
 
 
 def github_anchor(heading: str) -> str:
