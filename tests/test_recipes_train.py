@@ -79,33 +79,39 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
 
 
 @pytest.mark.slow
-def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
-    """The defaults work on one CPU and on an emulated GPU mix (mode=auto picks what each can
+def test_multirun_sweep_runs_each_job_once_and_a_refused_job_is_a_row(tmp_path):
+    """The default mode works on one CPU and on an emulated GPU mix (auto picks what each can
     run; two CPUs are the failure tests' cluster), and each child re-runs its own job, not the
-    whole sweep (Lightning's default)."""
-    proc = run_recipe("-m", "cluster=cpu1,emu_a40_v100_d1_4k", "trainer.max_steps=3", "trainer.limit_val_batches=1",
-                      "logger=[csv,tensorboard]", "trainer.log_every_n_steps=2", "callbacks.load_monitor.log_every_n_steps=2",
-                      f"hydra.sweep.dir={tmp_path}", timeout=300)
+    whole sweep (Lightning's default). A job whose config is refused (``strategy.mode=zebar``)
+    is refused before any process starts and is a row saying why; the sweep goes on to the
+    next (it once ended the whole sweep, the valid jobs never run, no table)."""
+    proc = run_recipe("-m", "cluster=cpu1,emu_a40_v100_d1_4k", "strategy.mode=zebar,auto", "trainer.max_steps=3",
+                      "trainer.limit_val_batches=1", "logger=[csv,tensorboard]", "trainer.log_every_n_steps=2",
+                      "callbacks.load_monitor.log_every_n_steps=2", f"hydra.sweep.dir={tmp_path}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # jobs in Hydra's order, the last override varying fastest: 0 and 2 refused, 1 and 3 trained
+    assert proc.stderr.count("[hetermoe] config error: strategy mode='zebar' is invalid") == 2, proc.stderr[-3000:]
     summaries = sorted(tmp_path.rglob("summary.json"))
-    assert [p.parent.name for p in summaries] == ["0", "1"], summaries
+    assert [p.parent.name for p in summaries] == ["0", "1", "2", "3"], summaries
     got = [json.loads(p.read_text()) for p in summaries]
-    assert [(s["cluster"], s["world_size"]) for s in got] == [("cpu1", 1), ("emu_a40_v100_d1_4k", 2)]
-    assert got[0]["strategy"] == "hetermoe:single" and all(s["mode"] == "auto" for s in got)
+    assert all(got[j]["error"].startswith("config error: strategy mode='zebar'") for j in (0, 2)), got
+    trained = [got[1], got[3]]
+    assert not any("error" in s for s in trained)
+    assert [(s["cluster"], s["world_size"]) for s in trained] == [("cpu1", 1), ("emu_a40_v100_d1_4k", 2)]
+    assert trained[0]["strategy"] == "hetermoe:single" and all(s["mode"] == "auto" for s in trained)
     assert proc.stdout.count("hetermoe[auto]: chose") == 1, "the two-rank job prints its choice and runner-up"
     # A re-run sweep would start extra jobs: Hydra prints one "Launching" line per job.
-    assert all(proc.stdout.count(f"#{j} :") == 1 for j in range(2)), proc.stdout[-2000:]
+    assert all(proc.stdout.count(f"#{j} :") == 1 for j in range(4)), proc.stdout[-2000:]
     # ... and the sweep ends as one result: a table row per job, and a plot
-    import csv
-
     rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
-    assert [r["job"] for r in rows] == ["0", "1"] and all(r["status"] == "ok" for r in rows)
-    assert "cluster=cpu1" in rows[0]["overrides"] and "cluster=emu_a40_v100_d1_4k" in rows[1]["overrides"]
-    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
-    assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 4  # header, rule, two rows
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
+    assert all(rows[j]["status"].startswith("config error: strategy mode='zebar' is invalid") for j in (0, 2)), rows
+    assert all(rows[j]["status"] == "ok" and float(rows[j]["tokens_per_s"]) > 0 for j in (1, 3)), rows
+    assert "cluster=cpu1" in rows[1]["overrides"] and "cluster=emu_a40_v100_d1_4k" in rows[3]["overrides"]
+    assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 6  # header, rule, four rows
     assert (tmp_path / "sweep.png").stat().st_size > 1000
-    # every job's metrics reach both loggers (job 1: two ranks, the schedule auto chose)
-    metrics = next((tmp_path / "1").glob("logs/version_*/metrics.csv"))
+    # every job's metrics reach both loggers (job 3: two ranks, the schedule auto chose)
+    metrics = next((tmp_path / "3").glob("logs/version_*/metrics.csv"))
     logged = list(csv.DictReader(open(metrics)))
     columns = set(logged[0])
     for name in ("train_loss", "perf/tokens_per_s", "perf/step_time_s", "moe_load/max_over_mean",
@@ -113,7 +119,7 @@ def test_multirun_sweep_with_defaults_runs_each_job_once(tmp_path):
         assert name in columns, sorted(columns)
     assert any(r["train_loss"] for r in logged) and any(r["perf/tokens_per_s"] for r in logged)
     assert all(float(r["grad_norm"]) > 0 for r in logged if r["grad_norm"])  # the global norm, every 2 steps
-    events = list((tmp_path / "1").glob("tensorboard/version_*/events.out.tfevents.*"))
+    events = list((tmp_path / "3").glob("tensorboard/version_*/events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 500, "TensorBoard event file with the metrics"
 
 
@@ -221,17 +227,3 @@ def test_torchrun_launches_the_ranks_and_the_pack_spawns_none(tmp_path):
     assert (proc.stdout + proc.stderr).count("Initializing distributed:") == 2
 
 
-@pytest.mark.slow
-def test_a_sweep_job_whose_config_is_refused_is_a_row_and_the_sweep_goes_on(tmp_path):
-    """``-m strategy.mode=zebar,ep``: the first job's config is refused before any process
-    starts; the sweep still trains the second, and its table has both rows, the refused one
-    saying why (it ended the whole sweep, the valid job never run, no table)."""
-    proc = run_recipe("-m", "strategy.mode=zebar,ep", "trainer.max_steps=2", "trainer.limit_val_batches=1",
-                      f"hydra.sweep.dir={tmp_path}", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[hetermoe] config error: strategy mode='zebar' is invalid" in proc.stderr
-    with open(tmp_path / "sweep_summary.csv") as f:
-        rows = {r["job"]: r for r in csv.DictReader(f)}
-    assert rows["0"]["status"].startswith("config error: strategy mode='zebar' is invalid"), rows["0"]
-    assert rows["1"]["status"] == "ok" and rows["1"]["schedule"] == "ep" and float(rows["1"]["tokens_per_s"]) > 0
-    assert not (tmp_path / "1" / "summary.json").read_text().count('"error"')
