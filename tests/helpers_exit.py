@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported and its Trainer built
 EXIT_S = 5.0  # from the marker that says the work ended to the last process of the job gone
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +19,6 @@ def start_main_job(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     """The main job (two CPU ranks, ep) in a process group of its own, as a terminal's
     foreground job or a scheduler's task (SIGINT at its default, which a shell's background
     job would not have), its output merged into one text pipe, read as it comes."""
-    import signal
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
@@ -58,3 +59,56 @@ def run_to_exit(cmd: list[str], marker: str, cwd: Path, timeout: float = 240.0) 
     out = "".join(lines)
     assert marked, f"no {marker!r} in the output:\n{out[-3000:]}"
     return proc.returncode, out, gone - marked[0]
+
+
+class Job:
+    """The main job in a session of its own (a terminal's foreground job): its output line by
+    line with the moment each came, and the moment its first child process was seen."""
+
+    def __init__(self, tmp_path: Path, *overrides: str) -> None:
+        self.proc = start_main_job(tmp_path, *overrides)
+        self.lines: list[tuple[float, str]] = []
+        self.children: set[int] = set()
+        self.child_seen: float | None = None
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def watch_children(self, until: float) -> None:
+        """Note the launcher's children every 10 ms until ``until`` or its exit."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        while time.monotonic() < until and self.proc.poll() is None:
+            try:
+                kids = {int(pid) for pid in path.read_text().split()}
+            except (OSError, ValueError):
+                kids = set()
+            if kids and self.child_seen is None:
+                self.child_seen = time.monotonic()
+            self.children |= kids
+            time.sleep(0.01)
+
+    def first(self, text: str) -> float | None:
+        return next((t for t, line in self.lines if text in line), None)
+
+    def finish(self, timeout: float = 120.0) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+            self._pump.join(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return code, "".join(line for _, line in self.lines)
+
+    def alive_children(self) -> list[int]:
+        alive = []
+        for pid in self.children:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        return alive

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers_exit import EXIT_S, start_main_job
+from helpers_exit import EXIT_S, Job
 from lightning_hetermoe.strategy.early_ranks import JOB_MARK, starts_early
-
-FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported and its Trainer built
 
 
 @pytest.mark.parametrize("trainer, env, count", [
@@ -44,72 +40,7 @@ def test_ranks_start_early_only_where_this_process_would_start_them(monkeypatch,
     assert starts_early(trainer, job="/sweep/1") == count
 
 
-class Job:
-    """The main job in a session of its own (a terminal's foreground job): its output line by
-    line with the moment each came, and the moment its first child process was seen."""
-
-    def __init__(self, tmp_path: Path, *overrides: str) -> None:
-        self.proc = start_main_job(tmp_path, *overrides)
-        self.lines: list[tuple[float, str]] = []
-        self.children: set[int] = set()
-        self.child_seen: float | None = None
-        self._pump = threading.Thread(target=self._read, daemon=True)
-        self._pump.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line))
-
-    def watch_children(self, until: float) -> None:
-        """Note the launcher's children every 10 ms until ``until`` or its exit."""
-        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        while time.monotonic() < until and self.proc.poll() is None:
-            try:
-                kids = {int(pid) for pid in path.read_text().split()}
-            except (OSError, ValueError):
-                kids = set()
-            if kids and self.child_seen is None:
-                self.child_seen = time.monotonic()
-            self.children |= kids
-            time.sleep(0.01)
-
-    def first(self, text: str) -> float | None:
-        return next((t for t, line in self.lines if text in line), None)
-
-    def finish(self, timeout: float = 120.0) -> tuple[int, str]:
-        try:
-            code = self.proc.wait(timeout=timeout)
-            self._pump.join(timeout)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        return code, "".join(line for _, line in self.lines)
-
-    def alive_children(self) -> list[int]:
-        alive = []
-        for pid in self.children:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                alive.append(pid)
-        return alive
-
-
-@pytest.mark.slow
-def test_the_child_rank_starts_before_rank_0_has_loaded_lightning_and_the_job_trains(tmp_path):
-    job = Job(tmp_path, "trainer.max_steps=1", "final_validation=false")
-    job.watch_children(until=time.monotonic() + 60)
-    code, out = job.finish()
-    assert code == 0, out[-3000:]
-    lightning_line = job.first(FIRST_LIGHTNING_LINE)
-    assert job.child_seen is not None and lightning_line is not None, out[-3000:]
-    # started with the config checked, not at fit: seconds before rank 0 had imported Lightning
-    # and built its Trainer (at fit, a child came 0.01 s after that line)
-    assert job.child_seen < lightning_line - 1.0, (lightning_line - job.child_seen, out[-3000:])
-    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out
-    assert (tmp_path / "summary.json").is_file()
+# (that a child rank starts early and its job trains: test_exit.py's Ctrl-C test, on its job)
 
 
 @pytest.mark.slow

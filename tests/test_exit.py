@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_exit import EXIT_S, start_main_job
+from helpers_exit import EXIT_S, FIRST_LIGHTNING_LINE, Job
 from lightning_hetermoe.training import PREEMPTED_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,29 +148,23 @@ def test_leaving_at_exit_leaves_the_garbage_collector_as_it_found_it():
     assert (gc.get_freeze_count(), gc.isenabled()) == before
 
 
-def main_job_signalled_at_step_3(tmp_path, send) -> tuple[int, float, str]:
+def main_job_signalled_at_step_3(tmp_path, send) -> tuple[int, float, str, Job]:
     """The main job (two CPU ranks, ep) in a process group of its own, as a terminal's
     foreground job or a scheduler's task: once rank 0 logged step 3, ``send(launcher)``
     signals it; its exit code, the seconds from the signal until every process of the job is
-    gone (the pipe's end-of-file), and its output."""
-    import signal
-
-    proc = start_main_job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1")
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[hetermoe] step 3/"):
-                break
-        assert lines and lines[-1].startswith("[hetermoe] step 3/"), "".join(lines)[-3000:]
-        send(proc)
-        signalled = time.monotonic()
-        lines.extend(proc.stdout)  # to end-of-file: every process holding the pipe is gone
-        code = proc.wait(timeout=60)
-        return code, time.monotonic() - signalled, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    gone (the pipe's end-of-file), its output, and the job (when its lines came, when its
+    child rank was seen)."""
+    job = Job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1")
+    deadline = time.monotonic() + 120
+    while job.first("[hetermoe] step 3/") is None and job.proc.poll() is None and time.monotonic() < deadline:
+        job.watch_children(until=time.monotonic() + 0.05)
+    if job.first("[hetermoe] step 3/") is None:
+        code, out = job.finish(timeout=5)
+        raise AssertionError(f"no step 3 (exit {code}):\n{out[-3000:]}")
+    send(job.proc)
+    signalled = time.monotonic()
+    code, out = job.finish(timeout=60)  # to end-of-file: every process holding the pipe is gone
+    return code, time.monotonic() - signalled, out, job
 
 
 @pytest.mark.slow
@@ -178,10 +172,18 @@ def test_a_ctrl_c_ends_the_job_at_once_and_keeps_what_its_steps_measured(tmp_pat
     """A terminal's Ctrl-C (SIGINT to the launcher's whole process group) while the main job
     trains: every rank gone within seconds, exit code 1, no rank reported as failed (the
     children's exits are the user's stop), and the run directory keeps the steps so far:
-    summary.json saying it was interrupted, the routing record and its figure."""
+    summary.json saying it was interrupted, the routing record and its figure.
+
+    The same job shows its child rank started early (lightning_hetermoe/strategy/early_ranks.py):
+    with its config checked, seconds before rank 0 had imported Lightning and built its
+    Trainer (at fit, a child came 0.01 s after that line), and launched into the job it trains."""
     import signal
 
-    code, gone_s, out = main_job_signalled_at_step_3(tmp_path, lambda p: os.killpg(p.pid, signal.SIGINT))
+    code, gone_s, out, job = main_job_signalled_at_step_3(tmp_path, lambda p: os.killpg(p.pid, signal.SIGINT))
+    lightning_line = job.first(FIRST_LIGHTNING_LINE)
+    assert job.child_seen is not None and lightning_line is not None, out[-3000:]
+    assert job.child_seen < lightning_line - 1.0, (lightning_line - job.child_seen, out[-3000:])
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out
     assert code == 1 and gone_s < EXIT_S, (code, gone_s, out[-3000:])
     assert "exited with" not in out and "stopping the other ranks" not in out, out[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -209,7 +211,7 @@ def test_a_sigterm_stops_every_rank_before_one_batch_and_the_job_ends_at_once(tm
             assert len(child) == 1, child
             os.kill(int(child[0]), signal.SIGTERM)
 
-    code, gone_s, out = main_job_signalled_at_step_3(tmp_path, send)
+    code, gone_s, out, _ = main_job_signalled_at_step_3(tmp_path, send)
     assert gone_s < EXIT_S and "Traceback" not in out and "silent" not in out, (code, gone_s, out[-3000:])
     assert code == PREEMPTED_EXIT, (code, out[-3000:])  # not 0: the run did not finish
     summary = json.loads((tmp_path / "summary.json").read_text())
