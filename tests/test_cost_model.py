@@ -203,6 +203,7 @@ def _paper_homogeneous(seq_len):
     return plans["a40x2_v100x2"], plans["a40x4"]
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_paper_trend_mix_against_4xa40():
     """docs/paper_trend.md. The cost terms: with V100 at ~0.8x an A40 on experts, the mix's
     throughput bound is ~(2 + 2*0.8)/4 = 0.9 of 4xA40's while the experts can absorb the

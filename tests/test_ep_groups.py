@@ -129,6 +129,7 @@ def test_at_even_routing_alike_ranks_share_a_lane_and_price_as_a_lane_per_rank(l
                 assert each.network_bytes > 0
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_the_plan_prices_ep_at_its_fastest_group_size_and_says_how_to_run_it():
     model = workload_model("d1")
     cluster = shipped("n2_mixed")
@@ -156,6 +157,7 @@ def test_the_plan_prices_ep_at_its_fastest_group_size_and_says_how_to_run_it():
         make_plan(cluster, model, seq_len=4096, global_batch_tokens=4096 * 32, ep_groups="some")
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_auto_weighs_every_ep_group_size_and_names_the_one_it_chose(capsys):
     """OLMoE on two servers (H100s, MI250Xs) joined by 200 Gbit/s: EP in a group per server
     is predicted faster than zebra's plan there; EP over both servers was 4.5x slower."""

@@ -158,6 +158,7 @@ def test_gemm_epilogues_scale_and_scatter():
     assert_close(dw[2], x[12:].T @ dy[12:], "wgrad expert 2", 1e-5)
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_launch_order_changes_no_result():
     """Row tiles launched side by side (GROUP) compute every tile as one row tile at a time
     does, to the bit, and as the per-expert products: ragged and empty experts, groups that
@@ -709,6 +710,7 @@ def launch_module():
     return launch
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_the_model_on_every_fused_kernel_stays_with_torchs_ops(monkeypatch):
     """The language model with its RMSNorms, rotary embeddings, expert SwiGLU and head's
     cross-entropy on the fused kernels (through the interpreter, as CUDA takes them) against torch's ops: the

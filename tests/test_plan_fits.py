@@ -196,6 +196,7 @@ def test_sharded_optimizer_state_fits_more():
     assert sharded > whole
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_the_optimizer_a_run_trains_with_is_what_the_plan_prices():
     """SGD keeps 4 bytes of state a parameter with momentum and none without, where AdamW
     keeps 8 (a fused step, ``auto`` under the strategy, allocates nothing beside it): the

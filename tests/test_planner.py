@@ -633,6 +633,7 @@ def test_equal_attention_shares_are_tried_on_the_fastest_splits(monkeypatch):
     assert max(shares) - min(shares) <= 1 < max(old) - min(old), (shares, old)
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_on_many_ranks_a_group_count_far_behind_is_not_searched_over_every_r(monkeypatch):
     """On more than MAX_SPLITS ranks pass 2 first tries each group count at the best plan's
     R and searches it over every R only where it comes within FAR_GROUPS of the best. On the
@@ -820,6 +821,7 @@ def test_a_step_in_waves_is_the_plan_of_one_wave_run_that_many_times_with_one_ta
     assert Plan.from_json(two.to_json()).waves == 2
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_the_planner_splits_a_step_into_waves_only_where_activations_bind_and_it_pays(monkeypatch):
     """L40S + T4 (16 GB) on the paper's D1 at 4K: the whole batch's activations crowd the
     experts off the members, two waves of half the batch plan a faster step, and the

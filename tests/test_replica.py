@@ -72,6 +72,7 @@ def rate(plan) -> float:
     return plan.predicted["zebra"]["tokens_per_s"]
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_a_cluster_of_copies_plans_at_least_as_fast_per_gpu_as_its_copy(monkeypatch):
     """Qwen1.5-MoE-A2.7B on 64 GPUs, four copies of (2 h100, 6 a40, 8 v100), transfers free
     (each copy's share of the work is then exactly a quarter): the 16-GPU copy's plan
@@ -99,6 +100,7 @@ def test_a_pinned_layout_is_planned_as_pinned_on_a_cluster_of_copies():
     assert len(plan.zp_groups) == 2
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 @pytest.mark.parametrize("schedule", ["zebra", "distep"])
 def test_a_brief_prediction_is_the_full_ones_step(schedule):
     """What the planner compares between copies' plans (``brief``: the search's own
@@ -172,6 +174,7 @@ def test_a_split_beside_the_search_s_best_that_deals_into_more_groups_is_searche
     assert rate(plan) > rate(make_plan(flat(64), model, **kw)) * 1.4
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_the_search_s_best_split_is_searched_again_in_more_waves(monkeypatch):
     """Mixtral-8x7B on 64 GPUs on nodes: the one-wave search's best split (26 attention
     ranks) in two waves, as two groups of 13+19, plans faster than the whole search finds in

@@ -235,6 +235,7 @@ def test_the_planner_keeps_zp_groups_inside_nodes_where_that_is_faster_and_the_t
 
 
 # ---- the bound, and planning at scale ----------------------------------------------------------
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_the_throughput_bound_matches_a_brute_force_split_and_no_schedule_beats_it():
     from lightning_hetermoe.cluster.devices import get_device
     from lightning_hetermoe.simulate.bound import per_token_seconds, throughput_bound
@@ -279,6 +280,7 @@ def test_no_schedule_beats_the_bound_of_a_small_model_whose_launches_weigh(seq_l
     assert speeds and all(v <= plan.bound_tokens_per_s for v in speeds.values()), (plan.bound_tokens_per_s, speeds)
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_a_large_cluster_plans_from_a_pruned_search_as_well_as_the_full_one():
     from lightning_hetermoe.plan import search
 
@@ -392,6 +394,7 @@ def test_an_emulated_run_on_two_nodes_tracks_the_simulator_with_the_network_in_i
     assert abs(summary["step_time_rel_error"]) < 0.25, summary
 
 
+@pytest.mark.slow  # computes for seconds (the quick loop stays about a minute)
 def test_a_round_on_nodes_is_priced_by_each_kind_of_links_busiest_node_as_its_legs_say():
     """On nodes a round's leg is priced from arrays over the kinds of link (each node has its
     own link object; alike where their figures are). The plain reference: every leg
