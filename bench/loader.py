@@ -100,12 +100,12 @@ def main() -> None:
 
     from lightning_hetermoe import ByteCorpusDataModule, DataConfig, ModelConfig, TokenizedDataModule
     from lightning_hetermoe.configs import PrepareConfig, from_cfg
-    from lightning_hetermoe.model.corpus import read_meta
+    from lightning_hetermoe.corpus.format import read_meta
 
     tmp = None
     path = args.corpus
     if path is None:
-        from lightning_hetermoe.model.prepare import prepare_corpus
+        from lightning_hetermoe.corpus.prepare import prepare_corpus
 
         tmp = tempfile.TemporaryDirectory(prefix="bench_loader_")
         path = str(Path(tmp.name) / "pydoc_bpe")

@@ -198,7 +198,7 @@ def fit_data_and_model(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Da
     right to keep, and ``model.vocab_size`` need not repeat what ``meta.json`` records."""
     if data_cfg.corpus != "tokenized":
         return data_cfg, model_cfg
-    from .model.corpus import read_meta
+    from .corpus.format import read_meta
 
     path = data_cfg.path
     if HydraConfig.initialized():

@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError, PrepareConfig, from_cfg
-from lightning_hetermoe.model.prepare import prepare_corpus
+from lightning_hetermoe.corpus.prepare import prepare_corpus
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from lightning_hetermoe import DataConfig, ModelConfig, MoELanguageModel, TokenizedDataModule
 from lightning_hetermoe.configs import ConfigError, PrepareConfig
-from lightning_hetermoe.model.corpus import META, TokenCorpus, read_meta, split_documents
+from lightning_hetermoe.corpus.format import META, read_meta
+from lightning_hetermoe.model.corpus import TokenCorpus, split_documents
 from lightning_hetermoe.model.lm import IGNORE_INDEX
-from lightning_hetermoe.model.prepare import prepare_corpus
+from lightning_hetermoe.corpus.prepare import prepare_corpus
 from lightning_hetermoe.model.sampling import GlobalOrderSampler, ResumableLoader
 from lightning_hetermoe.model.transformer import document_layout
 

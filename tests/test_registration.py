@@ -31,12 +31,15 @@ def test_the_names_build_the_strategy_with_their_start_method():
 
 
 @pytest.mark.slow
-def test_planning_loads_neither_lightning_nor_torch():
-    """The plan and paper recipes' imports, and the package's planning names, read."""
+def test_planning_and_preparing_data_load_neither_lightning_nor_torch():
+    """The plan, paper and prepare-data recipes' imports, the package's planning names, and
+    the corpus on disk's reader (the config check of ``data.path`` runs it before the run
+    loads torch), read. (Preparing data loaded both, 5 CPU-s, through the model package.)"""
     code = ("import runpy, sys\n"
-            "for recipe in ('recipes/plan.py', 'recipes/paper.py'):\n"
+            "for recipe in ('recipes/plan.py', 'recipes/paper.py', 'recipes/prepare_data.py'):\n"
             "    runpy.run_path(recipe, run_name='imported')\n"
             "import lightning_hetermoe as lh\n"
+            "from lightning_hetermoe.corpus.format import read_meta\n"
             "names = [lh.ClusterConfig, lh.CostModel, lh.Plan, lh.make_plan, lh.simulate_plan, lh.RoutingRecord]\n"
             "print(sorted(m for m in ('lightning', 'torch') if m in sys.modules))\n")
     proc = _python(code)

@@ -14,14 +14,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..configs import CORPORA, DataConfig
+from ..corpus.documents import pydoc_documents
 from .sampling import GlobalOrderDataModule
-
-
-def pydoc_documents() -> list[tuple[str, str]]:
-    """The CPython documentation topics (``pydoc_data``): ``(topic, text)`` in sorted order."""
-    from pydoc_data.topics import topics
-
-    return [(k, topics[k]) for k in sorted(topics)]
 
 
 def load_corpus(name: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Text files to a tokenised corpus on disk (:mod:`.corpus`'s layout): what
+"""Text files to a tokenised corpus on disk (:mod:`.format`'s layout): what
 ``recipes/prepare_data.py`` runs.
 
 Documents come from a directory (every file under it, sorted by path), a glob or one file:
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..configs import ConfigError, PrepareConfig
-from .corpus import TOKENIZER, CorpusMeta, CorpusWriter
-from .data import pydoc_documents
+from .documents import pydoc_documents
+from .format import TOKENIZER, CorpusMeta, CorpusWriter
 
 EOS = "<|endoftext|>"
 GLOB_CHARS = "*?["
