@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported and its Trainer built
 EXIT_S = 5.0  # from the marker that says the work ended to the last process of the job gone
@@ -19,8 +21,6 @@ def start_main_job(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     """The main job (two CPU ranks, ep) in a process group of its own, as a terminal's
     foreground job or a scheduler's task (SIGINT at its default, which a shell's background
     job would not have), its output merged into one text pipe, read as it comes."""
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep",
@@ -77,10 +77,10 @@ class Job:
         for line in self.proc.stdout:
             self.lines.append((time.monotonic(), line))
 
-    def watch_children(self, until: float) -> None:
-        """Note the launcher's children every 10 ms until ``until`` or its exit."""
+    def watch_children(self, until: float, done: Callable[[], bool] = lambda: False) -> None:
+        """Note the launcher's children every 10 ms until ``until``, its exit, or ``done()``."""
         path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        while time.monotonic() < until and self.proc.poll() is None:
+        while time.monotonic() < until and self.proc.poll() is None and not done():
             try:
                 kids = {int(pid) for pid in path.read_text().split()}
             except (OSError, ValueError):

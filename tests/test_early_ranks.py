@@ -62,9 +62,7 @@ def test_a_ctrl_c_during_start_up_ends_every_rank_with_one_report(tmp_path):
     """Ctrl-C (SIGINT to the job's process group) while the ranks import: the child started
     early holds it (blocked until its launcher's word), rank 0 acts on it and kills it."""
     job = Job(tmp_path, "trainer.max_steps=2")
-    deadline = time.monotonic() + 60
-    while job.child_seen is None and time.monotonic() < deadline and job.proc.poll() is None:
-        job.watch_children(until=time.monotonic() + 0.05)
+    job.watch_children(until=time.monotonic() + 60, done=lambda: job.child_seen is not None)
     assert job.child_seen is not None
     time.sleep(0.5)  # into their imports
     os.killpg(job.proc.pid, signal.SIGINT)

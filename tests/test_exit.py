@@ -155,9 +155,7 @@ def main_job_signalled_at_step_3(tmp_path, send) -> tuple[int, float, str, Job]:
     gone (the pipe's end-of-file), its output, and the job (when its lines came, when its
     child rank was seen)."""
     job = Job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1")
-    deadline = time.monotonic() + 120
-    while job.first("[hetermoe] step 3/") is None and job.proc.poll() is None and time.monotonic() < deadline:
-        job.watch_children(until=time.monotonic() + 0.05)
+    job.watch_children(until=time.monotonic() + 120, done=lambda: job.first("[hetermoe] step 3/") is not None)
     if job.first("[hetermoe] step 3/") is None:
         code, out = job.finish(timeout=5)
         raise AssertionError(f"no step 3 (exit {code}):\n{out[-3000:]}")
