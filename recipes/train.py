@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.process_exit import run_and_exit
-from lightning_hetermoe.run_config import read_run_config
+from lightning_hetermoe.run_config import RunConfig, read_run_config
 from lightning_hetermoe.strategy import early_ranks
 
 
@@ -31,9 +31,19 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         return refused(cfg, out, f"config error: {err}")
     try:
-        # the other local ranks start now, beside this one's imports and set-up, and wait for
-        # its launch to join (lightning_hetermoe/strategy/early_ranks.py)
-        early_ranks.start(run.trainer)
+        # the other local ranks start now, each to wait for this one's launch to join
+        # (lightning_hetermoe/strategy/early_ranks.py): forked once torch, Lightning and the
+        # pack are loaded, to run the job below as this process does
+        early_ranks.start(run.trainer, job=lambda: train_job(cfg, out, run), load=["lightning_hetermoe.training"])
+        train_job(cfg, out, run)
+    finally:
+        early_ranks.release()  # any nobody launched (this job failed before its launch)
+
+
+def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
+    """The job past its config check: every local rank runs it (rank 0, and each child
+    forked from it)."""
+    try:
         from lightning_hetermoe.training import train
 
         train(cfg, out, run=run)
@@ -44,8 +54,6 @@ def main(cfg: DictConfig) -> None:
     except BaseException:
         early_ranks.leave_quietly_unless_launched()
         raise
-    finally:
-        early_ranks.release()  # any nobody launched (this job failed before its launch)
 
 
 def refused(cfg: DictConfig, out: str, error: str) -> None:

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-FIRST_LIGHTNING_LINE = "GPU available:"  # rank 0's, once Lightning is imported and its Trainer built
 EXIT_S = 5.0  # from the marker that says the work ended to the last process of the job gone
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +69,7 @@ class Job:
         self.lines: list[tuple[float, str]] = []
         self.children: set[int] = set()
         self.child_seen: float | None = None
+        self.commands: dict[int, list[str]] = {}  # each child's command line, as last seen
         self._pump = threading.Thread(target=self._read, daemon=True)
         self._pump.start()
 
@@ -78,7 +78,8 @@ class Job:
             self.lines.append((time.monotonic(), line))
 
     def watch_children(self, until: float, done: Callable[[], bool] = lambda: False) -> None:
-        """Note the launcher's children every 10 ms until ``until``, its exit, or ``done()``."""
+        """Note the launcher's children (and their command lines) every 10 ms until ``until``,
+        its exit, or ``done()``."""
         path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
         while time.monotonic() < until and self.proc.poll() is None and not done():
             try:
@@ -88,6 +89,11 @@ class Job:
             if kids and self.child_seen is None:
                 self.child_seen = time.monotonic()
             self.children |= kids
+            for pid in kids:
+                try:
+                    self.commands[pid] = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+                except OSError:
+                    pass
             time.sleep(0.01)
 
     def first(self, text: str) -> float | None:

@@ -1,17 +1,20 @@
-"""The main job starts its other local ranks as soon as its config is checked, beside rank 0's
-imports and set-up, not at ``fit`` (lightning_hetermoe/strategy/early_ranks.py): they join at
-the launch, and a job that fails or is stopped before it leaves no rank behind and one voice."""
+"""The main job starts its other local ranks as soon as its config is checked, not at ``fit``
+(lightning_hetermoe/strategy/early_ranks.py): forked once rank 0 has imported torch and
+Lightning where that is safe, they set up beside rank 0 and join at the launch, and a job
+that fails or is stopped before it leaves no rank behind and one voice."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from helpers_exit import EXIT_S, Job
-from lightning_hetermoe.strategy.early_ranks import JOB_MARK, starts_early
+from lightning_hetermoe.strategy.early_ranks import JOB_MARK, ForkedRank, starts_early
 
 
 @pytest.mark.parametrize("trainer, env, count", [
@@ -75,3 +78,51 @@ def test_a_ctrl_c_during_start_up_ends_every_rank_with_one_report(tmp_path):
     reports = [line for line in out.splitlines() if line.strip() == "KeyboardInterrupt"]
     assert len(reports) <= 1, out[-3000:]
     assert not job.alive_children()
+
+
+def _forked(then) -> ForkedRank:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            then()
+        finally:
+            os._exit(0)
+    return ForkedRank(pid, 1)
+
+
+@pytest.mark.slow
+def test_a_forked_rank_reads_as_a_popen_does_for_the_launcher():
+    """The launcher polls, waits for, signals and kills its children; a forked rank answers
+    each as subprocess.Popen answers for a child started from a command."""
+    exits = _forked(lambda: os._exit(3))
+    popen_exits = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
+    assert exits.wait(timeout=30) == popen_exits.wait(timeout=30) == 3
+    assert exits.poll() == exits.returncode == 3
+    exits.kill()  # gone already: nothing to signal, no error, as Popen's
+
+    sleeps = _forked(lambda: time.sleep(60))
+    popen_sleeps = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert sleeps.poll() is None and popen_sleeps.poll() is None
+    for proc in (sleeps, popen_sleeps):
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.05)
+    sleeps.kill()
+    popen_sleeps.kill()
+    assert sleeps.wait(timeout=30) == popen_sleeps.wait(timeout=30) == -signal.SIGKILL
+
+    stopped = _forked(lambda: time.sleep(60))
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=30) == -signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_a_fork_is_taken_only_with_no_other_python_thread_running():
+    """A lock another thread held at the fork stays held in the child: a fresh interpreter
+    may fork, the same one with a thread running may not."""
+    probe = ("import threading, time\n"
+             "from lightning_hetermoe.strategy.early_ranks import _fork_is_safe\n"
+             "alone = _fork_is_safe()\n"
+             "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+             "print(alone, _fork_is_safe())\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

@@ -4,8 +4,17 @@ A Hydra job's launcher (:class:`~.launchers.HydraAwareScriptLauncher`) starts th
 local ranks at ``fit``, after the launching process has imported torch and Lightning and
 built its model, data and trainer; each child then does all of that again before it joins
 the process group: on a 2-core machine the main job's child joined 4.7 s after it started,
-the whole time with rank 0 waiting. Started as soon as the job's config is checked (before
-either process imports torch), the children do that work beside rank 0.
+the whole time with rank 0 waiting. Started as soon as the job's config is checked, the
+children do their set-up beside rank 0.
+
+Each child is forked from the launching process once that has imported what every rank
+imports (torch, Lightning, the pack: 5-6 CPU-s a process on a 2-core machine, done once, not
+once a rank), and runs the job from there. A fork is taken only where it is safe: on Linux,
+with no CUDA driver loaded in this process and no thread of Python's running but this one
+(the imports start neither), and in the process's first job (a job that ran here before
+started OpenMP's threads, and GNU OpenMP hangs in a forked child). Elsewhere, or where the
+caller gives no job to run, each child is a new interpreter that re-runs this Hydra job,
+started before the imports, beside them.
 
 A child started early does everything up to the launch on its own and then waits for its
 launcher's word (:func:`await_launch`): the rendezvous address, given only then because
@@ -26,13 +35,16 @@ This module imports nothing heavy: the recipe calls it before torch loads.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 LAUNCH_FD = "HETERMOE_LAUNCH_FD"  # in a child started early: the pipe its launcher's word comes on
 LAUNCHER_PID = "HETERMOE_LAUNCHER_PID"
@@ -90,11 +102,15 @@ def _hydra_job() -> str:
 class _Early:
     job: str  # the Hydra job's output directory
     num_processes: int
-    procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # local rank -> process
+    procs: dict[int, subprocess.Popen | ForkedRank] = field(default_factory=dict)  # local rank -> process
     words: dict[int, int] = field(default_factory=dict)  # local rank -> the write end of its pipe
 
 
 _early: list[_Early] = []  # at most one: this job's
+# A job trains in the process that runs it: once one has, OpenMP's worker threads exist, and a
+# child forked then hangs in its first parallel loop (GNU OpenMP does not survive a fork). So
+# only a process's first job forks its ranks (a sweep's later jobs start new interpreters).
+_jobs_run = {"count": 0}
 
 
 def starts_early(trainer: dict[str, Any], job: str | None = None) -> int:
@@ -111,33 +127,47 @@ def starts_early(trainer: dict[str, Any], job: str | None = None) -> int:
     return devices - 1
 
 
-def start(trainer: dict[str, Any]) -> int:
+def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: Sequence[str] = ()) -> int:
     """In a Hydra job's launching process, with its config checked: start the local ranks its
     launcher would start at ``fit`` now, each to wait for the launcher's word before it joins
-    (see the module's docstring). Returns how many were started."""
+    (see the module's docstring). Returns how many were started.
+
+    With ``job`` (what this process goes on to run: the rest of the Hydra job), the modules
+    ``load`` names are imported first and each child is forked from here to run ``job`` and
+    end, where forking is safe (and this is the process's first job); otherwise each child re-runs the Hydra job in a new
+    interpreter."""
     release()
-    job = _hydra_job()
-    count = starts_early(trainer, job)
+    first_job, _jobs_run["count"] = not _jobs_run["count"], _jobs_run["count"] + 1
+    hydra_job = _hydra_job()
+    count = starts_early(trainer, hydra_job)
     if not count:
         return 0
-    early = _Early(job=job, num_processes=count + 1)
+    forking = job is not None and first_job and _forks()
+    if forking:
+        for name in load:
+            importlib.import_module(name)
+        forking = _fork_is_safe()
+    early = _Early(job=hydra_job, num_processes=count + 1)
     _early.append(early)
     _leave_hooks()
-    env = dict(os.environ, NODE_RANK="0", WORLD_SIZE=str(count + 1), **{LAUNCHER_PID: str(os.getpid()), JOB_MARK: job})
-    for var in _RENDEZVOUS:
-        env.pop(var, None)  # given with the word: a child must not use any other
+    env = {"NODE_RANK": "0", "WORLD_SIZE": str(count + 1), LAUNCHER_PID: str(os.getpid()), JOB_MARK: hydra_job}
     # A Ctrl-C before the launch is this process's to act on (it kills them): they start with
     # SIGINT blocked (the mask is inherited) until the word, so none of them prints a
-    # KeyboardInterrupt from the middle of its imports. Blocked here meanwhile, not ignored:
+    # KeyboardInterrupt from the middle of its set-up. Blocked here meanwhile, not ignored:
     # one that comes now is delivered when the mask is restored.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         for local_rank in range(1, count + 1):
-            command, cwd = hydra_job_command(local_rank)
             read, write = os.pipe()
+            child_env = {**env, "LOCAL_RANK": str(local_rank), LAUNCH_FD: str(read)}
             try:
-                proc = subprocess.Popen(command, cwd=cwd, pass_fds=(read,),
-                                        env={**env, "LOCAL_RANK": str(local_rank), LAUNCH_FD: str(read)})
+                if forking:
+                    assert job is not None
+                    proc: subprocess.Popen | ForkedRank = _fork(local_rank, child_env, job, write)
+                else:
+                    command, cwd = hydra_job_command(local_rank)
+                    proc = subprocess.Popen(command, cwd=cwd, pass_fds=(read,),
+                                            env={**_without_rendezvous(os.environ), **child_env})
             except BaseException:
                 os.close(write)
                 raise
@@ -149,7 +179,114 @@ def start(trainer: dict[str, Any]) -> int:
     return count
 
 
-def take(num_processes: int) -> dict[int, subprocess.Popen]:
+def _without_rendezvous(env: Any) -> dict[str, str]:
+    # given with the word: a child must not use any other
+    return {k: v for k, v in env.items() if k not in _RENDEZVOUS}
+
+
+def _forks() -> bool:
+    # macOS's system libraries are not fork-safe, Windows has no fork
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+def _fork_is_safe() -> bool:
+    """No CUDA driver in this process (a forked child could not use the device: torch's own
+    check misses a driver another library loaded) and no other Python thread (whatever lock
+    it held would stay held in the child)."""
+    if threading.active_count() > 1:
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            return not any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
+
+
+def _fork(local_rank: int, child_env: dict[str, str], job: Callable[[], Any], write: int) -> ForkedRank:
+    """Fork local rank ``local_rank``; in the child, become that rank (its environment, as a
+    new interpreter would have it) and run ``job`` to the end of the process."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # else what is buffered is written twice
+    pid = os.fork()
+    if pid:
+        return ForkedRank(pid, local_rank)
+    code = 1
+    try:
+        os.close(write)
+        for other in _early[0].words.values():
+            os.close(other)  # the earlier children's: each must see its pipe close when rank 0 goes
+        _early.clear()
+        for var in _RENDEZVOUS:
+            os.environ.pop(var, None)
+        os.environ.update(child_env)
+        _take_rank(local_rank)
+        from .. import process_exit
+
+        process_exit.run_and_exit(job)  # never returns
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _take_rank(local_rank: int) -> None:
+    # Lightning read this process's rank when it was imported (rank 0's); a new interpreter
+    # would have read this one, and printed nothing that only rank 0 prints
+    for name in ("lightning_utilities.core.rank_zero", "torchmetrics.utilities.prints"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "rank_zero_only"):
+            module.rank_zero_only.rank = local_rank
+
+
+class ForkedRank:
+    """A child rank forked from this process, with the part of :class:`subprocess.Popen`'s
+    interface the launcher uses (``poll``, ``wait``, ``send_signal``, ``kill``, ``terminate``,
+    ``pid``, ``returncode``). Waiting polls: a rank observer's thread polls the same child."""
+
+    POLL_S = 0.02
+
+    def __init__(self, pid: int, local_rank: int) -> None:
+        self.pid, self.args = pid, f"<rank {local_rank}, forked>"
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere: its code is lost, as Popen says
+                    self.returncode = 0
+                else:
+                    if pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(self.POLL_S)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def take(num_processes: int) -> dict[int, subprocess.Popen | ForkedRank]:
     """For the launcher about to start ``num_processes - 1`` local ranks of this Hydra job:
     the ones started early for it, still alive and not yet told (to be told with
     :func:`launch`), by local rank; none where they were started for another job or world
