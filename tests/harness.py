@@ -151,6 +151,9 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 240.0) -> l
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+            for name in ctx.error_files:  # torch writes a failed rank's there and never removes it
+                if name and os.path.exists(name):
+                    os.unlink(name)
         records = [torch.load(Path(outdir) / f"rank{r}.pkl", weights_only=False) for r in range(world)]
         if forwarded.get("HETERMOE_STANDIN", "") not in ("", "0"):
             off = [r for r, rec in enumerate(records) if not rec["standin"]]
