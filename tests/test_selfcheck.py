@@ -242,3 +242,30 @@ def test_the_autotuning_verdict_and_its_listener_on_the_real_triton_knobs():
         selfcheck.judge_autotuning(in_step)
     with pytest.raises(selfcheck.Failed, match="nothing autotuned at set-up"):
         selfcheck.judge_autotuning([])
+
+
+def test_the_fork_verdict_wants_no_hazard_and_both_processes_computing():
+    from lightning_hetermoe.selfcheck.forking import fork_verdict
+    from lightning_hetermoe.selfcheck.report import Failed
+
+    fine = {"hazard": "", "child_code": 0, "child_s": 0.4, "parent_ok": True}
+    assert fork_verdict(fine, "cuda:0").startswith("no CUDA driver after importing torch, Lightning and the pack; "
+                                                    "a forked child computed on cuda:0 (0.4 s")
+    for found, says in [({"hazard": "a CUDA driver is loaded"}, "after the imports a CUDA driver is loaded: the main "
+                         "job starts its child ranks as new interpreters"),
+                        ({**fine, "child_code": 1}, "a child forked after the imports exited 1 computing on cuda:0"),
+                        ({**fine, "parent_ok": False}, "the parent computed wrongly on cuda:0"),
+                        ({"error": "the probe exited 1: boom"}, "the probe exited 1: boom")]:
+        with pytest.raises(Failed, match=says):
+            fork_verdict(found, "cuda:0")
+
+
+@pytest.mark.slow
+def test_the_fork_probe_runs_as_the_gpu_will_run_it_here_on_the_cpu():
+    """The probe the `fork after imports` row runs in a new interpreter, on the CPU: the imports
+    rank 0 makes before it forks leave it safe to fork, and the forked child computes."""
+    from lightning_hetermoe.selfcheck.forking import fork_verdict, probe
+
+    found = probe("cpu")
+    assert found.get("hazard") == "" and found["child_code"] == 0 and found["parent_ok"] is True, found
+    assert "a forked child computed on cpu" in fork_verdict(found, "cpu")

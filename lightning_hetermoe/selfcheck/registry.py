@@ -10,6 +10,7 @@ from .checkpoints import check_sharded_checkpoint
 from .clocks import check_clocks
 from .collectives import check_collectives
 from .environment import check_environment
+from .forking import check_fork_after_imports
 from .grad_sync import check_grad_sync
 from .host_syncs import check_host_syncs
 from .kernel_numerics import (DTYPE_NAMES, check_cross_entropy, check_kernels, check_kernels_tma, check_large_gemm,
@@ -27,6 +28,7 @@ KERNEL_TIMEOUT_S = 180.0
 
 CHECKS: list[Check] = [
     Check("environment", check_environment),
+    Check("fork after imports", check_fork_after_imports, cuda_only=True),
     *(Check(f"kernels {name}", check_kernels(dtype), timeout_s=KERNEL_TIMEOUT_S)
       for dtype, name in DTYPE_NAMES.items()),
     Check("kernels 4.5M rows", check_large_gemm, cuda_only=True, timeout_s=KERNEL_TIMEOUT_S),

@@ -146,7 +146,7 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
     if forking:
         for name in load:
             importlib.import_module(name)
-        forking = _fork_is_safe()
+        forking = not fork_hazard()
     early = _Early(job=hydra_job, num_processes=count + 1)
     _early.append(early)
     _leave_hooks()
@@ -189,17 +189,19 @@ def _forks() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork")
 
 
-def _fork_is_safe() -> bool:
-    """No CUDA driver in this process (a forked child could not use the device: torch's own
-    check misses a driver another library loaded) and no other Python thread (whatever lock
-    it held would stay held in the child)."""
+def fork_hazard() -> str:
+    """Why forking this process now would be unsafe ('' where it is safe): a CUDA driver
+    loaded (a forked child could not use the device; torch's own check misses a driver another
+    library loaded), or another Python thread running (a lock it held stays held in the child)."""
     if threading.active_count() > 1:
-        return False
+        return f"{threading.active_count() - 1} other Python thread(s) running"
     try:
         with open("/proc/self/maps") as maps:
-            return not any("libcuda.so" in line for line in maps)
-    except OSError:
-        return False
+            if any("libcuda.so" in line for line in maps):
+                return "a CUDA driver is loaded"
+    except OSError as err:
+        return f"cannot read /proc/self/maps: {err}"
+    return ""
 
 
 def _fork(local_rank: int, child_env: dict[str, str], job: Callable[[], Any], write: int) -> ForkedRank:
