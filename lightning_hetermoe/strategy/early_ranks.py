@@ -142,11 +142,12 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
     count = starts_early(trainer, hydra_job)
     if not count:
         return 0
-    forking = job is not None and first_job and _forks()
-    if forking:
+    fork_job = job if first_job and _forks() else None
+    if fork_job is not None:
         for name in load:
             importlib.import_module(name)
-        forking = not fork_hazard()
+        if fork_hazard():
+            fork_job = None
     early = _Early(job=hydra_job, num_processes=count + 1)
     _early.append(early)
     _leave_hooks()
@@ -161,9 +162,8 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
             read, write = os.pipe()
             child_env = {**env, "LOCAL_RANK": str(local_rank), LAUNCH_FD: str(read)}
             try:
-                if forking:
-                    assert job is not None
-                    proc: subprocess.Popen | ForkedRank = _fork(local_rank, child_env, job, write)
+                if fork_job is not None:
+                    proc: subprocess.Popen | ForkedRank = _fork(local_rank, child_env, fork_job, write)
                 else:
                     command, cwd = hydra_job_command(local_rank)
                     proc = subprocess.Popen(command, cwd=cwd, pass_fds=(read,),
