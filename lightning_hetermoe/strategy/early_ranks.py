@@ -207,8 +207,7 @@ def fork_hazard() -> str:
 def _fork(local_rank: int, child_env: dict[str, str], job: Callable[[], Any], write: int) -> ForkedRank:
     """Fork local rank ``local_rank``; in the child, become that rank (its environment, as a
     new interpreter would have it) and run ``job`` to the end of the process."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()  # else what is buffered is written twice
+    _flush()  # else what is buffered is written twice
     pid = os.fork()
     if pid:
         return ForkedRank(pid, local_rank)
@@ -385,9 +384,13 @@ def leave_quietly_unless_launched() -> None:
 
 
 def _leave_quietly() -> None:
+    _flush()
+    os._exit(0)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    os._exit(0)
