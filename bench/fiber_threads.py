@@ -90,4 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lightning_hetermoe.process_exit import run_and_exit
+
+    run_and_exit(main)  # no finalization: its collections walk every object torch and Lightning made

@@ -174,4 +174,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lightning_hetermoe.process_exit import run_and_exit
+
+    run_and_exit(main)  # no finalization: its collections walk every object torch and Lightning made

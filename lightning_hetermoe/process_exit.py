@@ -50,12 +50,14 @@ def exit_now(code: int = 0) -> None:
 
 def run_and_exit(main: Callable[[], Any]) -> None:
     """Run a command and end the process through :func:`exit_now`, whether its work
-    finished or failed. A failure is reported as the interpreter would report it (the
-    traceback, or a ``SystemExit`` message) with its exit code (1 for an uncaught error; a
-    Ctrl-C outside Lightning's loop too, where the interpreter would end on SIGINT)."""
+    finished or failed. A ``main`` that returns an int returns its exit code (as under
+    ``sys.exit(main())``); any other return is 0. A failure is reported as the interpreter
+    would report it (the traceback, or a ``SystemExit`` message) with its exit code (1 for an
+    uncaught error; a Ctrl-C outside Lightning's loop too, where the interpreter would end on
+    SIGINT)."""
     try:
-        main()
-        code = 0
+        result = main()
+        code = result if isinstance(result, int) and not isinstance(result, bool) else 0
     except SystemExit as done:
         code = done.code
         if code is None:

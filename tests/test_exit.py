@@ -214,3 +214,15 @@ def test_a_sigterm_stops_every_rank_before_one_batch_and_the_job_ends_at_once(tm
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"].startswith("stopped at step ") and summary["status"].endswith("the job got SIGTERM")
     assert summary["steps"] >= 3, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("returns, code, says", [("3", 3, ""), ("None", 0, ""), ("{'rows': 1}", 0, ""), ("True", 0, ""),
+                                                 ("sys.exit('refused: x')", 1, "refused: x")])
+def test_a_command_run_to_its_exit_keeps_the_code_its_main_returns(returns, code, says):
+    """Recipes and benches end through process_exit.run_and_exit (no finalization): a main
+    returning an exit code exits with it, as under ``sys.exit(main())``; other returns are 0."""
+    script = ("import sys\nfrom lightning_hetermoe.process_exit import run_and_exit\n"
+              f"def main():\n    return {returns}\nrun_and_exit(main)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code and says in proc.stderr, (proc.returncode, proc.stderr)
