@@ -30,7 +30,8 @@ same Hydra job, the same number of local ranks, one node, Lightning's own enviro
 run whose ranks another program starts (torchrun, SLURM, MPI, Kubeflow, LSF) starts none
 early, and any left unclaimed are killed at the launch or when the job ends.
 
-This module imports nothing heavy: the recipe calls it before torch loads.
+This module imports nothing heavy: the recipe calls it before torch loads (``start`` loads
+what its caller names, where it forks).
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
 
     With ``job`` (what this process goes on to run: the rest of the Hydra job), the modules
     ``load`` names are imported first and each child is forked from here to run ``job`` and
-    end, where forking is safe (and this is the process's first job); otherwise each child re-runs the Hydra job in a new
-    interpreter."""
+    end, where forking is safe and this is the process's first job; otherwise each child
+    re-runs the Hydra job in a new interpreter."""
     release()
     first_job, _jobs_run["count"] = not _jobs_run["count"], _jobs_run["count"] + 1
     hydra_job = _hydra_job()
