@@ -111,7 +111,7 @@ _early: list[_Early] = []  # at most one: this job's
 # A job trains in the process that runs it: once one has, OpenMP's worker threads exist, and a
 # child forked then hangs in its first parallel loop (GNU OpenMP does not survive a fork). So
 # only a process's first job forks its ranks (a sweep's later jobs start new interpreters).
-_jobs_run = {"count": 0}
+_ran = {"job": False}
 
 
 def starts_early(trainer: dict[str, Any], job: str | None = None) -> int:
@@ -138,7 +138,7 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
     end, where forking is safe and this is the process's first job; otherwise each child
     re-runs the Hydra job in a new interpreter."""
     release()
-    first_job, _jobs_run["count"] = not _jobs_run["count"], _jobs_run["count"] + 1
+    first_job, _ran["job"] = not _ran["job"], True
     hydra_job = _hydra_job()
     count = starts_early(trainer, hydra_job)
     if not count:
@@ -152,7 +152,10 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
     early = _Early(job=hydra_job, num_processes=count + 1)
     _early.append(early)
     _leave_hooks()
-    env = {"NODE_RANK": "0", "WORLD_SIZE": str(count + 1), LAUNCHER_PID: str(os.getpid()), JOB_MARK: hydra_job}
+    # what a new interpreter started for a child gets, and a forked child takes: the rendezvous
+    # only with the word (a child must not use any other)
+    env = {**{k: v for k, v in os.environ.items() if k not in _RENDEZVOUS},
+           "NODE_RANK": "0", "WORLD_SIZE": str(count + 1), LAUNCHER_PID: str(os.getpid()), JOB_MARK: hydra_job}
     # A Ctrl-C before the launch is this process's to act on (it kills them): they start with
     # SIGINT blocked (the mask is inherited) until the word, so none of them prints a
     # KeyboardInterrupt from the middle of its set-up. Blocked here meanwhile, not ignored:
@@ -167,8 +170,7 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
                     proc: subprocess.Popen | ForkedRank = _fork(local_rank, child_env, fork_job, write)
                 else:
                     command, cwd = hydra_job_command(local_rank)
-                    proc = subprocess.Popen(command, cwd=cwd, pass_fds=(read,),
-                                            env={**_without_rendezvous(os.environ), **child_env})
+                    proc = subprocess.Popen(command, cwd=cwd, pass_fds=(read,), env=child_env)
             except BaseException:
                 os.close(write)
                 raise
@@ -178,11 +180,6 @@ def start(trainer: dict[str, Any], job: Callable[[], Any] | None = None, load: S
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return count
-
-
-def _without_rendezvous(env: Any) -> dict[str, str]:
-    # given with the word: a child must not use any other
-    return {k: v for k, v in env.items() if k not in _RENDEZVOUS}
 
 
 def _forks() -> bool:
@@ -212,14 +209,12 @@ def _fork(local_rank: int, child_env: dict[str, str], job: Callable[[], Any], wr
     pid = os.fork()
     if pid:
         return ForkedRank(pid, local_rank)
-    code = 1
     try:
         os.close(write)
         for other in _early[0].words.values():
             os.close(other)  # the earlier children's: each must see its pipe close when rank 0 goes
         _early.clear()
-        for var in _RENDEZVOUS:
-            os.environ.pop(var, None)
+        os.environ.clear()
         os.environ.update(child_env)
         _take_rank(local_rank)
         from .. import process_exit
@@ -230,7 +225,7 @@ def _fork(local_rank: int, child_env: dict[str, str], job: Callable[[], Any], wr
 
         traceback.print_exc()
     finally:
-        os._exit(code)
+        os._exit(1)  # (only where becoming the rank failed)
 
 
 def _take_rank(local_rank: int) -> None:
