@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         path = Path(tmp) / "plan.json"
         path.write_text(json.dumps({**half["plan_json"], "waves": 2}))
         two = row("two waves of 6", run_job(overrides(args, GLOBAL_BATCH // (2 * W), [
-            f"strategy.plan={path}", "+trainer.accumulate_grad_batches=2"])))
+            f"strategy.plan={path}", "trainer.accumulate_grad_batches=2"])))
     result = {"memory_scale": args.memory_scale, "extra": args.extra, "one_wave": one, "two_waves": two,
               "two_over_one_measured": one["measured_s"] / two["measured_s"],
               "two_over_one_predicted": one["predicted_s"] / two["predicted_s"]}
