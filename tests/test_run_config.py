@@ -77,3 +77,21 @@ def test_every_trainer_setting_the_docs_and_messages_name_is_set_as_they_write_i
         value = {"accelerator": "cpu", "precision": "32-true"}.get(name, 2)
         kwargs = run_config.read_run_config(compose(f"trainer.{name}={value}")).trainer
         assert kwargs[name] == value, name
+
+
+@pytest.mark.parametrize("field, valid", [("router", "ROUTERS"), ("activation", "ACTIVATIONS"),
+                                          ("expert_backend", "EXPERT_BACKENDS")])
+def test_the_default_model_config_names_every_value_a_choice_field_takes(field, valid):
+    """The default model's YAML is where a user reads what a field takes: its comment names
+    each value the config accepts, so a router or backend added in code is not missing
+    there."""
+    import re
+    from pathlib import Path
+
+    from lightning_hetermoe import configs
+
+    text = (Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml").read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"{field}:"))
+    comment = line.partition("#")[2]
+    named = set(re.findall(r"[a-z_]+", comment))
+    assert set(getattr(configs, valid)) <= named, (line, getattr(configs, valid))
