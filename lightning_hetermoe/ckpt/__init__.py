@@ -1,7 +1,8 @@
 """Saved state at any size: sharded checkpoints on torch.distributed.checkpoint in flat
-pieces that reshard onto any layout, and the offline tools that turn one into a single file
-or a Hugging Face directory (``python -m lightning_hetermoe.ckpt``), and the one call that
-loads either kind in Python (:func:`load_checkpoint`)."""
+pieces that reshard onto any layout, the offline tool that turns one into a single file
+(``python -m lightning_hetermoe.ckpt consolidate``; a Hugging Face directory is
+``python -m lightning_hetermoe.convert to-hf``'s), and the one call that loads either kind
+in Python (:func:`load_checkpoint`)."""
 
 from .dcp import CheckpointFormatError, is_sharded_checkpoint, load, read_metadata, save
 from .loading import load_checkpoint

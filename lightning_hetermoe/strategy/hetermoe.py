@@ -1044,7 +1044,7 @@ class HeterMoEStrategy(DDPStrategy):
         self._pause_progress()
         if self.backend is None:
             return
-        # what an offline export to Hugging Face needs (python -m lightning_hetermoe.ckpt to-hf)
+        # what an offline export to Hugging Face needs (python -m lightning_hetermoe.convert to-hf)
         info = {"version": FORMAT_VERSION, "hf": export_info(self.lightning_module)}
         averaged = saved_with_average(checkpoint)  # the average stands in state_dict, as this rank holds it
         if not self.sharded_checkpoints:
