@@ -1,8 +1,11 @@
 """What README gives runs as written: each ``python bench/<script>.py`` flag is one its
 parser takes, with a value it accepts; each ``python recipes/<recipe>.py`` override composes
-into that recipe's Hydra config; the first example trains; every import its Python shows
-imports. A renamed flag, field or name otherwise leaves README pointing at nothing, which
-only a user finds."""
+into that recipe's Hydra config (both also wherever else a user reads a command: docs, the
+configs, the scripts' and the package's docstrings and messages, a usage line's
+``[optional]`` parts given and its placeholders left out); each ``python -m
+lightning_hetermoe.<tool> <subcommand>`` named anywhere is one that tool has; the first
+example trains; every import its Python shows imports. A renamed flag, field or name
+otherwise leaves README pointing at nothing, which only a user finds."""
 
 from __future__ import annotations
 
@@ -32,21 +35,49 @@ def code_spans(text: str) -> list[str]:
     return spans
 
 
-def readme_commands() -> list[tuple[str, str, list[str]]]:
-    """``(folder, script, arguments)`` of each command, the shell's comments, continuations
-    and chained commands taken off."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+def readme_commands(path: Path = ROOT / "README.md") -> list[tuple[str, str, list[str]]]:
+    """``(folder, script, arguments)`` of each command in a Markdown file's code (or each
+    line of a script or config: their docstrings and comments), the shell's comments,
+    continuations and chained commands taken off; a line that is code building a command
+    (an f-string's ``{...}``, a quote left open) is no command a user types."""
+    text = path.read_text(encoding="utf-8").replace("\\\n", " ")
     found = []
-    for span in code_spans(text):
+    for span in code_spans(text) if path.suffix == ".md" else text.splitlines():
         for part in re.split(r"&&|;", span):
             match = COMMAND.search(part)
-            if match:
-                words = shlex.split(match.group(3), comments=True)
-                found.append((match.group(1), match.group(2), [w for w in words if w != "..."]))
+            rest = match.group(3).split("`")[0] if match else ""  # a docstring's code span ends there
+            if match and not re.search(r"[{}]", rest):
+                try:
+                    words = shlex.split(rest, comments=True)
+                except ValueError:
+                    continue
+                found.append((match.group(1), match.group(2), usage_words(words)))
     return found
 
 
+def usage_words(words: list[str]) -> list[str]:
+    """A usage line's words as a run of it: ``[optional]`` parts given (their brackets
+    taken off; a Hydra list ``key=[a,b]`` keeps its own), ``...`` left out."""
+    out, depth = [], 0
+    for w in words:
+        if w == "...":
+            continue
+        while w.startswith("["):  # (a Hydra list is a value: key=[...])
+            w, depth = w[1:], depth + 1
+        while depth and w.endswith("]") and w.count("]") > w.count("["):
+            w, depth = w[:-1], depth - 1
+        if w:
+            out.append(w)
+    return out
+
+
+# README's, then every other place a user reads a command: docs, the configs, the recipes',
+# benchmarks' and package's docstrings and messages
+DOCUMENTS = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), *sorted(ROOT.glob("conf/**/*.yaml")),
+             *sorted(ROOT.glob("recipes/*.py")), *sorted(ROOT.glob("bench/*.py")),
+             *sorted(ROOT.glob("lightning_hetermoe/**/*.py"))]
 COMMANDS = readme_commands()
+EVERYWHERE = [c for path in DOCUMENTS for c in readme_commands(path)]
 
 
 class _Parser(Exception):
@@ -73,7 +104,7 @@ def bench_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
     return got.value.parser
 
 
-BENCH = sorted({(script, tuple(args)) for folder, script, args in COMMANDS if folder == "bench"})
+BENCH = sorted({(script, tuple(args)) for folder, script, args in EVERYWHERE if folder == "bench"})
 
 
 @pytest.mark.parametrize("script,args", BENCH, ids=[" ".join((s, *a)) for s, a in BENCH])
@@ -100,7 +131,8 @@ def alternatives(args: tuple[str, ...]) -> list[list[str]]:
 def recipe_override_sets(args: tuple[str, ...]) -> list[list[str]]:
     """The overrides of one command, a multirun's sweeps (``a=x,y``) one set per value;
     placeholders (``<mix>``) and paths a user fills in are left out."""
-    overrides = [a for a in args if "=" in a and "<" not in a and not a.startswith("hydra.")]
+    overrides = [a for a in args if "=" in a and "<" not in a and not a.startswith("hydra.")
+                 and not re.fullmatch(r"[A-Z_|]+", a.split("=", 1)[1])]
     sets = [[]]
     for o in overrides:
         key, value = o.split("=", 1)
@@ -109,7 +141,7 @@ def recipe_override_sets(args: tuple[str, ...]) -> list[list[str]]:
     return sets
 
 
-RECIPES = sorted({(script, tuple(args)) for folder, script, args in COMMANDS
+RECIPES = sorted({(script, tuple(args)) for folder, script, args in EVERYWHERE
                   if folder == "recipes" and script in RECIPE_CONFIG})
 
 
