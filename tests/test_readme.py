@@ -292,3 +292,26 @@ def test_the_contents_list_every_section_and_each_link_lands_on_one():
     contents = text.split("## Contents\n", 1)[1].split("\n## ", 1)[0]
     links = re.findall(r"\]\(#([^)]+)\)", contents)
     assert links == [github_anchor(h) for h in headings], "README's Contents and its headings differ"
+
+
+def test_the_layout_names_every_module_of_the_folders_it_lists_file_by_file():
+    """README's Layout lists the package's top level, ``strategy/`` and its backends file by
+    file (``name.py``; a backend's folder as ``ep/ (name, name, ...)``), the other folders
+    whole: a module added to one of the first is named there, or the list is wrong."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = text[text.index("## Layout"):]
+    block = layout[:layout.index("```", layout.index("```") + 3)]
+    files = set(re.findall(r"([a-z_]+)\.py\b", block))
+    inside = {folder: set(re.findall(r"[a-z_]+", names))
+              for folder, names in re.findall(r"([a-z_]+)/ \(([^)]*)\)", block)}
+    package = ROOT / "lightning_hetermoe"
+    backends = package / "strategy" / "backends"
+
+    def modules(folder: Path) -> set[str]:
+        return {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__"}
+
+    missing = {str(f.relative_to(ROOT)): sorted(modules(f) - files) for f in (package, package / "strategy", backends)}
+    missing |= {str(f.relative_to(ROOT)): sorted(modules(f) - inside.get(f.name, set()))
+                for f in backends.iterdir() if f.is_dir() and f.name != "__pycache__"}
+    assert not any(missing.values()), f"README's Layout leaves out: {missing}"
+    assert {"ep", "datacentric", "zebra"} <= set(inside)
