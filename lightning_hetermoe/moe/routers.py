@@ -136,7 +136,8 @@ class Router(nn.Module):
         """One step of aux-loss-free balancing: ``load`` is the global routed count per
         expert (the same on every rank), each bias moves ``bias_update_rate`` toward even."""
         if self.expert_bias is None:
-            raise RuntimeError("update_expert_bias on a router without expert_bias (set moe.expert_bias=true)")
+            raise RuntimeError("update_expert_bias on a router without expert_bias (MoEConfig(expert_bias=True); "
+                               "model.moe.expert_bias=true in the main job's config)")
         load = load.to(self.expert_bias.device, torch.float32)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
 
