@@ -66,6 +66,32 @@ def test_a_bad_strategy_argument_is_named_when_the_strategy_is_made(kwargs, name
     refused(lambda: HeterMoEStrategy(**kwargs), *named)
 
 
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(every_n_steps=0), ["ExpertRebalancer every_n_steps=0", ">= 1"]),
+    (dict(warmup_steps=-1), ["warmup_steps=-1", ">= 0"]),
+    (dict(redundant_experts=-2), ["redundant_experts=-2"]),
+    (dict(capacity_slack=0.5), ["capacity_slack=0.5", ">= 1"]),
+    (dict(min_gain=-0.1), ["min_gain=-0.1", ">= 0"]),
+    (dict(amortize_steps=0), ["amortize_steps=0", ">= 1"]),
+    (dict(policy="fast"), ["policy='fast'", "'time'"]),
+])
+def test_a_bad_rebalancer_argument_is_named_with_its_value(kwargs, named):
+    refused(lambda: lightning_hetermoe.ExpertRebalancer(**kwargs), *named)
+
+
+@pytest.mark.parametrize("make, named", [
+    (lambda: lightning_hetermoe.ExpertLoadMonitor(ema_decay=1.0), ["ExpertLoadMonitor ema_decay=1.0", "[0, 1)"]),
+    (lambda: lightning_hetermoe.ExpertLoadMonitor(log_every_n_steps=0), ["log_every_n_steps=0"]),
+])
+def test_a_bad_monitor_argument_is_named_with_its_value(make, named):
+    refused(make, *named)
+
+
+def test_the_rebalancer_takes_its_edge_values():
+    lightning_hetermoe.ExpertRebalancer(every_n_steps=1, warmup_steps=0, capacity_slack=1, min_gain=0,
+                                        amortize_steps=None)
+
+
 def test_arguments_passed_on_to_ddp_still_pass():
     HeterMoEStrategy(find_unused_parameters=True, static_graph=False, ddp_comm_hook=None)
 

@@ -21,6 +21,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from ..configs import ConfigError
+
 
 class GradNormMonitor(L.Callback):
     """Logs ``name`` (default ``grad_norm``): the L2 norm of every gradient over all ranks,
@@ -30,10 +32,10 @@ class GradNormMonitor(L.Callback):
     def __init__(self, log_every_n_steps: int | None = None, name: str = "grad_norm") -> None:
         if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int)
                                               or log_every_n_steps < 1):
-            raise ValueError(f"GradNormMonitor log_every_n_steps={log_every_n_steps!r} is invalid: must be an integer "
+            raise ConfigError(f"GradNormMonitor log_every_n_steps={log_every_n_steps!r} is invalid: must be an integer "
                              f">= 1, or None for the trainer's log_every_n_steps")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"GradNormMonitor name={name!r} is invalid: must be a non-empty string")
+            raise ConfigError(f"GradNormMonitor name={name!r} is invalid: must be a non-empty string")
         self.log_every_n_steps, self.name = log_every_n_steps, name
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
 import lightning_hetermoe.comm as comm
+from ..configs import ConfigError
 from ..model_contract import moe_layers
 from ..moe.expert_bias import is_first_training_forward
 from ..routing_record import FILE_NAME as ROUTING_FILE
@@ -58,9 +59,9 @@ class ExpertLoadMonitor(L.Callback):
     def __init__(self, log_every_n_steps: int = 10, ema_decay: float = 0.9, plots: bool = True,
                  output_dir: str | None = None, history: int = 10000) -> None:
         if log_every_n_steps < 1:
-            raise ValueError(f"ExpertLoadMonitor log_every_n_steps={log_every_n_steps} is invalid: must be >= 1")
+            raise ConfigError(f"ExpertLoadMonitor log_every_n_steps={log_every_n_steps} is invalid: must be >= 1")
         if not 0 <= ema_decay < 1:
-            raise ValueError(f"ExpertLoadMonitor ema_decay={ema_decay} is invalid: must be in [0, 1)")
+            raise ConfigError(f"ExpertLoadMonitor ema_decay={ema_decay} is invalid: must be in [0, 1)")
         self.log_every_n_steps, self.ema_decay, self.plots = log_every_n_steps, ema_decay, plots
         self.output_dir, self.max_history = output_dir, history
         self.ema: torch.Tensor | None = None  # [L, E] moving average of each expert's share

@@ -38,6 +38,7 @@ from typing import Any
 
 import lightning as L
 
+from ..configs import ConfigError
 from ..placement import Placement
 from ..plan.rebalance import balanced_routes, rebalance, refine
 from .load_monitor import ExpertLoadMonitor
@@ -58,10 +59,12 @@ class ExpertRebalancer(L.Callback):
                  redundant_experts: int = 0, capacity_slack: float = 2.0, min_gain: float = 0.02,
                  amortize_steps: int | None = 500) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"ExpertRebalancer policy={policy!r} is invalid: must be one of {POLICIES}")
-        if every_n_steps < 1 or warmup_steps < 0 or redundant_experts < 0 or capacity_slack < 1:
-            raise ValueError("ExpertRebalancer: every_n_steps >= 1, warmup_steps >= 0, redundant_experts >= 0 and "
-                             "capacity_slack >= 1 are required")
+            raise ConfigError(f"ExpertRebalancer policy={policy!r} is invalid: must be one of {POLICIES}")
+        for name, value, least in (("every_n_steps", every_n_steps, 1), ("warmup_steps", warmup_steps, 0),
+                                   ("redundant_experts", redundant_experts, 0), ("capacity_slack", capacity_slack, 1),
+                                   ("min_gain", min_gain, 0), ("amortize_steps", amortize_steps, 1)):
+            if value is not None and value < least:  # (amortize_steps=None: over every_n_steps)
+                raise ConfigError(f"ExpertRebalancer {name}={value!r} is invalid: must be >= {least}")
         self.every_n_steps, self.warmup_steps, self.policy = every_n_steps, warmup_steps, policy
         self.redundant, self.capacity_slack, self.min_gain = redundant_experts, capacity_slack, min_gain
         self.amortize_steps = amortize_steps
@@ -74,21 +77,21 @@ class ExpertRebalancer(L.Callback):
         for cb in trainer.callbacks:
             if isinstance(cb, ExpertLoadMonitor):
                 return cb
-        raise ValueError("ExpertRebalancer needs an ExpertLoadMonitor among the trainer's callbacks: it balances "
+        raise ConfigError("ExpertRebalancer needs an ExpertLoadMonitor among the trainer's callbacks: it balances "
                          "the loads the monitor measures")
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         from ..strategy import HeterMoEStrategy
 
         if not isinstance(trainer.strategy, HeterMoEStrategy):
-            raise ValueError("ExpertRebalancer works with HeterMoEStrategy (strategy='hetermoe'), which places experts")
+            raise ConfigError("ExpertRebalancer works with HeterMoEStrategy (strategy='hetermoe'), which places experts")
         self._monitor(trainer)
         self._trainer = trainer
 
     def on_fit_start(self, trainer, pl_module) -> None:
         # the strategy has chosen what runs by now (mode="auto" resolves at its set-up)
         if trainer.strategy.schedule in ("zebra", "distep") and self.redundant:
-            raise ValueError("ExpertRebalancer redundant_experts > 0 (expert copies) needs expert parallelism; zebra "
+            raise ConfigError("ExpertRebalancer redundant_experts > 0 (expert copies) needs expert parallelism; zebra "
                              "and distep move whole experts only")
 
     def _signature(self, trainer) -> dict[str, Any]:
