@@ -7,6 +7,7 @@ is built (from Python or from YAML through :func:`from_cfg`), before any process
 from __future__ import annotations
 
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -372,6 +373,13 @@ def from_cfg(cls: type[T], cfg: Any, section: str | None = None) -> T:
         return cfg
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
+    if cfg is not None and not isinstance(cfg, Mapping):
+        # a config group's name (model "d1", cluster "o1") or a list: what dict() would
+        # turn into "dictionary update sequence element #0 has length 1"
+        where = section or cls.__name__.removesuffix("Config").lower()
+        named = (f" (a Hydra recipe's {where}=<name> loads conf/{where}/<name>.yaml into one)"
+                 if isinstance(cfg, str) and where in ("model", "cluster") else "")
+        raise ConfigError(f"{where}={cfg!r} is invalid: expected a {cls.__name__} or a dict of its fields{named}")
     cfg = dict(cfg or {})
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(cfg) - set(known))

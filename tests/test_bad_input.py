@@ -92,6 +92,32 @@ def test_the_rebalancer_takes_its_edge_values():
                                         amortize_steps=None)
 
 
+@pytest.mark.parametrize("with_class", [False, True])
+def test_a_file_that_is_no_checkpoint_is_named_by_the_one_call_load(tmp_path, with_class):
+    path = tmp_path / "summary.json"
+    path.write_text('{"final_loss": 2.2}')
+    refused(lambda: lightning_hetermoe.load_checkpoint(path, MoELanguageModel if with_class else None),
+            f"path={str(path)!r} is not a checkpoint torch can read")
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: lightning_hetermoe.make_plan({"name": "x", "devices": ["a40", "v100"]}, "d1", seq_len=64,
+                                          global_batch_tokens=256), ["model='d1'", "conf/model/<name>.yaml"]),
+    (lambda: lightning_hetermoe.make_plan("o1", {}, seq_len=64, global_batch_tokens=256),
+     ["cluster='o1'", "ClusterConfig or a dict"]),
+    (lambda: lightning_hetermoe.resolve_cluster(["a40", "v100"]), ["cluster=['a40', 'v100']"]),
+    (lambda: MoELanguageModel("tiny"), ["model='tiny'", "ModelConfig or a dict"]),
+])
+def test_a_config_given_by_name_where_its_fields_are_wanted_is_named(call, named):
+    refused(call, *named)
+
+
+def test_a_profile_that_is_no_json_is_named_when_the_strategy_is_made(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text("a40: fast")
+    refused(lambda: HeterMoEStrategy(profile=str(path)), f"profile={str(path)!r} is not a profile JSON")
+
+
 def test_arguments_passed_on_to_ddp_still_pass():
     HeterMoEStrategy(find_unused_parameters=True, static_graph=False, ddp_comm_hook=None)
 

@@ -36,15 +36,10 @@ def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, ma
                                         f"checkpoint (no .metadata in it): pass a checkpoint file or the directory "
                                         f"HeterMoEStrategy saved")
     if model_class is None:
-        return whole_checkpoint(path) if sharded else torch.load(path, map_location=map_location or "cpu",
-                                                                 weights_only=False)
+        return whole_checkpoint(path) if sharded else _read(path, map_location=map_location or "cpu")
     source: Any = path
     if not sharded:  # a glance (memory-mapped: nothing read yet) that it is a checkpoint at all
-        try:
-            glance = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except Exception as err:  # not a torch file: whatever torch says, in our sentence
-            raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} is not a checkpoint torch can "
-                                            f"read: {' '.join(str(err).split())[:300]}") from None
+        glance = _read(path, map_location="cpu", mmap=True)
         if not isinstance(glance, dict) or not isinstance(glance.get("state_dict"), dict):
             raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} is not a Lightning checkpoint (it "
                                             f"holds no state_dict)")
@@ -60,6 +55,16 @@ def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, ma
         why = " ".join(str(err).split()) or type(err).__name__
         raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} does not hold a {model_class.__name__} "
                                         f"(model_class): {why[:500]}") from None
+
+
+def _read(path: Path, **kwargs: Any) -> Any:
+    """``torch.load`` of a checkpoint file; a file that is none (a JSON, a truncated save)
+    is named, whatever torch says, in our sentence."""
+    try:
+        return torch.load(path, weights_only=False, **kwargs)
+    except Exception as err:
+        raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} is not a checkpoint torch can "
+                                        f"read: {' '.join(str(err).split())[:300]}") from None
 
 
 def check_same_model(saved: dict[str, Any], model: dict[str, Any], strict: bool, what: str) -> None:

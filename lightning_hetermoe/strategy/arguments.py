@@ -62,7 +62,11 @@ def load_profile(profile: Any):
     if not path.is_file():
         raise ConfigError(f"strategy profile={str(profile)!r} is invalid: expected a Profile or the path of a "
                           f"profile JSON (written by recipes/profile_devices.py); no such file")
-    return Profile.from_json(str(path))
+    try:
+        return Profile.from_json(str(path))
+    except (ValueError, TypeError, KeyError) as err:  # (json's decode error is a ValueError)
+        raise ConfigError(f"strategy profile={str(profile)!r} is not a profile JSON (recipes/profile_devices.py "
+                          f"writes one): {err}") from None
 
 
 def _cluster_mapping(cluster: Any) -> Any:
