@@ -31,8 +31,18 @@ class JsonDataclass:
 
     @classmethod
     def from_json(cls, text_or_path: str):
+        """From JSON text or a file's path; what is neither JSON nor this class's fields is a
+        :class:`~lightning_hetermoe.configs.ConfigError` naming the class (a missing file
+        stays a ``FileNotFoundError``)."""
+        from .configs import ConfigError
+
         text = text_or_path
         if not text.lstrip().startswith("{"):
             with open(text_or_path) as f:
                 text = f.read()
-        return cls.from_dict(json.loads(text))
+        try:
+            return cls.from_dict(json.loads(text))
+        except (ValueError, TypeError, KeyError) as err:
+            where = "its text" if text is text_or_path else repr(str(text_or_path))
+            raise ConfigError(f"{cls.__name__}.from_json: {where} is not a {cls.__name__} "
+                              f"({' '.join(str(err).split())[:300]})") from None

@@ -118,6 +118,15 @@ def test_a_profile_that_is_no_json_is_named_when_the_strategy_is_made(tmp_path):
     refused(lambda: HeterMoEStrategy(profile=str(path)), f"profile={str(path)!r} is not a profile JSON")
 
 
+@pytest.mark.parametrize("cls", ["Plan", "Profile", "RoutingRecord"])
+def test_a_json_of_something_else_is_named_by_the_class_reading_it(tmp_path, cls):
+    path = tmp_path / "expert_load.json"
+    path.write_text('{"layers": [[0.5, 0.5]]}')
+    read = getattr(lightning_hetermoe, cls).from_json
+    refused(lambda: read(str(path)), f"{cls}.from_json: {str(path)!r} is not a {cls}", "layers")
+    refused(lambda: read("{ not json"), f"{cls}.from_json: its text is not a {cls}")
+
+
 def test_arguments_passed_on_to_ddp_still_pass():
     HeterMoEStrategy(find_unused_parameters=True, static_graph=False, ddp_comm_hook=None)
 

@@ -7,6 +7,8 @@ a model or a trainer's callbacks import what they read where they run."""
 
 from __future__ import annotations
 
+import json
+
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -47,7 +49,7 @@ def load_plan(plan: Any):
             raise ConfigError(f"strategy plan={str(plan)!r} is invalid: expected a Plan, its dict, or the path of a "
                               f"plan.json (written by recipes/plan.py or a zebra run); no such file")
         try:
-            return Plan.from_json(str(path))
+            return Plan.from_dict(json.loads(path.read_text()))  # (from_json would name the file again)
         except (ValueError, TypeError, KeyError) as err:
             raise ConfigError(f"strategy plan={str(plan)!r} is not a valid plan.json: {err}") from None
     raise ConfigError(f"strategy plan={plan!r} is invalid: expected a Plan, its dict, or the path of a plan.json")
@@ -63,7 +65,7 @@ def load_profile(profile: Any):
         raise ConfigError(f"strategy profile={str(profile)!r} is invalid: expected a Profile or the path of a "
                           f"profile JSON (written by recipes/profile_devices.py); no such file")
     try:
-        return Profile.from_json(str(path))
+        return Profile.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError, KeyError) as err:  # (json's decode error is a ValueError)
         raise ConfigError(f"strategy profile={str(profile)!r} is not a profile JSON (recipes/profile_devices.py "
                           f"writes one): {err}") from None
