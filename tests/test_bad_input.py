@@ -127,6 +127,15 @@ def test_a_json_of_something_else_is_named_by_the_class_reading_it(tmp_path, cls
     refused(lambda: read("{ not json"), f"{cls}.from_json: its text is not a {cls}")
 
 
+@pytest.mark.parametrize("call, named", [
+    (lambda: MoELayer(0, lightning_hetermoe.MoEConfig()), ["MoELayer d_model=0"]),
+    (lambda: MoELayer(16.0, lightning_hetermoe.MoEConfig()), ["MoELayer d_model=16.0"]),
+    (lambda: lightning_hetermoe.register_device({"name": "mygpu"}), ["register_device spec=", "DeviceSpec"]),
+])
+def test_a_bad_argument_to_a_building_block_is_named(call, named):
+    refused(call, *named)
+
+
 def test_arguments_passed_on_to_ddp_still_pass():
     HeterMoEStrategy(find_unused_parameters=True, static_graph=False, ddp_comm_hook=None)
 

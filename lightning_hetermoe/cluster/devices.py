@@ -199,6 +199,10 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {d.name: d for d in _BUILTIN}
 
 def register_device(spec: DeviceSpec, *, overwrite: bool = False) -> DeviceSpec:
     """Add ``spec`` to the global registry (refuses to silently replace a known name)."""
+    if not isinstance(spec, DeviceSpec):
+        raise ConfigError(f"register_device spec={spec!r} is invalid: expected a DeviceSpec (a cluster config's "
+                          f"custom_devices takes a dict of its fields, or base: <known device> and the ones that "
+                          f"differ)")
     key = spec.name.lower()
     if key in KNOWN_DEVICES and not overwrite and KNOWN_DEVICES[key] != spec:
         raise ValueError(f"device {key!r} is already registered; pass overwrite=True to replace it")

@@ -12,6 +12,7 @@ in none of the layer's losses and counts.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..configs import MoEConfig
+from ..configs import ConfigError, MoEConfig
 from ..kernels.activation import forward as activate
 from ..seeded_init import draw_seed, fill_, fill_normal_, generator, initialise
 from .capacity import apply_capacity
@@ -100,6 +101,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, d_model: int, cfg: MoEConfig, *, experts: Any = None, router: Router | None = None) -> None:
         super().__init__()
+        if isinstance(d_model, bool) or not isinstance(d_model, numbers.Integral) or d_model < 1:
+            raise ConfigError(f"MoELayer d_model={d_model!r} is invalid: must be an integer >= 1 (the hidden size)")
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
