@@ -10,6 +10,7 @@ checks of the trainer's arguments.
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,15 @@ def resume_path(cfg: DictConfig) -> str | None:
         raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: no such file or directory ({path}); give a "
                           f"checkpoint file, a sharded checkpoint's directory, or one of Lightning's "
                           f"{LIGHTNING_CKPT_NAMES}")
+    # what it is, read without torch (this runs before it loads): a sharded checkpoint's
+    # directory holds torch.distributed.checkpoint's .metadata; a file torch.save wrote is a
+    # zip archive (every one since torch 1.6)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: {path} is a directory but not a sharded "
+                          f"checkpoint (no .metadata in it); give the checkpoint file or directory a run saved")
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):
+        raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: {path} is not a checkpoint (not the zip "
+                          f"archive torch.save writes); give the checkpoint file or directory a run saved")
     return path
 
 

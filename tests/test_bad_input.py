@@ -97,7 +97,32 @@ def test_a_file_that_is_no_checkpoint_is_named_by_the_one_call_load(tmp_path, wi
     path = tmp_path / "summary.json"
     path.write_text('{"final_loss": 2.2}')
     refused(lambda: lightning_hetermoe.load_checkpoint(path, MoELanguageModel if with_class else None),
-            f"path={str(path)!r} is not a checkpoint torch can read")
+            f"load_checkpoint path={str(path)!r} is not a checkpoint")
+
+
+def test_the_main_job_refuses_a_resume_path_that_holds_no_checkpoint_before_anything_loads(tmp_path):
+    from helpers_recipe import compose
+
+    from lightning_hetermoe.run_config import read_run_config
+
+    text, folder = tmp_path / "notes.txt", tmp_path / "runs"
+    text.write_text("not a checkpoint")
+    folder.mkdir()
+    refused(lambda: read_run_config(compose(f"ckpt_path={text}")), f"ckpt_path='{text}' is invalid",
+            "not the zip archive torch.save writes")
+    refused(lambda: read_run_config(compose(f"ckpt_path={folder}")), "is a directory but not a sharded checkpoint")
+
+
+def test_the_hugging_face_export_names_a_file_that_is_no_lightning_checkpoint(tmp_path, capsys):
+    from lightning_hetermoe.convert.__main__ import main
+
+    text, other = tmp_path / "notes.txt", tmp_path / "other.pt"
+    text.write_text("not a checkpoint")
+    torch.save({"weights": torch.zeros(2)}, other)
+    assert main(["to-hf", str(text), str(tmp_path / "hf")]) == 2
+    assert f"to-hf: checkpoint='{text}' is not a checkpoint" in capsys.readouterr().err
+    assert main(["to-hf", str(other), str(tmp_path / "hf")]) == 2
+    assert f"to-hf: checkpoint='{other}' is not a Lightning checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("call, named", [

@@ -27,13 +27,16 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..configs import ConfigError
 from .pieces import Pieces
 
 State = dict[str, "Pieces | Tensor"]
 
 
-class CheckpointFormatError(ValueError):
-    """A checkpoint does not hold what the model or optimizer asks of it."""
+class CheckpointFormatError(ConfigError):
+    """A checkpoint does not hold what the model or optimizer asks of it. A
+    :class:`~lightning_hetermoe.configs.ConfigError` (so a ``ValueError``): the path is the
+    user's to change, and a recipe says so on one line, as for any other bad value."""
 
 
 def _chunk(offset: int, n: int) -> ChunkStorageMetadata:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,10 @@ def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, ma
                                         f"checkpoint (no .metadata in it): pass a checkpoint file or the directory "
                                         f"HeterMoEStrategy saved")
     if model_class is None:
-        return whole_checkpoint(path) if sharded else _read(path, map_location=map_location or "cpu")
+        return whole_checkpoint(path) if sharded else read_checkpoint_file(path, map_location=map_location or "cpu")
     source: Any = path
     if not sharded:  # a glance (memory-mapped: nothing read yet) that it is a checkpoint at all
-        glance = _read(path, map_location="cpu", mmap=True)
+        glance = read_checkpoint_file(path, map_location="cpu", mmap=True)
         if not isinstance(glance, dict) or not isinstance(glance.get("state_dict"), dict):
             raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} is not a Lightning checkpoint (it "
                                             f"holds no state_dict)")
@@ -57,13 +58,18 @@ def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, ma
                                         f"(model_class): {why[:500]}") from None
 
 
-def _read(path: Path, **kwargs: Any) -> Any:
+def read_checkpoint_file(path: str | os.PathLike, argument: str = "load_checkpoint path", **kwargs: Any) -> Any:
     """``torch.load`` of a checkpoint file; a file that is none (a JSON, a truncated save)
-    is named, whatever torch says, in our sentence."""
+    is a :class:`~.dcp.CheckpointFormatError` naming the ``argument`` that gave the path,
+    whatever torch says (memory-mapped, torch names only the format it wanted: a file that
+    is no zip archive, as every ``torch.save`` since torch 1.6 writes, is said to be so)."""
+    if kwargs.get("mmap") and not zipfile.is_zipfile(path):
+        raise dcp.CheckpointFormatError(f"{argument}={str(path)!r} is not a checkpoint: not the zip archive "
+                                        f"torch.save writes")
     try:
         return torch.load(path, weights_only=False, **kwargs)
     except Exception as err:
-        raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} is not a checkpoint torch can "
+        raise dcp.CheckpointFormatError(f"{argument}={str(path)!r} is not a checkpoint torch can "
                                         f"read: {' '.join(str(err).split())[:300]}") from None
 
 

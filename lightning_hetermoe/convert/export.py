@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..ckpt import dcp
 from ..ckpt.consolidate import read_meta, state_dict_of
+from ..ckpt.loading import read_checkpoint_file
 
 DEFAULT_SHARD_BYTES = 2 << 30
 
@@ -34,7 +35,10 @@ def checkpoint_tensors(path: str | os.PathLike) -> tuple[dict[str, Any], Iterato
     if dcp.is_sharded_checkpoint(path):
         meta = read_meta(path)
         return meta, state_dict_of(path, meta)
-    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    ckpt = read_checkpoint_file(path, "checkpoint", map_location="cpu", mmap=True)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise dcp.CheckpointFormatError(f"checkpoint={str(path)!r} is not a Lightning checkpoint (it holds no "
+                                        f"state_dict)")
     return ckpt, iter(ckpt["state_dict"].items())
 
 
