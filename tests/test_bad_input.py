@@ -129,7 +129,7 @@ def test_the_hugging_face_export_names_a_file_that_is_no_lightning_checkpoint(tm
     (lambda: lightning_hetermoe.make_plan({"name": "x", "devices": ["a40", "v100"]}, "d1", seq_len=64,
                                           global_batch_tokens=256), ["model='d1'", "conf/model/<name>.yaml"]),
     (lambda: lightning_hetermoe.make_plan("o1", {}, seq_len=64, global_batch_tokens=256),
-     ["cluster='o1'", "ClusterConfig or a dict"]),
+     ["cluster='o1'", "a list of device names"]),
     (lambda: lightning_hetermoe.resolve_cluster(["a40", "v100"]), ["cluster=['a40', 'v100']"]),
     (lambda: MoELanguageModel("tiny"), ["model='tiny'", "ModelConfig or a dict"]),
 ])

@@ -9,7 +9,7 @@ from typing import Any
 from ..cluster.devices import DeviceSpec, get_device
 from ..cluster.spec import ClusterConfig, LinkConfig, resolve_cluster
 from ..cluster.topology import Topology, cluster_topology
-from ..configs import from_cfg
+from ..configs import ConfigError, from_cfg
 
 
 @dataclass
@@ -29,6 +29,10 @@ def as_cluster(cluster: Any) -> ClusterView:
             raise ValueError("empty cluster: name at least one device")
         devs = [get_device(d) for d in cluster]
         return ClusterView("custom", devs, Topology.flat(LinkConfig(), len(devs)))
+    if isinstance(cluster, str):  # (not a list of one name per character)
+        raise ConfigError(f"cluster={cluster!r} is invalid: expected a ClusterConfig, its dict, or a list of device "
+                          f"names such as ['a40', 'v100'] (a Hydra recipe's cluster=<name> loads "
+                          f"conf/cluster/<name>.yaml into one)")
     if not isinstance(cluster, ClusterConfig):
         cluster = from_cfg(ClusterConfig, cluster)
     return ClusterView(cluster.name, resolve_cluster(cluster), cluster_topology(cluster))
