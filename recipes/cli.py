@@ -6,9 +6,12 @@
 
 The model and data are the main job's (``MoELanguageModel``, ``ByteCorpusDataModule``),
 their fields those of ``ModelConfig``, ``OptimConfig`` and ``DataConfig``; the strategy's
-arguments go after ``--trainer.strategy=lightning_hetermoe.HeterMoEStrategy`` as
-``--trainer.strategy.mode=zebra`` and so on (the string ``hetermoe`` takes the defaults).
+arguments go after ``--trainer.strategy=hetermoe`` as ``--trainer.strategy.mode=zebra`` and
+so on (jsonargparse takes arguments only after a class path: with any, the registered name
+is given to it as ``lightning_hetermoe.HeterMoEStrategy``).
 """
+
+import sys
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -18,7 +21,26 @@ from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.process_exit import run_and_exit
 
 
+STRATEGY_CLASS = "lightning_hetermoe.HeterMoEStrategy"
+
+
+def with_strategy_class(args: list[str]) -> list[str]:
+    """``args`` with ``--trainer.strategy=hetermoe`` (or ``... hetermoe``) as the class path
+    where strategy arguments follow (``--trainer.strategy.mode=zebra``): jsonargparse reads
+    those only after a class path, and refused the registered name with a wall of usage."""
+    if not any(a.startswith("--trainer.strategy.") for a in args):
+        return args
+    out = list(args)
+    for i, a in enumerate(out):
+        if a == "--trainer.strategy=hetermoe":
+            out[i] = f"--trainer.strategy={STRATEGY_CLASS}"
+        elif a == "hetermoe" and i > 0 and out[i - 1] == "--trainer.strategy":
+            out[i] = STRATEGY_CLASS
+    return out
+
+
 def main(args=None) -> LightningCLI:
+    args = with_strategy_class(list(sys.argv[1:] if args is None else args))
     try:
         cli = LightningCLI(MoELanguageModel, ByteCorpusDataModule, args=args, save_config_kwargs={"overwrite": True})
     except ValueError as err:

@@ -174,7 +174,7 @@ def test_a_stale_flag_or_field_is_caught(monkeypatch, capsys):
         compose("config", overrides=["strategy.modes=zebra"])  # strategy.mode
 
 
-CLI = sorted({tuple(args) for folder, script, args in COMMANDS if (folder, script) == ("recipes", "cli")})
+CLI = sorted({tuple(args) for folder, script, args in EVERYWHERE if (folder, script) == ("recipes", "cli")})
 
 
 @pytest.mark.parametrize("args", CLI, ids=[" ".join(a) for a in CLI])
@@ -187,10 +187,16 @@ def test_each_lightning_cli_command_parses(args, capsys):
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     with pytest.raises(SystemExit) as exit_:
-        cli.main([*args, "--print_config"])
+        cli.main([*args, *(["--print_config"] if "--print_config" not in args else [])])
     out = capsys.readouterr()
     assert exit_.value.code in (0, None), f"python recipes/cli.py {' '.join(args)}: {out.err.strip()[-2000:]}"
-    assert "strategy: hetermoe" in out.out
+    if "--trainer.strategy=hetermoe" in args:
+        nested = any(a.startswith("--trainer.strategy.") for a in args)
+        assert ("class_path: lightning_hetermoe.HeterMoEStrategy" if nested else "strategy: hetermoe") in out.out
+    for a in args:
+        if a.startswith("--trainer.strategy."):  # each strategy argument reached the strategy
+            key, value = a.removeprefix("--trainer.strategy.").split("=", 1)
+            assert f"      {key}: {value}" in out.out, a
 
 
 def test_the_lightning_cli_names_a_config_refusal_in_one_line(capsys):
