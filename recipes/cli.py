@@ -39,8 +39,39 @@ def with_strategy_class(args: list[str]) -> list[str]:
     return out
 
 
+def strategy_refusal(args: list[str]) -> ConfigError | None:
+    """The pack's refusal of the strategy arguments in ``args`` (``--trainer.strategy.mode=zebar``,
+    a misspelt name), found by building the strategy from them before LightningCLI parses:
+    jsonargparse reports it inside a wall of usage and every Union subtype it tried. ``None``
+    where they are fine, or nested (``--trainer.strategy.cluster.devices=...``: jsonargparse's)."""
+    import yaml
+
+    kwargs = {}
+    for i, a in enumerate(args):
+        if not a.startswith("--trainer.strategy."):
+            continue
+        key, eq, value = a.removeprefix("--trainer.strategy.").partition("=")
+        if not eq:  # --trainer.strategy.mode zebra
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if "." in key:
+            return None
+        kwargs[key] = yaml.safe_load(value)  # as jsonargparse reads a value: 2, null, true, [a, b]
+    if not kwargs:
+        return None
+    from lightning_hetermoe import HeterMoEStrategy
+
+    try:
+        HeterMoEStrategy(**kwargs)
+    except ConfigError as err:
+        return err
+    return None
+
+
 def main(args=None) -> LightningCLI:
     args = with_strategy_class(list(sys.argv[1:] if args is None else args))
+    refusal = strategy_refusal(args)
+    if refusal is not None:
+        raise SystemExit(f"[hetermoe] config error: {refusal}")
     try:
         cli = LightningCLI(MoELanguageModel, ByteCorpusDataModule, args=args, save_config_kwargs={"overwrite": True})
     except ValueError as err:

@@ -174,18 +174,24 @@ def test_a_stale_flag_or_field_is_caught(monkeypatch, capsys):
         compose("config", overrides=["strategy.modes=zebra"])  # strategy.mode
 
 
-CLI = sorted({tuple(args) for folder, script, args in EVERYWHERE if (folder, script) == ("recipes", "cli")})
-
-
-@pytest.mark.parametrize("args", CLI, ids=[" ".join(a) for a in CLI])
-def test_each_lightning_cli_command_parses(args, capsys):
-    """LightningCLI parses the whole command and prints the config it would run."""
+def recipe_cli():
+    """``recipes/cli.py`` as a module (it is a script, not a package's)."""
     import importlib.util
 
     pytest.importorskip("jsonargparse")
     spec = importlib.util.spec_from_file_location("recipe_cli", ROOT / "recipes" / "cli.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
+    return cli
+
+
+CLI = sorted({tuple(args) for folder, script, args in EVERYWHERE if (folder, script) == ("recipes", "cli")})
+
+
+@pytest.mark.parametrize("args", CLI, ids=[" ".join(a) for a in CLI])
+def test_each_lightning_cli_command_parses(args, capsys):
+    """LightningCLI parses the whole command and prints the config it would run."""
+    cli = recipe_cli()
     with pytest.raises(SystemExit) as exit_:
         cli.main([*args, *(["--print_config"] if "--print_config" not in args else [])])
     out = capsys.readouterr()
@@ -202,16 +208,27 @@ def test_each_lightning_cli_command_parses(args, capsys):
 def test_the_lightning_cli_names_a_config_refusal_in_one_line(capsys):
     """A field the pack refuses (``--model.model.d_model=30``) reaches LightningCLI wrapped in
     jsonargparse's own error under its traceback: the recipe exits with the pack's sentence."""
-    import importlib.util
-
-    pytest.importorskip("jsonargparse")
-    spec = importlib.util.spec_from_file_location("recipe_cli", ROOT / "recipes" / "cli.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = recipe_cli()
     with pytest.raises(SystemExit) as exit_:
         cli.main(["fit", "--trainer.accelerator=cpu", "--model.model.d_model=30"])
     assert str(exit_.value.code).startswith("[hetermoe] config error: model.d_model=30 is invalid: must be a positive "
                                             "multiple of n_heads=4"), exit_.value.code
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--trainer.strategy=hetermoe", "--trainer.strategy.mode=zebar"], "strategy mode='zebar' is invalid"),
+    (["--trainer.strategy", "hetermoe", "--trainer.strategy.mdoe", "zebra"], "did you mean mode"),
+    (["--trainer.strategy=lightning_hetermoe.HeterMoEStrategy", "--trainer.strategy.num_microbatches=0"],
+     "num_microbatches=0 is invalid"),
+])
+def test_the_lightning_cli_names_a_strategy_refusal_in_one_line(args, said):
+    """A strategy argument the pack refuses: one line, not jsonargparse's usage and the Union
+    subtypes it tried."""
+    cli = recipe_cli()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["fit", "--trainer.accelerator=cpu", *args])
+    message = str(exit_.value.code)
+    assert message.startswith("[hetermoe] config error: ") and said in message and "\n" not in message, message
 
 
 def test_readme_gives_commands_of_every_kind():
