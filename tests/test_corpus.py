@@ -265,6 +265,10 @@ def test_bad_input_is_named(tmp_path):
     (empty / "b.jsonl").write_text('{"body": "words"}\n')
     with pytest.raises(ConfigError, match=r"text_field='text' is invalid: .*b.jsonl:1 has no string field 'text'"):
         prepare_corpus(PrepareConfig(input=str(empty), out=str(tmp_path / "o")), log=lambda s: None)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"out='.*a_file/corpus' is invalid: the directory cannot be made"):
+        prepare_corpus(PrepareConfig(input=str(empty), out=str(blocker / "corpus")), log=lambda s: None)
     with pytest.raises(ConfigError, match=r"vocab_size=100 is invalid: a byte-level BPE needs at least 257"):
         PrepareConfig(vocab_size=100)
     with pytest.raises(ConfigError, match=r"tokenizer='.*none' is invalid: no such file or directory"):

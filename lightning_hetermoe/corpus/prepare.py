@@ -190,6 +190,10 @@ def prepare_corpus(cfg: PrepareConfig, log: Callable[[str], None] = print) -> Co
     source = Source(cfg)
     if source.total_bytes == 0:
         raise ConfigError(f"input={cfg.input!r} is invalid: the corpus is empty (0 bytes)")
+    try:  # before the tokenizer trains: an output that cannot be written wastes none of it
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"out={cfg.out!r} is invalid: the directory cannot be made ({err.strerror or err})") from None
     if cfg.tokenizer is None:
         log(f"[prepare] training a byte-level BPE (vocab_size={cfg.vocab_size}) on up to "
             f"{_size(min(source.total_bytes, cfg.tokenizer_train_bytes))} of {source.name}")
