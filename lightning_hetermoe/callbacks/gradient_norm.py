@@ -33,7 +33,7 @@ class GradNormMonitor(L.Callback):
         if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int)
                                               or log_every_n_steps < 1):
             raise ConfigError(f"GradNormMonitor log_every_n_steps={log_every_n_steps!r} is invalid: must be an integer "
-                             f">= 1, or None for the trainer's log_every_n_steps")
+                              f">= 1, or None for the trainer's log_every_n_steps")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"GradNormMonitor name={name!r} is invalid: must be a non-empty string")
         self.log_every_n_steps, self.name = log_every_n_steps, name

@@ -78,13 +78,14 @@ class ExpertRebalancer(L.Callback):
             if isinstance(cb, ExpertLoadMonitor):
                 return cb
         raise ConfigError("ExpertRebalancer needs an ExpertLoadMonitor among the trainer's callbacks: it balances "
-                         "the loads the monitor measures")
+                          "the loads the monitor measures")
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         from ..strategy import HeterMoEStrategy
 
         if not isinstance(trainer.strategy, HeterMoEStrategy):
-            raise ConfigError("ExpertRebalancer works with HeterMoEStrategy (strategy='hetermoe'), which places experts")
+            raise ConfigError("ExpertRebalancer works with HeterMoEStrategy (strategy='hetermoe'), which places "
+                              "experts")
         self._monitor(trainer)
         self._trainer = trainer
 
@@ -92,7 +93,7 @@ class ExpertRebalancer(L.Callback):
         # the strategy has chosen what runs by now (mode="auto" resolves at its set-up)
         if trainer.strategy.schedule in ("zebra", "distep") and self.redundant:
             raise ConfigError("ExpertRebalancer redundant_experts > 0 (expert copies) needs expert parallelism; zebra "
-                             "and distep move whole experts only")
+                              "and distep move whole experts only")
 
     def _signature(self, trainer) -> dict[str, Any]:
         return {"mode": trainer.strategy.schedule, "world": trainer.world_size, "holders": trainer.strategy.holders()}
