@@ -46,6 +46,10 @@ def strategy_refusal(args: list[str]) -> ConfigError | None:
     where they are fine, or nested (``--trainer.strategy.cluster.devices=...``: jsonargparse's)."""
     import yaml
 
+    named = [b for a, b in zip(args, args[1:] + [""]) if a == "--trainer.strategy"] + \
+        [a.partition("=")[2] for a in args if a.startswith("--trainer.strategy=")]
+    if STRATEGY_CLASS not in named:  # another strategy's arguments are its own
+        return None
     kwargs = {}
     for i, a in enumerate(args):
         if not a.startswith("--trainer.strategy."):

@@ -231,6 +231,15 @@ def test_the_lightning_cli_names_a_strategy_refusal_in_one_line(args, said):
     assert message.startswith("[hetermoe] config error: ") and said in message and "\n" not in message, message
 
 
+def test_the_lightning_cli_leaves_another_strategy_s_arguments_to_it():
+    cli = recipe_cli()
+    args = ["fit", "--trainer.strategy=lightning.pytorch.strategies.FSDPStrategy",
+            "--trainer.strategy.sharding_strategy=FULL_SHARD"]  # no argument of the pack's strategy
+    assert cli.strategy_refusal(cli.with_strategy_class(args)) is None
+    assert "sharding_strategy" in str(cli.strategy_refusal(cli.with_strategy_class(
+        ["fit", "--trainer.strategy=hetermoe", *args[2:]])))
+
+
 def test_readme_gives_commands_of_every_kind():
     kinds = {(folder, script in RECIPE_CONFIG or script) for folder, script, _ in COMMANDS if folder == "recipes"}
     assert {("recipes", True), ("recipes", "cli")} <= kinds and len(BENCH) > 20, (kinds, len(BENCH))

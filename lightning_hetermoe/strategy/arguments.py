@@ -8,7 +8,6 @@ a model or a trainer's callbacks import what they read where they run."""
 from __future__ import annotations
 
 import json
-
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
