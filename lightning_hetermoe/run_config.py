@@ -10,7 +10,6 @@ checks of the trainer's arguments.
 from __future__ import annotations
 
 import os
-import zipfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from .checkpoint_files import NOT_TORCH_SAVE, is_sharded_checkpoint, is_torch_save_file
 from .cluster import ClusterConfig
 from .configs import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
 from .strategy.arguments import StrategyArguments
@@ -92,15 +92,12 @@ def resume_path(cfg: DictConfig) -> str | None:
         raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: no such file or directory ({path}); give a "
                           f"checkpoint file, a sharded checkpoint's directory, or one of Lightning's "
                           f"{LIGHTNING_CKPT_NAMES}")
-    # what it is, read without torch (this runs before it loads): a sharded checkpoint's
-    # directory holds torch.distributed.checkpoint's .metadata; a file torch.save wrote is a
-    # zip archive (every one since torch 1.6)
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
+    if os.path.isdir(path) and not is_sharded_checkpoint(path):
         raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: {path} is a directory but not a sharded "
                           f"checkpoint (no .metadata in it); give the checkpoint file or directory a run saved")
-    if os.path.isfile(path) and not zipfile.is_zipfile(path):
-        raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: {path} is not a checkpoint (not the zip "
-                          f"archive torch.save writes); give the checkpoint file or directory a run saved")
+    if os.path.isfile(path) and not is_torch_save_file(path):
+        raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: {path} is not a checkpoint "
+                          f"({NOT_TORCH_SAVE}); give the checkpoint file or directory a run saved")
     return path
 
 

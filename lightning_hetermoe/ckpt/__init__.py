@@ -4,7 +4,8 @@ pieces that reshard onto any layout, the offline tool that turns one into a sing
 ``python -m lightning_hetermoe.convert to-hf``'s), and the one call that loads either kind
 in Python (:func:`load_checkpoint`)."""
 
-from .dcp import CheckpointFormatError, is_sharded_checkpoint, load, read_metadata, save
+from ..checkpoint_files import is_sharded_checkpoint
+from .dcp import CheckpointFormatError, load, read_metadata, save
 from .loading import load_checkpoint
 from .pieces import Pieces
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from ..checkpoint_files import is_sharded_checkpoint
 from . import dcp
 
 META_FILE = "meta.pt"
@@ -28,7 +29,7 @@ DEFAULT_BATCH_BYTES = 1 << 30
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
-    if not dcp.is_sharded_checkpoint(path) or not (path / META_FILE).is_file():
+    if not is_sharded_checkpoint(path) or not (path / META_FILE).is_file():
         raise dcp.CheckpointFormatError(f"{path} is not a sharded checkpoint directory (expected .metadata and "
                                         f"{META_FILE} in it)")
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)

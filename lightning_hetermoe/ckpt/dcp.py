@@ -14,7 +14,6 @@ optimizers' hyper-parameters) is a small object file written by one rank.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,7 +146,3 @@ def load(state: State, path: str | os.PathLike, process_group: Any = None, stric
 def read_metadata(path: str | os.PathLike) -> Metadata:
     return dcp.FileSystemReader(str(path)).read_metadata()
 
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / ".metadata").is_file()

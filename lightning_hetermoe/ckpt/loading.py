@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import io
 import os
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..checkpoint_files import NOT_TORCH_SAVE, is_sharded_checkpoint, is_torch_save_file
 from . import dcp
 from .consolidate import whole_checkpoint
 
@@ -31,7 +31,7 @@ def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, ma
     path = Path(path)
     if not path.exists():
         raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r}: no such file or directory")
-    sharded = dcp.is_sharded_checkpoint(path)
+    sharded = is_sharded_checkpoint(path)
     if path.is_dir() and not sharded:
         raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} is a directory but not a sharded "
                                         f"checkpoint (no .metadata in it): pass a checkpoint file or the directory "
@@ -63,9 +63,8 @@ def read_checkpoint_file(path: str | os.PathLike, argument: str = "load_checkpoi
     is a :class:`~.dcp.CheckpointFormatError` naming the ``argument`` that gave the path,
     whatever torch says (memory-mapped, torch names only the format it wanted: a file that
     is no zip archive, as every ``torch.save`` since torch 1.6 writes, is said to be so)."""
-    if kwargs.get("mmap") and not zipfile.is_zipfile(path):
-        raise dcp.CheckpointFormatError(f"{argument}={str(path)!r} is not a checkpoint: not the zip archive "
-                                        f"torch.save writes")
+    if kwargs.get("mmap") and not is_torch_save_file(path):
+        raise dcp.CheckpointFormatError(f"{argument}={str(path)!r} is not a checkpoint: {NOT_TORCH_SAVE}")
     try:
         return torch.load(path, weights_only=False, **kwargs)
     except Exception as err:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from ..checkpoint_files import is_sharded_checkpoint
 from ..ckpt import dcp
 from ..ckpt.consolidate import read_meta, state_dict_of
 from ..ckpt.loading import read_checkpoint_file
@@ -32,7 +33,7 @@ DEFAULT_SHARD_BYTES = 2 << 30
 
 def checkpoint_tensors(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]]]:
     """``(hyper-parameters and hetermoe info, state-dict tensors)`` of a sharded directory or a full file."""
-    if dcp.is_sharded_checkpoint(path):
+    if is_sharded_checkpoint(path):
         meta = read_meta(path)
         return meta, state_dict_of(path, meta)
     ckpt = read_checkpoint_file(path, "checkpoint", map_location="cpu", mmap=True)
