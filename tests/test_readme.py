@@ -248,10 +248,8 @@ def test_readme_gives_commands_of_every_kind():
 def module_commands() -> list[tuple[str, str]]:
     """``(module, subcommand)`` of each ``python -m lightning_hetermoe.<module> <subcommand>``
     that README, docs, the configs and the pack's own docstrings and messages name."""
-    texts = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("conf/**/*.yaml"),
-             *ROOT.glob("lightning_hetermoe/**/*.py"), *ROOT.glob("recipes/*.py")]
     pattern = re.compile(r"python -m (lightning_hetermoe\.[\w.]+)[ \t]+([a-z][\w-]*)")
-    return sorted({m.groups() for path in texts for m in pattern.finditer(path.read_text(encoding="utf-8"))})
+    return sorted({m.groups() for path in DOCUMENTS for m in pattern.finditer(path.read_text(encoding="utf-8"))})
 
 
 MODULE_COMMANDS = module_commands()
@@ -268,6 +266,29 @@ def test_each_module_command_named_anywhere_has_that_subcommand(module, subcomma
     with pytest.raises(SystemExit) as done:
         main([subcommand, "--help"])
     assert done.value.code == 0, capsys.readouterr().err
+
+
+def told_trainer_settings() -> set[str]:
+    """The ``trainer.<name>=`` settings a user is told to type on the main job's command line
+    (not the Lightning CLI's ``--trainer.<name>=``)."""
+    return {name for path in DOCUMENTS
+            for name in re.findall(r"(?<![-+\w.])trainer\.([a-z_]+)=", path.read_text(encoding="utf-8"))}
+
+
+def test_every_trainer_setting_the_docs_and_messages_name_is_set_as_they_write_it():
+    """Set as written, without Hydra's ``+``: a key the trainer group does not list fails in
+    Hydra (`Key 'accumulate_grad_batches' is not in struct`), as a plan in waves's own advice
+    (`set trainer.accumulate_grad_batches=2`) once did."""
+    from helpers_recipe import compose
+
+    from lightning_hetermoe.run_config import read_run_config
+
+    told = told_trainer_settings()
+    assert {"accumulate_grad_batches", "max_steps", "accelerator", "precision"} <= told
+    for name in sorted(told):
+        value = {"accelerator": "cpu", "precision": "32-true"}.get(name, 2)
+        kwargs = read_run_config(compose(f"trainer.{name}={value}")).trainer
+        assert kwargs[name] == value, name
 
 
 def test_the_module_commands_are_found():

@@ -52,33 +52,6 @@ def test_the_available_memory_is_read_where_the_system_says_it():
     assert 0 < available <= total
 
 
-def _told_trainer_settings() -> set[str]:
-    """The ``trainer.<name>=`` settings the README and the pack's own messages tell a user to
-    type on the main job's command line (not the Lightning CLI's ``--trainer.<name>=``)."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    texts = [root / "README.md", *root.glob("docs/*.md"), *root.glob("lightning_hetermoe/**/*.py"),
-             *root.glob("recipes/*.py")]
-    told = set()
-    for path in texts:
-        told |= set(re.findall(r"(?<![-+\w.])trainer\.([a-z_]+)=", path.read_text()))
-    return told
-
-
-def test_every_trainer_setting_the_docs_and_messages_name_is_set_as_they_write_it():
-    """Set as written, without Hydra's ``+``: a key the trainer group does not list fails in
-    Hydra (`Key 'accumulate_grad_batches' is not in struct`), as a plan in waves's own advice
-    (`set trainer.accumulate_grad_batches=2`) once did."""
-    told = _told_trainer_settings()
-    assert {"accumulate_grad_batches", "max_steps", "accelerator", "precision"} <= told
-    for name in sorted(told):
-        value = {"accelerator": "cpu", "precision": "32-true"}.get(name, 2)
-        kwargs = run_config.read_run_config(compose(f"trainer.{name}={value}")).trainer
-        assert kwargs[name] == value, name
-
-
 @pytest.mark.parametrize("field, valid", [("router", "ROUTERS"), ("activation", "ACTIVATIONS"),
                                           ("expert_backend", "EXPERT_BACKENDS")])
 def test_the_default_model_config_names_every_value_a_choice_field_takes(field, valid):
