@@ -3,7 +3,8 @@ parser takes, with a value it accepts; each ``python recipes/<recipe>.py`` overr
 into that recipe's Hydra config (both also wherever else a user reads a command: docs, the
 configs, the scripts' and the package's docstrings and messages, a usage line's
 ``[optional]`` parts given and its placeholders left out); each ``python -m
-lightning_hetermoe.<tool> <subcommand>`` named anywhere is one that tool has; the first
+lightning_hetermoe.<tool> <subcommand>`` named anywhere is one that tool has; each
+``trainer.<name>=`` a user is told to type sets as written; the first
 example trains; every import its Python shows imports. A renamed flag, field or name
 otherwise leaves README pointing at nothing, which only a user finds."""
 
