@@ -124,7 +124,9 @@ def test_a_freeze_of_the_callers_own_stays_and_a_collector_it_turned_off_stays_o
     schedule.resume()
     assert not gc.isenabled()
     schedule.stop()
-    assert not gc.isenabled() and gc.get_freeze_count() >= frozen
+    # A frozen object may still die by its reference count meanwhile (the test runner's own
+    # threads free some: the count fell by 2 once under load); an unfreeze would leave none.
+    assert not gc.isenabled() and gc.get_freeze_count() > frozen // 2, (gc.get_freeze_count(), frozen)
 
 
 def test_collects_once_at_each_due_step_whatever_the_batches_it_accumulates(fresh_collector):
