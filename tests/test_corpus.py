@@ -297,6 +297,45 @@ def test_jsonl_documents_and_a_tokenizer_on_disk(corpus, tmp_path):
     assert [tok.decode(c.document(i)[:-1].tolist()) for i in range(3)] == docs
 
 
+def test_a_run_that_fails_leaves_the_corpus_in_out_as_it_was_and_no_directory_it_made(corpus, tmp_path):
+    """The files are written beside ``out`` and moved in at the end: a failure in the middle
+    (here a JSON line without its text, found while the documents are written) leaves the
+    corpus already in ``out`` byte for byte, no partial directory, and no parent it made; a
+    run that finishes replaces the corpus, in a directory of the usual mode."""
+    out, *_ = corpus
+    tok = tmp_path / "tokenizer.json"
+    tok.write_bytes((out / "tokenizer.json").read_bytes())
+    lines = [json.dumps({"text": "a document"}), json.dumps({"body": "no text field"})]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for f in out.iterdir():
+        (kept / f.name).write_bytes(f.read_bytes())
+    before = {f.name: f.read_bytes() for f in kept.iterdir()}
+
+    def prepare(input_name: str, where: Path):
+        return prepare_corpus(PrepareConfig(input=str(tmp_path / input_name), tokenizer=str(tok),
+                                            eos_token="<|endoftext|>", out=str(where)), log=lambda s: None)
+
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2 has no string field 'text'"):
+        prepare("bad.jsonl", kept)
+    assert {f.name: f.read_bytes() for f in kept.iterdir()} == before
+    fresh = tmp_path / "made" / "deeper" / "corpus"
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2 has no string field 'text'"):
+        prepare("bad.jsonl", fresh)
+    assert not (tmp_path / "made").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "kept", "tokenizer.json"]
+
+    (tmp_path / "good.jsonl").write_text(lines[0] + "\n")
+    assert prepare("good.jsonl", kept).num_documents == 1
+    assert read_meta(kept).num_documents == 1 and TokenCorpus(kept).document(0).size > 1
+    assert prepare("good.jsonl", fresh).num_documents == 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert sorted(p.name for p in fresh.parent.iterdir()) == ["corpus"]
+
+
 def test_the_model_takes_the_corpus_vocabulary(corpus):
     from lightning_hetermoe.run_config import fit_data_and_model
 
@@ -340,6 +379,20 @@ def test_prepare_then_train_two_ranks_under_zebra(tmp_path):
                           text=True, timeout=120)
     assert prep.returncode == 0, prep.stderr[-3000:]
     assert "[prepare] wrote" in prep.stdout and (tmp_path / "corpus" / "tokens.bin").is_file()
+    corpus_files = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "corpus").rglob("*") if p.is_file()}
+    assert (tmp_path / "corpus" / ".hydra" / "overrides.yaml").is_file()
+    # the same command again on input that fails half-way (a JSON line without its text):
+    # one line, and the corpus and the config that made it as they were; a new out left unmade
+    (tmp_path / "bad.jsonl").write_text('{"text": "a document"}\n{"body": "no text"}\n')
+    for out in (tmp_path / "corpus", tmp_path / "unmade"):
+        bad = subprocess.run([sys.executable, str(ROOT / "recipes" / "prepare_data.py"), f"input={tmp_path / 'bad.jsonl'}",
+                              f"out={out}", "vocab_size=300"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith(
+            "[prepare] config error: text_field='text' is invalid:"), bad.stderr[-3000:]
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "corpus").rglob("*")
+            if p.is_file()} == corpus_files
+    assert not (tmp_path / "unmade").exists()
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "data=tokenized",
                            f"data.path={tmp_path / 'corpus'}", "data.seq_len=32", "data.batch_size=4",

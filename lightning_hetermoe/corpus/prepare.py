@@ -12,15 +12,19 @@ tokenizer directory: its ``tokenizer.json``, else ``AutoTokenizer`` with
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..configs import ConfigError, PrepareConfig
 from .documents import pydoc_documents
-from .format import TOKENIZER, CorpusMeta, CorpusWriter
+from .format import INDEX, META, TOKENIZER, TOKENS, CorpusMeta, CorpusWriter
 
 EOS = "<|endoftext|>"
 GLOB_CHARS = "*?["
@@ -186,14 +190,59 @@ class Progress:
 
 def prepare_corpus(cfg: PrepareConfig, log: Callable[[str], None] = print) -> CorpusMeta:
     """Tokenise ``cfg.input`` into ``cfg.out`` (``tokens.bin``, ``index.npy``, ``meta.json``
-    and the tokenizer's ``tokenizer.json``)."""
+    and the tokenizer's ``tokenizer.json``).
+
+    The files are written beside ``out`` first (a hidden ``.<name>.partial-*`` directory)
+    and moved into it once all are there: a run that fails or is stopped leaves a corpus
+    already in ``out`` as it was, and no directory it made."""
     source = Source(cfg)
     if source.total_bytes == 0:
         raise ConfigError(f"input={cfg.input!r} is invalid: the corpus is empty (0 bytes)")
+    out = Path(cfg.out)
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     try:  # before the tokenizer trains: an output that cannot be written wastes none of it
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(20, "it is a file")
+        if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(13, "it is not writable")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     except OSError as err:
         raise ConfigError(f"out={cfg.out!r} is invalid: the directory cannot be made ({err.strerror or err})") from None
+    done = False
+    try:
+        meta, skipped = _write_corpus(cfg, source, staging, log)
+        _move_into(staging, out)
+        done = True
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        for p in [] if done else made:  # the parents this run made, innermost first, where still empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
+    log(f"[prepare] wrote {out}: {meta.num_documents:,} documents, {meta.num_tokens:,} tokens ({meta.dtype}), "
+        f"vocab_size={meta.vocab_size}, eos_id={meta.eos_id}"
+        + (f"; {skipped} empty document(s) left out" if skipped else ""))
+    return meta
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """The finished corpus from ``staging`` into ``out``: the directory renamed where ``out``
+    is not there yet, else file by file, the metadata last (a reader of ``out`` checks the
+    others against it)."""
+    if not out.exists():
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's is private: the corpus gets a directory's usual mode
+        os.replace(staging, out)
+        return
+    for name in (TOKENS, INDEX, TOKENIZER, META):
+        os.replace(staging / name, out / name)
+
+
+def _write_corpus(cfg: PrepareConfig, source: Source, out: Path, log: Callable[[str], None]
+                  ) -> tuple[CorpusMeta, int]:
+    """The tokenizer (trained or loaded) and the corpus, written into ``out``; the metadata
+    and how many documents were empty."""
     if cfg.tokenizer is None:
         log(f"[prepare] training a byte-level BPE (vocab_size={cfg.vocab_size}) on up to "
             f"{_size(min(source.total_bytes, cfg.tokenizer_train_bytes))} of {source.name}")
@@ -220,7 +269,6 @@ def prepare_corpus(cfg: PrepareConfig, log: Callable[[str], None] = print) -> Co
         raise ConfigError(f"eos_token={eos!r} is invalid: it is not in the tokenizer's vocabulary")
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     vocab_size = max(vocab_size, max(tok.get_vocab(with_added_tokens=True).values()) + 1)
-    out = Path(cfg.out)
     writer = CorpusWriter(out, vocab_size, eos_id, {**info, "eos_token": eos, "saved_as": TOKENIZER})
     progress = Progress(source.total_bytes, cfg.progress_every_s, log)
     done = skipped = 0
@@ -251,7 +299,4 @@ def prepare_corpus(cfg: PrepareConfig, log: Callable[[str], None] = print) -> Co
     tok.save(str(out / TOKENIZER))
     meta = writer.close()
     progress.update(done, meta.num_documents, meta.num_tokens, force=True)
-    log(f"[prepare] wrote {out}: {meta.num_documents:,} documents, {meta.num_tokens:,} tokens ({meta.dtype}), "
-        f"vocab_size={meta.vocab_size}, eos_id={meta.eos_id}"
-        + (f"; {skipped} empty document(s) left out" if skipped else ""))
-    return meta
+    return meta, skipped
