@@ -173,6 +173,26 @@ def test_the_offline_command_exports_and_says_what_it_wrote_or_why_not(tmp_path,
     torch.save({"state_dict": pack.state_dict(), "hyper_parameters": dict(pack.hparams)}, ckpt)
     assert main(["to-hf", str(ckpt), str(tmp_path / "out")]) == 0
     assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "config.json").is_file()
+    # an export into it stopped half-way, its shards written: the first export as it was
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    with pytest.MonkeyPatch.context() as mp:
+        from lightning_hetermoe.convert import export
+
+        def stopped(self):
+            self._flush()
+            raise KeyboardInterrupt
+
+        mp.setattr(export._ShardedSafetensors, "close", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            main(["to-hf", str(ckpt), str(tmp_path / "out"), "--max-shard-gb", "0.00001"])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "pack.ckpt"]
+    # an output that cannot be written: one line, before the checkpoint is read
+    assert ckpt_main(["consolidate", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    assert f"consolidate: out='{tmp_path / 'out'}' is invalid: it cannot be written (it is a directory)" in \
+        capsys.readouterr().err
+    assert main(["to-hf", str(ckpt), str(ckpt)]) == 2
+    assert f"to-hf: out='{ckpt}' is invalid: it cannot be written (it is a file)" in capsys.readouterr().err
     assert main(["to-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "out2")]) == 2
     assert "to-hf:" in capsys.readouterr().err and not (tmp_path / "out2").exists()
     assert ckpt_main(["consolidate", str(tmp_path), str(tmp_path / "whole.ckpt")]) == 2

@@ -134,6 +134,22 @@ def test_the_consolidated_checkpoint_is_the_full_format(runs):
     assert whole["epoch"] == full["epoch"] == 1 and whole["global_step"] == full["global_step"] == 4
 
 
+def test_a_consolidation_stopped_half_way_leaves_the_file_already_there_as_it_was(runs, tmp_path, monkeypatch):
+    out = tmp_path / "whole.ckpt"
+    out.write_bytes(runs["consolidated"].read_bytes())
+    before = out.read_bytes()
+    real_save = torch.save
+
+    def half_then_stopped(obj, f):
+        real_save({"state_dict": {}}, f)  # some of the file written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", half_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        consolidate(f"{runs['zebra_dir']}/step=4.ckpt", out)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["whole.ckpt"]
+
+
 RESUMES = ["zebra->ep", "zebra->datacentric", "zebra->zebra 2+2", "full ep->ep", "consolidated->ep",
            "zebra->ep at the default format", "full ep->datacentric at the default format"]
 

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 from ..checkpoint_files import is_sharded_checkpoint
+from ..configs import ConfigError
+from ..staging import StagedFile
 from . import dcp
 
 META_FILE = "meta.pt"
@@ -89,11 +91,23 @@ def state_dict_of(path: str | os.PathLike, meta: dict[str, Any] | None = None,
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES
                 ) -> dict[str, Any]:
-    """Write the sharded checkpoint ``path`` as one Lightning checkpoint file ``out``; returns it."""
-    checkpoint = whole_checkpoint(path, batch_bytes)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, out)
+    """Write the sharded checkpoint ``path`` as one Lightning checkpoint file ``out``; returns it.
+    ``out`` appears whole or not at all (:mod:`~lightning_hetermoe.staging`): a file already
+    there stays as it was if this fails or is stopped."""
+    stage = staged(StagedFile, out)
+    with stage as tmp:
+        checkpoint = whole_checkpoint(path, batch_bytes)
+        torch.save(checkpoint, tmp)
     return checkpoint
+
+
+def staged(kind: type, out: str | os.PathLike, **kwargs: Any) -> Any:
+    """``kind`` (a :mod:`~lightning_hetermoe.staging` output) for ``out``, checked before any
+    work: an output that cannot be written is a :class:`ConfigError` naming it."""
+    try:
+        return kind(out, **kwargs)
+    except OSError as err:
+        raise ConfigError(f"out={str(out)!r} is invalid: it cannot be written ({err.strerror or err})") from None
 
 
 def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES) -> dict[str, Any]:

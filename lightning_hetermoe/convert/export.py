@@ -25,10 +25,12 @@ from torch import Tensor
 
 from ..checkpoint_files import is_sharded_checkpoint
 from ..ckpt import dcp
-from ..ckpt.consolidate import read_meta, state_dict_of
+from ..ckpt.consolidate import read_meta, staged, state_dict_of
 from ..ckpt.loading import read_checkpoint_file
+from ..staging import StagedDirectory
 
 DEFAULT_SHARD_BYTES = 2 << 30
+INDEX = "model.safetensors.index.json"  # names each tensor's shard
 
 
 def checkpoint_tensors(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]]]:
@@ -52,12 +54,14 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: 
     else:
         names = _MixtralNames(meta)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    writer = _ShardedSafetensors(out, max_shard_bytes)
-    for name, t in names.convert(tensors):
-        writer.add(name, t)
-    writer.close()
-    names.config.save_pretrained(str(out))
+    # written beside out and moved in once whole: an export stopped half-way leaves an
+    # earlier one in out as it was (the index and the config, which name the rest, last)
+    with staged(StagedDirectory, out, last=(INDEX, "config.json")) as tmp:
+        writer = _ShardedSafetensors(tmp, max_shard_bytes)
+        for name, t in names.convert(tensors):
+            writer.add(name, t)
+        writer.close()
+        names.config.save_pretrained(str(tmp))
     return out
 
 
@@ -205,5 +209,5 @@ class _ShardedSafetensors:
             old.rename(new)
             for n in names:
                 self.weight_map[n] = new.name
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(
+        (self.out / INDEX).write_text(json.dumps(
             {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, indent=2))

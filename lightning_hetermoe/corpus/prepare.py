@@ -12,19 +12,16 @@ tokenizer directory: its ``tokenizer.json``, else ``AutoTokenizer`` with
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..configs import ConfigError, PrepareConfig
 from .documents import pydoc_documents
-from .format import INDEX, META, TOKENIZER, TOKENS, CorpusMeta, CorpusWriter
+from ..staging import StagedDirectory
+from .format import META, TOKENIZER, CorpusMeta, CorpusWriter
 
 EOS = "<|endoftext|>"
 GLOB_CHARS = "*?["
@@ -199,44 +196,16 @@ def prepare_corpus(cfg: PrepareConfig, log: Callable[[str], None] = print) -> Co
     if source.total_bytes == 0:
         raise ConfigError(f"input={cfg.input!r} is invalid: the corpus is empty (0 bytes)")
     out = Path(cfg.out)
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     try:  # before the tokenizer trains: an output that cannot be written wastes none of it
-        if out.exists() and not out.is_dir():
-            raise NotADirectoryError(20, "it is a file")
-        if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
-            raise PermissionError(13, "it is not writable")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        stage = StagedDirectory(out, last=(META,))
     except OSError as err:
         raise ConfigError(f"out={cfg.out!r} is invalid: the directory cannot be made ({err.strerror or err})") from None
-    done = False
-    try:
+    with stage as staging:
         meta, skipped = _write_corpus(cfg, source, staging, log)
-        _move_into(staging, out)
-        done = True
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        for p in [] if done else made:  # the parents this run made, innermost first, where still empty
-            with contextlib.suppress(OSError):
-                p.rmdir()
     log(f"[prepare] wrote {out}: {meta.num_documents:,} documents, {meta.num_tokens:,} tokens ({meta.dtype}), "
         f"vocab_size={meta.vocab_size}, eos_id={meta.eos_id}"
         + (f"; {skipped} empty document(s) left out" if skipped else ""))
     return meta
-
-
-def _move_into(staging: Path, out: Path) -> None:
-    """The finished corpus from ``staging`` into ``out``: the directory renamed where ``out``
-    is not there yet, else file by file, the metadata last (a reader of ``out`` checks the
-    others against it)."""
-    if not out.exists():
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's is private: the corpus gets a directory's usual mode
-        os.replace(staging, out)
-        return
-    for name in (TOKENS, INDEX, TOKENIZER, META):
-        os.replace(staging / name, out / name)
 
 
 def _write_corpus(cfg: PrepareConfig, source: Source, out: Path, log: Callable[[str], None]

@@ -1,0 +1,99 @@
+"""Outputs that appear whole or not at all (``lightning_hetermoe.staging``): what a failed or
+stopped run leaves, for a file (a consolidated checkpoint) and a directory (a prepared corpus,
+a Hugging Face export)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lightning_hetermoe.staging import PARTIAL, StagedDirectory, StagedFile
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_file_replaces_the_old_one_only_when_it_is_whole(tmp_path):
+    out = tmp_path / "model.ckpt"
+    out.write_bytes(b"the old checkpoint")
+    with pytest.raises(KeyboardInterrupt):
+        with StagedFile(out) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(f".model.ckpt{PARTIAL}")
+            tmp.write_bytes(b"half of the new")
+            raise KeyboardInterrupt  # a Ctrl-C in the middle of the write
+    assert out.read_bytes() == b"the old checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+    with StagedFile(out) as tmp:
+        tmp.write_bytes(b"the new checkpoint")
+        assert out.read_bytes() == b"the old checkpoint"  # until the block ends
+    assert out.read_bytes() == b"the new checkpoint"
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+
+
+def test_a_failure_removes_the_parents_it_made_and_no_others(tmp_path):
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "a" / "b" / "out.ckpt"
+    with pytest.raises(RuntimeError, match="disk full"):
+        with StagedFile(out) as tmp:
+            assert (tmp_path / "kept" / "a" / "b").is_dir()
+            raise RuntimeError("disk full")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]
+    with StagedFile(out) as tmp:
+        tmp.write_bytes(b"x")
+    assert out.read_bytes() == b"x"
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(IsADirectoryError, match="it is a directory"):
+        StagedFile(tmp_path / "a_dir")
+    with pytest.raises(NotADirectoryError, match="it is a file"):
+        StagedDirectory(tmp_path / "a_file")
+    with pytest.raises(OSError):
+        StagedFile(tmp_path / "a_file" / "below")  # a parent that is a file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"]
+
+
+def test_a_new_directory_is_renamed_into_place_with_the_usual_mode(tmp_path):
+    out = tmp_path / "corpus"
+    with StagedDirectory(out) as tmp:
+        (tmp / "tokens.bin").write_bytes(b"123")
+        assert not out.exists()
+    assert (out / "tokens.bin").read_bytes() == b"123"
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_into_a_directory_already_there_the_files_move_in_the_named_ones_last(tmp_path, monkeypatch):
+    out = tmp_path / "export"
+    out.mkdir()
+    for name, text in (("config.json", "old config"), ("index.json", "old index"), ("shard-1", "old shard"),
+                       ("notes.txt", "the user's")):
+        (out / name).write_text(text)
+    (out / "logs").mkdir()
+    (out / "logs" / "old.log").write_text("old")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError):
+        with StagedDirectory(out, last=("index.json", "config.json")) as tmp:
+            (tmp / "shard-1").write_text("new shard")
+            raise ValueError("stopped half-way")
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    moved = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (moved.append(os.path.basename(b)), real_replace(a, b)))
+    with StagedDirectory(out, last=("index.json", "config.json")) as tmp:
+        for name in ("config.json", "index.json", "shard-1", "shard-2"):
+            (tmp / name).write_text(f"new {name}")
+        (tmp / "logs").mkdir()
+        (tmp / "logs" / "new.log").write_text("new")
+    assert moved == ["logs", "shard-1", "shard-2", "index.json", "config.json"]
+    assert {p.name: p.read_text() for p in out.rglob("*") if p.is_file()} == {
+        "config.json": "new config.json", "index.json": "new index.json", "shard-1": "new shard-1",
+        "shard-2": "new shard-2", "notes.txt": "the user's", "new.log": "new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
