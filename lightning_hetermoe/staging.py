@@ -1,17 +1,21 @@
 """Outputs that appear whole or not at all.
 
-A command that writes a corpus, a consolidated checkpoint or an exported model writes it
-first into a hidden sibling of its output (``.<name>.partial-*``, on the same file system)
-and moves it into place once every byte is there. A run that fails or is stopped (an
-error, Ctrl-C, a full disk) leaves what was at the output before as it was, none of its
-own half-written files, and no parent directory it made for the output. Torch-free: the
-corpus preparation uses it too.
+A command that writes a corpus, a consolidated checkpoint or an exported model, and the
+strategy saving a sharded checkpoint, write it first into a hidden sibling of its output
+(``.<name>.partial-*``, on the same file system) and move it into place once every byte is
+there. A run that fails or is stopped (an error, Ctrl-C, a full disk, a node lost in the
+middle of a save) leaves what was at the output before as it was, none of its own
+half-written files, and no parent directory it made for the output. Torch-free: the corpus
+preparation uses it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -113,3 +117,49 @@ class StagedDirectory(_Staged):
             if (self.path / name).is_dir() and target.is_dir():
                 shutil.rmtree(target)
             os.replace(self.path / name, target)
+
+
+def partial_sibling(out: str | os.PathLike) -> Path:
+    """A fresh hidden name beside ``out`` to write its replacement under (not made here: a
+    collective save agrees on the name first, then its writer makes it)."""
+    out = Path(out)
+    return out.parent / f".{out.name}{PARTIAL}{secrets.token_hex(4)}"
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where this
+    system or file system cannot (then nothing moved)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_directory(staged: str | os.PathLike, out: str | os.PathLike) -> None:
+    """``staged`` (a complete directory) becomes ``out`` whole, and what ``out`` was (a
+    directory, a file) is removed. Where ``out`` is there, the two are swapped in one step
+    on Linux, so ``out`` always holds one complete checkpoint; elsewhere the old one moves
+    aside first (for a moment ``out`` is absent, the old one still whole beside it)."""
+    staged, out = Path(staged), Path(out)
+    if out.is_symlink():
+        out.unlink()
+    if not out.exists():
+        os.replace(staged, out)
+        return
+    if _exchange(staged, out):
+        old = staged  # the two names swapped: the old output is where the new one was written
+    else:
+        old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+        os.replace(out, old)
+        os.replace(staged, out)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()

@@ -327,3 +327,61 @@ def test_an_error_on_one_rank_alone_saves_nothing_says_so_and_ends_the_job(mode,
     assert "did not save" in record["stderr"] and "rank(s) 0 did not ask for it within 3 s" in record["stderr"], record
     assert record["seconds"] < 30, record
     assert not (tmp_path / "ckpt" / "on_exception.ckpt").exists()
+
+
+def save_cut_short(rank: int, world: int, root: str) -> dict:
+    """A sharded checkpoint saved at step 2, then saved again under its name at step 4 cut
+    short on its writer once every rank's pieces are written (before the meta), then again
+    whole at step 6: what the directory holds after each."""
+    import lightning_hetermoe.strategy.hetermoe as module
+
+    path = os.path.join(root, "last.ckpt")
+    model = make_model(4, seed=0, optim=OptimConfig())
+    t = trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2), checkpoint_format="sharded"),
+                world, max_steps=2)
+    dm = data(world, GLOBAL[world], windows=WINDOWS[world])
+
+    def files() -> dict[str, bytes]:
+        return {name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))}
+
+    t.fit(model, datamodule=dm)
+    t.save_checkpoint(path)
+    first = files()
+    t.fit_loop.epoch_loop.max_steps = 4
+    t.fit(model, datamodule=dm)
+    real_pieces, failed = module.save_pieces, []
+    writer = t.strategy.backend.writes_checkpoints(rank)
+
+    def pieces_then_stopped(*args, **kwargs):
+        real_pieces(*args, **kwargs)
+        if writer:
+            raise KeyboardInterrupt("stopped before the meta")
+
+    module.save_pieces = pieces_then_stopped
+    try:  # the strategy's save alone: Trainer.save_checkpoint's barrier would wait on the stopped rank
+        t.strategy.save_checkpoint(t._checkpoint_connector.dump_checkpoint(), path)
+    except KeyboardInterrupt:
+        failed.append(rank)
+    finally:
+        module.save_pieces = real_pieces
+    t.strategy.barrier("after the cut-short save")
+    after_cut = files()
+    t.fit_loop.epoch_loop.max_steps = 6
+    t.fit(model, datamodule=dm)
+    t.save_checkpoint(path)
+    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+    return {"failed": failed, "first": first, "after_cut": after_cut, "last": files(), "step": meta["global_step"],
+            "siblings": sorted(os.listdir(root))}
+
+
+@pytest.mark.slow
+def test_a_sharded_save_cut_short_leaves_the_checkpoint_of_that_name_as_it_was(tmp_path):
+    """The pieces and the meta are written under a hidden name beside the checkpoint and
+    swapped in whole: before, a save into the same directory wrote the new pieces beside the
+    old meta, and a save cut short between them left a checkpoint that was neither."""
+    results = run_ranks(2, save_cut_short, 2, str(tmp_path))
+    assert sum(len(r["failed"]) for r in results) == 1, "the save stopped on its writer alone"
+    r = results[0]
+    assert r["after_cut"] == r["first"], "the step-2 checkpoint stays whole"
+    assert r["step"] == 6 and r["last"].keys() == r["first"].keys() and r["last"] != r["first"]
+    assert r["siblings"] == ["last.ckpt"], "no partial directory left beside it"

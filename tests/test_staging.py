@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lightning_hetermoe.staging import PARTIAL, StagedDirectory, StagedFile
+from lightning_hetermoe.staging import PARTIAL, StagedDirectory, StagedFile, partial_sibling, replace_directory
 
 
 def umask() -> int:
@@ -97,3 +97,30 @@ def test_into_a_directory_already_there_the_files_move_in_the_named_ones_last(tm
         "config.json": "new config.json", "index.json": "new index.json", "shard-1": "new shard-1",
         "shard-2": "new shard-2", "notes.txt": "the user's", "new.log": "new"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+@pytest.mark.parametrize("swap", ["exchange", "aside"])
+@pytest.mark.parametrize("old", ["directory", "file", "nothing"])
+def test_a_directory_replaces_whatever_had_its_name_whole(tmp_path, monkeypatch, swap, old):
+    """A sharded checkpoint saved again under its name: the new directory in one step where
+    the system swaps two names (else the old one moved aside first), none of the old files
+    left among the new (an earlier save's pieces, or a single-file checkpoint of the name)."""
+    from lightning_hetermoe import staging
+
+    if swap == "aside":
+        monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
+    out = tmp_path / "last.ckpt"
+    if old == "directory":
+        out.mkdir()
+        (out / "__3_0.distcp").write_text("a piece of a 4-rank save")
+        (out / "meta.pt").write_text("old meta")
+    elif old == "file":
+        out.write_text("a single-file checkpoint")
+    staged = partial_sibling(out)
+    assert staged.parent == tmp_path and staged.name.startswith(f".last.ckpt{PARTIAL}") and not staged.exists()
+    staged.mkdir()
+    (staged / "meta.pt").write_text("new meta")
+    (staged / "__0_0.distcp").write_text("new piece")
+    replace_directory(staged, out)
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"meta.pt": "new meta", "__0_0.distcp": "new piece"}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

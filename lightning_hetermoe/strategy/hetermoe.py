@@ -12,6 +12,7 @@ checkpoints hold full expert tensors (placement-independent).
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from ..simulate.schedules import EP_SCHEDULES
+from ..staging import partial_sibling, replace_directory
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
@@ -1055,13 +1057,27 @@ class HeterMoEStrategy(DDPStrategy):
                 self.checkpoint_io.save_checkpoint({**checkpoint, "hetermoe": info}, filepath,
                                                    storage_options=storage_options)
             return
-        path = Path(self.broadcast(str(filepath), src=0))
+        # Written under a hidden name beside the checkpoint and swapped in whole once every
+        # rank's pieces and the meta are there: a save cut short (a node lost, a second
+        # SIGTERM) leaves the checkpoint of that name as it was, where writing into it would
+        # leave new pieces beside the old meta. Rank 0 names both, every rank writes there.
+        path, staged = (Path(p) for p in self.broadcast((str(filepath), str(partial_sibling(filepath))), src=0))
         writer = self.backend.writes_checkpoints(self.global_rank)
         if writer:
-            if path.is_file():
-                path.unlink()  # a full checkpoint of the same name from an earlier run
-            path.mkdir(parents=True, exist_ok=True)
+            staged.mkdir(parents=True)
         comm.host_barrier(comm.world(), what="strategy.checkpoint.mkdir")
+        try:
+            self._save_sharded(checkpoint, staged, writer, averaged, info)
+            if writer:
+                replace_directory(staged, path)  # a full checkpoint of the same name goes too
+        finally:
+            if writer and staged.exists():
+                shutil.rmtree(staged, ignore_errors=True)
+        self.check_memory(f"saving checkpoint {path}")
+
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path, writer: bool, averaged: bool,
+                      info: dict[str, Any]) -> None:
+        """Every rank's pieces of ``checkpoint`` into the directory ``path``, and its meta."""
         sharded = self._sharded_state()
         state = checkpoint.pop("state_dict")
         tensors = {f"state_dict.{n}": v for n, v in (sharded.module_state(state) if averaged else state).items()}
@@ -1079,7 +1095,6 @@ class HeterMoEStrategy(DDPStrategy):
             checkpoint["hetermoe"] = {**info, "shapes": sharded.shapes_meta(),
                                       **({} if weights_only else {"optimizers": optimizers})}
             torch.save(checkpoint, path / META_FILE)
-        self.check_memory(f"saving checkpoint {path}")
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
