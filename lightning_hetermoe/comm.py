@@ -684,6 +684,22 @@ def arrive_together(group: Group, timeout_s: float) -> list[int]:
     return []
 
 
+def first_to_say(line: str) -> bool:
+    """Whether this rank is the first of the job to say ``line``: the job's store counts who
+    said it, so an error every rank meets alike (a config error found inside the fit) is
+    printed once, not once a rank. ``True`` where no store can be asked (one process, a
+    group already gone, its host gone): then every rank says it, as before."""
+    import hashlib
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.add("hetermoe/said/" + hashlib.sha1(line.encode()).hexdigest(), 1) == 1
+    except (RuntimeError, ValueError, dist.DistError):
+        return True
+
+
 # -- what travels ---------------------------------------------------------------------
 def wire_dtype(t: Tensor) -> torch.dtype:
     """The dtype ``t``'s values travel in: the autocast dtype where autocast is on for its

@@ -72,3 +72,15 @@ def run_and_exit(main: Callable[[], Any]) -> None:
         for hook in _failing:
             hook()
     exit_now(code)
+
+
+def exit_saying(line: str) -> SystemExit:
+    """The ``SystemExit`` a command raises to end on ``line`` (exit code 1). In a job whose
+    ranks all meet the same error (a config error found inside the fit), the first rank to
+    say it says it and the others end quietly, where each printed it (the job's store
+    counts who said it: :func:`lightning_hetermoe.comm.first_to_say`)."""
+    if "torch.distributed" not in sys.modules:  # no job yet: nobody else to say it
+        return SystemExit(line)
+    from .comm import first_to_say
+
+    return SystemExit(line if first_to_say(line) else 1)

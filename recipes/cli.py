@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 # importing the package registers strategy="hetermoe"
 from lightning_hetermoe import ByteCorpusDataModule, MoELanguageModel
 from lightning_hetermoe.configs import ConfigError
-from lightning_hetermoe.process_exit import run_and_exit
+from lightning_hetermoe.process_exit import exit_saying, run_and_exit
 
 
 STRATEGY_CLASS = "lightning_hetermoe.HeterMoEStrategy"
@@ -85,7 +85,7 @@ def main(args=None) -> LightningCLI:
         refusal = config_error_in(err)
         if refusal is None:
             raise
-        raise SystemExit(f"[hetermoe] config error: {refusal}") from None
+        raise exit_saying(f"[hetermoe] config error: {refusal}") from None
     # Every rank leaves the heartbeat and the process group together before the process
     # ends, as the Hydra recipes do (without it, the strategy's exit hook does it alone).
     shutdown = getattr(cli.trainer.strategy, "shutdown", None)

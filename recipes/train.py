@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError
-from lightning_hetermoe.process_exit import run_and_exit
+from lightning_hetermoe.process_exit import exit_saying, run_and_exit
 from lightning_hetermoe.run_config import RunConfig, read_run_config
 from lightning_hetermoe.strategy import early_ranks
 
@@ -49,8 +49,9 @@ def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
         train(cfg, out, run=run)
     except ConfigError as err:
         early_ranks.leave_quietly_unless_launched()  # (a rank started early: rank 0 says it)
-        # A bad value is the user's to fix: one line naming the field, no stack trace.
-        raise SystemExit(f"[hetermoe] config error: {err}") from None
+        # A bad value is the user's to fix: one line naming the field, no stack trace; said by
+        # the first rank to meet it (every rank meets one found inside the fit)
+        raise exit_saying(f"[hetermoe] config error: {err}") from None
     except BaseException:
         early_ranks.leave_quietly_unless_launched()
         raise

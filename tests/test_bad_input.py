@@ -327,3 +327,42 @@ def test_resuming_from_a_checkpoint_of_another_model_is_named_in_every_mode(tmp_
             continue
         assert f"ckpt_path={str(tmp_path / f'{fmt}.ckpt')!r} is a checkpoint of another model" in message, message
         assert "differ in shape" in message and "saved [4, 16, 24], model [8, 16, 24]" in message, message
+
+
+def config_error_in_fit(rank: int, world: int, path: str) -> dict:
+    """A resume path that is no checkpoint, found inside the fit on every rank: what each
+    rank printed on stderr meanwhile, and whether it is the first to say the error."""
+    import contextlib
+    import io
+
+    from lightning_hetermoe.comm import first_to_say
+
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        try:
+            trainer(HeterMoEStrategy(mode="ep"), world, max_steps=2).fit(make_model(8), datamodule=data(world),
+                                                                          ckpt_path=path)
+            error = None
+        except ConfigError as err:
+            error = f"[hetermoe] config error: {err}"
+    return {"error": error, "printed": printed.getvalue(), "first": first_to_say(error or ""),
+            "first_again": first_to_say(error or ""), "other": first_to_say(f"{error} (another line)")}
+
+
+@pytest.mark.slow
+def test_a_config_error_every_rank_meets_in_the_fit_is_said_once(tmp_path):
+    """Every rank raises it alike: the strategy prints no per-rank "failed" line for it (the
+    command prints the error on one line), and the job's store lets the first rank to say
+    it be the one (recipes/train.py prints it there). Before, each rank printed a "failed"
+    line and then the error: four lines for one error on two ranks."""
+    path = str(tmp_path / "weights.pt")
+    torch.save({"weights": torch.ones(2)}, path)
+    per_rank = run_ranks(2, config_error_in_fit, 2, path)
+    assert per_rank[0]["error"] == per_rank[1]["error"] and "is not a Lightning checkpoint" in per_rank[0]["error"]
+    assert not any("failed" in r["printed"] for r in per_rank), [r["printed"] for r in per_rank]
+    assert sorted(r["first"] for r in per_rank) == [False, True]
+    assert not any(r["first_again"] for r in per_rank), "said once in the job, not once a call"
+    assert sorted(r["other"] for r in per_rank) == [False, True], "each line is its own"
+    from lightning_hetermoe.comm import first_to_say
+
+    assert first_to_say("no process group here") and first_to_say("no process group here")

@@ -1109,7 +1109,8 @@ class HeterMoEStrategy(DDPStrategy):
         if isinstance(exception, SIGTERMException):  # a preemption, not a fault: every rank stops alike
             print(f"{who} stopped: the job got SIGTERM, and every rank stops before its next batch",
                   file=sys.stderr, flush=True)
-        elif not peer_gone and not isinstance(exception, KeyboardInterrupt):
+        elif not peer_gone and not isinstance(exception, (KeyboardInterrupt, ConfigError)):
+            # (a bad value is the user's, met alike on every rank: the command says it once)
             print(f"{who} failed: {type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
         # A peer's death surfaces here as a gloo "connection closed/reset": name the peer (its
         # socket closes a moment before its process is reaped). This rank's own error has no
