@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import os
 import secrets
 import shutil
@@ -42,6 +43,7 @@ class _Staged:
         # the parents made for the output, innermost first: removed again if the run fails
         self.made = [p for p in (self.out.parent, *self.out.parent.parents) if not p.exists()]
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.stale = remove_stale(self.out)  # an earlier write of it killed before its end
         self.path = self._make(prefix=f".{self.out.name}{PARTIAL}", dir=self.out.parent)
 
     _directory = False
@@ -117,6 +119,23 @@ class StagedDirectory(_Staged):
             if (self.path / name).is_dir() and target.is_dir():
                 shutil.rmtree(target)
             os.replace(self.path / name, target)
+
+
+def remove_stale(out: str | os.PathLike) -> list[Path]:
+    """Remove what a write of ``out`` killed before its end left beside it (its hidden
+    ``.partial-*`` directory or file, an old one moved aside); returns what was removed.
+    Called by the next write of the same output, which owns the name: a partial save of a
+    large checkpoint holds as much disk as the checkpoint."""
+    out = Path(out)
+    name = glob.escape(out.name)
+    stale = sorted(out.parent.glob(f".{name}{PARTIAL}*")) + sorted(out.parent.glob(f".{name}.old-*"))
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+    return stale
 
 
 def partial_sibling(out: str | os.PathLike) -> Path:

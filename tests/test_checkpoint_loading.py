@@ -6,6 +6,8 @@ trained one at the best step."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import signal
@@ -366,12 +368,17 @@ def save_cut_short(rank: int, world: int, root: str) -> dict:
         module.save_pieces = real_pieces
     t.strategy.barrier("after the cut-short save")
     after_cut = files()
+    if rank == 0:  # what a save killed before its end (SIGKILL: no clean-up ran) leaves beside it
+        os.makedirs(os.path.join(root, ".last.ckpt.partial-killed"))
+        open(os.path.join(root, ".last.ckpt.partial-killed", "__0_0.distcp"), "wb").write(b"half")
     t.fit_loop.epoch_loop.max_steps = 6
     t.fit(model, datamodule=dm)
-    t.save_checkpoint(path)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        t.save_checkpoint(path)
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
     return {"failed": failed, "first": first, "after_cut": after_cut, "last": files(), "step": meta["global_step"],
-            "siblings": sorted(os.listdir(root))}
+            "siblings": sorted(os.listdir(root)), "printed": printed.getvalue(), "writer": writer}
 
 
 @pytest.mark.slow
@@ -384,4 +391,6 @@ def test_a_sharded_save_cut_short_leaves_the_checkpoint_of_that_name_as_it_was(t
     r = results[0]
     assert r["after_cut"] == r["first"], "the step-2 checkpoint stays whole"
     assert r["step"] == 6 and r["last"].keys() == r["first"].keys() and r["last"] != r["first"]
-    assert r["siblings"] == ["last.ckpt"], "no partial directory left beside it"
+    assert r["siblings"] == ["last.ckpt"], "no partial directory left beside it, a killed save's removed"
+    (said,) = [x["printed"] for x in results if x["writer"]]
+    assert f"removed {tmp_path / '.last.ckpt.partial-killed'}: a save of last.ckpt that did not finish" in said

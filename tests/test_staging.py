@@ -124,3 +124,21 @@ def test_a_directory_replaces_whatever_had_its_name_whole(tmp_path, monkeypatch,
     replace_directory(staged, out)
     assert {p.name: p.read_text() for p in out.iterdir()} == {"meta.pt": "new meta", "__0_0.distcp": "new piece"}
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_the_next_write_of_an_output_removes_what_a_killed_one_left_beside_it(tmp_path):
+    """A write killed before its end (no clean-up ran) leaves its hidden partial copy, or an
+    old one moved aside: the next write of the same output removes them, and nothing else."""
+    out = tmp_path / "run[1].ckpt"  # a name with glob characters
+    left = [tmp_path / f".run[1].ckpt{PARTIAL}dead", tmp_path / ".run[1].ckpt.old-dead"]
+    left[0].mkdir()
+    (left[0] / "piece").write_text("half")
+    left[1].write_text("old")
+    others = [tmp_path / f".other.ckpt{PARTIAL}live", tmp_path / "run1.ckpt", tmp_path / f".run[1].ckptx{PARTIAL}a"]
+    for p in others:
+        p.write_text("not this output's")
+    stage = StagedFile(out)
+    assert stage.stale == sorted(left[:1]) + left[1:]
+    with stage as tmp:
+        tmp.write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name] + [p.name for p in others])

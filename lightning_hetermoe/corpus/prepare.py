@@ -200,6 +200,8 @@ def prepare_corpus(cfg: PrepareConfig, log: Callable[[str], None] = print) -> Co
         stage = StagedDirectory(out, last=(META,))
     except OSError as err:
         raise ConfigError(f"out={cfg.out!r} is invalid: the directory cannot be made ({err.strerror or err})") from None
+    for p in stage.stale:
+        log(f"[prepare] removed {p}: a run into {out} that did not finish")
     with stage as staging:
         meta, skipped = _write_corpus(cfg, source, staging, log)
     log(f"[prepare] wrote {out}: {meta.num_documents:,} documents, {meta.num_tokens:,} tokens ({meta.dtype}), "

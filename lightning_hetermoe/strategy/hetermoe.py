@@ -43,7 +43,7 @@ from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from ..simulate.schedules import EP_SCHEDULES
-from ..staging import partial_sibling, replace_directory
+from ..staging import partial_sibling, remove_stale, replace_directory
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
@@ -1064,6 +1064,9 @@ class HeterMoEStrategy(DDPStrategy):
         path, staged = (Path(p) for p in self.broadcast((str(filepath), str(partial_sibling(filepath))), src=0))
         writer = self.backend.writes_checkpoints(self.global_rank)
         if writer:
+            for p in remove_stale(path):  # a save of this name killed before its end
+                print(f"[hetermoe] removed {p}: a save of {path.name} that did not finish", file=sys.stderr,
+                      flush=True)
             staged.mkdir(parents=True)
         comm.host_barrier(comm.world(), what="strategy.checkpoint.mkdir")
         try:
