@@ -108,8 +108,12 @@ def test_a_full_checkpoint_exports_to_hugging_face_and_loads_back(tmp_path):
     lm = HFMoELanguageModel(copy.deepcopy(hf))
     ckpt = tmp_path / "hf.ckpt"
     torch.save({"state_dict": lm.state_dict(), "hetermoe": {"hf": export_info(lm)}}, ckpt)
-    out = export_hf(ckpt, tmp_path / "hf_out", max_shard_bytes=20_000)
+    lines: list[str] = []
+    out = export_hf(ckpt, tmp_path / "hf_out", max_shard_bytes=20_000, progress_every_s=0.0, say=lines.append)
     assert len(list(out.glob("*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    total = sum(t.numel() * t.element_size() for t in lm.state_dict().values())
+    assert len(lines) == len(lm.state_dict()), "a line a tensor read, where every one is due"
+    assert lines[-1].startswith(f"[hetermoe] to-hf: {total / 1e9:,.2f} of {total / 1e9:,.2f} GB read (100%)"), lines
     back = tf.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     tokens = torch.randint(0, 256, (2, SEQ))
     torch.testing.assert_close(logits(back, tokens), logits(hf, tokens), rtol=1e-5, atol=1e-5)

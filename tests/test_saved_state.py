@@ -158,3 +158,18 @@ RESUMES = ["zebra->ep", "zebra->datacentric", "zebra->zebra 2+2", "full ep->ep",
 def test_resumes_mid_epoch_on_another_world_and_mode_as_if_uninterrupted(runs, case):
     i = RESUMES.index(case)
     assert_same_params(runs["resumed"][i], runs["expected"], runs["initial"])
+
+
+def test_a_consolidation_says_how_much_it_has_read_and_when_it_writes(runs, tmp_path):
+    """The offline command says this every 5 s (a large model's checkpoint takes minutes);
+    here every tensor: the bytes add up to what the checkpoint saved."""
+    from lightning_hetermoe.ckpt.consolidate import saved_bytes
+
+    lines: list[str] = []
+    source = f"{runs['zebra_dir']}/step=4.ckpt"
+    consolidate(source, tmp_path / "whole.ckpt", progress_every_s=0.0, say=lines.append)
+    total = saved_bytes(source)
+    reads = [line for line in lines if " GB read " in line]
+    assert len(reads) > 3 and reads[-1].startswith(f"[hetermoe] consolidate: {total / 1e9:,.2f} of {total / 1e9:,.2f} "
+                                                   f"GB read (100%)"), lines
+    assert lines[-1].startswith("[hetermoe] consolidate: read in ") and lines[-1].endswith(f"writing {tmp_path / 'whole.ckpt'}")

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from .consolidate import PROGRESS_EVERY_S
 from .dcp import CheckpointFormatError
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .consolidate import consolidate
 
-        ckpt = consolidate(args.checkpoint, args.out)
+        ckpt = consolidate(args.checkpoint, args.out, progress_every_s=PROGRESS_EVERY_S)
         n = sum(t.numel() for t in ckpt["state_dict"].values())
         print(f"[hetermoe] wrote {args.out}: {len(ckpt['state_dict'])} tensors, {n / 1e6:,.1f}M elements, "
               f"{len(ckpt.get('optimizer_states', []))} optimizer state(s), "

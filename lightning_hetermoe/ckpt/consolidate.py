@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ from . import dcp
 
 META_FILE = "meta.pt"
 DEFAULT_BATCH_BYTES = 1 << 30
+PROGRESS_EVERY_S = 5.0  # the offline commands' line this often while a large checkpoint is read
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -39,6 +41,37 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise dcp.CheckpointFormatError(f"{path}: {META_FILE} has no 'hetermoe' entry; it was not written by "
                                         f"lightning-hetermoe")
     return meta
+
+
+class ReadProgress:
+    """Says, at most every ``every_s`` seconds, how much of a checkpoint's tensors a long
+    offline command (a consolidation, an export) has read: a model's checkpoint of hundreds
+    of GB takes minutes, silent until it ended."""
+
+    def __init__(self, what: str, total_bytes: int, every_s: float = 5.0, say: Callable[[str], None] | None = None
+                 ) -> None:
+        self.what, self.total, self.every_s = what, max(total_bytes, 1), every_s
+        self.say = say or (lambda text: print(text, flush=True))
+        self.done = 0
+        self.started = self.last = time.perf_counter()
+
+    def counted(self, items: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """``items`` as they come, each tensor's bytes counted once it is read."""
+        for name, t in items:
+            self.done += t.numel() * t.element_size()
+            now = time.perf_counter()
+            if now - self.last >= self.every_s:
+                self.last = now
+                self.say(f"[hetermoe] {self.what}: {self.done / 1e9:,.2f} of {self.total / 1e9:,.2f} GB read "
+                         f"({self.done / self.total:.0%}), {now - self.started:.0f} s")
+            yield name, t
+
+
+def saved_bytes(path: str | os.PathLike, prefix: str = "") -> int:
+    """The bytes of the tensors a sharded checkpoint saved under keys starting with ``prefix``."""
+    saved = dcp.read_metadata(path).state_dict_metadata
+    return sum(math.prod(md.size) * md.properties.dtype.itemsize for k, md in saved.items()
+               if k.startswith(prefix) and hasattr(md, "size"))
 
 
 def iter_tensors(path: str | os.PathLike, prefix: str = "", batch_bytes: int = DEFAULT_BATCH_BYTES
@@ -89,14 +122,22 @@ def state_dict_of(path: str | os.PathLike, meta: dict[str, Any] | None = None,
         yield name, whole(flat, shapes[name])
 
 
-def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES
-                ) -> dict[str, Any]:
+def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                progress_every_s: float | None = None, say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Write the sharded checkpoint ``path`` as one Lightning checkpoint file ``out``; returns it.
     ``out`` appears whole or not at all (:mod:`~lightning_hetermoe.staging`): a file already
-    there stays as it was if this fails or is stopped."""
+    there stays as it was if this fails or is stopped. ``progress_every_s``: say how much is
+    read that often (``say``: print), and when the file is being written."""
     stage = staged(StagedFile, out)
     with stage as tmp:
-        checkpoint = whole_checkpoint(path, batch_bytes)
+        progress = None
+        if progress_every_s is not None:
+            read_meta(path)  # a directory that is no checkpoint is said as such, before its size is asked
+            progress = ReadProgress("consolidate", saved_bytes(path), progress_every_s, say)
+        checkpoint = whole_checkpoint(path, batch_bytes, progress)
+        if progress is not None:
+            progress.say(f"[hetermoe] consolidate: read in {time.perf_counter() - progress.started:.0f} s; "
+                         f"writing {out}")
         torch.save(checkpoint, tmp)
     return checkpoint
 
@@ -110,17 +151,20 @@ def staged(kind: type, out: str | os.PathLike, **kwargs: Any) -> Any:
         raise ConfigError(f"out={str(out)!r} is invalid: it cannot be written ({err.strerror or err})") from None
 
 
-def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES) -> dict[str, Any]:
+def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                     progress: ReadProgress | None = None) -> dict[str, Any]:
     """The sharded checkpoint ``path`` as the dict a single checkpoint file holds (in memory)."""
     meta = read_meta(path)
     info = meta["hetermoe"]
     shapes = info["shapes"]
+    counted = progress.counted if progress is not None else (lambda items: items)
     checkpoint = {k: v for k, v in meta.items() if k != "hetermoe"}
-    checkpoint["state_dict"] = dict(state_dict_of(path, meta, batch_bytes))
+    checkpoint["state_dict"] = dict(counted(state_dict_of(path, meta, batch_bytes)))
     if "averaging_state" in meta:
-        checkpoint["current_model_state"] = dict(state_dict_of(path, meta, batch_bytes, of="current_model_state"))
+        checkpoint["current_model_state"] = dict(counted(state_dict_of(path, meta, batch_bytes,
+                                                                       of="current_model_state")))
     if "optimizers" in info:  # absent: saved with weights only, as Lightning's file leaves the key out
-        tensors = dict(iter_tensors(path, "optimizer_states.", batch_bytes)) if info["optimizers"] else {}
+        tensors = dict(counted(iter_tensors(path, "optimizer_states.", batch_bytes))) if info["optimizers"] else {}
         checkpoint["optimizer_states"] = [_optimizer_state(i, opt, tensors, shapes)
                                           for i, opt in enumerate(info["optimizers"])]
     return checkpoint

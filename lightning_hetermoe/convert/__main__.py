@@ -10,6 +10,7 @@ import sys
 import time
 
 from ..ckpt import CheckpointFormatError
+from ..ckpt.consolidate import PROGRESS_EVERY_S
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .export import export_hf
 
-        out = export_hf(args.checkpoint, args.out, int(args.max_shard_gb * (1 << 30)))
+        out = export_hf(args.checkpoint, args.out, int(args.max_shard_gb * (1 << 30)),
+                        progress_every_s=PROGRESS_EVERY_S)
     except (CheckpointFormatError, FileNotFoundError, ValueError) as err:
         print(f"[hetermoe] {args.command}: {err}", file=sys.stderr)
         return 2

@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from ..checkpoint_files import is_sharded_checkpoint
 from ..ckpt import dcp
-from ..ckpt.consolidate import read_meta, staged, state_dict_of
+from ..ckpt.consolidate import ReadProgress, read_meta, saved_bytes, staged, state_dict_of
 from ..ckpt.loading import read_checkpoint_file
 from ..staging import StagedDirectory
 
@@ -33,21 +33,28 @@ DEFAULT_SHARD_BYTES = 2 << 30
 INDEX = "model.safetensors.index.json"  # names each tensor's shard
 
 
-def checkpoint_tensors(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]]]:
-    """``(hyper-parameters and hetermoe info, state-dict tensors)`` of a sharded directory or a full file."""
+def checkpoint_tensors(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]], int]:
+    """``(hyper-parameters and hetermoe info, state-dict tensors, their bytes)`` of a sharded
+    directory or a full file (memory-mapped: its tensors are read as they are taken)."""
     if is_sharded_checkpoint(path):
         meta = read_meta(path)
-        return meta, state_dict_of(path, meta)
+        return meta, state_dict_of(path, meta), saved_bytes(path, "state_dict.")
     ckpt = read_checkpoint_file(path, "checkpoint", map_location="cpu", mmap=True)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise dcp.CheckpointFormatError(f"checkpoint={str(path)!r} is not a Lightning checkpoint (it holds no "
                                         f"state_dict)")
-    return ckpt, iter(ckpt["state_dict"].items())
+    state = ckpt["state_dict"]
+    return ckpt, iter(state.items()), sum(t.numel() * t.element_size() for t in state.values()
+                                          if isinstance(t, Tensor))
 
 
-def export_hf(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write checkpoint ``path`` as a Hugging Face directory ``out``; returns ``out``."""
-    meta, tensors = checkpoint_tensors(path)
+def export_hf(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              progress_every_s: float | None = None, say: Callable[[str], None] | None = None) -> Path:
+    """Write checkpoint ``path`` as a Hugging Face directory ``out``; returns ``out``.
+    ``progress_every_s``: say how much is read that often (``say``: print)."""
+    meta, tensors, total = checkpoint_tensors(path)
+    if progress_every_s is not None:
+        tensors = ReadProgress("to-hf", total, progress_every_s, say).counted(tensors)
     hf = (meta.get("hetermoe") or {}).get("hf")
     if hf is not None:
         names = _HFNames(hf)
