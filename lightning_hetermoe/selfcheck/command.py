@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from dataclasses import asdict
@@ -12,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from ..staging import StagedFile
 from .child import run_in_child, start_server
 from .registry import CHECKS, KERNEL_TIMEOUT_S
 from .report import DEFAULT_TIMEOUT_S, SKIPPED, Check, Row, exit_code, header, line, summary, width_for
@@ -79,10 +79,8 @@ def _write_json(args: argparse.Namespace, kind: str, rows: list[Row], complete: 
         return
     device = torch.device("cuda", 0) if kind == "cuda" and torch.cuda.is_available() else torch.device(kind)
     report = {"device": str(device), "quick": args.quick, "complete": complete, "rows": [asdict(r) for r in rows]}
-    tmp = f"{args.json}.part"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, args.json)  # a reader never sees half a file
+    with StagedFile(args.json) as tmp:  # a reader never sees half a file
+        tmp.write_text(json.dumps(report, indent=2))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
