@@ -12,7 +12,6 @@ corpus already there as it was.
 """
 
 import contextlib
-import os
 import shutil
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError, PrepareConfig, from_cfg
 from lightning_hetermoe.corpus.prepare import prepare_corpus
+from lightning_hetermoe.staging import replace_directory
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")
@@ -40,8 +40,7 @@ def main(cfg: DictConfig) -> None:
     finally:
         if written is not None and written.name != ".hydra":
             if done:
-                shutil.rmtree(written.parent / ".hydra", ignore_errors=True)
-                os.replace(written, written.parent / ".hydra")
+                replace_directory(written, written.parent / ".hydra")
             else:
                 shutil.rmtree(written, ignore_errors=True)
                 with contextlib.suppress(OSError):

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..configs import ConfigError, PrepareConfig
-from .documents import pydoc_documents
 from ..staging import StagedDirectory
+from .documents import pydoc_documents
 from .format import META, TOKENIZER, CorpusMeta, CorpusWriter
 
 EOS = "<|endoftext|>"
