@@ -175,8 +175,15 @@ def test_the_offline_command_exports_and_says_what_it_wrote_or_why_not(tmp_path,
     pack = make_model(EXPERTS)
     ckpt = tmp_path / "pack.ckpt"
     torch.save({"state_dict": pack.state_dict(), "hyper_parameters": dict(pack.hparams)}, ckpt)
-    assert main(["to-hf", str(ckpt), str(tmp_path / "out")]) == 0
+    assert main(["to-hf", str(ckpt), str(tmp_path / "out"), "--max-shard-gb", "0.00001"]) == 0
     assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "config.json").is_file()
+    many = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")  # what a user adds to an export
+    # again into it with fewer, larger shards: the earlier shards go, the user's file stays
+    assert main(["to-hf", str(ckpt), str(tmp_path / "out")]) == 0
+    assert "wrote" in capsys.readouterr().out and len(many) > 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json"]
     # an export into it stopped half-way, its shards written: the first export as it was
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     with pytest.MonkeyPatch.context() as mp:

@@ -31,6 +31,7 @@ from ..staging import StagedDirectory
 
 DEFAULT_SHARD_BYTES = 2 << 30
 INDEX = "model.safetensors.index.json"  # names each tensor's shard
+SHARD_GLOB = "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors"  # the shards' names
 
 
 def checkpoint_tensors(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[str, Tensor]], int]:
@@ -69,6 +70,12 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: 
             writer.add(name, t)
         writer.close()
         names.config.save_pretrained(str(tmp))
+    # an earlier export's shards this one's index does not name (it had more of them): the
+    # files a user added (a tokenizer, a model card) stay
+    shards = set(writer.weight_map.values())
+    for old in out.glob(SHARD_GLOB):
+        if old.name not in shards:
+            old.unlink()
     return out
 
 
