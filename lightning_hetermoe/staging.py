@@ -42,9 +42,18 @@ class _Staged:
             raise PermissionError(13, "it is not writable")
         # the parents made for the output, innermost first: removed again if the run fails
         self.made = [p for p in (self.out.parent, *self.out.parent.parents) if not p.exists()]
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.stale = remove_stale(self.out)  # an earlier write of it killed before its end
-        self.path = self._make(prefix=f".{self.out.name}{PARTIAL}", dir=self.out.parent)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.stale = remove_stale(self.out)  # an earlier write of it killed before its end
+            self.path = self._make(prefix=f".{self.out.name}{PARTIAL}", dir=self.out.parent)
+        except OSError:
+            self._remove_made()
+            raise
+
+    def _remove_made(self) -> None:
+        for p in self.made:
+            with contextlib.suppress(OSError):  # where still empty
+                p.rmdir()
 
     _directory = False
 
@@ -70,9 +79,8 @@ class _Staged:
             else:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
-            for p in [] if done else self.made:
-                with contextlib.suppress(OSError):  # where still empty
-                    p.rmdir()
+            if not done:
+                self._remove_made()
 
 
 class StagedFile(_Staged):

@@ -5,6 +5,7 @@ a Hugging Face export)."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -42,6 +43,11 @@ def test_a_failure_removes_the_parents_it_made_and_no_others(tmp_path):
         with StagedFile(out) as tmp:
             assert (tmp_path / "kept" / "a" / "b").is_dir()
             raise RuntimeError("disk full")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]
+    with pytest.MonkeyPatch.context() as mp:  # the partial copy itself cannot be made (a full disk)
+        mp.setattr(tempfile, "mkstemp", lambda **kw: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        with pytest.raises(OSError, match="No space left"):
+            StagedFile(out)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]
     with StagedFile(out) as tmp:
         tmp.write_bytes(b"x")
