@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checkpoint_files import NOT_TORCH_SAVE, is_sharded_checkpoint, is_torch_save_file
 from .cluster import ClusterConfig
 from .configs import ConfigError, DataConfig, ModelConfig, OptimConfig, from_cfg
+from .staging import unfinished_note
 from .strategy.arguments import StrategyArguments
 
 # the strategy group's fields: the strategy's own arguments (its cluster is the cluster group)
@@ -89,8 +90,10 @@ def resume_path(cfg: DictConfig) -> str | None:
 
         path = to_absolute_path(path)
     if not os.path.exists(path):
-        raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: no such file or directory ({path}); give a "
-                          f"checkpoint file, a sharded checkpoint's directory, or one of Lightning's "
+        # (the first save of that name killed before its end: its partial copy is beside it)
+        raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: no such file or directory ({path})"
+                          f"{unfinished_note(path)}; "
+                          f"give a checkpoint file, a sharded checkpoint's directory, or one of Lightning's "
                           f"{LIGHTNING_CKPT_NAMES}")
     if os.path.isdir(path) and not is_sharded_checkpoint(path):
         raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: {path} is a directory but not a sharded "

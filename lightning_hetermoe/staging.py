@@ -129,14 +129,26 @@ class StagedDirectory(_Staged):
             os.replace(self.path / name, target)
 
 
+def unfinished(out: str | os.PathLike) -> list[Path]:
+    """What writes of ``out`` killed before their end left beside it (its hidden partial
+    copies, an old one moved aside): where ``out`` itself is missing, the reason it is."""
+    out = Path(out)
+    name = glob.escape(out.name)
+    return sorted(out.parent.glob(f".{name}{PARTIAL}*")) + sorted(out.parent.glob(f".{name}.old-*"))
+
+
+def unfinished_note(out: str | os.PathLike) -> str:
+    """For a message saying ``out`` is missing: what a killed write of it left beside it, or ''."""
+    left = unfinished(out)
+    return f"; beside it, {left[0].name} is a save of it that did not finish" if left else ""
+
+
 def remove_stale(out: str | os.PathLike) -> list[Path]:
     """Remove what a write of ``out`` killed before its end left beside it (its hidden
     ``.partial-*`` directory or file, an old one moved aside); returns what was removed.
     Called by the next write of the same output, which owns the name: a partial save of a
     large checkpoint holds as much disk as the checkpoint."""
-    out = Path(out)
-    name = glob.escape(out.name)
-    stale = sorted(out.parent.glob(f".{name}{PARTIAL}*")) + sorted(out.parent.glob(f".{name}.old-*"))
+    stale = unfinished(out)
     for p in stale:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

@@ -111,6 +111,13 @@ def test_the_main_job_refuses_a_resume_path_that_holds_no_checkpoint_before_anyt
     refused(lambda: read_run_config(compose(f"ckpt_path={text}")), f"ckpt_path='{text}' is invalid",
             "not the zip archive torch.save writes")
     refused(lambda: read_run_config(compose(f"ckpt_path={folder}")), "is a directory but not a sharded checkpoint")
+    # the first save of a name killed before its end: no checkpoint there, and what is beside it
+    missing = tmp_path / "last.ckpt"
+    refused(lambda: read_run_config(compose(f"ckpt_path={missing}")), f"no such file or directory ({missing}); give")
+    (tmp_path / ".last.ckpt.partial-1a2b").mkdir()
+    refused(lambda: read_run_config(compose(f"ckpt_path={missing}")),
+            f"no such file or directory ({missing}); beside it, .last.ckpt.partial-1a2b is a save of it that did not "
+            f"finish; give a checkpoint file")
 
 
 def test_the_hugging_face_export_names_a_file_that_is_no_lightning_checkpoint(tmp_path, capsys):

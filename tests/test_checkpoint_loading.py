@@ -164,7 +164,11 @@ def test_checkpoint_format_auto_draws_the_init_on_meta_line():
 
 
 def test_load_checkpoint_says_what_is_wrong_with_the_path(tmp_path):
-    with pytest.raises(CheckpointFormatError, match=r"load_checkpoint path=.*nothing.*: no such file or directory"):
+    with pytest.raises(CheckpointFormatError, match=r"load_checkpoint path=.*nothing.*: no such file or directory$"):
+        lightning_hetermoe.load_checkpoint(tmp_path / "nothing")
+    (tmp_path / ".nothing.partial-1a2b").mkdir()  # the first save of it, killed before its end
+    with pytest.raises(CheckpointFormatError, match=r"nothing': no such file or directory; beside it, "
+                                                    r"\.nothing\.partial-1a2b is a save of it that did not finish"):
         lightning_hetermoe.load_checkpoint(tmp_path / "nothing")
     with pytest.raises(CheckpointFormatError, match=r"is a directory but not a sharded checkpoint"):
         lightning_hetermoe.load_checkpoint(tmp_path)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..checkpoint_files import NOT_TORCH_SAVE, is_sharded_checkpoint, is_torch_save_file
+from ..staging import unfinished_note
 from . import dcp
 from .consolidate import whole_checkpoint
 
@@ -30,7 +31,8 @@ def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, ma
     ``load_from_checkpoint``. Needs the whole model in this process."""
     path = Path(path)
     if not path.exists():
-        raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r}: no such file or directory")
+        raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r}: no such file or directory"
+                                        f"{unfinished_note(path)}")
     sharded = is_sharded_checkpoint(path)
     if path.is_dir() and not sharded:
         raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} is a directory but not a sharded "
