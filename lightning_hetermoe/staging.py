@@ -32,6 +32,20 @@ def _umask() -> int:
     return mask
 
 
+def missing_parents(out: str | os.PathLike) -> list[Path]:
+    """The parent directories of ``out`` that are not there yet, innermost first: what a write
+    makes for it, and removes again if it fails."""
+    parent = Path(out).parent
+    return [p for p in (parent, *parent.parents) if not p.exists()]
+
+
+def remove_empty(dirs: Iterable[Path]) -> None:
+    """Remove each of ``dirs`` (innermost first) that is still empty."""
+    for p in dirs:
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
 class _Staged:
     def __init__(self, out: str | os.PathLike) -> None:
         self.out = Path(out)
@@ -40,20 +54,14 @@ class _Staged:
                    else NotADirectoryError(20, "it is a file"))
         if self.out.is_dir() and not os.access(self.out, os.W_OK | os.X_OK):
             raise PermissionError(13, "it is not writable")
-        # the parents made for the output, innermost first: removed again if the run fails
-        self.made = [p for p in (self.out.parent, *self.out.parent.parents) if not p.exists()]
+        self.made = missing_parents(self.out)  # removed again if the run fails
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.stale = remove_stale(self.out)  # an earlier write of it killed before its end
             self.path = self._make(prefix=f".{self.out.name}{PARTIAL}", dir=self.out.parent)
         except OSError:
-            self._remove_made()
+            remove_empty(self.made)
             raise
-
-    def _remove_made(self) -> None:
-        for p in self.made:
-            with contextlib.suppress(OSError):  # where still empty
-                p.rmdir()
 
     _directory = False
 
@@ -80,7 +88,7 @@ class _Staged:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
             if not done:
-                self._remove_made()
+                remove_empty(self.made)
 
 
 class StagedFile(_Staged):

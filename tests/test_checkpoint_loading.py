@@ -365,12 +365,14 @@ def save_cut_short(rank: int, world: int, root: str) -> dict:
 
     module.save_pieces = pieces_then_stopped
     try:  # the strategy's save alone: Trainer.save_checkpoint's barrier would wait on the stopped rank
-        t.strategy.save_checkpoint(t._checkpoint_connector.dump_checkpoint(), path)
-    except KeyboardInterrupt:
-        failed.append(rank)
+        for where in (path, os.path.join(root, "new", "deeper", "step=4.ckpt")):  # a new path: its parents made
+            try:
+                t.strategy.save_checkpoint(t._checkpoint_connector.dump_checkpoint(), where)
+            except KeyboardInterrupt:
+                failed.append(rank)
+            t.strategy.barrier("after a cut-short save")
     finally:
         module.save_pieces = real_pieces
-    t.strategy.barrier("after the cut-short save")
     after_cut = files()
     if rank == 0:  # what a save killed before its end (SIGKILL: no clean-up ran) leaves beside it
         os.makedirs(os.path.join(root, ".last.ckpt.partial-killed"))
@@ -391,10 +393,12 @@ def test_a_sharded_save_cut_short_leaves_the_checkpoint_of_that_name_as_it_was(t
     swapped in whole: before, a save into the same directory wrote the new pieces beside the
     old meta, and a save cut short between them left a checkpoint that was neither."""
     results = run_ranks(2, save_cut_short, 2, str(tmp_path))
-    assert sum(len(r["failed"]) for r in results) == 1, "the save stopped on its writer alone"
+    assert [len(r["failed"]) for r in results if r["writer"]] == [2] and sum(len(r["failed"]) for r in results) == 2, \
+        "both saves stopped on their writer alone"
     r = results[0]
     assert r["after_cut"] == r["first"], "the step-2 checkpoint stays whole"
     assert r["step"] == 6 and r["last"].keys() == r["first"].keys() and r["last"] != r["first"]
-    assert r["siblings"] == ["last.ckpt"], "no partial directory left beside it, a killed save's removed"
+    assert r["siblings"] == ["last.ckpt"], "no partial directory left beside it, a killed save's removed, " \
+                                           "no directory made for the new path's save that was cut short"
     (said,) = [x["printed"] for x in results if x["writer"]]
     assert f"removed {tmp_path / '.last.ckpt.partial-killed'}: a save of last.ckpt that did not finish" in said

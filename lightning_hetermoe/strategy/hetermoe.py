@@ -43,7 +43,7 @@ from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from ..simulate.schedules import EP_SCHEDULES
-from ..staging import partial_sibling, remove_stale, replace_directory
+from ..staging import missing_parents, partial_sibling, remove_empty, remove_stale, replace_directory
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
@@ -1063,19 +1063,24 @@ class HeterMoEStrategy(DDPStrategy):
         # leave new pieces beside the old meta. Rank 0 names both, every rank writes there.
         path, staged = (Path(p) for p in self.broadcast((str(filepath), str(partial_sibling(filepath))), src=0))
         writer = self.backend.writes_checkpoints(self.global_rank)
+        made = missing_parents(staged) if writer else []
         if writer:
             for p in remove_stale(path):  # a save of this name killed before its end
                 print(f"[hetermoe] removed {p}: a save of {path.name} that did not finish", file=sys.stderr,
                       flush=True)
             staged.mkdir(parents=True)
         comm.host_barrier(comm.world(), what="strategy.checkpoint.mkdir")
+        saved = False
         try:
             self._save_sharded(checkpoint, staged, writer, averaged, info)
             if writer:
                 replace_directory(staged, path)  # a full checkpoint of the same name goes too
+            saved = True
         finally:
             if writer and staged.exists():
                 shutil.rmtree(staged, ignore_errors=True)
+            if not saved:
+                remove_empty(made)  # the directories made for a checkpoint that is not there
         self.check_memory(f"saving checkpoint {path}")
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: Path, writer: bool, averaged: bool,
