@@ -21,7 +21,9 @@ import shutil
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable
+from typing import Any, Iterable
+
+from .configs import ConfigError
 
 PARTIAL = ".partial-"  # a staging name's mark, after the hidden output name
 
@@ -30,6 +32,15 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _discard(p: Path) -> None:
+    """Remove ``p``, a directory (not through a link), a file or a link, if it is there."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
 
 
 def missing_parents(out: str | os.PathLike) -> list[Path]:
@@ -82,11 +93,7 @@ class _Staged:
                 self._move_in()
                 done = True
         finally:
-            if self.path.is_dir():
-                shutil.rmtree(self.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
+            _discard(self.path)  # (gone already where it was renamed into place)
             if not done:
                 remove_empty(self.made)
 
@@ -137,6 +144,15 @@ class StagedDirectory(_Staged):
             os.replace(self.path / name, target)
 
 
+def staged(kind: type[_Staged], out: str | os.PathLike, **kwargs: Any) -> _Staged:
+    """``kind`` (:class:`StagedFile` or :class:`StagedDirectory`) for ``out``, checked before any
+    work: an output that cannot be written is a :class:`ConfigError` naming it."""
+    try:
+        return kind(out, **kwargs)
+    except OSError as err:
+        raise ConfigError(f"out={str(out)!r} is invalid: it cannot be written ({err.strerror or err})") from None
+
+
 def unfinished(out: str | os.PathLike) -> list[Path]:
     """What writes of ``out`` killed before their end left beside it (its hidden partial
     copies, an old one moved aside): where ``out`` itself is missing, the reason it is."""
@@ -158,11 +174,7 @@ def remove_stale(out: str | os.PathLike) -> list[Path]:
     large checkpoint holds as much disk as the checkpoint."""
     stale = unfinished(out)
     for p in stale:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+        _discard(p)
     return stale
 
 
@@ -189,23 +201,23 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def replace_directory(staged: str | os.PathLike, out: str | os.PathLike) -> None:
-    """``staged`` (a complete directory) becomes ``out`` whole, and what ``out`` was (a
+def replace_directory(complete: str | os.PathLike, out: str | os.PathLike) -> None:
+    """``complete`` (a directory written whole) becomes ``out`` whole, and what ``out`` was (a
     directory, a file) is removed. Where ``out`` is there, the two are swapped in one step
     on Linux, so ``out`` always holds one complete checkpoint; elsewhere the old one moves
     aside first (for a moment ``out`` is absent, the old one still whole beside it)."""
-    staged, out = Path(staged), Path(out)
+    complete, out = Path(complete), Path(out)
     if out.is_symlink():
         out.unlink()
     if not out.exists():
-        os.replace(staged, out)
+        os.replace(complete, out)
         return
-    if _exchange(staged, out):
-        old = staged  # the two names swapped: the old output is where the new one was written
+    if _exchange(complete, out):
+        old = complete  # the two names swapped: the old output is where the new one was written
     else:
         old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
         os.replace(out, old)
-        os.replace(staged, out)
+        os.replace(complete, out)
     if old.is_dir():
         shutil.rmtree(old)
     else:

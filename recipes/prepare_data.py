@@ -11,7 +11,6 @@ it, in a hidden ``.<name>.partial-*`` directory): a run that fails or is stopped
 corpus already there as it was.
 """
 
-import contextlib
 import shutil
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from omegaconf import DictConfig
 
 from lightning_hetermoe.configs import ConfigError, PrepareConfig, from_cfg
 from lightning_hetermoe.corpus.prepare import prepare_corpus
-from lightning_hetermoe.staging import replace_directory
+from lightning_hetermoe.staging import remove_empty, replace_directory
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")
@@ -43,8 +42,7 @@ def main(cfg: DictConfig) -> None:
                 replace_directory(written, written.parent / ".hydra")
             else:
                 shutil.rmtree(written, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    written.parent.rmdir()  # made by Hydra for this run, and left empty
+                remove_empty([written.parent])  # made by Hydra for this run, and left empty
 
 
 if __name__ == "__main__":

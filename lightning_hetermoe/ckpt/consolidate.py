@@ -22,8 +22,7 @@ import torch
 from torch import Tensor
 
 from ..checkpoint_files import is_sharded_checkpoint
-from ..configs import ConfigError
-from ..staging import StagedFile
+from ..staging import StagedFile, staged
 from . import dcp
 
 META_FILE = "meta.pt"
@@ -128,8 +127,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: in
     ``out`` appears whole or not at all (:mod:`~lightning_hetermoe.staging`): a file already
     there stays as it was if this fails or is stopped. ``progress_every_s``: say how much is
     read that often (``say``: print), and when the file is being written."""
-    stage = staged(StagedFile, out)
-    with stage as tmp:
+    with staged(StagedFile, out) as tmp:
         progress = None
         if progress_every_s is not None:
             read_meta(path)  # a directory that is no checkpoint is said as such, before its size is asked
@@ -140,15 +138,6 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: in
                          f"writing {out}")
         torch.save(checkpoint, tmp)
     return checkpoint
-
-
-def staged(kind: type, out: str | os.PathLike, **kwargs: Any) -> Any:
-    """``kind`` (a :mod:`~lightning_hetermoe.staging` output) for ``out``, checked before any
-    work: an output that cannot be written is a :class:`ConfigError` naming it."""
-    try:
-        return kind(out, **kwargs)
-    except OSError as err:
-        raise ConfigError(f"out={str(out)!r} is invalid: it cannot be written ({err.strerror or err})") from None
 
 
 def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES,

@@ -25,9 +25,9 @@ from torch import Tensor
 
 from ..checkpoint_files import is_sharded_checkpoint
 from ..ckpt import dcp
-from ..ckpt.consolidate import ReadProgress, read_meta, saved_bytes, staged, state_dict_of
+from ..ckpt.consolidate import ReadProgress, read_meta, saved_bytes, state_dict_of
 from ..ckpt.loading import read_checkpoint_file
-from ..staging import StagedDirectory
+from ..staging import StagedDirectory, staged
 
 DEFAULT_SHARD_BYTES = 2 << 30
 INDEX = "model.safetensors.index.json"  # names each tensor's shard
