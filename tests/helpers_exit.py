@@ -70,6 +70,7 @@ class Job:
         self.children: set[int] = set()
         self.child_seen: float | None = None
         self.commands: dict[int, list[str]] = {}  # each child's command line, as last seen
+        self.running: dict[int, list[str]] = {}  # the children running at the last look, by command line
         self._pump = threading.Thread(target=self._read, daemon=True)
         self._pump.start()
 
@@ -89,11 +90,16 @@ class Job:
             if kids and self.child_seen is None:
                 self.child_seen = time.monotonic()
             self.children |= kids
+            running = {}
             for pid in kids:
                 try:
-                    self.commands[pid] = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+                    command = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
                 except OSError:
-                    pass
+                    continue
+                if command:  # empty once it has exited and waits to be reaped
+                    running[pid] = command
+            self.commands |= running
+            self.running = running
             time.sleep(0.01)
 
     def first(self, text: str) -> float | None:
