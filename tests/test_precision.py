@@ -172,6 +172,19 @@ def test_an_overflow_on_the_expert_rank_alone_skips_the_step_on_every_rank():
         assert got[0]["scales"] == got[1]["scales"]
 
 
+@pytest.mark.parametrize("mode", ["auto", "ep", "zebra", "distep", "datacentric"])
+def test_a_precision_the_strategy_cannot_price_is_refused_before_launch(mode):
+    """Lightning's 64-true (DDP trains it) met the pricing's width check inside the fit:
+    a ValueError on every rank, each with its own "failed" line. Now one ConfigError at
+    the Trainer, naming the field and what is valid, before a process starts."""
+    with pytest.raises(ConfigError, match=r"^trainer precision='64-true' is invalid under strategy='hetermoe': must "
+                                          r"be one of \('32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'\)$"):
+        L.Trainer(strategy=HeterMoEStrategy(mode=mode), precision="64-true", accelerator="cpu", devices=2, logger=False)
+    for precision in ("32-true", "bf16-mixed", "bf16-true", "16-true"):  # the ones it prices pass the same check
+        L.Trainer(strategy=HeterMoEStrategy(mode=mode), precision=precision, accelerator="cpu", devices=2,
+                  logger=False)
+
+
 def test_bf16_on_a_gpu_without_bf16_is_rejected_before_launch():
     cluster = {"name": "old", "devices": ["a40", "v100"]}
     with pytest.raises(ConfigError, match=r"precision='bf16-mixed' is invalid on v100: compute capability below 8.0 "

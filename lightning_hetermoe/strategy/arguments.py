@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cluster import ClusterConfig
-from ..cluster.devices import check_bf16
+from ..cluster.devices import PRECISIONS, check_bf16
 from ..configs import ConfigError, OptimConfig, from_cfg
 from ..profile import memory
 from ..routing_record import load_record
@@ -207,6 +207,11 @@ class StrategyArguments:
     # -- once the world is known --------------------------------------------------------
     def check_world(self, world_size: int, precision: str = "32-true") -> None:
         cluster, plan = self.cluster, self.plan
+        if precision not in PRECISIONS:
+            # every mode prices its compute and its traffic at the precision's width (DDP's
+            # 64-true, transformer-engine's fp8, bitsandbytes' weights have none here)
+            raise ConfigError(f"trainer precision={precision!r} is invalid under strategy='hetermoe': must be one of "
+                              f"{PRECISIONS}")
         if cluster is not None:
             check_bf16(precision, cluster.specs(), self.allow_emulated_bf16)
         if cluster is not None and cluster.world_size != world_size:
