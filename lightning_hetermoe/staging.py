@@ -26,6 +26,7 @@ from typing import Any, Iterable
 from .configs import ConfigError
 
 PARTIAL = ".partial-"  # a staging name's mark, after the hidden output name
+OLD = ".old-"  # the mark of an output's earlier copy, moved aside while its replacement moved in
 
 
 def _umask() -> int:
@@ -92,6 +93,7 @@ class _Staged:
             if kind is None:
                 self._move_in()
                 done = True
+                remove_stale(self.out)  # an earlier copy kept while the output was missing
         finally:
             _discard(self.path)  # (gone already where it was renamed into place)
             if not done:
@@ -154,25 +156,39 @@ def staged(kind: type[_Staged], out: str | os.PathLike, **kwargs: Any) -> _Stage
 
 
 def unfinished(out: str | os.PathLike) -> list[Path]:
-    """What writes of ``out`` killed before their end left beside it (its hidden partial
-    copies, an old one moved aside): where ``out`` itself is missing, the reason it is."""
+    """What writes of ``out`` left beside it: their hidden partial copies (killed before
+    their end) and earlier copies moved aside (a write killed between its two renames, or
+    an old copy that could not be removed): where ``out`` itself is missing, the reason it is."""
     out = Path(out)
     name = glob.escape(out.name)
-    return sorted(out.parent.glob(f".{name}{PARTIAL}*")) + sorted(out.parent.glob(f".{name}.old-*"))
+    return sorted(out.parent.glob(f".{name}{PARTIAL}*")) + sorted(out.parent.glob(f".{name}{OLD}*"))
+
+
+def is_earlier_copy(p: Path) -> bool:
+    """Whether ``p``, one of :func:`unfinished`'s, is an earlier copy of the output, whole."""
+    return OLD in p.name and PARTIAL not in p.name
 
 
 def unfinished_note(out: str | os.PathLike) -> str:
-    """For a message saying ``out`` is missing: what a killed write of it left beside it, or ''."""
+    """For a message saying ``out`` is missing: what writes of it left beside it, or ''. An
+    earlier copy comes first: it is whole, and renamed back it is the output again."""
+    out = Path(out)
     left = unfinished(out)
+    earlier = [p for p in left if is_earlier_copy(p)]
+    if earlier:
+        return (f"; beside it, {earlier[-1].name} is its earlier copy, whole, moved aside by a save that did not "
+                f"finish: rename it to {out.name} to use it")
     return f"; beside it, {left[0].name} is a save of it that did not finish" if left else ""
 
 
 def remove_stale(out: str | os.PathLike) -> list[Path]:
-    """Remove what a write of ``out`` killed before its end left beside it (its hidden
-    ``.partial-*`` directory or file, an old one moved aside); returns what was removed.
-    Called by the next write of the same output, which owns the name: a partial save of a
-    large checkpoint holds as much disk as the checkpoint."""
-    stale = unfinished(out)
+    """Remove what writes of ``out`` left beside it (see :func:`unfinished`); returns what was
+    removed. Called by the next write of the same output, which owns the name: a partial save
+    of a large checkpoint holds as much disk as the checkpoint. An earlier copy stays while
+    ``out`` is missing (then it is the one whole copy there is): the write calls this again
+    once its output is in place."""
+    out = Path(out)
+    stale = [p for p in unfinished(out) if out.exists() or not is_earlier_copy(p)]
     for p in stale:
         _discard(p)
     return stale
@@ -201,23 +217,41 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def replace_directory(complete: str | os.PathLike, out: str | os.PathLike) -> None:
+def replace_directory(complete: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, OSError] | None:
     """``complete`` (a directory written whole) becomes ``out`` whole, and what ``out`` was (a
     directory, a file) is removed. Where ``out`` is there, the two are swapped in one step
     on Linux, so ``out`` always holds one complete checkpoint; elsewhere the old one moves
-    aside first (for a moment ``out`` is absent, the old one still whole beside it)."""
+    aside first (for a moment ``out`` is absent, the old one still whole beside it).
+
+    Once the new one is in place the write has succeeded, whatever becomes of the old one: an
+    old copy that cannot be removed (a network file system's busy file, a file a user made
+    read-only) is returned with the error, under a hidden name the next write of ``out``
+    removes (:func:`remove_stale`), not raised."""
     complete, out = Path(complete), Path(out)
     if out.is_symlink():
         out.unlink()
     if not out.exists():
         os.replace(complete, out)
-        return
+        return None
+    aside = out.parent / f".{out.name}{OLD}{secrets.token_hex(4)}"
     if _exchange(complete, out):
         old = complete  # the two names swapped: the old output is where the new one was written
     else:
-        old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+        old = aside
         os.replace(out, old)
         os.replace(complete, out)
+    try:
+        _remove_old(old)
+    except OSError as err:
+        if old != aside:
+            with contextlib.suppress(OSError):  # named for what it is: no save that did not finish
+                os.replace(old, aside)
+                old = aside
+        return old, err
+    return None
+
+
+def _remove_old(old: Path) -> None:
     if old.is_dir():
         shutil.rmtree(old)
     else:

@@ -7,6 +7,7 @@ trained one at the best step."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import re
@@ -20,7 +21,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 import lightning_hetermoe
 from harness import run_ranks
 from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
-from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel, OptimConfig
+from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel, OptimConfig, staging
 from lightning_hetermoe.ckpt import CheckpointFormatError, is_sharded_checkpoint
 from lightning_hetermoe.profile import memory
 from reference import data, make_model, trainer, whole_state
@@ -169,6 +170,13 @@ def test_load_checkpoint_says_what_is_wrong_with_the_path(tmp_path):
     (tmp_path / ".nothing.partial-1a2b").mkdir()  # the first save of it, killed before its end
     with pytest.raises(CheckpointFormatError, match=r"nothing': no such file or directory; beside it, "
                                                     r"\.nothing\.partial-1a2b is a save of it that did not finish"):
+        lightning_hetermoe.load_checkpoint(tmp_path / "nothing")
+    # where the system cannot swap two names, a save killed between its two renames leaves
+    # the earlier checkpoint whole beside the missing one: the message says how to get it back
+    (tmp_path / ".nothing.old-3c4d").mkdir()
+    with pytest.raises(CheckpointFormatError, match=r"nothing': no such file or directory; beside it, "
+                                                    r"\.nothing\.old-3c4d is its earlier copy, whole, moved aside by "
+                                                    r"a save that did not finish: rename it to nothing to use it$"):
         lightning_hetermoe.load_checkpoint(tmp_path / "nothing")
     with pytest.raises(CheckpointFormatError, match=r"is a directory but not a sharded checkpoint"):
         lightning_hetermoe.load_checkpoint(tmp_path)
@@ -383,8 +391,28 @@ def save_cut_short(rank: int, world: int, root: str) -> dict:
     with contextlib.redirect_stderr(printed):
         t.save_checkpoint(path)
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
-    return {"failed": failed, "first": first, "after_cut": after_cut, "last": files(), "step": meta["global_step"],
-            "siblings": sorted(os.listdir(root)), "printed": printed.getvalue(), "writer": writer}
+    out = {"failed": failed, "first": first, "after_cut": after_cut, "last": files(), "step": meta["global_step"],
+           "siblings": sorted(os.listdir(root)), "printed": printed.getvalue(), "writer": writer}
+
+    # the step-8 save swapped in, the step-6 copy it replaced cannot be removed (a network file
+    # system's busy file): the save has succeeded and training goes on; the step-10 save removes it
+    def busy(old):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(old))
+
+    for steps in (8, 10):
+        t.fit_loop.epoch_loop.max_steps = steps
+        t.fit(model, datamodule=dm)
+        printed = io.StringIO()
+        real_remove = staging._remove_old
+        staging._remove_old = busy if steps == 8 else real_remove
+        try:
+            with contextlib.redirect_stderr(printed):
+                t.save_checkpoint(path)
+        finally:
+            staging._remove_old = real_remove
+        meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+        out[steps] = {"step": meta["global_step"], "siblings": sorted(os.listdir(root)), "printed": printed.getvalue()}
+    return out
 
 
 @pytest.mark.slow
@@ -402,3 +430,11 @@ def test_a_sharded_save_cut_short_leaves_the_checkpoint_of_that_name_as_it_was(t
                                            "no directory made for the new path's save that was cut short"
     (said,) = [x["printed"] for x in results if x["writer"]]
     assert f"removed {tmp_path / '.last.ckpt.partial-killed'}: a save of last.ckpt that did not finish" in said
+    (w,) = [x for x in results if x["writer"]]
+    assert w[8]["step"] == 8 and "last.ckpt" in w[8]["siblings"] and len(w[8]["siblings"]) == 2, w[8]
+    (left,) = [name for name in w[8]["siblings"] if name != "last.ckpt"]
+    assert left.startswith(".last.ckpt.old-"), "the copy it could not remove is named for what it is"
+    assert (f"saved {tmp_path / 'last.ckpt'}; its earlier copy, now {tmp_path / left}, could not be removed "
+            f"(Device or resource busy): the next save of last.ckpt removes it") in w[8]["printed"], w[8]["printed"]
+    assert w[10]["step"] == 10 and w[10]["siblings"] == ["last.ckpt"], w[10]
+    assert f"removed {tmp_path / left}: an earlier copy of last.ckpt, replaced" in w[10]["printed"]

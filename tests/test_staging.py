@@ -134,7 +134,9 @@ def test_a_directory_replaces_whatever_had_its_name_whole(tmp_path, monkeypatch,
 
 def test_the_next_write_of_an_output_removes_what_a_killed_one_left_beside_it(tmp_path):
     """A write killed before its end (no clean-up ran) leaves its hidden partial copy, or an
-    old one moved aside: the next write of the same output removes them, and nothing else."""
+    old one moved aside: the next write of the same output removes them, and nothing else;
+    the earlier copy only once the output is in place again (until then it is the one whole
+    copy there is)."""
     out = tmp_path / "run[1].ckpt"  # a name with glob characters
     left = [tmp_path / f".run[1].ckpt{PARTIAL}dead", tmp_path / ".run[1].ckpt.old-dead"]
     left[0].mkdir()
@@ -144,7 +146,60 @@ def test_the_next_write_of_an_output_removes_what_a_killed_one_left_beside_it(tm
     for p in others:
         p.write_text("not this output's")
     stage = StagedFile(out)
-    assert stage.stale == sorted(left[:1]) + left[1:]
+    assert stage.stale == left[:1] and left[1].read_text() == "old"
     with stage as tmp:
         tmp.write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name] + [p.name for p in others])
+
+
+@pytest.mark.parametrize("swap", ["exchange", "aside"])
+def test_an_old_copy_that_cannot_be_removed_leaves_the_new_one_saved_and_is_named(tmp_path, monkeypatch, swap):
+    """Once the new directory is in place the write has succeeded: an old copy whose removal
+    fails (a network file system's busy file) is returned, not raised, under a hidden name
+    that says what it is, whole, and the next write of the output removes it."""
+    import errno
+
+    from lightning_hetermoe import staging
+
+    if swap == "aside":
+        monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
+
+    def busy(old):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(old))
+
+    monkeypatch.setattr(staging, "_remove_old", busy)
+    out = tmp_path / "last.ckpt"
+    out.mkdir()
+    (out / "meta.pt").write_text("old meta")
+    staged = partial_sibling(out)
+    staged.mkdir()
+    (staged / "meta.pt").write_text("new meta")
+    old, err = replace_directory(staged, out)
+    assert (out / "meta.pt").read_text() == "new meta" and err.errno == errno.EBUSY
+    assert old.parent == tmp_path and old.name.startswith(".last.ckpt.old-") and staging.is_earlier_copy(old)
+    assert (old / "meta.pt").read_text() == "old meta"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.ckpt", old.name])
+    monkeypatch.undo()
+    assert staging.remove_stale(out) == [old] and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_an_earlier_copy_moved_aside_stays_while_the_output_is_missing_and_is_named(tmp_path):
+    """Where the system cannot swap two names, the old output moves aside before the new one
+    moves in: a write killed between the two leaves the output missing and its earlier copy
+    whole beside it. That copy is then the only one there is: the next write keeps it until
+    its own output is in place, and a message saying the output is missing names it."""
+    from lightning_hetermoe import staging
+
+    out = tmp_path / "last.ckpt"
+    earlier = tmp_path / ".last.ckpt.old-1a2b"
+    earlier.mkdir()
+    (earlier / "meta.pt").write_text("step 6")
+    partial = tmp_path / f".last.ckpt{PARTIAL}3c4d"
+    partial.mkdir()
+    note = staging.unfinished_note(out)
+    assert note == ("; beside it, .last.ckpt.old-1a2b is its earlier copy, whole, moved aside by a save that did not "
+                    "finish: rename it to last.ckpt to use it")
+    assert staging.remove_stale(out) == [partial], "the partial copy goes, the whole earlier one stays"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".last.ckpt.old-1a2b"]
+    out.mkdir()  # the output in place again: the earlier copy is stale now
+    assert staging.remove_stale(out) == [earlier] and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

@@ -43,7 +43,8 @@ from ..convert.hf import export_info
 from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from ..simulate.schedules import EP_SCHEDULES
-from ..staging import missing_parents, partial_sibling, remove_empty, remove_stale, replace_directory
+from ..staging import (is_earlier_copy, missing_parents, partial_sibling, remove_empty, remove_stale,
+                       replace_directory)
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
@@ -1065,23 +1066,34 @@ class HeterMoEStrategy(DDPStrategy):
         writer = self.backend.writes_checkpoints(self.global_rank)
         made = missing_parents(staged) if writer else []
         if writer:
-            for p in remove_stale(path):  # a save of this name killed before its end
-                print(f"[hetermoe] removed {p}: a save of {path.name} that did not finish", file=sys.stderr,
-                      flush=True)
+            self._remove_stale(path)  # a save of this name killed before its end, an old copy left
             staged.mkdir(parents=True)
         comm.host_barrier(comm.world(), what="strategy.checkpoint.mkdir")
         saved = False
         try:
             self._save_sharded(checkpoint, staged, writer, averaged, info)
-            if writer:
-                replace_directory(staged, path)  # a full checkpoint of the same name goes too
+            left = replace_directory(staged, path) if writer else None  # a full checkpoint of the name goes too
             saved = True
+            if left is not None:  # saved all the same: training goes on, and the disk it holds is named
+                old, err = left
+                print(f"[hetermoe] saved {path}; its earlier copy, now {old}, could not be removed "
+                      f"({err.strerror or err}): the next save of {path.name} removes it, or remove it by hand",
+                      file=sys.stderr, flush=True)
+            elif writer:
+                self._remove_stale(path)  # an earlier copy kept while the checkpoint was missing
         finally:
-            if writer and staged.exists():
+            if writer and not saved and staged.exists():
                 shutil.rmtree(staged, ignore_errors=True)
             if not saved:
                 remove_empty(made)  # the directories made for a checkpoint that is not there
         self.check_memory(f"saving checkpoint {path}")
+
+    @staticmethod
+    def _remove_stale(path: Path) -> None:
+        for p in remove_stale(path):
+            what = (f"an earlier copy of {path.name}, replaced" if is_earlier_copy(p)
+                    else f"a save of {path.name} that did not finish")
+            print(f"[hetermoe] removed {p}: {what}", file=sys.stderr, flush=True)
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: Path, writer: bool, averaged: bool,
                       info: dict[str, Any]) -> None:
