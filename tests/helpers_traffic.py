@@ -4,7 +4,7 @@ collective no test has looked at."""
 
 HOST_TRAFFIC = ("batch.shapes", "batch.tokens", "zebra.header", "zebra.answer_header", "zebra.balance", "ep.counts",
                 "monitor.counts", "monitor.busy", "strategy.emulation_report", "strategy.shutdown",
-                "strategy.checkpoint.mkdir", "strategy.memory_report", "strategy.callback_metrics", "batch.counts",
+                "strategy.checkpoint.mkdir", "strategy.checkpoint.sees", "strategy.memory_report", "strategy.callback_metrics", "batch.counts",
                 "zebra.eval", "strategy.batches", "zebra.train_outputs", "lightning.sigterm", "lightning.sigterm.agree",
                 "batch.gather.host", "strategy.broadcast", "strategy.barrier", "strategy.decision",
                 "cluster.devices", "profile.devices", "experts.optimizer_keys", "strategy.warmup.shape")

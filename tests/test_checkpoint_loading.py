@@ -23,6 +23,7 @@ from harness import run_ranks
 from helpers_zebra import GLOBAL, WINDOWS, make_test_plan
 from lightning_hetermoe import HeterMoEStrategy, MoELanguageModel, OptimConfig, staging
 from lightning_hetermoe.ckpt import CheckpointFormatError, is_sharded_checkpoint
+from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.profile import memory
 from reference import data, make_model, trainer, whole_state
 
@@ -438,3 +439,44 @@ def test_a_sharded_save_cut_short_leaves_the_checkpoint_of_that_name_as_it_was(t
             f"(Device or resource busy): the next save of last.ckpt removes it") in w[8]["printed"], w[8]["printed"]
     assert w[10]["step"] == 10 and w[10]["siblings"] == ["last.ckpt"], w[10]
     assert f"removed {tmp_path / left}: an earlier copy of last.ckpt, replaced" in w[10]["printed"]
+
+
+def save_from_own_directories(rank: int, world: int, root: str) -> dict:
+    """Each rank in a working directory of its own (as a node's own disk is), then a sharded
+    save to a relative path: what each rank's save says, and what is left on each "disk"."""
+    os.makedirs(os.path.join(root, f"node{rank}"))
+    os.chdir(os.path.join(root, f"node{rank}"))
+    model = make_model(4, seed=0, optim=OptimConfig())
+    t = trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2), checkpoint_format="sharded"),
+                world, max_steps=3)
+    t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
+    try:
+        t.save_checkpoint(os.path.join("ckpt", "last.ckpt"))
+        said = "saved"
+    except ConfigError as err:
+        said = str(err)
+    t.save_checkpoint(os.path.join(root, "shared", "last.ckpt"))  # the same job, on storage every rank sees
+    return {"said": said, "writer": t.strategy.backend.writes_checkpoints(rank), "left": sorted(os.listdir("."))}
+
+
+@pytest.mark.slow
+def test_a_sharded_save_a_rank_cannot_see_is_refused_on_every_rank_and_leaves_nothing(tmp_path):
+    """A rank that does not see the directory the writer made (a node's own disk, here a
+    working directory of its own under a relative path) used to write its pieces into one of
+    its own: the save said nothing, and the checkpoint lacked that rank's part (its .metadata
+    naming a piece that was never beside it). Now every rank refuses the save with the same
+    message, the writer's directory is removed, and the job can save to shared storage."""
+    results = run_ranks(2, save_from_own_directories, 2, str(tmp_path))
+    (writer,) = [r for r, x in enumerate(results) if x["writer"]]
+    blind = 1 - writer
+    said = {x["said"] for x in results}
+    assert len(said) == 1, said
+    (message,) = said
+    assert message.startswith(f"the sharded checkpoint ckpt/last.ckpt cannot be saved: rank(s) [{blind}] do not see "
+                              f"the directory rank {writer} made for it (ckpt/.last.ckpt.partial-"), message
+    assert "save checkpoints on a file system every node sees" in message
+    assert [x["left"] for x in results] == [[], []], "no directory made for the refused save, on either disk"
+    meta = torch.load(tmp_path / "shared" / "last.ckpt" / "meta.pt", weights_only=False)
+    assert meta["global_step"] == 3
+    assert sorted(p.name for p in (tmp_path / "shared" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                            "__1_0.distcp"]

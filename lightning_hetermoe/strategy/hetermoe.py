@@ -1068,9 +1068,21 @@ class HeterMoEStrategy(DDPStrategy):
         if writer:
             self._remove_stale(path)  # a save of this name killed before its end, an old copy left
             staged.mkdir(parents=True)
+        # Every rank writes its pieces into the directory the writer made. A rank that cannot
+        # see it (a disk of its node's own, a relative path from another working directory)
+        # would write them into a directory of its own, and the checkpoint would lack them.
         comm.host_barrier(comm.world(), what="strategy.checkpoint.mkdir")
+        seen = comm.gather_objects(comm.world(), (staged.is_dir(), writer), what="strategy.checkpoint.sees")
         saved = False
         try:
+            blind = [r for r, (sees, _) in enumerate(seen) if not sees]
+            if blind:
+                made_by = next(r for r, (_, w) in enumerate(seen) if w)
+                raise ConfigError(
+                    f"the sharded checkpoint {path} cannot be saved: rank(s) {blind} do not see the directory rank "
+                    f"{made_by} made for it ({staged}), and every rank writes its part there: save checkpoints on a "
+                    "file system every node sees, under a path that names the same directory on each (an absolute "
+                    "one: a relative path is taken from each process's working directory)")
             self._save_sharded(checkpoint, staged, writer, averaged, info)
             left = replace_directory(staged, path) if writer else None  # a full checkpoint of the name goes too
             saved = True
