@@ -480,3 +480,55 @@ def test_a_sharded_save_a_rank_cannot_see_is_refused_on_every_rank_and_leaves_no
     assert meta["global_step"] == 3
     assert sorted(p.name for p in (tmp_path / "shared" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",
                                                                                             "__1_0.distcp"]
+
+
+def resume_from_own_directories(rank: int, world: int, root: str) -> dict:
+    """A sharded checkpoint saved on shared storage, copied to rank 0's own directory alone,
+    then resumed from a relative path by ranks in working directories of their own: what each
+    rank's fit says, and how long it took to say it."""
+    import shutil
+    import time
+
+    os.makedirs(os.path.join(root, f"node{rank}"))
+    os.chdir(os.path.join(root, f"node{rank}"))
+
+    def fit(steps: int, **kwargs):
+        model = make_model(4, seed=0, optim=OptimConfig())
+        t = trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2), checkpoint_format="sharded"),
+                    world, max_steps=steps)
+        t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]), **kwargs)
+        return t
+
+    t = fit(2)
+    t.save_checkpoint(os.path.join(root, "shared", "last.ckpt"))
+    if rank == 0:
+        shutil.copytree(os.path.join(root, "shared"), "ckpt")
+    t.strategy.barrier("copied")
+    said = {}
+    for where in ("ckpt/last.ckpt", "nowhere/last.ckpt"):
+        started = time.monotonic()
+        try:
+            fit(4, ckpt_path=where)
+            said[where] = "resumed"
+        except ConfigError as err:
+            said[where] = str(err)
+        said[where + " s"] = time.monotonic() - started
+    said["shared"] = fit(4, ckpt_path=os.path.join(root, "shared", "last.ckpt")).global_step
+    return said
+
+
+@pytest.mark.slow
+def test_a_resume_from_a_checkpoint_some_rank_cannot_see_is_refused_on_every_rank(tmp_path):
+    """Every rank reads its part of the checkpoint: a rank without the path used to fail
+    alone (Lightning's FileNotFoundError) while its peers waited in the load's next
+    collective. Now every rank refuses the resume at once with the same message, naming the
+    ranks; a path no rank has says so too; and the same job resumes from shared storage."""
+    results = run_ranks(2, resume_from_own_directories, 2, str(tmp_path))
+    for key, want in (("ckpt/last.ckpt", "ckpt_path='ckpt/last.ckpt' is invalid: rank(s) [1] do not see it (no such "
+                                         "file or directory there), and every rank reads its part: resume from a "
+                                         "checkpoint on a file system every node sees"),
+                      ("nowhere/last.ckpt", "ckpt_path='nowhere/last.ckpt' is invalid: no such file or directory")):
+        assert {r[key] for r in results} == {r[key] for r in results[:1]}, [r[key] for r in results]
+        assert results[0][key].startswith(want), results[0][key]
+        assert max(r[key + " s"] for r in results) < 30, [r[key + " s"] for r in results]
+    assert [r["shared"] for r in results] == [4, 4]

@@ -12,6 +12,7 @@ checkpoints hold full expert tensors (placement-independent).
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -44,7 +45,7 @@ from ..moe.expert_bias import ExpertBiasUpdater
 from ..placement import Placement
 from ..simulate.schedules import EP_SCHEDULES
 from ..staging import (is_earlier_copy, missing_parents, partial_sibling, remove_empty, remove_stale,
-                       replace_directory)
+                       replace_directory, unfinished_note)
 from .. import standin
 from . import heartbeat, sigterm
 from .arguments import MODES, StrategyArguments, check_passed_on
@@ -989,6 +990,7 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path), src=0)
+        self._check_every_rank_sees(path)
         self._loaded_sharded = is_sharded_checkpoint(path)
         # another model's checkpoint is named before a tensor is read into this one
         model = self._sharded_state().shapes_meta()
@@ -1013,6 +1015,24 @@ class HeterMoEStrategy(DDPStrategy):
                                                                                     .callbacks)))
         self.check_memory(f"loading checkpoint {path}")
         return loaded
+
+    @staticmethod
+    def _check_every_rank_sees(path: str) -> None:
+        """Every rank reads the checkpoint: one that has no such path (a node's own disk, a
+        relative path from another working directory) would fail alone, its peers waiting
+        in the load's next collective. Refused on every rank at once, naming the ranks."""
+        if "://" in path:
+            return  # a remote file system's URL: fsspec's to open, alike everywhere
+        missing = [r for r, sees in enumerate(comm.gather_objects(comm.world(), os.path.exists(path),
+                                                                  what="strategy.checkpoint.sees")) if not sees]
+        if not missing:
+            return
+        if len(missing) == comm.world().size:
+            raise ConfigError(f"ckpt_path={path!r} is invalid: no such file or directory{unfinished_note(path)}")
+        raise ConfigError(f"ckpt_path={path!r} is invalid: rank(s) {missing} do not see it (no such file or "
+                          "directory there), and every rank reads its part: resume from a checkpoint on a file "
+                          "system every node sees, under a path that names it on each (an absolute one: a relative "
+                          "path is taken from each process's working directory)")
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
