@@ -6,6 +6,7 @@ file) stay available; the offline tool turns a sharded one into the full file.""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,30 @@ def test_a_consolidation_says_how_much_it_has_read_and_when_it_writes(runs, tmp_
     assert len(reads) > 3 and reads[-1].startswith(f"[hetermoe] consolidate: {total / 1e9:,.2f} of {total / 1e9:,.2f} "
                                                    f"GB read (100%)"), lines
     assert lines[-1].startswith("[hetermoe] consolidate: read in ") and lines[-1].endswith(f"writing {tmp_path / 'whole.ckpt'}")
+
+
+def test_a_checkpoint_missing_a_piece_file_is_named_incomplete_before_anything_is_read(runs, tmp_path, capsys):
+    """A sharded checkpoint whose directory lacks a piece file its .metadata names (a rank
+    that wrote elsewhere, a copy that left a file behind): the offline command said it in a
+    page of DCP's traceback from deep in the read; now one line naming the file, no output
+    written, and the same for the loader (and the strategy's resume, which reads the same meta)."""
+    import shutil
+
+    import lightning_hetermoe
+    from lightning_hetermoe.ckpt.__main__ import main
+    from lightning_hetermoe.ckpt.dcp import CheckpointFormatError
+
+    copy_dir = tmp_path / "step=4.ckpt"
+    shutil.copytree(runs["zebra_dir"] / "step=4.ckpt", copy_dir)
+    pieces = sorted(p.name for p in copy_dir.glob("*.distcp"))
+    assert len(pieces) == 2, pieces  # one per rank
+    (copy_dir / pieces[1]).unlink()
+    assert main(["consolidate", str(copy_dir), str(tmp_path / "whole.ckpt")]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == (f"[hetermoe] consolidate: {copy_dir} is incomplete: its .metadata names 1 piece file(s) that are "
+                    f"not in it ({pieces[1]}): every rank writes its part into the checkpoint's directory, so a rank "
+                    f"that wrote elsewhere (a disk of its node's own) or a copy that left files behind loses them; "
+                    f"copy the checkpoint whole, or save it again on a file system every node sees"), said
+    assert not (tmp_path / "whole.ckpt").exists()
+    with pytest.raises(CheckpointFormatError, match=rf"is incomplete: .* \({re.escape(pieces[1])}\)"):
+        lightning_hetermoe.load_checkpoint(copy_dir)

@@ -39,6 +39,13 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if "hetermoe" not in meta:
         raise dcp.CheckpointFormatError(f"{path}: {META_FILE} has no 'hetermoe' entry; it was not written by "
                                         f"lightning-hetermoe")
+    missing = dcp.missing_files(path)
+    if missing:  # before any tensor is read: the whole checkpoint or none of it
+        raise dcp.CheckpointFormatError(
+            f"{path} is incomplete: its .metadata names {len(missing)} piece file(s) that are not in it "
+            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): every rank writes its part into the "
+            "checkpoint's directory, so a rank that wrote elsewhere (a disk of its node's own) or a copy that left "
+            "files behind loses them; copy the checkpoint whole, or save it again on a file system every node sees")
     return meta
 
 

@@ -146,3 +146,11 @@ def load(state: State, path: str | os.PathLike, process_group: Any = None, stric
 def read_metadata(path: str | os.PathLike) -> Metadata:
     return dcp.FileSystemReader(str(path)).read_metadata()
 
+
+def missing_files(path: str | os.PathLike) -> list[str]:
+    """The piece files the checkpoint's ``.metadata`` names that are not in its directory: a
+    rank that wrote its part elsewhere (a disk of its node's own), a copy that left some
+    behind. Each would surface as a bare file-not-found deep in a read."""
+    named = {getattr(info, "relative_path", None) for info in (read_metadata(path).storage_data or {}).values()}
+    return sorted(f for f in named - {None} if not os.path.isfile(os.path.join(path, f)))
+
