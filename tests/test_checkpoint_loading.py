@@ -413,6 +413,19 @@ def save_cut_short(rank: int, world: int, root: str) -> dict:
             staging._remove_old = real_remove
         meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
         out[steps] = {"step": meta["global_step"], "siblings": sorted(os.listdir(root)), "printed": printed.getvalue()}
+
+    # ModelCheckpoint drops a checkpoint it no longer keeps (save_top_k), one the file system
+    # will not let go of: the run goes on (every rank meets the barrier after it)
+    real_io_remove = t.strategy.checkpoint_io.remove_checkpoint
+    t.strategy.checkpoint_io.remove_checkpoint = busy
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            t.strategy.remove_checkpoint(path)
+    finally:
+        t.strategy.checkpoint_io.remove_checkpoint = real_io_remove
+    t.strategy.barrier("after a removal that failed")
+    out["dropped"] = {"printed": printed.getvalue(), "there": os.path.isdir(path)}
     return out
 
 
@@ -439,6 +452,9 @@ def test_a_sharded_save_cut_short_leaves_the_checkpoint_of_that_name_as_it_was(t
             f"(Device or resource busy): the next save of last.ckpt removes it") in w[8]["printed"], w[8]["printed"]
     assert w[10]["step"] == 10 and w[10]["siblings"] == ["last.ckpt"], w[10]
     assert f"removed {tmp_path / left}: an earlier copy of last.ckpt, replaced" in w[10]["printed"]
+    assert w["dropped"]["printed"] == (f"[hetermoe] could not remove {tmp_path / 'last.ckpt'}, a checkpoint no longer "
+                                       f"kept (Device or resource busy): training goes on; remove it by hand\n")
+    assert w["dropped"]["there"] and all(not x["dropped"]["printed"] for x in results if not x["writer"])
 
 
 def save_from_own_directories(rank: int, world: int, root: str) -> dict:

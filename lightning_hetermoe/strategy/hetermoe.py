@@ -1151,7 +1151,14 @@ class HeterMoEStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.backend is not None and self.backend.writes_checkpoints(self.global_rank):
-            self.checkpoint_io.remove_checkpoint(filepath)  # a file or a sharded directory
+            try:
+                self.checkpoint_io.remove_checkpoint(filepath)  # a file or a sharded directory
+            except OSError as err:
+                # a checkpoint ModelCheckpoint no longer keeps (save_top_k): one the file system
+                # will not let go of (a network file system's busy file) is not worth the run,
+                # whose other ranks would wait on this one in their next collective
+                print(f"[hetermoe] could not remove {filepath}, a checkpoint no longer kept "
+                      f"({err.strerror or err}): training goes on; remove it by hand", file=sys.stderr, flush=True)
 
     # -- the end ------------------------------------------------------------------------
     @override
