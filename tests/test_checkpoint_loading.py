@@ -457,51 +457,11 @@ def test_a_sharded_save_cut_short_leaves_the_checkpoint_of_that_name_as_it_was(t
     assert w["dropped"]["there"] and all(not x["dropped"]["printed"] for x in results if not x["writer"])
 
 
-def save_from_own_directories(rank: int, world: int, root: str) -> dict:
-    """Each rank in a working directory of its own (as a node's own disk is), then a sharded
-    save to a relative path: what each rank's save says, and what is left on each "disk"."""
-    os.makedirs(os.path.join(root, f"node{rank}"))
-    os.chdir(os.path.join(root, f"node{rank}"))
-    model = make_model(4, seed=0, optim=OptimConfig())
-    t = trainer(HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2), checkpoint_format="sharded"),
-                world, max_steps=3)
-    t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]))
-    try:
-        t.save_checkpoint(os.path.join("ckpt", "last.ckpt"))
-        said = "saved"
-    except ConfigError as err:
-        said = str(err)
-    t.save_checkpoint(os.path.join(root, "shared", "last.ckpt"))  # the same job, on storage every rank sees
-    return {"said": said, "writer": t.strategy.backend.writes_checkpoints(rank), "left": sorted(os.listdir("."))}
-
-
-@pytest.mark.slow
-def test_a_sharded_save_a_rank_cannot_see_is_refused_on_every_rank_and_leaves_nothing(tmp_path):
-    """A rank that does not see the directory the writer made (a node's own disk, here a
-    working directory of its own under a relative path) used to write its pieces into one of
-    its own: the save said nothing, and the checkpoint lacked that rank's part (its .metadata
-    naming a piece that was never beside it). Now every rank refuses the save with the same
-    message, the writer's directory is removed, and the job can save to shared storage."""
-    results = run_ranks(2, save_from_own_directories, 2, str(tmp_path))
-    (writer,) = [r for r, x in enumerate(results) if x["writer"]]
-    blind = 1 - writer
-    said = {x["said"] for x in results}
-    assert len(said) == 1, said
-    (message,) = said
-    assert message.startswith(f"the sharded checkpoint ckpt/last.ckpt cannot be saved: rank(s) [{blind}] do not see "
-                              f"the directory rank {writer} made for it (ckpt/.last.ckpt.partial-"), message
-    assert "save checkpoints on a file system every node sees" in message
-    assert [x["left"] for x in results] == [[], []], "no directory made for the refused save, on either disk"
-    meta = torch.load(tmp_path / "shared" / "last.ckpt" / "meta.pt", weights_only=False)
-    assert meta["global_step"] == 3
-    assert sorted(p.name for p in (tmp_path / "shared" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp",
-                                                                                            "__1_0.distcp"]
-
-
-def resume_from_own_directories(rank: int, world: int, root: str) -> dict:
-    """A sharded checkpoint saved on shared storage, copied to rank 0's own directory alone,
-    then resumed from a relative path by ranks in working directories of their own: what each
-    rank's fit says, and how long it took to say it."""
+def from_own_directories(rank: int, world: int, root: str) -> dict:
+    """Each rank in a working directory of its own (as a node's own disk is): a sharded save
+    to a relative path (what each rank's save says, what is left on each "disk"); the same
+    job's save to storage every rank sees, copied into rank 0's directory alone; then resumes
+    from relative paths (what each rank's fit says, and how long it took to say it)."""
     import shutil
     import time
 
@@ -515,36 +475,58 @@ def resume_from_own_directories(rank: int, world: int, root: str) -> dict:
         t.fit(model, datamodule=data(world, GLOBAL[world], windows=WINDOWS[world]), **kwargs)
         return t
 
-    t = fit(2)
+    t = fit(3)
+    out: dict = {"writer": t.strategy.backend.writes_checkpoints(rank)}
+    try:
+        t.save_checkpoint(os.path.join("ckpt", "last.ckpt"))
+        out["save"] = "saved"
+    except ConfigError as err:
+        out["save"] = str(err)
+    out["left"] = sorted(os.listdir("."))
     t.save_checkpoint(os.path.join(root, "shared", "last.ckpt"))
     if rank == 0:
         shutil.copytree(os.path.join(root, "shared"), "ckpt")
     t.strategy.barrier("copied")
-    said = {}
     for where in ("ckpt/last.ckpt", "nowhere/last.ckpt"):
         started = time.monotonic()
         try:
-            fit(4, ckpt_path=where)
-            said[where] = "resumed"
+            fit(5, ckpt_path=where)
+            out[where] = "resumed"
         except ConfigError as err:
-            said[where] = str(err)
-        said[where + " s"] = time.monotonic() - started
-    said["shared"] = fit(4, ckpt_path=os.path.join(root, "shared", "last.ckpt")).global_step
-    return said
+            out[where] = str(err)
+        out[where + " s"] = time.monotonic() - started
+    out["shared"] = fit(5, ckpt_path=os.path.join(root, "shared", "last.ckpt")).global_step
+    return out
 
 
 @pytest.mark.slow
-def test_a_resume_from_a_checkpoint_some_rank_cannot_see_is_refused_on_every_rank(tmp_path):
-    """Every rank reads its part of the checkpoint: a rank without the path used to fail
-    alone (Lightning's FileNotFoundError) while its peers waited in the load's next
-    collective. Now every rank refuses the resume at once with the same message, naming the
-    ranks; a path no rank has says so too; and the same job resumes from shared storage."""
-    results = run_ranks(2, resume_from_own_directories, 2, str(tmp_path))
+def test_a_checkpoint_some_rank_cannot_see_is_refused_on_every_rank_to_save_and_to_resume(tmp_path):
+    """Every rank writes its part of a sharded checkpoint into the directory the writer made,
+    and reads its part of one it resumes from. A rank that does not see that directory (a
+    node's own disk; here a working directory of its own under a relative path) used to write
+    its pieces into one of its own: the save said nothing, and the checkpoint lacked that
+    rank's part (its .metadata naming a piece that was never beside it). A rank without a
+    resume path used to fail alone (Lightning's FileNotFoundError) while its peers waited in
+    the load's next collective. Now every rank refuses either at once with the same message
+    naming the ranks, the refused save leaves nothing, a path no rank has says so, and the
+    same job saves to and resumes from storage every rank sees."""
+    results = run_ranks(2, from_own_directories, 2, str(tmp_path))
+    (writer,) = [r for r, x in enumerate(results) if x["writer"]]
+    said = {x["save"] for x in results}
+    assert len(said) == 1, said
+    (message,) = said
+    assert message.startswith(f"the sharded checkpoint ckpt/last.ckpt cannot be saved: rank(s) [{1 - writer}] do not "
+                              f"see the directory rank {writer} made for it (ckpt/.last.ckpt.partial-"), message
+    assert "save checkpoints on a file system every node sees" in message
+    assert [x["left"] for x in results] == [[], []], "no directory made for the refused save, on either disk"
+    shared = tmp_path / "shared" / "last.ckpt"
+    assert torch.load(shared / "meta.pt", weights_only=False)["global_step"] == 3
+    assert sorted(p.name for p in shared.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     for key, want in (("ckpt/last.ckpt", "ckpt_path='ckpt/last.ckpt' is invalid: rank(s) [1] do not see it (no such "
                                          "file or directory there), and every rank reads its part: resume from a "
                                          "checkpoint on a file system every node sees"),
                       ("nowhere/last.ckpt", "ckpt_path='nowhere/last.ckpt' is invalid: no such file or directory")):
-        assert {r[key] for r in results} == {r[key] for r in results[:1]}, [r[key] for r in results]
+        assert {r[key] for r in results} == {results[0][key]}, [r[key] for r in results]
         assert results[0][key].startswith(want), results[0][key]
         assert max(r[key + " s"] for r in results) < 30, [r[key + " s"] for r in results]
-    assert [r["shared"] for r in results] == [4, 4]
+    assert [r["shared"] for r in results] == [5, 5]
