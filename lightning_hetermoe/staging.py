@@ -164,9 +164,10 @@ def unfinished(out: str | os.PathLike) -> list[Path]:
     return sorted(out.parent.glob(f".{name}{PARTIAL}*")) + sorted(out.parent.glob(f".{name}{OLD}*"))
 
 
-def is_earlier_copy(p: Path) -> bool:
-    """Whether ``p``, one of :func:`unfinished`'s, is an earlier copy of the output, whole."""
-    return OLD in p.name and PARTIAL not in p.name
+def is_earlier_copy(p: Path, out: str | os.PathLike) -> bool:
+    """Whether ``p``, one of :func:`unfinished`'s, is an earlier copy of ``out``, whole (by the
+    mark after the output's own name, which may hold either mark itself)."""
+    return p.name.startswith(f".{Path(out).name}{OLD}")
 
 
 def unfinished_note(out: str | os.PathLike) -> str:
@@ -174,7 +175,7 @@ def unfinished_note(out: str | os.PathLike) -> str:
     earlier copy comes first: it is whole, and renamed back it is the output again."""
     out = Path(out)
     left = unfinished(out)
-    earlier = [p for p in left if is_earlier_copy(p)]
+    earlier = [p for p in left if is_earlier_copy(p, out)]
     if earlier:
         return (f"; beside it, {earlier[-1].name} is its earlier copy, whole, moved aside by a save that did not "
                 f"finish: rename it to {out.name} to use it")
@@ -188,7 +189,7 @@ def remove_stale(out: str | os.PathLike) -> list[Path]:
     ``out`` is missing (then it is the one whole copy there is): the write calls this again
     once its output is in place."""
     out = Path(out)
-    stale = [p for p in unfinished(out) if out.exists() or not is_earlier_copy(p)]
+    stale = [p for p in unfinished(out) if out.exists() or not is_earlier_copy(p, out)]
     for p in stale:
         _discard(p)
     return stale

@@ -176,7 +176,7 @@ def test_an_old_copy_that_cannot_be_removed_leaves_the_new_one_saved_and_is_name
     (staged / "meta.pt").write_text("new meta")
     old, err = replace_directory(staged, out)
     assert (out / "meta.pt").read_text() == "new meta" and err.errno == errno.EBUSY
-    assert old.parent == tmp_path and old.name.startswith(".last.ckpt.old-") and staging.is_earlier_copy(old)
+    assert old.parent == tmp_path and old.name.startswith(".last.ckpt.old-") and staging.is_earlier_copy(old, out)
     assert (old / "meta.pt").read_text() == "old meta"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.ckpt", old.name])
     monkeypatch.undo()
@@ -203,3 +203,7 @@ def test_an_earlier_copy_moved_aside_stays_while_the_output_is_missing_and_is_na
     assert sorted(p.name for p in tmp_path.iterdir()) == [".last.ckpt.old-1a2b"]
     out.mkdir()  # the output in place again: the earlier copy is stale now
     assert staging.remove_stale(out) == [earlier] and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    # an output whose own name holds the partial mark: its earlier copy is still told by what follows the name
+    odd = tmp_path / "run.partial-7.ckpt"
+    (tmp_path / ".run.partial-7.ckpt.old-5e6f").mkdir()
+    assert staging.remove_stale(odd) == [] and "is its earlier copy, whole" in staging.unfinished_note(odd)

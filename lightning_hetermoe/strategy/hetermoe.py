@@ -1123,7 +1123,7 @@ class HeterMoEStrategy(DDPStrategy):
     @staticmethod
     def _remove_stale(path: Path) -> None:
         for p in remove_stale(path):
-            what = (f"an earlier copy of {path.name}, replaced" if is_earlier_copy(p)
+            what = (f"an earlier copy of {path.name}, replaced" if is_earlier_copy(p, path)
                     else f"a save of {path.name} that did not finish")
             print(f"[hetermoe] removed {p}: {what}", file=sys.stderr, flush=True)
 
