@@ -135,11 +135,11 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: in
     there stays as it was if this fails or is stopped. ``progress_every_s``: say how much is
     read that often (``say``: print), and when the file is being written."""
     with staged(StagedFile, out) as tmp:
+        meta = read_meta(path)  # a directory that is no checkpoint is said as such, before its size is asked
         progress = None
         if progress_every_s is not None:
-            read_meta(path)  # a directory that is no checkpoint is said as such, before its size is asked
             progress = ReadProgress("consolidate", saved_bytes(path), progress_every_s, say)
-        checkpoint = whole_checkpoint(path, batch_bytes, progress)
+        checkpoint = whole_checkpoint(path, batch_bytes, progress, meta)
         if progress is not None:
             progress.say(f"[hetermoe] consolidate: read in {time.perf_counter() - progress.started:.0f} s; "
                          f"writing {out}")
@@ -148,9 +148,10 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, batch_bytes: in
 
 
 def whole_checkpoint(path: str | os.PathLike, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                     progress: ReadProgress | None = None) -> dict[str, Any]:
-    """The sharded checkpoint ``path`` as the dict a single checkpoint file holds (in memory)."""
-    meta = read_meta(path)
+                     progress: ReadProgress | None = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sharded checkpoint ``path`` as the dict a single checkpoint file holds (in memory);
+    ``meta``: its :func:`read_meta`, where the caller has read it already."""
+    meta = meta or read_meta(path)
     info = meta["hetermoe"]
     shapes = info["shapes"]
     counted = progress.counted if progress is not None else (lambda items: items)
