@@ -39,7 +39,10 @@ def main(cfg: DictConfig) -> None:
     finally:
         if written is not None and written.name != ".hydra":
             if done:
-                replace_directory(written, written.parent / ".hydra")
+                left = replace_directory(written, written.parent / ".hydra")
+                if left is not None:  # the new config is in place all the same
+                    print(f"[prepare] could not remove {left[0]}, the config of an earlier run "
+                          f"({left[1].strerror or left[1]}): remove it by hand")
             else:
                 shutil.rmtree(written, ignore_errors=True)
                 remove_empty([written.parent])  # made by Hydra for this run, and left empty
