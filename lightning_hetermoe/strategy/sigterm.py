@@ -70,14 +70,19 @@ def ask_on_the_host(trainer: Any, world_size: int) -> bool:
     noted = [False]
 
     def before_batch() -> None:
+        if noted[0]:
+            log.info(f"rank {trainer.global_rank}: received SIGTERM")
         heard = torch.tensor([int(noted[0])], dtype=torch.int64, device="cpu")
         comm.host_all_reduce(group, heard, what="lightning.sigterm")
         if int(heard[0]) > 0:
             connector.received_sigterm = True
             raise SIGTERMException()
 
+    # No logging here: the signal can land while this thread is inside a write to the same
+    # stream a log handler flushes (the job's train.log), and a buffered writer entered again
+    # raises "reentrant call" (logging prints it as a traceback: CI, 2026-12-07). The note is
+    # logged at the next batch's question instead.
     def notified(signum: int, frame: Any) -> None:
-        log.info(f"rank {trainer.global_rank}: received SIGTERM: {signum}")
         if not noted[0]:
             launcher = trainer.strategy.launcher
             if launcher is not None:
