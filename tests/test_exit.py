@@ -219,6 +219,39 @@ def test_a_sigterm_stops_every_rank_before_one_batch_and_the_job_ends_at_once(tm
 
 
 @pytest.mark.slow
+def test_the_launcher_passes_a_signal_to_its_children_without_logging():
+    """The strategy's SIGTERM handler passes the signal on through the launcher's ``kill``:
+    a handler that logs can land inside a write to the same stream (a "reentrant call"
+    traceback in the job's log, CI 2026-12-07); Lightning's own ``kill`` logs each child."""
+    import logging
+    import signal
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning_hetermoe.strategy.launchers import HydraAwareScriptLauncher
+
+    launcher = HydraAwareScriptLauncher(LightningEnvironment(), 2, 1)
+    child = subprocess.Popen(["sleep", "30"])
+    launcher.procs.append(child)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    root = logging.getLogger("lightning.pytorch")  # a user debugging Lightning's launch (Lightning sets this logger's level itself)
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        launcher.kill(signal.SIGTERM)
+        assert child.wait(10) == -signal.SIGTERM
+        launcher.kill(signal.SIGTERM)  # an exited child: nothing to do, nothing raised
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        if child.poll() is None:
+            child.kill()
+    assert records == [], [r.getMessage() for r in records]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("returns, code, says", [("3", 3, ""), ("None", 0, ""), ("{'rows': 1}", 0, ""), ("True", 0, ""),
                                                  ("sys.exit('refused: x')", 1, "refused: x")])
 def test_a_command_run_to_its_exit_keeps_the_code_its_main_returns(returns, code, says):

@@ -319,6 +319,13 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
+    def kill(self, signum: int) -> None:
+        """Pass ``signum`` to the children. Called from a SIGTERM handler
+        (:mod:`.sigterm`), which must not log: Lightning's ``kill`` logs each child at debug
+        level, and a log line written in a handler can land inside the same stream's write."""
+        for proc in self.procs:
+            proc.send_signal(signum)  # an exited child's is skipped
+
     def report_dead_children(self, wait_s: float = 3.0) -> bool:
         """After a failed collective on rank 0: say which launched rank died, if one did (after
         a Ctrl-C, every rank stopping is the user's stop: nothing to say)."""
