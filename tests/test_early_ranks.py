@@ -115,6 +115,31 @@ def test_a_forked_rank_reads_as_a_popen_does_for_the_launcher():
     assert stopped.wait(timeout=30) == -signal.SIGTERM
 
 
+SIGNALLED_IN_POLL = """
+import os, signal, time
+from lightning_hetermoe.strategy.early_ranks import ForkedRank
+pid = os.fork()
+if pid == 0:
+    time.sleep(60)
+    os._exit(0)
+rank = ForkedRank(pid, 1)
+signal.signal(signal.SIGUSR1, lambda signum, frame: rank.send_signal(signal.SIGTERM))
+with rank._lock:  # the main thread inside rank.poll() when the handler runs
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+print("code", rank.wait(timeout=20))
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_rank_takes_a_signal_from_a_handler_that_ran_inside_its_poll():
+    """The strategy's SIGTERM handler passes the signal to the child ranks; it runs in the
+    main thread, between any two of its steps, also inside the launcher's own poll of a
+    forked rank: the signal still goes through (a blocking lock there waited on itself)."""
+    run = subprocess.run([sys.executable, "-c", SIGNALLED_IN_POLL], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and run.stdout.split() == ["code", str(-signal.SIGTERM)], (run.stdout, run.stderr)
+
+
 @pytest.mark.slow
 def test_a_fork_is_taken_only_with_no_other_python_thread_running():
     """A lock another thread held at the fork stays held in the child: a fresh interpreter
@@ -124,5 +149,5 @@ def test_a_fork_is_taken_only_with_no_other_python_thread_running():
              "alone = fork_hazard()\n"
              "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
              "print(repr(alone), fork_hazard())\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "'' 1 other Python thread(s) running", out.stdout + out.stderr

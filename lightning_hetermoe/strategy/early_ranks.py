@@ -250,7 +250,12 @@ class ForkedRank:
         self._lock = threading.Lock()
 
     def poll(self) -> int | None:
-        with self._lock:
+        # Not blocking, as Popen's: a SIGTERM handler passes the signal on through here
+        # (send_signal), and it runs in the main thread, which may be inside this very call
+        # with the lock held; another thread's poll under way: its answer is not in yet.
+        if not self._lock.acquire(blocking=False):
+            return self.returncode
+        try:
             if self.returncode is None:
                 try:
                     pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -260,6 +265,8 @@ class ForkedRank:
                     if pid:
                         self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
+        finally:
+            self._lock.release()
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
