@@ -76,6 +76,25 @@ def test_a_cast_of_an_activation_or_a_non_contiguous_weight_is_kept_as_it_is():
     assert torch.equal(cast_copies._unpack(cast_copies._pack(view)), view)
 
 
+def test_a_gradient_of_the_gradient_reaches_the_weight_through_a_recast():
+    """Under ``create_graph=True`` the saved cast of a weight is part of the gradient's graph:
+    autograd gives the recast the saved cast's place in it, and the second derivative equals
+    the saved copy's."""
+    def second(hooks: bool):
+        w = torch.nn.Parameter(torch.randn(5, 4, generator=torch.Generator().manual_seed(2)))
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        hooked = torch.autograd.graph.saved_tensors_hooks(cast_copies._pack, cast_copies._unpack)
+        with hooked if hooks else contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.nn.functional.linear(x, w)  # saves a transposed view of w's cast
+        (gx,) = torch.autograd.grad(y.float().square().sum(), x, create_graph=True)
+        (gw,) = torch.autograd.grad(gx.float().square().sum(), w)
+        return gw
+
+    plain = second(hooks=False)
+    assert plain.abs().sum() > 0  # the weight is on the gradient's path: the check is not vacuous
+    assert torch.equal(second(hooks=True), plain)
+
+
 def _fit_bf16(rank: int, world: int, recast: bool, Rs: tuple[int, ...] = (2,)) -> list[dict]:
     """Zebra, one attention and one expert rank, bf16-mixed, a fit at each R micro-batches
     (the same seed): the recasts each rank's backward made, and the weights after three steps."""

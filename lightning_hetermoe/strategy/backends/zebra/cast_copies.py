@@ -30,11 +30,14 @@ from torch import Tensor
 class _Recast:
     """What is saved instead of a 16-bit cast of ``param``: how to make it again."""
 
-    __slots__ = ("param", "dtype", "size", "stride", "offset")
+    __slots__ = ("param", "dtype", "view")
 
     def __init__(self, param: Tensor, dtype: torch.dtype, like: Tensor) -> None:
         self.param, self.dtype = param, dtype
-        self.size, self.stride, self.offset = like.size(), like.stride(), like.storage_offset()
+        # a view of the cast (a linear layer's transposed weight) is rebuilt by its strides;
+        # the cast itself (the experts') is the cast, with no view op
+        whole = like.size() == param.size() and like.stride() == param.stride() and like.storage_offset() == 0
+        self.view = None if whole else (like.size(), like.stride(), like.storage_offset())
 
 
 def _cast_parameter(t: Tensor) -> Tensor | None:
@@ -61,7 +64,11 @@ def _pack(t: Tensor) -> Any:
 def _unpack(saved: Any) -> Tensor:
     if not isinstance(saved, _Recast):
         return saved
-    return saved.param.detach().to(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
+    # No detach (one op more per weight and micro-batch): autograd takes an unpacked tensor
+    # for its values and gives it the saved cast's own place in the graph, whatever graph the
+    # hook's result has (a gradient of the gradient reaches the weight either way, tested)
+    cast = saved.param.to(saved.dtype)
+    return cast if saved.view is None else cast.as_strided(*saved.view)
 
 
 def recast_saved_weights() -> Any:
