@@ -346,6 +346,43 @@ def stopped_by_sigterm(rank: int, world: int) -> dict:
     return {"raised": False, "step": t.global_step}
 
 
+class SigtermInSanityCheck(L.Callback):
+    """Rank 0 gets a real SIGTERM as the sanity check starts: after Lightning installed its
+    handler, before the training's start (where the question moves to the host), with the
+    sanity check's collectives to come on every rank."""
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stopped_in_set_up(rank: int, world: int) -> dict:
+    from helpers_zebra import make_test_plan
+    from reference import data, make_model, trainer
+
+    strategy = HeterMoEStrategy(mode="zebra", plan=make_test_plan(world, [0], R=2, layers=LAYERS))
+    t = trainer(strategy, world, max_steps=6, callbacks=[SigtermInSanityCheck()], limit_val_batches=2,
+                num_sanity_val_steps=2)
+    try:
+        t.fit(make_model(4, n_layers=LAYERS), datamodule=data(world))
+    except SIGTERMException:
+        return {"raised": True, "step": t.global_step, "sanity_batches": t.num_sanity_val_batches}
+    return {"raised": False, "step": t.global_step}
+
+
+@pytest.mark.slow
+def test_a_sigterm_before_the_first_batch_stops_every_rank_there():
+    """A preemption during set-up's last part (the sanity check, the training's start hooks):
+    Lightning's handler broadcast from inside whatever collective the rank was in, and the
+    main job waited there (a host all-gather, 2026-12-07; here rank 0's broadcast waited for
+    rank 1, which waited in the sanity check's first gather, until the harness's deadline).
+    The strategy makes the handler quiet as Lightning installs it: the sanity check runs,
+    and every rank stops before the first training batch."""
+    per_rank = run_ranks(2, stopped_in_set_up, 2, timeout=60.0)
+    assert [r["raised"] for r in per_rank] == [True, True], per_rank
+    assert [r["step"] for r in per_rank] == [0, 0], per_rank
+
+
 class HandlerOfItsOwn(L.Callback):
     """Rank 1 replaces Lightning's SIGTERM handler with one of its own before training."""
 

@@ -283,6 +283,9 @@ class HeterMoEStrategy(DDPStrategy):
         # the optimizers are built over what this rank keeps.
         assert self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        # Lightning installs its SIGTERM handler after this, and the handler's broadcast would
+        # meet whatever collective the rank is in: quiet from the start
+        sigterm.quiet_handler(trainer, self.world_size)
         # again for a model whose layers configure_model built
         self.args.check_callbacks(trainer.callbacks, self.lightning_module, self.world_size, fitting)
         self.accelerator.setup(trainer)
