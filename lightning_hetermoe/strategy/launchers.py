@@ -110,7 +110,22 @@ def exit_description(code: int) -> str:
 # A Ctrl-C at the terminal reaches every rank of the launcher's process group: the children's
 # exits that follow are the user's stop, which Lightning's own interrupt handling carries out
 # (its callbacks write what they hold, then it kills the children), not a rank failing.
-_interrupted = threading.Event()
+class _Flag:
+    """Set in a signal handler, read by the watcher threads: a plain attribute, no lock (a
+    ``threading.Event``'s ``set`` takes one, on which a second signal landing inside the first
+    one's ``set`` would wait forever)."""
+
+    def __init__(self) -> None:
+        self._on = False
+
+    def set(self) -> None:
+        self._on = True
+
+    def is_set(self) -> bool:
+        return self._on
+
+
+_interrupted = _Flag()
 
 
 def note_interrupts() -> None:
