@@ -72,6 +72,10 @@ from .metric_sync import sync_metrics_over
 from .piece_groups import regroup_pieces
 from .together import stop_together
 
+# where a sharded checkpoint must be for every rank to write or read its part
+_SHARED_PATH = ("on a file system every node sees, under a path that names it on each (an absolute one: a relative "
+                "path is taken from each process's working directory)")
+
 
 class HeterMoEStrategy(DDPStrategy):
     """Lightning's strategy for MoE training on mixed GPUs: ``Trainer(strategy="hetermoe")``
@@ -1033,9 +1037,7 @@ class HeterMoEStrategy(DDPStrategy):
         if len(missing) == comm.world().size:
             raise ConfigError(f"ckpt_path={path!r} is invalid: no such file or directory{unfinished_note(path)}")
         raise ConfigError(f"ckpt_path={path!r} is invalid: rank(s) {missing} do not see it (no such file or "
-                          "directory there), and every rank reads its part: resume from a checkpoint on a file "
-                          "system every node sees, under a path that names it on each (an absolute one: a relative "
-                          "path is taken from each process's working directory)")
+                          f"directory there), and every rank reads its part: resume from a checkpoint {_SHARED_PATH}")
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -1103,9 +1105,8 @@ class HeterMoEStrategy(DDPStrategy):
                 made_by = next(r for r, (_, w) in enumerate(seen) if w)
                 raise ConfigError(
                     f"the sharded checkpoint {path} cannot be saved: rank(s) {blind} do not see the directory rank "
-                    f"{made_by} made for it ({staged}), and every rank writes its part there: save checkpoints on a "
-                    "file system every node sees, under a path that names the same directory on each (an absolute "
-                    "one: a relative path is taken from each process's working directory)")
+                    f"{made_by} made for it ({staged}), and every rank writes its part there: save checkpoints "
+                    f"{_SHARED_PATH}")
             self._save_sharded(checkpoint, staged, writer, averaged, info)
             left = replace_directory(staged, path) if writer else None  # a full checkpoint of the name goes too
             saved = True

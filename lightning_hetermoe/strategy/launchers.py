@@ -110,22 +110,10 @@ def exit_description(code: int) -> str:
 # A Ctrl-C at the terminal reaches every rank of the launcher's process group: the children's
 # exits that follow are the user's stop, which Lightning's own interrupt handling carries out
 # (its callbacks write what they hold, then it kills the children), not a rank failing.
-class _Flag:
-    """Set in a signal handler, read by the watcher threads: a plain attribute, no lock (a
-    ``threading.Event``'s ``set`` takes one, on which a second signal landing inside the first
-    one's ``set`` would wait forever)."""
-
-    def __init__(self) -> None:
-        self._on = False
-
-    def set(self) -> None:
-        self._on = True
-
-    def is_set(self) -> bool:
-        return self._on
-
-
-_interrupted = _Flag()
+# Set in the SIGINT handler, read by the watcher threads: a plain flag, no lock (a
+# ``threading.Event``'s ``set`` takes one, on which a second signal landing inside the first
+# one's ``set`` would wait forever).
+_interrupted = False
 
 
 def note_interrupts() -> None:
@@ -139,7 +127,8 @@ def note_interrupts() -> None:
         return
 
     def handler(signum, frame):
-        _interrupted.set()
+        global _interrupted
+        _interrupted = True
         previous(signum, frame)
 
     handler.notes_interrupts = True
@@ -161,7 +150,7 @@ class RankObserver(threading.Thread):
             if all(p.poll() == 0 for p in self.procs):
                 return
             dead = first_dead(self.procs)
-            if dead is not None and _interrupted.is_set():
+            if dead is not None and _interrupted:
                 return  # the user's stop, under way in the main thread
             if dead is not None:
                 report_dead(self.offset + dead[0], dead[1], self.describe_rank)
@@ -344,7 +333,7 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
     def report_dead_children(self, wait_s: float = 3.0) -> bool:
         """After a failed collective on rank 0: say which launched rank died, if one did (after
         a Ctrl-C, every rank stopping is the user's stop: nothing to say)."""
-        dead = first_dead(self.procs, wait_s) if self.procs and not _interrupted.is_set() else None
+        dead = first_dead(self.procs, wait_s) if self.procs and not _interrupted else None
         if dead is not None:
             report_dead(self.cluster_environment.node_rank() * self.num_processes + dead[0], dead[1],
                         self.describe_rank)
