@@ -23,12 +23,14 @@ class RoutingRecord(JsonDataclass):
     """Each MoE layer's share of its kept routing choices per expert (``mean_share[l][e]``,
     each layer summing to 1), over ``steps`` optimizer steps of the model named ``model``,
     each step ``choices_per_step`` kept choices a layer (tokens x top-k, the global batch's:
-    few make a noisy share)."""
+    few make a noisy share). ``source``: where a run found it, said when it plans at it
+    (``None``: the file or record its ``strategy expert_load`` gave)."""
 
     model: str
     mean_share: list[list[float]]
     steps: int
     choices_per_step: float
+    source: str | None = None
 
     def __post_init__(self) -> None:
         rows = self.mean_share

@@ -43,6 +43,7 @@ class RunConfig:
     trainer: dict[str, Any]  # Lightning Trainer's keyword arguments
     init_on_meta: bool
     ckpt_path: str | None = None  # the checkpoint fit resumes from (a path made absolute, or Lightning's names)
+    resume_routing: bool = True  # a resumed fit plans at the routing of the checkpoint's last steps
 
 
 # ckpt_path values Lightning resolves itself, from the trainer's checkpoint callbacks or the cluster
@@ -71,8 +72,13 @@ def read_run_config(cfg: DictConfig) -> RunConfig:
         arguments.check_nodes(nodes, devices)
     if trainer.get("accelerator") == "cpu":
         check_host_memory(model_cfg, optim_cfg, trainer)
+    resume_routing = cfg.get("resume_routing", True)
+    if not isinstance(resume_routing, bool):
+        raise ConfigError(f"resume_routing={resume_routing!r} is invalid: must be true (a resumed fit plans at the "
+                          f"routing of its checkpoint's last steps) or false (at a fresh router's warm-up)")
     return RunConfig(model=model_cfg, data=data_cfg, optim=optim_cfg, cluster=cluster, strategy=strategy,
-                     trainer=trainer, init_on_meta=builds_on_meta(cfg, model_cfg), ckpt_path=resume_path(cfg))
+                     trainer=trainer, init_on_meta=builds_on_meta(cfg, model_cfg), ckpt_path=resume_path(cfg),
+                     resume_routing=resume_routing)
 
 
 def resume_path(cfg: DictConfig) -> str | None:

@@ -81,6 +81,30 @@ def build_model(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> L.LightningMo
     return HFMoELanguageModel(to_hetermoe(hf, **options), optim_cfg, loss_chunk_tokens=model_cfg.loss_chunk_tokens)
 
 
+def resumed_routing(run: RunConfig) -> dict[str, Any]:
+    """The strategy's arguments; where the fit resumes from a checkpoint a load monitor
+    saved into, ``strategy.expert_load`` gives no routing and ``resume_routing`` is on, with
+    the routing of the checkpoint's last recorded steps as ``expert_load``
+    (:meth:`ExpertLoadMonitor.saved_routing`): the plan is made and every prediction priced
+    at where the routing had got to. The set-up's warm-up would sample a fresh router's
+    instead: the checkpoint's weights are loaded once the strategy has laid the model out,
+    after it plans. Lightning's names for a checkpoint (``last``, ``hpc``, ...) are resolved
+    only as the fit starts: those keep the warm-up."""
+    kwargs = dict(run.strategy)
+    path = run.ckpt_path
+    if not run.resume_routing or kwargs.get("expert_load") is not None or path is None or not os.path.exists(path):
+        return kwargs
+    from .ckpt.loading import checkpoint_state
+    from .routing_record import check_shape
+
+    record = ExpertLoadMonitor.saved_routing(checkpoint_state(path), run.model.name)
+    try:
+        kwargs["expert_load"] = check_shape(record, run.model, "ckpt_path") if record is not None else None
+    except ConfigError:
+        pass  # another model's checkpoint: loading it says so, naming what differs
+    return kwargs
+
+
 PREEMPTED_EXIT = 128 + 15  # rank 0's exit code after a SIGTERM stopped the fit (128 + SIGTERM)
 AT_LOAD_STEPS = 64  # the most timed steps whose routing the at-load prediction averages over
 
@@ -246,7 +270,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     problem = why_not(model_cfg.moe.expert_backend, device)
     if problem:
         raise ConfigError(problem)
-    strategy = HeterMoEStrategy(cluster=cluster, start_method=start_method, **run.strategy)
+    strategy = HeterMoEStrategy(cluster=cluster, start_method=start_method,
+                                **resumed_routing(run))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     summary_cb = RunSummary(warmup_steps=int(cfg.get("timing_warmup_steps", 1)))

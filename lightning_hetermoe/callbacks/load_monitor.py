@@ -47,6 +47,9 @@ from ..routing_record import FILE_NAME as ROUTING_FILE
 from ..routing_record import RoutingRecord
 
 BUSY_KINDS = ("attention", "experts", "comm", "idle")
+# The recorded steps a resumed run plans at (:meth:`ExpertLoadMonitor.saved_routing`): the
+# routing keeps moving as the model trains, so the newest steps, not the whole run's mean
+RESUME_STEPS = 64
 
 
 class ExpertLoadMonitor(L.Callback):
@@ -227,9 +230,10 @@ class ExpertLoadMonitor(L.Callback):
         """Moving average of each expert's share of its layer's routing, ``[L][E]``."""
         return None if self.ema is None else self.ema.tolist()
 
-    def mean_share(self, skip: int = 1) -> list[list[float]] | None:
-        """Each expert's share of its layer's routing over the recorded steps (after ``skip``)."""
-        counts = self._counts(skip)
+    def mean_share(self, skip: int = 1, last: int | None = None) -> list[list[float]] | None:
+        """Each expert's share of its layer's routing over the recorded steps (after ``skip``;
+        only the ``last`` of them if given)."""
+        counts = self._counts(skip, last)
         if counts is None:
             return None
         total = counts.sum(0)
@@ -243,12 +247,34 @@ class ExpertLoadMonitor(L.Callback):
 
     def routing_record(self, pl_module: Any, skip: int = 1) -> RoutingRecord:
         """The recorded steps' routing (after ``skip``) as a file's record."""
-        counts = self._counts(skip)
+        cfg = getattr(pl_module, "model_cfg", None)
+        return self._record_of(getattr(cfg, "name", type(pl_module).__name__), skip)
+
+    def _record_of(self, model: str, skip: int = 1, last: int | None = None) -> RoutingRecord:
+        counts = self._counts(skip, last)
         if counts is None:
             raise ValueError("ExpertLoadMonitor: no step recorded yet")
-        cfg = getattr(pl_module, "model_cfg", None)
-        return RoutingRecord(model=getattr(cfg, "name", type(pl_module).__name__), mean_share=self.mean_share(skip),
-                             steps=int(counts.shape[0]), choices_per_step=float(counts[:, 0].sum(1).mean()))
+        return RoutingRecord(model=model, mean_share=self.mean_share(skip, last), steps=int(counts.shape[0]),
+                             choices_per_step=float(counts[:, 0].sum(1).mean()))
+
+    @classmethod
+    def saved_routing(cls, checkpoint: dict[str, Any], model: str, last: int = RESUME_STEPS) -> RoutingRecord | None:
+        """The routing of the ``last`` steps a monitor recorded before ``checkpoint`` was saved
+        (Lightning's checkpoint dict; its tensors need not be read), as a record a resumed
+        run plans at: where the routing had got to, not where a fresh router starts. ``None``
+        where the checkpoint holds no monitor's state, or no step whose every layer kept a
+        choice."""
+        state = (checkpoint.get("callbacks") or {}).get(cls.__qualname__)  # Lightning's default state_key
+        if not isinstance(state, dict) or not state.get("history"):
+            return None
+        monitor = cls(plots=False)
+        monitor.load_state_dict(state)
+        try:
+            record = monitor._record_of(model, last=last)
+        except ValueError:  # a layer without a kept choice: no shares to plan at
+            return None
+        record.source = f"the checkpoint's last {record.steps} recorded steps"
+        return record
 
     def _counts(self, skip: int, last: int | None = None) -> torch.Tensor | None:
         """The recorded steps' tokens ``[S, L, E]`` after the first ``skip`` (all of them where

@@ -20,7 +20,7 @@ import torch
 from ..checkpoint_files import NOT_TORCH_SAVE, is_sharded_checkpoint, is_torch_save_file
 from ..staging import unfinished_note
 from . import dcp
-from .consolidate import whole_checkpoint
+from .consolidate import read_meta, whole_checkpoint
 
 
 def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, map_location: Any = None,
@@ -58,6 +58,16 @@ def load_checkpoint(path: str | os.PathLike, model_class: type | None = None, ma
         why = " ".join(str(err).split()) or type(err).__name__
         raise dcp.CheckpointFormatError(f"load_checkpoint path={str(path)!r} does not hold a {model_class.__name__} "
                                         f"(model_class): {why[:500]}") from None
+
+
+def checkpoint_state(path: str | os.PathLike, argument: str = "ckpt_path") -> dict[str, Any]:
+    """The checkpoint at ``path`` (a file or a sharded directory) as Lightning's dict,
+    without reading its tensors: a sharded directory's ``meta.pt`` (its loops, callbacks and
+    hyper-parameters), a file memory-mapped (its tensors stay on disk until touched). For
+    what a run needs to know of a checkpoint before the strategy lays the model out."""
+    if is_sharded_checkpoint(path):
+        return read_meta(path)
+    return read_checkpoint_file(path, argument, map_location="cpu", mmap=True)
 
 
 def read_checkpoint_file(path: str | os.PathLike, argument: str = "load_checkpoint path", **kwargs: Any) -> Any:

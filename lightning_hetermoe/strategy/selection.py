@@ -268,8 +268,9 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
         record = check_shape(args.expert_load, model.config(), "strategy expert_load")
         clock.expert_load, clock.batch_loads = record.mean_share, [record.mean_share]
         if rank == 0:
-            print(f"hetermoe: planning at the routing of strategy expert_load ({record.steps} steps of model "
-                  f"{record.model!r}; the hottest expert {record.hottest_over_mean():.2f}x the mean)", flush=True)
+            source = record.source or f"strategy expert_load's {record.steps} steps"
+            print(f"hetermoe: planning at the routing of {source} (model {record.model!r}; the hottest expert "
+                  f"{record.hottest_over_mean():.2f}x the mean)", flush=True)
     elif clock.bound and not built_on_meta(module) and not single:
         # every rank forwards its deal of the warm-up (the strategy made the weights rank 0's);
         # a model on the meta device cannot run yet: it plans with even routing

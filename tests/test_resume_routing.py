@@ -1,0 +1,111 @@
+"""A resumed fit plans at the routing its checkpoint's last steps had: the load monitor's
+history, read from the checkpoint (a file or a sharded directory) without its tensors,
+becomes the strategy's ``expert_load`` before the set-up plans (the warm-up would sample a
+fresh router: the checkpoint's weights are loaded after the strategy lays the model out)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers_recipe import compose
+from lightning_hetermoe import ExpertLoadMonitor
+from lightning_hetermoe.ckpt.loading import checkpoint_state
+from lightning_hetermoe.configs import ConfigError
+from lightning_hetermoe.routing_record import RoutingRecord
+from lightning_hetermoe.run_config import read_run_config
+from lightning_hetermoe.training import resumed_routing
+
+KEY = ExpertLoadMonitor.__qualname__  # the callback's state key in Lightning's checkpoint dict
+
+
+def _history(steps: int, layers: int = 2, experts: int = 4) -> list[list[list[int]]]:
+    g = torch.Generator().manual_seed(steps)
+    return torch.randint(0, 50, (steps, layers, experts), generator=g).tolist()
+
+
+def _naive_shares(history: list[list[list[int]]]) -> list[list[float]]:
+    layers, experts = len(history[0]), len(history[0][0])
+    out = []
+    for l in range(layers):
+        total = [sum(step[l][e] for step in history) for e in range(experts)]
+        out.append([t / sum(total) for t in total])
+    return out
+
+
+@pytest.mark.parametrize("steps, last, used", [(100, 64, slice(-64, None)), (10, 64, slice(1, None)),
+                                               (1, 64, slice(0, None))])
+def test_the_saved_routing_is_the_mean_share_of_the_last_recorded_steps(steps, last, used):
+    """The newest ``last`` steps; a short history without its first step (a fresh router's),
+    as the run's own record leaves it out; one step alone is that step."""
+    history = _history(steps)
+    record = ExpertLoadMonitor.saved_routing({"callbacks": {KEY: {"history": history}}}, "tiny", last=last)
+    kept = history[used]
+    assert record.steps == len(kept) and record.model == "tiny"
+    assert torch.allclose(torch.tensor(record.mean_share), torch.tensor(_naive_shares(kept)), rtol=0, atol=1e-12)
+    assert record.choices_per_step == pytest.approx(sum(sum(s[0]) for s in kept) / len(kept))
+    assert record.source == f"the checkpoint's last {len(kept)} recorded steps"
+
+
+@pytest.mark.parametrize("checkpoint", [{}, {"callbacks": {}}, {"callbacks": {KEY: {"history": []}}},
+                                        {"callbacks": {KEY: {"history": [[[0, 0], [3, 1]], [[0, 0], [2, 2]]]}}}],
+                         ids=["no callbacks", "no monitor", "no step", "a layer without a choice"])
+def test_a_checkpoint_without_a_recorded_routing_gives_none(checkpoint):
+    assert ExpertLoadMonitor.saved_routing(checkpoint, "tiny") is None
+
+
+def test_a_checkpoint_file_is_read_without_its_tensors(tmp_path):
+    """Memory-mapped: the callbacks come back, the tensors are not read into memory."""
+    path = tmp_path / "x.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(6.0)}, "callbacks": {KEY: {"history": [[[1, 2]]]}}}, path)
+    state = checkpoint_state(path)
+    assert state["callbacks"][KEY]["history"] == [[[1, 2]]]
+    assert torch.equal(state["state_dict"]["w"], torch.arange(6.0))
+    (tmp_path / "not.ckpt").write_text("{}")
+    with pytest.raises(ConfigError, match=r"ckpt_path='.*not\.ckpt' is not a checkpoint"):
+        checkpoint_state(tmp_path / "not.ckpt")
+
+
+def _saved(tmp_path, history, name="x.ckpt"):
+    path = tmp_path / name
+    torch.save({"callbacks": {KEY: {"history": history}}}, path)
+    return path
+
+
+def test_the_main_job_resuming_plans_at_the_checkpoint_s_routing_unless_told_otherwise(tmp_path):
+    """tiny has 2 MoE layers of 8 experts; the user's own strategy.expert_load wins, and
+    resume_routing=false keeps the warm-up."""
+    path = _saved(tmp_path, _history(5, 2, 8))
+    got = resumed_routing(read_run_config(compose(f"ckpt_path={path}")))["expert_load"]
+    assert torch.allclose(torch.tensor(got.mean_share), torch.tensor(_naive_shares(_history(5, 2, 8)[1:])))
+    assert resumed_routing(read_run_config(compose(f"ckpt_path={path}", "resume_routing=false")))["expert_load"] is None
+    mine = tmp_path / "mine.json"
+    RoutingRecord(model="tiny", mean_share=[[1 / 8] * 8] * 2, steps=1, choices_per_step=1.0).to_json(str(mine))
+    given = resumed_routing(read_run_config(compose(f"ckpt_path={path}", f"strategy.expert_load={mine}")))
+    assert given["expert_load"] == str(mine)
+    # another model's routing (4 experts a layer): not planned at; loading the checkpoint says what differs
+    other = _saved(tmp_path, _history(5, 2, 4), "other.ckpt")
+    assert resumed_routing(read_run_config(compose(f"ckpt_path={other}"))).get("expert_load") is None
+    with pytest.raises(ConfigError, match=r"resume_routing='yes' is invalid: must be true .* or false"):
+        read_run_config(compose(f"ckpt_path={path}", "resume_routing=yes"))
+
+
+@pytest.mark.slow
+def test_a_resumed_fit_plans_and_predicts_at_the_routing_of_its_checkpoint(tmp_path):
+    """Two real ranks: a fit saves a sharded checkpoint; the fit resumed from it plans at the
+    routing its last steps had (the first run's own record: 3 steps after the first), with
+    the experts placed at it, and prices its prediction there."""
+    from helpers_recipe import train_in_ranks
+
+    quiet = ("trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0", "final_validation=false",
+             "cluster.time_scale=0.05", "strategy.checkpoint_format=sharded")
+    train_in_ranks(2, tmp_path / "a", *quiet, "trainer.max_steps=4", "save_checkpoint=true")
+    saved = RoutingRecord.from_json(str(tmp_path / "a" / "expert_load.json"))
+    summary, printed = train_in_ranks(2, tmp_path / "b", *quiet, "trainer.max_steps=5",
+                                      f"ckpt_path={tmp_path / 'a' / 'last.ckpt'}")
+    assert "hetermoe: planning at the routing of the checkpoint's last 3 recorded steps (model 'tiny'" in printed
+    assert summary["predicted_expert_load_max_over_mean"] == pytest.approx(saved.hottest_over_mean())
+    assert json.loads((tmp_path / "b" / "plan.json").read_text())["placed_at_load"] is True
+    assert summary["resumed_from"].endswith("last.ckpt")
