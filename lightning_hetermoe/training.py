@@ -128,7 +128,10 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         out["predicted_fraction_of_bound"] = pred["fraction_of_bound"]
         if measured:
             out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
-        steps = monitor.step_shares(skip=summary.get("timing_warmup_steps", 1)) if monitor is not None else None
+        # the timed steps are the history's last: a resumed fit's monitor holds the steps before it too
+        timed = summary.get("timed_steps")
+        steps = monitor.step_shares(skip=summary.get("timing_warmup_steps", 1), last=timed) \
+            if monitor is not None and timed else None
         if steps is not None:
             # a simulation per step: a long run's steps, evenly thinned to AT_LOAD_STEPS
             steps = steps[::-(-len(steps) // AT_LOAD_STEPS)]

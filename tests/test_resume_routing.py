@@ -96,16 +96,21 @@ def test_the_main_job_resuming_plans_at_the_checkpoint_s_routing_unless_told_oth
 def test_a_resumed_fit_plans_and_predicts_at_the_routing_of_its_checkpoint(tmp_path):
     """Two real ranks: a fit saves a sharded checkpoint; the fit resumed from it plans at the
     routing its last steps had (the first run's own record: 3 steps after the first), with
-    the experts placed at it, and prices its prediction there."""
+    the experts placed at it, and prices its prediction there; what its own steps had is
+    priced over its own timed steps."""
     from helpers_recipe import train_in_ranks
 
     quiet = ("trainer.limit_val_batches=0", "+trainer.num_sanity_val_steps=0", "final_validation=false",
              "cluster.time_scale=0.05", "strategy.checkpoint_format=sharded")
     train_in_ranks(2, tmp_path / "a", *quiet, "trainer.max_steps=4", "save_checkpoint=true")
     saved = RoutingRecord.from_json(str(tmp_path / "a" / "expert_load.json"))
-    summary, printed = train_in_ranks(2, tmp_path / "b", *quiet, "trainer.max_steps=5",
+    summary, printed = train_in_ranks(2, tmp_path / "b", *quiet, "trainer.max_steps=7",
                                       f"ckpt_path={tmp_path / 'a' / 'last.ckpt'}")
     assert "hetermoe: planning at the routing of the checkpoint's last 3 recorded steps (model 'tiny'" in printed
     assert summary["predicted_expert_load_max_over_mean"] == pytest.approx(saved.hottest_over_mean())
     assert json.loads((tmp_path / "b" / "plan.json").read_text())["placed_at_load"] is True
     assert summary["resumed_from"].endswith("last.ckpt")
+    # priced at the routing of its own timed steps (3 steps, the first the warm-up), not of the
+    # steps before the resume, which the monitor's restored history holds too (6 of them)
+    assert summary["steps"] == 7 and summary["timed_steps"] == 2
+    assert len(summary["predicted_step_time_at_measured_load_by_step_s"]) == 2

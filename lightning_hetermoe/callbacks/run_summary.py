@@ -92,6 +92,7 @@ class RunSummary(L.Callback):
             "step_time_s": sum(times) / len(times) if times else None,
             "step_time_median_s": times[len(times) // 2] if times else None,
             "steps": trainer.global_step,
+            "timed_steps": len(times),  # this fit's last steps (a resumed fit's global steps start before it)
             "world_size": trainer.world_size,
         }
 
