@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
@@ -224,8 +224,10 @@ def run_identity(strategy: HeterMoEStrategy, run: RunConfig) -> dict[str, Any]:
 def ended_by(trainer: L.Trainer, err: BaseException) -> str:
     """How a fit that raised ended, for its summary's ``status``."""
     step = trainer.global_step
-    if isinstance(err, SIGTERMException):
-        return f"stopped at step {step}: the job got SIGTERM"  # a preemption, not a fault
+    if isinstance(err, SIGTERMException):  # a preemption, not a fault
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            return f"stopped in the final validation, after step {step}: the job got SIGTERM"
+        return f"stopped at step {step}: the job got SIGTERM"
     if isinstance(err, (KeyboardInterrupt, SystemExit)) and trainer.state.status == TrainerStatus.INTERRUPTED:
         return f"interrupted at step {step}"  # Lightning turns a Ctrl-C into SystemExit(1)
     return f"failed at step {step}: {type(err).__name__}: {err}"
@@ -303,6 +305,10 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     ckpt_path = run.ckpt_path
     try:
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        saved = _save_checkpoint(cfg, trainer, output_dir)
+        emulation = strategy.emulation_report()  # a collective: before the ranks part ways
+        if cfg.get("final_validation", True):
+            trainer.validate(model, datamodule=data, verbose=False)
     except BaseException as err:
         if trainer.is_global_zero:
             # what the steps so far measured stays (the sweep's row says how the job ended)
@@ -315,10 +321,6 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
                 # exit 0: rank 0's launcher would take their code for a failure)
                 err.code = PREEMPTED_EXIT
         raise
-    saved = _save_checkpoint(cfg, trainer, output_dir)
-    emulation = strategy.emulation_report()  # a collective: before the ranks part ways
-    if cfg.get("final_validation", True):
-        trainer.validate(model, datamodule=data, verbose=False)
     memory = strategy.memory_report()  # a collective too
     if not trainer.is_global_zero:
         strategy.shutdown()

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import lightning as L
+
 EXIT_S = 5.0  # from the marker that says the work ended to the last process of the job gone
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,3 +126,13 @@ class Job:
             if state != "Z":
                 alive.append(pid)
         return alive
+
+
+
+class SigtermInFinalValidation(L.Callback):
+    """For the main job's ``+callbacks.<name>._target_``: rank 0 gets a real SIGTERM as the
+    validation after training starts its second batch."""
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.global_rank == 0 and trainer.state.fn == "validate" and batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)

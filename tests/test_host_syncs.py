@@ -9,6 +9,7 @@ ranks."""
 from __future__ import annotations
 
 import contextlib
+import json
 import inspect
 import logging
 import os
@@ -376,8 +377,9 @@ def test_a_sigterm_before_the_first_batch_stops_every_rank_there():
     Lightning's handler broadcast from inside whatever collective the rank was in, and the
     main job waited there (a host all-gather, 2026-12-07; here rank 0's broadcast waited for
     rank 1, which waited in the sanity check's first gather, until the harness's deadline).
-    The strategy makes the handler quiet as Lightning installs it: the sanity check runs,
-    and every rank stops before the first training batch."""
+    The strategy makes the handler quiet as Lightning installs it, and every rank stops
+    together: at the sanity check's next batch (each evaluation batch asks), before any
+    training batch."""
     per_rank = run_ranks(2, stopped_in_set_up, 2, timeout=60.0)
     assert [r["raised"] for r in per_rank] == [True, True], per_rank
     assert [r["step"] for r in per_rank] == [0, 0], per_rank
@@ -426,3 +428,81 @@ def test_rank_zeros_sigterm_still_stops_every_rank_before_the_next_batch():
     assert per_rank[0]["in_handler"] == [], per_rank[0]
     assert per_rank[0]["logged"] == ["rank 0: received SIGTERM"], per_rank[0]
     assert per_rank[1]["logged"] == [], per_rank[1]
+
+
+class SigtermInEvaluation(L.Callback):
+    """Rank 0 gets a real SIGTERM at the end of an evaluation's second batch; every rank
+    counts the batches it ran."""
+
+    def __init__(self) -> None:
+        self.ran = 0
+
+    def _ended(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.ran += 1
+        if trainer.global_rank == 0 and batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _ended
+
+
+def evaluations_stopped_by_sigterm(rank: int, world: int) -> dict:
+    from torch.utils.data import DataLoader
+
+    from helpers_predict import BATCH, predictor, rows
+    from helpers_zebra import make_test_plan
+    from reference import trainer
+
+    out = {}
+    for mode in ("ep", "zebra"):
+        for fn in ("validate", "test", "predict"):
+            plan = make_test_plan(world, [0], R=2) if mode == "zebra" else None
+            signalled = SigtermInEvaluation()
+            t = trainer(HeterMoEStrategy(mode=mode, plan=plan), world, callbacks=[signalled], limit_val_batches=1.0)
+            loader = DataLoader(rows(4 * world * BATCH[world]), batch_size=BATCH[world])  # 4 batches a rank
+            try:
+                getattr(t, fn)(predictor(seed=0), loader)
+                raised = False
+            except SIGTERMException:
+                raised = True
+            out[mode, fn] = {"raised": raised, "ran": signalled.ran, "heard": t.received_sigterm}
+    return out
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_validate_test_or_predict_stops_every_rank_before_the_next_batch():
+    """An evaluation on its own (a preempted test or predict job): rank 0's SIGTERM stops
+    every rank before the third of four batches' step, with Lightning's SIGTERMException, in
+    ep and zebra. The quiet handler only notes the signal, so the evaluation ran to its end (the
+    scheduler's grace running out meanwhile); Lightning's own would stop the signalled rank
+    alone and leave the others waiting in the next batch's collectives."""
+    per_rank = run_ranks(2, evaluations_stopped_by_sigterm, 2, timeout=120.0)
+    for key in per_rank[0]:
+        assert [r[key] for r in per_rank] == [{"raised": True, "ran": 2, "heard": True}] * 2, (key, per_rank)
+
+
+def main_job_signalled_in_its_final_validation(rank: int, output_dir: str) -> dict:
+    from helpers_recipe import compose
+    from lightning_hetermoe.training import train
+
+    cfg = compose("trainer.max_steps=2", "+trainer.num_sanity_val_steps=0",
+                  "cluster.time_scale=0.05", "data.val_windows=64",
+                  "+callbacks.signalled._target_=helpers_exit.SigtermInFinalValidation")
+    try:
+        train(cfg, output_dir)
+    except SIGTERMException as err:
+        return {"code": err.code}
+    return {"code": "finished"}
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_the_main_job_s_final_validation_ends_it_as_preempted(tmp_path):
+    """The validation after training is stopped too, on every rank, and the job says so: rank
+    0 exits 143 (its summary's status), the other rank 0 (a launcher would take its code for
+    a failure). The validation ran to its end and the job exited 0, as if finished."""
+    from lightning_hetermoe.training import PREEMPTED_EXIT
+
+    per_rank = run_ranks(2, main_job_signalled_in_its_final_validation, str(tmp_path), timeout=120.0)
+    assert [r["code"] for r in per_rank] == [PREEMPTED_EXIT, None], per_rank
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "stopped in the final validation, after step 2: the job got SIGTERM", summary
+    assert summary["steps"] == 2 and summary["step_time_s"] > 0, summary

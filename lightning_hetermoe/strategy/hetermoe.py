@@ -611,17 +611,17 @@ class HeterMoEStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._pause_progress()
+        self._before_evaluation_batch()
         return self._step("validation_step", super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._pause_progress()
+        self._before_evaluation_batch()
         return self._step("test_step", super().test_step, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._pause_progress()
+        self._before_evaluation_batch()
         return self._step("predict_step", super().predict_step, args, kwargs)
 
     def _step(self, hook: str, default: Any, args: tuple, kwargs: dict) -> Any:
@@ -814,6 +814,11 @@ class HeterMoEStrategy(DDPStrategy):
     def _pause_progress(self) -> None:
         if self.progress is not None:
             self.progress.pause()
+
+    def _before_evaluation_batch(self) -> None:
+        self._pause_progress()
+        # a SIGTERM stops every rank here (a collective: every rank runs every evaluation batch)
+        sigterm.before_evaluation_batch(self.lightning_module.trainer, self.world_size)
 
     def _outside_step_timeout_s(self) -> float:
         """How long an MoE layer run outside a step waits for the other ranks (see

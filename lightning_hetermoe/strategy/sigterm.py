@@ -124,20 +124,39 @@ def ask_on_the_host(trainer: Any, world_size: int) -> bool:
             if note.heard:
                 connector.received_sigterm = True
         return False
-    group = comm.new_group("sigterm", range(world_size), device=False, host=True)
-
-    # The note, apart from Lightning's ``received_sigterm``: Lightning reads that flag on each
-    # rank alone too (at the end of every batch and epoch, in validation) and stops there,
-    # while a rank the signal reached a moment later went on into the next batch's
-    # all-reduce and waited for it. Set once every rank agreed, it stops them all at one point.
-    def before_batch() -> None:
-        if note.heard:
-            log.info(f"rank {trainer.global_rank}: received SIGTERM")
-        heard = torch.tensor([int(note.heard)], dtype=torch.int64, device="cpu")
-        comm.host_all_reduce(group, heard, what="lightning.sigterm")
-        if int(heard[0]) > 0:
-            connector.received_sigterm = True
-            raise SIGTERMException()
-
-    loop._broadcast_sigterm_tensor = before_batch
+    loop._broadcast_sigterm_tensor = lambda: _stop_if_heard(trainer, world_size)
     return True
+
+
+def before_evaluation_batch(trainer: Any, world_size: int) -> None:
+    """The same question before every validation, test and predict batch (inside a fit too):
+    where any rank's quiet handler heard SIGTERM, every rank stops before this batch with
+    Lightning's ``SIGTERMException``, and the job ends as a preempted fit does. Lightning's
+    own check there reads each rank's flag alone, after its batch (and predict has none):
+    with the quiet handler, an evaluation went on to its end, however long, while the
+    scheduler's grace ran out; with Lightning's, the rank the signal reached stopped and its
+    peers waited for it in the next batch's collectives. A collective: every rank runs every
+    evaluation batch (the strategy checks that their counts agree)."""
+    if world_size > 1:
+        _stop_if_heard(trainer, world_size)
+
+
+def _stop_if_heard(trainer: Any, world_size: int) -> None:
+    """One host all-reduce of this rank's note over the ranks (a group of its own: no other
+    traffic's order is met); where any rank heard SIGTERM, ``received_sigterm`` is set and
+    ``SIGTERMException`` raised on every rank here. The note, apart from Lightning's
+    ``received_sigterm``: Lightning reads that flag on each rank alone too (at the end of
+    every batch and epoch, in validation) and stops there, while a rank the signal reached a
+    moment later went on into the next batch's all-reduce and waited for it. Set once every
+    rank agreed, it stops them all at one point."""
+    connector = trainer._signal_connector
+    note = _notes.get(connector)
+    heard_here = note is not None and note.heard
+    if heard_here:
+        log.info(f"rank {trainer.global_rank}: received SIGTERM")
+    heard = torch.tensor([int(heard_here)], dtype=torch.int64, device="cpu")
+    group = comm.new_group("sigterm", range(world_size), device=False, host=True)
+    comm.host_all_reduce(group, heard, what="lightning.sigterm")
+    if int(heard[0]) > 0:
+        connector.received_sigterm = True
+        raise SIGTERMException()
