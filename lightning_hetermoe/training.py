@@ -128,10 +128,11 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         out["predicted_fraction_of_bound"] = pred["fraction_of_bound"]
         if measured:
             out["step_time_rel_error"] = (measured - pred["step_time_s"]) / pred["step_time_s"]
-        # the timed steps are the history's last: a resumed fit's monitor holds the steps before it too
+        # the timed steps are the history's last: a resumed fit's monitor holds the steps before
+        # it too (a summary that does not say how many: every step after the warm-up)
         timed = summary.get("timed_steps")
         steps = monitor.step_shares(skip=summary.get("timing_warmup_steps", 1), last=timed) \
-            if monitor is not None and timed else None
+            if monitor is not None and timed != 0 else None
         if steps is not None:
             # a simulation per step: a long run's steps, evenly thinned to AT_LOAD_STEPS
             steps = steps[::-(-len(steps) // AT_LOAD_STEPS)]
