@@ -94,10 +94,9 @@ def resumed_routing(run: RunConfig) -> dict[str, Any]:
     path = run.ckpt_path
     if not run.resume_routing or kwargs.get("expert_load") is not None or path is None or not os.path.exists(path):
         return kwargs
-    from .ckpt.loading import checkpoint_state
     from .routing_record import check_shape
 
-    record = ExpertLoadMonitor.saved_routing(checkpoint_state(path), run.model.name)
+    record = ExpertLoadMonitor.saved_routing(path, run.model.name)
     try:
         kwargs["expert_load"] = check_shape(record, run.model, "ckpt_path") if record is not None else None
     except ConfigError:

@@ -63,6 +63,9 @@ def test_a_checkpoint_file_is_read_without_its_tensors(tmp_path):
     state = checkpoint_state(path)
     assert state["callbacks"][KEY]["history"] == [[[1, 2]]]
     assert torch.equal(state["state_dict"]["w"], torch.arange(6.0))
+    # its path is enough: the same record as from the dict
+    assert ExpertLoadMonitor.saved_routing(path, "m") == ExpertLoadMonitor.saved_routing(state, "m")
+    assert ExpertLoadMonitor.saved_routing(path, "m").mean_share == [[1 / 3, 2 / 3]]
     (tmp_path / "not.ckpt").write_text("{}")
     with pytest.raises(ConfigError, match=r"ckpt_path='.*not\.ckpt' is not a checkpoint"):
         checkpoint_state(tmp_path / "not.ckpt")

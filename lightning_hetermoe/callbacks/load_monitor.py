@@ -258,12 +258,18 @@ class ExpertLoadMonitor(L.Callback):
                              choices_per_step=float(counts[:, 0].sum(1).mean()))
 
     @classmethod
-    def saved_routing(cls, checkpoint: dict[str, Any], model: str, last: int = RESUME_STEPS) -> RoutingRecord | None:
+    def saved_routing(cls, checkpoint: dict[str, Any] | str | Path, model: str, last: int = RESUME_STEPS
+                      ) -> RoutingRecord | None:
         """The routing of the ``last`` steps a monitor recorded before ``checkpoint`` was saved
-        (Lightning's checkpoint dict; its tensors need not be read), as a record a resumed
-        run plans at: where the routing had got to, not where a fresh router starts. ``None``
-        where the checkpoint holds no monitor's state, or no step whose every layer kept a
-        choice."""
+        (Lightning's checkpoint dict, or the path of a checkpoint file or sharded directory,
+        read without its tensors), as a record a resumed run plans at
+        (``HeterMoEStrategy(expert_load=...)``): where the routing had got to, not where a
+        fresh router starts. ``None`` where the checkpoint holds no monitor's state, or no
+        step whose every layer kept a choice."""
+        if not isinstance(checkpoint, dict):
+            from ..ckpt.loading import checkpoint_state
+
+            checkpoint = checkpoint_state(checkpoint)
         state = (checkpoint.get("callbacks") or {}).get(cls.__qualname__)  # Lightning's default state_key
         if not isinstance(state, dict) or not state.get("history"):
             return None
