@@ -194,7 +194,7 @@ def prediction_verdict(summary: dict[str, Any], output_dir: str | os.PathLike) -
     if off and not off_at_load:
         record = Path(output_dir) / "expert_load.json"
         again = f"; strategy.expert_load={record} plans the next run at it" if record.is_file() else ""
-        return line + f": the routing moved from the one sampled at set-up{again}"
+        return line + f": the routing moved from the one the set-up planned at{again}"
     if off_at_load:
         emulation = summary.get("emulation")
         priced = {d: (summary.get("devices") or []).count(d) for d in summary.get("devices") or [] if d != "cpu"}

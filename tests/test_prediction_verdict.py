@@ -35,7 +35,7 @@ def test_a_miss_the_steps_routing_explains_names_the_routing_and_the_record_to_p
     s = summary(4.62, 4.03, at_load=4.59)
     line = prediction_verdict(s, tmp_path)
     assert "(+14.6%)" in line and "4.59 s (+0.7%)" in line
-    assert line.endswith("(+0.7%): the routing moved from the one sampled at set-up")
+    assert line.endswith("(+0.7%): the routing moved from the one the set-up planned at")
     record.write_text("{}")  # the load monitor wrote the run's routing: the next run can plan at it
     assert prediction_verdict(s, tmp_path).endswith(f"set-up; strategy.expert_load={record} plans the next run at it")
 
