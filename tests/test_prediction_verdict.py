@@ -37,7 +37,7 @@ def test_a_miss_the_steps_routing_explains_names_the_routing_and_the_record_to_p
     assert "(+14.6%)" in line and "4.59 s (+0.7%)" in line
     assert line.endswith("(+0.7%): the routing moved from the one the set-up planned at")
     record.write_text("{}")  # the load monitor wrote the run's routing: the next run can plan at it
-    assert prediction_verdict(s, tmp_path).endswith(f"set-up; strategy.expert_load={record} plans the next run at it")
+    assert prediction_verdict(s, tmp_path).endswith(f"planned at; strategy.expert_load={record} plans the next run at it")
 
 
 def test_a_miss_at_the_steps_own_routing_points_at_the_clock(tmp_path):
