@@ -222,7 +222,8 @@ def run_identity(strategy: HeterMoEStrategy, run: RunConfig) -> dict[str, Any]:
 
 
 def ended_by(trainer: L.Trainer, err: BaseException) -> str:
-    """How a fit that raised ended, for its summary's ``status``."""
+    """How a job that raised ended (in its fit, or in the save and validation after it), for
+    its summary's ``status``."""
     step = trainer.global_step
     if isinstance(err, SIGTERMException):  # a preemption, not a fault
         if trainer.state.fn == TrainerFn.VALIDATING:
@@ -275,8 +276,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     problem = why_not(model_cfg.moe.expert_backend, device)
     if problem:
         raise ConfigError(problem)
-    strategy = HeterMoEStrategy(cluster=cluster, start_method=start_method,
-                                **resumed_routing(run))
+    strategy = HeterMoEStrategy(cluster=cluster, start_method=start_method, **resumed_routing(run))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     summary_cb = RunSummary(warmup_steps=int(cfg.get("timing_warmup_steps", 1)))
