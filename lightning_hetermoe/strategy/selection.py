@@ -269,7 +269,8 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
         clock.expert_load, clock.batch_loads = record.mean_share, [record.mean_share]
         if rank == 0:
             source = record.source or f"strategy expert_load's {record.steps} steps"
-            print(f"hetermoe: planning at the routing of {source} (model {record.model!r}; the hottest expert "
+            what = "predicting" if args.plan is not None else "planning"  # a given plan is priced, not made
+            print(f"hetermoe: {what} at the routing of {source} (model {record.model!r}; the hottest expert "
                   f"{record.hottest_over_mean():.2f}x the mean)", flush=True)
     elif clock.bound and not built_on_meta(module) and not single:
         # every rank forwards its deal of the warm-up (the strategy made the weights rank 0's);
