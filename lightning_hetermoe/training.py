@@ -120,6 +120,7 @@ def timing_summary(summary: dict[str, Any], strategy: HeterMoEStrategy, cluster:
         # the routing the prediction assumed, measured on sampled batches at set-up: the
         # busiest expert's share over the mean, batch by batch (averaged)
         out["predicted_expert_load_max_over_mean"] = pred["expert_load_max_over_mean"]
+        out["predicted_at_routing"] = pred["routing"]  # the warm-up's sample, a record's (a resumed fit's), even
         # one step's spread around that mean from its batch's routing alone (sd / mean over the
         # held-out batches): a mean over n timed steps strays about this / sqrt(n) by chance
         out["predicted_step_time_batch_spread"] = pred["step_time_batch_spread"]

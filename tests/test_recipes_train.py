@@ -46,6 +46,7 @@ def test_main_job_trains_zebra_on_the_emulated_mix_and_tracks_the_simulator(tmp_
     # and at the end, how the step kept to that prediction (test_prediction_verdict.py)
     verdict = next(line for line in out.splitlines() if line.startswith("[hetermoe] prediction: "))
     assert f"{summary['step_time_s']:.4g} s measured, {summary['predicted_step_time_s']:.4g} s predicted" in verdict
+    assert summary["predicted_at_routing"] == "the initial routers' on sampled batches"
     # output is not a terminal here: a progress line instead of a redrawn bar
     assert "[hetermoe] step 10/12, train_loss" in out and "it/s]" not in out
     assert (tmp_path / "plan.json").is_file()

@@ -111,6 +111,7 @@ def test_a_resumed_fit_plans_and_predicts_at_the_routing_of_its_checkpoint(tmp_p
                                       f"ckpt_path={tmp_path / 'a' / 'last.ckpt'}")
     assert "hetermoe: planning at the routing of the checkpoint's last 3 recorded steps (model 'tiny'" in printed
     assert summary["predicted_expert_load_max_over_mean"] == pytest.approx(saved.hottest_over_mean())
+    assert summary["predicted_at_routing"] == "the checkpoint's last 3 recorded steps"
     assert json.loads((tmp_path / "b" / "plan.json").read_text())["placed_at_load"] is True
     assert summary["resumed_from"].endswith("last.ckpt")
     # priced at the routing of its own timed steps (3 steps, the first the warm-up), not of the

@@ -48,6 +48,8 @@ class RunClock:
         # layer each expert's share, and their pooled shares (what the planner searches at)
         self.batch_loads: list[list[list[float]]] | None = None
         self.expert_load: list[list[float]] | None = None
+        # where that routing came from, as summary.json says it
+        self.routing_source = "even routing"
         self.prediction: dict[str, Any] | None = None
         self.last_step_s: float | None = None
         self._step_started: float | None = None
@@ -213,7 +215,8 @@ class RunClock:
                 # what no schedule beats on these devices, and this run's predicted share of it
                 "bound_tokens_per_s": bound,
                 "fraction_of_bound": tokens / step / bound if step > 0 and bound > 0 else None,
-                "expert_load_max_over_mean": max_over_mean(self.loads(expert_load, batch_loads))}
+                "expert_load_max_over_mean": max_over_mean(self.loads(expert_load, batch_loads)),
+                "routing": "as given" if expert_load is not None or batch_loads else self.routing_source}
 
     def expert_seconds(self, device: DeviceSpec, tokens: float) -> float:
         """One expert on ``tokens`` (clock tokens) on ``device``."""

@@ -268,7 +268,7 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
         record = check_shape(args.expert_load, model.config(), "strategy expert_load")
         clock.expert_load, clock.batch_loads = record.mean_share, [record.mean_share]
         if rank == 0:
-            source = record.source or f"strategy expert_load's {record.steps} steps"
+            source = clock.routing_source = record.source or f"strategy expert_load's {record.steps} steps"
             what = "predicting" if args.plan is not None else "planning"  # a given plan is priced, not made
             print(f"hetermoe: {what} at the routing of {source} (model {record.model!r}; the hottest expert "
                   f"{record.hottest_over_mean():.2f}x the mean)", flush=True)
@@ -278,6 +278,8 @@ def select_backend(strategy: Any, trainer: Any) -> ParallelBackend:
         clock.expert_load, clock.batch_loads = split_routing(
             warmup_routing(module, trainer, clock.per_rank, clock.per_rank * world, strategy.precision_plugin,
                            rank, world))
+        if clock.batch_loads:
+            clock.routing_source = "the initial routers' on sampled batches"
     ep_size = None
     if single:
         choice, plan = "single", None
