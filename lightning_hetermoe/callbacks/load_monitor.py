@@ -234,10 +234,7 @@ class ExpertLoadMonitor(L.Callback):
         """Each expert's share of its layer's routing over the recorded steps (after ``skip``;
         only the ``last`` of them if given)."""
         counts = self._counts(skip, last)
-        if counts is None:
-            return None
-        total = counts.sum(0)
-        return (total / total.sum(1, keepdim=True).clamp(min=1)).tolist()
+        return None if counts is None else _pooled_shares(counts)
 
     def step_shares(self, skip: int = 1, last: int | None = None) -> list[list[list[float]]] | None:
         """Each recorded step's own routing (after ``skip``; only the ``last`` of them if
@@ -254,7 +251,7 @@ class ExpertLoadMonitor(L.Callback):
         counts = self._counts(skip, last)
         if counts is None:
             raise ValueError("ExpertLoadMonitor: no step recorded yet")
-        return RoutingRecord(model=model, mean_share=self.mean_share(skip, last), steps=int(counts.shape[0]),
+        return RoutingRecord(model=model, mean_share=_pooled_shares(counts), steps=int(counts.shape[0]),
                              choices_per_step=float(counts[:, 0].sum(1).mean()))
 
     @classmethod
@@ -395,3 +392,9 @@ class ExpertLoadMonitor(L.Callback):
         self.history = list(state.get("history", []))
         self.busy_history = list(state.get("busy_history", []))
         self._seen_step = state.get("seen_step", -1)
+
+
+def _pooled_shares(counts: torch.Tensor) -> list[list[float]]:
+    """Steps' tokens ``[S, L, E]`` pooled: each expert's share of its layer's, ``[L][E]``."""
+    total = counts.sum(0)
+    return (total / total.sum(1, keepdim=True).clamp(min=1)).tolist()
