@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from .callbacks import ExpertLoadMonitor, ExpertRebalancer, RunSummary
+from .callbacks.preemption import SaveOnPreemption
 from .callbacks.progress import ProgressLog
 from .cluster import ClusterConfig
 from .configs import ConfigError, ModelConfig, OptimConfig
@@ -241,15 +243,49 @@ def _write_summary(output_dir: str | os.PathLike, summary: dict[str, Any]) -> Pa
     return path
 
 
+def _save_path(cfg: DictConfig, output_dir: str | os.PathLike) -> Path:
+    """Where ``save_checkpoint`` saves: its path in the run directory, ``last.ckpt`` for true
+    (and where it is unset: the name ``ckpt_path=last`` looks for)."""
+    where = cfg.get("save_checkpoint")
+    return Path(output_dir) / ("last.ckpt" if where in (None, True, False) else str(where))
+
+
 def _save_checkpoint(cfg: DictConfig, trainer: L.Trainer, output_dir: str | os.PathLike) -> str | None:
     """``save_checkpoint``: a path (relative to the run directory) the trained state is
     saved to after fitting, in the strategy's checkpoint format; null: none."""
-    where = cfg.get("save_checkpoint")
-    if where in (None, False):
+    if cfg.get("save_checkpoint") in (None, False):
         return None
-    path = Path(output_dir) / ("last.ckpt" if where is True else str(where))
+    path = _save_path(cfg, output_dir)
     trainer.save_checkpoint(str(path))
     return str(path)
+
+
+def own_last(run: RunConfig, cfg: DictConfig, output_dir: str | os.PathLike) -> RunConfig:
+    """``ckpt_path=last`` in the main job is first this run directory's own save (what
+    ``save_checkpoint`` wrote there, ``last.ckpt`` where it is unset): a job started again
+    in the same ``hydra.run.dir`` (a requeued one) goes on from where it saved, planned at
+    that checkpoint's routing like any path given. Where there is none, Lightning resolves
+    the name as ever (a ModelCheckpoint's or OnExceptionCheckpoint's last, or nothing: a
+    fresh start, which the job then says)."""
+    if run.ckpt_path != "last":
+        return run
+    path = _save_path(cfg, output_dir)
+    return dataclasses.replace(run, ckpt_path=str(path)) if path.exists() else run
+
+
+def resumed_from(asked: str | None, loaded: Any, own: Path) -> dict[str, Any]:
+    """summary.json's record of the resume: the checkpoint the fit really loaded (Lightning's
+    names resolved; ``None`` where one named nothing and the fit started afresh, which rank 0
+    also says: Lightning leaves ``last`` finding nothing at a warning, by design, so that a
+    script can name it from its first run on). ``own``: the main job's save it looked for."""
+    if asked is None:
+        return {}
+    if loaded:
+        return {"resumed_from": str(loaded)}
+    where = f"no {own} (save_checkpoint's), and no " if asked == "last" else "no "
+    print(f"[hetermoe] ckpt_path={asked!r} named no checkpoint ({where}checkpoint callback's): trained from the "
+          f"start", flush=True)
+    return {"resumed_from": None, "resume": f"ckpt_path={asked!r} named no checkpoint: trained from the start"}
 
 
 def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "popen",
@@ -277,11 +313,17 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     problem = why_not(model_cfg.moe.expert_backend, device)
     if problem:
         raise ConfigError(problem)
+    asked = run.ckpt_path
+    run = own_last(run, cfg, output_dir)  # (Lightning's log names the checkpoint it restores)
     strategy = HeterMoEStrategy(cluster=cluster, start_method=start_method, **resumed_routing(run))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     summary_cb = RunSummary(warmup_steps=int(cfg.get("timing_warmup_steps", 1)))
     callbacks = [summary_cb, *build_callbacks(cfg)]
+    preempted = None
+    if cfg.get("save_checkpoint") not in (None, False):
+        preempted = SaveOnPreemption(str(_save_path(cfg, output_dir)))  # what a requeued run goes on from
+        callbacks.append(preempted)
     trainer_kwargs = dict(run.trainer)
     if trainer_kwargs.get("enable_progress_bar") is None:
         # A bar on a terminal; a line every few steps in a log file, where a bar floods.
@@ -306,6 +348,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     ckpt_path = run.ckpt_path
     try:
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        loaded = trainer.ckpt_path  # Lightning's name resolved (the final validation sets its own)
         saved = _save_checkpoint(cfg, trainer, output_dir)
         emulation = strategy.emulation_report()  # a collective: before the ranks part ways
         if cfg.get("final_validation", True):
@@ -313,8 +356,10 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     except BaseException as err:
         if trainer.is_global_zero:
             # what the steps so far measured stays (the sweep's row says how the job ended)
+            kept = {"checkpoint": preempted.saved} if preempted is not None and preempted.saved else {}
             _write_summary(output_dir, {**summary_cb.summary(trainer), **run_identity(strategy, run),
-                                        "wall_s": time.perf_counter() - started, "status": ended_by(trainer, err)})
+                                        "wall_s": time.perf_counter() - started, "status": ended_by(trainer, err),
+                                        **kept})
             if isinstance(err, SIGTERMException) and err.code is None:
                 # Lightning's carries no code: the job would exit 0, and a scheduler or torchrun
                 # that reads it would take a preempted run for a finished one. Rank 0's says it
@@ -332,8 +377,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         summary["expert_parallel_size"] = strategy.expert_parallel_size
     if saved is not None:
         summary["checkpoint"] = saved
-    if ckpt_path is not None:
-        summary["resumed_from"] = ckpt_path
+    summary.update(resumed_from(asked, loaded, _save_path(cfg, output_dir)))
     if memory is not None:
         summary["memory"] = {"ranks": memory, "peak_gb_max": max(r["peak_gb"] for r in memory)}
     monitor = next((c for c in trainer.callbacks if isinstance(c, ExpertLoadMonitor)), None)

@@ -148,13 +148,13 @@ def test_leaving_at_exit_leaves_the_garbage_collector_as_it_found_it():
     assert (gc.get_freeze_count(), gc.isenabled()) == before
 
 
-def main_job_signalled_at_step_3(tmp_path, send) -> tuple[int, float, str, Job]:
+def main_job_signalled_at_step_3(tmp_path, send, *overrides: str) -> tuple[int, float, str, Job]:
     """The main job (two CPU ranks, ep) in a process group of its own, as a terminal's
     foreground job or a scheduler's task: once rank 0 logged step 3, ``send(launcher)``
     signals it; its exit code, the seconds from the signal until every process of the job is
     gone (the pipe's end-of-file), its output, and the job (when its lines came, when its
     child rank was seen)."""
-    job = Job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1")
+    job = Job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1", *overrides)
     job.watch_children(until=time.monotonic() + 120, done=lambda: job.first("[hetermoe] step 3/") is not None)
     if job.first("[hetermoe] step 3/") is None:
         code, out = job.finish(timeout=5)
@@ -191,31 +191,60 @@ def test_a_ctrl_c_ends_the_job_at_once_and_keeps_what_its_steps_measured(tmp_pat
     assert (tmp_path / "expert_load.json").is_file() and (tmp_path / "expert_load.png").is_file()
 
 
+def assert_stopped_at_once(code: int, gone_s: float, out: str, summary: dict) -> None:
+    assert gone_s < EXIT_S and "Traceback" not in out and "silent" not in out, (code, gone_s, out[-3000:])
+    assert code == PREEMPTED_EXIT, (code, out[-3000:])  # not 0: the run did not finish
+    assert summary["status"].startswith("stopped at step ") and summary["status"].endswith("the job got SIGTERM")
+    assert summary["steps"] >= 3, summary
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("to", ["every rank", "the child rank"])
-def test_a_sigterm_stops_every_rank_before_one_batch_and_the_job_ends_at_once(tmp_path, to):
-    """A preemption's SIGTERM, to every process of the job (a scheduler's) or to one child
-    rank alone: every rank stops before the same batch and the job is gone within seconds,
-    its summary saying it was stopped. (Lightning's question, a broadcast from each rank's
-    signal handler, paired with whatever the other rank was at: the job ended 35 s later by
-    the heartbeat's verdict in 3 of 7 group SIGTERMs, and a child's SIGTERM alone stopped that
-    child and left rank 0 waiting on it.)"""
+def test_a_sigterm_to_one_child_rank_stops_every_rank_before_one_batch_and_the_job_ends_at_once(tmp_path):
+    """A preemption's SIGTERM to one child rank alone: every rank stops before the same batch
+    and the job is gone within seconds, its summary saying it was stopped (a child's SIGTERM
+    alone once stopped that child and left rank 0 waiting on it). The scheduler's SIGTERM
+    to every process of the job is the test below's."""
     import signal
 
     def send(proc) -> None:
-        if to == "every rank":
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            child = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-            assert len(child) == 1, child
-            os.kill(int(child[0]), signal.SIGTERM)
+        child = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(child) == 1, child
+        os.kill(int(child[0]), signal.SIGTERM)
 
     code, gone_s, out, _ = main_job_signalled_at_step_3(tmp_path, send)
-    assert gone_s < EXIT_S and "Traceback" not in out and "silent" not in out, (code, gone_s, out[-3000:])
-    assert code == PREEMPTED_EXIT, (code, out[-3000:])  # not 0: the run did not finish
+    assert_stopped_at_once(code, gone_s, out, json.loads((tmp_path / "summary.json").read_text()))
+
+
+@pytest.mark.slow
+def test_a_preempted_main_job_saves_where_it_stopped_and_run_again_goes_on_from_there(tmp_path):
+    """A scheduler's SIGTERM to every process of the job (Lightning's own question, a
+    broadcast from each rank's signal handler paired with whatever the other rank was at,
+    ended the job 35 s later by the heartbeat's verdict in 3 of 7 such SIGTERMs): every
+    rank stops before the same batch, the job is gone within seconds, and with
+    ``save_checkpoint`` it saves the step it stopped at. Its ``ckpt_path=last`` found
+    nothing to resume (a first run): the fit started afresh. The same command again, in the
+    same run directory as a requeued job is, resumes from that save: every step counted on
+    from there, planned at the routing the checkpoint's steps had."""
+    import signal
+
+    job = ("save_checkpoint=true", "ckpt_path=last")
+    code, gone_s, out, _ = main_job_signalled_at_step_3(tmp_path, lambda p: os.killpg(p.pid, signal.SIGTERM), *job)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"].startswith("stopped at step ") and summary["status"].endswith("the job got SIGTERM")
-    assert summary["steps"] >= 3, summary
+    assert_stopped_at_once(code, gone_s, out, summary)
+    saved = tmp_path / "last.ckpt"
+    assert summary["checkpoint"] == str(saved) and saved.exists(), summary
+    assert "Restored all states" not in out
+    stopped = summary["steps"]
+
+    from helpers_recipe import train_in_ranks
+
+    again, printed = train_in_ranks(2, tmp_path, "cluster=cpu2", "strategy.mode=ep", f"trainer.max_steps={stopped + 2}",
+                                    "trainer.limit_val_batches=1", "logger=none", *job)
+    assert again["resumed_from"] == str(saved) and "resume" not in again, again
+    assert again["steps"] == stopped + 2 and again["timed_steps"] == 1, again
+    # (the record leaves the first step out, as the load monitor's does: its warm-up)
+    assert again["predicted_at_routing"] == f"the checkpoint's last {stopped - 1} recorded steps", again
+    assert "named no checkpoint" not in printed
 
 
 @pytest.mark.slow
@@ -261,3 +290,42 @@ def test_a_command_run_to_its_exit_keeps_the_code_its_main_returns(returns, code
               f"def main():\n    return {returns}\nrun_and_exit(main)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == code and says in proc.stderr, (proc.returncode, proc.stderr)
+
+
+def test_a_preemption_saves_after_a_step_of_the_fit_and_a_fault_or_a_failed_save_does_not_stop_the_ending(capsys):
+    """SaveOnPreemption's choices: a SIGTERM in the fit after a step saves; before the fit's
+    first step (fresh, or just resumed), in the validation after it, or a fault saves
+    nothing; a save that fails is said, not raised over the preemption."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_hetermoe.callbacks.preemption import SaveOnPreemption
+
+    saves: list[str] = []
+
+    def trainer(step, fn=TrainerFn.FITTING, fails=False):
+        def save(path):
+            if fails:
+                raise OSError(28, "No space left on device")
+            saves.append(path)
+        return SimpleNamespace(state=SimpleNamespace(fn=fn), global_step=step, global_rank=0, save_checkpoint=save)
+
+    def outcome(t, exception, resumed_at=None):
+        cb = SaveOnPreemption("run/last.ckpt")
+        if resumed_at is not None:
+            cb.on_train_start(trainer(resumed_at), None)
+        saves.clear()
+        cb.on_exception(t, None, exception)
+        return cb.saved, list(saves)
+
+    assert outcome(trainer(5), SIGTERMException()) == ("run/last.ckpt", ["run/last.ckpt"])
+    assert outcome(trainer(0), SIGTERMException()) == (None, [])
+    assert outcome(trainer(21), SIGTERMException(), resumed_at=21) == (None, [])
+    assert outcome(trainer(23), SIGTERMException(), resumed_at=21) == ("run/last.ckpt", ["run/last.ckpt"])
+    assert outcome(trainer(5, TrainerFn.VALIDATING), SIGTERMException()) == (None, [])
+    assert outcome(trainer(5), RuntimeError("a rank's fault")) == (None, [])
+    assert outcome(trainer(5, fails=True), SIGTERMException()) == (None, [])
+    said = capsys.readouterr().err
+    assert "the preempted fit's checkpoint was not saved to run/last.ckpt: OSError" in said

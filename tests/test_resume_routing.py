@@ -16,7 +16,7 @@ from lightning_hetermoe.ckpt.loading import checkpoint_state
 from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.routing_record import RoutingRecord
 from lightning_hetermoe.run_config import read_run_config
-from lightning_hetermoe.training import resumed_routing
+from lightning_hetermoe.training import own_last, resumed_from, resumed_routing
 
 KEY = ExpertLoadMonitor.__qualname__  # the callback's state key in Lightning's checkpoint dict
 
@@ -93,6 +93,39 @@ def test_the_main_job_resuming_plans_at_the_checkpoint_s_routing_unless_told_oth
     assert resumed_routing(read_run_config(compose(f"ckpt_path={other}"))).get("expert_load") is None
     with pytest.raises(ConfigError, match=r"resume_routing='yes' is invalid: must be true .* or false"):
         read_run_config(compose(f"ckpt_path={path}", "resume_routing=yes"))
+
+
+def test_ckpt_path_last_is_the_run_directory_s_own_save_first_and_planned_at_like_a_path(tmp_path):
+    """The main job's ``ckpt_path=last``: what ``save_checkpoint`` wrote in this run directory
+    (``last.ckpt`` for true or unset, its own name otherwise), resumed and planned at like a
+    path given; where there is none, Lightning's to resolve (its checkpoint callbacks' last)."""
+    def resolved(*overrides):
+        cfg = compose(*overrides)
+        return own_last(read_run_config(cfg), cfg, tmp_path).ckpt_path
+
+    assert resolved("ckpt_path=last", "save_checkpoint=true") == "last"  # nothing saved yet
+    _saved(tmp_path, _history(5, 2, 8), "last.ckpt")
+    assert resolved("ckpt_path=last", "save_checkpoint=true") == str(tmp_path / "last.ckpt")
+    assert resolved("ckpt_path=last") == str(tmp_path / "last.ckpt")
+    assert resolved("ckpt_path=last", "save_checkpoint=mine.ckpt") == "last"
+    _saved(tmp_path, _history(3, 2, 8), "mine.ckpt")
+    cfg = compose("ckpt_path=last", "save_checkpoint=mine.ckpt")
+    run = own_last(read_run_config(cfg), cfg, tmp_path)
+    assert run.ckpt_path == str(tmp_path / "mine.ckpt")
+    assert resumed_routing(run)["expert_load"].steps == 2  # its routing, as a path given would be
+    assert resolved("ckpt_path=best", "save_checkpoint=true") == "best"  # Lightning's other names are its own
+
+
+def test_the_summary_says_which_checkpoint_loaded_or_that_a_name_found_none(tmp_path, capsys):
+    own = tmp_path / "last.ckpt"
+    assert resumed_from(None, None, own) == {}
+    assert resumed_from("last", own, own) == {"resumed_from": str(own)}
+    assert capsys.readouterr().out == ""
+    got = resumed_from("last", None, own)
+    assert got == {"resumed_from": None, "resume": "ckpt_path='last' named no checkpoint: trained from the start"}
+    said = capsys.readouterr().out
+    assert f"[hetermoe] ckpt_path='last' named no checkpoint (no {own} (save_checkpoint's)" in said
+    assert said.rstrip().endswith("trained from the start")
 
 
 @pytest.mark.slow

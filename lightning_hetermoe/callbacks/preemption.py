@@ -1,0 +1,47 @@
+"""``SaveOnPreemption``: the main job's ``save_checkpoint`` also taken when a SIGTERM stops
+the fit, so a preempted job started again in its run directory (``ckpt_path=last``) goes on
+from the step it stopped at, not from its last finished run.
+
+A SIGTERM stops every rank before the same batch (:mod:`..strategy.sigterm`), all of them
+alive, so the save, a collective, is taken by every rank as at any other point. A fault is
+not a preemption: where a rank failed or died its peers could not save with it, so only a
+SIGTERM saves here (Lightning's ``OnExceptionCheckpoint`` saves on every exception). A
+SIGTERM in the validation after the fit saves nothing: the job saved when the fit ended;
+nor does one before the fit's first step (fresh or resumed: nothing new to keep), and a save
+that fails is said, the job still ending as a preempted one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+
+class SaveOnPreemption(L.Callback):
+    """Saves the fit's state to ``path`` (the strategy's checkpoint format) when a SIGTERM
+    stops the fit; ``saved`` is the path once it did."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.saved: str | None = None
+        self._resumed_at: int | None = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # (before a first step, fresh or just resumed, there is nothing new to keep)
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.global_step == 0 or trainer.global_step == self._resumed_at:
+            return
+        try:
+            trainer.save_checkpoint(self.path)
+        except Exception as err:  # the preemption still ends the job as one, with its exit code
+            print(f"[hetermoe] rank {trainer.global_rank}: the preempted fit's checkpoint was not saved to "
+                  f"{self.path}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            return
+        self.saved = self.path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._resumed_at = trainer.global_step
