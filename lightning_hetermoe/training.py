@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
@@ -325,6 +326,9 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         preempted = SaveOnPreemption(str(_save_path(cfg, output_dir)))  # what a requeued run goes on from
         callbacks.append(preempted)
     trainer_kwargs = dict(run.trainer)
+    if trainer_kwargs.get("enable_checkpointing") is None:
+        # a checkpoint callback asked for on the command line is taken; none: no default one
+        trainer_kwargs["enable_checkpointing"] = any(isinstance(cb, Checkpoint) for cb in callbacks)
     if trainer_kwargs.get("enable_progress_bar") is None:
         # A bar on a terminal; a line every few steps in a log file, where a bar floods.
         trainer_kwargs["enable_progress_bar"] = sys.stderr.isatty()

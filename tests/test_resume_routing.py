@@ -151,3 +151,26 @@ def test_a_resumed_fit_plans_and_predicts_at_the_routing_of_its_checkpoint(tmp_p
     # steps before the resume, which the monitor's restored history holds too (6 of them)
     assert summary["steps"] == 7 and summary["timed_steps"] == 2
     assert len(summary["predicted_step_time_at_measured_load_by_step_s"]) == 2
+
+
+@pytest.mark.slow
+def test_a_checkpoint_callback_on_the_command_line_is_taken_and_its_last_is_what_last_resumes(tmp_path):
+    """``+callbacks.ckpt._target_=...ModelCheckpoint`` (as conf/callbacks/default.yaml shows)
+    turns the trainer's checkpointing on (``trainer.enable_checkpointing: null``; Lightning
+    refused the callback beside the old ``false``), and a run in another directory with
+    ``ckpt_path=last`` and no save of its own resumes from that callback's ``last.ckpt``,
+    which its summary names."""
+    from helpers_recipe import train_in_ranks
+
+    ckpt = tmp_path / "ckpt"
+    callback = ("+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint", "+callbacks.ckpt.save_last=true",
+                f"+callbacks.ckpt.dirpath={ckpt}")
+    job = ("cluster=cpu1", "trainer.limit_val_batches=1", "logger=none", "final_validation=false", *callback)
+    first, _ = train_in_ranks(1, tmp_path / "first", *job, "trainer.max_steps=3")
+    assert (ckpt / "last.ckpt").is_file() and "resumed_from" not in first, sorted(p.name for p in ckpt.iterdir())
+    again, printed = train_in_ranks(1, tmp_path / "again", *job, "trainer.max_steps=5", "ckpt_path=last")
+    assert again["resumed_from"] == str(ckpt / "last.ckpt") and again["steps"] == 5, again
+    assert "named no checkpoint" not in printed
+    # without a checkpoint callback the job keeps none of Lightning's own
+    plain, _ = train_in_ranks(1, tmp_path / "plain", *job[:4], "trainer.max_steps=2")
+    assert not list((tmp_path / "plain").rglob("*.ckpt")) and plain["steps"] == 2
