@@ -9,6 +9,7 @@ checks of the trainer's arguments.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -89,6 +90,17 @@ def resume_path(cfg: DictConfig) -> str | None:
     if path is None:
         return None
     path = str(path)
+    if path == "best":
+        # Lightning knows a ModelCheckpoint's best only after a fit in its own process: a fit
+        # named so in a new one fails at its start, a traceback from deep in Lightning
+        raise ConfigError("ckpt_path='best' is invalid here: Lightning knows a ModelCheckpoint's best checkpoint "
+                          "only after a fit in the same process, and this job is a new one; give the best "
+                          "checkpoint's path (an earlier run's ModelCheckpoint wrote it in its dirpath), or "
+                          "ckpt_path=last")
+    if (path == "registry" or path.startswith("registry:")) and importlib.util.find_spec("litmodels") is None:
+        raise ConfigError(f"ckpt_path={path!r} is invalid here: Lightning reads a model registry through the "
+                          f"litmodels package, which is not installed (pip install litmodels); or give a "
+                          f"checkpoint's path")
     if path in LIGHTNING_CKPT_NAMES or path.startswith("registry:") or "://" in path:
         return path  # Lightning's to resolve (a model registry's version, a remote file system's URL)
     if HydraConfig.initialized():
@@ -99,8 +111,8 @@ def resume_path(cfg: DictConfig) -> str | None:
         # (the first save of that name killed before its end: its partial copy is beside it)
         raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: no such file or directory ({path})"
                           f"{unfinished_note(path)}; "
-                          f"give a checkpoint file, a sharded checkpoint's directory, or one of Lightning's "
-                          f"{LIGHTNING_CKPT_NAMES}")
+                          f"give a checkpoint file, a sharded checkpoint's directory, or last (the run "
+                          f"directory's save_checkpoint, else a checkpoint callback's last)")
     if os.path.isdir(path) and not is_sharded_checkpoint(path):
         raise ConfigError(f"ckpt_path={cfg.get('ckpt_path')!r} is invalid: {path} is a directory but not a sharded "
                           f"checkpoint (no .metadata in it); give the checkpoint file or directory a run saved")

@@ -267,7 +267,13 @@ def own_last(run: RunConfig, cfg: DictConfig, output_dir: str | os.PathLike) -> 
     in the same ``hydra.run.dir`` (a requeued one) goes on from where it saved, planned at
     that checkpoint's routing like any path given. Where there is none, Lightning resolves
     the name as ever (a ModelCheckpoint's or OnExceptionCheckpoint's last, or nothing: a
-    fresh start, which the job then says)."""
+    fresh start, which the job then says). ``hpc`` is refused where the run directory holds no
+    HPC checkpoint, before anything starts, as Lightning would at the fit's start."""
+    if run.ckpt_path == "hpc" and not any(Path(output_dir).glob("hpc_ckpt_*.ckpt")):
+        # (Lightning's SLURM requeue saves them in the run directory on its signal; none: its traceback)
+        raise ConfigError(f"ckpt_path='hpc' is invalid here: no hpc_ckpt_*.ckpt in the run directory {output_dir} "
+                          f"(Lightning saves them there when SLURM requeues the job); give a checkpoint's path, or "
+                          f"ckpt_path=last")
     if run.ckpt_path != "last":
         return run
     path = _save_path(cfg, output_dir)

@@ -6,6 +6,7 @@ before any process starts, it is raised there (the spawn launcher never starts o
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import lightning as L
@@ -118,6 +119,14 @@ def test_the_main_job_refuses_a_resume_path_that_holds_no_checkpoint_before_anyt
     refused(lambda: read_run_config(compose(f"ckpt_path={missing}")),
             f"no such file or directory ({missing}); beside it, .last.ckpt.partial-1a2b is a save of it that did not "
             f"finish; give a checkpoint file")
+    # Lightning's names that cannot resolve in a new process, said before it starts (a
+    # traceback from the fit's start before): a ModelCheckpoint's best, a registry without litmodels
+    refused(lambda: read_run_config(compose("ckpt_path=best")), "ckpt_path='best' is invalid here",
+            "only after a fit in the same process", "or ckpt_path=last")
+    if importlib.util.find_spec("litmodels") is None:
+        refused(lambda: read_run_config(compose("ckpt_path=registry:my-model")),
+                "ckpt_path='registry:my-model' is invalid here", "pip install litmodels")
+    assert read_run_config(compose("ckpt_path=last")).ckpt_path == "last"
 
 
 def test_the_hugging_face_export_names_a_file_that_is_no_lightning_checkpoint(tmp_path, capsys):

@@ -113,7 +113,11 @@ def test_ckpt_path_last_is_the_run_directory_s_own_save_first_and_planned_at_lik
     run = own_last(read_run_config(cfg), cfg, tmp_path)
     assert run.ckpt_path == str(tmp_path / "mine.ckpt")
     assert resumed_routing(run)["expert_load"].steps == 2  # its routing, as a path given would be
-    assert resolved("ckpt_path=best", "save_checkpoint=true") == "best"  # Lightning's other names are its own
+    # Lightning's SLURM requeue names its own saves in the run directory: none there is said at once
+    with pytest.raises(ConfigError, match=r"ckpt_path='hpc' is invalid here: no hpc_ckpt_\*\.ckpt in the run dir"):
+        resolved("ckpt_path=hpc")
+    _saved(tmp_path, _history(3, 2, 8), "hpc_ckpt_1.ckpt")
+    assert resolved("ckpt_path=hpc") == "hpc"  # Lightning's to resolve
 
 
 def test_the_summary_says_which_checkpoint_loaded_or_that_a_name_found_none(tmp_path, capsys):
