@@ -251,24 +251,15 @@ def _save_path(cfg: DictConfig, output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / ("last.ckpt" if where in (None, True, False) else str(where))
 
 
-def _save_checkpoint(cfg: DictConfig, trainer: L.Trainer, output_dir: str | os.PathLike) -> str | None:
-    """``save_checkpoint``: a path (relative to the run directory) the trained state is
-    saved to after fitting, in the strategy's checkpoint format; null: none."""
-    if cfg.get("save_checkpoint") in (None, False):
-        return None
-    path = _save_path(cfg, output_dir)
-    trainer.save_checkpoint(str(path))
-    return str(path)
-
-
-def own_last(run: RunConfig, cfg: DictConfig, output_dir: str | os.PathLike) -> RunConfig:
-    """``ckpt_path=last`` in the main job is first this run directory's own save (what
+def resolve_ckpt_name(run: RunConfig, cfg: DictConfig, output_dir: str | os.PathLike) -> RunConfig:
+    """Lightning's checkpoint names as the main job takes them, before the strategy plans.
+    ``ckpt_path=last`` is first this run directory's own save (what
     ``save_checkpoint`` wrote there, ``last.ckpt`` where it is unset): a job started again
     in the same ``hydra.run.dir`` (a requeued one) goes on from where it saved, planned at
     that checkpoint's routing like any path given. Where there is none, Lightning resolves
     the name as ever (a ModelCheckpoint's or OnExceptionCheckpoint's last, or nothing: a
     fresh start, which the job then says). ``hpc`` is refused where the run directory holds no
-    HPC checkpoint, before anything starts, as Lightning would at the fit's start."""
+    HPC checkpoint, here rather than in a traceback from the fit's start."""
     if run.ckpt_path == "hpc" and not any(Path(output_dir).glob("hpc_ckpt_*.ckpt")):
         # (Lightning's SLURM requeue saves them in the run directory on its signal; none: its traceback)
         raise ConfigError(f"ckpt_path='hpc' is invalid here: no hpc_ckpt_*.ckpt in the run directory {output_dir} "
@@ -321,15 +312,17 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     if problem:
         raise ConfigError(problem)
     asked = run.ckpt_path
-    run = own_last(run, cfg, output_dir)  # (Lightning's log names the checkpoint it restores)
+    run = resolve_ckpt_name(run, cfg, output_dir)  # (Lightning's log names the checkpoint it restores)
+    # save_checkpoint's file (true: last.ckpt), saved after the fit and where a SIGTERM stops it
+    own_save = _save_path(cfg, output_dir)
+    saving = cfg.get("save_checkpoint") not in (None, False)
     strategy = HeterMoEStrategy(cluster=cluster, start_method=start_method, **resumed_routing(run))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     summary_cb = RunSummary(warmup_steps=int(cfg.get("timing_warmup_steps", 1)))
     callbacks = [summary_cb, *build_callbacks(cfg)]
-    preempted = None
-    if cfg.get("save_checkpoint") not in (None, False):
-        preempted = SaveOnPreemption(str(_save_path(cfg, output_dir)))  # what a requeued run goes on from
+    preempted = SaveOnPreemption(str(own_save)) if saving else None  # what a requeued run goes on from
+    if preempted is not None:
         callbacks.append(preempted)
     trainer_kwargs = dict(run.trainer)
     if trainer_kwargs.get("enable_checkpointing") is None:
@@ -359,7 +352,9 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
     try:
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
         loaded = trainer.ckpt_path  # Lightning's name resolved (the final validation sets its own)
-        saved = _save_checkpoint(cfg, trainer, output_dir)
+        saved = str(own_save) if saving else None
+        if saved is not None:
+            trainer.save_checkpoint(saved)
         emulation = strategy.emulation_report()  # a collective: before the ranks part ways
         if cfg.get("final_validation", True):
             trainer.validate(model, datamodule=data, verbose=False)
@@ -387,7 +382,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, start_method: str = "p
         summary["expert_parallel_size"] = strategy.expert_parallel_size
     if saved is not None:
         summary["checkpoint"] = saved
-    summary.update(resumed_from(asked, loaded, _save_path(cfg, output_dir)))
+    summary.update(resumed_from(asked, loaded, own_save))
     if memory is not None:
         summary["memory"] = {"ranks": memory, "peak_gb_max": max(r["peak_gb"] for r in memory)}
     monitor = next((c for c in trainer.callbacks if isinstance(c, ExpertLoadMonitor)), None)

@@ -128,7 +128,6 @@ class Job:
         return alive
 
 
-
 class SigtermInFinalValidation(L.Callback):
     """For the main job's ``+callbacks.<name>._target_``: rank 0 gets a real SIGTERM as the
     validation after training starts its second batch."""

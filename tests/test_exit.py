@@ -294,8 +294,8 @@ def test_a_command_run_to_its_exit_keeps_the_code_its_main_returns(returns, code
 
 def test_a_preemption_saves_after_a_step_of_the_fit_and_a_fault_or_a_failed_save_does_not_stop_the_ending(capsys):
     """SaveOnPreemption's choices: a SIGTERM in the fit after a step saves; before the fit's
-    first step (fresh, or just resumed), in the validation after it, or a fault saves
-    nothing; a save that fails is said, not raised over the preemption."""
+    first step (in its sanity check, fresh, or just resumed), in the validation after it, or
+    a fault saves nothing; a save that fails is said, not raised over the preemption."""
     from types import SimpleNamespace
 
     from lightning.pytorch.trainer.states import TrainerFn
@@ -312,9 +312,10 @@ def test_a_preemption_saves_after_a_step_of_the_fit_and_a_fault_or_a_failed_save
             saves.append(path)
         return SimpleNamespace(state=SimpleNamespace(fn=fn), global_step=step, global_rank=0, save_checkpoint=save)
 
-    def outcome(t, exception, resumed_at=None):
+    def outcome(t, exception, resumed_at=0, training=True):
         cb = SaveOnPreemption("run/last.ckpt")
-        if resumed_at is not None:
+        cb.on_fit_start(t, None)
+        if training:  # (a fresh fit's training starts at step 0, a resumed one's at its restored step)
             cb.on_train_start(trainer(resumed_at), None)
         saves.clear()
         cb.on_exception(t, None, exception)
@@ -324,6 +325,8 @@ def test_a_preemption_saves_after_a_step_of_the_fit_and_a_fault_or_a_failed_save
     assert outcome(trainer(0), SIGTERMException()) == (None, [])
     assert outcome(trainer(21), SIGTERMException(), resumed_at=21) == (None, [])
     assert outcome(trainer(23), SIGTERMException(), resumed_at=21) == ("run/last.ckpt", ["run/last.ckpt"])
+    # a resumed fit's sanity check (its training not started): the checkpoint it loaded is not written again
+    assert outcome(trainer(21), SIGTERMException(), training=False) == (None, [])
     assert outcome(trainer(5, TrainerFn.VALIDATING), SIGTERMException()) == (None, [])
     assert outcome(trainer(5), RuntimeError("a rank's fault")) == (None, [])
     assert outcome(trainer(5, fails=True), SIGTERMException()) == (None, [])

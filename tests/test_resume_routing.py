@@ -16,7 +16,7 @@ from lightning_hetermoe.ckpt.loading import checkpoint_state
 from lightning_hetermoe.configs import ConfigError
 from lightning_hetermoe.routing_record import RoutingRecord
 from lightning_hetermoe.run_config import read_run_config
-from lightning_hetermoe.training import own_last, resumed_from, resumed_routing
+from lightning_hetermoe.training import resolve_ckpt_name, resumed_from, resumed_routing
 
 KEY = ExpertLoadMonitor.__qualname__  # the callback's state key in Lightning's checkpoint dict
 
@@ -101,7 +101,7 @@ def test_ckpt_path_last_is_the_run_directory_s_own_save_first_and_planned_at_lik
     path given; where there is none, Lightning's to resolve (its checkpoint callbacks' last)."""
     def resolved(*overrides):
         cfg = compose(*overrides)
-        return own_last(read_run_config(cfg), cfg, tmp_path).ckpt_path
+        return resolve_ckpt_name(read_run_config(cfg), cfg, tmp_path).ckpt_path
 
     assert resolved("ckpt_path=last", "save_checkpoint=true") == "last"  # nothing saved yet
     _saved(tmp_path, _history(5, 2, 8), "last.ckpt")
@@ -110,7 +110,7 @@ def test_ckpt_path_last_is_the_run_directory_s_own_save_first_and_planned_at_lik
     assert resolved("ckpt_path=last", "save_checkpoint=mine.ckpt") == "last"
     _saved(tmp_path, _history(3, 2, 8), "mine.ckpt")
     cfg = compose("ckpt_path=last", "save_checkpoint=mine.ckpt")
-    run = own_last(read_run_config(cfg), cfg, tmp_path)
+    run = resolve_ckpt_name(read_run_config(cfg), cfg, tmp_path)
     assert run.ckpt_path == str(tmp_path / "mine.ckpt")
     assert resumed_routing(run)["expert_load"].steps == 2  # its routing, as a path given would be
     # Lightning's SLURM requeue names its own saves in the run directory: none there is said at once

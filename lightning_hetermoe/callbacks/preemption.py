@@ -7,8 +7,9 @@ alive, so the save, a collective, is taken by every rank as at any other point. 
 not a preemption: where a rank failed or died its peers could not save with it, so only a
 SIGTERM saves here (Lightning's ``OnExceptionCheckpoint`` saves on every exception). A
 SIGTERM in the validation after the fit saves nothing: the job saved when the fit ended;
-nor does one before the fit's first step (fresh or resumed: nothing new to keep), and a save
-that fails is said, the job still ending as a preempted one.
+nor does one before the fit's first step (in its sanity check, or fresh or just resumed:
+nothing new to keep; a resumed fit's sanity check would write the checkpoint it loaded
+again), and a save that fails is said, the job still ending as a preempted one.
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ class SaveOnPreemption(L.Callback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.saved: str | None = None
-        self._resumed_at: int | None = None
+        self._resumed_at: int | None = None  # None until this fit's training starts
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # (before a first step, fresh or just resumed, there is nothing new to keep)
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        if trainer.global_step == 0 or trainer.global_step == self._resumed_at:
-            return
+        if self._resumed_at is None or trainer.global_step == self._resumed_at:
+            return  # no step of this fit yet (its sanity check, or before its first step): nothing new to keep
         try:
             trainer.save_checkpoint(self.path)
         except Exception as err:  # the preemption still ends the job as one, with its exit code
@@ -43,5 +43,8 @@ class SaveOnPreemption(L.Callback):
             return
         self.saved = self.path
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._resumed_at = None
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._resumed_at = trainer.global_step
+        self._resumed_at = trainer.global_step  # where this fit's steps start (a resume's restored step)

@@ -124,7 +124,8 @@ def ask_on_the_host(trainer: Any, world_size: int) -> bool:
             if note.heard:
                 connector.received_sigterm = True
         return False
-    loop._broadcast_sigterm_tensor = lambda: _stop_if_heard(trainer, world_size)
+    group = _group(world_size)  # (once: every batch asks over it)
+    loop._broadcast_sigterm_tensor = lambda: _stop_if_heard(trainer, group)
     return True
 
 
@@ -138,12 +139,17 @@ def before_evaluation_batch(trainer: Any, world_size: int) -> None:
     peers waited for it in the next batch's collectives. A collective: every rank runs every
     evaluation batch (the strategy checks that their counts agree)."""
     if world_size > 1:
-        _stop_if_heard(trainer, world_size)
+        _stop_if_heard(trainer, _group(world_size))
 
 
-def _stop_if_heard(trainer: Any, world_size: int) -> None:
-    """One host all-reduce of this rank's note over the ranks (a group of its own: no other
-    traffic's order is met); where any rank heard SIGTERM, ``received_sigterm`` is set and
+def _group(world_size: int) -> comm.Group:
+    """The ranks' own host group for the question (built by its first asking, on every rank
+    at once): no other traffic's order is met."""
+    return comm.new_group("sigterm", range(world_size), device=False, host=True)
+
+
+def _stop_if_heard(trainer: Any, group: comm.Group) -> None:
+    """One host all-reduce of this rank's note over ``group`` (:func:`_group`); where any rank heard SIGTERM, ``received_sigterm`` is set and
     ``SIGTERMException`` raised on every rank here. The note, apart from Lightning's
     ``received_sigterm``: Lightning reads that flag on each rank alone too (at the end of
     every batch and epoch, in validation) and stops there, while a rank the signal reached a
@@ -155,7 +161,6 @@ def _stop_if_heard(trainer: Any, world_size: int) -> None:
     if heard_here:
         log.info(f"rank {trainer.global_rank}: received SIGTERM")
     heard = torch.tensor([int(heard_here)], dtype=torch.int64, device="cpu")
-    group = comm.new_group("sigterm", range(world_size), device=False, host=True)
     comm.host_all_reduce(group, heard, what="lightning.sigterm")
     if int(heard[0]) > 0:
         connector.received_sigterm = True
