@@ -695,9 +695,29 @@ def first_to_say(line: str) -> bool:
         return True
     try:
         store = dist.distributed_c10d._get_default_store()
-        return store.add("hetermoe/said/" + hashlib.sha1(line.encode()).hexdigest(), 1) == 1
+        key = "hetermoe/said/" + hashlib.sha1(line.encode()).hexdigest()
+        first = store.add(key, 1) == 1
+        if dist.get_rank() == 0:
+            _outlive_the_others(store, key, dist.get_world_size())
+        return first
     except (RuntimeError, ValueError, dist.DistError):
         return True
+
+
+SAY_WAIT_S = 3.0  # how long rank 0 waits for the other ranks to ask whether they say a line
+
+
+def _outlive_the_others(store: Any, key: str, world: int) -> None:
+    """Rank 0 hosts the job's store where the pack launched it, and exits once it has said
+    the line: a rank asking after that found no store, took itself for the first and said
+    the line again beside the store's own report of the lost connection. So rank 0 waits
+    (at most :data:`SAY_WAIT_S`: a rank that never meets the error is not waited for) until
+    every rank has asked."""
+    import time
+
+    deadline = time.monotonic() + SAY_WAIT_S
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 # -- what travels ---------------------------------------------------------------------

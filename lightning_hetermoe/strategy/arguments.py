@@ -246,8 +246,11 @@ class StrategyArguments:
                                                                   else "; Lightning runs as many processes on every "
                                                                        "node, so give every node as many devices"))
 
-    def check_callbacks(self, callbacks: list, model: Any, world_size: int, fitting: bool) -> None:
-        """Lightning's ``StochasticWeightAveraging`` copies the whole module in its
+    def check_callbacks(self, callbacks: list, model: Any, world_size: int, fitting: bool,
+                        schedule: str | None = None, ep_size: int | None = None) -> None:
+        """``schedule`` and ``ep_size``: what set-up chose (``None``: before it, what was asked for).
+
+        Lightning's ``StochasticWeightAveraging`` copies the whole module in its
         ``setup``, before the strategy lays it out over the ranks, and checkpoints that copy
         inside its own callback state, where no layout can be told apart: its first average
         would pair a rank's share with the whole model's tensors and fail, after however
@@ -281,6 +284,45 @@ class StrategyArguments:
                     f"follow what each rank holds (Lightning refuses it under FSDP and DeepSpeed alike). Use "
                     f"lightning.pytorch.callbacks.WeightAveraging (an equal-weight average, as SWA's) or "
                     f"EMAWeightAveraging, which work here, or train on one process")
+        from lightning.pytorch.callbacks import ModelPruning
+
+        for cb in callbacks:
+            if isinstance(cb, ModelPruning):
+                self._check_pruning(cb, model, world_size, schedule or self.mode,
+                                    ep_size if schedule else self.fixed_ep_size)
+
+    def _check_pruning(self, cb: Any, model: Any, world_size: int, schedule: str, ep_size: int | None) -> None:
+        """Lightning's ``ModelPruning`` prunes each tensor where the rank holds it, renames it
+        (``weight`` becomes ``weight_orig`` and a mask) and, for its lottery tickets, copies
+        each pruned module in its set-up, before the strategy lays the model out. A tensor
+        every rank holds whole prunes as in one process (tested under ep and data-centric);
+        one a rank holds a share of, or none of, fails when the fit ends, or hangs the ranks
+        that hold it whole, after however long the run trained. Refused before any of it."""
+        from ..model_contract import moe_layers
+
+        if schedule in DISAGGREGATED:
+            raise ConfigError(
+                f"ModelPruning does not work under strategy mode={schedule!r} on {world_size} ranks: the expert ranks "
+                f"hold none of the dense weights it prunes, and the strategy lays the weights out by the names "
+                f"pruning renames. Prune under mode='ep' or 'datacentric' (every rank holds the dense weights whole), "
+                f"or prune the trained model in one process")
+        if schedule == "auto" or (ep_size == 1 and schedule in ("ep", "ep_balanced")):
+            return  # set-up checks what it chose; EP groups of one rank hold every expert whole
+        experts = {id(m) for _, layer in moe_layers(model) for m in layer.experts.modules()}
+        # Lightning keeps what it prunes in private fields: what was given (before its set-up,
+        # [] for every weight and bias) or, after, the list its set-up made of it
+        given = getattr(cb, "_parameters_to_prune", None) or []
+        names = getattr(cb, "_parameter_names", None) or cb.PARAMETER_NAMES
+        targets = cb.filter_parameters_to_prune(cb.sanitize_parameters_to_prune(model, given, parameter_names=names))
+        sharded = sorted({name for name, m in model.named_modules() if id(m) in experts
+                          for module, _ in targets if module is m})
+        if sharded:
+            raise ConfigError(
+                f"ModelPruning does not work on the experts under HeterMoEStrategy on {world_size} ranks: each rank "
+                f"holds a share of each layer's experts, so it would pick a mask from its share (and its lottery "
+                f"tickets copy the whole experts before the strategy lays them out). It was given "
+                f"{', '.join(sharded[:3])}{' and more' if len(sharded) > 3 else ''}: prune the dense weights only "
+                f"(parameters_to_prune without the experts' modules), or prune the trained model in one process")
 
     def check_model(self, model: Any, device: torch.device, world_size: int = 1) -> None:
         """Everything about the model that can be checked before processes start."""

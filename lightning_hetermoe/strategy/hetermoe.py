@@ -313,6 +313,9 @@ class HeterMoEStrategy(DDPStrategy):
 
             self.backend = dense_backend(self) or select_backend(self, trainer)
             self.backend.outside_step_timeout_s = self._outside_step_timeout_s
+            # again at what mode="auto" chose
+            self.args.check_callbacks(trainer.callbacks, self.lightning_module, self.world_size, fitting,
+                                      schedule=self.schedule, ep_size=self.expert_parallel_size)
         self.backend.setup(self.lightning_module, fitting, self._materializer() if on_meta else None)
         self._share_callback_metrics(trainer)
         sync_metrics_over(self.lightning_module, self.backend.metrics_group(None))
