@@ -2,7 +2,7 @@
 dense weights under ep and data-centric) trains as one process does with the same callback;
 pruning what a rank holds a share of, or none of (the experts in every mode, anything under
 zebra and distep, whose expert ranks hold no dense weights), is refused before anything
-trains, naming what works, where it used to fail (or hang a peer) when the fit ended."""
+trains, naming what works, where it used to fail when the fit ended."""
 
 from __future__ import annotations
 
