@@ -235,7 +235,10 @@ def ended_by(trainer: L.Trainer, err: BaseException) -> str:
         return f"stopped at step {step}: the job got SIGTERM"
     if isinstance(err, (KeyboardInterrupt, SystemExit)) and trainer.state.status == TrainerStatus.INTERRUPTED:
         return f"interrupted at step {step}"  # Lightning turns a Ctrl-C into SystemExit(1)
-    return f"failed at step {step}: {type(err).__name__}: {err}"
+    from .strategy.launchers import failed_for_a_dead_rank
+
+    dead = failed_for_a_dead_rank(err)  # (rank 0's own error is losing it)
+    return f"failed at step {step}: {dead or f'{type(err).__name__}: {err}'}"
 
 
 def _write_summary(output_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:

@@ -52,8 +52,12 @@ def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
         # A bad value is the user's to fix: one line naming the field, no stack trace; said by
         # the first rank to meet it (every rank meets one found inside the fit)
         raise exit_saying(f"[hetermoe] config error: {err}") from None
-    except BaseException:
+    except BaseException as err:
         early_ranks.leave_quietly_unless_launched()
+        from lightning_hetermoe.strategy.launchers import failed_for_a_dead_rank
+
+        if failed_for_a_dead_rank(err) is not None:
+            raise SystemExit(1) from None  # the dead rank is named, and its own error printed
         raise
 
 

@@ -166,7 +166,11 @@ class RankObserver(threading.Thread):
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+        # This process too, at once: its main thread may wait in a collective that never
+        # returns. It ends with a failed job's code, 1, as when its main thread meets the
+        # dead rank first: a SIGKILL of its own (137) reads to a scheduler as the job killed
+        # from outside, an out-of-memory kill.
+        os._exit(1)
 
 
 _observers: list[RankObserver] = []
@@ -249,6 +253,14 @@ def lost_peer(error: BaseException) -> bool:
 
 
 _reported: set[int] = set()
+_said_dead: list[str] = []  # what report_dead said of each rank, in order
+
+
+def failed_for_a_dead_rank(error: BaseException) -> str | None:
+    """Where ``error`` is this process losing a peer whose death it has named, what it said
+    of the dead rank (``rank 1 (ep rank, device cpu) exited with exit code 1``): its own
+    traceback would only repeat it in gloo's words. ``None`` otherwise."""
+    return _said_dead[0] if _said_dead and lost_peer(error) else None
 
 
 def report_dead(rank: int, code: int, describe_rank: DescribeRank | None) -> None:
@@ -261,7 +273,8 @@ def report_dead(rank: int, code: int, describe_rank: DescribeRank | None) -> Non
             role = f" ({describe_rank(rank)})"
         except Exception:  # the plan may not exist yet
             role = ""
-    sys.stderr.write(f"[hetermoe] rank {rank}{role} exited with {exit_description(code)}; stopping the other ranks\n")
+    _said_dead.append(f"rank {rank}{role} exited with {exit_description(code)}")
+    sys.stderr.write(f"[hetermoe] {_said_dead[-1]}; stopping the other ranks\n")
     sys.stderr.flush()
 
 
