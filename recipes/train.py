@@ -10,6 +10,7 @@ Writes ``summary.json`` into the Hydra run directory.
 import json
 import os
 import sys
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -56,9 +57,27 @@ def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
         early_ranks.leave_quietly_unless_launched()
         from lightning_hetermoe.strategy.launchers import failed_for_a_dead_rank
 
-        if failed_for_a_dead_rank(err) is not None:
-            raise SystemExit(1) from None  # the dead rank is named, and its own error printed
-        raise
+        dead = failed_for_a_dead_rank(err)  # named already, its own error printed by it
+        if isinstance(err, Exception) and sweeps_here():
+            # A failed job is a row saying why (rank 0 wrote its summary.json's status), and
+            # the sweep goes on to the next job (its table written), exiting 1 at its end
+            if dead is None:
+                traceback.print_exc()
+            print(f"[hetermoe] job {out} failed: {dead or f'{type(err).__name__}: {err}'}; the sweep goes on",
+                  file=sys.stderr, flush=True)
+            _failed_jobs.append(out)
+            return
+        if dead is None:
+            raise
+        raise SystemExit(1) from None
+
+
+_failed_jobs: list[str] = []  # this sweep's jobs that failed mid-run
+
+
+def sweeps_here() -> bool:
+    """This process runs a multirun's jobs one after another (its ranks past 0 run one job each)."""
+    return HydraConfig.get().mode == RunMode.MULTIRUN and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def refused(cfg: DictConfig, out: str, error: str) -> None:
@@ -76,4 +95,4 @@ def refused(cfg: DictConfig, out: str, error: str) -> None:
 
 if __name__ == "__main__":
     # every job's summary is written, or a job failed: either way no finalization to wait for
-    run_and_exit(main)
+    run_and_exit(lambda: main() or (1 if _failed_jobs else 0))

@@ -63,8 +63,8 @@ from .zero import ELEMENTWISE, OptimizerSharding, shardable
 from .precision import AgreedGradScaler, agree_on_overflow, clip_fused_too, clip_synced_grads, precision_name
 from .progress import StepProgress
 from .shared_metrics import SharedCallbackMetrics, mirror_logged_metrics
-from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, lost_peer,
-                        register_exit_hook, stop_watching, watch_launcher)
+from .launchers import (CheckedSpawnLauncher, HydraAwareScriptLauncher, end_job_for_silent_peer, failure_in_hand,
+                        lost_peer, register_exit_hook, stop_watching, watch_launcher)
 from .run_clock import RunClock
 from .gc_schedule import CollectBetweenSteps
 from .summary import count_whole_model
@@ -1189,6 +1189,7 @@ class HeterMoEStrategy(DDPStrategy):
         report = getattr(self._launcher, "report_dead_children", None)
         if report is not None:
             report(wait_s=3.0 if peer_gone else 0.0)
+        failure_in_hand()  # (a rank observer leaves the job's end to this thread)
         heartbeat.mark_failed()  # at exit this rank goes silent to its peers, not "finished"
         super().on_exception(exception)
 

@@ -53,6 +53,8 @@ def _hydra_in_use() -> bool:
 _JOB_MARK = "HETERMOE_HYDRA_JOB"
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 _children_of_job: list[subprocess.Popen] = []
+CHILD_EXIT_S = 5.0  # how long a sweep's next job waits for a child of the last one before killing it
+TAKE_OVER_S = 10.0  # how long a rank observer leaves a dead rank's job to the main thread
 
 
 def _leave_previous_job() -> None:
@@ -69,10 +71,19 @@ def _leave_previous_job() -> None:
     job = HydraConfig.get().runtime.output_dir
     previous = os.environ.get(_JOB_MARK)
     if previous is not None and previous != job:
-        for proc in _children_of_job:
-            proc.wait()
-        _children_of_job.clear()
+        # The last job's watchers first (a child stopped below is no rank dying), and its
+        # heartbeat (nor is it a rank going silent). A finished job's children are reaped
+        # already (the strategy's shutdown waits for them); a failed one's may wait in a
+        # collective on this process forever: the sweep waited with them (it hung).
+        stop_watching()
         heartbeat.stop()
+        for proc in _children_of_job:
+            try:
+                proc.wait(timeout=CHILD_EXIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _children_of_job.clear()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for var in _LAUNCH_VARS:
@@ -157,23 +168,34 @@ class RankObserver(threading.Thread):
                 self.stop_all()
                 return
 
+    def stop_all(self) -> None:
+        """Kill the other ranks of the job, then leave it to the main thread, which meets the
+        lost ranks in its next collective and ends the job as a failure (a sweep goes on to
+        its next job). A main thread that has not taken the failure in hand within
+        :data:`TAKE_OVER_S` may wait in a collective that never returns (NCCL): the process
+        ends then, at once, with a failed job's code 1 (a SIGKILL of its own, 137, reads to
+        a scheduler as the job killed from outside, an out-of-memory kill)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        if not _taken_over.wait(TAKE_OVER_S):
+            os._exit(1)
+
     def stop(self, join_s: float = JOIN_S) -> None:
         self._halt.set()
         if self.ident is not None and self is not threading.current_thread():
             self.join(join_s)
 
-    def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        # This process too, at once: its main thread may wait in a collective that never
-        # returns. It ends with a failed job's code, 1, as when its main thread meets the
-        # dead rank first: a SIGKILL of its own (137) reads to a scheduler as the job killed
-        # from outside, an out-of-memory kill.
-        os._exit(1)
 
 
 _observers: list[RankObserver] = []
+_taken_over = threading.Event()  # the main thread handles this launch's failure (failure_in_hand)
+
+
+def failure_in_hand() -> None:
+    """The main thread (the strategy's ``on_exception``) handles the job's failure: a rank
+    observer that found a dead rank leaves the rest to it."""
+    _taken_over.set()
 _watcher: dict[str, Any] = {"thread": None, "stop": threading.Event()}
 
 
@@ -324,6 +346,7 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
             early_ranks.release()  # (none were started early where this was foreseen)
         else:
             os.environ[_LAUNCHER_PID] = str(os.getpid())
+            _taken_over.clear()
             self._call_children_scripts()
             _launched.extend(self.procs)
             if self.procs:
