@@ -50,6 +50,11 @@ def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
         train(cfg, out, run=run)
     except ConfigError as err:
         early_ranks.leave_quietly_unless_launched()  # (a rank started early: rank 0 says it)
+        if sweeps_here():  # found by the strategy or Lightning, not the config check: a row all the same
+            from lightning_hetermoe.comm import first_to_say
+
+            error = f"config error: {err}"
+            return refused(cfg, out, error, say=first_to_say(f"[hetermoe] {error}"))  # (its ranks say it too)
         # A bad value is the user's to fix: one line naming the field, no stack trace; said by
         # the first rank to meet it (every rank meets one found inside the fit)
         raise exit_saying(f"[hetermoe] config error: {err}") from None
@@ -80,13 +85,14 @@ def sweeps_here() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-def refused(cfg: DictConfig, out: str, error: str) -> None:
-    """A job whose config is refused before any process starts: alone, it exits 1 on one
-    line; in a sweep, that line is printed, the job's summary.json says it (its row in the
-    sweep's table) and the sweep goes on to the next job."""
+def refused(cfg: DictConfig, out: str, error: str, say: bool = True) -> None:
+    """A job whose config is refused: alone, it exits 1 on one line; in a sweep, that line
+    is printed (where ``say``: no other rank of the job said it), the job's summary.json
+    says it (its row in the sweep's table) and the sweep goes on to the next job."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         raise SystemExit(f"[hetermoe] {error}")
-    print(f"[hetermoe] {error}", file=sys.stderr, flush=True)
+    if say:
+        print(f"[hetermoe] {error}", file=sys.stderr, flush=True)
     cluster = cfg.get("cluster") or {}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"error": error, "cluster": cluster.get("name"), "devices": list(cluster.get("devices") or [])}, f,

@@ -107,6 +107,26 @@ def test_a_sweep_goes_on_past_jobs_that_fail_mid_run_each_a_row_saying_why(tmp_p
     assert not left, f"processes left behind: {left}"
 
 
+def test_a_config_error_the_strategy_finds_in_a_sweep_is_a_row_said_once_and_the_sweep_goes_on(tmp_path):
+    """Refused at set-up, where ``mode="auto"`` chose zebra on the emulated mix (its ranks all
+    meet it): it used to end the sweep, the next job never run, no table."""
+    import csv
+
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m",
+                           "cluster=emu_a40_v100_d1_4k,cpu1", "trainer.max_steps=2", f"hydra.sweep.dir={tmp_path}",
+                           "+callbacks.prune._target_=lightning.pytorch.callbacks.ModelPruning",
+                           "+callbacks.prune.pruning_fn=l1_unstructured", "+callbacks.prune.amount=0.3"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # as for a job the config check refuses
+    said = "config error: ModelPruning does not work under strategy mode='zebra' on 2 ranks"
+    assert proc.stderr.count(said) == 1 and "exited with" not in proc.stderr, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
+    assert rows[0]["status"].startswith(said) and rows[1]["status"] == "ok", rows
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+
+
 def assert_no_summary_of_success(run_dir, why: str = "") -> None:
     """A failed job's summary.json, where rank 0 wrote one before it was stopped, says it failed
     (its steps' figures kept), and ``why`` where given: never one that reads as a finished run."""

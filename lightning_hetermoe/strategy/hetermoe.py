@@ -1187,9 +1187,9 @@ class HeterMoEStrategy(DDPStrategy):
         # socket closes a moment before its process is reaped). This rank's own error has no
         # dead peer to wait for: it only checks, and the job ends without a pause.
         report = getattr(self._launcher, "report_dead_children", None)
-        if report is not None:
+        if report is not None and not isinstance(exception, ConfigError):  # (its ranks all end on it)
             report(wait_s=3.0 if peer_gone else 0.0)
-        failure_in_hand()  # (a rank observer leaves the job's end to this thread)
+        failure_in_hand()  # (a rank observer leaves the job's end, and what it says, to this thread)
         heartbeat.mark_failed()  # at exit this rank goes silent to its peers, not "finished"
         super().on_exception(exception)
 

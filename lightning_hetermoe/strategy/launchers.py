@@ -161,8 +161,10 @@ class RankObserver(threading.Thread):
             if all(p.poll() == 0 for p in self.procs):
                 return
             dead = first_dead(self.procs)
-            if dead is not None and _interrupted:
-                return  # the user's stop, under way in the main thread
+            if dead is not None and (_interrupted or _taken_over.is_set()):
+                # the user's stop, or a failure the main thread has in hand (it named a rank
+                # that died first; the ranks after it end on what it met, a config error too)
+                return
             if dead is not None:
                 report_dead(self.offset + dead[0], dead[1], self.describe_rank)
                 self.stop_all()
