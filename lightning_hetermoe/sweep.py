@@ -49,7 +49,10 @@ def job_rows(job_dir: Path) -> list[dict[str, Any]]:
     pred_step = s.get("predicted_step_time_s")
     tokens_per_step = s["tokens_per_s"] * s["step_time_s"] if s.get("step_time_s") else None
     return [{**base, "cluster": s.get("cluster"), "devices": devices,
-             "schedule": s.get("predicted_schedule") or s.get("strategy"), "tokens_per_s": s.get("tokens_per_s"),
+             # (what ran, as the plan's table names it: a run failed before its prediction has
+             # only the strategy's name, "hetermoe:ep")
+             "schedule": s.get("predicted_schedule") or (s.get("strategy") or "").removeprefix("hetermoe:") or None,
+             "tokens_per_s": s.get("tokens_per_s"),
              "predicted_tokens_per_s": tokens_per_step / pred_step if tokens_per_step and pred_step else None,
              "workload_tokens_per_s": s.get("workload_tokens_per_s"), "step_time_s": s.get("step_time_s"),
              "predicted_step_time_s": pred_step, "predicted_of_bound": s.get("predicted_fraction_of_bound"),

@@ -57,3 +57,5 @@ def test_a_training_job_that_ended_early_says_how_in_its_row(tmp_path):
     rows = summarize(tmp_path)
     assert [(r["job"], r["tokens_per_s"], r["status"]) for r in rows] == [("0", 700.0, "interrupted at step 14"),
                                                                           ("1", 700.0, "ok")]
+    # without a prediction, what ran as the plan's table names it (not "hetermoe:zebra")
+    assert [r["schedule"] for r in rows] == ["zebra", "zebra"]
