@@ -296,8 +296,8 @@ class StrategyArguments:
         (``weight`` becomes ``weight_orig`` and a mask) and, for its lottery tickets, copies
         each pruned module in its set-up, before the strategy lays the model out. A tensor
         every rank holds whole prunes as in one process (tested under ep and data-centric);
-        one a rank holds a share of, or none of, fails when the fit ends, or hangs the ranks
-        that hold it whole, after however long the run trained. Refused before any of it."""
+        one a rank holds a share of, or none of, fails when the fit ends, after however long
+        the run trained. Refused before any of it."""
         from ..model_contract import moe_layers
 
         if schedule in DISAGGREGATED:

@@ -173,15 +173,19 @@ class RankObserver(threading.Thread):
     def stop_all(self) -> None:
         """Kill the other ranks of the job, then leave it to the main thread, which meets the
         lost ranks in its next collective and ends the job as a failure (a sweep goes on to
-        its next job). A main thread that has not taken the failure in hand within
-        :data:`TAKE_OVER_S` may wait in a collective that never returns (NCCL): the process
-        ends then, at once, with a failed job's code 1 (a SIGKILL of its own, 137, reads to
-        a scheduler as the job killed from outside, an out-of-memory kill)."""
+        its next job). A main thread that has neither taken the failure in hand nor left the
+        job (stopping its watchers) within :data:`TAKE_OVER_S` may wait in a collective that
+        never returns (NCCL): the process ends then, at once, with a failed job's code 1 (a
+        SIGKILL of its own, 137, reads to a scheduler as the job killed from outside, an
+        out-of-memory kill)."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
-        if not _taken_over.wait(TAKE_OVER_S):
-            os._exit(1)
+        deadline = time.monotonic() + TAKE_OVER_S
+        while not (_taken_over.is_set() or self._halt.is_set()):
+            if time.monotonic() > deadline:
+                os._exit(1)
+            time.sleep(0.05)
 
     def stop(self, join_s: float = JOIN_S) -> None:
         self._halt.set()
@@ -189,16 +193,15 @@ class RankObserver(threading.Thread):
             self.join(join_s)
 
 
-
 _observers: list[RankObserver] = []
 _taken_over = threading.Event()  # the main thread handles this launch's failure (failure_in_hand)
+_watcher: dict[str, Any] = {"thread": None, "stop": threading.Event()}
 
 
 def failure_in_hand() -> None:
     """The main thread (the strategy's ``on_exception``) handles the job's failure: a rank
     observer that found a dead rank leaves the rest to it."""
     _taken_over.set()
-_watcher: dict[str, Any] = {"thread": None, "stop": threading.Event()}
 
 
 def stop_watching(join_s: float = JOIN_S) -> None:
