@@ -80,27 +80,29 @@ def test_zebra_rank_failing_mid_schedule_ends_every_rank(tmp_path, fault, rank, 
 
 
 def test_a_sweep_goes_on_past_jobs_that_fail_mid_run_each_a_row_saying_why(tmp_path):
-    """Job 0's rank 0 raises (the sweep used to hang: its next job waited for job 0's child,
-    which waited in a collective on rank 0), then job 1's child raises (a dead child used to
-    end the sweep, or a job later its watcher SIGKILLed the sweep). Both jobs run, the table
-    has a row for each, and the sweep exits 1 at its end."""
+    """Job 0's child raises (a dead child used to end the sweep, or a job later its watcher
+    SIGKILLed the sweep), job 1's rank 0 raises (the sweep used to hang: its next job waited
+    for job 1's child, which waited in a collective on rank 0), job 2's child raises again
+    (named again: its rank 1 is another process under the same number). Every job runs,
+    the table has a row for each, and the sweep exits 1 at its end."""
     import csv
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=FAULTS_PATH)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m", "cluster=cpu2",
                            "strategy.mode=ep", "trainer.max_steps=4", f"hydra.sweep.dir={tmp_path}",
-                           "+callbacks.fault._target_=faults.RaiseAt", "+callbacks.fault.rank=0,1",
+                           "+callbacks.fault._target_=faults.RaiseAt", "+callbacks.fault.rank=1,0,1",
                            "+callbacks.fault.step=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     wall = time.monotonic() - t0
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
-    failed = ["failed at step 2: RuntimeError: injected failure on rank 0 at step 2",
-              "failed at step 2: rank 1 (ep rank, device cpu) exited with exit code 1"]
+    dead = "failed at step 2: rank 1 (ep rank, device cpu) exited with exit code 1"
+    failed = [dead, "failed at step 2: RuntimeError: injected failure on rank 0 at step 2", dead]
     for job, status in enumerate(failed):
         assert f"[hetermoe] job {tmp_path / str(job)} failed: {status.split(': ', 1)[1]}; the sweep goes on" in \
             proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("exited with exit code 1; stopping the other ranks") == 2, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
-    assert [r["status"] for r in rows] == failed and [r["schedule"] for r in rows] == ["ep", "ep"], rows
+    assert [r["status"] for r in rows] == failed and [r["schedule"] for r in rows] == ["ep"] * 3, rows
     assert "closed by peer" not in proc.stderr  # job 1's rank 0 losing its child, not printed again
     assert wall < 90, f"the sweep took {wall:.0f} s"
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()

@@ -53,7 +53,7 @@ def _hydra_in_use() -> bool:
 _JOB_MARK = "HETERMOE_HYDRA_JOB"
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 _children_of_job: list[subprocess.Popen] = []
-CHILD_EXIT_S = 5.0  # how long a sweep's next job waits for a child of the last one before killing it
+CHILD_EXIT_S = 5.0  # how long a sweep's next job waits for the last one's children before killing them
 TAKE_OVER_S = 10.0  # how long a rank observer leaves a dead rank's job to the main thread
 
 
@@ -77,9 +77,10 @@ def _leave_previous_job() -> None:
         # collective on this process forever: the sweep waited with them (it hung).
         stop_watching()
         heartbeat.stop()
+        deadline = time.monotonic() + CHILD_EXIT_S  # one wait for them all, not one each
         for proc in _children_of_job:
             try:
-                proc.wait(timeout=CHILD_EXIT_S)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -279,29 +280,29 @@ def lost_peer(error: BaseException) -> bool:
     return "closed" in text or "reset by peer" in text
 
 
-_reported: set[int] = set()
-_said_dead: list[str] = []  # what report_dead said of each rank, in order
+# what report_dead said of each rank of this process's launch, in order (a sweep's next job
+# launches anew: its ranks are other processes under the same numbers)
+_reported: dict[int, str] = {}
 
 
 def failed_for_a_dead_rank(error: BaseException) -> str | None:
     """Where ``error`` is this process losing a peer whose death it has named, what it said
     of the dead rank (``rank 1 (ep rank, device cpu) exited with exit code 1``): its own
     traceback would only repeat it in gloo's words. ``None`` otherwise."""
-    return _said_dead[0] if _said_dead and lost_peer(error) else None
+    return next(iter(_reported.values())) if _reported and lost_peer(error) else None
 
 
 def report_dead(rank: int, code: int, describe_rank: DescribeRank | None) -> None:
     if rank in _reported:
         return
-    _reported.add(rank)
     role = ""
     if describe_rank is not None:
         try:
             role = f" ({describe_rank(rank)})"
         except Exception:  # the plan may not exist yet
             role = ""
-    _said_dead.append(f"rank {rank}{role} exited with {exit_description(code)}")
-    sys.stderr.write(f"[hetermoe] {_said_dead[-1]}; stopping the other ranks\n")
+    _reported[rank] = f"rank {rank}{role} exited with {exit_description(code)}"
+    sys.stderr.write(f"[hetermoe] {_reported[rank]}; stopping the other ranks\n")
     sys.stderr.flush()
 
 
@@ -352,6 +353,7 @@ class HydraAwareScriptLauncher(_SubprocessScriptLauncher):
         else:
             os.environ[_LAUNCHER_PID] = str(os.getpid())
             _taken_over.clear()
+            _reported.clear()
             self._call_children_scripts()
             _launched.extend(self.procs)
             if self.procs:
