@@ -98,3 +98,6 @@ def quick_tests_start_no_process(request, monkeypatch):
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess"))
     monkeypatch.setattr(torch_mp, "start_processes", refuse("torch.multiprocessing"))
+    import multiprocessing.process
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing"))

@@ -13,30 +13,39 @@ from pathlib import Path
 from typing import Callable
 
 import lightning as L
+from warm_script import WarmPopen
 
 EXIT_S = 5.0  # from the marker that says the work ended to the last process of the job gone
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_main_job(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+def start_main_job(tmp_path: Path, *overrides: str, warm: bool = False) -> subprocess.Popen:
     """The main job (two CPU ranks, ep) in a process group of its own, as a terminal's
     foreground job or a scheduler's task (SIGINT at its default, which a shell's background
-    job would not have), its output merged into one text pipe, read as it comes."""
+    job would not have), its output merged into one text pipe, read as it comes. ``warm``:
+    forked from the tests' fork server (:mod:`warm_script`), not a new interpreter."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "cluster=cpu2", "strategy.mode=ep",
            f"hydra.run.dir={tmp_path}", *overrides]
+    if warm:
+        return WarmPopen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def run_to_exit(cmd: list[str], marker: str, cwd: Path, timeout: float = 240.0) -> tuple[int, str, float]:
+def run_to_exit(cmd: list[str], marker: str, cwd: Path, timeout: float = 240.0, warm: bool = False,
+                env: dict[str, str] | None = None) -> tuple[int, str, float]:
     """Run ``cmd``; its exit code, its output, and the seconds from the first line holding
     ``marker`` to the moment every process of the job is gone (the launched ranks hold the
-    same pipes: both reach end-of-file only when the last of them exits)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    same pipes: both reach end-of-file only when the last of them exits). ``warm``: a Python
+    script's command forked from the tests' fork server (:mod:`warm_script`); ``env``: the
+    command's environment (default this one's, less a rendezvous port and the interpreter)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
+        env["PYTHONUNBUFFERED"] = "1"
+    start = WarmPopen if warm else subprocess.Popen
+    proc = start(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     marked: list[float] = []
 
@@ -66,13 +75,16 @@ class Job:
     """The main job in a session of its own (a terminal's foreground job): its output line by
     line with the moment each came, and the moment its first child process was seen."""
 
-    def __init__(self, tmp_path: Path, *overrides: str) -> None:
-        self.proc = start_main_job(tmp_path, *overrides)
+    def __init__(self, tmp_path: Path, *overrides: str, warm: bool = False) -> None:
+        self.proc = start_main_job(tmp_path, *overrides, warm=warm)
         self.lines: list[tuple[float, str]] = []
         self.children: set[int] = set()
         self.child_seen: float | None = None
         self.commands: dict[int, list[str]] = {}  # each child's command line, as last seen
         self.running: dict[int, list[str]] = {}  # the children running at the last look, by command line
+        # the launcher's own command line (a warm run's is its fork server's): a child forked
+        # from it has the same one
+        self.own_command: list[str] | None = None
         self._pump = threading.Thread(target=self._read, daemon=True)
         self._pump.start()
 
@@ -84,6 +96,11 @@ class Job:
         """Note the launcher's children (and their command lines) every 10 ms until ``until``,
         its exit, or ``done()``."""
         path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        if self.own_command is None:
+            try:
+                self.own_command = Path(f"/proc/{self.proc.pid}/cmdline").read_text().split("\0")[:-1]
+            except OSError:
+                pass
         while time.monotonic() < until and self.proc.poll() is None and not done():
             try:
                 kids = {int(pid) for pid in path.read_text().split()}

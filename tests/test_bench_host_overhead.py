@@ -2,10 +2,10 @@
 model, whole and in R accumulated micro-batches, all in turn in one process."""
 
 import json
-import subprocess
 import sys
 
 import pytest
+import warm_script
 
 from helpers_bench import BENCH, load_bench
 
@@ -28,10 +28,9 @@ def test_bad_arguments_are_refused_naming_the_flag(argv, message, capsys):
 @pytest.mark.slow
 def test_every_contender_runs_and_the_ratios_are_theirs(tmp_path):
     out = tmp_path / "host_overhead.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "host_overhead.py"), "--steps", "11", "--rounds", "1",
-                           "--microbatches", "2", "--core", "-1", "--ops", "--op-steps", "1",
-                           "--json", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = warm_script.run([sys.executable, str(BENCH / "host_overhead.py"), "--steps", "11", "--rounds", "1",
+                            "--microbatches", "2", "--core", "-1", "--ops", "--op-steps", "1", "--json", str(out)],
+                           cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == result

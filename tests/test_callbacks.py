@@ -251,7 +251,7 @@ def test_lightning_cli_trains_the_main_model_under_the_strategy(tmp_path):
     strategy = ["--trainer.strategy=lightning_hetermoe.HeterMoEStrategy", "--trainer.strategy.mode=zebra"]
     # timed to its exit too (issue #38: every entry point exits within seconds of its work)
     code, out, exit_after_s = run_to_exit([sys.executable, str(root / "recipes" / "cli.py"), "fit", *strategy,
-                                           *common], done, cwd=tmp_path, timeout=300)
+                                           *common], done, cwd=tmp_path, timeout=300, warm=True)
     assert code == 0, out[-3000:]
     assert exit_after_s < EXIT_S and "terminate called" not in out, (exit_after_s, out[-2000:])
     assert "schedule zebra" in out  # the strategy's argument reached it

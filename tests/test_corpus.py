@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm_script
 import torch
 import torch.nn.functional as F
 
@@ -394,11 +395,11 @@ def test_prepare_then_train_two_ranks_under_zebra(tmp_path):
             if p.is_file()} == corpus_files
     assert not (tmp_path / "unmade").exists()
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "data=tokenized",
-                           f"data.path={tmp_path / 'corpus'}", "data.seq_len=32", "data.batch_size=4",
-                           "cluster=cpu2", "strategy.mode=zebra", "trainer.max_steps=16", "trainer.limit_val_batches=2",
-                           "trainer.log_every_n_steps=1", f"hydra.run.dir={run}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = warm_script.run([sys.executable, str(ROOT / "recipes" / "train.py"), "data=tokenized",
+                            f"data.path={tmp_path / 'corpus'}", "data.seq_len=32", "data.batch_size=4",
+                            "cluster=cpu2", "strategy.mode=zebra", "trainer.max_steps=16",
+                            "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", f"hydra.run.dir={run}"],
+                           cwd=ROOT, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     vocab = json.loads((tmp_path / "corpus" / "meta.json").read_text())["vocab_size"]
     assert f"model.vocab_size=256 -> {vocab}" in proc.stdout

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +128,37 @@ def test_stopping_the_heartbeat_joins_its_thread_and_says_the_rank_finished(monk
     assert int(store.get("hetermoe/heartbeat/1")) == -1  # peers stop expecting its beats
 
 
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_a_store_that_stops_answering_is_named_by_who_hosts_it(monkeypatch, capsys, torchrun):
+    """Under Lightning's launcher rank 0 hosts the job's store: its silence is rank 0's. Under
+    torchrun the agent hosts it (no rank at all): the line names the agent, not rank 0."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_hetermoe.strategy.heartbeat import Heartbeat
+
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    ended = threading.Event()
+    beat = Heartbeat(1, 2, 0.5, lambda r: f"role of {r}", "127.0.0.1", store.port, on_silent=ended.set,
+                     period_s=0.05).start()
+    try:
+        del store  # its host is gone: the next beat finds no store
+        assert ended.wait(10), "the heartbeat never reported the store's silence"
+    finally:
+        beat.done(finished=False)
+    err = capsys.readouterr().err
+    if torchrun:
+        assert "[hetermoe] the job's store (torchrun's agent at 127.0.0.1:" in err and "rank 0" not in err, err
+    else:
+        assert "[hetermoe] rank 0 (role of 0) is silent: the job's store (hosted by rank 0) did not answer" in err, err
+    assert "(heartbeat_timeout_s=0.5); rank 1 ends the job" in err
+
+
 @pytest.mark.parametrize("period", [0.0, -1.0, 0.3, 5.0])
 def test_a_heartbeat_period_that_cannot_beat_within_the_timeout_is_refused(period):
     from lightning_hetermoe.strategy.heartbeat import Heartbeat
@@ -154,7 +186,7 @@ def main_job_signalled_at_step_3(tmp_path, send, *overrides: str) -> tuple[int, 
     signals it; its exit code, the seconds from the signal until every process of the job is
     gone (the pipe's end-of-file), its output, and the job (when its lines came, when its
     child rank was seen)."""
-    job = Job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1", *overrides)
+    job = Job(tmp_path, "trainer.max_steps=100000", "trainer.log_every_n_steps=1", *overrides, warm=True)
     job.watch_children(until=time.monotonic() + 120, done=lambda: job.first("[hetermoe] step 3/") is not None)
     if job.first("[hetermoe] step 3/") is None:
         code, out = job.finish(timeout=5)
@@ -181,7 +213,7 @@ def test_a_ctrl_c_ends_the_job_at_once_and_keeps_what_its_steps_measured(tmp_pat
     code, gone_s, out, job = main_job_signalled_at_step_3(tmp_path, lambda p: os.killpg(p.pid, signal.SIGINT))
     # the ranks are the children running at step 3: on a fresh machine matplotlib's first font
     # scan runs fc-list from rank 0, and CI once caught it exited, with no command line left
-    assert list(job.running.values()) == [job.proc.args], (job.commands, job.proc.args)
+    assert list(job.running.values()) == [job.own_command], (job.commands, job.own_command)
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out
     assert code == 1 and gone_s < EXIT_S, (code, gone_s, out[-3000:])
     assert "exited with" not in out and "stopping the other ranks" not in out, out[-3000:]

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_script
+from warm_script import left_behind
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -36,8 +38,7 @@ def main_job_command(tmp_path, *overrides: str) -> list[str]:
 def run_main_job(tmp_path, *overrides: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=FAULTS_PATH)
     t0 = time.monotonic()
-    proc = subprocess.run(main_job_command(tmp_path, *overrides), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = warm_script.run(main_job_command(tmp_path, *overrides), cwd=ROOT, env=env, timeout=timeout)
     return proc, time.monotonic() - t0
 
 
@@ -73,7 +74,7 @@ def test_zebra_rank_failing_mid_schedule_ends_every_rank(tmp_path, fault, rank, 
     monkeypatch.setenv("PYTHONPATH", FAULTS_PATH)  # run_to_exit passes the environment on
     cmd = main_job_command(tmp_path, "strategy.mode=zebra", f"+callbacks.fault._target_={fault}",
                            f"+callbacks.fault.rank={rank}", "+callbacks.fault.step=2")
-    code, out, after_s = run_to_exit(cmd, expect, cwd=ROOT, timeout=120)
+    code, out, after_s = run_to_exit(cmd, expect, cwd=ROOT, timeout=120, warm=True)
     assert code == 1, (code, out[-3000:])
     assert after_s < EXIT_S, f"the job's processes ended {after_s:.1f} s after rank {rank} failed:\n{out[-3000:]}"
     assert_no_summary_of_success(tmp_path)
@@ -89,10 +90,10 @@ def test_a_sweep_goes_on_past_jobs_that_fail_mid_run_each_a_row_saying_why(tmp_p
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=FAULTS_PATH)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m", "cluster=cpu2",
-                           "strategy.mode=ep", "trainer.max_steps=4", f"hydra.sweep.dir={tmp_path}",
-                           "+callbacks.fault._target_=faults.RaiseAt", "+callbacks.fault.rank=1,0,1",
-                           "+callbacks.fault.step=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = warm_script.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m", "cluster=cpu2",
+                            "strategy.mode=ep", "trainer.max_steps=4", f"hydra.sweep.dir={tmp_path}",
+                            "+callbacks.fault._target_=faults.RaiseAt", "+callbacks.fault.rank=1,0,1",
+                            "+callbacks.fault.step=2"], cwd=ROOT, env=env, timeout=120)
     wall = time.monotonic() - t0
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     dead = "failed at step 2: rank 1 (ep rank, device cpu) exited with exit code 1"
@@ -105,7 +106,7 @@ def test_a_sweep_goes_on_past_jobs_that_fail_mid_run_each_a_row_saying_why(tmp_p
     assert [r["status"] for r in rows] == failed and [r["schedule"] for r in rows] == ["ep"] * 3, rows
     assert "closed by peer" not in proc.stderr  # job 1's rank 0 losing its child, not printed again
     assert wall < 90, f"the sweep took {wall:.0f} s"
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    left = left_behind(str(tmp_path), session=proc.pid)
     assert not left, f"processes left behind: {left}"
 
 
@@ -115,18 +116,17 @@ def test_a_config_error_the_strategy_finds_in_a_sweep_is_a_row_said_once_and_the
     sweep of that one job: its table is written only where the sweep went on)."""
     import csv
 
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m",
-                           "cluster=emu_a40_v100_d1_4k", "trainer.max_steps=2", f"hydra.sweep.dir={tmp_path}",
-                           "+callbacks.prune._target_=lightning.pytorch.callbacks.ModelPruning",
-                           "+callbacks.prune.pruning_fn=l1_unstructured", "+callbacks.prune.amount=0.3"],
-                          cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-                          timeout=120)
+    proc = warm_script.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m",
+                            "cluster=emu_a40_v100_d1_4k", "trainer.max_steps=2", f"hydra.sweep.dir={tmp_path}",
+                            "+callbacks.prune._target_=lightning.pytorch.callbacks.ModelPruning",
+                            "+callbacks.prune.pruning_fn=l1_unstructured", "+callbacks.prune.amount=0.3"],
+                           cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]  # as for a job the config check refuses
     said = "config error: ModelPruning does not work under strategy mode='zebra' on 2 ranks"
     assert proc.stderr.count(said) == 1 and "exited with" not in proc.stderr, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
     assert len(rows) == 1 and rows[0]["status"].startswith(said), rows
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    left = left_behind(str(tmp_path), session=proc.pid)
     assert not left, f"processes left behind: {left}"
 
 
@@ -154,8 +154,9 @@ def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", script]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=FAULTS_PATH)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd + overrides, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    start = warm_script.WarmPopen if launch == "pack" else subprocess.Popen  # torchrun's agent: a new interpreter
+    proc = start(cmd + overrides, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 start_new_session=True)
     try:
         out, err = proc.communicate(timeout=90)
     finally:
@@ -165,7 +166,7 @@ def test_a_stopped_rank_is_named_and_every_other_process_ends(tmp_path, launch):
     assert "[hetermoe] rank 1 (expert rank, device cpu) is silent: no heartbeat for" in err, err[-3000:]
     assert wall < 60, f"the job took {wall:.0f} s to end after rank 1 stopped"
     # nothing of the job is left: the stopped rank was killed too
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    left = left_behind(str(tmp_path), session=proc.pid)
     assert not left, f"processes left behind: {left}"
 
 
@@ -185,7 +186,7 @@ def test_on_three_ranks_a_rank_that_stops_or_sticks_is_named_though_not_every_ra
     if fault == "SleepInExperts":  # ep's case of the next test, on three ranks
         assert_stuck_report(proc.stderr)
     assert wall < 60, f"the job took {wall:.0f} s to end after rank 2 stopped"
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    left = left_behind(str(tmp_path), session=proc.pid)
     assert not left, f"processes left behind: {left}"
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_script
 import torch
 
 from helpers_exit import EXIT_S, run_to_exit
@@ -20,8 +21,8 @@ SUMMARY_KEYS = {"first_loss", "final_loss", "val_loss", "tokens_per_s", "strateg
 
 def run_recipe(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = warm_script.run([sys.executable, str(ROOT / "recipes" / "train.py"), *args], cwd=ROOT, env=env,
+                           timeout=timeout)
     return proc
 
 

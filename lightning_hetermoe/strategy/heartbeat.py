@@ -143,7 +143,7 @@ class Heartbeat:
             except Exception:
                 if self._stop.is_set() or host_done:
                     return  # the job is ending: its host finished and took the store with it
-                self._report(0, f"the job's store (hosted by rank 0) did not answer for {self.timeout_s:.0f} s")
+                self._report_store()
                 return
             now = time.monotonic()
             host_done = host_done or (self.rank != 0 and seen[0] == _DONE)
@@ -204,6 +204,21 @@ class Heartbeat:
                          f"the job\n")
         sys.stderr.flush()
         self._kill_if_local(rank)
+        self.on_silent()
+
+    def _report_store(self) -> None:
+        """The store stopped answering. Under Lightning's launcher rank 0 hosts it, so rank 0
+        is the silent one; under torchrun its agent does (TORCHELASTIC_USE_AGENT_STORE), a
+        process that is no rank: naming rank 0 there sent a user to the wrong process."""
+        why = f"did not answer for {self.timeout_s:.0f} s"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            self._report(0, f"the job's store (hosted by rank 0) {why}")
+            return
+        if self._stop.is_set():
+            return
+        sys.stderr.write(f"[hetermoe] the job's store (torchrun's agent at {self.host}:{self.port}) is silent: it {why}"
+                         f"\n(heartbeat_timeout_s={self.timeout_s:g}); rank {self.rank} ends the job\n")
+        sys.stderr.flush()
         self.on_silent()
 
     def _kill_if_local(self, rank: int) -> None:
