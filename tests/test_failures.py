@@ -130,6 +130,30 @@ def test_a_config_error_the_strategy_finds_in_a_sweep_is_a_row_said_once_and_the
     assert not left, f"processes left behind: {left}"
 
 
+def test_a_rank_that_goes_silent_in_a_sweep_s_job_fails_that_job_and_the_sweep_goes_on(tmp_path):
+    """Rank 1 stops (SIGSTOP) in a sweep's job: the heartbeat names it and used to end the
+    whole sweep (exit 75, no table), where its rank 0 waited on it in a collective. The
+    stopped rank is killed and rank 0's collective fails: the job is a row saying which rank
+    went silent, and the sweep goes on (a sweep of that one job: its table is written only
+    where the sweep went on)."""
+    import csv
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=FAULTS_PATH)
+    proc = warm_script.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m", "cluster=cpu2",
+                            "strategy.mode=ep", "strategy.heartbeat_timeout_s=3", "trainer.max_steps=4",
+                            f"hydra.sweep.dir={tmp_path}", "+callbacks.fault._target_=faults.StopInExperts",
+                            "+callbacks.fault.rank=1", "+callbacks.fault.step=1"], cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])  # a sweep with a failed job, at its end
+    silent = "rank 1 (ep rank, device cpu) is silent: no heartbeat for "
+    assert f"[hetermoe] {silent}" in proc.stderr, proc.stderr[-3000:]
+    assert f"[hetermoe] job {tmp_path / '0'} failed: {silent}" in proc.stderr, proc.stderr[-3000:]
+    assert "the sweep goes on" in proc.stderr and "exited with" not in proc.stderr, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
+    assert len(rows) == 1 and rows[0]["status"].startswith(f"failed at step 1: {silent}"), rows
+    left = left_behind(str(tmp_path), session=proc.pid)
+    assert not left, f"processes left behind: {left}"
+
+
 def assert_no_summary_of_success(run_dir, why: str = "") -> None:
     """A failed job's summary.json, where rank 0 wrote one before it was stopped, says it failed
     (its steps' figures kept), and ``why`` where given: never one that reads as a finished run."""

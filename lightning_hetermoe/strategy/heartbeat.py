@@ -68,6 +68,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="hetermoe-heartbeat")
         self.progress: StepProgress | None = None  # this rank's steps, once the strategy marks them
+        self.reported: tuple[int, str] | None = None  # the rank this beat named, and what it said of it
 
     def _key(self, rank: int) -> str:
         return f"hetermoe/heartbeat/{rank}"
@@ -196,6 +197,10 @@ class Heartbeat:
             who = self.describe(rank)
         except Exception:
             who = "?"
+        # kept before the kill below: the launcher's rank observer then finds the rank's exit
+        # already said, and a sweep's job takes it as its reason (launchers.report_dead); the
+        # first line (a stuck rank's report goes on with every rank's state, printed here)
+        self.reported = (rank, f"rank {rank} ({who}) is {kind}: {why.splitlines()[0]}")
         setting = (f"heartbeat_timeout_s={self.timeout_s:g}" if kind == "silent" else
                    f"progress_timeout_s={self.progress.floor_s:g} until {self.progress.warmup_steps} steps are "
                    f"measured, then {self.progress.factor:g}x their median, at least "
@@ -269,6 +274,12 @@ def stop(join_s: float = JOIN_S, finished: bool = True) -> None:
     current, _current = _current, None
     if current is not None:
         current.done(join_s, finished)
+
+
+def reported() -> tuple[int, str] | None:
+    """The rank this process's heartbeat named silent or stuck in the running job, and the
+    words it said of it (``None``: none)."""
+    return None if _current is None else _current.reported
 
 
 def running() -> bool:

@@ -97,13 +97,41 @@ _launched: list[subprocess.Popen] = []  # the child ranks this process started (
 
 def end_job_for_silent_peer() -> None:
     """A peer went silent: kill every child rank this process started (stopped ones too:
-    SIGKILL reaches them), then exit; a collective may be waiting on the peer forever."""
+    SIGKILL reaches them), then exit; a collective may be waiting on the peer forever.
+
+    A sweep's launching process whose heartbeat named one of its child ranks does not exit:
+    with that rank killed, the main thread meets it lost in its next collective (gloo: a
+    closed connection) and fails the job, whose row says what the heartbeat said, and the
+    sweep goes on to its next job. Where the main thread has not taken the failure in hand
+    within :data:`TAKE_OVER_S` (a collective that never returns: NCCL), it exits all the same."""
     from .heartbeat import SILENT_PEER_EXIT
 
     for proc in _launched:
         if proc.poll() is None:
             proc.kill()
-    os._exit(SILENT_PEER_EXIT)
+    said = heartbeat.reported()
+    if said is None or said[0] == 0 or not _runs_a_sweep():
+        os._exit(SILENT_PEER_EXIT)  # rank 0 stuck itself, or nothing after this job to go on to
+    _reported.setdefault(said[0], said[1])
+    deadline = time.monotonic() + TAKE_OVER_S
+    while not _taken_over.is_set():
+        if time.monotonic() > deadline:
+            os._exit(SILENT_PEER_EXIT)
+        time.sleep(0.05)
+
+
+def _runs_a_sweep() -> bool:
+    """This process runs a Hydra multirun's jobs one after another (its local rank 0: the
+    other ranks run one job each)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:
+        return False
 
 
 def exit_description(code: int) -> str:
@@ -294,6 +322,10 @@ def failed_for_a_dead_rank(error: BaseException) -> str | None:
 
 def report_dead(rank: int, code: int, describe_rank: DescribeRank | None) -> None:
     if rank in _reported:
+        return
+    said = heartbeat.reported()
+    if said is not None and said[0] == rank:  # the heartbeat named it, then killed it: that is its exit
+        _reported[rank] = said[1]
         return
     role = ""
     if describe_rank is not None:
