@@ -50,7 +50,7 @@ def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
         train(cfg, out, run=run)
     except ConfigError as err:
         early_ranks.leave_quietly_unless_launched()  # (a rank started early: rank 0 says it)
-        if sweeps_here():  # found by the strategy or Lightning, not the config check: a row all the same
+        if early_ranks.runs_a_sweep():  # found by the strategy or Lightning, not the config check: a row all the same
             from lightning_hetermoe.comm import first_to_say
 
             error = f"config error: {err}"
@@ -63,7 +63,7 @@ def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
         from lightning_hetermoe.strategy.launchers import failed_for_a_dead_rank
 
         dead = failed_for_a_dead_rank(err)  # named already, its own error printed by it
-        if isinstance(err, Exception) and sweeps_here():
+        if isinstance(err, Exception) and early_ranks.runs_a_sweep():
             # A failed job is a row saying why (rank 0 wrote its summary.json's status), and
             # the sweep goes on to the next job (its table written), exiting 1 at its end
             if dead is None:
@@ -78,11 +78,6 @@ def train_job(cfg: DictConfig, out: str, run: RunConfig) -> None:
 
 
 _failed_jobs: list[str] = []  # this sweep's jobs that failed mid-run
-
-
-def sweeps_here() -> bool:
-    """This process runs a multirun's jobs one after another (its ranks past 0 run one job each)."""
-    return HydraConfig.get().mode == RunMode.MULTIRUN and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def refused(cfg: DictConfig, out: str, error: str, say: bool = True) -> None:

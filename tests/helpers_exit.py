@@ -34,16 +34,14 @@ def start_main_job(tmp_path: Path, *overrides: str, warm: bool = False) -> subpr
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def run_to_exit(cmd: list[str], marker: str, cwd: Path, timeout: float = 240.0, warm: bool = False,
-                env: dict[str, str] | None = None) -> tuple[int, str, float]:
+def run_to_exit(cmd: list[str], marker: str, cwd: Path, timeout: float = 240.0, warm: bool = False
+                ) -> tuple[int, str, float]:
     """Run ``cmd``; its exit code, its output, and the seconds from the first line holding
     ``marker`` to the moment every process of the job is gone (the launched ranks hold the
     same pipes: both reach end-of-file only when the last of them exits). ``warm``: a Python
-    script's command forked from the tests' fork server (:mod:`warm_script`); ``env``: the
-    command's environment (default this one's, less a rendezvous port and the interpreter)."""
-    if env is None:
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
-        env["PYTHONUNBUFFERED"] = "1"
+    script's command forked from the tests' fork server (:mod:`warm_script`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "TRITON_INTERPRET")}
+    env["PYTHONUNBUFFERED"] = "1"
     start = WarmPopen if warm else subprocess.Popen
     proc = start(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

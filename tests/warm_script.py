@@ -36,8 +36,6 @@ import torch.multiprocessing as mp
 
 import harness
 
-_FLAGS = {"-u", "-B", "-X", "faulthandler"}
-
 
 class _Fd:
     """A file descriptor handed to the forked process (the fork server passes it over its
@@ -59,9 +57,10 @@ def _split(cmd: list[str]) -> tuple[list[str], str, list[str]]:
     if not cmd or cmd[0] != sys.executable:
         raise ValueError(f"not a Python script's command: {cmd[:3]}")
     flags, i = [], 1
-    while i < len(cmd) and cmd[i] in _FLAGS:
-        flags.append(cmd[i])
-        i += 1
+    while i < len(cmd) and (cmd[i] in ("-u", "-B") or cmd[i:i + 2] == ["-X", "faulthandler"]):
+        step = 2 if cmd[i] == "-X" else 1
+        flags += cmd[i:i + step]
+        i += step
     if i >= len(cmd) or cmd[i].startswith("-"):
         raise ValueError(f"a warm run takes `python [-u] [-X faulthandler] script.py args`, not {cmd[:4]}")
     return flags, cmd[i], cmd[i + 1:]

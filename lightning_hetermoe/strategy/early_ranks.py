@@ -93,6 +93,17 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     return command, get_original_cwd()
 
 
+def runs_a_sweep() -> bool:
+    """This process runs a Hydra multirun's jobs one after another: its local rank 0 (the
+    other ranks run one job each). Hydra is not imported to ask: a multirun imported it."""
+    hydra_config = sys.modules.get("hydra.core.hydra_config")
+    if os.environ.get("LOCAL_RANK", "0") != "0" or hydra_config is None:
+        return False
+    from hydra.types import RunMode
+
+    return hydra_config.HydraConfig.initialized() and hydra_config.HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def _hydra_job() -> str:
     from hydra.core.hydra_config import HydraConfig
 

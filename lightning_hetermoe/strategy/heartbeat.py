@@ -205,11 +205,13 @@ class Heartbeat:
                    f"progress_timeout_s={self.progress.floor_s:g} until {self.progress.warmup_steps} steps are "
                    f"measured, then {self.progress.factor:g}x their median, at least "
                    f"{self.progress.measured_floor_s:g} s")
-        sys.stderr.write(f"[hetermoe] rank {rank} ({who}) is {kind}: {why}\n({setting}); rank {self.rank} ends "
-                         f"the job\n")
-        sys.stderr.flush()
+        self._say(f"rank {rank} ({who}) is {kind}: {why}", setting)
         self._kill_if_local(rank)
         self.on_silent()
+
+    def _say(self, what: str, setting: str) -> None:
+        sys.stderr.write(f"[hetermoe] {what}\n({setting}); rank {self.rank} ends the job\n")
+        sys.stderr.flush()
 
     def _report_store(self) -> None:
         """The store stopped answering. Under Lightning's launcher rank 0 hosts it, so rank 0
@@ -221,9 +223,8 @@ class Heartbeat:
             return
         if self._stop.is_set():
             return
-        sys.stderr.write(f"[hetermoe] the job's store (torchrun's agent at {self.host}:{self.port}) is silent: it {why}"
-                         f"\n(heartbeat_timeout_s={self.timeout_s:g}); rank {self.rank} ends the job\n")
-        sys.stderr.flush()
+        self._say(f"the job's store (torchrun's agent at {self.host}:{self.port}) is silent: it {why}",
+                  f"heartbeat_timeout_s={self.timeout_s:g}")
         self.on_silent()
 
     def _kill_if_local(self, rank: int) -> None:

@@ -110,28 +110,24 @@ def end_job_for_silent_peer() -> None:
         if proc.poll() is None:
             proc.kill()
     said = heartbeat.reported()
-    if said is None or said[0] == 0 or not _runs_a_sweep():
+    if said is None or said[0] == 0 or not early_ranks.runs_a_sweep():
         os._exit(SILENT_PEER_EXIT)  # rank 0 stuck itself, or nothing after this job to go on to
     _reported.setdefault(said[0], said[1])
+    # the job is left once its heartbeat is stopped (the next job's launch clears the take-over)
+    if not _main_thread_took_over(left=lambda: heartbeat.reported() != said):
+        os._exit(SILENT_PEER_EXIT)
+
+
+def _main_thread_took_over(left: Callable[[], bool]) -> bool:
+    """Wait (at most :data:`TAKE_OVER_S`) for the main thread to take the job's failure in
+    hand, or to leave the job (``left()``): False where it did neither, in a collective that
+    may never return (NCCL)."""
     deadline = time.monotonic() + TAKE_OVER_S
-    while not _taken_over.is_set():
+    while not (_taken_over.is_set() or left()):
         if time.monotonic() > deadline:
-            os._exit(SILENT_PEER_EXIT)
+            return False
         time.sleep(0.05)
-
-
-def _runs_a_sweep() -> bool:
-    """This process runs a Hydra multirun's jobs one after another (its local rank 0: the
-    other ranks run one job each)."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return False
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    except Exception:
-        return False
+    return True
 
 
 def exit_description(code: int) -> str:
@@ -210,11 +206,8 @@ class RankObserver(threading.Thread):
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + TAKE_OVER_S
-        while not (_taken_over.is_set() or self._halt.is_set()):
-            if time.monotonic() > deadline:
-                os._exit(1)
-            time.sleep(0.05)
+        if not _main_thread_took_over(left=self._halt.is_set):
+            os._exit(1)
 
     def stop(self, join_s: float = JOIN_S) -> None:
         self._halt.set()
