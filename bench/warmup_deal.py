@@ -1,16 +1,21 @@
 """The routing warm-up at set-up dealt over the ranks (each forwards its share of every
 sampled batch, the counts summed in one all-reduce) against rank 0 forwarding every chunk
-alone while the others wait (the set-up before), side by side in one run.
+alone while the others wait (the set-up before), and against the same deal with one forward
+a chunk (each rank's small chunks not merged: ``MERGE_TOKENS`` 0, the set-up before that
+change), side by side in one run.
 
     python bench/warmup_deal.py                     # 2 CPU processes, about a minute
     python bench/warmup_deal.py --world 2 --rounds 3 --d-model 256
+    python bench/warmup_deal.py --seq 16 --per-rank 4 --d-model 32 --layers 2 --experts 8 --samples 128  # tiny
 
 ``--world`` processes over gloo, each computing on its share of this machine's cores (its
-"device": those of the ranks that wait stay idle, as their GPUs would). Both deals sample the same batches through
-the same model and must give the same shares (checked); per contender the median wall
-seconds of the warm-up on rank 0, the tokens rank 0 forwarded, and the ratio alone / dealt.
-Rank 0's forwards drop by the world size; its wall time by less where the cores are
-shared (2 ranks on 2 cores). The last line is JSON.
+"device": those of the ranks that wait stay idle, as their GPUs would). Every contender
+samples the same batches through the same model and must give the same shares (checked);
+per contender the median wall seconds of the warm-up on rank 0, the tokens and forwards
+rank 0 ran, and the ratios alone / dealt and chunk by chunk / dealt. Rank 0's forwards drop
+by the world size; its wall time by less where the cores are shared (2 ranks on 2 cores).
+Merging pays where a chunk is small (a few thousand tokens: a tiny model's, or a short
+sequence's); past ``MERGE_TOKENS`` a chunk a forward, both the same. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ def _rank(rank: int, world: int, port: int, out: Any, args: argparse.Namespace) 
     import torch.distributed as dist
 
     from lightning_hetermoe import ModelConfig, MoEConfig, MoELanguageModel, MoELayer, OptimConfig, comm
-    from lightning_hetermoe.strategy.selection import warmup_routing
+    from lightning_hetermoe.strategy import warmup
+    from lightning_hetermoe.strategy.warmup import warmup_routing
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -58,15 +64,18 @@ def _rank(rank: int, world: int, port: int, out: Any, args: argparse.Namespace) 
     # a rank's device is its share of the cores, as each GPU is its rank's alone: the cores of
     # the ranks that wait stay idle, as their GPUs would
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    times: dict[str, list[float]] = {"alone": [], "dealt": []}
+    times: dict[str, list[float]] = {"alone": [], "dealt": [], "chunked": []}
     tokens: dict[str, int] = {}
+    forwards: dict[str, int] = {}
+    merge_tokens = warmup.MERGE_TOKENS
     shares: dict[str, Any] = {}
     for _ in range(args.rounds):
         for name in times:
             alone = name == "alone"
-            seen = [0]
+            seen = [0, 0]
             hook = first.register_forward_pre_hook(
-                lambda mod, a: seen.__setitem__(0, seen[0] + a[0].shape[:-1].numel()))
+                lambda mod, a: seen.__setitem__(slice(None), [seen[0] + a[0].shape[:-1].numel(), seen[1] + 1]))
+            warmup.MERGE_TOKENS = 0 if name == "chunked" else merge_tokens
             dist.barrier()
             start = time.perf_counter()
             if alone:  # rank 0 forwards every chunk; the others wait for its answer
@@ -78,10 +87,11 @@ def _rank(rank: int, world: int, port: int, out: Any, args: argparse.Namespace) 
                 got = warmup_routing(model, trainer, args.per_rank, args.per_rank * world, None, rank, world)
             times[name].append(time.perf_counter() - start)
             hook.remove()
-            tokens[name], shares[name] = seen[0], got
+            warmup.MERGE_TOKENS = merge_tokens
+            (tokens[name], forwards[name]), shares[name] = seen, got
     if rank == 0:
-        out.put({"times": times, "tokens": tokens, "same": shares["alone"] == shares["dealt"],
-                 "batches": len(shares["dealt"] or [])})
+        out.put({"times": times, "tokens": tokens, "forwards": forwards, "batches": len(shares["dealt"] or []),
+                 "same": shares["alone"] == shares["dealt"] == shares["chunked"]})
     dist.destroy_process_group()
 
 
@@ -102,16 +112,18 @@ def main(argv: list[str] | None = None) -> dict:
     median = {n: statistics.median(v) for n, v in res["times"].items()}
     out = {"world": args.world, "batches": res["batches"], "same_shares": res["same"],
            "alone_s": median["alone"], "dealt_s": median["dealt"],
-           "alone_over_dealt": median["alone"] / median["dealt"],
-           "rank0_tokens_alone": res["tokens"]["alone"], "rank0_tokens_dealt": res["tokens"]["dealt"]}
-    for name in ("alone", "dealt"):
-        print(f"{name:6}: {median[name]:.3f} s on rank 0 (median of {args.rounds}), rank 0 forwarded "
-              f"{res['tokens'][name]:,} tokens", flush=True)
+           "chunked_s": median["chunked"], "alone_over_dealt": median["alone"] / median["dealt"],
+           "chunked_over_dealt": median["chunked"] / median["dealt"],
+           "rank0_tokens_alone": res["tokens"]["alone"], "rank0_tokens_dealt": res["tokens"]["dealt"],
+           "rank0_forwards": res["forwards"]}
+    for name in ("alone", "dealt", "chunked"):
+        print(f"{name:7}: {median[name]:.3f} s on rank 0 (median of {args.rounds}), rank 0 forwarded "
+              f"{res['tokens'][name]:,} tokens in {res['forwards'][name]} forward(s)", flush=True)
     print(f"{out['batches']} warm-up batches over {args.world} ranks: alone / dealt {out['alone_over_dealt']:.2f}x, "
-          f"the same shares: {out['same_shares']}")
+          f"chunk by chunk / dealt {out['chunked_over_dealt']:.2f}x, the same shares: {out['same_shares']}")
     print(json.dumps(out), flush=True)
     if not out["same_shares"]:
-        raise SystemExit("the two deals measured different routing")
+        raise SystemExit("the contenders measured different routing")
     return out
 
 

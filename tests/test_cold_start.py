@@ -304,7 +304,7 @@ def fake_trainer(samples):
 
 def test_routing_warm_up_runs_on_the_torch_loop_under_the_run_autocast(monkeypatch):
     from lightning_hetermoe.moe import MoELayer
-    from lightning_hetermoe.strategy.selection import warmup_routing
+    from lightning_hetermoe.strategy.warmup import warmup_routing
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the triton backend cannot run here
     model = small_model("triton")
@@ -335,7 +335,7 @@ def warm_up_in_ranks(rank: int, world: int, failing: int | None):
 
     from lightning_hetermoe import comm
     from lightning_hetermoe.moe import MoELayer
-    from lightning_hetermoe.strategy.selection import warmup_routing
+    from lightning_hetermoe.strategy.warmup import warmup_routing
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     comm.configure(torch.device("cpu"))
@@ -364,16 +364,93 @@ def test_the_routing_warm_up_is_dealt_over_the_ranks_and_sums_to_one_rank_forwar
     reference), on every rank; a rank whose forward fails gives even routing on every rank,
     without leaving the others in the sum."""
     from harness import run_ranks
-    from lightning_hetermoe.strategy.selection import warmup_batches, warmup_routing
+    from lightning_hetermoe.strategy.warmup import warmup_batches, warmup_routing
 
     alone = warmup_routing(small_model("torch"), fake_trainer(warm_up_samples()), 4, 6)
     batches = warmup_batches(24, 6, 16)
     assert alone is not None and len(alone) == len(batches) == 4  # the dataset binds: 4 batches of 6
     got = run_ranks(3, warm_up_in_ranks, 3, None)
     assert [r["shares"] for r in got] == [alone] * 3
-    # 4 batches of 6 cut into chunks of 4 and 2: 8 chunks, 4 2 4 2 4 2 4 2, dealt in turn
-    assert [r["forwarded"] for r in got] == [[4, 2, 4], [2, 4, 2], [4, 2]]
+    # 4 batches of 6 cut into chunks of 4 and 2: 8 chunks, 4 2 4 2 4 2 4 2, dealt in turn,
+    # each rank's in one forward (a few hundred tokens)
+    assert [r["forwarded"] for r in got] == [[4 + 2 + 4], [2 + 4 + 2], [4 + 2]]
     assert [r["shares"] for r in run_ranks(3, warm_up_in_ranks, 3, 1)] == [None] * 3
+
+
+def per_chunk_by_hand(model, samples, chunk: int, sequences: int) -> list[list[list[float]]]:
+    """The naive warm-up: one forward a chunk, each layer's own count (after its capacity)
+    added to its chunk's batch."""
+    from lightning_hetermoe.moe import MoELayer
+    from lightning_hetermoe.strategy.warmup import warmup_batches
+
+    batches = warmup_batches(len(samples), sequences, samples[0][0].shape[0])
+    counts = [[torch.zeros(4, dtype=torch.float64) for _ in range(2)] for _ in batches]
+    for b, indices in enumerate(batches):
+        for start in range(0, len(indices), chunk):
+            got = []
+            hooks = [m.register_forward_hook(lambda mod, args, out: got.append(out[1].tokens_per_expert))
+                     for m in model.modules() if isinstance(m, MoELayer)]
+            with torch.no_grad():
+                model(torch.stack([samples[i][0] for i in indices[start:start + chunk]]))
+            for h in hooks:
+                h.remove()
+            for l, c in enumerate(got):
+                counts[b][l] += c
+    return [[(c / c.sum()).tolist() for c in row] for row in counts]
+
+
+class DropsOneToken(torch.nn.Module):
+    """A model whose MoE layers see one token fewer than the batch holds (the tokens of a
+    forward are no whole number of rows a sample)."""
+
+    device = torch.device("cpu")  # as a LightningModule says where it is
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        x = self.model.model.embed(tokens).reshape(-1, self.model.model_cfg.d_model)[:-1]
+        for block in self.model.model.blocks:
+            x = block.moe(x)[0]
+        return x
+
+
+@pytest.mark.parametrize("case", ["dropless", "capacity", "no row a sample"])
+def test_the_warm_up_counts_each_batch_as_one_forward_a_chunk_does(case):
+    """A rank's small chunks go through the model together where its layers are dropless (the
+    router routes each token alone), and each token's choices count for its own sample's
+    batch; a layer with a capacity (it drops by the forward's tokens), or a model whose
+    layers see no whole rows a sample, gets one forward a chunk. Either way the shares are
+    the naive warm-up's, batch by batch."""
+    from lightning_hetermoe import ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
+    from lightning_hetermoe.moe import MoELayer
+    from lightning_hetermoe.strategy.warmup import warmup_routing
+
+    torch.manual_seed(0)
+    moe = MoEConfig(num_experts=4, top_k=2, d_ff=12, expert_backend="torch",
+                    capacity_factor=1.0 if case == "capacity" else 0.0)
+    model = MoELanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe),
+                             OptimConfig())
+    module = DropsOneToken(model) if case == "no row a sample" else model
+    samples = warm_up_samples()
+    forwards = []
+    first = next(m for m in model.modules() if isinstance(m, MoELayer))
+    first.register_forward_pre_hook(lambda mod, args: forwards.append(args[0].shape[:-1].numel()))
+    shares = warmup_routing(module, fake_trainer(samples), 4, 6)
+    forwarded, forwards[:] = list(forwards), []
+    want = per_chunk_by_hand(module, samples, 4, 6)
+    assert shares is not None and len(shares) == 4
+    for got, expected in zip(shares, want, strict=True):
+        for g, e in zip(got, expected, strict=True):
+            assert g == pytest.approx(e, abs=1e-12)
+    tokens = 24 * 16
+    if case == "dropless":  # all 8 chunks in one forward
+        assert forwarded == [tokens]
+    elif case == "capacity":  # one forward a chunk: 4 and 2 samples a batch
+        assert forwarded == [4 * 16, 2 * 16] * 4
+    else:  # tried together, then one forward a chunk (one token short each)
+        assert forwarded[0] == tokens - 1 and forwarded[1:] == [4 * 16 - 1, 2 * 16 - 1] * 4
 
 
 def selection_run(monkeypatch, world: int, mode: str):
@@ -454,7 +531,7 @@ def test_strategy_set_up_warms_what_warm_up_keys_says(monkeypatch):
 
 
 def test_warm_up_batches_hold_the_token_budget_in_disjoint_global_batches():
-    from lightning_hetermoe.strategy.selection import (WARMUP_BATCHES, WARMUP_TOKENS, pooled_share, split_routing,
+    from lightning_hetermoe.strategy.warmup import (WARMUP_BATCHES, WARMUP_TOKENS, pooled_share, split_routing,
                                                         warmup_batches)
 
     small = warmup_batches(1000, 12, 64)  # 768 tokens a batch: the cap binds

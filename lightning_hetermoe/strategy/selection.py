@@ -10,7 +10,7 @@ printed; a plan, when one runs, is printed as a table and written to ``plan.json
 Routing is never even: before planning, a few sampled global batches go through the freshly
 initialised model, each rank forwarding its share of them; the planner searches at their
 pooled expert shares, and every prediction is the mean of the step at each batch's own
-routing (:func:`warmup_routing`).
+routing (:mod:`.warmup`).
 
 Rank 0 decides and broadcasts, so every rank builds the same backend from the same plan.
 """
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import IterableDataset
 
 from ..cluster import ClusterConfig, DeviceSpec
@@ -36,6 +35,7 @@ from .arguments import DISAGGREGATED, check_plan, check_waves, optimizer_of
 from .averaging import averages_on
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
+from .warmup import split_routing, stage_loader, warmup_routing
 from ..materialize import built_on_meta
 from ..cluster.devices import check_bf16
 from .precision import precision_name
@@ -48,14 +48,8 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
     it: its ``batch_size`` and its dataset's first sample (``[seq_len, ...]`` first tensor).
     An ``IterableDataset`` has no first sample to index: the first one a fresh iterator of it
     yields is read (a stream starts again at each ``iter``; the loader's own are untouched)."""
-    loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
-            TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
     try:
-        loader = loop._data_source.dataloader()
-        if isinstance(loader, (list, tuple)):
-            loader = loader[0]
-        if isinstance(loader, dict):
-            loader = next(iter(loader.values()))
+        loader = stage_loader(trainer)
         dataset = loader.dataset
         first = next(iter(dataset)) if isinstance(dataset, IterableDataset) else dataset[0]
         return int(loader.batch_size), int(tensors(first)[0].shape[0])
@@ -65,148 +59,6 @@ def loader_batch_shape(trainer) -> tuple[int, int]:
             f"dataset's first sample ([seq_len, ...]); that failed ({type(err).__name__}: {err}): give the loader a "
             "batch_size and a dataset whose first sample (dataset[0], or the first an IterableDataset yields) is "
             "[seq_len, ...], or train with mode='ep'") from None
-
-
-# A step's time follows its own batch's routing, and a small global batch routes unevenly
-# from one batch to the next: on the tiny model a dozen sequences put 3.2-5.1x the mean on
-# the hottest expert, batch by batch at the same weights, and the step at the pooled shares
-# was 4-8% short of what the steps took. So the warm-up samples several batches, until
-# they hold WARMUP_TOKENS (a batch that large routes alike from batch to batch: one is
-# enough), and splits them (:func:`split_routing`).
-WARMUP_TOKENS = 65536
-WARMUP_BATCHES = 16  # the most batches the warm-up runs (each a forward of a global batch)
-
-
-def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int, precision: Any = None,
-                   rank: int = 0, world: int = 1) -> list[list[list[float]]] | None:
-    """Each sampled batch's routing, per layer each expert's share (``[batch][layer][expert]``),
-    through the model as initialised: what the routers do at the start, which the planner
-    and the predictions take instead of even routing. Each batch is a global batch
-    (``sequences`` samples: few tokens exaggerate the hottest expert, one rank's share more
-    so), drawn as a shuffling loader would (a fixed seed, the run's RNG untouched); as many
-    batches as hold :data:`WARMUP_TOKENS` (at most :data:`WARMUP_BATCHES`, at least one,
-    as the dataset allows). The batches are cut into chunks of ``chunk`` samples (the memory
-    of one rank's share) dealt over the ``world`` ranks, chunk ``i`` to rank ``i mod world``,
-    and their counts summed (one all-reduce): each rank forwards about one rank's share of
-    each batch, however many ranks there are, where one rank forwarding them all would take
-    ``world`` forwards a batch. A collective where ``world > 1``: every rank calls it, with
-    its weights already rank 0's (the strategy broadcasts them first). Forward only, in eval
-    mode, under the run's autocast (``precision``, the precision plugin: its
-    ``forward_context``), and on the torch expert loop: only the routing is read, and the
-    Triton kernels would compile (or tune) for row counts no step launches. ``None`` (on
-    every rank) when the model cannot be run on the batch's first tensor alone on some
-    rank."""
-    import contextlib
-
-    from ..model_contract import moe_layers
-
-    loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
-            TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}[trainer.state.fn]
-    layers = [layer for _, layer in moe_layers(module)]
-    if not layers:
-        return None  # alike on every rank: each built the same model
-    sizes = [layer.num_experts for layer in layers]
-    offsets = [sum(sizes[:l]) for l in range(len(layers))]
-    # the counts stay on the device until the sum: one read to the host at the end, not
-    # one per layer and chunk
-    counts: Any = None
-    batch, fired = [0], set()
-
-    def hook(l: int):
-        def record(mod, args, output):
-            counts[batch[0], offsets[l]:offsets[l] + sizes[l]] += mod.aux_of(output).tokens_per_expert.detach()
-            fired.add(l)
-        return record
-
-    handles = [layer.register_forward_hook(hook(l)) for l, layer in enumerate(layers)]
-    # user experts (the model contract) may have no backend to switch
-    backends = [getattr(layer.experts, "backend", None) for layer in layers]
-    was_training = module.training
-    context = precision.forward_context() if precision is not None else contextlib.nullcontext()
-    try:
-        loader = loop._data_source.dataloader()
-        loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-        dataset = loader.dataset
-        batches = warmup_batches(len(dataset), sequences, int(tensors(dataset[0])[0].shape[0]))
-        step = max(chunk, 1)
-        chunks = [(b, start) for b, indices in enumerate(batches) for start in range(0, len(indices), step)]
-        counts = torch.zeros(len(batches), sum(sizes), dtype=torch.float64, device=module.device)
-        module.eval()
-        for layer, backend in zip(layers, backends, strict=True):
-            if backend is not None:
-                layer.experts.backend = "torch"
-        with torch.no_grad(), torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []), \
-                context:
-            for b, start in chunks[rank::world]:
-                batch[0] = b
-                fired.clear()
-                samples = [dataset[i] for i in batches[b][start:start + step]]
-                module(tensors(loader.collate_fn(samples))[0].to(module.device))
-                if len(fired) != len(layers):
-                    counts = None  # a layer the forward skipped: its routing is not all there
-                    break
-    except Exception:
-        counts = None  # a forward that needs more than the tokens: plan with even routing
-    finally:
-        module.train(was_training)
-        for layer, backend in zip(layers, backends, strict=True):
-            if backend is not None:
-                layer.experts.backend = backend
-        for h in handles:
-            h.remove()
-    return _summed_shares(counts, sizes, world)
-
-
-def _summed_shares(counts: Any, sizes: list[int], world: int) -> list[list[list[float]]] | None:
-    """The ranks' warm-up counts (``[batch, every layer's experts]``, ``None`` where this
-    rank could not run its chunks) summed over the world, as each batch's per-layer shares;
-    ``None`` on every rank where any rank has none. Outside the run's autocast: the sum
-    travels as float64 (integer counts, exact)."""
-    if world > 1:
-        from .. import comm
-
-        shapes = comm.gather_objects(comm.world(), None if counts is None else tuple(counts.shape),
-                                     what="strategy.warmup.shape")
-        if None in shapes or len(set(shapes)) > 1:
-            return None
-        comm.all_reduce(comm.world(), counts, what="strategy.warmup")
-    if counts is None:
-        return None
-    return [[(c / c.sum().clamp(min=1)).tolist() for c in row.split(sizes)] for row in counts.cpu()]
-
-
-def warmup_batches(n_samples: int, sequences: int, seq_len: int) -> list[list[int]]:
-    """The samples of each warm-up batch (see :func:`warmup_routing`): a fixed permutation of
-    the dataset cut into batches of ``sequences``, as many as hold :data:`WARMUP_TOKENS`
-    (``seq_len`` tokens each), between one and :data:`WARMUP_BATCHES`."""
-    per = max(1, min(sequences, n_samples))
-    want = min(WARMUP_BATCHES, max(1, -(-WARMUP_TOKENS // max(per * seq_len, 1))), max(1, n_samples // per))
-    order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(0)).tolist()
-    return [order[b * per:(b + 1) * per] for b in range(want)]
-
-
-def split_routing(batches: list[list[list[float]]] | None
-                  ) -> tuple[list[list[float]] | None, list[list[list[float]]] | None]:
-    """The warm-up's batches as ``(planned_on, predicted_on)``: the planner places experts
-    at the pooled shares of the first half; every prediction is the mean of the step over
-    the other half, each batch at its own routing. A placement fitted to some batches
-    balances exactly those batches better than the next ones (on the tiny model the
-    step at the batches it was fitted to was 5% short of the steps' own), so it is priced
-    on batches it has not seen, as training's are. One batch does both."""
-    if not batches:
-        return None, None
-    if len(batches) == 1:
-        return pooled_share(batches), batches
-    half = len(batches) // 2
-    return pooled_share(batches[:half]), batches[half:]
-
-
-def pooled_share(batches: list[list[list[float]]] | None) -> list[list[float]] | None:
-    """The batches' routing pooled (batches of one size: the mean of their shares)."""
-    if not batches:
-        return None
-    return [[sum(b[l][e] for b in batches) / len(batches) for e in range(len(batches[0][l]))]
-            for l in range(len(batches[0]))]
 
 
 def run_devices(cluster: ClusterConfig | None, device: torch.device, world_size: int) -> list[DeviceSpec]:
