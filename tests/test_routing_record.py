@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +12,7 @@ from unittest import mock
 
 import lightning as L
 import pytest
+import warm_script
 
 from lightning_hetermoe import ExpertLoadMonitor
 from lightning_hetermoe.configs import ConfigError, ModelConfig, from_cfg
@@ -71,10 +71,9 @@ def test_the_plan_recipe_prices_a_routing_record_instead_of_even_routing(tmp_pat
     # one sweep, one process (each recipe process spends seconds importing): even routing,
     # the record placed at, the record in id order (and even in id order, which is not read)
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "-m", "model=d2", "cluster=o3",
-                           "data.seq_len=8192", "plan.gantt=[]", f"plan.expert_load=null,{record}",
-                           "plan.place_at_load=true,false", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = warm_script.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "-m", "model=d2", "cluster=o3",
+                            "data.seq_len=8192", "plan.gantt=[]", f"plan.expert_load=null,{record}",
+                            "plan.place_at_load=true,false", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = {}
     for job in sweep.iterdir():
