@@ -47,8 +47,8 @@ def _rank(rank: int, world: int, port: int, out: Any, args: argparse.Namespace) 
     import torch.distributed as dist
 
     from lightning_hetermoe import ModelConfig, MoEConfig, MoELanguageModel, MoELayer, OptimConfig, comm
-    from lightning_hetermoe.strategy import warmup
-    from lightning_hetermoe.strategy.warmup import warmup_routing
+    from lightning_hetermoe.strategy import routing_warmup as warmup
+    from lightning_hetermoe.strategy.routing_warmup import warmup_routing
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

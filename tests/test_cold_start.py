@@ -304,7 +304,7 @@ def fake_trainer(samples):
 
 def test_routing_warm_up_runs_on_the_torch_loop_under_the_run_autocast(monkeypatch):
     from lightning_hetermoe.moe import MoELayer
-    from lightning_hetermoe.strategy.warmup import warmup_routing
+    from lightning_hetermoe.strategy.routing_warmup import warmup_routing
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the triton backend cannot run here
     model = small_model("triton")
@@ -335,7 +335,7 @@ def warm_up_in_ranks(rank: int, world: int, failing: int | None):
 
     from lightning_hetermoe import comm
     from lightning_hetermoe.moe import MoELayer
-    from lightning_hetermoe.strategy.warmup import warmup_routing
+    from lightning_hetermoe.strategy.routing_warmup import warmup_routing
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     comm.configure(torch.device("cpu"))
@@ -364,7 +364,7 @@ def test_the_routing_warm_up_is_dealt_over_the_ranks_and_sums_to_one_rank_forwar
     reference), on every rank; a rank whose forward fails gives even routing on every rank,
     without leaving the others in the sum."""
     from harness import run_ranks
-    from lightning_hetermoe.strategy.warmup import warmup_batches, warmup_routing
+    from lightning_hetermoe.strategy.routing_warmup import warmup_batches, warmup_routing
 
     alone = warmup_routing(small_model("torch"), fake_trainer(warm_up_samples()), 4, 6)
     batches = warmup_batches(24, 6, 16)
@@ -381,7 +381,7 @@ def per_chunk_by_hand(model, samples, chunk: int, sequences: int) -> list[list[l
     """The naive warm-up: one forward a chunk, each layer's own count (after its capacity)
     added to its chunk's batch."""
     from lightning_hetermoe.moe import MoELayer
-    from lightning_hetermoe.strategy.warmup import warmup_batches
+    from lightning_hetermoe.strategy.routing_warmup import warmup_batches
 
     batches = warmup_batches(len(samples), sequences, samples[0][0].shape[0])
     counts = [[torch.zeros(4, dtype=torch.float64) for _ in range(2)] for _ in batches]
@@ -425,7 +425,7 @@ def test_the_warm_up_counts_each_batch_as_one_forward_a_chunk_does(case):
     the naive warm-up's, batch by batch."""
     from lightning_hetermoe import ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
     from lightning_hetermoe.moe import MoELayer
-    from lightning_hetermoe.strategy.warmup import warmup_routing
+    from lightning_hetermoe.strategy.routing_warmup import warmup_routing
 
     torch.manual_seed(0)
     moe = MoEConfig(num_experts=4, top_k=2, d_ff=12, expert_backend="torch",
@@ -531,7 +531,7 @@ def test_strategy_set_up_warms_what_warm_up_keys_says(monkeypatch):
 
 
 def test_warm_up_batches_hold_the_token_budget_in_disjoint_global_batches():
-    from lightning_hetermoe.strategy.warmup import (WARMUP_BATCHES, WARMUP_TOKENS, pooled_share, split_routing,
+    from lightning_hetermoe.strategy.routing_warmup import (WARMUP_BATCHES, WARMUP_TOKENS, pooled_share, split_routing,
                                                         warmup_batches)
 
     small = warmup_batches(1000, 12, 64)  # 768 tokens a batch: the cap binds

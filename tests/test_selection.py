@@ -59,7 +59,7 @@ def close(a, b) -> bool:
 
 
 def test_predictions_assume_the_routing_of_the_initial_routers_on_held_out_warm_up_batches():
-    from lightning_hetermoe.strategy.warmup import MERGE_TOKENS, WARMUP_BATCHES, WARMUP_TOKENS
+    from lightning_hetermoe.strategy.routing_warmup import MERGE_TOKENS, WARMUP_BATCHES, WARMUP_TOKENS
 
     got = run_ranks(2, fit_predicted, 2)
     assert got[0]["load"] == got[1]["load"] and got[0]["batches"] == got[1]["batches"], \

@@ -10,7 +10,7 @@ printed; a plan, when one runs, is printed as a table and written to ``plan.json
 Routing is never even: before planning, a few sampled global batches go through the freshly
 initialised model, each rank forwarding its share of them; the planner searches at their
 pooled expert shares, and every prediction is the mean of the step at each batch's own
-routing (:mod:`.warmup`).
+routing (:mod:`.routing_warmup`).
 
 Rank 0 decides and broadcasts, so every rank builds the same backend from the same plan.
 """
@@ -35,7 +35,7 @@ from .arguments import DISAGGREGATED, check_plan, check_waves, optimizer_of
 from .averaging import averages_on
 from .backends.base import ParallelBackend, Simulated
 from .batch import tensors
-from .warmup import split_routing, stage_loader, warmup_routing
+from .routing_warmup import split_routing, stage_loader, warmup_routing
 from ..materialize import built_on_meta
 from ..cluster.devices import check_bf16
 from .precision import precision_name
