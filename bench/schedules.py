@@ -180,7 +180,7 @@ def frozen_weights_control(row: dict, mix: str, clock: str, schedule: str, extra
     # each timed step at its own routing, off the prediction
     by_step = row["at_load_by_step_rel_error"] = [t / row["predicted_s"] - 1
                                                   for t in row.get("at_load_by_step_s") or ()]
-    drift = (f"; each timed step at its own routing " + ", ".join(f"{e:+.1%}" for e in by_step)
+    drift = ("; each timed step at its own routing " + ", ".join(f"{e:+.1%}" for e in by_step)
              + " from the prediction") if by_step else ""
     print(f"  ({cell_name(row)}: {row['rel_error']:+.1%} at x{slowdown:g}; the same job with frozen weights: "
           f"{control['rel_error']:+.1%}{'' if control['faithful'] else ', UNFAITHFUL'}{chance}{drift})", flush=True)
