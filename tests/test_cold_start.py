@@ -416,13 +416,14 @@ class DropsOneToken(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("case", ["dropless", "capacity", "no row a sample"])
+@pytest.mark.parametrize("case", ["dropless", "capacity", "no row a sample", "padding marked"])
 def test_the_warm_up_counts_each_batch_as_one_forward_a_chunk_does(case):
     """A rank's small chunks go through the model together where its layers are dropless (the
     router routes each token alone), and each token's choices count for its own sample's
-    batch; a layer with a capacity (it drops by the forward's tokens), or a model whose
-    layers see no whole rows a sample, gets one forward a chunk. Either way the shares are
-    the naive warm-up's, batch by batch."""
+    batch; a layer with a capacity (it drops by the forward's tokens), a model whose layers
+    see no whole rows a sample, or layers a strategy marks padding on (the layer's own count
+    leaves it out), gets one forward a chunk. Either way the shares are the naive warm-up's,
+    batch by batch."""
     from lightning_hetermoe import ModelConfig, MoEConfig, MoELanguageModel, OptimConfig
     from lightning_hetermoe.moe import MoELayer
     from lightning_hetermoe.strategy.routing_warmup import warmup_routing
@@ -433,6 +434,9 @@ def test_the_warm_up_counts_each_batch_as_one_forward_a_chunk_does(case):
     model = MoELanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe),
                              OptimConfig())
     module = DropsOneToken(model) if case == "no row a sample" else model
+    if case == "padding marked":  # every token's place real, but marked: as a padded step's layers are
+        for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+            layer.real_tokens = lambda n: torch.ones(n, dtype=torch.bool)
     samples = warm_up_samples()
     forwards = []
     first = next(m for m in model.modules() if isinstance(m, MoELayer))
@@ -449,6 +453,8 @@ def test_the_warm_up_counts_each_batch_as_one_forward_a_chunk_does(case):
         assert forwarded == [tokens]
     elif case == "capacity":  # one forward a chunk: 4 and 2 samples a batch
         assert forwarded == [4 * 16, 2 * 16] * 4
+    elif case == "padding marked":  # tried together, then one forward a chunk
+        assert forwarded == [tokens] + [4 * 16, 2 * 16] * 4
     else:  # tried together, then one forward a chunk (one token short each)
         assert forwarded[0] == tokens - 1 and forwarded[1:] == [4 * 16 - 1, 2 * 16 - 1] * 4
 

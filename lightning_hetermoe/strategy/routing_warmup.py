@@ -77,8 +77,9 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int, precis
     backends = [getattr(layer.experts, "backend", None) for layer in layers]
     was_training = module.training
     context = precision.forward_context() if precision is not None else contextlib.nullcontext()
-    counter, counts = _Counter(layers, module.device), None
+    counter, counts = None, None
     try:
+        counter = _Counter(layers, module.device)
         loader = stage_loader(trainer)
         dataset = loader.dataset
         batches = warmup_batches(len(dataset), sequences, int(tensors(dataset[0])[0].shape[0]))
@@ -103,7 +104,8 @@ def warmup_routing(module: Any, trainer: Any, chunk: int, sequences: int, precis
     except Exception:
         counts = None  # a forward that needs more than the tokens: plan with even routing
     finally:
-        counter.remove()
+        if counter is not None:
+            counter.remove()
         module.train(was_training)
         for layer, backend in zip(layers, backends, strict=True):
             if backend is not None:
@@ -128,9 +130,10 @@ class _Counter:
         self.fired: set[int] = set()
         self.counts: Any = None
         self.owner: Any = None  # the batch of each sample of this forward (a tensor), or its one batch (int)
-        self.handles = [h for l, layer in enumerate(layers)
-                        for h in (layer.register_forward_hook(self._layer_hook(l)),
-                                  layer.router.register_forward_hook(self._router_hook(l)))]
+        self.handles = [layer.register_forward_hook(self._layer_hook(l)) for l, layer in enumerate(layers)]
+        # a layer's own router, where it has one (without: one forward a chunk, by its count)
+        self.handles += [layer.router.register_forward_hook(self._router_hook(l)) for l, layer in enumerate(layers)
+                         if isinstance(getattr(layer, "router", None), torch.nn.Module)]
 
     def run(self, module: Any, forwards: list[list[tuple[int, Any]]], n_batches: int) -> Any:
         """``[batch, every layer's experts]`` counts over ``forwards`` (each a list of
@@ -165,8 +168,11 @@ class _Counter:
             # as the layer flattens them (as the strategy's padding masks take them)
             r = self.routed.pop(l, None)
             per_sample = 0 if r is None else r.indices.shape[0] // self.owner.numel()
-            if not per_sample or r.indices.shape[0] != per_sample * self.owner.numel():
-                raise _OneBatchAForward()  # a layer routing otherwise, or a model keeping no row a sample
+            if not per_sample or r.indices.shape[0] != per_sample * self.owner.numel() or \
+                    mod.real_tokens(r.indices.shape[0]) is not None:
+                # a layer routing otherwise, a model keeping no row a sample, or padding a
+                # strategy marks (the layer's own count leaves it out)
+                raise _OneBatchAForward()
             batch = self.owner.repeat_interleave(per_sample).unsqueeze(-1)
             flat = (batch * self.counts.shape[1] + lo + r.indices).reshape(-1)
             self.counts.view(-1).scatter_add_(0, flat, r.keep.reshape(-1).to(self.counts.dtype))
