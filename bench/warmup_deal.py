@@ -72,9 +72,8 @@ def _rank(rank: int, world: int, port: int, out: Any, args: argparse.Namespace) 
     for _ in range(args.rounds):
         for name in times:
             alone = name == "alone"
-            seen = [0, 0]
-            hook = first.register_forward_pre_hook(
-                lambda mod, a: seen.__setitem__(slice(None), [seen[0] + a[0].shape[:-1].numel(), seen[1] + 1]))
+            seen: list[int] = []  # the tokens of each forward rank 0 ran
+            hook = first.register_forward_pre_hook(lambda mod, a: seen.append(a[0].shape[:-1].numel()))
             warmup.MERGE_TOKENS = 0 if name == "chunked" else merge_tokens
             dist.barrier()
             start = time.perf_counter()
@@ -88,7 +87,7 @@ def _rank(rank: int, world: int, port: int, out: Any, args: argparse.Namespace) 
             times[name].append(time.perf_counter() - start)
             hook.remove()
             warmup.MERGE_TOKENS = merge_tokens
-            (tokens[name], forwards[name]), shares[name] = seen, got
+            tokens[name], forwards[name], shares[name] = sum(seen), len(seen), got
     if rank == 0:
         out.put({"times": times, "tokens": tokens, "forwards": forwards, "batches": len(shares["dealt"] or []),
                  "same": shares["alone"] == shares["dealt"] == shares["chunked"]})

@@ -126,7 +126,7 @@ class _Counter:
         self.sizes = [layer.num_experts for layer in layers]
         self.offsets = [sum(self.sizes[:l]) for l in range(len(layers))]
         self.device = device
-        self.routed: dict[int, Any] = {}  # layer -> its router's output in this forward
+        self.routed: dict[int, Any] = {}  # layer -> its router's (indices, keep) in this forward
         self.fired: set[int] = set()
         self.counts: Any = None
         self.owner: Any = None  # the batch of each sample of this forward (a tensor), or its one batch (int)
@@ -153,7 +153,11 @@ class _Counter:
 
     def _router_hook(self, l: int):
         def record(mod, args, output):
-            self.routed[l] = output
+            # kept only for a forward of several batches, and only its choices: a chunk's own
+            # forward is counted by the layer, and the logits of every layer held to the end of
+            # the forward would be a real model's memory
+            if isinstance(self.owner, torch.Tensor):
+                self.routed[l] = (output.indices, output.keep)
         return record
 
     def _layer_hook(self, l: int):
@@ -166,16 +170,16 @@ class _Counter:
             # several batches in one forward (dropless layers: the router's choices are the kept
             # ones): each token's choices to its sample's batch, the tokens in batch-major order
             # as the layer flattens them (as the strategy's padding masks take them)
-            r = self.routed.pop(l, None)
-            per_sample = 0 if r is None else r.indices.shape[0] // self.owner.numel()
-            if not per_sample or r.indices.shape[0] != per_sample * self.owner.numel() or \
-                    mod.real_tokens(r.indices.shape[0]) is not None:
+            indices, keep = self.routed.pop(l, (None, None))
+            per_sample = 0 if indices is None else indices.shape[0] // self.owner.numel()
+            if not per_sample or indices.shape[0] != per_sample * self.owner.numel() or \
+                    mod.real_tokens(indices.shape[0]) is not None:
                 # a layer routing otherwise, a model keeping no row a sample, or padding a
                 # strategy marks (the layer's own count leaves it out)
                 raise _OneBatchAForward()
             batch = self.owner.repeat_interleave(per_sample).unsqueeze(-1)
-            flat = (batch * self.counts.shape[1] + lo + r.indices).reshape(-1)
-            self.counts.view(-1).scatter_add_(0, flat, r.keep.reshape(-1).to(self.counts.dtype))
+            flat = (batch * self.counts.shape[1] + lo + indices).reshape(-1)
+            self.counts.view(-1).scatter_add_(0, flat, keep.reshape(-1).to(self.counts.dtype))
         return record
 
     def remove(self) -> None:
