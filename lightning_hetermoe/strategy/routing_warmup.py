@@ -28,11 +28,11 @@ WARMUP_BATCHES = 16  # the most batches the warm-up runs (each a forward of a gl
 # kernel launch per operation on a GPU): a rank's chunks of several batches that together
 # hold at most this many tokens go through the model in one forward. Where each chunk took
 # its own, the 16 forwards of a tiny model were 60% of its ranks' set-up; merged, the
-# warm-up of 64-token chunks ran 3.7x faster, of 256-token chunks 1.6x, and 1,024-token
-# chunks gained nothing from merging further (bench/warmup_deal.py). A dropless router
-# routes each token on its own, so the counts are the same; a layer with a capacity, which
-# drops by the forward's tokens, keeps one forward a chunk, as does a chunk past this (it is
-# sized to what one rank's memory holds).
+# warm-up of 64-token chunks ran 3.3x faster, of 256-token chunks 1.55x (bench/warmup_deal.py,
+# 2 ranks), and in one process 1,024-token chunks gained nothing from merging further. A
+# dropless router routes each token on its own, so the counts are the same; a layer with a
+# capacity, which drops by the forward's tokens, keeps one forward a chunk, as does a chunk
+# past this (it is sized to what one rank's memory holds).
 MERGE_TOKENS = 2048
 
 
